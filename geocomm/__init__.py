@@ -1,0 +1,20 @@
+"""geocomm: compressed gradient collectives (FP8, NVFP4, GeoFP8) over MPI and NCCL.
+
+The codec layer works without MPI; the collectives need mpi4py (``pip install
+geocomm[mpi]``). ``geocomm.native_available`` says whether the C core is built.
+"""
+
+from geocomm._nativecodec import available as native_available
+from geocomm.codecs import Codec, decode, get_codec, register_codec, registered_ids
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Codec",
+    "__version__",
+    "decode",
+    "get_codec",
+    "native_available",
+    "register_codec",
+    "registered_ids",
+]

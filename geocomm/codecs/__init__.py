@@ -1,0 +1,26 @@
+"""Codecs: the contract, the registry and the built-in formats."""
+
+from geocomm.codecs.base import Codec, parse_frame
+from geocomm.codecs.formats import BF16Codec, FP8Codec, NoneCodec, NVFP4Codec
+from geocomm.codecs.registry import get_codec, register_codec, registered_ids
+
+for _cls in (NoneCodec, BF16Codec, FP8Codec, NVFP4Codec):
+    register_codec(_cls)
+
+
+def decode(buf, out=None):
+    """Decode any geocomm frame with the codec its header names."""
+    return get_codec(parse_frame(buf).config).decode(buf, out=out)
+
+
+__all__ = [
+    "BF16Codec",
+    "Codec",
+    "FP8Codec",
+    "NVFP4Codec",
+    "NoneCodec",
+    "decode",
+    "get_codec",
+    "register_codec",
+    "registered_ids",
+]

@@ -1,0 +1,66 @@
+"""Codec registry: ``get_codec(id_or_config, **params)``.
+
+Built-in codecs register at import; third-party packages add theirs through
+the ``geocomm.codecs`` entry-point group (``name = "module:CodecClass"``),
+loaded the first time an unknown id is asked for.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from typing import Any
+
+from geocomm.codecs.base import Codec
+
+ENTRY_POINT_GROUP = "geocomm.codecs"
+_registry: dict[str, type[Codec]] = {}
+_entry_points_loaded = False
+
+
+def register_codec(cls: type[Codec]) -> type[Codec]:
+    """Register a Codec subclass under its ``codec_id`` (usable as a decorator)."""
+    if not (isinstance(cls, type) and issubclass(cls, Codec)):
+        raise TypeError(f"{cls!r} is not a Codec subclass")
+    _registry[cls.codec_id] = cls
+    return cls
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    _entry_points_loaded = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in _registry:
+            register_codec(ep.load())
+
+
+def registered_ids() -> list[str]:
+    """Ids of every known codec, entry points included."""
+    if not _entry_points_loaded:
+        _load_entry_points()
+    return sorted(_registry)
+
+
+def get_codec(codec: str | dict[str, Any] | Codec | None, **params: Any) -> Codec:
+    """A codec from an id (plus params), a config dict, or a Codec (returned as is).
+
+    ``None`` means ``"none"``. Unknown ids raise ``KeyError`` listing the known ones.
+    """
+    if isinstance(codec, Codec):
+        if params:
+            raise TypeError("parameters cannot be combined with a Codec instance")
+        return codec
+    if codec is None:
+        codec = "none"
+    if isinstance(codec, dict):
+        config = {**codec, **params}
+        codec_id = config.get("id")
+    elif isinstance(codec, str):
+        config = {"id": codec, **params}
+        codec_id = codec
+    else:
+        raise TypeError(f"codec must be an id, a config dict or a Codec, not {type(codec).__name__}")
+    if codec_id not in _registry and not _entry_points_loaded:
+        _load_entry_points()
+    if codec_id not in _registry:
+        raise KeyError(f"unknown codec {codec_id!r}; known: {', '.join(registered_ids())}")
+    return _registry[codec_id].from_config(config)

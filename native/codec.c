@@ -1,0 +1,225 @@
+/*
+ * CPU loops of the geocomm codec. All arithmetic lives in gc_scalar.h; this
+ * file only walks blocks and stores results. Hot loops are branch-free per
+ * element so the compiler vectorizes them; GC_CLONES builds an AVX2 variant
+ * beside the portable one and picks at load time.
+ */
+#include "geocomm.h"
+#include "gc_scalar.h"
+
+#if defined(GC_USE_CLONES) && defined(__x86_64__) && defined(__GNUC__)
+#define GC_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define GC_CLONES
+#endif
+
+static size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
+
+static size_t fp8_block(size_t n, size_t block) { return block ? block : n; }
+
+size_t gc_wire_size(int fmt, size_t n, size_t block)
+{
+    if (n == 0)
+        return 0;
+    switch (fmt) {
+    case GC_E4M3:
+    case GC_E5M2:
+        return 4 * ceil_div(n, fp8_block(n, block)) + n;
+    case GC_NVFP4:
+        return 4 + ceil_div(n, GC_NVFP4_BLOCK) + ceil_div(n, 2);
+    case GC_BF16:
+        return 2 * n;
+    default:
+        return 0;
+    }
+}
+
+static float load_f32(const uint8_t *p)
+{
+    float f;
+    memcpy(&f, p, sizeof f);
+    return f;
+}
+
+static void store_f32(uint8_t *p, float f) { memcpy(p, &f, sizeof f); }
+
+static inline float block_amax(const float *x, size_t len)
+{
+    float m = 0.0f;
+    for (size_t i = 0; i < len; i++) {
+        float t = gc_amax_term(x[i]);
+        m = t > m ? t : m;
+    }
+    return m;
+}
+
+static inline int block_all_finite(const float *x, size_t len)
+{
+    gc_u32 bad = 0;
+    for (size_t i = 0; i < len; i++)
+        bad |= !gc_finite(x[i]);
+    return !bad;
+}
+
+/* ---- FP8 ---------------------------------------------------------------- */
+
+static inline void encode_fp8(int e5m2, const float *x, size_t n, size_t block, uint8_t *wire)
+{
+    const float fmax = e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
+    size_t nblocks = ceil_div(n, block);
+    uint8_t *codes = wire + 4 * nblocks;
+    for (size_t k = 0; k < nblocks; k++) {
+        size_t start = k * block;
+        size_t len = n - start < block ? n - start : block;
+        const float *xb = x + start;
+        uint8_t *cb = codes + start;
+        float amax = block_amax(xb, len);
+        float pre;
+        float factor = gc_quant_factor(amax, fmax, &pre);
+        store_f32(wire + 4 * k, amax / fmax);
+        if (e5m2)
+            for (size_t i = 0; i < len; i++)
+                cb[i] = gc_e5m2_code((xb[i] * pre) * factor, xb[i]);
+        else
+            for (size_t i = 0; i < len; i++)
+                cb[i] = gc_e4m3_code((xb[i] * pre) * factor, xb[i]);
+    }
+}
+
+static inline void decode_fp8(int e5m2, int accumulate, const uint8_t *wire, size_t n,
+                              size_t block, float *out)
+{
+    size_t nblocks = ceil_div(n, block);
+    const uint8_t *codes = wire + 4 * nblocks;
+    for (size_t k = 0; k < nblocks; k++) {
+        size_t start = k * block;
+        size_t len = n - start < block ? n - start : block;
+        float scale = load_f32(wire + 4 * k);
+        const uint8_t *cb = codes + start;
+        float *ob = out + start;
+        for (size_t i = 0; i < len; i++) {
+            float v = (e5m2 ? gc_e5m2_value(cb[i]) : gc_e4m3_value(cb[i])) * scale;
+            ob[i] = accumulate ? ob[i] + v : v;
+        }
+    }
+}
+
+GC_CLONES static void encode_e4m3(const float *x, size_t n, size_t b, uint8_t *w) { encode_fp8(0, x, n, b, w); }
+GC_CLONES static void encode_e5m2(const float *x, size_t n, size_t b, uint8_t *w) { encode_fp8(1, x, n, b, w); }
+GC_CLONES static void decode_e4m3(const uint8_t *w, size_t n, size_t b, float *o) { decode_fp8(0, 0, w, n, b, o); }
+GC_CLONES static void decode_e5m2(const uint8_t *w, size_t n, size_t b, float *o) { decode_fp8(1, 0, w, n, b, o); }
+GC_CLONES static void accumulate_e4m3(const uint8_t *w, size_t n, size_t b, float *o) { decode_fp8(0, 1, w, n, b, o); }
+GC_CLONES static void accumulate_e5m2(const uint8_t *w, size_t n, size_t b, float *o) { decode_fp8(1, 1, w, n, b, o); }
+
+/* ---- NVFP4 -------------------------------------------------------------- */
+
+GC_CLONES static void encode_nvfp4(const float *x, size_t n, uint8_t *wire)
+{
+    const float tmax = GC_E2M1_MAX * GC_E4M3_MAX;
+    size_t nblocks = ceil_div(n, GC_NVFP4_BLOCK);
+    uint8_t *bscales = wire + 4;
+    uint8_t *codes = bscales + nblocks;
+    float tamax = block_amax(x, n);
+    float tpre;
+    float tfactor = gc_quant_factor(tamax, tmax, &tpre);
+    float gscale = tamax / tmax;
+    store_f32(wire, gscale);
+    memset(codes, 0, ceil_div(n, 2));
+    for (size_t k = 0; k < nblocks; k++) {
+        size_t start = k * GC_NVFP4_BLOCK;
+        size_t len = n - start < GC_NVFP4_BLOCK ? n - start : GC_NVFP4_BLOCK;
+        const float *xb = x + start;
+        int finite = block_all_finite(xb, len);
+        gc_u8 sc = gc_nvfp4_scale_code(block_amax(xb, len), tpre, tfactor, finite);
+        float pre;
+        float factor = gc_quant_factor(gc_e4m3_value(sc) * gscale, 1.0f, &pre);
+        bscales[k] = sc;
+        for (size_t i = 0; i < len; i++) {
+            gc_u8 c = finite ? gc_e2m1_code((xb[i] * pre) * factor) : 0;
+            codes[(start + i) / 2] |= (uint8_t)(c << (4 * ((start + i) & 1)));
+        }
+    }
+}
+
+GC_CLONES static void decode_nvfp4(int accumulate, const uint8_t *wire, size_t n, float *out)
+{
+    size_t nblocks = ceil_div(n, GC_NVFP4_BLOCK);
+    const uint8_t *bscales = wire + 4;
+    const uint8_t *codes = bscales + nblocks;
+    float gscale = load_f32(wire);
+    for (size_t k = 0; k < nblocks; k++) {
+        size_t start = k * GC_NVFP4_BLOCK;
+        size_t len = n - start < GC_NVFP4_BLOCK ? n - start : GC_NVFP4_BLOCK;
+        float eff = gc_e4m3_value(bscales[k]) * gscale;
+        for (size_t i = start; i < start + len; i++) {
+            float v = gc_e2m1_value(codes[i / 2] >> (4 * (i & 1))) * eff;
+            out[i] = accumulate ? out[i] + v : v;
+        }
+    }
+}
+
+/* ---- BF16 --------------------------------------------------------------- */
+
+GC_CLONES static void encode_bf16(const float *x, size_t n, uint8_t *wire)
+{
+    for (size_t i = 0; i < n; i++) {
+        gc_u16 c = gc_bf16_code(x[i]);
+        memcpy(wire + 2 * i, &c, sizeof c);
+    }
+}
+
+GC_CLONES static void decode_bf16(int accumulate, const uint8_t *wire, size_t n, float *out)
+{
+    for (size_t i = 0; i < n; i++) {
+        gc_u16 c;
+        memcpy(&c, wire + 2 * i, sizeof c);
+        float v = gc_bf16_value(c);
+        out[i] = accumulate ? out[i] + v : v;
+    }
+}
+
+/* ---- dispatch ----------------------------------------------------------- */
+
+int gc_encode(int fmt, const float *x, size_t n, size_t block, uint8_t *wire)
+{
+    if (n == 0)
+        return fmt >= GC_E4M3 && fmt <= GC_BF16 ? 0 : GC_EINVAL;
+    switch (fmt) {
+    case GC_E4M3:
+        encode_e4m3(x, n, fp8_block(n, block), wire);
+        return 0;
+    case GC_E5M2:
+        encode_e5m2(x, n, fp8_block(n, block), wire);
+        return 0;
+    case GC_NVFP4:
+        encode_nvfp4(x, n, wire);
+        return 0;
+    case GC_BF16:
+        encode_bf16(x, n, wire);
+        return 0;
+    default:
+        return GC_EINVAL;
+    }
+}
+
+int gc_decode(int fmt, const uint8_t *wire, size_t n, size_t block, float *out, int accumulate)
+{
+    if (n == 0)
+        return fmt >= GC_E4M3 && fmt <= GC_BF16 ? 0 : GC_EINVAL;
+    switch (fmt) {
+    case GC_E4M3:
+        (accumulate ? accumulate_e4m3 : decode_e4m3)(wire, n, fp8_block(n, block), out);
+        return 0;
+    case GC_E5M2:
+        (accumulate ? accumulate_e5m2 : decode_e5m2)(wire, n, fp8_block(n, block), out);
+        return 0;
+    case GC_NVFP4:
+        decode_nvfp4(accumulate != 0, wire, n, out);
+        return 0;
+    case GC_BF16:
+        decode_bf16(accumulate != 0, wire, n, out);
+        return 0;
+    default:
+        return GC_EINVAL;
+    }
+}
