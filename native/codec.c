@@ -43,14 +43,41 @@ static float load_f32(const uint8_t *p)
 
 static void store_f32(uint8_t *p, float f) { memcpy(p, &f, sizeof f); }
 
-static inline float block_amax(const float *x, size_t len)
+/* Max |x| over finite values. For non-negative floats the order of the bit
+ * patterns is the numeric order, so this is an unsigned max; written with
+ * GNU vector extensions because gcc does not vectorize the masked max
+ * reduction on its own. */
+#if defined(__GNUC__)
+typedef gc_u32 gc_v8u __attribute__((vector_size(32)));
+#endif
+
+static inline gc_u32 amax_bits(gc_u32 m, float f)
 {
-    float m = 0.0f;
-    for (size_t i = 0; i < len; i++) {
-        float t = gc_amax_term(x[i]);
-        m = t > m ? t : m;
+    gc_u32 b = gc_bits(f) & 0x7fffffffu;
+    b = b < 0x7f800000u ? b : 0u;
+    return b > m ? b : m;
+}
+
+static inline float block_amax(const float *restrict x, size_t len)
+{
+    gc_u32 m = 0;
+    size_t i = 0;
+#if defined(__GNUC__)
+    gc_v8u vm = {0};
+    for (; i + 8 <= len; i += 8) {
+        gc_v8u b;
+        memcpy(&b, x + i, sizeof b);
+        b &= 0x7fffffffu;
+        b &= (gc_v8u)(b < 0x7f800000u);
+        gc_v8u greater = (gc_v8u)(b > vm);
+        vm = (b & greater) | (vm & ~greater);
     }
-    return m;
+    for (int j = 0; j < 8; j++)
+        m = vm[j] > m ? vm[j] : m;
+#endif
+    for (; i < len; i++)
+        m = amax_bits(m, x[i]);
+    return gc_float(m);
 }
 
 static inline int block_all_finite(const float *x, size_t len)
@@ -63,7 +90,8 @@ static inline int block_all_finite(const float *x, size_t len)
 
 /* ---- FP8 ---------------------------------------------------------------- */
 
-static inline void encode_fp8(int e5m2, const float *x, size_t n, size_t block, uint8_t *wire)
+static inline void encode_fp8(int e5m2, const float *restrict x, size_t n, size_t block,
+                              uint8_t *restrict wire)
 {
     const float fmax = e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
     size_t nblocks = ceil_div(n, block);
@@ -71,8 +99,8 @@ static inline void encode_fp8(int e5m2, const float *x, size_t n, size_t block, 
     for (size_t k = 0; k < nblocks; k++) {
         size_t start = k * block;
         size_t len = n - start < block ? n - start : block;
-        const float *xb = x + start;
-        uint8_t *cb = codes + start;
+        const float *restrict xb = x + start;
+        uint8_t *restrict cb = codes + start;
         float amax = block_amax(xb, len);
         float pre;
         float factor = gc_quant_factor(amax, fmax, &pre);
@@ -86,8 +114,8 @@ static inline void encode_fp8(int e5m2, const float *x, size_t n, size_t block, 
     }
 }
 
-static inline void decode_fp8(int e5m2, int accumulate, const uint8_t *wire, size_t n,
-                              size_t block, float *out)
+static inline void decode_fp8(int e5m2, int accumulate, const uint8_t *restrict wire, size_t n,
+                              size_t block, float *restrict out)
 {
     size_t nblocks = ceil_div(n, block);
     const uint8_t *codes = wire + 4 * nblocks;
@@ -95,8 +123,8 @@ static inline void decode_fp8(int e5m2, int accumulate, const uint8_t *wire, siz
         size_t start = k * block;
         size_t len = n - start < block ? n - start : block;
         float scale = load_f32(wire + 4 * k);
-        const uint8_t *cb = codes + start;
-        float *ob = out + start;
+        const uint8_t *restrict cb = codes + start;
+        float *restrict ob = out + start;
         for (size_t i = 0; i < len; i++) {
             float v = (e5m2 ? gc_e5m2_value(cb[i]) : gc_e4m3_value(cb[i])) * scale;
             ob[i] = accumulate ? ob[i] + v : v;
@@ -124,7 +152,6 @@ GC_CLONES static void encode_nvfp4(const float *x, size_t n, uint8_t *wire)
     float tfactor = gc_quant_factor(tamax, tmax, &tpre);
     float gscale = tamax / tmax;
     store_f32(wire, gscale);
-    memset(codes, 0, ceil_div(n, 2));
     for (size_t k = 0; k < nblocks; k++) {
         size_t start = k * GC_NVFP4_BLOCK;
         size_t len = n - start < GC_NVFP4_BLOCK ? n - start : GC_NVFP4_BLOCK;
@@ -134,10 +161,12 @@ GC_CLONES static void encode_nvfp4(const float *x, size_t n, uint8_t *wire)
         float pre;
         float factor = gc_quant_factor(gc_e4m3_value(sc) * gscale, 1.0f, &pre);
         bscales[k] = sc;
-        for (size_t i = 0; i < len; i++) {
-            gc_u8 c = finite ? gc_e2m1_code((xb[i] * pre) * factor) : 0;
-            codes[(start + i) / 2] |= (uint8_t)(c << (4 * ((start + i) & 1)));
-        }
+        gc_u8 c[GC_NVFP4_BLOCK] = {0};
+        for (size_t i = 0; i < len; i++)
+            c[i] = finite ? gc_e2m1_code((xb[i] * pre) * factor) : 0;
+        uint8_t *cb = codes + start / 2;
+        for (size_t i = 0; i < (len + 1) / 2; i++)
+            cb[i] = (uint8_t)(c[2 * i] | (c[2 * i + 1] << 4));
     }
 }
 
@@ -151,10 +180,15 @@ GC_CLONES static void decode_nvfp4(int accumulate, const uint8_t *wire, size_t n
         size_t start = k * GC_NVFP4_BLOCK;
         size_t len = n - start < GC_NVFP4_BLOCK ? n - start : GC_NVFP4_BLOCK;
         float eff = gc_e4m3_value(bscales[k]) * gscale;
-        for (size_t i = start; i < start + len; i++) {
-            float v = gc_e2m1_value(codes[i / 2] >> (4 * (i & 1))) * eff;
-            out[i] = accumulate ? out[i] + v : v;
+        const uint8_t *cb = codes + start / 2;
+        float v[GC_NVFP4_BLOCK];
+        for (size_t i = 0; i < (len + 1) / 2; i++) {
+            v[2 * i] = gc_e2m1_value(cb[i] & 0xfu) * eff;
+            v[2 * i + 1] = gc_e2m1_value(cb[i] >> 4) * eff;
         }
+        float *ob = out + start;
+        for (size_t i = 0; i < len; i++)
+            ob[i] = accumulate ? ob[i] + v[i] : v[i];
     }
 }
 

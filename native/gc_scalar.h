@@ -6,7 +6,7 @@
  * prepended to the CuPy kernels at run time), so the CPU tests exercise the
  * exact operations the GPU runs. GC_FN expands to `static inline` in C and
  * `__device__ __forceinline__` in CUDA. Only fp32 arithmetic is used: no
- * fp64, no libm calls beyond fabsf/fminf/fmaxf, no fast-math assumptions.
+ * fp64, no libm calls beyond fabsf, no fast-math assumptions.
  *
  * Conventions (DESIGN section 3):
  *   scale = amax / FMAX            (fp32; 0 for an all-zero block)
@@ -67,6 +67,13 @@ GC_FN int gc_finite(float f) { return (gc_bits(f) & 0x7f800000u) != 0x7f800000u;
 /* |f| for finite f, 0 otherwise: the contribution of f to a block's amax. */
 GC_FN float gc_amax_term(float f) { return gc_finite(f) ? fabsf(f) : 0.0f; }
 
+/* min(|q|, fmax), and fmax for NaN q (like fminf, but vectorizes as minps). */
+GC_FN float gc_min_abs(float q, float fmax)
+{
+    float a = fabsf(q);
+    return a < fmax ? a : fmax;
+}
+
 /*
  * Round |r| (finite, already clamped to the format's max) to a small float
  * format with MBITS mantissa bits and exponent bias BIAS; returns the code
@@ -92,7 +99,7 @@ GC_FN gc_u32 gc_round_minifloat(float r, int mbits, int bias)
 GC_FN gc_u8 gc_e4m3_code(float q, float x)
 {
     gc_u32 sign = (gc_bits(x) >> 24) & 0x80u;
-    float r = fminf(fabsf(q), GC_E4M3_MAX);
+    float r = gc_min_abs(q, GC_E4M3_MAX);
     gc_u32 mag = gc_round_minifloat(r, 3, 7);
     return (gc_u8)(sign | (gc_finite(x) ? mag : 0x7fu));
 }
@@ -101,9 +108,9 @@ GC_FN gc_u8 gc_e4m3_code(float q, float x)
 GC_FN gc_u8 gc_e5m2_code(float q, float x)
 {
     gc_u32 sign = (gc_bits(x) >> 24) & 0x80u;
-    float r = fminf(fabsf(q), GC_E5M2_MAX);
+    float r = gc_min_abs(q, GC_E5M2_MAX);
     gc_u32 mag = gc_round_minifloat(r, 2, 15);
-    gc_u32 special = (gc_bits(x) & 0x007fffffu) ? 0x7eu : 0x7cu;
+    gc_u32 special = 0x7cu | ((gc_u32)((gc_bits(x) & 0x007fffffu) != 0u) << 1);
     return (gc_u8)(sign | (gc_finite(x) ? mag : special));
 }
 
@@ -111,7 +118,7 @@ GC_FN gc_u8 gc_e5m2_code(float q, float x)
 GC_FN gc_u8 gc_e2m1_code(float q)
 {
     gc_u32 sign = (gc_bits(q) >> 28) & 0x8u;
-    float r = fminf(fabsf(q), GC_E2M1_MAX);
+    float r = gc_min_abs(q, GC_E2M1_MAX);
     return (gc_u8)(sign | gc_round_minifloat(r, 1, 1));
 }
 
@@ -119,7 +126,7 @@ GC_FN float gc_e4m3_value(gc_u32 c)
 {
     gc_u32 mag = c & 0x7fu;
     float normal = gc_float((mag << 20) + (120u << 23));
-    float subnormal = (float)(mag & 7u) * 0x1p-9f;
+    float subnormal = (float)(int)(mag & 7u) * 0x1p-9f;
     float v = (mag >> 3) ? normal : subnormal;
     v = (mag == 0x7fu) ? gc_float(0x7fc00000u) : v;
     return (c & 0x80u) ? -v : v;
@@ -129,7 +136,7 @@ GC_FN float gc_e5m2_value(gc_u32 c)
 {
     gc_u32 mag = c & 0x7fu;
     float normal = gc_float((mag << 21) + (112u << 23));
-    float subnormal = (float)(mag & 3u) * 0x1p-16f;
+    float subnormal = (float)(int)(mag & 3u) * 0x1p-16f;
     float v = (mag >> 2) ? normal : subnormal;
     v = (mag == 0x7cu) ? gc_float(0x7f800000u) : v;
     v = (mag > 0x7cu) ? gc_float(0x7fc00000u) : v;
@@ -140,7 +147,7 @@ GC_FN float gc_e2m1_value(gc_u32 c)
 {
     gc_u32 mag = c & 7u;
     float normal = gc_float((mag + (126u << 1)) << 22);
-    float v = (mag >> 1) ? normal : (float)(mag & 1u) * 0.5f;
+    float v = (mag >> 1) ? normal : (float)(int)(mag & 1u) * 0.5f;
     return (c & 8u) ? -v : v;
 }
 
