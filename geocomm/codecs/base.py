@@ -21,7 +21,8 @@ import json
 import struct
 import zlib
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol
 
 import ml_dtypes
 import numpy as np
@@ -53,6 +54,28 @@ def check_float_array(x: Any, name: str = "x") -> np.ndarray:
             "or float64"
         )
     return x
+
+
+#: Elementwise float32 sum over all ranks, bitwise identical on every rank.
+AllreduceSum = Callable[[np.ndarray], np.ndarray]
+
+
+class TransformPlan(Protocol):
+    """A per-call invertible linear map chosen by a stateful codec (GeoFP8).
+
+    ``forward`` takes this rank's flat float32 values and returns what is
+    quantized and sent; ``inverse`` takes the SUM over ranks of the decoded
+    forward outputs and returns the sum in the original coordinates.
+    Linearity makes ``inverse(sum_i forward(x_i)) == sum_i x_i`` up to the
+    quantization error. ``side_bytes`` counts extra bytes this rank sent for
+    the plan (basis refresh, exact coefficients).
+    """
+
+    side_bytes: int
+
+    def forward(self, x: np.ndarray) -> np.ndarray: ...
+
+    def inverse(self, y: np.ndarray) -> np.ndarray: ...
 
 
 class Codec(ABC):
@@ -98,20 +121,46 @@ class Codec(ABC):
     def decode_wire(self, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
         """Decode ``out.size`` values from ``wire`` into ``out`` (``+=`` if accumulate)."""
 
+    # ---- geometry hooks (stateless codecs keep these defaults) ---------------
+    def begin(self, x: np.ndarray, key: str | None,
+              allreduce_sum: AllreduceSum | None) -> TransformPlan | None:
+        """Plan for tensor ``x`` (float32, caller's shape), or None for no transform.
+
+        Collective: every rank calls it with the same shape and key in the same
+        order; ``allreduce_sum`` (None outside a collective) may be called.
+        """
+        return None
+
+    def end(self, key: str | None, plan: TransformPlan | None, result: np.ndarray) -> None:
+        """Update per-key state from the reduced ``result`` (identical on all ranks)."""
+
+    # ---- frame bodies (override when the body depends on more than the count) --
+    def frame_body_size(self, shape: tuple[int, ...]) -> int:
+        """Bytes of the frame body for an array of ``shape``."""
+        return self.wire_size(int(np.prod(shape, dtype=np.int64)))
+
+    def encode_frame_body(self, x: np.ndarray, body: np.ndarray) -> None:
+        """Encode float32 ``x`` (its own shape) into ``body``."""
+        self.encode_wire(x.reshape(-1), body)
+
+    def decode_frame_body(self, body: np.ndarray, out: np.ndarray) -> None:
+        """Decode ``body`` into float32 ``out`` (the frame's shape)."""
+        self.decode_wire(body, out.reshape(-1))
+
     # ---- standalone API ----------------------------------------------------
     def encode(self, x: np.ndarray) -> np.ndarray:
         """Self-describing frame (uint8 array) of x; any shape, a float dtype."""
         x = check_float_array(x)
-        flat = np.ascontiguousarray(x, np.float32).reshape(-1)
+        values = np.ascontiguousarray(x, np.float32)
         config = json.dumps(self.get_config(), sort_keys=True, separators=(",", ":")).encode()
-        body_len = self.wire_size(flat.size)
+        body_len = self.frame_body_size(x.shape)
         head_len = _HEAD.size + 8 * x.ndim + len(config)
         frame = np.empty(head_len + body_len + _CRC.size, np.uint8)
         head = _HEAD.pack(MAGIC, FRAME_VERSION, DTYPE_CODES[x.dtype], x.ndim, 0,
                           len(config), body_len)
         head += struct.pack(f"<{x.ndim}Q", *x.shape) + config
         frame[:head_len] = np.frombuffer(head, np.uint8)
-        self.encode_wire(flat, frame[head_len : head_len + body_len])
+        self.encode_frame_body(values, frame[head_len : head_len + body_len])
         crc = zlib.crc32(frame[: head_len + body_len])
         frame[head_len + body_len :] = np.frombuffer(_CRC.pack(crc), np.uint8)
         return frame
@@ -127,9 +176,8 @@ class Codec(ABC):
                 raise ValueError(f"out has shape {out.shape}, the frame holds {info.shape}")
             if not out.flags.writeable:
                 raise ValueError("out is read-only")
-        values = np.empty(int(np.prod(info.shape, dtype=np.int64)), np.float32)
-        self.decode_wire(info.body, values)
-        result = values.reshape(info.shape)
+        result = np.empty(info.shape, np.float32)
+        self.decode_frame_body(info.body, result)
         if out is None:
             return result.astype(info.dtype, copy=False)
         out[...] = result
@@ -178,17 +226,16 @@ def parse_frame(buf: Any) -> FrameInfo:
         raise ValueError(f"frame codec config is not valid JSON: {exc}") from None
     if not isinstance(config, dict) or not isinstance(config.get("id"), str):
         raise ValueError("frame codec config must be an object with a string 'id'")
-    count = 1
-    for dim in shape:
-        count *= dim
+    if any(dim > 2**48 for dim in shape):
+        raise ValueError(f"frame shape {shape} is implausibly large")
     from geocomm.codecs.registry import get_codec  # the registry imports this module
 
     try:
         codec = get_codec(config)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"frame names an unusable codec {config}: {exc}") from None
-    expected = codec.wire_size(count)
+    expected = codec.frame_body_size(tuple(shape))
     if expected != body_len:
-        raise ValueError(f"frame body has {body_len} bytes, {count} values need {expected}")
+        raise ValueError(f"frame body has {body_len} bytes, shape {shape} needs {expected}")
     body = data[head_len : head_len + body_len]
     return FrameInfo(config, _CODE_DTYPES[dtype_code], tuple(int(d) for d in shape), body)
