@@ -18,6 +18,7 @@ A :class:`Codec` turns float arrays into bytes and back. It has two faces:
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 from abc import ABC, abstractmethod
@@ -30,6 +31,7 @@ import numpy as np
 MAGIC = b"GEOC"
 FRAME_VERSION = 1
 MAX_NDIM = 32
+MAX_COUNT = 2**48  # values per frame; bounds every size computed from a header
 # magic, version, dtype code, ndim, reserved, config length, body length
 _HEAD = struct.Struct("<4sBBBBIQ")
 _CRC = struct.Struct("<I")
@@ -137,7 +139,7 @@ class Codec(ABC):
     # ---- frame bodies (override when the body depends on more than the count) --
     def frame_body_size(self, shape: tuple[int, ...]) -> int:
         """Bytes of the frame body for an array of ``shape``."""
-        return self.wire_size(int(np.prod(shape, dtype=np.int64)))
+        return self.wire_size(math.prod(shape))
 
     def encode_frame_body(self, x: np.ndarray, body: np.ndarray) -> None:
         """Encode float32 ``x`` (its own shape) into ``body``."""
@@ -226,8 +228,8 @@ def parse_frame(buf: Any) -> FrameInfo:
         raise ValueError(f"frame codec config is not valid JSON: {exc}") from None
     if not isinstance(config, dict) or not isinstance(config.get("id"), str):
         raise ValueError("frame codec config must be an object with a string 'id'")
-    if any(dim > 2**48 for dim in shape):
-        raise ValueError(f"frame shape {shape} is implausibly large")
+    if math.prod(shape) > MAX_COUNT:
+        raise ValueError(f"frame shape {shape} holds more than {MAX_COUNT} values")
     from geocomm.codecs.registry import get_codec  # the registry imports this module
 
     try:
