@@ -6,11 +6,25 @@ geocomm[mpi]``). ``geocomm.native_available`` says whether the C core is built.
 
 from geocomm._nativecodec import available as native_available
 from geocomm.codecs import Codec, decode, get_codec, register_codec, registered_ids
+from geocomm.collectives import (
+    CollectiveMismatchError,
+    allgather,
+    allreduce,
+    get_comm,
+    init,
+    reduce_scatter,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Codec",
+    "CollectiveMismatchError",
+    "allgather",
+    "allreduce",
+    "get_comm",
+    "init",
+    "reduce_scatter",
     "__version__",
     "decode",
     "get_codec",
