@@ -1,0 +1,220 @@
+"""Compressed collectives on MPI: correctness at any rank count.
+
+Expected values are written in terms of rank and size; every rank rebuilds
+every other rank's input from a seed, so any ``-n`` works. Error bounds are
+derived per element (see ``two_stage_bound``), never tuned to a run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import geocomm
+from geocomm.collectives import CollectiveMismatchError, shard_bounds
+
+pytestmark = pytest.mark.mpi
+
+# Per-format constants of the single-quantization error bound
+#     |Q(v) - v| <= U * |v| + C * A       (A = max |x| of the tensor)
+# U is the half-ulp relative error of round-to-nearest-even with the format's
+# mantissa bits (E4M3: 3 -> 2^-4, E5M2: 2 -> 2^-3, bf16: 7 -> 2^-8, E2M1: 1 ->
+# 2^-2). C covers the absolute part: half the subnormal quantum times the
+# largest block scale A / FMAX (E4M3: 2^-10 / 448, E5M2: 2^-17 / 57344), plus
+# 2^-20 for fp32 rounding of scale and factor. NVFP4 also rounds its E4M3
+# block scale (relative 2^-4), so a value may land at 6 / (1 - 2^-4) ~ 6.4 and
+# be clamped to 6 (error 0.4 scale) on top of the 0.25-scale subnormal half
+# quantum; with scale <= A / 6 * (1 + 2^-4) that is C = 0.65 / 6 * (1 + 2^-4),
+# valid while block scales are E4M3 normals (true for the Gaussian test data).
+BOUNDS = {
+    "none": (0.0, 0.0),
+    "bf16": (2.0**-8, 0.0),
+    "fp8": (2.0**-4, 2.0**-10 / 448 + 2.0**-20),
+    "fp8-e5m2": (2.0**-3, 2.0**-17 / 57344 + 2.0**-20),
+    "nvfp4": (2.0**-2, 0.65 / 6 * (1 + 2.0**-4)),
+}
+CODECS = {
+    "none": "none",
+    "bf16": "bf16",
+    "fp8": {"id": "fp8", "fmt": "e4m3", "block": 128},
+    "fp8-e5m2": {"id": "fp8", "fmt": "e5m2", "block": 0},
+    "nvfp4": "nvfp4",
+}
+COUNTS = [0, 1, 2, 97, 1000, 12_345, 300_007]
+
+
+def inputs(count: int, size: int, tag: int, dtype=np.float32) -> list[np.ndarray]:
+    """Every rank's input, rebuildable on any rank."""
+    return [np.random.default_rng([r, count, tag]).standard_normal(count).astype(dtype)
+            for r in range(size)]
+
+
+def single_bound(values: np.ndarray, name: str) -> np.ndarray:
+    u, c = BOUNDS[name]
+    amax = float(np.max(np.abs(values))) if values.size else 0.0
+    return u * np.abs(values) + c * amax
+
+
+def two_stage_bound(xs: list[np.ndarray], name: str) -> np.ndarray:
+    """|Y - S| bound per element for the two quantizations of the all-reduce.
+
+    Stage 1 errors e1_i obey single_bound(x_i); the owner's fp32 sum is
+    S' = S + sum e1_i with |S'| <= |S| + E1; stage 2 quantizes S' (bound with
+    |S'| and max |S'|). The fp32 summation of N terms adds at most
+    N * 2^-24 * sum |x_i| (+ the same for S').
+    """
+    u, c = BOUNDS[name]
+    abs_sum = np.sum([np.abs(x.astype(np.float64)) for x in xs], axis=0)
+    e1 = np.sum([single_bound(x.astype(np.float64), name) for x in xs], axis=0)
+    s = np.abs(np.sum([x.astype(np.float64) for x in xs], axis=0))
+    s_prime = s + e1
+    a_prime = float(np.max(s_prime)) if s.size else 0.0
+    fp32 = 2 * len(xs) * 2.0**-24 * (abs_sum + e1)
+    return e1 + u * s_prime + c * a_prime + fp32
+
+
+def same_on_all_ranks(comm, array: np.ndarray) -> bool:
+    digest = hashlib.sha256(np.ascontiguousarray(array).tobytes()).digest()
+    rows = comm.allgather_int64(np.frombuffer(digest[:8], np.int64))
+    return bool((rows == rows[0]).all())
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("count", COUNTS)
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_allreduce_error_bound_and_identical(comm, name, count, op):
+    xs = inputs(count, comm.size, tag=1)
+    y = geocomm.allreduce(xs[comm.rank].copy(), codec=CODECS[name], op=op, chunk_elems=4096)
+    assert y.dtype == np.float32 and y.shape == (count,)
+    assert same_on_all_ranks(comm, y)
+    exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    scale = comm.size if op == "avg" else 1
+    err = np.abs(y.astype(np.float64) * scale - exact)
+    # avg divides the fp32 result by N: one more rounding, relative 2^-24
+    assert np.all(err <= two_stage_bound(xs, name) + 2.0**-23 * np.abs(exact))
+
+
+def test_none_is_exact(comm):
+    """Integers up to 2^24 add exactly in fp32: the plain path must be exact."""
+    count = 1001
+    x = (np.arange(count) + comm.rank + 1).astype(np.float32)
+    y = geocomm.allreduce(x, codec=None)
+    n = comm.size
+    expected = n * np.arange(count) + n * (n + 1) // 2
+    np.testing.assert_array_equal(y, expected.astype(np.float32))
+
+
+@pytest.mark.parametrize("name", ["fp8", "bf16", "nvfp4"])
+def test_inplace_out(comm, name):
+    xs = inputs(5000, comm.size, tag=2)
+    x = xs[comm.rank].copy()
+    expected = geocomm.allreduce(x.copy(), codec=CODECS[name])
+    result = geocomm.allreduce(x, codec=CODECS[name], out=x)
+    assert result is x
+    np.testing.assert_array_equal(x, expected)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("name", ["none", "fp8"])
+def test_low_precision_dtypes_keep_dtype_and_shape(comm, dtype, name):
+    xs = inputs(6 * 35, comm.size, tag=3, dtype=dtype)
+    x = xs[comm.rank].reshape(6, 5, 7)
+    y = geocomm.allreduce(x, codec=CODECS[name])
+    assert y.dtype == np.dtype(dtype) and y.shape == (6, 5, 7)
+    exact = np.sum([v.astype(np.float64) for v in xs], axis=0).reshape(6, 5, 7)
+    # input-dtype rounding of the result: relative 2^-8 (bf16) or 2^-11 (fp16)
+    out_u = 2.0**-8 if dtype == ml_dtypes.bfloat16 else 2.0**-11
+    bound = two_stage_bound([v.astype(np.float32) for v in xs], name).reshape(6, 5, 7)
+    assert np.all(np.abs(y.astype(np.float64) - exact) <= bound * (1 + out_u)
+                  + out_u * np.abs(exact) + 1e-6)
+
+
+def test_float64_policy(comm):
+    x = np.full(10, 0.1, np.float64) * (comm.rank + 1)
+    y = geocomm.allreduce(x, codec="none")
+    assert y.dtype == np.float64
+    np.testing.assert_allclose(y, 0.1 * comm.size * (comm.size + 1) / 2, rtol=1e-15)
+    with pytest.raises(TypeError, match="float64"):
+        geocomm.allreduce(x, codec="fp8")
+
+
+@pytest.mark.parametrize("bad", [np.arange(4, dtype=np.int32), np.zeros(3, np.complex64)])
+def test_non_float_rejected(comm, bad):
+    with pytest.raises(TypeError, match="dtype"):
+        geocomm.allreduce(bad, codec="fp8")
+
+
+def test_noncontiguous_input(comm):
+    xs = inputs(2 * 301, comm.size, tag=4)
+    x = xs[comm.rank].reshape(301, 2)
+    y = geocomm.allreduce(x.T, codec="fp8")  # a transposed, non-contiguous view
+    expected = geocomm.allreduce(np.ascontiguousarray(x.T), codec="fp8")
+    np.testing.assert_array_equal(y, expected)
+
+
+def test_bad_out_and_op(comm):
+    x = np.ones(8, np.float32)
+    with pytest.raises(ValueError, match="op"):
+        geocomm.allreduce(x, codec="fp8", op="max")
+    with pytest.raises(ValueError, match="out"):
+        geocomm.allreduce(x, codec="fp8", out=np.ones(9, np.float32))
+    frozen = np.ones(8, np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        geocomm.allreduce(x, codec="fp8", out=frozen)
+
+
+@pytest.mark.parametrize("name", ["fp8", "bf16"])
+def test_chunking_does_not_change_bytes(comm, name):
+    """Pieces start at multiples of 256 within a shard, so 128-blocks never
+    move with the chunk size: every chunk size gives the same bits."""
+    xs = inputs(50_003, comm.size, tag=5)
+    results = [geocomm.allreduce(xs[comm.rank], codec=CODECS[name], chunk_elems=chunk)
+               for chunk in (256, 4096, 1 << 22)]
+    for other in results[1:]:
+        np.testing.assert_array_equal(other, results[0])
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("count", [0, 1, 97, 12_345])
+def test_reduce_scatter_shard(comm, name, count):
+    xs = inputs(count, comm.size, tag=6)
+    shard = geocomm.reduce_scatter(xs[comm.rank], codec=CODECS[name], op="sum", chunk_elems=2048)
+    bounds = shard_bounds(count, comm.size)
+    lo, hi = bounds[comm.rank], bounds[comm.rank + 1]
+    assert shard.shape == (hi - lo,)
+    assert shard.size == np.array_split(np.arange(count), comm.size)[comm.rank].size
+    exact = np.sum([x.astype(np.float64) for x in xs], axis=0)[lo:hi]
+    # one quantization per rank, then an fp32 sum kept by the owner
+    e1 = np.sum([single_bound(x.astype(np.float64), name)[lo:hi] for x in xs], axis=0)
+    fp32 = 2 * comm.size * 2.0**-24 * (np.sum([np.abs(x[lo:hi]) for x in xs], axis=0) + e1)
+    assert np.all(np.abs(shard - exact) <= e1 + fp32)
+
+
+@pytest.mark.parametrize("name", ["none", "fp8", "nvfp4"])
+def test_allgather(comm, name):
+    xs = inputs(3 * 11, comm.size, tag=7)
+    stacked = geocomm.allgather(xs[comm.rank].reshape(3, 11), codec=CODECS[name])
+    assert stacked.shape == (comm.size, 3, 11)
+    assert same_on_all_ranks(comm, stacked)
+    for r, x in enumerate(xs):
+        assert np.all(np.abs(stacked[r].ravel() - x) <= single_bound(x, name) + 1e-30)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_count_raises_everywhere(comm):
+    x = np.ones(100 + (comm.rank == 1), np.float32)
+    with pytest.raises(CollectiveMismatchError, match="count"):
+        geocomm.allreduce(x, codec="fp8")
+    # the communicator is still usable afterwards
+    assert geocomm.allreduce(np.ones(4, np.float32), codec=None)[0] == comm.size
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_codec_raises_everywhere(comm):
+    codec = "fp8" if comm.rank == 0 else "nvfp4"
+    with pytest.raises(CollectiveMismatchError, match="codec"):
+        geocomm.allreduce(np.ones(64, np.float32), codec=codec)
