@@ -150,7 +150,7 @@ def _segments(sizes: list[int]) -> tuple[np.ndarray, np.ndarray]:
     return counts, displs
 
 
-class _Pipeline:
+class Pipeline:
     """The staged algorithm for one call; phases are separate methods so the
     perf tools can time encode, communication and decode on their own."""
 
@@ -165,7 +165,7 @@ class _Pipeline:
         wire = codec.wire_size
         mine = wire(layout.piece)
         every = [wire(min(layout.piece, int(b - a))) for a, b in
-                 zip(layout.bounds[:-1], layout.bounds[1:])]
+                 zip(layout.bounds[:-1], layout.bounds[1:], strict=True)]
         # two stages in flight at most per phase: double buffers
         self.a2a_send = [np.empty(sum(every), np.uint8) for _ in range(2)]
         self.a2a_recv = [np.empty(n * mine, np.uint8) for _ in range(2)]
@@ -217,12 +217,16 @@ class _Pipeline:
             self.codec.decode_wire(buf[i * seg: (i + 1) * seg], acc, accumulate=i > 0)
             self._progress()
 
-    def start_allgather(self, s: int) -> None:
+    def reencode_stage(self, s: int) -> None:
+        """Encode my reduced piece for the all-gather (the second quantization)."""
         lo, hi = self.layout.piece_range(self.me, s)
+        self.codec.encode_wire(self._local(lo, hi), self.ag_send[s % 2])
+        self._progress()
+
+    def start_allgather(self, s: int) -> None:
         sizes = self._stage_sizes(s)
         counts, displs = _segments(sizes)
         send = self.ag_send[s % 2][: sizes[self.me]]
-        self.codec.encode_wire(self._local(lo, hi), send)
         req = self.comm.allgatherv(send, self.ag_recv[s % 2], counts, displs)
         self.ag_req[s] = req
         self.open.append(req)
@@ -245,6 +249,7 @@ class _Pipeline:
             if 1 <= s <= stages:
                 self.reduce_stage(s - 1)
                 if self.gather:
+                    self.reencode_stage(s - 1)
                     self.start_allgather(s - 1)
             if self.gather and s >= 2:
                 self.decode_stage(s - 2)
@@ -288,7 +293,7 @@ def check_consistent(comm: Communicator, kind: str, count: int, dtype: np.dtype,
     rows = comm.allgather_int64(_fingerprint(kind, count, dtype, op, codec, key))
     bad = np.nonzero((rows != rows[0]).any(axis=1))[0]
     if bad.size:
-        diffs = [_FIELDS[f] for f in np.nonzero((rows[bad[0]] != rows[0]))[0]]
+        diffs = [_FIELDS[f] for f in np.nonzero(rows[bad[0]] != rows[0])[0]]
         detail = ", ".join(f"rank {r}: count={rows[r, 1]}" for r in range(comm.size))
         raise CollectiveMismatchError(
             f"geocomm.{kind}: ranks {bad.tolist()} differ from rank 0 in {', '.join(diffs)} "
@@ -361,7 +366,7 @@ def allreduce(x: np.ndarray, codec: Any = None, op: str = "sum", out: np.ndarray
             source = np.ascontiguousarray(plan.forward(source), np.float32)
         total = np.empty(x.size, np.float32)
         layout = Layout.plan(x.size, comm.size, chunk_elems or DEFAULT_CHUNK_ELEMS)
-        _Pipeline(comm, codec, layout, source, total, 0, gather=True).run()
+        Pipeline(comm, codec, layout, source, total, 0, gather=True).run()
         if plan is not None:
             total = np.ascontiguousarray(plan.inverse(total), np.float32)
         codec.end(key, plan, total)
@@ -404,7 +409,7 @@ def reduce_scatter(x: np.ndarray, codec: Any = None, op: str = "sum", *,
             source = np.ascontiguousarray(plan.forward(source), np.float32)
         shard = np.empty(hi - lo, np.float32)
         layout = Layout.plan(x.size, comm.size, chunk_elems or DEFAULT_CHUNK_ELEMS)
-        _Pipeline(comm, codec, layout, source, shard, lo, gather=False).run()
+        Pipeline(comm, codec, layout, source, shard, lo, gather=False).run()
         if plan is not None:
             shard = np.ascontiguousarray(plan.inverse_range(shard, lo, hi), np.float32)
     if op == "avg":

@@ -2,7 +2,8 @@
 
 Expected values are written in terms of rank and size; every rank rebuilds
 every other rank's input from a seed, so any ``-n`` works. Error bounds are
-derived per element (see ``two_stage_bound``), never tuned to a run.
+the per-element worst cases derived in ``geocomm.codecs.bounds``, never tuned
+to a run.
 """
 
 from __future__ import annotations
@@ -14,28 +15,12 @@ import numpy as np
 import pytest
 
 import geocomm
+from geocomm import get_codec
+from geocomm.codecs import bounds
 from geocomm.collectives import CollectiveMismatchError, shard_bounds
 
 pytestmark = pytest.mark.mpi
 
-# Per-format constants of the single-quantization error bound
-#     |Q(v) - v| <= U * |v| + C * A       (A = max |x| of the tensor)
-# U is the half-ulp relative error of round-to-nearest-even with the format's
-# mantissa bits (E4M3: 3 -> 2^-4, E5M2: 2 -> 2^-3, bf16: 7 -> 2^-8, E2M1: 1 ->
-# 2^-2). C covers the absolute part: half the subnormal quantum times the
-# largest block scale A / FMAX (E4M3: 2^-10 / 448, E5M2: 2^-17 / 57344), plus
-# 2^-20 for fp32 rounding of scale and factor. NVFP4 also rounds its E4M3
-# block scale (relative 2^-4), so a value may land at 6 / (1 - 2^-4) ~ 6.4 and
-# be clamped to 6 (error 0.4 scale) on top of the 0.25-scale subnormal half
-# quantum; with scale <= A / 6 * (1 + 2^-4) that is C = 0.65 / 6 * (1 + 2^-4),
-# valid while block scales are E4M3 normals (true for the Gaussian test data).
-BOUNDS = {
-    "none": (0.0, 0.0),
-    "bf16": (2.0**-8, 0.0),
-    "fp8": (2.0**-4, 2.0**-10 / 448 + 2.0**-20),
-    "fp8-e5m2": (2.0**-3, 2.0**-17 / 57344 + 2.0**-20),
-    "nvfp4": (2.0**-2, 0.65 / 6 * (1 + 2.0**-4)),
-}
 CODECS = {
     "none": "none",
     "bf16": "bf16",
@@ -53,27 +38,11 @@ def inputs(count: int, size: int, tag: int, dtype=np.float32) -> list[np.ndarray
 
 
 def single_bound(values: np.ndarray, name: str) -> np.ndarray:
-    u, c = BOUNDS[name]
-    amax = float(np.max(np.abs(values))) if values.size else 0.0
-    return u * np.abs(values) + c * amax
+    return bounds.single_bound(values, get_codec(CODECS[name]))
 
 
 def two_stage_bound(xs: list[np.ndarray], name: str) -> np.ndarray:
-    """|Y - S| bound per element for the two quantizations of the all-reduce.
-
-    Stage 1 errors e1_i obey single_bound(x_i); the owner's fp32 sum is
-    S' = S + sum e1_i with |S'| <= |S| + E1; stage 2 quantizes S' (bound with
-    |S'| and max |S'|). The fp32 summation of N terms adds at most
-    N * 2^-24 * sum |x_i| (+ the same for S').
-    """
-    u, c = BOUNDS[name]
-    abs_sum = np.sum([np.abs(x.astype(np.float64)) for x in xs], axis=0)
-    e1 = np.sum([single_bound(x.astype(np.float64), name) for x in xs], axis=0)
-    s = np.abs(np.sum([x.astype(np.float64) for x in xs], axis=0))
-    s_prime = s + e1
-    a_prime = float(np.max(s_prime)) if s.size else 0.0
-    fp32 = 2 * len(xs) * 2.0**-24 * (abs_sum + e1)
-    return e1 + u * s_prime + c * a_prime + fp32
+    return bounds.allreduce_bound(xs, get_codec(CODECS[name]))
 
 
 def same_on_all_ranks(comm, array: np.ndarray) -> bool:
@@ -183,15 +152,15 @@ def test_chunking_does_not_change_bytes(comm, name):
 def test_reduce_scatter_shard(comm, name, count):
     xs = inputs(count, comm.size, tag=6)
     shard = geocomm.reduce_scatter(xs[comm.rank], codec=CODECS[name], op="sum", chunk_elems=2048)
-    bounds = shard_bounds(count, comm.size)
-    lo, hi = bounds[comm.rank], bounds[comm.rank + 1]
+    offsets = shard_bounds(count, comm.size)
+    lo, hi = offsets[comm.rank], offsets[comm.rank + 1]
     assert shard.shape == (hi - lo,)
     assert shard.size == np.array_split(np.arange(count), comm.size)[comm.rank].size
     exact = np.sum([x.astype(np.float64) for x in xs], axis=0)[lo:hi]
-    # one quantization per rank, then an fp32 sum kept by the owner
-    e1 = np.sum([single_bound(x.astype(np.float64), name)[lo:hi] for x in xs], axis=0)
-    fp32 = 2 * comm.size * 2.0**-24 * (np.sum([np.abs(x[lo:hi]) for x in xs], axis=0) + e1)
-    assert np.all(np.abs(shard - exact) <= e1 + fp32)
+    # one quantization per rank (block amax taken over the whole input: an
+    # upper bound of every piece's), then the owner's fp32 sum
+    bound = bounds.reduce_scatter_bound(xs, get_codec(CODECS[name]))[lo:hi]
+    assert np.all(np.abs(shard - exact) <= bound)
 
 
 @pytest.mark.parametrize("name", ["none", "fp8", "nvfp4"])

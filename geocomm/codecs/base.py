@@ -135,6 +135,7 @@ class Codec(ABC):
 
     def end(self, key: str | None, plan: TransformPlan | None, result: np.ndarray) -> None:
         """Update per-key state from the reduced ``result`` (identical on all ranks)."""
+        return None
 
     # ---- frame bodies (override when the body depends on more than the count) --
     def frame_body_size(self, shape: tuple[int, ...]) -> int:

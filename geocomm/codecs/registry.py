@@ -58,7 +58,9 @@ def get_codec(codec: str | dict[str, Any] | Codec | None, **params: Any) -> Code
         config = {"id": codec, **params}
         codec_id = codec
     else:
-        raise TypeError(f"codec must be an id, a config dict or a Codec, not {type(codec).__name__}")
+        raise TypeError(
+            f"codec must be an id, a config dict or a Codec, not {type(codec).__name__}"
+        )
     if codec_id not in _registry and not _entry_points_loaded:
         _load_entry_points()
     if codec_id not in _registry:

