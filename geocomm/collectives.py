@@ -144,6 +144,22 @@ class Layout:
         return lo, min(lo + self.piece, end)
 
 
+def wire_bytes(codec: Codec, layout: Layout, rank: int, gather: bool = True) -> int:
+    """Bytes ``rank`` sends in one compressed all-reduce (``gather=False``:
+    reduce-scatter): its pieces for the other shards, plus its re-encoded
+    reduced pieces, which N - 1 ranks receive. Side channels of stateful
+    codecs are not included (their plans report ``side_bytes``)."""
+    total = 0
+    for s in range(layout.stages):
+        for j in range(layout.size):
+            lo, hi = layout.piece_range(j, s)
+            if j != rank:
+                total += codec.wire_size(hi - lo)
+            elif gather:
+                total += (layout.size - 1) * codec.wire_size(hi - lo)
+    return total
+
+
 def _segments(sizes: list[int]) -> tuple[np.ndarray, np.ndarray]:
     counts = np.asarray(sizes, dtype=np.int64)
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)

@@ -1,0 +1,36 @@
+"""Compressed all-reduce sweep, nccl-tests style.
+
+    python -m geocomm.launch -n 2 -- python perf/all_reduce_perf.py -b 8 -e 128M -f 2 --codec fp8
+"""
+
+import sys
+
+import numpy as np
+from _driver import Collective, main
+
+import geocomm
+from geocomm.codecs import bounds
+
+
+def _expected(total, rank, size, op):
+    return total / size if op == "avg" else total
+
+
+def _bound(xs, codec, rank, size, op):
+    if codec.lossless:
+        return 2 * size * bounds.FP32_UNIT * np.sum([np.abs(x) for x in xs], axis=0)
+    b = bounds.allreduce_bound(xs, codec)
+    return b / size + 2.0**-23 * b if op == "avg" else b
+
+
+ALL_REDUCE = Collective(
+    name="all_reduce",
+    run=lambda x, codec, op, chunk: geocomm.allreduce(x, codec=codec, op=op, chunk_elems=chunk),
+    bus_factor=lambda n: 2 * (n - 1) / n,
+    expected=_expected,
+    bound=_bound,
+    gather=True,
+)
+
+if __name__ == "__main__":
+    sys.exit(main(ALL_REDUCE))
