@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The main job: install geocomm into .venv and sweep compressed all-reduce
+# (fp8 E4M3 block 128) against the plain fp32 MPI all-reduce on 2 ranks,
+# 8 B to 128 MiB, nccl-tests style. Results: perf/results/main_*.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=${GEOCOMM_VENV:-.venv}
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PY="$VENV/bin/python"
+"$PY" -m pip install -q --upgrade pip
+"$PY" -m pip install -q "torch==2.13.0" ".[perf]"
+NRANKS=${NRANKS:-2}
+for codec in none fp8; do
+  "$PY" -m geocomm.launch -n "$NRANKS" --timeout 1800 -- "$PY" perf/all_reduce_perf.py \
+    -b 8 -e 128M -f 2 -n 10 -w 3 --codec "$codec" -J "perf/results/main_${codec}_n${NRANKS}.json"
+done
