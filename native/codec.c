@@ -8,7 +8,7 @@
 #include "gc_scalar.h"
 
 #if defined(GC_USE_CLONES) && defined(__x86_64__) && defined(__GNUC__)
-#define GC_CLONES __attribute__((target_clones("avx2", "default")))
+#define GC_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #else
 #define GC_CLONES
 #endif

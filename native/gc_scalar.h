@@ -110,7 +110,11 @@ GC_FN gc_u8 gc_e5m2_code(float q, float x)
     gc_u32 sign = (gc_bits(x) >> 24) & 0x80u;
     float r = gc_min_abs(q, GC_E5M2_MAX);
     gc_u32 mag = gc_round_minifloat(r, 2, 15);
-    gc_u32 special = 0x7cu | ((gc_u32)((gc_bits(x) & 0x007fffffu) != 0u) << 1);
+    /* 0x7e for NaN (mantissa != 0), 0x7c for inf: bit 23 of mantissa +
+     * 0x7fffff is set exactly when the mantissa is non-zero (arithmetic
+     * instead of a comparison keeps the loop vectorizable) */
+    gc_u32 nan_bit = (((gc_bits(x) & 0x007fffffu) + 0x007fffffu) >> 23) & 1u;
+    gc_u32 special = 0x7cu | (nan_bit << 1);
     return (gc_u8)(sign | (gc_finite(x) ? mag : special));
 }
 
