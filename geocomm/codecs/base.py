@@ -225,7 +225,8 @@ def parse_frame(buf: Any) -> FrameInfo:
     shape = struct.unpack_from(f"<{ndim}Q", data, _HEAD.size)
     try:
         config = json.loads(bytes(data[_HEAD.size + 8 * ndim : head_len]).decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        # RecursionError: nesting deeper than the parser recurses ("[[[[...")
         raise ValueError(f"frame codec config is not valid JSON: {exc}") from None
     if not isinstance(config, dict) or not isinstance(config.get("id"), str):
         raise ValueError("frame codec config must be an object with a string 'id'")

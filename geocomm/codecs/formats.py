@@ -64,6 +64,10 @@ class BF16Codec(_NativeFormat):
         return {"id": self.codec_id}
 
 
+# block lengths reach the C core as size_t; larger ones mean "one block" anyway
+MAX_BLOCK = 2**48
+
+
 class FP8Codec(_NativeFormat):
     """FP8 with one fp32 scale per ``block`` values (``block=0``: one per tensor).
 
@@ -75,8 +79,9 @@ class FP8Codec(_NativeFormat):
     def __init__(self, fmt: str = "e4m3", block: int = 128):
         if fmt not in ("e4m3", "e5m2"):
             raise ValueError(f"fp8 fmt must be 'e4m3' or 'e5m2', got {fmt!r}")
-        if not isinstance(block, (int, np.integer)) or isinstance(block, bool) or block < 0:
-            raise ValueError(f"fp8 block must be a non-negative integer, got {block!r}")
+        if (not isinstance(block, (int, np.integer)) or isinstance(block, bool)
+                or not 0 <= block <= MAX_BLOCK):
+            raise ValueError(f"fp8 block must be an integer in [0, {MAX_BLOCK}], got {block!r}")
         self.fmt = fmt
         self.block = int(block)
         self._fmt = native.FORMATS[fmt]
