@@ -10,8 +10,8 @@ the 2-D shape and keeps per-parameter geometry, keyed by parameter name)
 through the DDP process group and returns the averaged bucket.
 """
 
-from __future__ import annotations
-
+# No "from __future__ import annotations": DDP compares the hook's bucket
+# annotation with dist.GradBucket itself, not with a string.
 import os
 import socket
 from dataclasses import dataclass, field
@@ -68,7 +68,8 @@ class GeocommHookState:
         self.comm = TorchDistCommunicator(self.group)
 
 
-def geocomm_hook(state: GeocommHookState, bucket: dist.GradBucket) -> torch.futures.Future:
+def geocomm_hook(state: GeocommHookState,
+                 bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: compressed average of every gradient in ``bucket``."""
     buffer = bucket.buffer()
     offset = 0
@@ -78,6 +79,6 @@ def geocomm_hook(state: GeocommHookState, bucket: dist.GradBucket) -> torch.futu
         allreduce(grad, codec=state.codec, op="avg", out=grad, key=state.names.get(id(param)),
                   comm=state.comm, check=state.check)
         offset += count
-    future: torch.futures.Future = torch.futures.Future()
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(buffer)
     return future
