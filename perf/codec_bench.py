@@ -1,0 +1,256 @@
+"""Single-process throughput of the native codec next to the casts people use today.
+
+One fp32 input (normal, fixed seed, ``--size-mib`` MiB) goes through every
+case: native encode, decode and decode+accumulate for E4M3 and E5M2 with
+block 128, NVFP4 and BF16; ml_dtypes ``astype(float8_e4m3fn)``; torch
+``tensor.to(torch.float8_e4m3fn)`` on one thread; and ``np.copyto`` into a
+preallocated array (the memory-bandwidth yardstick). Each case runs twice to
+warm up, then ``--repeats`` times; the median time is reported as GB/s of
+fp32 data (4 bytes per element, 1 GB = 1e9 bytes), whichever direction the
+case converts. All cases run on one thread.
+
+Correctness is checked in the same run, nccl-tests style: native wire bodies
+must equal the NumPy reference, decoded values must equal the reference
+decode, and torch's E4M3 bytes must equal ml_dtypes'. Writes
+``codec_bench.json`` (with machine info and the command line) and
+``codec_bench.md`` to ``--out-dir``.
+
+    python perf/codec_bench.py [--size-mib 64] [--repeats 7] [--out-dir perf/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+import geocomm
+from geocomm import _nativecodec as native
+from geocomm.codecs import _reference as ref
+
+SEED = 20261129
+FORMATS = [("e4m3", 128), ("e5m2", 128), ("nvfp4", 0), ("bf16", 0)]
+
+
+@dataclass
+class Case:
+    """One timed operation: ``run()`` converts the whole input once."""
+
+    name: str
+    run: Callable[[], object]
+    #: check() -> "ok" or a description of the mismatch (run after timing)
+    check: Callable[[], str] = lambda: "-"
+    times: list[float] = field(default_factory=list)
+
+
+def time_case(case: Case, repeats: int, warmup: int = 2) -> None:
+    # warm-up: page faults, lazy initialisation, caches, and glibc raising its
+    # mmap threshold so that the baselines' fresh outputs stop faulting pages
+    for _ in range(warmup):
+        case.run()
+    for _ in range(repeats):
+        start = time.perf_counter()
+        case.run()
+        case.times.append(time.perf_counter() - start)
+
+
+def median(values: list[float]) -> float:
+    return float(np.median(values))
+
+
+def same_values(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal bit patterns, NaN matching NaN."""
+    nan = np.isnan(b)
+    return bool(np.array_equal(np.isnan(a), nan)
+                and np.array_equal(a.view(np.uint32)[~nan], b.view(np.uint32)[~nan]))
+
+
+def native_cases(x: np.ndarray, fmt: str, block: int) -> list[Case]:
+    """Encode, decode and decode+accumulate of one native format."""
+    code = native.FORMATS[fmt]
+    wire = np.empty(native.wire_size(code, x.size, block), np.uint8)
+    out = np.empty_like(x)
+    acc = np.zeros_like(x)
+    label = f"{fmt}" + (f" block {block}" if block else "")
+
+    def check_encode() -> str:
+        native.encode(code, x, block, wire)
+        return "ok" if np.array_equal(wire, ref.encode(fmt, x, block)) else "WIRE MISMATCH"
+
+    def check_decode() -> str:
+        native.decode(code, wire, block, out)
+        return "ok" if same_values(out, ref.decode(fmt, wire, x.size, block)) else "MISMATCH"
+
+    def check_accumulate() -> str:
+        np.copyto(acc, x)
+        native.decode(code, wire, block, acc, accumulate=True)
+        expected = x + ref.decode(fmt, wire, x.size, block)
+        return "ok" if same_values(acc, expected) else "MISMATCH"
+
+    return [
+        Case(f"native encode {label}", lambda: native.encode(code, x, block, wire), check_encode),
+        Case(f"native decode {label}", lambda: native.decode(code, wire, block, out),
+             check_decode),
+        Case(f"native decode+acc {label}",
+             lambda: native.decode(code, wire, block, acc, accumulate=True), check_accumulate),
+    ]
+
+
+def baseline_cases(x: np.ndarray) -> list[Case]:
+    """ml_dtypes and torch casts to E4M3FN, and a plain copy."""
+    dst = np.empty_like(x)
+    cases = [
+        Case("ml_dtypes astype e4m3fn", lambda: x.astype(ml_dtypes.float8_e4m3fn)),
+        Case("numpy copyto", lambda: np.copyto(dst, x),
+             lambda: "ok" if np.array_equal(dst, x) else "MISMATCH"),
+    ]
+    try:
+        import torch
+    except ImportError:
+        return cases
+    torch.set_num_threads(1)
+    t = torch.from_numpy(x)
+
+    def check_torch() -> str:
+        mine = t.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        theirs = x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        return "ok (== ml_dtypes)" if np.array_equal(mine, theirs) else "differs from ml_dtypes"
+
+    cases.insert(1, Case("torch .to(float8_e4m3fn) 1 thread",
+                         lambda: t.to(torch.float8_e4m3fn), check_torch))
+    return cases
+
+
+def gbps(case: Case, nbytes: int) -> float:
+    return nbytes / median(case.times) / 1e9
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def git_commit() -> str:
+    """Short commit id, with "+dirty" when the codec sources differ from it."""
+    commit = git("rev-parse", "--short", "HEAD")
+    changed = git("status", "--porcelain", "--", "../native", "../bindings", "../meson.build")
+    return commit + ("+dirty" if changed and commit != "unknown" else "")
+
+
+def machine_info() -> dict:
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = None
+    return {
+        "cpu": cpu_model(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "ml_dtypes": ml_dtypes.__version__,
+        "torch": torch_version,
+        "geocomm": geocomm.__version__,
+        "git_commit": git_commit(),
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def ratio(value: float, base: float | None) -> str:
+    return f"{value / base:.2f}" if base else "-"
+
+
+def report(cases: list[Case], nbytes: int, info: dict,
+           args: argparse.Namespace) -> tuple[dict, str]:
+    """The JSON document and the markdown table; runs each case's check."""
+    by_name = {c.name: gbps(c, nbytes) for c in cases}
+    base_ml = by_name.get("ml_dtypes astype e4m3fn")
+    base_torch = by_name.get("torch .to(float8_e4m3fn) 1 thread")
+    base_copy = by_name.get("numpy copyto")
+    rows = []
+    lines = [
+        f"# geocomm codec throughput ({args.size_mib} MiB fp32, median of {args.repeats})",
+        "",
+        f"CPU: {info['cpu']}; numpy {info['numpy']}, ml_dtypes {info['ml_dtypes']}, "
+        f"torch {info['torch']}; commit {info['git_commit']}; one thread.",
+        "GB/s counts fp32 bytes (4 per element) whichever way a case converts.",
+        "",
+        "| case | GB/s | ms | vs ml_dtypes | vs torch | vs copy | check |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for case in cases:
+        rate = by_name[case.name]
+        check = case.check()
+        rows.append({"case": case.name, "gbps": rate, "median_s": median(case.times),
+                     "times_s": case.times, "check": check,
+                     "vs_ml_dtypes": rate / base_ml if base_ml else None,
+                     "vs_torch": rate / base_torch if base_torch else None,
+                     "vs_copy": rate / base_copy if base_copy else None})
+        lines.append(f"| {case.name} | {rate:.2f} | {1e3 * median(case.times):.1f} | "
+                     f"{ratio(rate, base_ml)} | {ratio(rate, base_torch)} | "
+                     f"{ratio(rate, base_copy)} | {check} |")
+    result = {"machine": info, "size_mib": args.size_mib, "repeats": args.repeats, "seed": SEED,
+              "unit": "GB/s of fp32 data (1e9 bytes/s)", "results": rows}
+    return result, "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-mib", type=int, default=64, help="fp32 input size in MiB")
+    p.add_argument("--repeats", type=int, default=7, help="timed runs per case (after warm-up)")
+    p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    native.require()
+    n = args.size_mib * (1 << 20) // 4
+    x = np.random.default_rng(SEED).standard_normal(n, dtype=np.float32)
+    cases = [c for fmt, block in FORMATS for c in native_cases(x, fmt, block)]
+    cases += baseline_cases(x)
+    for case in cases:
+        time_case(case, args.repeats)
+        print(f"{case.name:<36} {gbps(case, x.nbytes):8.2f} GB/s", flush=True)
+    result, table = report(cases, x.nbytes, machine_info(), args)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "codec_bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out_dir / "codec_bench.md").write_text(table)
+    print()
+    print(table)
+    failed = [r["case"] for r in result["results"] if not r["check"].startswith(("-", "ok"))]
+    if failed:
+        print(f"check failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
