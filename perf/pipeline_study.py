@@ -1,0 +1,80 @@
+"""Chunk-size sweep of the pipelined all-reduce and the overlap it buys.
+
+For one message size (default 64 MiB of fp32) and each chunk size, reports
+the pipelined time per call and, measured in the same run, encode,
+communication and decode run one after the other without overlap. The
+overlap ratio is pipelined / (encode + comm + decode); below 1 the pipeline
+hides work. Picks the chunk with the fastest pipelined time.
+
+    python -m geocomm.launch -n 2 -- python perf/pipeline_study.py --codec fp8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from _driver import _timed, breakdown, parse_size
+
+import geocomm
+from geocomm.collectives import DEFAULT_CHUNK_ELEMS, get_comm, resolve_codec
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", type=parse_size, default=parse_size("64M"), help="bytes of fp32")
+    p.add_argument("--codec", default="fp8")
+    p.add_argument("--chunks", default="65536,262144,1048576,4194304,16777216",
+                   help="values per pipeline stage, comma separated")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--out", default="perf/results/pipeline")
+    args = p.parse_args()
+    comm = get_comm()
+    codec = resolve_codec(args.codec)
+    count = args.size // 4
+    x = np.random.default_rng([comm.rank, 7]).standard_normal(count, np.float32)
+    rows = []
+    for chunk in [int(c) for c in args.chunks.split(",")]:
+        geocomm.allreduce(x, codec=codec, chunk_elems=chunk)  # warm-up
+        seconds = _timed(comm, lambda c=chunk: geocomm.allreduce(x, codec=codec, chunk_elems=c),
+                         args.iters)
+        parts = breakdown(comm, codec, x, chunk, gather=True)
+        serial = parts["encode"] + parts["comm"] + parts["decode"]
+        rows.append({"chunk_elems": chunk, "allreduce_ms": seconds * 1e3,
+                     **{f"{k}_ms": v * 1e3 for k, v in parts.items()},
+                     "serial_ms": serial * 1e3, "overlap_ratio": parts["pipelined"] / serial})
+        if comm.rank == 0:
+            r = rows[-1]
+            print(f"chunk {chunk:>9}: allreduce {r['allreduce_ms']:8.2f} ms | encode "
+                  f"{r['encode_ms']:7.2f} comm {r['comm_ms']:7.2f} decode {r['decode_ms']:7.2f} "
+                  f"serial {r['serial_ms']:7.2f} pipelined {r['pipelined_ms']:7.2f} "
+                  f"ratio {r['overlap_ratio']:.3f}", flush=True)
+    if comm.rank != 0:
+        return 0
+    best = min(rows, key=lambda r: r["allreduce_ms"])
+    report = {"command": " ".join(["python -m geocomm.launch -n", str(comm.size), "--",
+                                   "python", *sys.argv]),
+              "ranks": comm.size, "bytes": count * 4, "codec": codec.get_config(),
+              "default_chunk_elems": DEFAULT_CHUNK_ELEMS, "best_chunk_elems": best["chunk_elems"],
+              "rows": rows}
+    out = Path(f"{args.out}_n{comm.size}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    lines = [f"# Pipelined all-reduce, {count * 4 >> 20} MiB fp32, {comm.size} ranks, "
+             f"codec {codec.get_config()}", "", f"Command: `{report['command']}`", "",
+             "| chunk (values) | all-reduce ms | encode ms | comm ms | decode ms | serial ms "
+             "| pipelined ms | pipelined / serial |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['chunk_elems']} | {r['allreduce_ms']:.2f} | {r['encode_ms']:.2f} | "
+              f"{r['comm_ms']:.2f} | {r['decode_ms']:.2f} | {r['serial_ms']:.2f} | "
+              f"{r['pipelined_ms']:.2f} | {r['overlap_ratio']:.3f} |" for r in rows]
+    lines += ["", f"Fastest chunk: {best['chunk_elems']} values (library default "
+              f"{DEFAULT_CHUNK_ELEMS})."]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
