@@ -2,9 +2,11 @@
 
 from geocomm.codecs.base import Codec, parse_frame
 from geocomm.codecs.formats import BF16Codec, FP8Codec, NoneCodec, NVFP4Codec
+from geocomm.codecs.geometry import GeoFP8Codec, GeoNVFP4Codec, HadamardCodec
 from geocomm.codecs.registry import get_codec, register_codec, registered_ids
 
-for _cls in (NoneCodec, BF16Codec, FP8Codec, NVFP4Codec):
+for _cls in (NoneCodec, BF16Codec, FP8Codec, NVFP4Codec, GeoFP8Codec, GeoNVFP4Codec,
+             HadamardCodec):
     register_codec(_cls)
 
 
@@ -17,6 +19,9 @@ __all__ = [
     "BF16Codec",
     "Codec",
     "FP8Codec",
+    "GeoFP8Codec",
+    "GeoNVFP4Codec",
+    "HadamardCodec",
     "NVFP4Codec",
     "NoneCodec",
     "decode",
