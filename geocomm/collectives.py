@@ -41,7 +41,7 @@ import numpy as np
 
 from geocomm.codecs import Codec, get_codec
 from geocomm.codecs.base import DTYPE_CODES, check_float_array
-from geocomm.comm.base import Communicator, Request
+from geocomm.comm.base import Communicator, Request, wait
 
 #: Values of the whole buffer per pipeline stage (all shards together); see
 #: perf/results/chunk_sweep.md for the measurement behind the default.
@@ -224,7 +224,7 @@ class Pipeline:
 
     def reduce_stage(self, s: int) -> None:
         """Sum the N received pieces of my shard in rank order into result."""
-        self.a2a_req.pop(s).wait()
+        wait(self.a2a_req.pop(s), f"the all-to-all of stage {s}", self.me)
         lo, hi = self.layout.piece_range(self.me, s)
         acc = self._local(lo, hi)
         seg = self.codec.wire_size(hi - lo)
@@ -248,7 +248,7 @@ class Pipeline:
         self.open.append(req)
 
     def decode_stage(self, s: int) -> None:
-        self.ag_req.pop(s).wait()
+        wait(self.ag_req.pop(s), f"the all-gather of stage {s}", self.me)
         counts, displs = _segments(self._stage_sizes(s))
         buf = self.ag_recv[s % 2]
         for j in range(self.comm.size):
@@ -344,7 +344,8 @@ def ordered_sum(comm: Communicator, values: np.ndarray) -> np.ndarray:
     nbytes = flat.nbytes
     gathered = np.empty(comm.size * nbytes, np.uint8)
     counts, displs = _segments([nbytes] * comm.size)
-    comm.allgatherv(flat.view(np.uint8), gathered, counts, displs).wait()
+    wait(comm.allgatherv(flat.view(np.uint8), gathered, counts, displs),
+         "a geometry all-reduce", comm.rank)
     rows = gathered.view(np.float32).reshape(comm.size, -1)
     total = rows[0].copy()
     for row in rows[1:]:
@@ -447,14 +448,14 @@ def allgather(x: np.ndarray, codec: Any = None, *, comm: Communicator | None = N
         send = np.ascontiguousarray(x, np.float64).reshape(-1).view(np.uint8)
         recv = np.empty(comm.size * send.size, np.uint8)
         counts, displs = _segments([send.size] * comm.size)
-        comm.allgatherv(send, recv, counts, displs).wait()
+        wait(comm.allgatherv(send, recv, counts, displs), "an all-gather", comm.rank)
         return recv.view(np.float64).reshape((comm.size, *x.shape))
     seg = codec.wire_size(x.size)
     send = np.empty(seg, np.uint8)
     codec.encode_wire(_as_float32(x), send)
     recv = np.empty(comm.size * seg, np.uint8)
     counts, displs = _segments([seg] * comm.size)
-    comm.allgatherv(send, recv, counts, displs).wait()
+    wait(comm.allgatherv(send, recv, counts, displs), "an all-gather", comm.rank)
     values = np.empty((comm.size, x.size), np.float32)
     for j in range(comm.size):
         codec.decode_wire(recv[j * seg: (j + 1) * seg], values[j])

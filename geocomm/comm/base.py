@@ -9,9 +9,32 @@ library calls.
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class CollectiveTimeout(TimeoutError):
+    """A peer did not take part in a collective within the timeout.
+
+    The communicator is unusable afterwards (requests are still posted): let
+    the exception end the process; under ``python -m mpi4py`` (or mpiexec's
+    default error handling) the whole job then ends instead of hanging.
+    """
+
+
+def timeout_seconds() -> float:
+    """The collective timeout: ``GEOCOMM_TIMEOUT`` seconds (default 300, 0 = none)."""
+    text = os.environ.get("GEOCOMM_TIMEOUT", "")
+    try:
+        value = float(text) if text else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"GEOCOMM_TIMEOUT must be a number of seconds, got {text!r}") from None
+    return value if value > 0 else float("inf")
 
 
 @runtime_checkable
@@ -21,6 +44,27 @@ class Request(Protocol):
 
     def wait(self) -> None:
         """Block until complete."""
+
+
+def wait(request: Request, what: str, rank: int, timeout: float | None = None) -> None:
+    """Wait for ``request``, testing it (which also drives progress) until it
+    completes; raise :class:`CollectiveTimeout` naming ``what`` and ``rank``
+    after ``timeout`` seconds (default :func:`timeout_seconds`)."""
+    limit = timeout_seconds() if timeout is None else timeout
+    if request.test():
+        return
+    start = time.monotonic()
+    pause = 0.0
+    while not request.test():
+        waited = time.monotonic() - start
+        if waited > limit:
+            raise CollectiveTimeout(
+                f"geocomm: rank {rank} waited {waited:.1f} s for {what}; a peer rank failed, "
+                "exited or never called it (GEOCOMM_TIMEOUT sets the limit)")
+        # spin first (latency), then back off to sleeps of at most 1 ms
+        if waited > 1e-3:
+            pause = min(max(pause * 2, 1e-5), 1e-3)
+            time.sleep(pause)
 
 
 @runtime_checkable

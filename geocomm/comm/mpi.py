@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from geocomm.comm.base import wait
+
 try:
     from mpi4py import MPI
 except ImportError as exc:  # mpi4py or its MPI library is missing
@@ -69,17 +71,19 @@ class MPICommunicator:
         req = self.comm.Iallgatherv([send, MPI.BYTE], [recv, (counts, displs), MPI.BYTE])
         return _MPIRequest(req)
 
+    # the blocking calls post nonblocking ones and wait with the geocomm timeout
     def allreduce(self, send: np.ndarray, recv: np.ndarray, op: str) -> None:
-        self.comm.Allreduce(send, recv, getattr(MPI, _OPS[op]))
+        req = self.comm.Iallreduce(send, recv, getattr(MPI, _OPS[op]))
+        wait(_MPIRequest(req), "an all-reduce", self.rank)
 
     def allgather_int64(self, values: np.ndarray) -> np.ndarray:
         values = np.ascontiguousarray(values, np.int64)
         rows = np.empty((self.size, values.size), np.int64)
-        self.comm.Allgather(values, rows)
+        wait(_MPIRequest(self.comm.Iallgather(values, rows)), "a metadata all-gather", self.rank)
         return rows
 
     def barrier(self) -> None:
-        self.comm.Barrier()
+        wait(_MPIRequest(self.comm.Ibarrier()), "a barrier", self.rank)
 
     def abort(self, code: int = 1) -> None:
         self.comm.Abort(code)

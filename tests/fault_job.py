@@ -1,0 +1,29 @@
+"""A small MPI job for tests/test_faults.py: rank 1 misbehaves in one of several ways.
+
+    python -m geocomm.launch -n 2 -- python tests/fault_job.py SCENARIO
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+
+import geocomm
+
+scenario = sys.argv[1]
+comm = geocomm.init()
+x = np.ones(1 << 16, np.float32)
+geocomm.allreduce(x, codec="fp8")  # everyone healthy first
+print(f"rank {comm.rank}: first all-reduce done", flush=True)
+if comm.rank == 1:
+    if scenario == "raise":
+        raise RuntimeError("injected failure on rank 1")
+    if scenario == "exit":
+        os._exit(3)
+    if scenario == "absent":
+        time.sleep(3600)  # never arrives at the next collective
+    if scenario == "mismatch":
+        x = np.ones(1 << 15, np.float32)
+geocomm.allreduce(x, codec="fp8")
+print(f"rank {comm.rank}: second all-reduce done", flush=True)
