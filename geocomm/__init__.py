@@ -5,8 +5,8 @@ geocomm[mpi]``). ``geocomm.native_available`` says whether the C core is built.
 """
 
 from geocomm._nativecodec import available as native_available
-from geocomm.codecs import Codec, decode, get_codec, register_codec, registered_ids
 from geocomm.adapters import allgather, allreduce, reduce_scatter
+from geocomm.codecs import Codec, decode, get_codec, register_codec, registered_ids
 from geocomm.collectives import CollectiveMismatchError, get_comm, init
 
 __version__ = "0.1.0"
