@@ -334,6 +334,9 @@ def _prepare(x: Any, op: str, codec: Any, comm: Communicator | None) -> tuple[
             "float64 arrays are not compressed (the formats start from float32); cast to "
             "float32 first or use codec='none' for an exact float64 reduction"
         )
+    select = getattr(codec, "select", None)  # codec="auto": by message size
+    if select is not None:
+        codec = select(x.size)
     return x, codec, get_comm(comm)
 
 

@@ -187,3 +187,16 @@ def test_mismatched_codec_raises_everywhere(comm):
     codec = "fp8" if comm.rank == 0 else "nvfp4"
     with pytest.raises(CollectiveMismatchError, match="codec"):
         geocomm.allreduce(np.ones(64, np.float32), codec=codec)
+
+
+def test_auto_switches_at_the_crossover(comm):
+    """Below crossover_bytes the plain all-reduce runs (exact), above it fp8."""
+    auto = {"id": "auto", "codec": "fp8", "crossover_bytes": 4 * 1000}
+    small = np.random.default_rng([comm.rank, 98]).standard_normal(999).astype(np.float32)
+    exact_small = geocomm.allreduce(small, codec="none")
+    assert not np.array_equal(geocomm.allreduce(small, codec="fp8"), exact_small)
+    np.testing.assert_array_equal(geocomm.allreduce(small, codec=auto), exact_small)
+    large = np.random.default_rng([comm.rank, 99]).standard_normal(1000).astype(np.float32)
+    np.testing.assert_array_equal(geocomm.allreduce(large, codec=auto),
+                                  geocomm.allreduce(large, codec="fp8"))
+    assert geocomm.get_codec(geocomm.get_codec(auto).get_config()) == geocomm.get_codec(auto)

@@ -1,12 +1,13 @@
 """Codecs: the contract, the registry and the built-in formats."""
 
+from geocomm.codecs.auto import AutoCodec
 from geocomm.codecs.base import Codec, parse_frame
 from geocomm.codecs.formats import BF16Codec, FP8Codec, NoneCodec, NVFP4Codec
 from geocomm.codecs.geometry import GeoFP8Codec, GeoNVFP4Codec, HadamardCodec
 from geocomm.codecs.registry import get_codec, register_codec, registered_ids
 
 for _cls in (NoneCodec, BF16Codec, FP8Codec, NVFP4Codec, GeoFP8Codec, GeoNVFP4Codec,
-             HadamardCodec):
+             HadamardCodec, AutoCodec):
     register_codec(_cls)
 
 
@@ -16,6 +17,7 @@ def decode(buf, out=None):
 
 
 __all__ = [
+    "AutoCodec",
     "BF16Codec",
     "Codec",
     "FP8Codec",
