@@ -1,0 +1,249 @@
+"""NCCL communicator over CuPy arrays (``cupy.cuda.nccl``); MPI only bootstraps it.
+
+Rank 0 creates the NCCL unique id and broadcasts it over the given mpi4py
+communicator (default ``MPI.COMM_WORLD``); each process drives the GPU
+``local rank % device count``. Encoded bytes travel as ``ncclUint8`` with
+grouped ``ncclSend``/``ncclRecv`` per peer (the rank's own segment is a
+device-to-device copy); NCCL is never asked to sum codes.
+
+Streams: transfers run on the communicator's own non-blocking stream, which
+first waits for the work already queued on the caller's current stream (the
+encode that produced the send buffer). The returned request records an event
+after the transfer: ``test()`` polls it, ``wait()`` makes the caller's current
+stream wait on it and blocks the host until it completed. A request keeps its
+buffers alive until it is dropped, so CuPy's memory pool cannot hand them out
+while NCCL still uses them. ``allreduce`` (the uncompressed baseline) runs on
+the current stream, ordered like any CuPy operation.
+
+The module imports without CuPy; ``available`` (computed on first access) says
+whether CuPy, NCCL and a CUDA device are usable, and constructing
+:class:`NCCLCommunicator` without them raises an ImportError naming what is
+missing.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+from geocomm.comm.mpi import require_mpi
+
+_OPS = {"sum": "NCCL_SUM", "max": "NCCL_MAX"}
+_DTYPES = {np.dtype(np.float32): "NCCL_FLOAT32", np.dtype(np.float64): "NCCL_FLOAT64"}
+
+
+@functools.cache
+def _probe() -> tuple[Any, Any, str]:
+    """(cupy, cupy.cuda.nccl, "") when usable, else (None, None, why not)."""
+    try:
+        import cupy
+        from cupy.cuda import nccl
+    except ImportError as exc:
+        return None, None, f"CuPy is not installed ({exc})"
+    if not getattr(nccl, "available", False):
+        return None, None, "CuPy was built or installed without NCCL (pip install nvidia-nccl-cu12)"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CUDARuntimeError: no driver, no device
+        return None, None, f"CuPy found no usable CUDA device ({exc})"
+    if count < 1:
+        return None, None, "CuPy found no CUDA device"
+    return cupy, nccl, ""
+
+
+def __getattr__(name: str) -> Any:
+    if name == "available":
+        return _probe()[0] is not None
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def require_nccl() -> tuple[Any, Any]:
+    """(cupy, cupy.cuda.nccl), or an ImportError naming what is missing."""
+    cupy, nccl, why = _probe()
+    if cupy is None:
+        raise ImportError(
+            "geocomm's NCCL backend needs CuPy with NCCL and a CUDA device: pip install "
+            f"'geocomm[cupy,mpi]' (cupy-cuda12x, nvidia-nccl-cu12, mpi4py). {why}."
+        )
+    return cupy, nccl
+
+
+class _NCCLRequest:
+    """Completion of work queued on the communicator stream."""
+
+    __slots__ = ("_buffers", "_event")
+
+    def __init__(self, event: Any, buffers: tuple):
+        self._event = event
+        self._buffers = buffers
+
+    def test(self) -> bool:
+        done = bool(self._event.done)
+        if done:
+            self._buffers = ()
+        return done
+
+    def wait_stream(self, stream: Any = None) -> None:
+        """Make ``stream`` (default: the current one) wait for the transfer; no host block."""
+        if stream is None:
+            import cupy
+
+            stream = cupy.cuda.get_current_stream()
+        stream.wait_event(self._event)
+
+    def wait(self) -> None:
+        self.wait_stream()
+        self._event.synchronize()
+        self._buffers = ()
+
+
+def _local_rank(mpi: Any, comm: Any) -> int:
+    """Rank among the processes of this node."""
+    node = comm.Split_type(mpi.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank()
+    finally:
+        node.Free()
+
+
+class NCCLCommunicator:
+    """:class:`geocomm.comm.Communicator` over NCCL for CuPy arrays.
+
+    ``comm`` is the mpi4py communicator whose processes form the NCCL clique
+    (default ``MPI.COMM_WORLD``); it broadcasts the unique id and carries
+    ``allgather_int64`` and ``barrier``.
+    """
+
+    backend = "nccl"
+
+    def __init__(self, comm: Any = None):
+        cupy, nccl = require_nccl()
+        mpi = require_mpi()
+        self._cupy, self._nccl = cupy, nccl
+        self.mpi_comm = mpi.COMM_WORLD if comm is None else comm
+        self.rank: int = self.mpi_comm.Get_rank()
+        self.size: int = self.mpi_comm.Get_size()
+        self.device = cupy.cuda.Device(
+            _local_rank(mpi, self.mpi_comm) % cupy.cuda.runtime.getDeviceCount())
+        self.device.use()
+        uid = nccl.get_unique_id() if self.rank == 0 else None
+        uid = self.mpi_comm.bcast(uid, root=0)
+        self.nccl_comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _check_bytes(self, a: Any, name: str) -> None:
+        if not isinstance(a, self._cupy.ndarray) or a.dtype != np.uint8 \
+                or not a.flags.c_contiguous:
+            got = f"{type(a).__name__} of dtype {getattr(a, 'dtype', None)}"
+            raise TypeError(f"{name} must be a C-contiguous uint8 cupy array, got {got}")
+        if a.device != self.device:
+            raise ValueError(f"{name} is on {a.device}, the communicator on {self.device}")
+
+    def _segments(self, buf: Any, counts: Any, displs: Any, name: str) -> list[tuple[int, int]]:
+        """Per-rank (byte offset, byte count), checked against the buffer size."""
+        counts = np.asarray(counts, np.int64).ravel()
+        displs = np.asarray(displs, np.int64).ravel()
+        if counts.size != self.size or displs.size != self.size:
+            raise ValueError(f"{name}: counts and displacements need {self.size} entries")
+        if (counts < 0).any() or (displs < 0).any() or (counts + displs > buf.nbytes).any():
+            raise ValueError(f"{name}: a segment lies outside the {buf.nbytes}-byte buffer")
+        return [(int(d), int(c)) for d, c in zip(displs, counts, strict=True)]
+
+    def _start(self) -> None:
+        """Order the communicator stream after the work queued so far on the current stream."""
+        self.stream.wait_event(self._cupy.cuda.get_current_stream().record())
+
+    def _copy(self, dst: Any, dst_off: int, src: Any, src_off: int, nbytes: int) -> None:
+        if nbytes:
+            self._cupy.cuda.runtime.memcpyAsync(
+                dst.data.ptr + dst_off, src.data.ptr + src_off, nbytes,
+                self._cupy.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
+
+    def _exchange(self, sends: list[tuple[int, int]], send: Any,
+                  recvs: list[tuple[int, int]], recv: Any) -> _NCCLRequest:
+        """Send segment sends[p] of ``send`` to each peer p and receive recvs[p] from it."""
+        (s_off, s_cnt), (r_off, r_cnt) = sends[self.rank], recvs[self.rank]
+        if s_cnt != r_cnt:
+            raise ValueError(f"rank {self.rank} sends {s_cnt} bytes to itself but expects {r_cnt}")
+        with self.device:
+            self._start()
+            self._copy(recv, r_off, send, s_off, s_cnt)
+            nccl, uint8, stream = self._nccl, self._nccl.NCCL_UINT8, self.stream.ptr
+            nccl.groupStart()
+            try:
+                for peer in range(self.size):
+                    if peer == self.rank:
+                        continue
+                    off, cnt = sends[peer]
+                    if cnt:
+                        self.nccl_comm.send(send.data.ptr + off, cnt, uint8, peer, stream)
+                    off, cnt = recvs[peer]
+                    if cnt:
+                        self.nccl_comm.recv(recv.data.ptr + off, cnt, uint8, peer, stream)
+            finally:
+                nccl.groupEnd()
+            return _NCCLRequest(self.stream.record(), (send, recv))
+
+    # -- Communicator protocol -------------------------------------------------
+
+    def alltoallv(self, send, send_counts, send_displs, recv, recv_counts, recv_displs):
+        """Start an all-to-all of uint8 segments (counts/displacements in bytes)."""
+        self._check_bytes(send, "send")
+        self._check_bytes(recv, "recv")
+        sends = self._segments(send, send_counts, send_displs, "send")
+        recvs = self._segments(recv, recv_counts, recv_displs, "recv")
+        return self._exchange(sends, send, recvs, recv)
+
+    def allgatherv(self, send, recv, counts, displs):
+        """Start an all-gather: ``counts[rank]`` bytes of ``send`` land at ``displs[rank]``."""
+        self._check_bytes(send, "send")
+        self._check_bytes(recv, "recv")
+        recvs = self._segments(recv, counts, displs, "recv")
+        mine = recvs[self.rank][1]
+        if mine > send.nbytes:
+            raise ValueError(f"send holds {send.nbytes} bytes, counts[{self.rank}] is {mine}")
+        return self._exchange([(0, mine)] * self.size, send, recvs, recv)
+
+    def allreduce(self, send: Any, recv: Any, op: str) -> None:
+        """All-reduce (``op`` "sum" or "max") of float32/float64 cupy arrays (current stream)."""
+        cupy = self._cupy
+        for name, a in (("send", send), ("recv", recv)):
+            if not isinstance(a, cupy.ndarray) or a.dtype not in _DTYPES \
+                    or not a.flags.c_contiguous:
+                got = f"{type(a).__name__} of dtype {getattr(a, 'dtype', None)}"
+                raise TypeError(f"{name} must be a C-contiguous float32/float64 cupy array, "
+                                f"got {got}")
+        if send.dtype != recv.dtype or send.size != recv.size:
+            raise ValueError(f"send ({send.dtype}, {send.size}) and recv ({recv.dtype}, "
+                             f"{recv.size}) differ")
+        if op not in _OPS:
+            raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
+        with self.device:
+            self.nccl_comm.allReduce(
+                send.data.ptr, recv.data.ptr, send.size, getattr(self._nccl, _DTYPES[send.dtype]),
+                getattr(self._nccl, _OPS[op]), cupy.cuda.get_current_stream().ptr)
+
+    def allgather_int64(self, values: np.ndarray) -> np.ndarray:
+        """Blocking all-gather of a small host int64 vector over MPI; returns (size, len) rows."""
+        values = np.ascontiguousarray(values, np.int64)
+        rows = np.empty((self.size, values.size), np.int64)
+        self.mpi_comm.Allgather(values, rows)
+        return rows
+
+    def barrier(self) -> None:
+        """Wait for this rank's queued transfers, then for every rank (MPI barrier)."""
+        self.stream.synchronize()
+        self.mpi_comm.Barrier()
+
+    def abort(self, code: int = 1) -> None:
+        self.nccl_comm.abort()
+        self.mpi_comm.Abort(code)
+
+    def close(self) -> None:
+        """Finish queued transfers and free the NCCL communicator."""
+        self.stream.synchronize()
+        self.nccl_comm.destroy()

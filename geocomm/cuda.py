@@ -1,0 +1,357 @@
+"""CuPy face of the codec: the CUDA kernels of ``native/gc_cuda.cu``.
+
+Mirrors :mod:`geocomm._nativecodec` for CuPy arrays: ``wire_size``,
+``encode(fmt, x, block, wire, stream=None)`` and ``decode(fmt, wire, block,
+out, accumulate=False, stream=None)`` write the same wire bodies
+(``native/geocomm.h``) as the C core, byte for byte, because both run the
+arithmetic of ``native/gc_scalar.h``. Decoded values are bitwise equal too,
+except NaN payloads: GPU arithmetic returns the canonical NaN, so only the
+positions of NaNs are guaranteed to agree.
+
+Importing this module never imports CuPy. ``available`` (computed on first
+access) says whether CuPy imports and sees a CUDA device; every function that
+needs CuPy raises :class:`CudaUnavailable` (an ImportError) saying what is
+missing. The kernels are compiled once per device with NVRTC, directly:
+CuPy's ``RawModule`` appends ``-ftz=true``, which would flush the subnormal
+values and scales the codec must keep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from geocomm._nativecodec import BF16, E4M3, E5M2, FORMATS, NVFP4
+
+__all__ = [
+    "BF16",
+    "E4M3",
+    "E5M2",
+    "FORMATS",
+    "NVFP4",
+    "NVRTC_OPTIONS",
+    "CudaUnavailable",
+    "decode",
+    "encode",
+    "kernel_source",
+    "require",
+    "wire_size",
+]
+
+#: Threads per thread block of every launch (a multiple of the warp size).
+THREADS = 256
+#: Values per thread block in the tile kernels (fp8 blocks > TEAM_MAX, block 0, NVFP4 amax).
+TILE = 4096
+#: Largest fp8 block handled by one team (<= one warp) of lanes in a single pass.
+TEAM_MAX = 1024
+#: Bit-exactness needs IEEE fp32: no FMA contraction, no flush to zero, exact division.
+NVRTC_OPTIONS = ("-std=c++17", "-fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")
+
+_SOURCES = ("gc_scalar.h", "gc_cuda.cu")
+_INCLUDE_LINE = '#include "gc_scalar.h"'
+_GRID_MAX = 2**31 - 1
+_FP8 = (E4M3, E5M2)
+
+
+class CudaUnavailable(ImportError):
+    """CuPy, a CUDA device or NVRTC is missing."""
+
+
+@functools.cache
+def _probe() -> tuple[Any, str]:
+    """(cupy module, "") when usable, else (None, why not)."""
+    try:
+        import cupy
+    except ImportError as exc:
+        return None, f"CuPy is not installed ({exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CUDARuntimeError: no driver, no device
+        return None, f"CuPy found no usable CUDA device ({exc})"
+    if count < 1:
+        return None, "CuPy found no CUDA device"
+    return cupy, ""
+
+
+def __getattr__(name: str) -> Any:
+    if name == "available":
+        return _probe()[0] is not None
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def require() -> Any:
+    """The cupy module, or :class:`CudaUnavailable` naming what is missing."""
+    cupy, why = _probe()
+    if cupy is None:
+        raise CudaUnavailable(
+            "geocomm's GPU codec needs CuPy and a CUDA device: pip install 'geocomm[cupy]' "
+            f"(cupy-cuda12x) on a machine with an NVIDIA GPU. {why}."
+        )
+    return cupy
+
+
+# ---------------------------------------------------------------------------
+# kernel source and compilation
+
+
+def _source_dir() -> Path:
+    """Where gc_scalar.h and gc_cuda.cu live: installed beside this module, or the source tree."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "_kernels", here.parent / "native"):
+        if all((candidate / name).is_file() for name in _SOURCES):
+            return candidate
+    raise FileNotFoundError(
+        f"geocomm's CUDA kernel sources {_SOURCES} are neither installed in {here / '_kernels'} "
+        f"nor in a source tree at {here.parent / 'native'}; reinstall geocomm"
+    )
+
+
+def kernel_source() -> str:
+    """gc_cuda.cu with gc_scalar.h inlined: one translation unit for NVRTC (or nvcc)."""
+    directory = _source_dir()
+    header = (directory / "gc_scalar.h").read_text()
+    kernels = (directory / "gc_cuda.cu").read_text()
+    if _INCLUDE_LINE not in kernels:
+        raise RuntimeError(f"gc_cuda.cu does not contain the line {_INCLUDE_LINE!r}")
+    return kernels.replace(_INCLUDE_LINE, header, 1)
+
+
+def _nvrtc(cupy: Any) -> Any:
+    try:
+        return cupy.cuda.nvrtc
+    except AttributeError:
+        from cupy_backends.cuda.libs import nvrtc
+
+        return nvrtc
+
+
+def _compile(cupy: Any, source: str) -> bytes:
+    """Cubin for the current device (PTX when NVRTC does not know its architecture)."""
+    nvrtc = _nvrtc(cupy)
+    cc = int(cupy.cuda.Device().compute_capability)
+    archs = nvrtc.getSupportedArchs() if hasattr(nvrtc, "getSupportedArchs") else (cc,)
+    cubin = cc in archs and hasattr(nvrtc, "getCUBIN")
+    if cubin:
+        arch = f"-arch=sm_{cc}"
+    else:
+        older = [a for a in archs if a <= cc]
+        arch = f"-arch=compute_{max(older) if older else cc}"
+    options = (*NVRTC_OPTIONS, arch)
+    prog = nvrtc.createProgram(source, "gc_cuda.cu", (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(
+                f"NVRTC failed to compile geocomm's CUDA kernels with {' '.join(options)}:\n"
+                f"{nvrtc.getProgramLog(prog)}"
+            ) from exc
+        if cubin:
+            return bytes(nvrtc.getCUBIN(prog))
+        ptx = nvrtc.getPTX(prog)
+        return (ptx.encode() if isinstance(ptx, str) else bytes(ptx)) + b"\0"
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+#: per device id: (loaded module, its kernel functions by name)
+_modules: dict[int, tuple[Any, dict[str, Any]]] = {}
+_lock = threading.Lock()
+
+
+def _kernel(cupy: Any, name: str) -> Any:
+    """Kernel ``name`` of the module loaded on the current device (compiled on first use)."""
+    device = cupy.cuda.Device().id
+    with _lock:
+        entry = _modules.get(device)
+        if entry is None:
+            module = cupy.cuda.function.Module()
+            module.load(_compile(cupy, kernel_source()))
+            entry = _modules[device] = (module, {})
+        module, functions = entry
+        function = functions.get(name)
+        if function is None:
+            function = functions[name] = module.get_function(name)
+    return function
+
+
+# ---------------------------------------------------------------------------
+# argument checks (as in geocomm._nativecodec)
+
+
+def _fmt_id(fmt: int | str) -> int:
+    code = FORMATS.get(fmt) if isinstance(fmt, str) else fmt
+    if code not in (E4M3, E5M2, NVFP4, BF16):
+        raise ValueError(f"unknown format {fmt!r}")
+    return int(code)
+
+
+def wire_size(fmt: int | str, n: int, block: int = 0) -> int:
+    """Bytes of the headerless wire body of ``n`` values (the C gc_wire_size; needs no CuPy)."""
+    fmt = _fmt_id(fmt)
+    n, block = int(n), int(block)
+    if n < 0 or block < 0:
+        raise ValueError(f"n and block must be non-negative, got n={n}, block={block}")
+    if n == 0:
+        return 0
+    if fmt in _FP8:
+        return 4 * -(-n // (block or n)) + n
+    if fmt == NVFP4:
+        return 4 + -(-n // 16) + -(-n // 2)
+    return 2 * n
+
+
+def _check_f32(cupy: Any, x: Any, name: str) -> None:
+    if not isinstance(x, cupy.ndarray) or x.dtype != np.float32 or not x.flags.c_contiguous:
+        got = f"{type(x).__name__} of dtype {getattr(x, 'dtype', None)}"
+        raise TypeError(f"{name} must be a C-contiguous float32 cupy array, got {got}")
+
+
+def _check_wire(cupy: Any, wire: Any, need: int, device: Any) -> None:
+    if not isinstance(wire, cupy.ndarray) or wire.dtype != np.uint8 or not wire.flags.c_contiguous:
+        got = f"{type(wire).__name__} of dtype {getattr(wire, 'dtype', None)}"
+        raise TypeError(f"wire must be a C-contiguous uint8 cupy array, got {got}")
+    if wire.size < need:
+        raise ValueError(f"wire holds {wire.size} bytes, the body needs {need}")
+    if wire.device != device:
+        raise ValueError(f"wire is on {wire.device}, the values on {device}")
+
+
+def _check_block(block: int) -> int:
+    block = int(block)
+    if block < 0:
+        raise ValueError(f"block must be >= 0, got {block}")
+    return block
+
+
+def _grid(threads: int) -> tuple[int]:
+    blocks = -(-threads // THREADS)
+    if blocks > _GRID_MAX:
+        raise ValueError(f"{threads} threads exceed one CUDA grid")
+    return (blocks,)
+
+
+def _team_shift(block: int) -> int:
+    """log2 of the team width: the next power of two >= block, at most a warp (32)."""
+    return min(5, (block - 1).bit_length())
+
+
+def _tiles(n: int, block: int) -> tuple[int, int]:
+    """(tiles per scaling block, total tiles) for the tile kernels."""
+    per_block = -(-block // TILE)
+    total = -(-n // block) * per_block
+    if total > _GRID_MAX:
+        raise ValueError(f"{total} tiles exceed one CUDA grid")
+    return per_block, total
+
+
+def _launch_context(device: Any, stream: Any) -> contextlib.ExitStack:
+    """Make ``device`` (and ``stream``, if given) current for the launches inside."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(device)
+    if stream is not None:
+        stack.enter_context(stream)
+    return stack
+
+
+def _u64(v: int) -> np.uint64:
+    return np.uint64(v)
+
+
+# ---------------------------------------------------------------------------
+# encode / decode
+
+
+def _amax_tiles(cupy: Any, x: Any, n: int, block: int) -> Any:
+    """Per-scaling-block amax bits (uint32 device array) by the tile kernel."""
+    per_block, total = _tiles(n, block)
+    amax = cupy.zeros(-(-n // block), dtype=cupy.uint32)
+    _kernel(cupy, "gc_amax_tiles")(
+        (total,), (THREADS,), (x, _u64(n), _u64(block), _u64(per_block), _u64(TILE), amax))
+    return amax
+
+
+def encode(fmt: int | str, x: Any, block: int, wire: Any, stream: Any = None) -> None:
+    """Encode the float32 values of cupy array ``x`` into the first bytes of ``wire``.
+
+    Runs on ``stream`` (default: the current stream) of x's device; returns
+    without synchronizing.
+    """
+    cupy = require()
+    fmt, block = _fmt_id(fmt), _check_block(block)
+    _check_f32(cupy, x, "x")
+    n = x.size
+    _check_wire(cupy, wire, wire_size(fmt, n, block), x.device)
+    if n == 0:
+        return
+    with _launch_context(x.device, stream):
+        if fmt == BF16:
+            _kernel(cupy, "gc_bf16_encode")(_grid(n), (THREADS,), (x, _u64(n), wire))
+        elif fmt == NVFP4:
+            amax = _amax_tiles(cupy, x, n, n)
+            _kernel(cupy, "gc_nvfp4_encode")(
+                _grid((n + 1) // 2), (THREADS,), (x, _u64(n), amax, wire))
+        else:
+            _encode_fp8(cupy, fmt, x, n, block or n, wire)
+
+
+def _encode_fp8(cupy: Any, fmt: int, x: Any, n: int, block: int, wire: Any) -> None:
+    e5m2, nblocks = np.int32(fmt == E5M2), -(-n // block)
+    if block <= TEAM_MAX:
+        shift = _team_shift(block)
+        _kernel(cupy, "gc_fp8_encode_team")(
+            _grid(nblocks << shift), (THREADS,),
+            (x, _u64(n), _u64(block), _u64(nblocks), np.uint32(shift), e5m2, wire))
+        return
+    amax = _amax_tiles(cupy, x, n, block)
+    per_block, total = _tiles(n, block)
+    _kernel(cupy, "gc_fp8_encode_tiles")(
+        (total,), (THREADS,),
+        (x, _u64(n), _u64(block), _u64(nblocks), _u64(per_block), _u64(TILE), amax, e5m2,
+         wire))
+
+
+def decode(fmt: int | str, wire: Any, block: int, out: Any, accumulate: bool = False,
+           stream: Any = None) -> None:
+    """Decode ``out.size`` values from ``wire`` into (or, accumulating, onto) cupy array ``out``.
+
+    Accumulation is one fp32 add per value, as in the C core. Runs on
+    ``stream`` (default: the current stream) of out's device.
+    """
+    cupy = require()
+    fmt, block = _fmt_id(fmt), _check_block(block)
+    _check_f32(cupy, out, "out")
+    n = out.size
+    _check_wire(cupy, wire, wire_size(fmt, n, block), out.device)
+    if n == 0:
+        return
+    acc = np.int32(bool(accumulate))
+    with _launch_context(out.device, stream):
+        if fmt == BF16:
+            _kernel(cupy, "gc_bf16_decode")(_grid(n), (THREADS,), (wire, _u64(n), acc, out))
+        elif fmt == NVFP4:
+            _kernel(cupy, "gc_nvfp4_decode")(
+                _grid((n + 1) // 2), (THREADS,), (wire, _u64(n), acc, out))
+        else:
+            _decode_fp8(cupy, fmt, wire, n, block or n, acc, out)
+
+
+def _decode_fp8(cupy: Any, fmt: int, wire: Any, n: int, block: int, acc: np.int32,
+                out: Any) -> None:
+    e5m2, nblocks = np.int32(fmt == E5M2), -(-n // block)
+    if block <= TEAM_MAX:
+        shift = _team_shift(block)
+        _kernel(cupy, "gc_fp8_decode_team")(
+            _grid(nblocks << shift), (THREADS,),
+            (wire, _u64(n), _u64(block), _u64(nblocks), np.uint32(shift), e5m2, acc, out))
+        return
+    per_block, total = _tiles(n, block)
+    _kernel(cupy, "gc_fp8_decode_tiles")(
+        (total,), (THREADS,),
+        (wire, _u64(n), _u64(block), _u64(nblocks), _u64(per_block), _u64(TILE), e5m2, acc,
+         out))

@@ -1,0 +1,328 @@
+/*
+ * CUDA kernels of the geocomm codec: the GPU twin of codec.c.
+ *
+ * Every value a kernel computes comes from the gc_scalar.h functions that
+ * codec.c calls, with the same operands in the same order, so a kernel writes
+ * the same wire bytes (native/geocomm.h) and decodes the same fp32 values as
+ * the C core. Only the walk over the data differs:
+ *
+ *   fp8, block <= 1024   "team" kernels: a power-of-two group of lanes
+ *                        (<= one warp) per scaling block; the block amax is an
+ *                        xor-shuffle reduction inside the team.
+ *   fp8, larger blocks   "tile" kernels: each thread block handles one tile
+ *   (and block 0)        of one scaling block. Encoding takes two passes:
+ *                        gc_amax_tiles (atomicMax into a zeroed u32 per
+ *                        scaling block), then gc_fp8_encode_tiles.
+ *   NVFP4                gc_amax_tiles for the tensor amax, then one thread
+ *                        per output byte (2 values), 8 lanes per 16-value
+ *                        block.
+ *   BF16                 one thread per value.
+ *
+ * Block amaxes are unsigned maxima of the fp32 bit patterns with the sign
+ * cleared and non-finite values as 0, exactly like codec.c: for non-negative
+ * floats the bit order is the numeric order, and a max does not depend on the
+ * reduction order.
+ *
+ * Build flags matter for bit-exactness: compile with -fmad=false (no
+ * contraction of a*b+c into an FMA), -ftz=false (subnormals are codes and
+ * scales too) and -prec-div=true (IEEE division for amax / FMAX). The decode
+ * multiply-add is written with __fmul_rn/__fadd_rn as well, which are never
+ * contracted. geocomm/cuda.py compiles this file with NVRTC itself (CuPy's
+ * RawModule would append -ftz=true).
+ *
+ * fp8 kernels take nblocks = ceil(n / block) from the caller: a 64-bit
+ * division per thread would cost more than the memory traffic.
+ *
+ * Scales inside a wire body have no alignment guarantee, so they are stored
+ * and loaded byte by byte (little endian). All element indices are 64-bit.
+ * Kernels expect blockDim.x to be a multiple of 32.
+ */
+#include "gc_scalar.h"
+
+typedef unsigned long long gc_u64;
+
+#define GC_DEV __device__ __forceinline__
+#define GC_FULL_MASK 0xffffffffu
+
+/* ---- helpers --------------------------------------------------------------- */
+
+GC_DEV void gc_store_f32(unsigned char *p, float f)
+{
+    gc_u32 u = gc_bits(f);
+    p[0] = (unsigned char)u;
+    p[1] = (unsigned char)(u >> 8);
+    p[2] = (unsigned char)(u >> 16);
+    p[3] = (unsigned char)(u >> 24);
+}
+
+GC_DEV float gc_load_f32(const unsigned char *p)
+{
+    return gc_float((gc_u32)p[0] | ((gc_u32)p[1] << 8) | ((gc_u32)p[2] << 16) |
+                    ((gc_u32)p[3] << 24));
+}
+
+GC_DEV gc_u64 gc_ceil_div(gc_u64 a, gc_u64 b) { return (a + b - 1) / b; }
+
+GC_DEV gc_u64 gc_min_u64(gc_u64 a, gc_u64 b) { return a < b ? a : b; }
+
+GC_DEV gc_u64 gc_global_id(void) { return (gc_u64)blockIdx.x * blockDim.x + threadIdx.x; }
+
+/* Fold f into the running amax bits m (non-finite values count as 0). */
+GC_DEV gc_u32 gc_amax_bits(gc_u32 m, float f)
+{
+    gc_u32 b = gc_bits(f) & 0x7fffffffu;
+    b = b < 0x7f800000u ? b : 0u;
+    return b > m ? b : m;
+}
+
+/* Max of m over the aligned group of `width` lanes (a power of two <= 32) that
+ * holds this lane. Every lane of the warp must call it with the same width. */
+GC_DEV gc_u32 gc_team_max(gc_u32 m, unsigned int width)
+{
+    for (unsigned int off = width >> 1; off > 0; off >>= 1) {
+        gc_u32 other = __shfl_xor_sync(GC_FULL_MASK, m, off);
+        m = other > m ? other : m;
+    }
+    return m;
+}
+
+/* Max of m over the thread block; the result is valid in thread 0. Every
+ * thread of the block must call it. */
+GC_DEV gc_u32 gc_block_max(gc_u32 m)
+{
+    __shared__ gc_u32 warp_max[32];
+    unsigned int lane = threadIdx.x & 31u;
+    unsigned int warp = threadIdx.x >> 5;
+    m = gc_team_max(m, 32);
+    if (lane == 0)
+        warp_max[warp] = m;
+    __syncthreads();
+    if (warp == 0) {
+        m = lane < (blockDim.x >> 5) ? warp_max[lane] : 0u;
+        m = gc_team_max(m, 32);
+    }
+    return m;
+}
+
+GC_DEV gc_u8 gc_fp8_code(int e5m2, float q, float x)
+{
+    return e5m2 ? gc_e5m2_code(q, x) : gc_e4m3_code(q, x);
+}
+
+GC_DEV float gc_fp8_value(int e5m2, gc_u32 c)
+{
+    return e5m2 ? gc_e5m2_value(c) : gc_e4m3_value(c);
+}
+
+/* out = v, or out + v when accumulating (one IEEE add, never fused). */
+GC_DEV void gc_put(float *out, float v, int accumulate)
+{
+    *out = accumulate ? __fadd_rn(*out, v) : v;
+}
+
+/*
+ * The tile of blockIdx.x: scaling blocks of `block` values are cut into
+ * `tiles_per_block` tiles of `tile` values; the grid enumerates them scaling
+ * block by scaling block. Sets the scaling block *k and the element range
+ * [*start, *end) (empty for a tile past the end of the data).
+ */
+GC_DEV void gc_tile_range(gc_u64 n, gc_u64 block, gc_u64 tiles_per_block, gc_u64 tile,
+                          gc_u64 *k, gc_u64 *start, gc_u64 *end)
+{
+    /* blockIdx.x and tiles_per_block are < 2^31 (one grid), so a 32-bit
+     * division is exact and much cheaper than a 64-bit one */
+    gc_u64 t = blockIdx.x;
+    gc_u64 kk = (unsigned int)t / (unsigned int)tiles_per_block;
+    gc_u64 block_start = kk * block;
+    gc_u64 s = block_start + (t - kk * tiles_per_block) * tile;
+    gc_u64 e = gc_min_u64(gc_min_u64(s + tile, block_start + block), n);
+    *k = kk;
+    *start = s;
+    *end = s < e ? e : s;
+}
+
+/* ---- block amax (two-pass paths) ------------------------------------------- */
+
+/* amax[k] = max(amax[k], bits of max |x| over the finite values of this tile
+ * of scaling block k). amax must be zeroed before the first launch. */
+extern "C" __global__ void gc_amax_tiles(const float *x, gc_u64 n, gc_u64 block,
+                                         gc_u64 tiles_per_block, gc_u64 tile, gc_u32 *amax)
+{
+    gc_u64 k, start, end;
+    gc_tile_range(n, block, tiles_per_block, tile, &k, &start, &end);
+    gc_u32 m = 0;
+    for (gc_u64 i = start + threadIdx.x; i < end; i += blockDim.x)
+        m = gc_amax_bits(m, x[i]);
+    m = gc_block_max(m);
+    if (threadIdx.x == 0 && m != 0)
+        atomicMax(amax + k, m);
+}
+
+/* ---- FP8 (E4M3FN / E5M2) ----------------------------------------------------- */
+
+/* Team encode: 2^lshift lanes per scaling block of `block` values. */
+extern "C" __global__ void gc_fp8_encode_team(const float *x, gc_u64 n, gc_u64 block,
+                                              gc_u64 nblocks, unsigned int lshift, int e5m2,
+                                              unsigned char *wire)
+{
+    const float fmax = e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
+    const unsigned int width = 1u << lshift;
+    gc_u64 g = gc_global_id();
+    gc_u64 k = g >> lshift;
+    unsigned int lane = (unsigned int)g & (width - 1u);
+    gc_u64 start = k * block;
+    gc_u64 len = k < nblocks ? gc_min_u64(block, n - start) : 0;
+    const float *xb = x + start;
+
+    gc_u32 m = 0;
+    for (gc_u64 i = lane; i < len; i += width)
+        m = gc_amax_bits(m, xb[i]);
+    float amax = gc_float(gc_team_max(m, width));
+    if (len == 0)
+        return;
+
+    float pre;
+    float factor = gc_quant_factor(amax, fmax, &pre);
+    if (lane == 0)
+        gc_store_f32(wire + 4 * k, amax / fmax);
+    unsigned char *cb = wire + 4 * nblocks + start;
+    for (gc_u64 i = lane; i < len; i += width) {
+        float xi = xb[i];
+        cb[i] = gc_fp8_code(e5m2, (xi * pre) * factor, xi);
+    }
+}
+
+/* Tile encode, second pass after gc_amax_tiles filled amax[k]. */
+extern "C" __global__ void gc_fp8_encode_tiles(const float *x, gc_u64 n, gc_u64 block,
+                                               gc_u64 nblocks, gc_u64 tiles_per_block,
+                                               gc_u64 tile, const gc_u32 *amax, int e5m2,
+                                               unsigned char *wire)
+{
+    const float fmax = e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
+    gc_u64 k, start, end;
+    gc_tile_range(n, block, tiles_per_block, tile, &k, &start, &end);
+    if (start >= end)
+        return;
+    float bamax = gc_float(amax[k]);
+    float pre;
+    float factor = gc_quant_factor(bamax, fmax, &pre);
+    if (threadIdx.x == 0 && start == k * block)
+        gc_store_f32(wire + 4 * k, bamax / fmax);
+    unsigned char *codes = wire + 4 * nblocks;
+    for (gc_u64 i = start + threadIdx.x; i < end; i += blockDim.x) {
+        float xi = x[i];
+        codes[i] = gc_fp8_code(e5m2, (xi * pre) * factor, xi);
+    }
+}
+
+/* Team decode: 2^lshift lanes per scaling block (one scale load per lane). */
+extern "C" __global__ void gc_fp8_decode_team(const unsigned char *wire, gc_u64 n, gc_u64 block,
+                                              gc_u64 nblocks, unsigned int lshift, int e5m2,
+                                              int accumulate, float *out)
+{
+    const unsigned int width = 1u << lshift;
+    gc_u64 g = gc_global_id();
+    gc_u64 k = g >> lshift;
+    unsigned int lane = (unsigned int)g & (width - 1u);
+    if (k >= nblocks)
+        return;
+    gc_u64 start = k * block;
+    gc_u64 len = gc_min_u64(block, n - start);
+    float scale = gc_load_f32(wire + 4 * k);
+    const unsigned char *cb = wire + 4 * nblocks + start;
+    float *ob = out + start;
+    for (gc_u64 i = lane; i < len; i += width)
+        gc_put(ob + i, __fmul_rn(gc_fp8_value(e5m2, cb[i]), scale), accumulate);
+}
+
+/* Tile decode for large blocks. */
+extern "C" __global__ void gc_fp8_decode_tiles(const unsigned char *wire, gc_u64 n, gc_u64 block,
+                                               gc_u64 nblocks, gc_u64 tiles_per_block, gc_u64 tile,
+                                               int e5m2, int accumulate, float *out)
+{
+    gc_u64 k, start, end;
+    gc_tile_range(n, block, tiles_per_block, tile, &k, &start, &end);
+    if (start >= end)
+        return;
+    float scale = gc_load_f32(wire + 4 * k);
+    const unsigned char *codes = wire + 4 * nblocks;
+    for (gc_u64 i = start + threadIdx.x; i < end; i += blockDim.x)
+        gc_put(out + i, __fmul_rn(gc_fp8_value(e5m2, codes[i]), scale), accumulate);
+}
+
+/* ---- NVFP4 ------------------------------------------------------------------- */
+
+/* One thread per code byte (values 2p and 2p + 1); the 8 lanes of a 16-value
+ * block reduce its amax and finiteness by shuffles. tamax holds the bits of
+ * the tensor amax from gc_amax_tiles (one scaling block of n values). */
+extern "C" __global__ void gc_nvfp4_encode(const float *x, gc_u64 n, const gc_u32 *tamax,
+                                           unsigned char *wire)
+{
+    const float tmax = GC_E2M1_MAX * GC_E4M3_MAX;
+    gc_u64 p = gc_global_id();
+    gc_u64 npairs = (n + 1) / 2;
+    gc_u64 nblocks = gc_ceil_div(n, GC_NVFP4_BLOCK);
+    int has0 = 2 * p < n;
+    int has1 = 2 * p + 1 < n;
+    float x0 = has0 ? x[2 * p] : 0.0f;
+    float x1 = has1 ? x[2 * p + 1] : 0.0f;
+
+    gc_u32 m = gc_team_max(gc_amax_bits(gc_amax_bits(0u, x0), x1), GC_NVFP4_BLOCK / 2);
+    gc_u32 bad = gc_team_max((gc_u32)(!gc_finite(x0) | !gc_finite(x1)), GC_NVFP4_BLOCK / 2);
+    if (p >= npairs)
+        return;
+
+    float tensor_amax = gc_float(*tamax);
+    float tpre;
+    float tfactor = gc_quant_factor(tensor_amax, tmax, &tpre);
+    float gscale = tensor_amax / tmax;
+    int finite = bad == 0;
+    gc_u8 sc = gc_nvfp4_scale_code(gc_float(m), tpre, tfactor, finite);
+    float pre;
+    float factor = gc_quant_factor(gc_e4m3_value(sc) * gscale, 1.0f, &pre);
+    gc_u32 c0 = finite ? gc_e2m1_code((x0 * pre) * factor) : 0u;
+    gc_u32 c1 = finite && has1 ? gc_e2m1_code((x1 * pre) * factor) : 0u;
+
+    wire[4 + nblocks + p] = (unsigned char)(c0 | (c1 << 4));
+    if ((p & (GC_NVFP4_BLOCK / 2 - 1)) == 0)
+        wire[4 + p / (GC_NVFP4_BLOCK / 2)] = sc;
+    if (p == 0)
+        gc_store_f32(wire, gscale);
+}
+
+extern "C" __global__ void gc_nvfp4_decode(const unsigned char *wire, gc_u64 n, int accumulate,
+                                           float *out)
+{
+    gc_u64 p = gc_global_id();
+    if (p >= (n + 1) / 2)
+        return;
+    gc_u64 nblocks = gc_ceil_div(n, GC_NVFP4_BLOCK);
+    float gscale = gc_load_f32(wire);
+    float eff = __fmul_rn(gc_e4m3_value(wire[4 + p / (GC_NVFP4_BLOCK / 2)]), gscale);
+    gc_u32 byte = wire[4 + nblocks + p];
+    gc_put(out + 2 * p, __fmul_rn(gc_e2m1_value(byte & 0xfu), eff), accumulate);
+    if (2 * p + 1 < n)
+        gc_put(out + 2 * p + 1, __fmul_rn(gc_e2m1_value(byte >> 4), eff), accumulate);
+}
+
+/* ---- BF16 -------------------------------------------------------------------- */
+
+extern "C" __global__ void gc_bf16_encode(const float *x, gc_u64 n, unsigned char *wire)
+{
+    gc_u64 i = gc_global_id();
+    if (i >= n)
+        return;
+    gc_u16 c = gc_bf16_code(x[i]);
+    wire[2 * i] = (unsigned char)c;
+    wire[2 * i + 1] = (unsigned char)(c >> 8);
+}
+
+extern "C" __global__ void gc_bf16_decode(const unsigned char *wire, gc_u64 n, int accumulate,
+                                          float *out)
+{
+    gc_u64 i = gc_global_id();
+    if (i >= n)
+        return;
+    gc_u32 c = (gc_u32)wire[2 * i] | ((gc_u32)wire[2 * i + 1] << 8);
+    gc_put(out + i, gc_bf16_value(c), accumulate);
+}
