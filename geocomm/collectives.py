@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from geocomm.codecs import Codec, get_codec
-from geocomm.codecs.base import DTYPE_CODES, check_float_array
+from geocomm.codecs.base import DTYPE_CODES
 from geocomm.comm.base import Communicator, Request, wait
 
 #: Values of the whole buffer per pipeline stage (all shards together); see
@@ -160,6 +160,25 @@ def wire_bytes(codec: Codec, layout: Layout, rank: int, gather: bool = True) -> 
     return total
 
 
+def array_module(array: Any) -> Any:
+    """numpy, or cupy for CuPy arrays (the NCCL backend works on the device)."""
+    if type(array).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
+def _check_array(x: Any, name: str = "x") -> Any:
+    """x if it is a NumPy or CuPy array of a supported float dtype, else TypeError."""
+    if not isinstance(x, np.ndarray) and array_module(x) is np:
+        raise TypeError(f"{name} must be a numpy or cupy array, got {type(x).__name__}")
+    if x.dtype not in DTYPE_CODES:
+        raise TypeError(f"{name} has dtype {x.dtype}; geocomm collectives take float32, "
+                        "float16, bfloat16 or (codec 'none') float64")
+    return x
+
+
 def _segments(sizes: list[int]) -> tuple[np.ndarray, np.ndarray]:
     counts = np.asarray(sizes, dtype=np.int64)
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
@@ -178,15 +197,16 @@ class Pipeline:
         self.gather = gather
         self.open: list[Request] = []
         n, me = comm.size, comm.rank
+        xp = array_module(source)
         wire = codec.wire_size
         mine = wire(layout.piece)
         every = [wire(min(layout.piece, int(b - a))) for a, b in
                  zip(layout.bounds[:-1], layout.bounds[1:], strict=True)]
         # two stages in flight at most per phase: double buffers
-        self.a2a_send = [np.empty(sum(every), np.uint8) for _ in range(2)]
-        self.a2a_recv = [np.empty(n * mine, np.uint8) for _ in range(2)]
-        self.ag_send = [np.empty(mine, np.uint8) for _ in range(2)]
-        self.ag_recv = [np.empty(sum(every), np.uint8) for _ in range(2)]
+        self.a2a_send = [xp.empty(sum(every), np.uint8) for _ in range(2)]
+        self.a2a_recv = [xp.empty(n * mine, np.uint8) for _ in range(2)]
+        self.ag_send = [xp.empty(mine, np.uint8) for _ in range(2)]
+        self.ag_recv = [xp.empty(sum(every), np.uint8) for _ in range(2)]
         self.me = me
         self.a2a_req: dict[int, Request] = {}
         self.ag_req: dict[int, Request] = {}
@@ -275,19 +295,21 @@ class Pipeline:
 # argument handling
 
 
-def _as_float32(x: np.ndarray) -> np.ndarray:
+def _as_float32(x: Any) -> Any:
     """Flat contiguous float32 values of x (a copy unless x already is one)."""
-    return np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    return array_module(x).ascontiguousarray(x, dtype=np.float32).reshape(-1)
 
 
-def _check_out(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype) -> None:
+def _check_out(out: Any, x: Any) -> None:
     if out is None:
         return
-    if not isinstance(out, np.ndarray):
-        raise TypeError(f"out must be a numpy array like x, got {type(out).__name__}")
+    shape, dtype = x.shape, x.dtype
+    if type(out) is not type(x):
+        raise TypeError(f"out must be an array like x ({type(x).__name__}), "
+                        f"got {type(out).__name__}")
     if out.shape != shape or out.dtype != dtype:
         raise ValueError(f"out is {out.dtype}{list(out.shape)}, expected {dtype}{list(shape)}")
-    if not out.flags.writeable:
+    if not getattr(out.flags, "writeable", True):
         raise ValueError("out is read-only")
 
 
@@ -325,7 +347,7 @@ def _check_enabled(check: bool | None) -> bool:
 
 def _prepare(x: Any, op: str, codec: Any, comm: Communicator | None) -> tuple[
         np.ndarray, Codec, Communicator]:
-    x = check_float_array(x)
+    x = _check_array(x)
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     codec = resolve_codec(codec)
@@ -338,6 +360,21 @@ def _prepare(x: Any, op: str, codec: Any, comm: Communicator | None) -> tuple[
     if select is not None:
         codec = select(x.size)
     return x, codec, get_comm(comm)
+
+
+def _host_only(codec: Codec, source: Any) -> None:
+    if array_module(source) is not np:
+        raise TypeError(f"codec {codec.codec_id!r} transforms on the host (NumPy); on CuPy "
+                        "arrays use fp8/nvfp4/bf16, or the MPI backend, which stages through "
+                        "host memory")
+
+
+def _begin(codec: Codec, source: Any, key: str | None, comm: Communicator) -> Any:
+    """The codec's transform plan (None for stateless codecs)."""
+    if type(codec).begin is Codec.begin:
+        return None
+    _host_only(codec, source)
+    return codec.begin(source, key, lambda v: ordered_sum(comm, v))
 
 
 def ordered_sum(comm: Communicator, values: np.ndarray) -> np.ndarray:
@@ -372,26 +409,27 @@ def allreduce(x: np.ndarray, codec: Any = None, op: str = "sum", out: np.ndarray
     bitwise identical on every rank.
     """
     x, codec, comm = _prepare(x, op, codec, comm)
-    _check_out(out, x.shape, x.dtype)
+    _check_out(out, x)
+    xp = array_module(x)
     if _check_enabled(check):
         check_consistent(comm, "allreduce", x.size, x.dtype, op, codec, key)
     if codec.lossless:
-        work = np.ascontiguousarray(x, np.float64 if x.dtype == np.float64 else np.float32)
-        total = np.empty_like(work)
+        work = xp.ascontiguousarray(x, np.float64 if x.dtype == np.float64 else np.float32)
+        total = xp.empty_like(work)
         comm.allreduce(work, total, "sum")
     else:
         source = _as_float32(x)
-        plan = codec.begin(source.reshape(x.shape), key, lambda v: ordered_sum(comm, v))
+        plan = _begin(codec, source.reshape(x.shape), key, comm)
         if plan is not None:
             source = np.ascontiguousarray(plan.forward(source), np.float32)
-        total = np.empty(x.size, np.float32)
+        total = xp.empty(x.size, np.float32)
         layout = Layout.plan(x.size, comm.size, chunk_elems or DEFAULT_CHUNK_ELEMS)
         Pipeline(comm, codec, layout, source, total, 0, gather=True).run()
         if plan is not None:
             total = np.ascontiguousarray(plan.inverse(total), np.float32)
         codec.end(key, plan, total)
     if op == "avg":
-        np.divide(total, total.dtype.type(comm.size), out=total)
+        total /= total.dtype.type(comm.size)
     result = total.reshape(x.shape)
     if out is None:
         return result.astype(x.dtype, copy=False)
@@ -413,9 +451,10 @@ def reduce_scatter(x: np.ndarray, codec: Any = None, op: str = "sum", *,
         check_consistent(comm, "reduce_scatter", x.size, x.dtype, op, codec, key)
     bounds = shard_bounds(x.size, comm.size)
     lo, hi = int(bounds[comm.rank]), int(bounds[comm.rank + 1])
+    xp = array_module(x)
     if codec.lossless:
-        work = np.ascontiguousarray(x, np.float64 if x.dtype == np.float64 else np.float32)
-        total = np.empty_like(work)
+        work = xp.ascontiguousarray(x, np.float64 if x.dtype == np.float64 else np.float32)
+        total = xp.empty_like(work)
         comm.allreduce(work.reshape(-1), total.reshape(-1), "sum")
         shard = total.reshape(-1)[lo:hi].copy()
     else:
@@ -423,17 +462,18 @@ def reduce_scatter(x: np.ndarray, codec: Any = None, op: str = "sum", *,
         begin_shards = getattr(codec, "begin_shards", None)
         plan = None
         if begin_shards is not None:
+            _host_only(codec, source)
             plan = begin_shards(source.reshape(x.shape), key, lambda v: ordered_sum(comm, v),
                                 bounds)
         if plan is not None:
             source = np.ascontiguousarray(plan.forward(source), np.float32)
-        shard = np.empty(hi - lo, np.float32)
+        shard = xp.empty(hi - lo, np.float32)
         layout = Layout.plan(x.size, comm.size, chunk_elems or DEFAULT_CHUNK_ELEMS)
         Pipeline(comm, codec, layout, source, shard, lo, gather=False).run()
         if plan is not None:
             shard = np.ascontiguousarray(plan.inverse_range(shard, lo, hi), np.float32)
     if op == "avg":
-        np.divide(shard, shard.dtype.type(comm.size), out=shard)
+        shard /= shard.dtype.type(comm.size)
     return shard.astype(x.dtype, copy=False)
 
 
@@ -447,19 +487,20 @@ def allgather(x: np.ndarray, codec: Any = None, *, comm: Communicator | None = N
     x, codec, comm = _prepare(x, "sum", codec, comm)
     if _check_enabled(check):
         check_consistent(comm, "allgather", x.size, x.dtype, "sum", codec, None)
+    xp = array_module(x)
     if x.dtype == np.float64:  # lossless codec only (checked in _prepare)
-        send = np.ascontiguousarray(x, np.float64).reshape(-1).view(np.uint8)
-        recv = np.empty(comm.size * send.size, np.uint8)
+        send = xp.ascontiguousarray(x, np.float64).reshape(-1).view(np.uint8)
+        recv = xp.empty(comm.size * send.size, np.uint8)
         counts, displs = _segments([send.size] * comm.size)
         wait(comm.allgatherv(send, recv, counts, displs), "an all-gather", comm.rank)
         return recv.view(np.float64).reshape((comm.size, *x.shape))
     seg = codec.wire_size(x.size)
-    send = np.empty(seg, np.uint8)
+    send = xp.empty(seg, np.uint8)
     codec.encode_wire(_as_float32(x), send)
-    recv = np.empty(comm.size * seg, np.uint8)
+    recv = xp.empty(comm.size * seg, np.uint8)
     counts, displs = _segments([seg] * comm.size)
     wait(comm.allgatherv(send, recv, counts, displs), "an all-gather", comm.rank)
-    values = np.empty((comm.size, x.size), np.float32)
+    values = xp.empty((comm.size, x.size), np.float32)
     for j in range(comm.size):
         codec.decode_wire(recv[j * seg: (j + 1) * seg], values[j])
     return values.reshape((comm.size, *x.shape)).astype(x.dtype, copy=False)

@@ -38,8 +38,21 @@ class NoneCodec(Codec):
             out[...] = values
 
 
+def _backend(array: Any) -> Any:
+    """The codec core for ``array``: the C core for NumPy, the CUDA kernels for CuPy."""
+    if type(array).__module__.startswith("cupy"):
+        from geocomm import cuda
+
+        return cuda
+    return native
+
+
 class _NativeFormat(Codec):
-    """A codec whose body is one native format (subclasses set ``_fmt``/``_block``)."""
+    """A codec whose body is one native format (subclasses set ``_fmt``/``_block``).
+
+    NumPy arrays run through the C core, CuPy arrays through the CUDA kernels
+    built from the same arithmetic (``native/gc_scalar.h``): same bytes.
+    """
 
     _fmt: int
     _block: int = 0
@@ -48,10 +61,10 @@ class _NativeFormat(Codec):
         return native.wire_size(self._fmt, n, self._block)
 
     def encode_wire(self, x: np.ndarray, wire: np.ndarray) -> None:
-        native.encode(self._fmt, x, self._block, wire)
+        _backend(x).encode(self._fmt, x, self._block, wire)
 
     def decode_wire(self, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
-        native.decode(self._fmt, wire, self._block, out, accumulate)
+        _backend(out).decode(self._fmt, wire, self._block, out, accumulate)
 
 
 class BF16Codec(_NativeFormat):
