@@ -1,6 +1,6 @@
 """Worst-case error bounds of the quantizing codecs and of the collectives.
 
-Single quantization, per element:  |Q(v) - v| <= U * |v| + C * A,  where A is
+Single quantization, per element:  |Q(v) - v| <= U |v| + C A + D,  where A is
 max |x| over the encoded tensor. U is the half-ulp relative error of
 round-to-nearest-even with the format's mantissa bits (E4M3: 3 bits -> 2^-4,
 E5M2: 2 -> 2^-3, bfloat16: 7 -> 2^-8, E2M1: 1 -> 2^-2). C covers what is not
@@ -12,6 +12,12 @@ rounding of scale and factor. NVFP4 also rounds its E4M3 block scale
 with a block scale <= A / 6 * (1 + 2^-4) that gives C = 0.65 / 6 * (1 + 2^-4).
 The NVFP4 bound holds while block scales are E4M3 normals, i.e. no block's
 amax is below ~2^-6 / 448 of the tensor's (true for non-degenerate data).
+
+An absolute term D covers data so small that fp32 scales are subnormal:
+a scale then carries an absolute error up to 2^-150 and so does the product
+code * scale, so |error| gains at most (max code + 1) 2^-150 (E4M3: 449
+2^-150 < 2^-141, E5M2: < 2^-134, NVFP4 with its two scale factors: < 2^-137,
+bfloat16's own subnormal half quantum: 2^-134).
 """
 
 from __future__ import annotations
@@ -20,19 +26,19 @@ import numpy as np
 
 from geocomm.codecs.base import Codec
 
-_E4M3 = (2.0**-4, 2.0**-10 / 448 + 2.0**-20)
-_E5M2 = (2.0**-3, 2.0**-17 / 57344 + 2.0**-20)
-_BF16 = (2.0**-8, 0.0)
-_NVFP4 = (2.0**-2, 0.65 / 6 * (1 + 2.0**-4))
+_E4M3 = (2.0**-4, 2.0**-10 / 448 + 2.0**-20, 2.0**-141)
+_E5M2 = (2.0**-3, 2.0**-17 / 57344 + 2.0**-20, 2.0**-134)
+_BF16 = (2.0**-8, 0.0, 2.0**-134)
+_NVFP4 = (2.0**-2, 0.65 / 6 * (1 + 2.0**-4), 2.0**-137)
 FP32_UNIT = 2.0**-24
 
 
-def error_constants(codec: Codec) -> tuple[float, float]:
-    """(U, C) of the single-quantization bound for a quantizing codec."""
+def error_constants(codec: Codec) -> tuple[float, float, float]:
+    """(U, C, D) of the single-quantization bound |Q(v) - v| <= U|v| + C A + D."""
     config = codec.get_config()
     kind = config["id"]
     if kind == "none":
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     if kind == "bf16":
         return _BF16
     if kind == "nvfp4":
@@ -44,10 +50,10 @@ def error_constants(codec: Codec) -> tuple[float, float]:
 
 def single_bound(values: np.ndarray, codec: Codec) -> np.ndarray:
     """Per-element bound of |Q(v) - v| for one encode/decode of ``values``."""
-    u, c = error_constants(codec)
+    u, c, d = error_constants(codec)
     v = np.abs(np.asarray(values, np.float64))
     amax = float(v.max()) if v.size else 0.0
-    return u * v + c * amax
+    return u * v + c * amax + (d if v.size else 0.0)
 
 
 def allreduce_bound(inputs: list[np.ndarray], codec: Codec) -> np.ndarray:
@@ -58,13 +64,13 @@ def allreduce_bound(inputs: list[np.ndarray], codec: Codec) -> np.ndarray:
     with |S'| and max |S'|). The fp32 additions of N terms add at most
     2 N 2^-24 (sum |x_i| + E1).
     """
-    u, c = error_constants(codec)
+    u, c, d = error_constants(codec)
     abs_sum = np.sum([np.abs(np.asarray(x, np.float64)) for x in inputs], axis=0)
     e1 = np.sum([single_bound(x, codec) for x in inputs], axis=0)
     s_prime = np.abs(np.sum([np.asarray(x, np.float64) for x in inputs], axis=0)) + e1
     a_prime = float(s_prime.max()) if s_prime.size else 0.0
     fp32 = 2 * len(inputs) * FP32_UNIT * (abs_sum + e1)
-    return e1 + u * s_prime + c * a_prime + fp32
+    return e1 + u * s_prime + c * a_prime + d + fp32
 
 
 def reduce_scatter_bound(inputs: list[np.ndarray], codec: Codec) -> np.ndarray:
