@@ -5,7 +5,9 @@
 Creates a network namespace, shapes its loopback with a token bucket
 (``tc qdisc ... tbf rate R``, plus ``netem delay`` when --delay is given),
 and runs the ranks inside it with Open MPI forced onto TCP over that
-loopback, so every byte between ranks crosses the shaped link. The namespace
+loopback, so every byte between ranks crosses the shaped link. The loopback
+is one link shared by all ranks: R is the aggregate rate of all traffic
+(a 2-rank all-reduce moves twice its per-rank bytes through it). The namespace
 is removed afterwards, also when the job fails or is interrupted. Needs root
 (namespaces and tc); without it, says so and exits 2.
 """
@@ -52,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rate", default="10gbit", help="link rate in tc units (1gbit, 10gbit...)")
     p.add_argument("--delay", default=None, help="one-way latency in tc units (e.g. 50us)")
-    p.add_argument("--burst", default="2mb", help="token bucket size (default 2mb)")
+    p.add_argument("--burst", default="128kb",
+                   help="token bucket size (default 128kb: two 64 KiB loopback packets; a "
+                        "larger bucket lets traffic that follows a pause run above the rate)")
     p.add_argument("-n", "--nranks", type=int, default=2)
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("command", nargs=argparse.REMAINDER)
