@@ -216,9 +216,9 @@ class Pipeline:
         self.open = [r for r in self.open if not r.test()]
 
     def _stage_sizes(self, stage: int) -> list[int]:
-        wire = self.codec.wire_size
-        return [wire(int(np.subtract(*self.layout.piece_range(j, stage)[::-1])))
-                for j in range(self.comm.size)]
+        """Wire bytes of every shard's piece in ``stage``."""
+        ranges = (self.layout.piece_range(j, stage) for j in range(self.comm.size))
+        return [self.codec.wire_size(hi - lo) for lo, hi in ranges]
 
     def _local(self, lo: int, hi: int) -> np.ndarray:
         return self.result[lo - self.result_offset: hi - self.result_offset]
