@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -42,6 +43,14 @@ class Collective:
     bound: Callable
     #: gather: whether the all-gather phase exists (wire bytes, breakdown)
     gather: bool
+
+
+def command_line(nranks: int) -> str:
+    """The command that reproduces this run, launcher included."""
+    link = os.environ.get("GEOCOMM_LINK")  # set by perf/emulated_link.py
+    launcher = (f"python perf/emulated_link.py --rate {link.split()[0]} -n {nranks}" if link
+                else f"python -m geocomm.launch -n {nranks}")
+    return " ".join([launcher, "--", "python", *sys.argv])
 
 
 def parse_size(text: str) -> int:
@@ -145,7 +154,7 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"# geocomm {coll.name}_perf: {size} ranks, codec {codec.get_config()}, "
         f"op {args.op}, type {args.datatype}, chunk {args.chunk or 'default'}")
-    say("# command: " + " ".join(sys.argv))
+    say("# command: " + command_line(size))
     head = (f"{'size':>12} {'count':>10} {'type':>8} {'redop':>6} {'time(us)':>10} "
             f"{'algbw':>7} {'busbw':>7} {'#wrong':>7} {'wire(B)':>12} {'ratio':>6} {'relerr':>9}")
     if args.breakdown:
@@ -218,8 +227,9 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
             f"at {rows[-1]['size']} bytes")
     if rank == 0 and args.output_file:
         report = {
-            "tool": f"{coll.name}_perf", "command": " ".join(sys.argv), "ranks": size,
+            "tool": f"{coll.name}_perf", "command": command_line(size), "ranks": size,
             "codec": codec.get_config(), "op": args.op, "datatype": args.datatype,
+            "link": os.environ.get("GEOCOMM_LINK", "shared memory"),
             "chunk": args.chunk, "machine": platform.machine(), "python": platform.python_version(),
             "geocomm": geocomm.__version__, "rows": rows, "wrong_total": total_wrong,
             "avg_busbw_GBps": avg_busbw,

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
-from _driver import _timed, breakdown, parse_size
+from _driver import _timed, breakdown, command_line, parse_size
 
 import geocomm
 from geocomm.collectives import DEFAULT_CHUNK_ELEMS, get_comm, resolve_codec
@@ -55,8 +56,8 @@ def main() -> int:
     if comm.rank != 0:
         return 0
     best = min(rows, key=lambda r: r["allreduce_ms"])
-    report = {"command": " ".join(["python -m geocomm.launch -n", str(comm.size), "--",
-                                   "python", *sys.argv]),
+    link = os.environ.get("GEOCOMM_LINK", "shared memory")
+    report = {"command": command_line(comm.size), "link": link,
               "ranks": comm.size, "bytes": count * 4, "codec": codec.get_config(),
               "default_chunk_elems": DEFAULT_CHUNK_ELEMS, "best_chunk_elems": best["chunk_elems"],
               "rows": rows}
@@ -64,7 +65,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     lines = [f"# Pipelined all-reduce, {count * 4 >> 20} MiB fp32, {comm.size} ranks, "
-             f"codec {codec.get_config()}", "", f"Command: `{report['command']}`", "",
+             f"codec {codec.get_config()}, link: {link}", "", f"Command: `{report['command']}`", "",
              "| chunk (values) | all-reduce ms | encode ms | comm ms | decode ms | serial ms "
              "| pipelined ms | pipelined / serial |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['chunk_elems']} | {r['allreduce_ms']:.2f} | {r['encode_ms']:.2f} | "
