@@ -26,6 +26,7 @@ from geocomm.codecs import decode, get_codec
 from geocomm.codecs.geometry import (
     GEOMETRY_DEFAULTS,
     SHARD_REMEASURE,
+    SIDES,
     GeoCodec,
     GeoShardPlan,
     ThreadWorld,
@@ -158,6 +159,64 @@ def test_state_identical_on_simulated_ranks(transform, refresh):
     assert info["steps"] == steps and info["u"] is not None and info["share"] > 0.5
 
 
+# bound per transform and side choice for a persistent spiked subspace: split
+# quantizes only the weak noise (measured ~0.05x of plain FP8's error);
+# whitening (alpha = 1/8) shrinks the spikes by d ~ 0.25-0.4 per side, so
+# T(G) keeps ~1/3 of ||G|| with one side (measured ~0.35x) and ~1/8 with
+# both (~0.13x); the bounds leave about a factor 2
+SIDE_GAIN = {("split", "both"): 0.1, ("split", "right"): 0.1, ("split", "left"): 0.1,
+             ("whiten", "both"): 0.25, ("whiten", "right"): 0.6, ("whiten", "left"): 0.6}
+
+
+@pytest.mark.parametrize("transform", GEO_TRANSFORMS)
+@pytest.mark.parametrize("sides", SIDES)
+@pytest.mark.parametrize("refresh", ["current", "past"])
+def test_sides_on_simulated_ranks(transform, sides, refresh):
+    """Every side choice on 3 ranks: the side bytes the layout promises are the bytes
+    sent, ranks agree, and once a basis exists the error is far below plain FP8's."""
+    size, m, n = 3, 192, 160
+    codecs = [geo(transform, sides=sides, refresh=refresh) for _ in range(size)]
+    plain = [get_codec("fp8", block=128) for _ in range(size)]
+    k = codecs[0].layout((m, n))[2]
+    for step in range(4):
+        xs = [spiked(m, n, seed=30) + gaussian(m, n, seed=10 * step + r) * 0.01
+              for r in range(size)]
+        exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+        got, side = simulate_allreduce(codecs, xs, key="w")
+        base, _ = simulate_allreduce(plain, xs)
+        if step == 0:  # past: no basis yet; current: a cold refresh (more iterations)
+            continue
+        assert side == codecs[0].side_bytes(m, n, k)
+        assert rel(got, exact) < SIDE_GAIN[transform, sides] * rel(base, exact)
+    assert len({c.state_checksum() for c in codecs}) == 1
+
+
+@pytest.mark.parametrize("transform", GEO_TRANSFORMS)
+@pytest.mark.parametrize("sides", SIDES)
+def test_one_sided_maps_invert_and_frame(transform, sides):
+    x = spiked(256, 192, seed=31)
+    codec = geo(transform, sides=sides)
+    plan = codec.begin(x, None, None)
+    assert rel(plan.inverse(plan.forward(x.reshape(-1))), x.reshape(-1)) < 1e-5
+    m, n, k = codec.layout(x.shape, framed=True)
+    quantized = codec.wire_size(x.size)
+    assert codec.frame_body_size(x.shape) == 4 + codec.side_bytes(m, n, k, framed=True) + quantized
+    plain = rel(quantize(get_codec("fp8", block=128), x).reshape(x.shape), x)
+    assert rel(codec.decode(codec.encode(x)), x) < SIDE_GAIN[transform, sides] * plain
+
+
+def test_side_bytes_by_policy():
+    """What each policy sends per rank and call (k = 8 on a 300 x 200 matrix)."""
+    m, n, k = 300, 200, 8
+    current = 4 * k * (m + n)
+    assert geo(refresh="current").side_bytes(m, n, k) == current + 4 * m  # + probe column
+    assert geo(refresh="current", sides="right").side_bytes(m, n, k) == current + 4 * n
+    assert geo(refresh="past").side_bytes(m, n, k) == 4 * k * k
+    assert geo(refresh="past", sides="right").side_bytes(m, n, k) == 4 * m * k
+    assert geo(refresh="past", sides="left").side_bytes(m, n, k) == 4 * k * n
+    assert geo("whiten", refresh="past", sides="right").side_bytes(m, n, k) == 0
+
+
 def _mpi_sum(comm):
     def allreduce_sum(values):
         rows = comm.allgather(np.ascontiguousarray(values, np.float32))
@@ -207,7 +266,10 @@ def test_through_geocomm_collectives(comm):
         exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
         got = geocomm.allreduce(xs[comm.rank].copy(), codec=codec, key="w", comm=comm)
         base = geocomm.allreduce(xs[comm.rank].copy(), codec=plain, comm=comm)
-        assert rel(got, exact) < 0.5 * rel(base, exact)
+        if step == 0 and codec.refresh == "past":  # no basis yet: plain FP8, bit for bit
+            assert np.array_equal(got, base)
+        else:
+            assert rel(got, exact) < 0.5 * rel(base, exact)
         digest = zlib.crc32(got.tobytes())
         assert len(set(comm.allgather_int64(np.array([digest], np.int64)).ravel())) == 1
         shard = geocomm.reduce_scatter(xs[comm.rank].copy(), codec=codec, key="w", comm=comm)
@@ -230,19 +292,45 @@ def test_spiked_matrix_beats_plain_fp8(transform):
 
 
 def test_spiked_allreduce_beats_plain_fp8():
-    """Two simulated ranks, both quantizations, state carried over steps (defaults)."""
-    size = 2
+    """Two simulated ranks, both quantizations, state carried over steps (defaults).
+
+    The dominant subspace persists from step to step while the per-rank noise
+    changes, as in real gradients (perf/results/geo_real_gradients.md).
+    """
+    size, m, n = 2, 512, 512
     geo_codecs = [get_codec("geofp8") for _ in range(size)]
     plain_codecs = [get_codec("fp8", block=128) for _ in range(size)]
+    codec = geo_codecs[0]
     for step in range(4):
-        xs = [spiked(512, 512, seed=step) + gaussian(512, 512, seed=10 * step + r) * 0.01
+        xs = [spiked(m, n, seed=0) + gaussian(m, n, seed=10 * step + r) * 0.01
               for r in range(size)]
         exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
         got, side = simulate_allreduce(geo_codecs, xs, key="w")
         base, _ = simulate_allreduce(plain_codecs, xs)
-        if step > 0:  # the first refresh is cold and runs more power iterations
-            assert 0 < side <= geo_codecs[0].max_side * geo_codecs[0].wire_size(exact.size)
+        if step == 0 and codec.refresh == "past":
+            assert np.array_equal(got, base), "no basis yet: plain FP8"
+            continue
+        if step > 0:  # the first current refresh is cold and runs more power iterations
+            assert side == codec.side_bytes(*codec.layout((m, n)))
+            assert side <= codec.max_side * codec.wire_size(m * n)
         assert rel(got, exact) < 0.5 * rel(base, exact)
+
+
+@pytest.mark.parametrize("codec_id", ["geofp8", "geonvfp4"])
+def test_stale_basis_costs_little(codec_id):
+    """A dominant subspace replaced at every step: the basis from the last result is
+    useless, the stretched directions hold only noise, so the error stays within
+    10% of the plain quantizer's (measured: 4-7%)."""
+    size = 2
+    geo_codecs = [get_codec(codec_id) for _ in range(size)]
+    plain_codecs = [get_codec("fp8" if codec_id == "geofp8" else "nvfp4") for _ in range(size)]
+    for step in range(4):
+        xs = [spiked(512, 512, seed=step) + gaussian(512, 512, seed=10 * step + r) * 0.01
+              for r in range(size)]
+        exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+        got, _ = simulate_allreduce(geo_codecs, xs, key="w")
+        base, _ = simulate_allreduce(plain_codecs, xs)
+        assert rel(got, exact) < 1.1 * rel(base, exact)
 
 
 @pytest.mark.parametrize("params", [{}, {"transform": "whiten", "min_share": 0.0},
@@ -359,7 +447,7 @@ class CountingSum:
 
 
 def test_selective_rule_uses_shape_and_config():
-    codec = geo()
+    codec = geo(refresh="current")
     assert matrix_shape((7,)) is None and matrix_shape(()) is None
     assert matrix_shape((4, 3, 5)) == (4, 15)
     assert codec.layout((100_000,)) is None
@@ -369,8 +457,10 @@ def test_selective_rule_uses_shape_and_config():
     assert (m, n) == (1024, 1024) and 1 <= k <= codec.k
     assert codec.side_bytes(m, n, k) <= codec.max_side * codec.wire_size(m * n)
     assert codec.layout((4096, 4096))[2] == codec.k
-    assert geo(max_side=0.001).layout((512, 512)) is None
-    assert geo(refresh="past", transform="whiten", max_side=0.0).layout((512, 512))[2] == 16
+    assert geo(refresh="current", max_side=0.001).layout((512, 512)) is None
+    assert geo(refresh="past", max_side=0.001).layout((512, 512))[2] == 8  # 4 k^2 bytes
+    whiten_past = geo(refresh="past", transform="whiten", max_side=0.0)  # sends nothing
+    assert whiten_past.layout((512, 512))[2] == whiten_past.k
     assert geo("none").layout((512, 512)) is None
     counter = CountingSum()
     assert codec.begin(np.ones(100_000, np.float32), "v", counter) is None
@@ -378,7 +468,7 @@ def test_selective_rule_uses_shape_and_config():
 
 
 def test_low_anisotropy_is_skipped_once_measured():
-    codec = geo()
+    codec = geo(refresh="current", k=16)
     x = gaussian(512, 512, seed=12)
     counter = CountingSum()
     plan = codec.begin(x, "w", counter)  # not measured yet: one refresh
@@ -397,7 +487,7 @@ def test_low_anisotropy_is_skipped_once_measured():
 
 
 def test_low_anisotropy_shards_remeasure_now_and_then():
-    codec = geo()
+    codec = geo(refresh="current", k=16)
     x = gaussian(512, 256, seed=12)
     bounds = [0, x.size // 2, x.size]
     calls = []
@@ -471,7 +561,8 @@ def test_shard_plans(transform, refresh):
 CONFIGS = [
     {"id": "geofp8"},
     {"id": "geofp8", "fmt": "e5m2", "block": 32, "transform": "whiten", "k": 4,
-     "alpha": 0.25, "d_min": 0.05, "refresh": "past", "min_dim": 8, "min_numel": 100,
+     "alpha": 0.25, "d_min": 0.05, "refresh": "past", "sides": "left", "min_dim": 8,
+     "min_numel": 100,
      "max_side": 0.5, "min_share": 0.0, "warmup": 3, "seed": 42},
     {"id": "geonvfp4", "transform": "hadamard"},
     {"id": "hadamard", "block": 64, "seed": 1},
@@ -492,7 +583,7 @@ def test_config_round_trip(config):
 @pytest.mark.parametrize("bad", [{"transform": "pca"}, {"refresh": "future"}, {"k": 0},
                                  {"alpha": -0.1}, {"d_min": 0.0}, {"d_min": 2.0},
                                  {"min_share": 1.5}, {"warmup": -1}, {"k": 2.5},
-                                 {"fmt": "e3m4"}, {"max_side": "lots"}])
+                                 {"fmt": "e3m4"}, {"max_side": "lots"}, {"sides": "top"}])
 def test_bad_config_is_rejected(bad):
     with pytest.raises(ValueError):
         get_codec("geofp8", **bad)
@@ -523,7 +614,11 @@ def test_frame_round_trip(codec_id, case):
     if case == "zero":
         assert not y.any()
     elif case == "spiked" and codec_id != "hadamard":
-        assert rel(y, x) < 0.5 * rel(plain, x)
+        # the frame holds its basis in fp32 within max_side of the payload: k >= 2
+        # directions on E4M3's payload, 1 on NVFP4's (half the size), which
+        # removes the error of the strongest spike (3/4 of the energy) only
+        k = codec.layout(x.shape, framed=True)[2]
+        assert rel(y, x) < (0.5 if k >= 2 else 0.7) * rel(plain, x)
     else:
         assert rel(y, x) <= 1.05 * rel(plain, x)
 

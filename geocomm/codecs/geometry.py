@@ -23,19 +23,32 @@ Transforms (``transform=``), with orthonormal U (m x k), V (n x k):
   orthogonal and keeps the size. Signs come from ``seed``; no state.
 * ``whiten``: ``T(X) = (I + U diag(d-1) U^T) X (I + V diag(d-1) V^T)`` with
   ``d_i = clip((bulk / lambda_i) ** alpha, d_min, 1)``, lambda_i the energy
-  of direction i, bulk the mean energy of the other min(m, n) - k directions.
+  of direction i, bulk the mean energy of the other min(m, n) - k directions
+  (floored at ``BULK_FLOOR`` times the mean energy per direction, so the
+  empty directions of a rank-deficient gradient keep d = 1: shrinking them
+  gains nothing and would amplify their quantization error in ``T^-1``).
   ``T^-1`` uses 1/d (exact because U and V are orthonormal).
 * ``split``: the top-k coefficients ``C = U^T X V`` are summed exactly in
   fp32, the residual ``X - U C V^T`` is quantized and ``T^-1(Y) = Y + U (sum
   C) V^T``. With ``refresh="current"`` the summed C falls out of the power
   step at no extra cost; with ``"past"`` it is one k x k ``allreduce_sum``.
 
+Sides (``sides=``): ``both`` as above; ``right`` maps X -> X (I + V diag(d-1)
+V^T) (whiten), or quantizes X - X V V^T and sums the row coefficients X V
+(m x k) exactly (split); ``left`` likewise with U^T X (k x n). One-sided
+split keeps everything of X inside span(V), not just U^T X V, so with a
+basis from past results (m x k values per rank) it captures as much as a
+current two-sided refresh (k (m + n) values); the right side is the layer
+input side, whose dominant directions move least between steps.
+
 Basis refresh (``refresh=``): ``current`` runs one warm-started power step on
 this step's gradient (``allreduce_sum`` of G_i V (m x k, plus one random
 probe column that estimates the bulk energy) and then of G_i^T U (n x k);
 orthonormalize with QR, then a Rayleigh-Ritz rotation so that U^T G V is
 diagonal); ``past`` updates basis and energies in ``end`` from the reduced
-result only (zero extra collectives). A key's first refresh starts from a
+result only (zero extra collectives; the key goes plain until it has a
+basis). A current refresh with ``sides="right"`` runs the power step right
+side first, so the summed X V comes out of it. A key's first refresh starts from a
 fixed-seed random basis and runs ``COLD_ITERS`` power iterations. With
 ``key=None`` there is no state: every call refreshes from a cold start
 (collectively when ``allreduce_sum`` is given, else on x alone). Without a
@@ -45,10 +58,11 @@ Selective application (per tensor; decided from shape, config and state only,
 so identically on every rank): shape below ``min_dim``/``min_numel`` goes
 plain; the rank is lowered from ``k`` until the side-channel bytes fit in
 ``max_side`` times the quantized payload (plain when no rank fits); once the
-top-k energy share has been measured, a tensor whose share is below
-``min_share`` goes plain (its state keeps being refreshed for free in
-``end``, so it can come back); a current refresh that measures a share
-below ``min_share`` leaves this call untransformed as well.
+top-k energy share has been measured, a tensor whose share exceeds that of a
+flat spectrum (k / min(m, n)) by less than ``min_share`` goes plain (its
+state keeps being refreshed for free in ``end``, so it can come back); a
+current refresh that measures such a share leaves this call untransformed
+as well.
 
 Guard rails: the first ``warmup`` calls of a key use no transform and only
 refresh state. Non-finite entries are zeroed before the map and written back
@@ -71,8 +85,9 @@ same key (plain until there is one) and split sums X V in one
 
 Standalone frames: ``encode`` computes the basis from x itself (no state)
 and the frame body is ``[u32 flag][side channel, fp32][quantized body]``; the
-side channel is U, V and the two d vectors (whiten) or U, V, C (split), so
-``decode`` needs no state. Flag 0 means no transform (side zero-filled).
+side channel is the bases of the mapped sides (U and/or V) followed by their d
+vectors (whiten) or by C (split: k x k, m x k or k x n), so ``decode`` needs
+no state. Flag 0 means no transform (side zero-filled).
 Hadamard frames and tensors the rule leaves plain hold the quantized body
 alone.
 
@@ -98,6 +113,7 @@ from geocomm.codecs.formats import FP8Codec, NVFP4Codec
 
 TRANSFORMS = ("none", "hadamard", "whiten", "split")
 REFRESH = ("current", "past")
+SIDES = ("both", "right", "left")
 #: power iterations of a key's first refresh (from a fixed-seed random start)
 COLD_ITERS = 2
 #: random probe columns appended to a collective power step to estimate the bulk
@@ -106,30 +122,38 @@ COLD_ITERS = 2
 PROBES = 1
 #: a reduce-scatter key skipped for low anisotropy refreshes every this many calls
 SHARD_REMEASURE = 16
+#: whitening's bulk energy is at least this fraction of the mean energy per direction
+BULK_FLOOR = 1e-4
 
 _F32 = np.float32
 _FLAG = struct.Struct("<I")
 
-# The geometry knobs and their defaults (the quantizer's own knobs come first).
-# Measured with perf/geo_fidelity.py (2 simulated ranks, both quantizations,
-# low-rank signal drifting between steps + per-rank noise, 256x688 to
-# 1024x1024): split beats whiten at every k for the same bytes; a current
-# refresh keeps its gain when the subspace moves (past: 0.72x of the fp8
-# error with a static subspace, 0.92x when it moves a lot; current: 0.65x
-# either way); whiten wants alpha = 1/8 (1/4: worse, 1/2: worse than plain)
-# and then never reaches d_min. The side channel buys less than block
-# scales do once the top-k energy share falls below ~0.2 or the side
-# channel passes ~10% of the payload, hence min_share and max_side; k = 16
-# is the rank for large matrices, the budget lowers it on small ones.
+# The geometry knobs and their defaults (the quantizer's own knobs come first),
+# chosen on real gradients: perf/geo_real_gradients.py, results and commands in
+# perf/results/geo_real_gradients.md (3.3M-parameter byte-level Llama, 2 MPI
+# ranks, both quantizations, medians over its 30 weight matrices and 20
+# steps). Whitening both sides in the basis tracked from past reduced results
+# sends no extra bytes and cuts the error to 0.36x of E4M3 block 128's at
+# k = 64 (0.42x at k = 32, 0.34x at k = 128 for twice the arithmetic), the
+# error outside the top-4 subspace likewise; geonvfp4 gets 0.37x of NVFP4's.
+# alpha = 1/8 is the optimum (1/16: 0.49x, 1/4: 0.53x, 1/2: 3.4x, as full
+# whitening blows up the error inside the top subspace); d_min is never
+# reached. Split coefficients and current refreshes buy more (one-sided
+# split, past basis, k = 32: 0.13x) only with side channels of 10-80% of the
+# payload on 256-wide matrices, and their 5%-budget versions stay at
+# 0.48-0.68x: real gradients' dominant subspace moves slowly, so a past basis
+# loses little. max_side bounds the side channel of the transforms that have
+# one at the 5% of the issue; k is capped at min(m, n) / 2.
 GEOMETRY_DEFAULTS: dict[str, Any] = {
-    "transform": "split",
-    "k": 16,
+    "transform": "whiten",
+    "k": 64,
     "alpha": 0.125,
     "d_min": 0.125,
-    "refresh": "current",
+    "refresh": "past",
+    "sides": "both",
     "min_dim": 64,
     "min_numel": 16384,
-    "max_side": 0.1,
+    "max_side": 0.05,
     "min_share": 0.2,
     "warmup": 0,
     "seed": 0,
@@ -178,8 +202,15 @@ def _random_basis(rows: int, k: int, seed: int) -> np.ndarray:
     return _orth(rng.standard_normal((rows, k)))
 
 
-def _factors(sigma2: np.ndarray, bulk: float, alpha: float, d_min: float) -> np.ndarray:
-    """d_i = clip((bulk / lambda_i) ** alpha, d_min, 1); 1 for directions without energy."""
+def _factors(sigma2: np.ndarray, bulk: float, alpha: float, d_min: float,
+             directions: int) -> np.ndarray:
+    """d_i = clip((bulk / lambda_i) ** alpha, d_min, 1); 1 for directions without energy.
+
+    ``directions`` = min(m, n); bulk is floored at ``BULK_FLOOR`` times the mean
+    energy per direction.
+    """
+    mean = (float(sigma2.sum()) + bulk * max(directions - sigma2.size, 0)) / directions
+    bulk = max(bulk, BULK_FLOOR * mean)
     ratio = np.divide(bulk, sigma2, out=np.ones_like(sigma2), where=sigma2 > 0)
     return np.clip(ratio**alpha, d_min, 1.0).astype(_F32)
 
@@ -224,10 +255,10 @@ class _HadamardMap:
 
 
 class _WhitenMap:
-    """(I + U diag(dL-1) U^T) X (I + V diag(dR-1) V^T); U None: right side only."""
+    """(I + U diag(dL-1) U^T) X (I + V diag(dR-1) V^T); a side whose basis is None is skipped."""
 
     def __init__(self, u: np.ndarray | None, d_left: np.ndarray | None,
-                 v: np.ndarray, d_right: np.ndarray):
+                 v: np.ndarray | None, d_right: np.ndarray | None):
         self.u, self.d_left, self.v, self.d_right = u, d_left, v, d_right
 
     def apply(self, x: np.ndarray, r0: int, inverse: bool) -> np.ndarray:
@@ -235,21 +266,25 @@ class _WhitenMap:
         if self.u is not None:
             f = (1 / self.d_left - 1) if inverse else (self.d_left - 1)
             y = y + self.u @ (f[:, None] * (self.u.T @ y))
-        f = (1 / self.d_right - 1) if inverse else (self.d_right - 1)
-        return y + ((y @ self.v) * f) @ self.v.T
+        if self.v is not None:
+            f = (1 / self.d_right - 1) if inverse else (self.d_right - 1)
+            y = y + ((y @ self.v) * f) @ self.v.T
+        return y
 
     def side_arrays(self) -> list[np.ndarray]:
-        return [self.u, self.v, self.d_left, self.d_right]
+        return [a for a in (self.u, self.v, self.d_left, self.d_right) if a is not None]
 
 
 class _SplitMap:
-    """Residual X - U U^T X V V^T; inverse adds U C V^T with the summed C.
+    """Residual X - U U^T X V V^T; inverse adds U C V^T with the summed C (k x k).
 
-    Right side only (U None): residual X - X V V^T, C holds the summed row
-    coefficients X V (m x k) and the inverse adds C[rows] V^T.
+    One-sided: with U None the residual is X - X V V^T and C holds the summed
+    row coefficients X V (m x k), the inverse adds C[rows] V^T (row-local, so
+    reduce-scatter shards use it); with V None the residual is X - U U^T X,
+    C the summed U^T X (k x n) and the inverse adds U C (whole matrix only).
     """
 
-    def __init__(self, u: np.ndarray | None, v: np.ndarray, coeffs: np.ndarray):
+    def __init__(self, u: np.ndarray | None, v: np.ndarray | None, coeffs: np.ndarray):
         self.u, self.v, self.coeffs = u, v, coeffs
 
     def apply(self, x: np.ndarray, r0: int, inverse: bool) -> np.ndarray:
@@ -257,12 +292,14 @@ class _SplitMap:
             if inverse:
                 return x + self.coeffs[r0 : r0 + x.shape[0]] @ self.v.T
             return x - (x @ self.v) @ self.v.T
+        if self.v is None:
+            return x + self.u @ self.coeffs if inverse else x - self.u @ (self.u.T @ x)
         if inverse:
             return x + (self.u @ self.coeffs) @ self.v.T
         return x - (self.u @ ((self.u.T @ x) @ self.v)) @ self.v.T
 
     def side_arrays(self) -> list[np.ndarray]:
-        return [self.u, self.v, self.coeffs]
+        return [a for a in (self.u, self.v, self.coeffs) if a is not None]
 
 
 # ---------------------------------------------------------------------------
@@ -450,7 +487,8 @@ class GeoCodec(Codec):
     ``alpha`` and ``d_min`` (whiten factors), ``refresh`` (current|past),
     ``min_dim``/``min_numel`` (smallest eligible matrix), ``max_side`` (side
     channel budget as a fraction of the quantized payload), ``min_share``
-    (smallest top-k energy share worth a transform), ``warmup`` (identity
+    (smallest top-k energy share beyond a flat spectrum's worth a transform),
+    ``sides`` (both|right|left: the sides the map acts on), ``warmup`` (identity
     calls per key), ``seed`` (shared randomness). Per-key state lives in the
     codec; ``state_checksum()`` hashes it, ``reset_state()`` drops it.
     """
@@ -463,6 +501,7 @@ class GeoCodec(Codec):
                  k: int = GEOMETRY_DEFAULTS["k"], alpha: float = GEOMETRY_DEFAULTS["alpha"],
                  d_min: float = GEOMETRY_DEFAULTS["d_min"],
                  refresh: str = GEOMETRY_DEFAULTS["refresh"],
+                 sides: str = GEOMETRY_DEFAULTS["sides"],
                  min_dim: int = GEOMETRY_DEFAULTS["min_dim"],
                  min_numel: int = GEOMETRY_DEFAULTS["min_numel"],
                  max_side: float = GEOMETRY_DEFAULTS["max_side"],
@@ -472,8 +511,10 @@ class GeoCodec(Codec):
             raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform!r}")
         if refresh not in REFRESH:
             raise ValueError(f"refresh must be one of {REFRESH}, got {refresh!r}")
+        if sides not in SIDES:
+            raise ValueError(f"sides must be one of {SIDES}, got {sides!r}")
         self.quantizer = quantizer
-        self.transform, self.refresh = transform, refresh
+        self.transform, self.refresh, self.sides = transform, refresh, sides
         self.k = _check_int("k", k, 1)
         self.min_dim = _check_int("min_dim", min_dim, 1)
         self.min_numel = _check_int("min_numel", min_numel, 0)
@@ -508,12 +549,19 @@ class GeoCodec(Codec):
 
     # ---- selective application ------------------------------------------------
     def side_bytes(self, m: int, n: int, k: int, framed: bool = False) -> int:
-        """Side-channel bytes per rank and call (or per frame) at rank k."""
+        """Side-channel bytes per rank and call (or per frame) at rank k.
+
+        current refresh: the two power-step sums (k (m + n) values plus the
+        probe column); past: the exact split coefficients (k x k, or m x k
+        and k x n for one side), nothing for whiten.
+        """
         if framed:
-            return 4 * (k * (m + n) + (k * k if self.transform == "split" else 2 * k))
+            return 4 * sum(math.prod(s) for s in self._side_shapes(m, n, k))
         if self.refresh == "current":
-            return 4 * (k * (m + n) + PROBES * m)
-        return 4 * k * k if self.transform == "split" else 0
+            return 4 * (k * (m + n) + PROBES * (n if self.sides == "right" else m))
+        if self.transform == "whiten":
+            return 0
+        return 4 * k * {"both": k, "right": m, "left": n}[self.sides]
 
     def layout(self, shape: Sequence[int], framed: bool = False) -> tuple[int, int, int] | None:
         """(m, n, k) when a tensor of ``shape`` gets a transform, else None.
@@ -534,6 +582,11 @@ class GeoCodec(Codec):
         while k > 0 and self.side_bytes(m, n, k, framed) > budget:
             k -= 1
         return (m, n, k) if k > 0 else None
+
+    def _anisotropic(self, share: float, lay: tuple[int, int, int]) -> bool:
+        """Whether a top-k energy share beats a flat spectrum's k / min(m, n) by min_share."""
+        m, n, k = lay
+        return share - k / min(m, n) >= self.min_share
 
     def _hadamard(self, n: int) -> _HadamardMap:
         if n not in self._hadamards:
@@ -561,15 +614,38 @@ class GeoCodec(Codec):
             step = step.transposed()
         return step
 
-    def _map(self, step_or_state: _Step | _KeyState, right_only: bool = False,
+    def _map(self, step_or_state: _Step | _KeyState, sides: str | None = None,
              coeffs: np.ndarray | None = None) -> _WhitenMap | _SplitMap:
-        """The whiten or split map from a refresh (its energies) or a state."""
-        s = step_or_state
-        u = None if right_only else s.u
+        """The whiten or split map on ``sides`` (default ``self.sides``) from a
+        refresh (its energies) or a state; ``coeffs``: the summed split coefficients."""
+        s, sides = step_or_state, sides or self.sides
+        u = None if sides == "right" else s.u
+        v = None if sides == "left" else s.v
         if self.transform == "whiten":
-            d = _factors(s.sigma2, s.bulk, self.alpha, self.d_min)
-            return _WhitenMap(u, None if right_only else d, s.v, d)
-        return _SplitMap(u, s.v, np.asarray(coeffs, _F32))
+            directions = min(s.u.shape[0], s.v.shape[0])
+            d = _factors(s.sigma2, s.bulk, self.alpha, self.d_min, directions)
+            return _WhitenMap(u, None if u is None else d, v, None if v is None else d)
+        return _SplitMap(u, v, np.asarray(coeffs, _F32))
+
+    def _coefficients(self, g: np.ndarray, st: _KeyState) -> np.ndarray:
+        """This rank's split coefficients in the basis of ``st``: U^T g V, g V or U^T g."""
+        if self.sides == "right":
+            return g @ st.v
+        if self.sides == "left":
+            return st.u.T @ g
+        return st.u.T @ g @ st.v
+
+    def _step_coefficients(self, step: _Step) -> np.ndarray:
+        """The summed split coefficients a power step yields for free.
+
+        Two-sided: U^T G V; right: G V (``second`` of a right-first step);
+        left: U^T G (``second`` of a left-first step is G^T U).
+        """
+        if self.sides == "right":
+            return step.second
+        if self.sides == "left":
+            return step.second.T
+        return step.coeffs
 
     # ---- geometry hooks ---------------------------------------------------------
     def begin(self, x: np.ndarray, key: Any, allreduce_sum: AllreduceSum | None) -> GeoPlan | None:
@@ -585,14 +661,15 @@ class GeoCodec(Codec):
         if self.transform == "hadamard":
             return GeoPlan(self._hadamard(n), m, n)
         g = _finite(np.asarray(x, _F32).reshape(m, n))
+        right_first = self.sides == "right"
         if key is None:  # no state: this gradient alone, from a cold start
-            step = self._refresh(g, None, k, allreduce_sum)
+            step = self._refresh(g, None, k, allreduce_sum, right_first)
             return self._current_plan(step, m, n, commit=False)
         st = self._state_for(key, m, n, k)
         st.steps += 1
-        active = st.steps > self.warmup and (st.share is None or st.share >= self.min_share)
+        active = st.steps > self.warmup and (st.share is None or self._anisotropic(st.share, lay))
         if self.refresh == "current":
-            step = self._refresh(g, st, k, allreduce_sum) if active else None
+            step = self._refresh(g, st, k, allreduce_sum, right_first) if active else None
             plan = self._current_plan(step, m, n)
             st.pending = step is None  # otherwise end() commits the plan's step
             return plan
@@ -601,7 +678,7 @@ class GeoCodec(Codec):
             return None
         if self.transform == "whiten":
             return GeoPlan(self._map(st), m, n)
-        coeffs = st.u.T @ g @ st.v
+        coeffs = self._coefficients(g, st)
         side = 0
         if allreduce_sum is not None:
             coeffs = allreduce_sum(coeffs)
@@ -617,10 +694,10 @@ class GeoCodec(Codec):
         """
         if step is None:
             return None
-        worth = step.total > 0 and step.share >= self.min_share
+        worth = step.total > 0 and self._anisotropic(step.share, (m, n, step.u.shape[1]))
         if not (worth or commit):
             return None
-        rowmap = self._map(step, coeffs=step.coeffs) if worth else _Identity()
+        rowmap = self._map(step, coeffs=self._step_coefficients(step)) if worth else _Identity()
         return GeoPlan(rowmap, m, n, step.sent, step if commit else None)
 
     def begin_shards(self, x: np.ndarray, key: Any, allreduce_sum: AllreduceSum | None,
@@ -644,7 +721,7 @@ class GeoCodec(Codec):
         st = None if key is None else self._state_for(key, m, n, k)
         if st is not None:
             st.steps += 1
-            low = st.share is not None and st.share < self.min_share
+            low = st.share is not None and not self._anisotropic(st.share, lay)
             # no end() re-measures a skipped tensor here: a refresh does, now and then
             if st.steps <= self.warmup or (low and st.steps % SHARD_REMEASURE):
                 return None
@@ -654,20 +731,20 @@ class GeoCodec(Codec):
                 return None
             if st is not None:
                 st.commit(step)
-            if step.total == 0 or step.share < self.min_share:
+            if step.total == 0 or not self._anisotropic(step.share, lay):
                 return None
-            rowmap = self._map(step, right_only=True, coeffs=step.second)
+            rowmap = self._map(step, "right", coeffs=step.second)
             return GeoShardPlan(rowmap, m, n, bounds, step.sent)
         if st.v is None or low:
             return None
         if self.transform == "whiten":
-            return GeoShardPlan(self._map(st, right_only=True), m, n, bounds)
+            return GeoShardPlan(self._map(st, "right"), m, n, bounds)
         coeffs = g @ st.v
         side = 0
         if allreduce_sum is not None:
             coeffs = allreduce_sum(coeffs)
             side = coeffs.nbytes
-        return GeoShardPlan(self._map(st, right_only=True, coeffs=coeffs), m, n, bounds, side)
+        return GeoShardPlan(self._map(st, "right", coeffs=coeffs), m, n, bounds, side)
 
     def end(self, key: Any, plan: Any, result: np.ndarray) -> None:
         """Refresh the state of ``key`` from the reduced ``result`` (flat, any rank alike).
@@ -726,8 +803,11 @@ class GeoCodec(Codec):
 
     # ---- frames -------------------------------------------------------------------
     def _side_shapes(self, m: int, n: int, k: int) -> list[tuple[int, ...]]:
-        extra = [(k, k)] if self.transform == "split" else [(k,), (k,)]
-        return [(m, k), (n, k), *extra]
+        """Shapes of the frame side channel, in ``side_arrays`` order."""
+        bases = {"both": [(m, k), (n, k)], "right": [(n, k)], "left": [(m, k)]}[self.sides]
+        if self.transform == "whiten":
+            return [*bases, *[(k,)] * len(bases)]
+        return [*bases, {"both": (k, k), "right": (m, k), "left": (k, n)}[self.sides]]
 
     def frame_body_size(self, shape: tuple[int, ...]) -> int:
         body = self.quantizer.wire_size(math.prod(shape))
@@ -745,7 +825,7 @@ class GeoCodec(Codec):
             return
         m, n, k = lay
         side = _FLAG.size + self.side_bytes(m, n, k, framed=True)
-        step = self._refresh(_finite(x.reshape(m, n)), None, k, None)
+        step = self._refresh(_finite(x.reshape(m, n)), None, k, None, self.sides == "right")
         plan = self._current_plan(step, m, n, commit=False)
         if plan is None:
             body[:side] = 0
@@ -782,13 +862,16 @@ class GeoCodec(Codec):
             pos += size
         if not all(np.isfinite(a).all() for a in arrays):
             raise ValueError("GeoFP8 frame side channel holds non-finite values")
+        left = None if self.sides == "right" else arrays.pop(0)
+        right = None if self.sides == "left" else arrays.pop(0)
         if self.transform == "whiten":
-            u, v, d_left, d_right = arrays
-            if (d_left <= 0).any() or (d_right <= 0).any():
+            if any((d <= 0).any() for d in arrays):
                 raise ValueError("GeoFP8 frame holds non-positive whitening factors")
-            rowmap: Any = _WhitenMap(u, d_left, v, d_right)
+            d_left = None if left is None else arrays.pop(0)
+            d_right = None if right is None else arrays.pop(0)
+            rowmap: Any = _WhitenMap(left, d_left, right, d_right)
         else:
-            rowmap = _SplitMap(*arrays)
+            rowmap = _SplitMap(left, right, arrays[0])
         flat[...] = GeoPlan(rowmap, m, n).inverse(flat)
 
 
