@@ -499,6 +499,24 @@ def test_low_anisotropy_shards_remeasure_now_and_then():
     assert refreshed == [1, SHARD_REMEASURE, 2 * SHARD_REMEASURE]
 
 
+def test_past_shards_without_allreduce_refresh_now_and_then():
+    """A key only ever reduce-scattered has no all-reduce result to learn from: the
+    past policy refreshes collectively on its first call and every SHARD_REMEASURE
+    calls, and whitens its shards in between without a collective."""
+    codec = geo("whiten", refresh="past", k=16)
+    x = spiked(512, 256, seed=12)
+    bounds = [0, x.size // 2, x.size]
+    calls = []
+    for _ in range(2 * SHARD_REMEASURE):
+        counter = CountingSum()
+        plan = codec.begin_shards(x, "w", counter, bounds)
+        assert isinstance(plan, GeoShardPlan)
+        assert (plan.side_bytes > 0) == (counter.calls > 0)
+        calls.append(counter.calls)
+    refreshed = [i + 1 for i, c in enumerate(calls) if c]
+    assert refreshed == [1, 1 + SHARD_REMEASURE]
+
+
 @pytest.mark.parametrize("refresh", ["current", "past"])
 def test_warmup_is_identity_but_learns(refresh):
     codec = geo(warmup=2, refresh=refresh)

@@ -79,8 +79,10 @@ row rotation (hadamard). With ``refresh="current"`` the power step runs
 right side first, so those coefficients come out of it; the state is
 committed in ``begin_shards`` (reduce-scatter has no common result for
 ``end``; a key skipped for low anisotropy refreshes every
-``SHARD_REMEASURE`` calls instead). With ``"past"`` the basis comes from earlier all-reduces of the
-same key (plain until there is one) and split sums X V in one
+``SHARD_REMEASURE`` calls instead). With ``"past"`` the basis comes from
+earlier all-reduces of the same key; a key without one, or whose basis is
+``SHARD_REMEASURE`` calls old (a key only ever reduce-scattered), runs the
+collective right-first refresh first. Split sums X V in one
 ``allreduce_sum``. ``plan.inverse_range(values, lo, hi)`` inverts one shard.
 
 Standalone frames: ``encode`` computes the basis from x itself (no state)
@@ -464,14 +466,16 @@ class _KeyState:
     bulk: float = 0.0
     share: float | None = None  # None until measured
     pending: bool = False  # end() refreshes from the result
+    refreshed: int = 0  # steps at the last committed refresh
 
     def commit(self, step: _Step) -> None:
         if step.total > 0:  # an all-zero sum says nothing about the geometry
             self.u, self.v, self.sigma2 = step.u, step.v, step.sigma2
             self.bulk, self.share = step.bulk, step.share
+            self.refreshed = self.steps
 
     def arrays(self) -> list[np.ndarray]:
-        head = np.array([self.m, self.n, self.k, self.steps], np.int64)
+        head = np.array([self.m, self.n, self.k, self.steps, self.refreshed], np.int64)
         tail = np.array([self.bulk, -1.0 if self.share is None else self.share], np.float64)
         return [a for a in (head, self.u, self.v, self.sigma2, tail) if a is not None]
 
@@ -735,15 +739,24 @@ class GeoCodec(Codec):
                 return None
             rowmap = self._map(step, "right", coeffs=step.second)
             return GeoShardPlan(rowmap, m, n, bounds, step.sent)
+        # past: the basis comes from all-reduce results; a key that only ever meets
+        # reduce-scatter refreshes collectively at first and every SHARD_REMEASURE calls
+        side = 0
+        if st.v is None or st.steps - st.refreshed >= SHARD_REMEASURE:
+            step = self._refresh(g, st, k, allreduce_sum, right_first=True)
+            if step is None:
+                return None
+            st.commit(step)
+            side = step.sent
+            low = st.share is not None and not self._anisotropic(st.share, lay)
         if st.v is None or low:
             return None
         if self.transform == "whiten":
-            return GeoShardPlan(self._map(st, "right"), m, n, bounds)
+            return GeoShardPlan(self._map(st, "right"), m, n, bounds, side)
         coeffs = g @ st.v
-        side = 0
         if allreduce_sum is not None:
             coeffs = allreduce_sum(coeffs)
-            side = coeffs.nbytes
+            side += coeffs.nbytes
         return GeoShardPlan(self._map(st, "right", coeffs=coeffs), m, n, bounds, side)
 
     def end(self, key: Any, plan: Any, result: np.ndarray) -> None:
