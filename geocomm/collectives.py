@@ -24,9 +24,11 @@ progress without a progress thread. Reduce-scatter is steps 1-4 without the
 all-gather; the owner keeps its fp32 sum.
 
 Before each collective the ranks compare a small fingerprint (collective,
-count, dtype, op, codec config, key) with one tiny all-gather, so mismatched
-calls fail with :class:`CollectiveMismatchError` on every rank instead of
-hanging or producing garbage. ``check=False`` (or ``GEOCOMM_CHECK=0``) skips it.
+count, dtype, op, codec config, key, and for stateful codecs a checksum of
+the key's state) with one tiny all-gather, so mismatched calls or diverged
+GeoFP8 state fail with :class:`CollectiveMismatchError` on every rank instead
+of hanging or producing garbage. ``check=False`` (or ``GEOCOMM_CHECK=0``)
+skips it.
 """
 
 from __future__ import annotations
@@ -316,13 +318,15 @@ def _check_out(out: Any, x: Any) -> None:
 def _fingerprint(kind: str, count: int, dtype: np.dtype, op: str, codec: Codec,
                  key: str | None) -> np.ndarray:
     config = json.dumps(codec.get_config(), sort_keys=True).encode()
+    state = getattr(codec, "state_checksum", None)  # stateful codecs: per-key geometry
     return np.array([
         zlib.crc32(kind.encode()), count, DTYPE_CODES[dtype], OPS.index(op),
         zlib.crc32(config), zlib.crc32((key or "").encode()),
+        state(key) if state is not None and key is not None else 0,
     ], dtype=np.int64)
 
 
-_FIELDS = ("collective", "count", "dtype", "op", "codec config", "key")
+_FIELDS = ("collective", "count", "dtype", "op", "codec config", "key", "codec state")
 
 
 def check_consistent(comm: Communicator, kind: str, count: int, dtype: np.dtype, op: str,
@@ -335,7 +339,8 @@ def check_consistent(comm: Communicator, kind: str, count: int, dtype: np.dtype,
         detail = ", ".join(f"rank {r}: count={rows[r, 1]}" for r in range(comm.size))
         raise CollectiveMismatchError(
             f"geocomm.{kind}: ranks {bad.tolist()} differ from rank 0 in {', '.join(diffs)} "
-            f"({detail}); every rank must pass the same count, dtype, op, codec and key"
+            f"({detail}); every rank must pass the same count, dtype, op, codec and key, and "
+            "stateful codecs must hold the same state"
         )
 
 

@@ -655,3 +655,20 @@ def test_frame_validates_side_channel():
         bad[-4:] = np.frombuffer(np.uint32(zlib.crc32(bad[:-4])).tobytes(), np.uint8)
         with pytest.raises(ValueError, match=match):
             codec.decode(bad)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_diverged_state_is_caught_by_the_metadata_check(comm):
+    """The per-call fingerprint carries a checksum of the key's geometry
+    state, so a rank whose state diverged fails loudly on every rank."""
+    import geocomm
+
+    codec = geocomm.get_codec("geofp8")
+    rng = np.random.default_rng(7)
+    g = (rng.standard_normal((128, 8)) @ rng.standard_normal((8, 256))).astype(np.float32)
+    for _ in range(3):
+        geocomm.allreduce(g, codec=codec, key="w")
+    if comm.rank == 1:
+        codec.reset_state()  # simulate a rank whose state went astray
+    with pytest.raises(geocomm.CollectiveMismatchError, match="codec state"):
+        geocomm.allreduce(g, codec=codec, key="w")

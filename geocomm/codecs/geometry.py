@@ -784,10 +784,13 @@ class GeoCodec(Codec):
             st.commit(step)
 
     # ---- state ------------------------------------------------------------------
-    def state_checksum(self) -> int:
-        """CRC32 of every key's state in key order; equal on ranks that agree."""
+    def state_checksum(self, key: Any = None) -> int:
+        """CRC32 of one key's state, or (key None) of every key's in key order;
+        equal on ranks that agree. The collectives' metadata check compares it
+        across ranks before every call with a key."""
         crc = 0
-        for key in sorted(self._state, key=str):
+        keys = sorted(self._state, key=str) if key is None else [key] * (key in self._state)
+        for key in keys:
             crc = zlib.crc32(str(key).encode(), crc)
             for a in self._state[key].arrays():
                 crc = zlib.crc32(np.ascontiguousarray(a).tobytes(), crc)
