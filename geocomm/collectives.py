@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from geocomm._layout import shard_bounds
 from geocomm.codecs import Codec, get_codec
 from geocomm.codecs.base import DTYPE_CODES
 from geocomm.comm.base import Communicator, Request, wait
@@ -110,13 +111,6 @@ def resolve_codec(codec: Any) -> Codec:
 
 # ---------------------------------------------------------------------------
 # layout
-
-
-def shard_bounds(count: int, size: int) -> np.ndarray:
-    """Offsets of the ``np.array_split(range(count), size)`` shards (size + 1 values)."""
-    q, r = divmod(count, size)
-    j = np.arange(size + 1, dtype=np.int64)
-    return j * q + np.minimum(j, r)
 
 
 @dataclass(frozen=True)

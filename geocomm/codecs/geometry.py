@@ -110,6 +110,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from geocomm._layout import shard_bounds
 from geocomm.codecs.base import AllreduceSum, Codec
 from geocomm.codecs.formats import FP8Codec, NVFP4Codec
 
@@ -994,12 +995,6 @@ class ThreadWorld:
         return results
 
 
-def _shard_bounds(count: int, size: int) -> list[int]:
-    """The size+1 flat offsets of np.array_split(range(count), size)."""
-    base, extra = divmod(count, size)
-    return [r * base + min(r, extra) for r in range(size + 1)]
-
-
 def _roundtrip(codec: Codec, values: np.ndarray) -> np.ndarray:
     wire = np.empty(codec.wire_size(values.size), np.uint8)
     codec.encode_wire(np.ascontiguousarray(values, _F32), wire)
@@ -1032,7 +1027,7 @@ def simulate_allreduce(codecs: Sequence[Codec], xs: Sequence[np.ndarray],
     else:
         prepared = ThreadWorld(size).run(prepare)
     count = math.prod(shape)
-    offsets = _shard_bounds(count, size)
+    offsets = [int(o) for o in shard_bounds(count, size)]
     total = np.empty(count, _F32)
     for lo, hi in itertools.pairwise(offsets):
         acc = np.zeros(hi - lo, _F32)
