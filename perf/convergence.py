@@ -1,0 +1,561 @@
+"""Convergence: data-parallel pretraining of a small Llama under each codec.
+
+Every MPI rank trains the byte-level decoder of ``perf/llama.py`` from
+scratch with AdamW on the shipped text; after each backward pass every
+parameter's gradient is averaged through ``geocomm.allreduce(grad,
+codec=..., op="avg", out=grad, key=name)``. For a given seed every codec
+starts from the same weights and sees the same batches, so the loss gap to
+the exact average (codec ``none``, i.e. fp32) is a paired difference.
+
+Per step and per run the script logs: the train loss (mean over ranks), the
+communication error ``||avg_codec - avg_exact|| / ||avg_exact||`` over all
+gradients at once (the exact average is computed from a copy of the same
+gradients with codec ``none`` every ``--err-every`` steps; that reference
+call is not timed) and the median of the per-tensor relative errors, the
+bytes this rank sent (counted by a communicator wrapper: all-to-all and
+all-gather segments to other ranks, and 2(N-1)/N of a plain all-reduce's
+buffer, as a ring all-reduce would send; geometry side channels included),
+and the step time. Held-out loss is measured every ``--eval-every`` steps
+and at the end. Rank 0 writes ``PREFIX.json`` (all curves, metadata, the
+command), ``PREFIX.md`` (table per codec) and ``PREFIX.png`` (curves).
+
+    python -m geocomm.launch -n 2 --timeout 3600 -- python perf/convergence.py
+    python perf/convergence.py --report perf/results/convergence.json   # tables/plot only
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+import zlib
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+# One BLAS thread per rank, set before NumPy loads OpenBLAS: the ranks already
+# fill the cores, and oversubscribed BLAS threads made the geometry transforms
+# 10-100x slower on the 2-core machine (measured).
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llama  # noqa: E402  (perf/llama.py: model, data, optimizer)
+
+import geocomm  # noqa: E402
+from geocomm.collectives import DEFAULT_CHUNK_ELEMS, Layout, wire_bytes  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: label -> codec config; the order is the order of the tables
+CODECS: dict[str, Any] = {
+    "none": {"id": "none"},
+    "bf16": {"id": "bf16"},
+    "fp8": {"id": "fp8", "fmt": "e4m3"},
+    "fp8_e5m2": {"id": "fp8", "fmt": "e5m2"},
+    "nvfp4": {"id": "nvfp4"},
+    "geofp8": {"id": "geofp8"},
+    "geonvfp4": {"id": "geonvfp4"},
+}
+
+#: the default model: llama.py's "small" shapes (256 x 256 and 688 x 256 matrices,
+#: so GeoFP8 has the same matrices as in DESIGN section 5) with 2 layers and
+#: 64-byte windows, so that 7 codecs x 3 seeds fit in 30 minutes on 2 cores
+DEFAULT_MODEL = replace(llama.CONFIGS["small"], n_layers=2, seq_len=64)
+
+#: claim pairs: (geometry-aware codec, its Euclidean counterpart)
+PAIRS = (("geofp8", "fp8"), ("geonvfp4", "nvfp4"))
+
+
+# ---------------------------------------------------------------------------
+# byte counting
+
+
+class MeteredComm:
+    """A communicator that forwards to ``inner`` and counts the bytes this rank sends.
+
+    All-to-all: the segments addressed to other ranks. All-gather: its
+    segment once per other rank. Plain all-reduce: 2(N-1)/N of the buffer
+    (ring). The small int64 all-gather of the consistency check is counted too.
+    """
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.rank, self.size, self.backend = inner.rank, inner.size, inner.backend
+        self.sent = 0
+
+    def alltoallv(self, send, send_counts, send_displs, recv, recv_counts, recv_displs):
+        self.sent += int(np.sum(send_counts)) - int(send_counts[self.rank])
+        return self.inner.alltoallv(send, send_counts, send_displs, recv, recv_counts,
+                                    recv_displs)
+
+    def allgatherv(self, send, recv, counts, displs):
+        self.sent += (self.size - 1) * int(send.nbytes)
+        return self.inner.allgatherv(send, recv, counts, displs)
+
+    def allreduce(self, send, recv, op):
+        self.sent += 2 * (self.size - 1) * int(send.nbytes) // self.size
+        return self.inner.allreduce(send, recv, op)
+
+    def allgather_int64(self, values):
+        self.sent += (self.size - 1) * int(np.asarray(values).nbytes)
+        return self.inner.allgather_int64(values)
+
+    def barrier(self) -> None:
+        self.inner.barrier()
+
+
+def payload_bytes(codec: Any, model: torch.nn.Module, comm: Any) -> int:
+    """Bytes this rank sends per step for the quantized payload alone (no side
+    channels): ``wire_bytes`` over the ``Layout.plan`` of every parameter."""
+    return sum(wire_bytes(codec, Layout.plan(p.numel(), comm.size, DEFAULT_CHUNK_ELEMS),
+                          comm.rank) for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------
+# training
+
+
+def mean_over_ranks(comm: Any, values: list[float]) -> np.ndarray:
+    """Exact float64 average of a few scalars over the ranks."""
+    x = np.asarray(values, np.float64)
+    return geocomm.allreduce(x, codec="none", op="avg", comm=comm)
+
+
+def flat_grads(model: torch.nn.Module) -> list[np.ndarray]:
+    return [p.grad.detach().numpy().reshape(-1).copy() for p in model.parameters()]
+
+
+def comm_errors(exact: list[np.ndarray], got: list[np.ndarray]) -> tuple[float, float]:
+    """(relative error over all gradients at once, median per-tensor relative error)."""
+    num = [float(np.sum((g.astype(np.float64) - e) ** 2)) for e, g in zip(exact, got, strict=True)]
+    den = [float(np.sum(e.astype(np.float64) ** 2)) for e in exact]
+    per = [np.sqrt(n / d) for n, d in zip(num, den, strict=True) if d > 0]
+    total = np.sqrt(sum(num) / sum(den)) if sum(den) > 0 else 0.0
+    return float(total), float(np.median(per)) if per else 0.0
+
+
+def params_crc(model: torch.nn.Module) -> int:
+    crc = 0
+    for p in model.parameters():
+        crc = zlib.crc32(p.detach().numpy().tobytes(), crc)
+    return crc
+
+
+def heldout(model: llama.Llama, data: llama.TextData, comm: Any, batches: int) -> float:
+    return float(mean_over_ranks(comm, [llama.heldout_loss(model, data, batches, comm.rank,
+                                                           comm.size)])[0])
+
+
+def train_run(label: str, seed: int, args: argparse.Namespace, mcfg: llama.LlamaConfig,
+              tc: llama.TrainConfig, comm: Any) -> dict[str, Any]:
+    """One training run of ``args.steps`` steps under codec ``label``; curves on every rank."""
+    codec = geocomm.get_codec(CODECS[label])  # a fresh instance: no geometry state carried over
+    metered = MeteredComm(comm)
+    model = llama.build_model(mcfg, seed)
+    opt = llama.make_optimizer(model, tc)
+    data = llama.TextData(mcfg, seed)
+    named = list(model.named_parameters())
+    exact_codec = label == "none"
+    log: dict[str, list] = {k: [] for k in ("loss", "err", "err_tensor", "bytes", "step_s",
+                                            "comm_s")}
+    evals: list[tuple[int, float]] = []
+    t_run = time.perf_counter()
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        loss = llama.train_step(model, opt, *data.batches("train", comm.rank, comm.size, step))
+        t1 = time.perf_counter()
+        measure = not exact_codec and step % args.err_every == 0
+        if measure:  # the exact average of the same gradients (not timed)
+            exact = [geocomm.allreduce(g, codec="none", op="avg", comm=comm)
+                     for g in flat_grads(model)]
+        t2 = time.perf_counter()
+        before = metered.sent
+        for name, p in named:
+            geocomm.allreduce(p.grad, codec=codec, op="avg", out=p.grad, key=name,
+                              comm=metered, check=False)
+        t3 = time.perf_counter()
+        sent = metered.sent - before
+        if measure:
+            err, err_tensor = comm_errors(exact, flat_grads(model))
+        else:
+            err, err_tensor = (0.0, 0.0) if exact_codec else (float("nan"), float("nan"))
+        llama.apply_update(model, opt, tc, step)
+        t4 = time.perf_counter()
+        log["loss"].append(float(mean_over_ranks(comm, [loss])[0]))
+        log["err"].append(err)
+        log["err_tensor"].append(err_tensor)
+        log["bytes"].append(sent)
+        log["step_s"].append((t1 - t0) + (t4 - t2))
+        log["comm_s"].append(t3 - t2)
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+            evals.append((step + 1, heldout(model, data, comm, args.eval_batches)))
+    final = heldout(model, data, comm, args.final_eval_batches)
+    evals.append((args.steps, final))
+    crcs = comm.allgather_int64(np.array([params_crc(model)], np.int64))
+    return {
+        "codec": label, "seed": seed, **log, "eval": evals, "heldout": final,
+        "payload_bytes": payload_bytes(codec, model, comm),
+        "codec_config": codec.get_config(), "ranks_agree": bool(np.all(crcs == crcs[0])),
+        "wall_s": time.perf_counter() - t_run, "loadavg_end": os.getloadavg(),
+    }
+
+
+# ---------------------------------------------------------------------------
+# summary, table, plot
+
+
+def tail_mean(curve: list[float], tail: int) -> float:
+    return float(np.mean(curve[-tail:]))
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    v = np.asarray(values, np.float64)
+    return {"mean": float(v.mean()), "std": float(v.std(ddof=1)) if v.size > 1 else 0.0,
+            "min": float(v.min()), "max": float(v.max()), "n": int(v.size)}
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """Per codec: final train loss (mean of the last ``tail`` steps), held-out loss,
+    their paired gaps to ``none``, comm error, bytes and time per step; and the
+    paired per-seed differences of each claim pair."""
+    tail = result["tail"]
+    runs = {(r["codec"], r["seed"]): r for r in result["runs"]}
+    seeds = sorted({s for _, s in runs})
+    labels = [c for c in result["codecs"] if any((c, s) in runs for s in seeds)]
+
+    def metric(label: str, seed: int, what: str) -> float:
+        r = runs[(label, seed)]
+        return r["heldout"] if what == "heldout" else tail_mean(r["loss"], tail)
+
+    out: dict[str, Any] = {"codecs": {}, "pairs": {}}
+    for label in labels:
+        have = [s for s in seeds if (label, s) in runs]
+        both = [s for s in have if ("none", s) in runs]
+        rs = [runs[(label, s)] for s in have]
+        entry = {"seeds": have}
+        for what in ("train", "heldout"):
+            entry[what] = stats([metric(label, s, what) for s in have])
+            if both:
+                entry["gap_" + what] = stats([metric(label, s, what) - metric("none", s, what)
+                                              for s in both])
+        errs = np.concatenate([np.asarray(r["err"], float) for r in rs])
+        tens = np.concatenate([np.asarray(r["err_tensor"], float) for r in rs])
+        entry["comm_err"] = float(np.nanmean(errs)) if np.isfinite(errs).any() else None
+        entry["comm_err_tensor"] = float(np.nanmean(tens)) if np.isfinite(tens).any() else None
+        entry["bytes_per_step"] = float(np.mean([np.mean(r["bytes"]) for r in rs]))
+        entry["payload_bytes"] = rs[0]["payload_bytes"]
+        entry["step_s"] = float(np.mean([np.median(r["step_s"]) for r in rs]))
+        entry["comm_s"] = float(np.mean([np.median(r["comm_s"]) for r in rs]))
+        entry["ranks_agree"] = all(r["ranks_agree"] for r in rs)
+        out["codecs"][label] = entry
+    for geo, euc in PAIRS:
+        both = [s for s in seeds if (geo, s) in runs and (euc, s) in runs]
+        if not both:
+            continue
+        pair = {}
+        for what in ("train", "heldout"):
+            d = [metric(geo, s, what) - metric(euc, s, what) for s in both]
+            pair[what] = {**stats(d), "geo_better": int(sum(x < 0 for x in d))}
+        out["pairs"][f"{geo}-{euc}"] = pair
+    return out
+
+
+def fmt_stat(s: dict[str, float] | None, digits: int = 4) -> str:
+    if s is None:
+        return ""
+    return f"{s['mean']:+.{digits}f} ± {s['std']:.{digits}f}" if s["n"] > 1 else \
+        f"{s['mean']:+.{digits}f}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    summ = result["summary"]
+    cfg = result["model"]
+    base = summ["codecs"].get("none", {}).get("bytes_per_step")
+    lines = [
+        f"### {result['title']}",
+        "",
+        f"{result['world']} ranks, {result['n_params'] / 1e6:.2f}M parameters "
+        f"(d_model {cfg['d_model']}, {cfg['n_layers']} layers, ff {cfg['ff']}, "
+        f"seq {cfg['seq_len']}, batch {cfg['batch']} per rank), {result['steps']} AdamW steps "
+        f"(lr {result['train']['lr']}), seeds {result['seeds']}. "
+        f"Train loss: mean of the last {result['tail']} steps; held-out: "
+        f"{result['final_eval_batches']} batches per rank. Gaps are paired per seed "
+        "(codec minus `none`); ± is the sample standard deviation over seeds. Step and "
+        "comm times: medians per run (seconds, rank 0), on a shared machine.",
+        "",
+        "| codec | seeds | train loss | held-out loss | train gap to fp32 | held-out gap to fp32 "
+        "| comm rel. error (all / median tensor) | bytes/step per rank | vs fp32 | step s "
+        "| comm s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for label, e in summ["codecs"].items():
+        err = "0" if label == "none" else (
+            f"{e['comm_err']:.4f} / {e['comm_err_tensor']:.4f}" if e["comm_err"] is not None
+            else "")
+        ratio = f"{e['bytes_per_step'] / base:.3f}" if base else ""
+        lines.append(
+            f"| {label} | {len(e['seeds'])} | {e['train']['mean']:.4f} ± {e['train']['std']:.4f} "
+            f"| {e['heldout']['mean']:.4f} ± {e['heldout']['std']:.4f} "
+            f"| {fmt_stat(e.get('gap_train'))} | {fmt_stat(e.get('gap_heldout'))} "
+            f"| {err} | {e['bytes_per_step'] / 1e6:.3f} MB | {ratio} | {e['step_s']:.3f} "
+            f"| {e['comm_s']:.3f} |")
+    if summ["pairs"]:
+        lines += ["", "Claim pairs, paired per seed (geometry-aware minus Euclidean; negative "
+                  "favours geometry):", "",
+                  "| pair | train loss diff | held-out diff | seeds where geo is lower "
+                  "(train / held-out) |", "| --- | --- | --- | --- |"]
+        for name, p in summ["pairs"].items():
+            lines.append(f"| {name} | {fmt_stat(p['train'])} | {fmt_stat(p['heldout'])} "
+                         f"| {p['train']['geo_better']}/{p['train']['n']} / "
+                         f"{p['heldout']['geo_better']}/{p['heldout']['n']} |")
+    wall = "Wall time (sum of the merged runs)" if "sources" in result else "Wall time"
+    lines += ["", f"Command: `{result['command']}`", "",
+              f"{wall} {result['wall_s'] / 60:.1f} min; load average before "
+              f"{result['load_before']}, after {result['load_after']} (2 cores)."]
+    return "\n".join(lines) + "\n"
+
+
+def smooth(y: np.ndarray, w: int) -> np.ndarray:
+    if w <= 1 or y.size < w:
+        return y
+    return np.convolve(y, np.ones(w) / w, mode="valid")
+
+
+def _gap_panel(ax: Any, by: dict, label: str, seeds: list[int], w: int, color: str,
+               **style: Any) -> None:
+    """Mean over seeds of the smoothed paired gap to ``none``, band from min to max."""
+    paired = [s for s in seeds if (label, s) in by and ("none", s) in by]
+    if not paired:
+        return
+    gaps = np.stack([smooth(by[(label, s)] - by[("none", s)], w) for s in paired])
+    x = np.arange(gaps.shape[1]) + w
+    ax.plot(x, gaps.mean(0), label=label, color=color, lw=style.get("lw", 1.3))
+    ax.fill_between(x, gaps.min(0), gaps.max(0), color=color, alpha=style.get("alpha", 0.15))
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Loss curves, gap to fp32 (8/16-bit and 4-bit codecs apart; bf16's band,
+    a near-exact perturbation, marks the seed-to-seed noise in both) and the
+    communication error over steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    labels = list(result["summary"]["codecs"])
+    seeds = sorted({r["seed"] for r in runs})
+    by = {(r["codec"], r["seed"]): np.asarray(r["loss"]) for r in runs}
+    w = max(1, result["steps"] // 20)
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    (ax_loss, ax_gap8), (ax_gap4, ax_err) = axes
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = {label: cycle[i % len(cycle)] for i, label in enumerate(labels)}
+    for label in labels:
+        have = [s for s in seeds if (label, s) in by]
+        curves = np.stack([smooth(by[(label, s)], w) for s in have])
+        ax_loss.plot(np.arange(curves.shape[1]) + w, curves.mean(0), label=label,
+                     color=colors[label], lw=1.2)
+        if label == "none":
+            continue
+        four_bit = "nvfp4" in str(result["codecs"][label].get("id", ""))
+        _gap_panel(ax_gap4 if four_bit else ax_gap8, by, label, seeds, w, colors[label])
+        errs = np.stack([np.asarray(next(r["err"] for r in runs if r["codec"] == label
+                                         and r["seed"] == s)) for s in have])
+        steps = np.flatnonzero(np.isfinite(errs[0]))
+        ax_err.plot(steps, np.nanmean(errs[:, steps], 0), label=label, color=colors[label],
+                    lw=1)
+    if "bf16" in labels:
+        _gap_panel(ax_gap4, by, "bf16", seeds, w, "0.6", lw=0.8, alpha=0.2)
+    lo = min(float(np.mean(by[k][-result["tail"]:])) for k in by)
+    ax_loss.set(title=f"train loss (mean over {len(seeds)} seeds, moving average of {w})",
+                xlabel="step", ylabel="loss (nats/byte)", ylim=(lo - 0.2, lo + 2.0))
+    for ax, what in ((ax_gap8, "16/8-bit codecs"), (ax_gap4, "4-bit codecs")):
+        ax.axhline(0, color="k", lw=0.6)
+        ax.set(title=f"train-loss gap to fp32, {what} (band: seed min..max)",
+               xlabel="step", ylabel="loss - loss(none)")
+    ax_err.set(title="all-reduce relative error (mean over seeds)", xlabel="step",
+               yscale="log")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle(result["title"], fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+SAME_SETUP = ("world", "model", "train", "steps", "tail", "err_every", "final_eval_batches")
+
+
+def merge(results: list[dict[str, Any]], title: str = "") -> dict[str, Any]:
+    """One result holding the runs of several files of the same setup (a run of
+    the same codec and seed appears once: the first file's)."""
+    first = results[0]
+    for other in results[1:]:
+        differ = [k for k in SAME_SETUP if other[k] != first[k]]
+        if differ:
+            raise SystemExit(f"cannot merge results that differ in {differ}")
+    merged = {**first, "title": title or first["title"] + " (merged)", "runs": [],
+              "codecs": dict(first["codecs"]),
+              "sources": [r["command"] for r in results]}
+    seen = set()
+    for r in results:
+        for label, config in r["codecs"].items():
+            merged["codecs"].setdefault(label, config)
+        for run in r["runs"]:
+            if (run["codec"], run["seed"]) not in seen:
+                seen.add((run["codec"], run["seed"]))
+                merged["runs"].append(run)
+    merged["seeds"] = sorted({run["seed"] for run in merged["runs"]})
+    merged["command"] = " ; ".join(merged["sources"])
+    merged["wall_s"] = sum(r["wall_s"] for r in results)
+    merged["load_before"] = " / ".join(r["load_before"] for r in results)
+    merged["load_after"] = " / ".join(r["load_after"] for r in results)
+    return merged
+
+
+def write_outputs(result: dict[str, Any], prefix: Path) -> None:
+    result["summary"] = summarize(result)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    prefix.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    prefix.with_suffix(".md").write_text(markdown(result))
+    plot(result, prefix.with_suffix(".png"))
+
+
+# ---------------------------------------------------------------------------
+# main
+
+
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def provenance() -> dict[str, Any]:
+    """Git commit, whether tracked files differ from it, and the hash of the geometry
+    module the GeoFP8 codecs ran with (it may carry uncommitted work)."""
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True,
+                                  text=True).stdout.strip()
+        except OSError:
+            return ""
+    geometry = ROOT / "geocomm" / "codecs" / "geometry.py"
+    return {"commit": git("rev-parse", "HEAD"), "dirty": git("status", "--porcelain",
+                                                             "--untracked-files=no"),
+            "geometry_sha256": hashlib.sha256(geometry.read_bytes()).hexdigest()[:16]}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--codecs", default=",".join(CODECS),
+                   help="comma-separated labels, or LABEL=JSON for an extra codec config")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--d-model", type=int, default=DEFAULT_MODEL.d_model)
+    p.add_argument("--layers", type=int, default=DEFAULT_MODEL.n_layers)
+    p.add_argument("--heads", type=int, default=DEFAULT_MODEL.n_heads)
+    p.add_argument("--ff", type=int, default=DEFAULT_MODEL.ff)
+    p.add_argument("--seq-len", type=int, default=DEFAULT_MODEL.seq_len)
+    p.add_argument("--batch", type=int, default=DEFAULT_MODEL.batch, help="sequences per rank")
+    p.add_argument("--lr", type=float, default=llama.TrainConfig.lr)
+    p.add_argument("--err-every", type=int, default=1,
+                   help="measure the comm error every this many steps")
+    p.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps "
+                   "(0: only at the end)")
+    p.add_argument("--eval-batches", type=int, default=2)
+    p.add_argument("--final-eval-batches", type=int, default=16)
+    p.add_argument("--tail", type=int, default=0,
+                   help="final train loss = mean of the last TAIL steps (0: steps / 10)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--title", default="")
+    p.add_argument("--out", default="perf/results/convergence",
+                   help="output prefix (.json, .md, .png)")
+    p.add_argument("--report", metavar="JSON", nargs="+",
+                   help="only rewrite .md/.png from result files; several files of the same "
+                        "configuration are merged into one table (written to --out)")
+    return p.parse_args(argv)
+
+
+def codec_labels(spec: str) -> list[str]:
+    labels = []
+    for item in spec.split(","):
+        label, sep, config = item.partition("=")
+        if sep:
+            CODECS[label] = json.loads(config)
+        elif label not in CODECS:
+            raise SystemExit(f"unknown codec label {label!r}; known: {', '.join(CODECS)}")
+        labels.append(label)
+    return labels
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.report:
+        results = [json.loads(Path(f).read_text()) for f in args.report]
+        if len(results) == 1:
+            write_outputs(results[0], Path(args.report[0]).with_suffix(""))
+        else:
+            write_outputs(merge(results, args.title), ROOT / args.out)
+        return 0
+    torch.set_num_threads(args.threads)
+    comm = geocomm.init()
+    labels = codec_labels(args.codecs)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    mcfg = replace(DEFAULT_MODEL, d_model=args.d_model, n_layers=args.layers,
+                   n_heads=args.heads, ff=args.ff, seq_len=args.seq_len, batch=args.batch)
+    tc = replace(llama.TrainConfig(), lr=args.lr)
+    prefix = ROOT / args.out
+    result: dict[str, Any] = {
+        "title": args.title or f"Convergence under each codec ({comm.size} ranks)",
+        "command": f"python -m geocomm.launch -n {comm.size} --timeout 3600 -- python "
+                   + shlex.join(sys.argv),
+        "world": comm.size, "model": asdict(mcfg), "n_params": mcfg.n_params(),
+        "train": asdict(tc), "steps": args.steps, "seeds": seeds,
+        "tail": args.tail or max(1, args.steps // 10), "err_every": args.err_every,
+        "final_eval_batches": args.final_eval_batches,
+        "codecs": {label: CODECS[label] for label in labels},
+        "bytes_note": "bytes this rank sends per step: all-to-all/all-gather segments to "
+                      "other ranks, 2(N-1)/N of plain all-reduce buffers (ring), geometry "
+                      "side channels included; payload_bytes = wire_bytes(Layout.plan) only",
+        "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                 "torch": torch.__version__, "geocomm": geocomm.__version__,
+                 "threads_per_rank": args.threads,
+                 "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS")},
+        "provenance": provenance(), "load_before": uptime(), "runs": [],
+    }
+    t0 = time.perf_counter()
+    for seed in seeds:
+        for label in labels:
+            run = train_run(label, seed, args, mcfg, tc, comm)
+            result["runs"].append(run)
+            if comm.rank == 0:
+                print(f"{label:>10s} seed {seed}: loss {tail_mean(run['loss'], result['tail']):.4f}"
+                      f" heldout {run['heldout']:.4f} err {np.nanmean(run['err']):.4f} "
+                      f"{np.mean(run['bytes']) / 1e6:.3f} MB/step {run['wall_s']:.0f} s "
+                      f"(load {run['loadavg_end'][0]:.2f})", flush=True)
+                result["wall_s"] = time.perf_counter() - t0
+                result["load_after"] = uptime()
+                write_outputs(result, prefix)  # after every run: partial results survive
+    if comm.rank == 0:
+        print(f"wall {result['wall_s'] / 60:.1f} min; {result['load_after']}")
+        print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
