@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -43,6 +44,40 @@ class Collective:
     bound: Callable
     #: gather: whether the all-gather phase exists (wire bytes, breakdown)
     gather: bool
+
+
+class MeteredComm:
+    """A communicator that forwards to ``inner`` and counts the bytes this rank sends.
+
+    All-to-all: the segments addressed to other ranks. All-gather: its
+    segment once per other rank. Plain all-reduce: 2(N-1)/N of the buffer
+    (ring). The small int64 all-gather of the consistency check is counted too.
+    """
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.rank, self.size, self.backend = inner.rank, inner.size, inner.backend
+        self.sent = 0
+
+    def alltoallv(self, send, send_counts, send_displs, recv, recv_counts, recv_displs):
+        self.sent += int(np.sum(send_counts)) - int(send_counts[self.rank])
+        return self.inner.alltoallv(send, send_counts, send_displs, recv, recv_counts,
+                                    recv_displs)
+
+    def allgatherv(self, send, recv, counts, displs):
+        self.sent += (self.size - 1) * int(send.nbytes)
+        return self.inner.allgatherv(send, recv, counts, displs)
+
+    def allreduce(self, send, recv, op):
+        self.sent += 2 * (self.size - 1) * int(send.nbytes) // self.size
+        return self.inner.allreduce(send, recv, op)
+
+    def allgather_int64(self, values):
+        self.sent += (self.size - 1) * int(np.asarray(values).nbytes)
+        return self.inner.allgather_int64(values)
+
+    def barrier(self) -> None:
+        self.inner.barrier()
 
 
 def command_line(nranks: int) -> str:

@@ -50,6 +50,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama  # noqa: E402  (perf/llama.py: model, data, optimizer)
+from _driver import MeteredComm  # noqa: E402
 
 import geocomm  # noqa: E402
 from geocomm.collectives import DEFAULT_CHUNK_ELEMS, Layout, wire_bytes  # noqa: E402
@@ -78,40 +79,6 @@ PAIRS = (("geofp8", "fp8"), ("geonvfp4", "nvfp4"))
 
 # ---------------------------------------------------------------------------
 # byte counting
-
-
-class MeteredComm:
-    """A communicator that forwards to ``inner`` and counts the bytes this rank sends.
-
-    All-to-all: the segments addressed to other ranks. All-gather: its
-    segment once per other rank. Plain all-reduce: 2(N-1)/N of the buffer
-    (ring). The small int64 all-gather of the consistency check is counted too.
-    """
-
-    def __init__(self, inner: Any):
-        self.inner = inner
-        self.rank, self.size, self.backend = inner.rank, inner.size, inner.backend
-        self.sent = 0
-
-    def alltoallv(self, send, send_counts, send_displs, recv, recv_counts, recv_displs):
-        self.sent += int(np.sum(send_counts)) - int(send_counts[self.rank])
-        return self.inner.alltoallv(send, send_counts, send_displs, recv, recv_counts,
-                                    recv_displs)
-
-    def allgatherv(self, send, recv, counts, displs):
-        self.sent += (self.size - 1) * int(send.nbytes)
-        return self.inner.allgatherv(send, recv, counts, displs)
-
-    def allreduce(self, send, recv, op):
-        self.sent += 2 * (self.size - 1) * int(send.nbytes) // self.size
-        return self.inner.allreduce(send, recv, op)
-
-    def allgather_int64(self, values):
-        self.sent += (self.size - 1) * int(np.asarray(values).nbytes)
-        return self.inner.allgather_int64(values)
-
-    def barrier(self) -> None:
-        self.inner.barrier()
 
 
 def payload_bytes(codec: Any, model: torch.nn.Module, comm: Any) -> int:
@@ -144,6 +111,20 @@ def comm_errors(exact: list[np.ndarray], got: list[np.ndarray]) -> tuple[float, 
     return float(total), float(np.median(per)) if per else 0.0
 
 
+def sampling_spread(comm: Any, exact: list[np.ndarray], local: list[np.ndarray]) -> float:
+    """How far the ranks' own gradients lie from their average, as the noise of the
+    average: sqrt(mean_r ||g_r - avg||^2 / (N - 1)) / ||avg||. For independent
+    batches this estimates the sampling noise ||avg - E[g]|| / ||avg|| of the
+    averaged gradient, the yardstick the communication error is compared with."""
+    if comm.size < 2:
+        return float("nan")
+    dev = sum(float(np.sum((g.astype(np.float64) - e) ** 2)) for e, g in zip(exact, local,
+                                                                             strict=True))
+    norm = sum(float(np.sum(e.astype(np.float64) ** 2)) for e in exact)
+    mean_dev = float(mean_over_ranks(comm, [dev])[0])
+    return float(np.sqrt(mean_dev / (comm.size - 1) / norm)) if norm > 0 else float("nan")
+
+
 def params_crc(model: torch.nn.Module) -> int:
     crc = 0
     for p in model.parameters():
@@ -156,9 +137,23 @@ def heldout(model: llama.Llama, data: llama.TextData, comm: Any, batches: int) -
                                                            comm.size)])[0])
 
 
+def flat_params(model: torch.nn.Module) -> np.ndarray:
+    return np.concatenate([p.detach().numpy().reshape(-1) for p in model.parameters()]
+                          ).astype(np.float64)
+
+
 def train_run(label: str, seed: int, args: argparse.Namespace, mcfg: llama.LlamaConfig,
-              tc: llama.TrainConfig, comm: Any) -> dict[str, Any]:
-    """One training run of ``args.steps`` steps under codec ``label``; curves on every rank."""
+              tc: llama.TrainConfig, comm: Any,
+              reference: list[np.ndarray] | None = None) -> dict[str, Any]:
+    """One training run of ``args.steps`` steps under codec ``label``; curves on every rank.
+
+    Every ``args.drift_every`` steps the parameters are compared with
+    ``reference`` (the fp32 run's parameters at the same steps, same seed):
+    drift = ||theta - theta_fp32|| / ||theta_fp32 - theta_0||, how far the run
+    has left the full-precision trajectory relative to how far that trajectory
+    has moved. The exact run (``none``) returns its snapshots under
+    ``"snapshots"`` to serve as the reference of the others.
+    """
     codec = geocomm.get_codec(CODECS[label])  # a fresh instance: no geometry state carried over
     metered = MeteredComm(comm)
     model = llama.build_model(mcfg, seed)
@@ -166,18 +161,21 @@ def train_run(label: str, seed: int, args: argparse.Namespace, mcfg: llama.Llama
     data = llama.TextData(mcfg, seed)
     named = list(model.named_parameters())
     exact_codec = label == "none"
-    log: dict[str, list] = {k: [] for k in ("loss", "err", "err_tensor", "bytes", "step_s",
-                                            "comm_s")}
+    log: dict[str, list] = {k: [] for k in ("loss", "err", "err_tensor", "spread", "bytes",
+                                            "step_s", "comm_s", "drift")}
+    theta0 = flat_params(model)
+    snapshots: list[np.ndarray] = []
     evals: list[tuple[int, float]] = []
     t_run = time.perf_counter()
     for step in range(args.steps):
         t0 = time.perf_counter()
         loss = llama.train_step(model, opt, *data.batches("train", comm.rank, comm.size, step))
         t1 = time.perf_counter()
-        measure = not exact_codec and step % args.err_every == 0
+        measure = step % args.err_every == 0
         if measure:  # the exact average of the same gradients (not timed)
-            exact = [geocomm.allreduce(g, codec="none", op="avg", comm=comm)
-                     for g in flat_grads(model)]
+            local = flat_grads(model)
+            exact = [geocomm.allreduce(g, codec="none", op="avg", comm=comm) for g in local]
+            log["spread"].append(sampling_spread(comm, exact, local))
         t2 = time.perf_counter()
         before = metered.sent
         for name, p in named:
@@ -185,12 +183,20 @@ def train_run(label: str, seed: int, args: argparse.Namespace, mcfg: llama.Llama
                               comm=metered, check=False)
         t3 = time.perf_counter()
         sent = metered.sent - before
-        if measure:
+        if measure and not exact_codec:
             err, err_tensor = comm_errors(exact, flat_grads(model))
         else:
             err, err_tensor = (0.0, 0.0) if exact_codec else (float("nan"), float("nan"))
         llama.apply_update(model, opt, tc, step)
         t4 = time.perf_counter()
+        if args.drift_every and (step + 1) % args.drift_every == 0:
+            theta = flat_params(model)
+            if exact_codec:
+                snapshots.append(theta)
+            elif reference is not None:
+                ref = reference[len(log["drift"])]
+                log["drift"].append(float(np.linalg.norm(theta - ref)
+                                          / np.linalg.norm(ref - theta0)))
         log["loss"].append(float(mean_over_ranks(comm, [loss])[0]))
         log["err"].append(err)
         log["err_tensor"].append(err_tensor)
@@ -207,6 +213,7 @@ def train_run(label: str, seed: int, args: argparse.Namespace, mcfg: llama.Llama
         "payload_bytes": payload_bytes(codec, model, comm),
         "codec_config": codec.get_config(), "ranks_agree": bool(np.all(crcs == crcs[0])),
         "wall_s": time.perf_counter() - t_run, "loadavg_end": os.getloadavg(),
+        **({"snapshots": snapshots} if exact_codec else {}),
     }
 
 
@@ -252,6 +259,10 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         tens = np.concatenate([np.asarray(r["err_tensor"], float) for r in rs])
         entry["comm_err"] = float(np.nanmean(errs)) if np.isfinite(errs).any() else None
         entry["comm_err_tensor"] = float(np.nanmean(tens)) if np.isfinite(tens).any() else None
+        drifts = [r["drift"][-1] for r in rs if r.get("drift")]
+        entry["drift"] = stats(drifts) if drifts else None
+        spread = np.concatenate([np.asarray(r.get("spread", []), float) for r in rs])
+        entry["spread"] = float(np.nanmean(spread)) if np.isfinite(spread).any() else None
         entry["bytes_per_step"] = float(np.mean([np.mean(r["bytes"]) for r in rs]))
         entry["payload_bytes"] = rs[0]["payload_bytes"]
         entry["step_s"] = float(np.mean([np.median(r["step_s"]) for r in rs]))
@@ -266,15 +277,18 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         for what in ("train", "heldout"):
             d = [metric(geo, s, what) - metric(euc, s, what) for s in both]
             pair[what] = {**stats(d), "geo_better": int(sum(x < 0 for x in d))}
+        if all(runs[(c, s)].get("drift") for c in (geo, euc) for s in both):
+            d = [runs[(geo, s)]["drift"][-1] - runs[(euc, s)]["drift"][-1] for s in both]
+            pair["drift"] = {**stats(d), "geo_better": int(sum(x < 0 for x in d))}
         out["pairs"][f"{geo}-{euc}"] = pair
     return out
 
 
-def fmt_stat(s: dict[str, float] | None, digits: int = 4) -> str:
+def fmt_stat(s: dict[str, float] | None, digits: int = 4, signed: bool = True) -> str:
     if s is None:
         return ""
-    return f"{s['mean']:+.{digits}f} ± {s['std']:.{digits}f}" if s["n"] > 1 else \
-        f"{s['mean']:+.{digits}f}"
+    mean = f"{s['mean']:+.{digits}f}" if signed else f"{s['mean']:.{digits}f}"
+    return f"{mean} ± {s['std']:.{digits}f}" if s["n"] > 1 else mean
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -291,12 +305,15 @@ def markdown(result: dict[str, Any]) -> str:
         f"Train loss: mean of the last {result['tail']} steps; held-out: "
         f"{result['final_eval_batches']} batches per rank. Gaps are paired per seed "
         "(codec minus `none`); ± is the sample standard deviation over seeds. Step and "
-        "comm times: medians per run (seconds, rank 0), on a shared machine.",
+        "comm times: medians per run (seconds, rank 0), on a shared machine. Parameter "
+        "drift: ||theta - theta_fp32|| / ||theta_fp32 - theta_0|| at the last step, same seed "
+        "and batches (how far the run has left the full-precision trajectory).",
         "",
+        *noise_note(summ),
         "| codec | seeds | train loss | held-out loss | train gap to fp32 | held-out gap to fp32 "
-        "| comm rel. error (all / median tensor) | bytes/step per rank | vs fp32 | step s "
-        "| comm s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| comm rel. error (all / median tensor) | parameter drift from fp32 (final) "
+        "| bytes/step per rank | vs fp32 | step s | comm s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for label, e in summ["codecs"].items():
         err = "0" if label == "none" else (
@@ -307,22 +324,38 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {label} | {len(e['seeds'])} | {e['train']['mean']:.4f} ± {e['train']['std']:.4f} "
             f"| {e['heldout']['mean']:.4f} ± {e['heldout']['std']:.4f} "
             f"| {fmt_stat(e.get('gap_train'))} | {fmt_stat(e.get('gap_heldout'))} "
-            f"| {err} | {e['bytes_per_step'] / 1e6:.3f} MB | {ratio} | {e['step_s']:.3f} "
+            f"| {err} | {fmt_stat(e.get('drift'), signed=False)} "
+            f"| {e['bytes_per_step'] / 1e6:.3f} MB | {ratio} | {e['step_s']:.3f} "
             f"| {e['comm_s']:.3f} |")
     if summ["pairs"]:
         lines += ["", "Claim pairs, paired per seed (geometry-aware minus Euclidean; negative "
                   "favours geometry):", "",
-                  "| pair | train loss diff | held-out diff | seeds where geo is lower "
-                  "(train / held-out) |", "| --- | --- | --- | --- |"]
+                  "| pair | train loss diff | held-out diff | parameter drift diff "
+                  "| seeds where geo is lower (train / held-out / drift) |",
+                  "| --- | --- | --- | --- | --- |"]
         for name, p in summ["pairs"].items():
+            drift = p.get("drift")
             lines.append(f"| {name} | {fmt_stat(p['train'])} | {fmt_stat(p['heldout'])} "
+                         f"| {fmt_stat(drift)} "
                          f"| {p['train']['geo_better']}/{p['train']['n']} / "
-                         f"{p['heldout']['geo_better']}/{p['heldout']['n']} |")
+                         f"{p['heldout']['geo_better']}/{p['heldout']['n']} / "
+                         f"{drift['geo_better'] if drift else '-'} |")
     wall = "Wall time (sum of the merged runs)" if "sources" in result else "Wall time"
     lines += ["", f"Command: `{result['command']}`", "",
               f"{wall} {result['wall_s'] / 60:.1f} min; load average before "
               f"{result['load_before']}, after {result['load_after']} (2 cores)."]
     return "\n".join(lines) + "\n"
+
+
+def noise_note(summ: dict[str, Any]) -> list[str]:
+    """The sampling noise the communication error competes with."""
+    spreads = [e["spread"] for e in summ["codecs"].values() if e.get("spread") is not None]
+    if not spreads:
+        return []
+    return [f"Sampling noise of the averaged gradient, estimated from the ranks' spread "
+            f"(sqrt(mean_r ||g_r - avg||^2 / (N-1)) / ||avg||): {np.mean(spreads):.3f} "
+            "(mean over steps and runs), against which the communication errors below "
+            "compete.", ""]
 
 
 def smooth(y: np.ndarray, w: int) -> np.ndarray:
@@ -357,8 +390,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     seeds = sorted({r["seed"] for r in runs})
     by = {(r["codec"], r["seed"]): np.asarray(r["loss"]) for r in runs}
     w = max(1, result["steps"] // 20)
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
-    (ax_loss, ax_gap8), (ax_gap4, ax_err) = axes
+    fig, axes = plt.subplots(2, 3, figsize=(18, 8.5))
+    (ax_loss, ax_gap8, ax_drift), (ax_gap4, ax_err, ax_spare) = axes
+    ax_spare.set_visible(False)
     cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     colors = {label: cycle[i % len(cycle)] for i, label in enumerate(labels)}
     for label in labels:
@@ -375,6 +409,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
         steps = np.flatnonzero(np.isfinite(errs[0]))
         ax_err.plot(steps, np.nanmean(errs[:, steps], 0), label=label, color=colors[label],
                     lw=1)
+        drifts = [r["drift"] for r in runs if r["codec"] == label and r.get("drift")]
+        if drifts:
+            d = np.stack(drifts)
+            at = (np.arange(d.shape[1]) + 1) * result.get("drift_every", 10)
+            ax_drift.plot(at, d.mean(0), label=label, color=colors[label], lw=1.2)
+            ax_drift.fill_between(at, d.min(0), d.max(0), color=colors[label], alpha=0.15)
     if "bf16" in labels:
         _gap_panel(ax_gap4, by, "bf16", seeds, w, "0.6", lw=0.8, alpha=0.2)
     lo = min(float(np.mean(by[k][-result["tail"]:])) for k in by)
@@ -386,6 +426,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
                xlabel="step", ylabel="loss - loss(none)")
     ax_err.set(title="all-reduce relative error (mean over seeds)", xlabel="step",
                yscale="log")
+    ax_drift.set(title="parameter drift from the fp32 run (band: seed min..max)",
+                 xlabel="step", ylabel="||θ - θ_fp32|| / ||θ_fp32 - θ_0||", yscale="log")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -477,6 +519,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="measure the comm error every this many steps")
     p.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps "
                    "(0: only at the end)")
+    p.add_argument("--drift-every", type=int, default=10,
+                   help="compare the parameters with the fp32 run every N steps (0: never)")
     p.add_argument("--eval-batches", type=int, default=2)
     p.add_argument("--final-eval-batches", type=int, default=16)
     p.add_argument("--tail", type=int, default=0,
@@ -527,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
         "world": comm.size, "model": asdict(mcfg), "n_params": mcfg.n_params(),
         "train": asdict(tc), "steps": args.steps, "seeds": seeds,
         "tail": args.tail or max(1, args.steps // 10), "err_every": args.err_every,
+        "drift_every": args.drift_every,
         "final_eval_batches": args.final_eval_batches,
         "codecs": {label: CODECS[label] for label in labels},
         "bytes_note": "bytes this rank sends per step: all-to-all/all-gather segments to "
@@ -539,9 +584,14 @@ def main(argv: list[str] | None = None) -> int:
         "provenance": provenance(), "load_before": uptime(), "runs": [],
     }
     t0 = time.perf_counter()
+    # the exact run first: it is the reference trajectory of the drift
+    labels = sorted(labels, key=lambda label: label != "none")
     for seed in seeds:
+        reference = None
         for label in labels:
-            run = train_run(label, seed, args, mcfg, tc, comm)
+            run = train_run(label, seed, args, mcfg, tc, comm, reference)
+            if "snapshots" in run:
+                reference = run.pop("snapshots")
             result["runs"].append(run)
             if comm.rank == 0:
                 print(f"{label:>10s} seed {seed}: loss {tail_mean(run['loss'], result['tail']):.4f}"
