@@ -76,14 +76,42 @@ def test_none_is_exact(comm):
     np.testing.assert_array_equal(y, expected.astype(np.float32))
 
 
-@pytest.mark.parametrize("name", ["fp8", "bf16", "nvfp4"])
-def test_inplace_out(comm, name):
+@pytest.mark.parametrize("name", ["none", "fp8", "bf16", "nvfp4"])
+@pytest.mark.parametrize("chunk", [None, 777])
+def test_inplace_out(comm, name, chunk):
+    """out=x and a separate out both receive the reduction directly; with many
+    pipeline stages (chunk 777) in place stays exact because a stage only
+    writes ranges the pipeline has already encoded."""
     xs = inputs(5000, comm.size, tag=2)
     x = xs[comm.rank].copy()
-    expected = geocomm.allreduce(x.copy(), codec=CODECS[name])
-    result = geocomm.allreduce(x, codec=CODECS[name], out=x)
+    expected = geocomm.allreduce(x.copy(), codec=CODECS[name], chunk_elems=chunk)
+    out = np.full_like(x, np.nan)
+    assert geocomm.allreduce(x, codec=CODECS[name], out=out, chunk_elems=chunk) is out
+    np.testing.assert_array_equal(out, expected)
+    result = geocomm.allreduce(x, codec=CODECS[name], out=x, chunk_elems=chunk)
     assert result is x
     np.testing.assert_array_equal(x, expected)
+
+
+def test_scratch_pool_reuses_and_isolates_threads():
+    """Wire buffers come back from the per-thread pool at the right size, and a
+    buffer held by one thread is never handed to another."""
+    import threading
+
+    from geocomm.collectives import _ScratchPool
+
+    pool = _ScratchPool()
+    a = pool.take(np, 1000)
+    assert a.size == 1000 and a.dtype == np.uint8
+    pool.give_back([a])
+    b = pool.take(np, 600)
+    assert b.size == 600 and np.shares_memory(a, b)  # reused, trimmed view
+    pool.give_back([b])
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(pool.take(np, 600)))
+    worker.start()
+    worker.join()
+    assert not np.shares_memory(seen[0], b)  # the other thread's pool was empty
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
