@@ -190,25 +190,40 @@ GC_CLONES static void encode_nvfp4(const float *x, size_t n, uint8_t *wire)
     }
 }
 
+/* gc_e2m1_value of every 4-bit code, as a table the vectorizer turns into an
+ * in-register permute (test_native.c checks it against gc_e2m1_value). */
+static const float gc_e2m1_table[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                 -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+static inline void nvfp4_block_values(const uint8_t *restrict cb, size_t len, float eff,
+                                      int accumulate, float *restrict ob)
+{
+    for (size_t i = 0; i < len; i++) {
+        float v = gc_e2m1_table[(cb[i >> 1] >> ((i & 1) * 4)) & 0xfu] * eff;
+        ob[i] = accumulate ? ob[i] + v : v;
+    }
+}
+
 GC_CLONES static void decode_nvfp4(int accumulate, const uint8_t *wire, size_t n, float *out)
 {
     size_t nblocks = ceil_div(n, GC_NVFP4_BLOCK);
     const uint8_t *bscales = wire + 4;
     const uint8_t *codes = bscales + nblocks;
     float gscale = load_f32(wire);
-    for (size_t k = 0; k < nblocks; k++) {
-        size_t start = k * GC_NVFP4_BLOCK;
-        size_t len = n - start < GC_NVFP4_BLOCK ? n - start : GC_NVFP4_BLOCK;
-        float eff = gc_e4m3_value(bscales[k]) * gscale;
-        const uint8_t *cb = codes + start / 2;
-        float v[GC_NVFP4_BLOCK];
-        for (size_t i = 0; i < (len + 1) / 2; i++) {
-            v[2 * i] = gc_e2m1_value(cb[i] & 0xfu) * eff;
-            v[2 * i + 1] = gc_e2m1_value(cb[i] >> 4) * eff;
+    for (size_t g = 0; g < nblocks; g += GC_NVFP4_GROUP) {
+        size_t count = nblocks - g < GC_NVFP4_GROUP ? nblocks - g : GC_NVFP4_GROUP;
+        float eff[GC_NVFP4_GROUP];
+        for (size_t j = 0; j < count; j++)
+            eff[j] = gc_e4m3_value(bscales[g + j]) * gscale;
+        for (size_t j = 0; j < count; j++) {
+            size_t start = (g + j) * GC_NVFP4_BLOCK;
+            size_t len = n - start < GC_NVFP4_BLOCK ? n - start : GC_NVFP4_BLOCK;
+            const uint8_t *cb = codes + start / 2;
+            if (len == GC_NVFP4_BLOCK)
+                nvfp4_block_values(cb, GC_NVFP4_BLOCK, eff[j], accumulate, out + start);
+            else
+                nvfp4_block_values(cb, len, eff[j], accumulate, out + start);
         }
-        float *ob = out + start;
-        for (size_t i = 0; i < len; i++)
-            ob[i] = accumulate ? ob[i] + v[i] : v[i];
     }
 }
 

@@ -1,7 +1,8 @@
 /*
  * C unit tests of the native codec, independent of Python: decode of every
  * code against a second, ldexp-based definition of the formats; encode of
- * every representable value back to its code; wire sizes; non-finite rules;
+ * every representable value back to its code; every E2M1 code through the
+ * NVFP4 decoder; wire sizes; non-finite rules;
  * accumulate; and decoding random bytes (run under -Db_sanitize=address,
  * undefined, that catches any out-of-bounds access). Prints
  * "N passed, M failed" and exits non-zero on failure.
@@ -72,6 +73,24 @@ static void test_fp8_codes(int fmt, float (*ref)(unsigned), float fmax)
         CHECK(w[4] == c, "fmt %d: encode(%g) = %d, expected %d", fmt, v, w[4], c);
         gc_decode(fmt, w, 2, 0, back, 0);
         CHECK(back[0] == v && signbit(back[0]) == signbit(v), "fmt %d round trip %g", fmt, v);
+    }
+}
+
+/* Every E2M1 code through the NVFP4 decoder (global and block scale 1) against
+ * the ldexp definition: the decoder's lookup table must match the format. */
+static void test_e2m1_codes(void)
+{
+    uint8_t wire[4 + 1 + 8];
+    float one = 1.0f, out[16];
+    memcpy(wire, &one, 4);
+    wire[4] = 0x38; /* E4M3 code of 1.0 */
+    for (int i = 0; i < 8; i++)
+        wire[5 + i] = (uint8_t)((2 * i) | ((2 * i + 1) << 4));
+    CHECK(gc_decode(GC_NVFP4, wire, 16, 0, out, 0) == 0, "decode nvfp4 codes");
+    for (int c = 0; c < 16; c++) {
+        float ref = minifloat((unsigned)c, 2, 1, 0);
+        CHECK(out[c] == ref && signbit(out[c]) == signbit(ref), "e2m1 code %d: %g vs %g", c,
+              out[c], ref);
     }
 }
 
@@ -153,6 +172,7 @@ int main(void)
 {
     test_fp8_codes(GC_E4M3, e4m3, 448.0f);
     test_fp8_codes(GC_E5M2, e5m2, 57344.0f);
+    test_e2m1_codes();
     test_wire_sizes();
     test_nonfinite();
     test_accumulate();

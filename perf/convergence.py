@@ -125,6 +125,11 @@ def sampling_spread(comm: Any, exact: list[np.ndarray], local: list[np.ndarray])
     return float(np.sqrt(mean_dev / (comm.size - 1) / norm)) if norm > 0 else float("nan")
 
 
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    den = float(np.linalg.norm(a) * np.linalg.norm(b))
+    return float(a @ b) / den if den > 0 else 0.0
+
+
 def params_crc(model: torch.nn.Module) -> int:
     crc = 0
     for p in model.parameters():
@@ -161,8 +166,10 @@ def train_run(label: str, seed: int, args: argparse.Namespace, mcfg: llama.Llama
     data = llama.TextData(mcfg, seed)
     named = list(model.named_parameters())
     exact_codec = label == "none"
-    log: dict[str, list] = {k: [] for k in ("loss", "err", "err_tensor", "spread", "bytes",
-                                            "step_s", "comm_s", "drift")}
+    log: dict[str, list] = {k: [] for k in ("loss", "err", "err_tensor", "err_autocorr",
+                                            "err_align", "spread", "bytes", "step_s",
+                                            "comm_s", "drift")}
+    previous_error: np.ndarray | None = None
     theta0 = flat_params(model)
     snapshots: list[np.ndarray] = []
     evals: list[tuple[int, float]] = []
@@ -184,7 +191,14 @@ def train_run(label: str, seed: int, args: argparse.Namespace, mcfg: llama.Llama
         t3 = time.perf_counter()
         sent = metered.sent - before
         if measure and not exact_codec:
-            err, err_tensor = comm_errors(exact, flat_grads(model))
+            got = flat_grads(model)
+            err, err_tensor = comm_errors(exact, got)
+            error = np.concatenate([g.astype(np.float64) - e for e, g in zip(exact, got,
+                                                                              strict=True)])
+            log["err_align"].append(cosine(error, np.concatenate(exact).astype(np.float64)))
+            if previous_error is not None:
+                log["err_autocorr"].append(cosine(error, previous_error))
+            previous_error = error
         else:
             err, err_tensor = (0.0, 0.0) if exact_codec else (float("nan"), float("nan"))
         llama.apply_update(model, opt, tc, step)
@@ -259,6 +273,9 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         tens = np.concatenate([np.asarray(r["err_tensor"], float) for r in rs])
         entry["comm_err"] = float(np.nanmean(errs)) if np.isfinite(errs).any() else None
         entry["comm_err_tensor"] = float(np.nanmean(tens)) if np.isfinite(tens).any() else None
+        for name in ("err_autocorr", "err_align"):
+            values = np.concatenate([np.asarray(r.get(name, []), float) for r in rs])
+            entry[name] = float(np.mean(values)) if values.size else None
         drifts = [r["drift"][-1] for r in rs if r.get("drift")]
         entry["drift"] = stats(drifts) if drifts else None
         spread = np.concatenate([np.asarray(r.get("spread", []), float) for r in rs])
@@ -340,6 +357,15 @@ def markdown(result: dict[str, Any]) -> str:
                          f"| {p['train']['geo_better']}/{p['train']['n']} / "
                          f"{p['heldout']['geo_better']}/{p['heldout']['n']} / "
                          f"{drift['geo_better'] if drift else '-'} |")
+    shaped = {k: e for k, e in summ["codecs"].items() if e.get("err_autocorr") is not None}
+    if shaped:
+        lines += ["", "Structure of the communication error e = avg_codec - avg_exact (means "
+                  "over steps and seeds): correlation of consecutive steps' errors (errors "
+                  "that repeat add up in the weights instead of averaging out) and alignment "
+                  "with the exact gradient (negative: the codec shrinks the update).", "",
+                  "| codec | cos(e_t, e_t-1) | cos(e_t, g_t) |", "| --- | ---: | ---: |"]
+        lines += [f"| {k} | {e['err_autocorr']:+.4f} | {e['err_align']:+.4f} |"
+                  for k, e in shaped.items()]
     wall = "Wall time (sum of the merged runs)" if "sources" in result else "Wall time"
     lines += ["", f"Command: `{result['command']}`", "",
               f"{wall} {result['wall_s'] / 60:.1f} min; load average before "

@@ -400,6 +400,15 @@ class _Step:
                      self.share, self.total, self.sent)
 
 
+def _sum_squares(g: np.ndarray, slab_values: int = 1 << 18) -> float:
+    """sum(g**2) accumulated in float64, a slab of rows at a time (no full copy)."""
+    total, rows = 0.0, max(1, slab_values // max(g.shape[1], 1))
+    for lo in range(0, g.shape[0], rows):
+        slab = g[lo : lo + rows].astype(np.float64).ravel()
+        total += float(slab @ slab)
+    return total
+
+
 def _power_step(g: np.ndarray, start: np.ndarray, reduce: AllreduceSum | None, iters: int,
                 probe_seed: Sequence[int]) -> _Step | None:
     """Warm-started power iterations on G = sum over ranks of g, then Rayleigh-Ritz.
@@ -441,8 +450,7 @@ def _power_step(g: np.ndarray, start: np.ndarray, reduce: AllreduceSum | None, i
     coeffs = uc.T @ c @ vct.T
     energy_left = float(np.sum(w64 * w64))  # ||U^T G||^2
     if reduce is None:
-        g64 = g.astype(np.float64).ravel()
-        rest = float(g64 @ g64) - energy_left
+        rest = _sum_squares(g) - energy_left
     else:
         probes = p[:, k:].astype(np.float64)
         q = probes - u.astype(np.float64) @ (u.astype(np.float64).T @ probes)
