@@ -8,13 +8,15 @@ All-reduce of ``count`` values on ``N`` ranks, two quantizations:
 2. the flat buffer is cut into the ``N`` shards of ``np.array_split``; each
    shard into pieces of ``layout.piece`` values, one piece per shard per
    pipeline stage;
-3. stage ``s``: every rank encodes piece ``s`` of every shard (each piece is
-   encoded on its own, so no header travels) and an all-to-all sends shard
-   ``j``'s piece to rank ``j``;
-4. rank ``j`` decodes the ``N`` pieces and sums them in fp32 in rank order
-   ``0..N-1`` (deterministic), re-encodes the sum, and an all-gather sends it
-   to everyone, itself included; every rank decodes all pieces from the same
-   bytes, so every rank ends with bitwise identical values;
+3. stage ``s``: every rank encodes piece ``s`` of every other rank's shard
+   (each piece is encoded on its own, so no header travels) and an
+   all-to-all sends shard ``j``'s piece to rank ``j``;
+4. rank ``j`` takes its own piece as it is (it never travels, so it is never
+   quantized), adds the ``N - 1`` decoded pieces in rank order in fp32
+   (deterministic, and independent of whether ``out`` aliases ``x``),
+   re-encodes the sum, and an all-gather sends it to everyone, itself
+   included; every rank decodes all pieces from the same bytes, so every rank
+   ends with bitwise identical values;
 5. ``plan.inverse``, ``op="avg"`` divides by ``N``, cast to the caller's dtype.
 
 The pipeline keeps three stages in flight: while stage ``s`` is encoded,
@@ -263,34 +265,50 @@ class Pipeline:
         return self.result[lo - self.result_offset: hi - self.result_offset]
 
     # -- phases ---------------------------------------------------------------
-    def encode_stage(self, s: int) -> None:
+    def _a2a_sizes(self, s: int) -> list[int]:
+        """Wire bytes this rank sends to each rank in stage ``s``'s all-to-all:
+        its piece of every other shard; nothing to itself (its own piece
+        enters the sum unquantized)."""
         sizes = self._stage_sizes(s)
-        counts, displs = _segments(sizes)
+        sizes[self.me] = 0
+        return sizes
+
+    def encode_stage(self, s: int) -> None:
+        counts, displs = _segments(self._a2a_sizes(s))
         buf = self.a2a_send[s % 2]
         for j in range(self.comm.size):
-            lo, hi = self.layout.piece_range(j, s)
-            self.codec.encode_wire(self.source[lo:hi], buf[displs[j]: displs[j] + counts[j]])
-            self._progress()
+            if j != self.me:
+                lo, hi = self.layout.piece_range(j, s)
+                self.codec.encode_wire(self.source[lo:hi],
+                                       buf[displs[j]: displs[j] + counts[j]])
+                self._progress()
 
     def start_alltoall(self, s: int) -> None:
-        sizes = self._stage_sizes(s)
-        send_counts, send_displs = _segments(sizes)
-        recv_counts, recv_displs = _segments([sizes[self.me]] * self.comm.size)
+        send_counts, send_displs = _segments(self._a2a_sizes(s))
+        mine = self._stage_sizes(s)[self.me]
+        recv_counts, recv_displs = _segments(
+            [0 if i == self.me else mine for i in range(self.comm.size)])
         req = self.comm.alltoallv(self.a2a_send[s % 2], send_counts, send_displs,
                                   self.a2a_recv[s % 2], recv_counts, recv_displs)
         self.a2a_req[s] = req
         self.open.append(req)
 
     def reduce_stage(self, s: int) -> None:
-        """Sum the N received pieces of my shard in rank order into result."""
+        """My piece of my shard (exact), then the other ranks' decoded pieces in
+        rank order, summed in fp32 into result. Own piece first: out may alias
+        the source, and the order must not depend on that."""
         wait(self.a2a_req.pop(s), f"the all-to-all of stage {s}", self.me)
         lo, hi = self.layout.piece_range(self.me, s)
         acc = self._local(lo, hi)
+        acc[...] = self.source[lo:hi]
         seg = self.codec.wire_size(hi - lo)
         buf = self.a2a_recv[s % 2]
+        offset = 0
         for i in range(self.comm.size):
-            self.codec.decode_wire(buf[i * seg: (i + 1) * seg], acc, accumulate=i > 0)
-            self._progress()
+            if i != self.me:
+                self.codec.decode_wire(buf[offset: offset + seg], acc, accumulate=True)
+                offset += seg
+                self._progress()
 
     def reencode_stage(self, s: int) -> None:
         """Encode my reduced piece for the all-gather (the second quantization)."""

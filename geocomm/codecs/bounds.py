@@ -59,7 +59,9 @@ def single_bound(values: np.ndarray, codec: Codec) -> np.ndarray:
 def allreduce_bound(inputs: list[np.ndarray], codec: Codec) -> np.ndarray:
     """Per-element bound of |Y - sum_i x_i| for the compressed all-reduce.
 
-    Stage 1 errors e1_i obey single_bound(x_i); the owner's fp32 sum is
+    Stage 1 errors e1_i obey single_bound(x_i) (the owner's own piece is not
+    quantized, so its term is 0 in fact; the bound keeps it, since it does not
+    know which rank owns an element); the owner's fp32 sum is
     S' = S + sum e1_i, so |S'| <= |S| + E1; stage 2 quantizes S' (bounded
     with |S'| and max |S'|). The fp32 additions of N terms add at most
     2 N 2^-24 (sum |x_i| + E1).

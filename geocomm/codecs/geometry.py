@@ -1013,7 +1013,7 @@ def _roundtrip(codec: Codec, values: np.ndarray) -> np.ndarray:
 
 def simulate_allreduce(codecs: Sequence[Codec], xs: Sequence[np.ndarray],
                        key: Any = None) -> tuple[np.ndarray, int]:
-    """The two-quantization all-reduce of DESIGN section 4, ranks simulated in one process.
+    """The two-quantization all-reduce of geocomm.collectives, ranks simulated in one process.
 
     Rank i uses ``codecs[i]`` (its own state, as separate processes would) and
     input ``xs[i]``; shards follow np.array_split. Returns the summed result
@@ -1037,11 +1037,12 @@ def simulate_allreduce(codecs: Sequence[Codec], xs: Sequence[np.ndarray],
     count = math.prod(shape)
     offsets = [int(o) for o in shard_bounds(count, size)]
     total = np.empty(count, _F32)
-    for lo, hi in itertools.pairwise(offsets):
-        acc = np.zeros(hi - lo, _F32)
+    for owner, (lo, hi) in enumerate(itertools.pairwise(offsets)):
+        acc = np.array(prepared[owner][1][lo:hi], _F32)  # the owner's piece, unquantized
         for rank in range(size):
-            acc += _roundtrip(codecs[rank], prepared[rank][1][lo:hi])
-        total[lo:hi] = _roundtrip(codecs[0], acc)
+            if rank != owner:
+                acc += _roundtrip(codecs[rank], prepared[rank][1][lo:hi])
+        total[lo:hi] = _roundtrip(codecs[owner], acc)
     result = None
     for rank, (plan, _) in enumerate(prepared):
         s = total if plan is None else plan.inverse(total)
