@@ -276,6 +276,11 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         for name in ("err_autocorr", "err_align"):
             values = np.concatenate([np.asarray(r.get(name, []), float) for r in rs])
             entry[name] = float(np.mean(values)) if values.size else None
+        # (e . g) / ||g||^2 = cos(e, g) * ||e|| / ||g||: the error's component along the
+        # gradient, as a fraction of it (negative: a systematic shrink of the update)
+        along = [np.asarray(r["err"], float)[np.isfinite(r["err"])] * np.asarray(r["err_align"])
+                 for r in rs if r.get("err_align")]
+        entry["err_along"] = float(np.mean(np.concatenate(along))) if along else None
         drifts = [r["drift"][-1] for r in rs if r.get("drift")]
         entry["drift"] = stats(drifts) if drifts else None
         spread = np.concatenate([np.asarray(r.get("spread", []), float) for r in rs])
@@ -361,11 +366,13 @@ def markdown(result: dict[str, Any]) -> str:
     if shaped:
         lines += ["", "Structure of the communication error e = avg_codec - avg_exact (means "
                   "over steps and seeds): correlation of consecutive steps' errors (errors "
-                  "that repeat add up in the weights instead of averaging out) and alignment "
-                  "with the exact gradient (negative: the codec shrinks the update).", "",
-                  "| codec | cos(e_t, e_t-1) | cos(e_t, g_t) |", "| --- | ---: | ---: |"]
-        lines += [f"| {k} | {e['err_autocorr']:+.4f} | {e['err_align']:+.4f} |"
-                  for k, e in shaped.items()]
+                  "that repeat add up in the weights instead of averaging out), its cosine "
+                  "with the exact gradient, and its component along the gradient as a "
+                  "fraction of it (negative: the codec shrinks the update).", "",
+                  "| codec | cos(e_t, e_t-1) | cos(e_t, g_t) | (e . g) / ‖g‖² |",
+                  "| --- | ---: | ---: | ---: |"]
+        lines += [f"| {k} | {e['err_autocorr']:+.4f} | {e['err_align']:+.4f} "
+                  f"| {e['err_along']:+.2e} |" for k, e in shaped.items()]
     wall = "Wall time (sum of the merged runs)" if "sources" in result else "Wall time"
     lines += ["", f"Command: `{result['command']}`", "",
               f"{wall} {result['wall_s'] / 60:.1f} min; load average before "
