@@ -275,7 +275,10 @@ def test_through_geocomm_collectives(comm):
         shard = geocomm.reduce_scatter(xs[comm.rank].copy(), codec=codec, key="w", comm=comm)
         base = geocomm.reduce_scatter(xs[comm.rank].copy(), codec=plain, comm=comm)
         ref = exact.reshape(-1)[lo:hi]
-        assert rel(shard, ref) < 0.5 * rel(base, ref)
+        if comm.size == 1:  # nothing travels, and the owner's own piece is never quantized
+            assert rel(base, ref) == 0 and rel(shard, ref) < 1e-5  # the maps' fp32 roundoff
+        else:
+            assert rel(shard, ref) < 0.5 * rel(base, ref)
     checksum = np.array([codec.state_checksum()], np.int64)
     assert len(set(comm.allgather_int64(checksum).ravel())) == 1
 
