@@ -16,7 +16,7 @@ PY=${PYTHON:-python}
 OUT=perf/results/profile_${CODEC}_${RATE}_n2
 command -v perf >/dev/null || { echo "profile_allreduce: needs linux perf" >&2; exit 2; }
 DATA=$(mktemp /tmp/geocomm-perf.XXXXXX)
-trap 'rm -f "$DATA"' EXIT
+trap 'rm -f "$DATA" "$DATA.txt" "$OUT.timing"' EXIT
 CMD=("$PY" perf/emulated_link.py --rate "$RATE" -n 2 -- "$PY" perf/all_reduce_perf.py
      -b "$SIZE" -e "$SIZE" -n 60 -w 3 -c 0 --codec "$CODEC")
 perf record -q -F 999 -g -o "$DATA" -- "${CMD[@]}" | grep -E '^ +[0-9]' > "$OUT.timing"
@@ -32,9 +32,9 @@ perf record -q -F 999 -g -o "$DATA" -- "${CMD[@]}" | grep -E '^ +[0-9]' > "$OUT.
   echo
   echo "| share of samples | object | symbol |"
   echo "| ---: | --- | --- |"
-  perf report -i "$DATA" --no-children --sort dso,sym --stdio -g none 2>/dev/null \
-    | grep -E '^ +[0-9]' | head -25 \
-    | awk '{pct=$1; dso=$2; $1=""; $2=""; $3=""; sub(/^ +/, ""); printf "| %s | %s | %s |\n", pct, dso, $0}'
+  perf report -i "$DATA" --no-children --sort dso,sym --stdio -g none 2>/dev/null > "$DATA.txt"
+  # awk reads all of it (no head: a closed pipe would fail the script under pipefail)
+  awk '/^ +[0-9]/ && n < 25 {n++; pct=$1; dso=$2; $1=""; $2=""; $3=""; sub(/^ +/, "");
+       printf "| %s | %s | %s |\n", pct, dso, $0}' "$DATA.txt"
 } > "$OUT.md"
-rm -f "$OUT.timing"
 echo "wrote $OUT.md"
