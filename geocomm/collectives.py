@@ -193,7 +193,8 @@ class _ScratchPool:
     as encoding. CuPy has its own memory pool, so device buffers skip this.
     """
 
-    KEEP = 16  # buffers kept per thread (a pipeline uses 8)
+    KEEP = 16  # buffers kept per thread (a pipeline uses 8) ...
+    KEEP_BYTES = 64 << 20  # ... and at most this many bytes of them
 
     def __init__(self) -> None:
         self.local = threading.local()
@@ -219,8 +220,12 @@ class _ScratchPool:
         for b in buffers:
             if isinstance(b, np.ndarray):
                 free.append(b.base if b.base is not None else b)
-        free.sort(key=lambda b: b.size, reverse=True)
-        del free[self.KEEP:]
+        free.sort(key=lambda b: b.size)
+        kept, total = 0, 0
+        while kept < min(len(free), self.KEEP) and total + free[kept].size <= self.KEEP_BYTES:
+            total += free[kept].size
+            kept += 1
+        del free[kept:]
 
 
 _SCRATCH = _ScratchPool()
@@ -478,7 +483,7 @@ def allreduce(x: np.ndarray, codec: Any = None, op: str = "sum", out: np.ndarray
     if codec.lossless:
         work = xp.ascontiguousarray(x, np.float64 if x.dtype == np.float64 else np.float32)
         # MPI/NCCL need distinct send and receive buffers
-        total = _direct_result(out, work.dtype, avoid=work)
+        total = _direct_result(out, work.dtype, work, same_ok=False)
         if total is None:
             total = xp.empty_like(work)
         comm.allreduce(work, total, "sum")
@@ -488,7 +493,7 @@ def allreduce(x: np.ndarray, codec: Any = None, op: str = "sum", out: np.ndarray
         if plan is not None:
             source = np.ascontiguousarray(plan.forward(source), np.float32)
         # the pipeline only writes ranges it has already encoded, so out may be x
-        total = _direct_result(out, np.float32) if plan is None else None
+        total = _direct_result(out, np.float32, source, same_ok=True) if plan is None else None
         if total is None:
             total = xp.empty(x.size, np.float32)
         layout = Layout.plan(x.size, comm.size, chunk_elems or DEFAULT_CHUNK_ELEMS)
@@ -506,12 +511,14 @@ def allreduce(x: np.ndarray, codec: Any = None, op: str = "sum", out: np.ndarray
     return out
 
 
-def _direct_result(out: Any, dtype: Any, avoid: Any = None) -> Any:
+def _direct_result(out: Any, dtype: Any, source: Any, same_ok: bool) -> Any:
     """A flat view of ``out`` to reduce into, when out is C-contiguous, of
-    ``dtype`` and does not overlap ``avoid``; else None (reduce into scratch)."""
+    ``dtype``, and either apart from ``source`` or (``same_ok``) exactly the
+    same memory; else None (reduce into scratch and copy)."""
     if out is None or out.dtype != dtype or not out.flags.c_contiguous or out.size == 0:
         return None
-    if avoid is not None and array_module(out).may_share_memory(out, avoid):
+    if array_module(out).may_share_memory(out, source) and not (
+            same_ok and _same_memory(out, source)):
         return None
     return out.reshape(-1)
 

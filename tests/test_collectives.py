@@ -93,6 +93,19 @@ def test_inplace_out(comm, name, chunk):
     np.testing.assert_array_equal(x, expected)
 
 
+@pytest.mark.parametrize("name", ["none", "fp8"])
+def test_out_overlapping_x_at_an_offset(comm, name):
+    """out sharing x's buffer one element further on is not reduced into
+    directly (the pipeline would overwrite values it has not read yet)."""
+    xs = inputs(3001, comm.size, tag=9)
+    expected = geocomm.allreduce(xs[comm.rank].copy(), codec=CODECS[name], chunk_elems=500)
+    buf = np.empty(3002, np.float32)
+    buf[:3001] = xs[comm.rank]
+    result = geocomm.allreduce(buf[:3001], codec=CODECS[name], out=buf[1:],
+                               chunk_elems=500)
+    np.testing.assert_array_equal(result, expected)
+
+
 def test_scratch_pool_reuses_and_isolates_threads():
     """Wire buffers come back from the per-thread pool at the right size, and a
     buffer held by one thread is never handed to another."""
@@ -112,6 +125,9 @@ def test_scratch_pool_reuses_and_isolates_threads():
     worker.start()
     worker.join()
     assert not np.shares_memory(seen[0], b)  # the other thread's pool was empty
+    big = [pool.take(np, pool.KEEP_BYTES // 2 + 1) for _ in range(3)]
+    pool.give_back(big)
+    assert len(pool._free()) <= 2  # the smaller buffer stays, big ones beyond the budget go
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
