@@ -43,19 +43,32 @@ static float load_f32(const uint8_t *p)
 
 static void store_f32(uint8_t *p, float f) { memcpy(p, &f, sizeof f); }
 
-/* Max |x| over finite values. For non-negative floats the order of the bit
- * patterns is the numeric order, so this is an unsigned max; non-finite
- * values are masked to 0 arithmetically, which keeps the reduction in a form
- * gcc vectorizes (a select before the max made it fall back to scalar). */
-static inline float block_amax(const float *restrict x, size_t len)
+/* Max |x| over the finite values of a block, and whether all are finite. For
+ * non-negative floats the order of the bit patterns is the numeric order, so
+ * this is an unsigned max; non-finite values are masked to 0 arithmetically,
+ * which keeps the reduction in a form gcc vectorizes (a select before the max
+ * made it fall back to scalar). */
+static inline void block_stats(const float *restrict x, size_t len, float *amax, int *finite)
 {
-    gc_u32 m = 0;
+    gc_u32 m = 0, bad = 0;
     for (size_t i = 0; i < len; i++) {
         gc_u32 b = gc_bits(x[i]) & 0x7fffffffu;
-        b &= 0u - (gc_u32)(b < 0x7f800000u);
+        gc_u32 ok = b < 0x7f800000u;
+        bad |= ok ^ 1u;
+        b &= 0u - ok;
         m = m > b ? m : b;
     }
-    return gc_float(m);
+    *amax = gc_float(m);
+    *finite = !bad;
+}
+
+/* block_stats without the finiteness (the compiler drops its part). */
+static inline float block_amax(const float *restrict x, size_t len)
+{
+    float amax;
+    int finite;
+    block_stats(x, len, &amax, &finite);
+    return amax;
 }
 
 /* ---- FP8 ---------------------------------------------------------------- */
@@ -125,21 +138,6 @@ GC_CLONES static void accumulate_e5m2(const uint8_t *w, size_t n, size_t b, floa
  * scale arithmetic of one 16-value block used to dominate), then the codes. */
 #define GC_NVFP4_GROUP 64
 
-static inline void nvfp4_block_stats(const float *restrict xb, size_t len, float *amax,
-                                     int *finite)
-{
-    gc_u32 m = 0, bad = 0;
-    for (size_t i = 0; i < len; i++) {
-        gc_u32 b = gc_bits(xb[i]) & 0x7fffffffu;
-        gc_u32 ok = b < 0x7f800000u;
-        bad |= ok ^ 1u;
-        b &= 0u - ok;
-        m = m > b ? m : b;
-    }
-    *amax = gc_float(m);
-    *finite = !bad;
-}
-
 static inline void nvfp4_block_codes(const float *restrict xb, size_t len, float pre,
                                      float factor, int finite, uint8_t *restrict cb)
 {
@@ -169,9 +167,9 @@ GC_CLONES static void encode_nvfp4(const float *x, size_t n, uint8_t *wire)
             size_t start = (g + j) * GC_NVFP4_BLOCK;
             size_t len = n - start < GC_NVFP4_BLOCK ? n - start : GC_NVFP4_BLOCK;
             if (len == GC_NVFP4_BLOCK)
-                nvfp4_block_stats(x + start, GC_NVFP4_BLOCK, &bamax[j], &finite[j]);
+                block_stats(x + start, GC_NVFP4_BLOCK, &bamax[j], &finite[j]);
             else
-                nvfp4_block_stats(x + start, len, &bamax[j], &finite[j]);
+                block_stats(x + start, len, &bamax[j], &finite[j]);
         }
         for (size_t j = 0; j < count; j++) {
             gc_u8 sc = gc_nvfp4_scale_code(bamax[j], tpre, tfactor, finite[j]);
