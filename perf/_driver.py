@@ -69,7 +69,7 @@ class MeteredComm:
         return self.inner.allgatherv(send, recv, counts, displs)
 
     def allreduce(self, send, recv, op):
-        self.sent += 2 * (self.size - 1) * int(send.nbytes) // self.size
+        self.sent += ring_bytes(int(send.nbytes), self.size)
         return self.inner.allreduce(send, recv, op)
 
     def allgather_int64(self, values):
@@ -122,16 +122,25 @@ def _inputs(count: int, size: int, seed: int, index: int, dtype) -> list[np.ndar
             .astype(dtype) for r in range(size)]
 
 
-def _timed(comm, fn: Callable, iters: int) -> float:
+def slowest(comm, value: float) -> float:
+    """The largest of every rank's ``value``."""
+    mine, worst = np.array([value], np.float64), np.empty(1)
+    comm.allreduce(mine, worst, "max")
+    return float(worst[0])
+
+
+def timed(comm, fn: Callable, iters: int) -> float:
     """Mean seconds per call, the slowest rank's (as nccl-tests reports)."""
     comm.barrier()
     start = time.perf_counter()
     for _ in range(iters):
         fn()
-    mine = np.array([(time.perf_counter() - start) / max(iters, 1)])
-    slowest = np.empty(1)
-    comm.allreduce(mine, slowest, "max")
-    return float(slowest[0])
+    return slowest(comm, (time.perf_counter() - start) / max(iters, 1))
+
+
+def ring_bytes(nbytes: int, size: int) -> int:
+    """Bytes a rank sends in a ring all-reduce of ``nbytes``: 2(N-1)/N of them."""
+    return 2 * (size - 1) * nbytes // size
 
 
 def breakdown(comm, codec, x: np.ndarray, chunk: int | None, gather: bool,
@@ -207,7 +216,7 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
 
         for _ in range(args.warmup_iters):
             call()
-        seconds = _timed(comm, call, args.iters)
+        seconds = timed(comm, call, args.iters)
         result = call()
         wrong, relerr = -1, float("nan")
         if xs is not None:
@@ -224,7 +233,7 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
             relerr = float(np.linalg.norm(diff) / norm) if norm > 0 else 0.0
         layout = Layout.plan(count, size, args.chunk or geocomm.collectives.DEFAULT_CHUNK_ELEMS)
         if codec.lossless:
-            wire = int(2 * (size - 1) / size * count * 4) if coll.gather else \
+            wire = ring_bytes(count * 4, size) if coll.gather else \
                 int((size - 1) / size * count * 4)
         else:
             wire = max(int(r[0]) for r in comm.allgather_int64(np.array(

@@ -58,7 +58,7 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _driver import MeteredComm, parse_size  # noqa: E402
+from _driver import MeteredComm, parse_size, ring_bytes, slowest, timed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 COLS = 1024
@@ -156,11 +156,6 @@ class MPIMethod:
         return _relerr(self.out, exact), ring_bytes(self.x.nbytes, size)
 
 
-def ring_bytes(nbytes: int, size: int) -> int:
-    """Bytes a rank sends in a ring all-reduce of ``nbytes``."""
-    return 2 * (size - 1) * nbytes // size
-
-
 class DDPMethod:
     """PyTorch DDP on gloo with a built-in compression hook, gradient = ``x``."""
 
@@ -218,21 +213,6 @@ class DDPMethod:
 # worker (runs under MPI)
 
 
-def _max_over_ranks(comm: Any, value: float) -> float:
-    mine, worst = np.array([value], np.float64), np.empty(1)
-    comm.allreduce(mine, worst, "max")
-    return float(worst[0])
-
-
-def _timed(comm: Any, fn: Callable[[], None], iters: int) -> float:
-    """Mean seconds per call, the slowest rank's."""
-    comm.barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return _max_over_ranks(comm, (time.perf_counter() - start) / iters)
-
-
 def _iterations(comm: Any, fn: Callable[[], None], warmup: int, budget_s: float,
                 max_iters: int) -> int:
     """Run ``warmup`` calls; the same iteration count on every rank, so that the
@@ -241,7 +221,7 @@ def _iterations(comm: Any, fn: Callable[[], None], warmup: int, budget_s: float,
     start = time.perf_counter()
     for _ in range(warmup):
         fn()
-    per_call = _max_over_ranks(comm, (time.perf_counter() - start) / max(warmup, 1))
+    per_call = slowest(comm, (time.perf_counter() - start) / max(warmup, 1))
     return int(np.clip(round(budget_s / max(per_call, 1e-6)), 2, max_iters))
 
 
@@ -279,12 +259,12 @@ def worker(args: argparse.Namespace) -> int:
             method = build(label, comm, x)
             warmup = args.warmup + (1 if METHODS[label].get("hook") == "powersgd" else 0)
             iters = _iterations(comm, method, warmup, args.budget, args.iters)
-            seconds = _timed(comm, method, iters)
+            seconds = timed(comm, method, iters)
             if isinstance(method, DDPMethod):
-                local = _timed(comm, method.local_step, iters)
+                local = timed(comm, method.local_step, iters)
                 seconds = seconds - local
             relerr, wire = method.result(exact, size)
-            wire = int(_max_over_ranks(comm, wire))
+            wire = int(slowest(comm, wire))
             algbw = x.nbytes / seconds / 1e9
             row = {"link": link, "ranks": size, "method": label, "size": x.nbytes,
                    "shape": list(x.shape), "iters": iters, "time_us": seconds * 1e6,

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from _driver import _timed, breakdown, command_line, parse_size
+from _driver import breakdown, command_line, parse_size, timed
 
 import geocomm
 from geocomm.collectives import DEFAULT_CHUNK_ELEMS, get_comm, resolve_codec
@@ -40,7 +40,7 @@ def main() -> int:
     rows = []
     for chunk in [int(c) for c in args.chunks.split(",")]:
         geocomm.allreduce(x, codec=codec, chunk_elems=chunk)  # warm-up
-        seconds = _timed(comm, lambda c=chunk: geocomm.allreduce(x, codec=codec, chunk_elems=c),
+        seconds = timed(comm, lambda c=chunk: geocomm.allreduce(x, codec=codec, chunk_elems=c),
                          args.iters)
         parts = breakdown(comm, codec, x, chunk, gather=True)
         serial = parts["encode"] + parts["comm"] + parts["decode"]
