@@ -270,16 +270,18 @@ class Pipeline:
         return self.result[lo - self.result_offset: hi - self.result_offset]
 
     # -- phases ---------------------------------------------------------------
-    def _a2a_sizes(self, s: int) -> list[int]:
-        """Wire bytes this rank sends to each rank in stage ``s``'s all-to-all:
-        its piece of every other shard; nothing to itself (its own piece
-        enters the sum unquantized)."""
+    def _a2a_sizes(self, s: int) -> tuple[list[int], list[int]]:
+        """Wire bytes this rank sends to and receives from each rank in stage
+        ``s``'s all-to-all: its piece of every other shard, and every other
+        rank's piece of its own shard; nothing to itself (its own piece enters
+        the sum unquantized)."""
         sizes = self._stage_sizes(s)
+        mine = sizes[self.me]
         sizes[self.me] = 0
-        return sizes
+        return sizes, [0 if i == self.me else mine for i in range(self.comm.size)]
 
     def encode_stage(self, s: int) -> None:
-        counts, displs = _segments(self._a2a_sizes(s))
+        counts, displs = _segments(self._a2a_sizes(s)[0])
         buf = self.a2a_send[s % 2]
         for j in range(self.comm.size):
             if j != self.me:
@@ -289,10 +291,9 @@ class Pipeline:
                 self._progress()
 
     def start_alltoall(self, s: int) -> None:
-        send_counts, send_displs = _segments(self._a2a_sizes(s))
-        mine = self._stage_sizes(s)[self.me]
-        recv_counts, recv_displs = _segments(
-            [0 if i == self.me else mine for i in range(self.comm.size)])
+        send_sizes, recv_sizes = self._a2a_sizes(s)
+        send_counts, send_displs = _segments(send_sizes)
+        recv_counts, recv_displs = _segments(recv_sizes)
         req = self.comm.alltoallv(self.a2a_send[s % 2], send_counts, send_displs,
                                   self.a2a_recv[s % 2], recv_counts, recv_displs)
         self.a2a_req[s] = req
