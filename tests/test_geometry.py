@@ -47,6 +47,15 @@ def spiked(m: int, n: int, seed: int, noise: float = 0.01) -> np.ndarray:
             + noise * rng.standard_normal((m, n))).astype(np.float32)
 
 
+def spiked_ranks(size: int, m: int, n: int, spike_seed: int, step: int
+                 ) -> tuple[list[np.ndarray], np.ndarray]:
+    """Every rank's gradient at ``step`` (a shared spiked subspace plus rank noise of
+    0.01) and their fp64 sum."""
+    xs = [spiked(m, n, seed=spike_seed) + gaussian(m, n, seed=10 * step + r) * 0.01
+          for r in range(size)]
+    return xs, np.sum([x.astype(np.float64) for x in xs], axis=0)
+
+
 def gaussian(m: int, n: int, seed: int) -> np.ndarray:
     return np.random.default_rng([seed, m, n, 11]).standard_normal((m, n)).astype(np.float32)
 
@@ -179,9 +188,7 @@ def test_sides_on_simulated_ranks(transform, sides, refresh):
     plain = [get_codec("fp8", block=128) for _ in range(size)]
     k = codecs[0].layout((m, n))[2]
     for step in range(4):
-        xs = [spiked(m, n, seed=30) + gaussian(m, n, seed=10 * step + r) * 0.01
-              for r in range(size)]
-        exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+        xs, exact = spiked_ranks(size, m, n, 30, step)
         got, side = simulate_allreduce(codecs, xs, key="w")
         base, _ = simulate_allreduce(plain, xs)
         if step == 0:  # past: no basis yet; current: a cold refresh (more iterations)
@@ -261,9 +268,7 @@ def test_through_geocomm_collectives(comm):
     bounds = shard_bounds(512 * 512, comm.size)
     lo, hi = int(bounds[comm.rank]), int(bounds[comm.rank + 1])
     for step in range(3):
-        xs = [spiked(512, 512, seed=21) + gaussian(512, 512, seed=10 * step + r) * 0.01
-              for r in range(comm.size)]
-        exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+        xs, exact = spiked_ranks(comm.size, 512, 512, 21, step)
         got = geocomm.allreduce(xs[comm.rank].copy(), codec=codec, key="w", comm=comm)
         base = geocomm.allreduce(xs[comm.rank].copy(), codec=plain, comm=comm)
         if step == 0 and codec.refresh == "past":  # no basis yet: plain FP8, bit for bit
@@ -305,9 +310,7 @@ def test_spiked_allreduce_beats_plain_fp8():
     plain_codecs = [get_codec("fp8", block=128) for _ in range(size)]
     codec = geo_codecs[0]
     for step in range(4):
-        xs = [spiked(m, n, seed=0) + gaussian(m, n, seed=10 * step + r) * 0.01
-              for r in range(size)]
-        exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+        xs, exact = spiked_ranks(size, m, n, 0, step)
         got, side = simulate_allreduce(geo_codecs, xs, key="w")
         base, _ = simulate_allreduce(plain_codecs, xs)
         if step == 0 and codec.refresh == "past":
@@ -328,9 +331,7 @@ def test_stale_basis_costs_little(codec_id):
     geo_codecs = [get_codec(codec_id) for _ in range(size)]
     plain_codecs = [get_codec("fp8" if codec_id == "geofp8" else "nvfp4") for _ in range(size)]
     for step in range(4):
-        xs = [spiked(512, 512, seed=step) + gaussian(512, 512, seed=10 * step + r) * 0.01
-              for r in range(size)]
-        exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+        xs, exact = spiked_ranks(size, 512, 512, step, step)
         got, _ = simulate_allreduce(geo_codecs, xs, key="w")
         base, _ = simulate_allreduce(plain_codecs, xs)
         assert rel(got, exact) < 1.1 * rel(base, exact)
