@@ -25,6 +25,7 @@
 #define GC_NVFP4 3
 #define GC_BF16 4
 #define GC_EINVAL -22
+#define GC_ENOMEM -12
 
 /* Bytes of the wire body of n values (block is ignored by NVFP4 and BF16). */
 size_t gc_wire_size(int fmt, size_t n, size_t block);
@@ -36,5 +37,44 @@ int gc_encode(int fmt, const float *x, size_t n, size_t block, uint8_t *wire);
  * are added to out (fp32, element by element) instead of stored. */
 int gc_decode(int fmt, const uint8_t *wire, size_t n, size_t block, float *out,
               int accumulate);
+
+/*
+ * GeoFP8 geometry kernels. Matrices are row-major float32; a "range" is the
+ * flat element range [lo, lo + len) of an m x n matrix, which may start and
+ * end inside rows (a shard). vt is a k x n basis (one basis vector per row),
+ * coef holds k coefficients per row the range touches (gc_geo_rows rows, the
+ * first being row lo / n). Every sum runs in the fixed order of
+ * native/gc_linalg.h, so results are bitwise identical on any CPU, with any
+ * thread count, and in the CUDA kernels. Return GC_EINVAL for bad arguments.
+ */
+
+/* Rows of an n-column matrix that the range [lo, lo + len) touches. */
+size_t gc_geo_rows(size_t lo, size_t len, size_t n);
+
+/* coef[r][l] = dot of the range's part of row r with vt[l] (partial rows give
+ * partial dot products). Non-finite x count as 0. Returns the number of rows
+ * that held a non-finite value (or an overflow), else GC_EINVAL. */
+int64_t gc_geo_project(const float *x, size_t lo, size_t len, size_t n, const float *vt,
+                       size_t k, float *coef);
+
+/* out = x + sign * (coef vt) over the range: out[e] = x[e] + sign * sum_l
+ * coef[r][l] vt[l][j] for element e in row r, column j; sign is 1 or -1.
+ * out may be x. */
+int gc_geo_expand(const float *x, size_t lo, size_t len, size_t n, const float *coef,
+                  const float *vt, size_t k, float sign, float *out);
+
+/* acc[l][j] += sum over the range's rows r (in order) of coef[r][l] x[r][j];
+ * acc is k x n. Non-finite x make acc non-finite. */
+int gc_geo_accumulate(const float *x, size_t lo, size_t len, size_t n, const float *coef,
+                      size_t k, float *acc);
+
+/* Sum of x[i]^2 in fp64 (fixed order); non-finite if x holds a non-finite. */
+double gc_geo_sumsq(const float *x, size_t len);
+
+/* Orthonormalize the k rows of the k x n matrix `rows` in place (Gram-Schmidt
+ * twice, fp64); a row lost to the ones before it (or zero, or non-finite)
+ * becomes a pseudo-random direction drawn from `seed`. k <= n. Returns 0,
+ * GC_EINVAL or GC_ENOMEM. */
+int gc_geo_orthonormalize(float *rows, size_t k, size_t n, uint64_t seed);
 
 #endif /* GEOCOMM_H */

@@ -1,0 +1,91 @@
+/*
+ * CUDA kernels of the GeoFP8 geometry: the GPU twins of geometry.c, with the
+ * same contract (native/geocomm.h) and the same fixed order of every sum
+ * (native/gc_linalg.h), so they give the CPU's bits. Only the walk differs:
+ *
+ *   gc_geo_project     GC_LANES threads per (row, coefficient): thread q runs
+ *                      lane q's chain, a shuffle tree combines the lanes in
+ *                      gc_lane_sum's order. Non-finite inputs read as 0.
+ *   gc_geo_expand      one thread per element, chain over the k coefficients.
+ *   gc_geo_accumulate  one thread per (coefficient, column), chain down the
+ *                      rows of the range in order.
+ *
+ * A range is [lo, lo + len) of a row-major matrix with n columns; coef rows
+ * are numbered from row lo / n. Compile with -fmad=false -ftz=false (the
+ * chains are written with __fmul_rn/__fadd_rn anyway). 64-bit indices.
+ */
+#include "gc_linalg.h"
+
+typedef unsigned long long gc_u64;
+
+__device__ __forceinline__ gc_u64 gc_geo_id(void)
+{
+    return (gc_u64)blockIdx.x * blockDim.x + threadIdx.x;
+}
+
+/* Columns [*c0, *c1) of relative row r that the range covers. */
+__device__ __forceinline__ void gc_geo_row_span(gc_u64 lo, gc_u64 len, gc_u64 n, gc_u64 r,
+                                                gc_u64 *c0, gc_u64 *c1)
+{
+    gc_u64 row = lo / n + r;
+    gc_u64 first = row * n > lo ? row * n : lo;
+    gc_u64 end = (row + 1) * n < lo + len ? (row + 1) * n : lo + len;
+    *c0 = first - row * n;
+    *c1 = end > first ? end - row * n : *c0;
+}
+
+/* coef[r][l]: blockDim.x must be a multiple of 32 (groups of GC_LANES threads
+ * never straddle a warp); `outputs` = rows * k. */
+extern "C" __global__ void gc_geo_project(const float *x, gc_u64 lo, gc_u64 len, gc_u64 n,
+                                          const float *vt, gc_u64 k, gc_u64 outputs,
+                                          float *coef)
+{
+    gc_u64 g = gc_geo_id();
+    gc_u64 o = g / GC_LANES;
+    unsigned int q = (unsigned int)(g % GC_LANES);
+    float p = 0.0f;
+    if (o < outputs) {
+        gc_u64 r = o / k, l = o % k, c0, c1;
+        gc_geo_row_span(lo, len, n, r, &c0, &c1);
+        const float *xr = x + (lo / n + r) * n - lo;
+        for (gc_u64 c = c0 + q; c < c1; c += GC_LANES)
+            p = gc_mad(p, gc_finite_or_zero(xr[c]), vt[l * n + c]);
+    }
+    /* gc_lane_sum: (p0 + p4, p1 + p5, ...), then (a0 + a2, a1 + a3), then the two */
+    p = __fadd_rn(p, __shfl_down_sync(0xffffffffu, p, 4, GC_LANES));
+    p = __fadd_rn(p, __shfl_down_sync(0xffffffffu, p, 2, GC_LANES));
+    p = __fadd_rn(p, __shfl_down_sync(0xffffffffu, p, 1, GC_LANES));
+    if (o < outputs && q == 0)
+        coef[o] = p;
+}
+
+extern "C" __global__ void gc_geo_expand(const float *x, gc_u64 lo, gc_u64 len, gc_u64 n,
+                                         const float *coef, const float *vt, gc_u64 k,
+                                         float sign, float *out)
+{
+    gc_u64 e = gc_geo_id();
+    if (e >= len)
+        return;
+    gc_u64 r = (lo + e) / n - lo / n, j = (lo + e) % n;
+    float t = 0.0f;
+    for (gc_u64 l = 0; l < k; l++)
+        t = gc_mad(t, coef[r * k + l], vt[l * n + j]);
+    out[e] = __fadd_rn(x[e], __fmul_rn(sign, t));
+}
+
+extern "C" __global__ void gc_geo_accumulate(const float *x, gc_u64 lo, gc_u64 len, gc_u64 n,
+                                             const float *coef, gc_u64 k, gc_u64 rows,
+                                             float *acc)
+{
+    gc_u64 g = gc_geo_id();
+    if (g >= k * n)
+        return;
+    gc_u64 l = g / n, j = g % n;
+    float t = acc[g];
+    for (gc_u64 r = 0; r < rows; r++) {
+        gc_u64 e = (lo / n + r) * n + j;
+        if (e >= lo && e < lo + len)
+            t = gc_mad(t, coef[r * k + l], x[e - lo]);
+    }
+    acc[g] = t;
+}

@@ -1,0 +1,47 @@
+/*
+ * Element-level arithmetic of the GeoFP8 geometry kernels (docs/design.md,
+ * "Determinism"): the C loops of geometry.c and the CUDA kernels of
+ * gc_geometry.cu both follow these definitions, so a projection, an
+ * expansion or an accumulation gives the same fp32 bits on any CPU, with any
+ * thread count, and on any GPU.
+ *
+ *   chain     t = +0, then t = fl(t + fl(a * b)) for each term in a fixed
+ *             order: two roundings per term, never an FMA;
+ *   dot       a dot product over columns j0 .. j0 + c - 1 of one row keeps
+ *             GC_LANES chains; lane q takes columns j0 + q, j0 + q + 8, ...
+ *             in increasing order; the lanes are then combined by
+ *             gc_lane_sum's fixed tree;
+ *   expand    x + chain over the k coefficients, l = 0 .. k - 1;
+ *   accumulate  acc + chain over the rows, in increasing row order.
+ *
+ * Compiles as C99 (GC_FN = static inline) and as CUDA (__device__), like
+ * gc_scalar.h, whose gc_finite it uses.
+ */
+#ifndef GC_LINALG_H
+#define GC_LINALG_H
+
+#include "gc_scalar.h"
+
+#define GC_LANES 8
+
+/* t + a * b with both operations rounded to fp32 on their own. */
+GC_FN float gc_mad(float t, float a, float b)
+{
+#ifdef __CUDACC__
+    return __fadd_rn(t, __fmul_rn(a, b));
+#else
+    return t + a * b; /* built with -ffp-contract=off: never fused */
+#endif
+}
+
+/* x for finite x, +0 otherwise: how projections read a gradient's inf/NaN. */
+GC_FN float gc_finite_or_zero(float x) { return gc_finite(x) ? x : 0.0f; }
+
+/* The fixed combination of the GC_LANES lane sums of a dot product. */
+GC_FN float gc_lane_sum(const float *p)
+{
+    float a0 = p[0] + p[4], a1 = p[1] + p[5], a2 = p[2] + p[6], a3 = p[3] + p[7];
+    return (a0 + a2) + (a1 + a3);
+}
+
+#endif /* GC_LINALG_H */

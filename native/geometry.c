@@ -1,0 +1,472 @@
+/*
+ * CPU loops of the GeoFP8 geometry kernels (native/geocomm.h). The order of
+ * every sum is fixed by gc_linalg.h; these loops only choose how to walk the
+ * data. Vectors of GC_LANES floats (GCC vector extensions) hold either the
+ * lanes of a dot product or GC_LANES independent columns, so the vector code
+ * computes exactly the scalar chains, whatever instruction set a clone uses.
+ *
+ * A range [lo, lo + len) of a row-major m x n matrix is walked as segments:
+ * a partial first row, whole rows, a partial last row. Projections and
+ * accumulations of a segment start their column lanes at the segment's first
+ * column, so partial rows give partial dot products that the caller sums.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "geocomm.h"
+#include "gc_linalg.h"
+
+#if defined(GC_USE_CLONES) && defined(__x86_64__) && defined(__GNUC__)
+#define GC_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define GC_CLONES
+#endif
+
+/* the kernels below are written for constant arguments: inlining specializes them */
+#define GC_INLINE static inline __attribute__((always_inline))
+
+typedef float gc_vec __attribute__((vector_size(4 * GC_LANES)));
+typedef int32_t gc_ivec __attribute__((vector_size(4 * GC_LANES)));
+
+
+GC_INLINE gc_vec load(const float *p)
+{
+    gc_vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+GC_INLINE void store(float *p, gc_vec v) { memcpy(p, &v, sizeof v); }
+
+/* v with its non-finite lanes replaced by +0 (gc_finite_or_zero per lane). */
+GC_INLINE gc_vec finite_or_zero(gc_vec v)
+{
+    gc_ivec bits;
+    memcpy(&bits, &v, sizeof bits);
+    gc_ivec ok = (bits & 0x7fffffff) < 0x7f800000;
+    bits &= ok;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+static inline float lane_sum(gc_vec v)
+{
+    float p[GC_LANES];
+    memcpy(p, &v, sizeof p);
+    return gc_lane_sum(p);
+}
+
+/* The dot product of a row segment with one basis row, lanes held in `acc`
+ * for the full chunks; the tail columns go into their lanes, then the tree. */
+static inline float finish_dot(gc_vec acc, const float *x, const float *v, size_t done,
+                               size_t cols, int masked)
+{
+    float p[GC_LANES];
+    memcpy(p, &acc, sizeof p);
+    for (size_t j = done; j < cols; j++) {
+        float xj = masked ? gc_finite_or_zero(x[j]) : x[j];
+        p[j - done] = gc_mad(p[j - done], xj, v[j]);
+    }
+    return gc_lane_sum(p);
+}
+
+/* ---- projection: coef[r][l] = dot(x[r][0 .. cols), vt[l][0 .. cols)) ---------- */
+
+/* Four rows and two basis rows at a time: eight lane vectors in flight. */
+GC_INLINE void project_rows4(const float *x, size_t ldx, size_t cols, const float *vt,
+                                 size_t ldv, size_t k, float *coef, size_t ldc, int masked)
+{
+    size_t full = cols - cols % GC_LANES;
+    size_t l = 0;
+    for (; l + 2 <= k; l += 2) {
+        const float *v0 = vt + l * ldv, *v1 = v0 + ldv;
+        gc_vec a[4][2] = {{{0}}};
+        for (size_t j = 0; j < full; j += GC_LANES) {
+            gc_vec b0 = load(v0 + j), b1 = load(v1 + j);
+            for (int r = 0; r < 4; r++) {
+                gc_vec xr = load(x + r * ldx + j);
+                if (masked)
+                    xr = finite_or_zero(xr);
+                a[r][0] += xr * b0;
+                a[r][1] += xr * b1;
+            }
+        }
+        for (int r = 0; r < 4; r++) {
+            coef[r * ldc + l] = finish_dot(a[r][0], x + r * ldx, v0, full, cols, masked);
+            coef[r * ldc + l + 1] = finish_dot(a[r][1], x + r * ldx, v1, full, cols, masked);
+        }
+    }
+    for (; l < k; l++) {
+        const float *v0 = vt + l * ldv;
+        gc_vec a[4] = {{0}};
+        for (size_t j = 0; j < full; j += GC_LANES) {
+            gc_vec b0 = load(v0 + j);
+            for (int r = 0; r < 4; r++) {
+                gc_vec xr = load(x + r * ldx + j);
+                a[r] += (masked ? finite_or_zero(xr) : xr) * b0;
+            }
+        }
+        for (int r = 0; r < 4; r++)
+            coef[r * ldc + l] = finish_dot(a[r], x + r * ldx, v0, full, cols, masked);
+    }
+}
+
+GC_INLINE void project_row(const float *x, size_t cols, const float *vt, size_t ldv,
+                               size_t k, float *coef, int masked)
+{
+    size_t full = cols - cols % GC_LANES;
+    for (size_t l = 0; l < k; l++) {
+        const float *v0 = vt + l * ldv;
+        gc_vec a = {0};
+        for (size_t j = 0; j < full; j += GC_LANES) {
+            gc_vec xr = load(x + j);
+            a += (masked ? finite_or_zero(xr) : xr) * load(v0 + j);
+        }
+        coef[l] = finish_dot(a, x, v0, full, cols, masked);
+    }
+}
+
+static int row_finite(const float *c, size_t k)
+{
+    for (size_t l = 0; l < k; l++)
+        if (!gc_finite(c[l]))
+            return 0;
+    return 1;
+}
+
+/* Rows are computed unmasked (the fast path); a row whose coefficients came
+ * out non-finite is recomputed with its non-finite inputs read as 0, which
+ * is what the masked definition gives for every row. */
+GC_CLONES static size_t project_segment(const float *x, size_t ldx, size_t rows, size_t cols,
+                                        const float *vt, size_t ldv, size_t k, float *coef)
+{
+    size_t r = 0, redone = 0;
+    for (; r + 4 <= rows; r += 4)
+        project_rows4(x + r * ldx, ldx, cols, vt, ldv, k, coef + r * k, k, 0);
+    for (; r < rows; r++)
+        project_row(x + r * ldx, cols, vt, ldv, k, coef + r * k, 0);
+    for (r = 0; r < rows; r++) {
+        if (!row_finite(coef + r * k, k)) {
+            project_row(x + r * ldx, cols, vt, ldv, k, coef + r * k, 1);
+            redone++;
+        }
+    }
+    return redone;
+}
+
+/* ---- expansion: out[r][j] = x[r][j] + sign * chain_l coef[r][l] * vt[l][j] ----- */
+
+/* Columns per panel of a packed basis: panel p holds vt[l][PANEL p .. + PANEL)
+ * for every l, contiguous, so the k basis rows of a column tile stream from
+ * one place (rows of vt lie n floats apart and would share cache sets). */
+#define GC_PANEL (4 * GC_LANES)
+
+/* The k x n basis vt as ceil(n / GC_PANEL) panels of k x GC_PANEL (zero padded). */
+static float *pack_basis(const float *vt, size_t k, size_t n)
+{
+    size_t panels = (n + GC_PANEL - 1) / GC_PANEL;
+    float *vp = calloc(panels * k * GC_PANEL, sizeof(float));
+    if (!vp)
+        return NULL;
+    for (size_t l = 0; l < k; l++)
+        for (size_t j = 0; j < n; j++)
+            vp[((j / GC_PANEL) * k + l) * GC_PANEL + j % GC_PANEL] = vt[l * n + j];
+    return vp;
+}
+
+/* One column of `nrows` rows, the chain in scalar form (tails and partial rows). */
+GC_INLINE void expand_column(const float *x, size_t ldx, size_t j, const float *coef,
+                             const float *vt, size_t ldv, size_t k, float sign, float *out,
+                             size_t nrows)
+{
+    for (size_t r = 0; r < nrows; r++) {
+        float t = 0.0f;
+        for (size_t l = 0; l < k; l++)
+            t = gc_mad(t, coef[r * k + l], vt[l * ldv + j]);
+        out[r * ldx + j] = x[r * ldx + j] + sign * t;
+    }
+}
+
+/* Rows r0, r0 + 1 (nrows of them) over whole panels, from the packed basis. */
+GC_INLINE void expand_panels(const float *x, size_t ldx, size_t panels, const float *coef,
+                             const float *vp, size_t k, float sign, float *out, size_t nrows)
+{
+    for (size_t p = 0; p < panels; p++) {
+        const float *b = vp + p * k * GC_PANEL;
+        gc_vec t[2][4] = {{{0}}};
+        for (size_t l = 0; l < k; l++, b += GC_PANEL) {
+            gc_vec b0 = load(b), b1 = load(b + GC_LANES), b2 = load(b + 2 * GC_LANES),
+                   b3 = load(b + 3 * GC_LANES);
+            for (size_t r = 0; r < nrows; r++) {
+                float c = coef[r * k + l]; /* vector op scalar: the scalar is broadcast */
+                t[r][0] += c * b0;
+                t[r][1] += c * b1;
+                t[r][2] += c * b2;
+                t[r][3] += c * b3;
+            }
+        }
+        for (size_t r = 0; r < nrows; r++)
+            for (int q = 0; q < 4; q++) {
+                size_t at = r * ldx + p * GC_PANEL + q * GC_LANES;
+                store(out + at, load(x + at) + sign * t[r][q]);
+            }
+    }
+}
+
+/* Whole rows (from column 0) with the packed basis; a partial last panel and
+ * rows that do not start at column 0 take the scalar chain. */
+GC_CLONES static void expand_segment(const float *x, size_t ldx, size_t rows, size_t col,
+                                     size_t cols, const float *coef, const float *vt,
+                                     const float *vp, size_t k, float sign, float *out)
+{
+    size_t panels = col == 0 ? cols / GC_PANEL : 0;
+    size_t r = 0;
+    for (; r + 2 <= rows; r += 2)
+        expand_panels(x + r * ldx, ldx, panels, coef + r * k, vp, k, sign, out + r * ldx, 2);
+    if (r < rows)
+        expand_panels(x + r * ldx, ldx, panels, coef + r * k, vp, k, sign, out + r * ldx, 1);
+    for (size_t j = panels * GC_PANEL; j < cols; j++)
+        expand_column(x, ldx, j, coef, vt + col, ldx, k, sign, out, rows);
+}
+
+/* ---- accumulation: acc[l][j] = chain over rows r of coef[r][l] * x[r][j] ------- */
+
+/* Rows per pass over the accumulator, and columns per packed panel of them:
+ * a pass copies GC_ROW_BLOCK rows into panels of GC_ACC_PANEL columns (so
+ * the rows of a column tile are contiguous, not n floats apart), then every
+ * (coefficient, column) tile of acc runs its chain down those rows. */
+#define GC_ROW_BLOCK 32
+#define GC_ACC_PANEL (2 * GC_LANES)
+
+/* nl (<= 4) coefficients and one panel of columns over `rows` packed rows. */
+GC_INLINE void accumulate_tile(const float *xp, size_t rows, const float *coef, size_t k,
+                               size_t l, size_t nl, float *acc, size_t lda)
+{
+    gc_vec a[4][2];
+    for (size_t q = 0; q < nl; q++) {
+        a[q][0] = load(acc + (l + q) * lda);
+        a[q][1] = load(acc + (l + q) * lda + GC_LANES);
+    }
+    for (size_t r = 0; r < rows; r++, xp += GC_ACC_PANEL) {
+        gc_vec x0 = load(xp), x1 = load(xp + GC_LANES);
+        for (size_t q = 0; q < nl; q++) {
+            float c = coef[r * k + l + q];
+            a[q][0] += c * x0;
+            a[q][1] += c * x1;
+        }
+    }
+    for (size_t q = 0; q < nl; q++) {
+        store(acc + (l + q) * lda, a[q][0]);
+        store(acc + (l + q) * lda + GC_LANES, a[q][1]);
+    }
+}
+
+GC_CLONES static void accumulate_segment(const float *x, size_t ldx, size_t rows, size_t cols,
+                                         const float *coef, size_t k, float *acc, size_t lda,
+                                         float *scratch)
+{
+    size_t panels = cols / GC_ACC_PANEL;
+    for (size_t r0 = 0; r0 < rows; r0 += GC_ROW_BLOCK) {
+        size_t nr = rows - r0 < GC_ROW_BLOCK ? rows - r0 : GC_ROW_BLOCK;
+        const float *xb = x + r0 * ldx;
+        const float *cb = coef + r0 * k;
+        for (size_t r = 0; r < nr; r++)
+            for (size_t p = 0; p < panels; p++)
+                memcpy(scratch + (p * nr + r) * GC_ACC_PANEL, xb + r * ldx + p * GC_ACC_PANEL,
+                       GC_ACC_PANEL * sizeof(float));
+        for (size_t p = 0; p < panels; p++) {
+            size_t l = 0;
+            for (; l + 4 <= k; l += 4)
+                accumulate_tile(scratch + p * nr * GC_ACC_PANEL, nr, cb, k, l, 4,
+                                acc + p * GC_ACC_PANEL, lda);
+            if (l < k)
+                accumulate_tile(scratch + p * nr * GC_ACC_PANEL, nr, cb, k, l, k - l,
+                                acc + p * GC_ACC_PANEL, lda);
+        }
+        for (size_t j = panels * GC_ACC_PANEL; j < cols; j++)
+            for (size_t l = 0; l < k; l++) {
+                float t = acc[l * lda + j];
+                for (size_t r = 0; r < nr; r++)
+                    t = gc_mad(t, cb[r * k + l], xb[r * ldx + j]);
+                acc[l * lda + j] = t;
+            }
+    }
+}
+
+/* ---- ranges ------------------------------------------------------------------ */
+
+/* One piece of a flat range: `rows` rows of `cols` columns from column `col`,
+ * starting at x + offset, coefficients of relative row `row`. */
+typedef struct {
+    size_t offset, row, col, rows, cols;
+} segment;
+
+/* Split [lo, lo + len) of an n-column matrix into at most three segments. */
+static int segments(size_t lo, size_t len, size_t n, segment *seg)
+{
+    int count = 0;
+    size_t pos = lo, end = lo + len, row = 0;
+    while (pos < end) {
+        size_t col = pos % n;
+        size_t left = end - pos;
+        segment s = {pos - lo, row, col, 1, n - col};
+        if (col != 0 || left < n) {
+            s.cols = left < n - col ? left : n - col;
+        } else {
+            s.rows = left / n;
+        }
+        seg[count++] = s;
+        pos += s.rows * s.cols;
+        row += s.rows;
+    }
+    return count;
+}
+
+static int geo_args_ok(const void *x, size_t len, size_t n, const void *basis, size_t k,
+                       const void *out)
+{
+    return n > 0 && k > 0 && (len == 0 || (x && basis && out));
+}
+
+size_t gc_geo_rows(size_t lo, size_t len, size_t n)
+{
+    if (len == 0 || n == 0)
+        return 0;
+    return (lo + len - 1) / n - lo / n + 1;
+}
+
+int64_t gc_geo_project(const float *x, size_t lo, size_t len, size_t n, const float *vt,
+                       size_t k, float *coef)
+{
+    if (!geo_args_ok(x, len, n, vt, k, coef))
+        return GC_EINVAL;
+    segment seg[3];
+    int count = segments(lo, len, n, seg);
+    int64_t redone = 0;
+    for (int s = 0; s < count; s++)
+        redone += (int64_t)project_segment(x + seg[s].offset, n, seg[s].rows, seg[s].cols,
+                                           vt + seg[s].col, n, k, coef + seg[s].row * k);
+    return redone;
+}
+
+int gc_geo_expand(const float *x, size_t lo, size_t len, size_t n, const float *coef,
+                  const float *vt, size_t k, float sign, float *out)
+{
+    if (!geo_args_ok(x, len, n, vt, k, out) || (len && !coef) || (sign != 1.0f && sign != -1.0f))
+        return GC_EINVAL;
+    if (len == 0)
+        return 0;
+    float *vp = pack_basis(vt, k, n);
+    if (!vp)
+        return GC_ENOMEM;
+    segment seg[3];
+    int count = segments(lo, len, n, seg);
+    for (int s = 0; s < count; s++)
+        expand_segment(x + seg[s].offset, n, seg[s].rows, seg[s].col, seg[s].cols,
+                       coef + seg[s].row * k, vt, vp, k, sign, out + seg[s].offset);
+    free(vp);
+    return 0;
+}
+
+int gc_geo_accumulate(const float *x, size_t lo, size_t len, size_t n, const float *coef,
+                      size_t k, float *acc)
+{
+    if (!geo_args_ok(x, len, n, coef, k, acc))
+        return GC_EINVAL;
+    if (len == 0)
+        return 0;
+    float *scratch = malloc(sizeof(float) * GC_ROW_BLOCK * n);
+    if (!scratch)
+        return GC_ENOMEM;
+    segment seg[3];
+    int count = segments(lo, len, n, seg);
+    for (int s = 0; s < count; s++)
+        accumulate_segment(x + seg[s].offset, n, seg[s].rows, seg[s].cols,
+                           coef + seg[s].row * k, k, acc + seg[s].col, n, scratch);
+    free(scratch);
+    return 0;
+}
+
+/* ---- small dense work (host only, fp64) ---------------------------------------- */
+
+double gc_geo_sumsq(const float *x, size_t len)
+{
+    double p[GC_LANES] = {0};
+    size_t full = len - len % GC_LANES;
+    for (size_t i = 0; i < full; i += GC_LANES)
+        for (int q = 0; q < GC_LANES; q++)
+            p[q] += (double)x[i + q] * (double)x[i + q];
+    for (size_t i = full; i < len; i++)
+        p[i - full] += (double)x[i] * (double)x[i];
+    return ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]));
+}
+
+/* Dot product of two fp64 vectors: four lanes in order, then a fixed tree. */
+static double dot64(const double *a, const double *b, size_t n)
+{
+    double p[4] = {0};
+    size_t full = n - n % 4;
+    for (size_t i = 0; i < full; i += 4)
+        for (int q = 0; q < 4; q++)
+            p[q] += a[i + q] * b[i + q];
+    for (size_t i = full; i < n; i++)
+        p[i - full] += a[i] * b[i];
+    return (p[0] + p[2]) + (p[1] + p[3]);
+}
+
+static uint64_t splitmix64(uint64_t *state)
+{
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* Row i of a fixed pseudo-random matrix of `seed`: uniform in [-1, 1). */
+static void random_row(double *a, size_t n, uint64_t seed, size_t i, int attempt)
+{
+    uint64_t state = seed ^ (0x51ed2701f3a5c7b9ull * (i + 1)) ^ ((uint64_t)attempt << 56);
+    for (size_t j = 0; j < n; j++)
+        a[j] = (double)(splitmix64(&state) >> 11) * 0x1p-52 - 1.0;
+}
+
+int gc_geo_orthonormalize(float *rows, size_t k, size_t n, uint64_t seed)
+{
+    if (k == 0 || n < k || !rows)
+        return GC_EINVAL;
+    double *q = malloc(sizeof(double) * k * n);
+    if (!q)
+        return GC_ENOMEM;
+    for (size_t i = 0; i < k; i++) {
+        double *a = q + i * n;
+        for (size_t j = 0; j < n; j++)
+            a[j] = gc_finite(rows[i * n + j]) ? (double)rows[i * n + j] : 0.0;
+        for (int attempt = 0;; attempt++) {
+            if (attempt > 16) { /* unreachable for k <= n: a random row is never in the span */
+                free(q);
+                return GC_EINVAL;
+            }
+            double before = sqrt(dot64(a, a, n));
+            for (int pass = 0; pass < 2; pass++) /* classical Gram-Schmidt, twice */
+                for (size_t p = 0; p < i; p++) {
+                    double r = dot64(q + p * n, a, n);
+                    for (size_t j = 0; j < n; j++)
+                        a[j] -= r * q[p * n + j];
+                }
+            double after = sqrt(dot64(a, a, n));
+            /* a direction lost to the ones before it (or never there) is
+             * replaced by a fixed pseudo-random one, orthogonalized alike */
+            if (after > 1e-6 * before && after > 1e-300) {
+                for (size_t j = 0; j < n; j++)
+                    a[j] /= after;
+                break;
+            }
+            random_row(a, n, seed, i, attempt);
+        }
+    }
+    for (size_t i = 0; i < k * n; i++)
+        rows[i] = (float)q[i];
+    free(q);
+    return 0;
+}

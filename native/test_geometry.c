@@ -1,0 +1,191 @@
+/*
+ * C unit tests of the geometry kernels: gc_geo_project, gc_geo_expand and
+ * gc_geo_accumulate against a literal, element-by-element transcription of
+ * the order that gc_linalg.h defines (bit for bit), over random shapes and
+ * ranges that start and end inside rows, with inf and NaN inputs; and the
+ * orthonormality of gc_geo_orthonormalize, also for deficient inputs. Run
+ * under -Db_sanitize=address,undefined it also checks every access.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "geocomm.h"
+#include "gc_linalg.h"
+
+static int passed, failed;
+
+#define CHECK(cond, ...)                                                                  \
+    do {                                                                                  \
+        if (cond) {                                                                       \
+            passed++;                                                                     \
+        } else {                                                                          \
+            failed++;                                                                     \
+            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                          \
+            fprintf(stderr, __VA_ARGS__);                                                 \
+            fputc('\n', stderr);                                                          \
+        }                                                                                 \
+    } while (0)
+
+static float uniform(unsigned *s)
+{
+    *s = *s * 1664525u + 1013904223u;
+    return (float)(*s >> 8) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+/* ---- the definitions, one element at a time --------------------------------- */
+
+static void ref_project(const float *x, size_t lo, size_t len, size_t n, const float *vt,
+                        size_t k, float *coef)
+{
+    size_t rows = gc_geo_rows(lo, len, n);
+    for (size_t r = 0; r < rows; r++) {
+        size_t row = lo / n + r;
+        size_t a = row * n > lo ? row * n : lo;
+        size_t b = (row + 1) * n < lo + len ? (row + 1) * n : lo + len;
+        for (size_t l = 0; l < k; l++) {
+            float p[GC_LANES] = {0};
+            for (size_t e = a; e < b; e++) {
+                size_t q = (e - a) % GC_LANES;
+                p[q] = gc_mad(p[q], gc_finite_or_zero(x[e - lo]), vt[l * n + e % n]);
+            }
+            coef[r * k + l] = gc_lane_sum(p);
+        }
+    }
+}
+
+static void ref_expand(const float *x, size_t lo, size_t len, size_t n, const float *coef,
+                       const float *vt, size_t k, float sign, float *out)
+{
+    for (size_t e = lo; e < lo + len; e++) {
+        size_t r = e / n - lo / n, j = e % n;
+        float t = 0.0f;
+        for (size_t l = 0; l < k; l++)
+            t = gc_mad(t, coef[r * k + l], vt[l * n + j]);
+        out[e - lo] = x[e - lo] + sign * t;
+    }
+}
+
+static void ref_accumulate(const float *x, size_t lo, size_t len, size_t n, const float *coef,
+                           size_t k, float *acc)
+{
+    for (size_t l = 0; l < k; l++)
+        for (size_t j = 0; j < n; j++) {
+            float t = acc[l * n + j];
+            for (size_t e = lo; e < lo + len; e++)
+                if (e % n == j)
+                    t = gc_mad(t, coef[(e / n - lo / n) * k + l], x[e - lo]);
+            acc[l * n + j] = t;
+        }
+}
+
+/* ---- tests ---------------------------------------------------------------------- */
+
+static void test_kernels_match_definition(void)
+{
+    unsigned s = 7;
+    for (int trial = 0; trial < 400; trial++) {
+        size_t m = 1 + (size_t)(rand() % 9), n = 1 + (size_t)(rand() % 90);
+        size_t k = 1 + (size_t)(rand() % 9), total = m * n;
+        size_t lo = (size_t)rand() % total, len = 1 + (size_t)rand() % (total - lo);
+        size_t rows = gc_geo_rows(lo, len, n);
+        float *x = malloc(sizeof(float) * len), *vt = malloc(sizeof(float) * k * n);
+        float *c1 = malloc(sizeof(float) * k * rows), *c2 = malloc(sizeof(float) * k * rows);
+        float *o1 = malloc(sizeof(float) * len), *o2 = malloc(sizeof(float) * len);
+        float *a1 = malloc(sizeof(float) * k * n), *a2 = malloc(sizeof(float) * k * n);
+        for (size_t i = 0; i < len; i++) {
+            x[i] = uniform(&s) * 100.0f;
+            if (rand() % 40 == 0)
+                x[i] = rand() % 2 ? INFINITY : NAN;
+        }
+        for (size_t i = 0; i < k * n; i++) {
+            vt[i] = uniform(&s);
+            a1[i] = a2[i] = uniform(&s);
+        }
+        CHECK(gc_geo_project(x, lo, len, n, vt, k, c1) >= 0, "project returns a count");
+        ref_project(x, lo, len, n, vt, k, c2);
+        CHECK(!memcmp(c1, c2, sizeof(float) * k * rows), "project m=%zu n=%zu k=%zu lo=%zu "
+              "len=%zu", m, n, k, lo, len);
+        float sign = rand() % 2 ? 1.0f : -1.0f;
+        CHECK(gc_geo_expand(x, lo, len, n, c1, vt, k, sign, o1) == 0, "expand returns 0");
+        ref_expand(x, lo, len, n, c1, vt, k, sign, o2);
+        int same = 1;
+        for (size_t i = 0; i < len; i++)
+            same &= isnan(o1[i]) ? isnan(o2[i]) : !memcmp(o1 + i, o2 + i, sizeof(float));
+        CHECK(same, "expand m=%zu n=%zu k=%zu lo=%zu len=%zu", m, n, k, lo, len);
+        for (size_t i = 0; i < len; i++) /* accumulation is defined for finite x */
+            if (!isfinite(x[i]))
+                x[i] = 0.5f;
+        CHECK(gc_geo_accumulate(x, lo, len, n, c1, k, a1) == 0, "accumulate returns 0");
+        ref_accumulate(x, lo, len, n, c1, k, a2);
+        CHECK(!memcmp(a1, a2, sizeof(float) * k * n), "accumulate m=%zu n=%zu k=%zu lo=%zu "
+              "len=%zu", m, n, k, lo, len);
+        free(x), free(vt), free(c1), free(c2), free(o1), free(o2), free(a1), free(a2);
+    }
+}
+
+static void test_nonfinite_rows(void)
+{
+    /* a NaN in one row leaves the other rows' projections untouched and its
+     * own row equal to the projection with the NaN read as 0 */
+    float x[2 * 16], vt[16], coef[2], clean[2];
+    for (int j = 0; j < 16; j++) {
+        x[j] = (float)j;
+        x[16 + j] = (float)(j * j);
+        vt[j] = 1.0f / (float)(j + 1);
+    }
+    gc_geo_project(x, 0, 32, 16, vt, 1, clean);
+    float keep = x[3];
+    x[3] = 0.0f;
+    gc_geo_project(x, 0, 32, 16, vt, 1, clean);
+    x[3] = NAN;
+    CHECK(gc_geo_project(x, 0, 32, 16, vt, 1, coef) == 1, "one row had a NaN");
+    CHECK(coef[0] == clean[0] && coef[1] == clean[1], "NaN reads as 0 in its row only");
+    x[3] = keep;
+    float out[32];
+    x[5] = INFINITY;
+    gc_geo_expand(x, 0, 32, 16, coef, vt, 1, -1.0f, out);
+    CHECK(isinf(out[5]) && isfinite(out[4]), "expand keeps inf at its position");
+}
+
+static void test_orthonormalize(void)
+{
+    size_t k = 6, n = 50;
+    float a[6 * 50];
+    unsigned s = 3;
+    for (size_t i = 0; i < k * n; i++)
+        a[i] = uniform(&s);
+    memcpy(a + 2 * n, a, sizeof(float) * n);  /* row 2 repeats row 0 */
+    memset(a + 4 * n, 0, sizeof(float) * n);  /* row 4 is zero */
+    a[5 * n + 7] = NAN;                       /* row 5 holds a NaN (read as 0) */
+    CHECK(gc_geo_orthonormalize(a, k, n, 99) == 0, "orthonormalize returns 0");
+    double worst = 0.0;
+    for (size_t i = 0; i < k; i++)
+        for (size_t j = 0; j < k; j++) {
+            double d = 0.0;
+            for (size_t c = 0; c < n; c++)
+                d += (double)a[i * n + c] * a[j * n + c];
+            worst = fmax(worst, fabs(d - (i == j)));
+        }
+    /* fp64 Gram-Schmidt twice, rounded to fp32: orthonormal to ~n * 2^-24 */
+    CHECK(worst < 1e-5, "rows orthonormal (worst deviation %g)", worst);
+    float b[6 * 50];
+    memset(b, 0, sizeof b);
+    gc_geo_orthonormalize(b, k, n, 99);
+    float c[6 * 50];
+    memset(c, 0, sizeof c);
+    gc_geo_orthonormalize(c, k, n, 99);
+    CHECK(!memcmp(b, c, sizeof b), "the random fill depends on the seed only");
+    CHECK(gc_geo_orthonormalize(a, 51, 50, 1) == GC_EINVAL, "k > n is refused");
+}
+
+int main(void)
+{
+    srand(2026);
+    test_kernels_match_definition();
+    test_nonfinite_rows();
+    test_orthonormalize();
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed != 0;
+}
