@@ -80,3 +80,79 @@ def decode(fmt: int, wire: np.ndarray, block: int, out: np.ndarray,
                         _ffi.from_buffer("float[]", out, require_writable=True), int(accumulate))
     if rc:
         raise ValueError(f"unknown native format {fmt}")
+
+
+# ---------------------------------------------------------------------------
+# GeoFP8 geometry kernels (native/geocomm.h: the contract and the fixed order)
+
+
+def _f32(a: np.ndarray, name: str, size: int | None = None, writable: bool = False) -> None:
+    _check_f32(a, name, writable)
+    if size is not None and a.size != size:
+        raise ValueError(f"{name} holds {a.size} values, expected {size}")
+
+
+def geo_rows(lo: int, length: int, n: int) -> int:
+    """Rows of an n-column matrix that the flat range [lo, lo + length) touches."""
+    require()
+    return int(_lib.gc_geo_rows(lo, length, n))
+
+
+def geo_project(x: np.ndarray, lo: int, n: int, vt: np.ndarray) -> tuple[np.ndarray, int]:
+    """(coef (rows, k), rows that held a non-finite value) for the range x starting at lo."""
+    k = vt.shape[0]
+    _f32(x, "x")
+    _f32(vt, "vt", k * n)
+    coef = np.empty((geo_rows(lo, x.size, n), k), np.float32)
+    got = _lib.gc_geo_project(_ffi.from_buffer("float[]", x), lo, x.size, n,
+                              _ffi.from_buffer("float[]", vt), k,
+                              _ffi.from_buffer("float[]", coef, require_writable=True))
+    if got < 0:
+        raise ValueError(f"gc_geo_project refused its arguments ({got})")
+    return coef, int(got)
+
+
+def geo_expand(x: np.ndarray, lo: int, n: int, coef: np.ndarray, vt: np.ndarray, sign: float,
+               out: np.ndarray) -> None:
+    """out = x + sign * coef vt over the range (out may be x)."""
+    k = vt.shape[0]
+    _f32(x, "x")
+    _f32(out, "out", x.size, writable=True)
+    _f32(vt, "vt", k * n)
+    _f32(coef, "coef", geo_rows(lo, x.size, n) * k)
+    rc = _lib.gc_geo_expand(_ffi.from_buffer("float[]", x), lo, x.size, n,
+                            _ffi.from_buffer("float[]", coef), _ffi.from_buffer("float[]", vt),
+                            k, sign, _ffi.from_buffer("float[]", out, require_writable=True))
+    if rc:
+        raise ValueError(f"gc_geo_expand refused its arguments ({rc})")
+
+
+def geo_accumulate(x: np.ndarray, lo: int, n: int, coef: np.ndarray, acc: np.ndarray) -> None:
+    """acc (k, n) += coef^T x over the range's rows, in row order."""
+    k = acc.shape[0]
+    _f32(x, "x")
+    _f32(acc, "acc", k * n, writable=True)
+    _f32(coef, "coef", geo_rows(lo, x.size, n) * k)
+    rc = _lib.gc_geo_accumulate(_ffi.from_buffer("float[]", x), lo, x.size, n,
+                                _ffi.from_buffer("float[]", coef), k,
+                                _ffi.from_buffer("float[]", acc, require_writable=True))
+    if rc:
+        raise ValueError(f"gc_geo_accumulate refused its arguments ({rc})")
+
+
+def geo_sumsq(x: np.ndarray) -> float:
+    """Sum of squares of x in fp64, in a fixed order."""
+    _f32(x, "x")
+    require()
+    return float(_lib.gc_geo_sumsq(_ffi.from_buffer("float[]", x), x.size))
+
+
+def geo_orthonormalize(rows: np.ndarray, seed: int) -> None:
+    """Orthonormalize the rows of the (k, n) float32 matrix in place (k <= n)."""
+    _f32(rows, "rows", writable=True)
+    k, n = rows.shape
+    require()
+    rc = _lib.gc_geo_orthonormalize(_ffi.from_buffer("float[]", rows, require_writable=True),
+                                    k, n, seed & (2**64 - 1))
+    if rc:
+        raise ValueError(f"gc_geo_orthonormalize refused a {k} x {n} matrix ({rc})")

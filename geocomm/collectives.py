@@ -1,61 +1,67 @@
-"""Compressed all-reduce, reduce-scatter and all-gather (DESIGN section 4).
+"""Compressed all-reduce, reduce-scatter and all-gather (docs/design.md, "The collective").
 
-This is the only module that holds a codec and a communicator at once.
+This is the only module that holds a codec and a communicator at once. The
+staged algorithm itself lives in :mod:`geocomm._pipeline`; here are the
+public functions, argument checks, the cross-rank consistency check, and the
+protocol with transforming codecs (GeoFP8):
 
-All-reduce of ``count`` values on ``N`` ranks, two quantizations:
-
-1. (stateful codecs) ``plan = codec.begin(...)``; ``y = plan.forward(x)``;
-2. the flat buffer is cut into the ``N`` shards of ``np.array_split``; each
-   shard into pieces of ``layout.piece`` values, one piece per shard per
-   pipeline stage;
-3. stage ``s``: every rank encodes piece ``s`` of every other rank's shard
-   (each piece is encoded on its own, so no header travels) and an
-   all-to-all sends shard ``j``'s piece to rank ``j``;
-4. rank ``j`` takes its own piece as it is (it never travels, so it is never
-   quantized), adds the ``N - 1`` decoded pieces in rank order in fp32
-   (deterministic, and independent of whether ``out`` aliases ``x``),
-   re-encodes the sum, and an all-gather sends it to everyone, itself
-   included; every rank decodes all pieces from the same bytes, so every rank
-   ends with bitwise identical values;
-5. ``plan.inverse``, ``op="avg"`` divides by ``N``, cast to the caller's dtype.
-
-The pipeline keeps three stages in flight: while stage ``s`` is encoded,
-stage ``s-1``'s all-to-all and stage ``s-2``'s all-gather move, and every
-codec call is followed by a ``test()`` of the open requests so MPI makes
-progress without a progress thread. Reduce-scatter is steps 1-4 without the
-all-gather; the owner keeps its fp32 sum.
+1. ``plan = codec.plan(x, shape, key, bounds)`` for every tensor (``parts``)
+   of the buffer; ``plan.forward`` writes the mapped values into the result
+   buffer and sets ``plan.side``;
+2. the pipeline reduces the mapped buffer in place; the plans' side
+   contributions travel in one exact sum (:func:`~geocomm._pipeline.exact_sum`);
+3. ``plan.inverse`` maps the result back; ``op="avg"`` divides by ``N``;
+4. plans that refresh run ``codec.refresh`` rounds on this rank's shard of
+   the result: each round's partial sums of all tensors travel in one exact
+   sum. The codec never talks to the communicator.
 
 Before each collective the ranks compare a small fingerprint (collective,
-count, dtype, op, codec config, key, and for stateful codecs a checksum of
-the key's state) with one tiny all-gather, so mismatched calls or diverged
-GeoFP8 state fail with :class:`CollectiveMismatchError` on every rank instead
-of hanging or producing garbage. ``check=False`` (or ``GEOCOMM_CHECK=0``)
-skips it.
+count, dtype, op, codec config, parts and keys, and for transforming codecs a
+checksum of the keys' state) with one tiny all-gather, so mismatched calls or
+diverged GeoFP8 state fail with :class:`CollectiveMismatchError` on every rank
+instead of hanging or producing garbage. ``check=False`` (or
+``GEOCOMM_CHECK=0``) skips it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-import threading
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from geocomm._layout import shard_bounds
-from geocomm.codecs import Codec, get_codec
+from geocomm._pipeline import (
+    DEFAULT_CHUNK_ELEMS,
+    Pieces,
+    Pipeline,
+    _segments,
+    array_module,
+    exact_sum,
+    shard_bounds,
+)
+from geocomm.codecs import Codec, TransformingCodec, get_codec
 from geocomm.codecs.base import DTYPE_CODES
-from geocomm.comm.base import Communicator, Request, wait
+from geocomm.comm.base import Communicator, wait
 
-#: Values of the whole buffer per pipeline stage (all shards together); see
-#: perf/results/chunk_sweep.md for the measurement behind the default.
-DEFAULT_CHUNK_ELEMS = 1 << 20
-#: Pieces start at multiples of this many values, so fp8 blocks of 128 and
-#: NVFP4 blocks of 16 are never split.
-PIECE_ALIGN = 256
 OPS = ("sum", "avg")
+
+__all__ = [
+    "DEFAULT_CHUNK_ELEMS",
+    "CollectiveMismatchError",
+    "Part",
+    "allgather",
+    "allreduce",
+    "get_comm",
+    "init",
+    "reduce_scatter",
+    "resolve_codec",
+    "shard_bounds",
+]
 
 
 class CollectiveMismatchError(ValueError):
@@ -102,7 +108,7 @@ def get_comm(comm: Communicator | None = None) -> Communicator:
 
 def resolve_codec(codec: Any) -> Codec:
     """A codec instance for an id, config or Codec; ids and configs map to one
-    cached instance each, so stateful codecs keep their per-key state."""
+    cached instance each, so transforming codecs keep their per-key state."""
     if isinstance(codec, Codec):
         return codec
     config = get_codec(codec).get_config()
@@ -113,59 +119,51 @@ def resolve_codec(codec: Any) -> Codec:
 
 
 # ---------------------------------------------------------------------------
-# layout
+# tensors of a buffer
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Where every piece of every stage lies; identical on every rank."""
+class Part:
+    """One tensor of a flat buffer: values [offset, offset + size) viewed as ``shape``,
+    named ``key`` for transforming codecs (the key's state is keyed by it)."""
 
-    count: int
-    size: int
-    bounds: np.ndarray
-    piece: int
-    stages: int
+    offset: int
+    shape: tuple[int, ...]
+    key: Any
 
-    @classmethod
-    def plan(cls, count: int, size: int, chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> Layout:
-        if chunk_elems <= 0:
-            raise ValueError(f"chunk_elems must be positive, got {chunk_elems}")
-        bounds = shard_bounds(count, size)
-        per_shard = -(-chunk_elems // size)
-        piece = max(PIECE_ALIGN, -(-per_shard // PIECE_ALIGN) * PIECE_ALIGN)
-        longest = int(np.max(np.diff(bounds))) if count else 0
-        return cls(count, size, bounds, piece, -(-longest // piece))
-
-    def piece_range(self, shard: int, stage: int) -> tuple[int, int]:
-        """Absolute [lo, hi) of shard ``shard``'s piece in stage ``stage`` (may be empty)."""
-        start, end = int(self.bounds[shard]), int(self.bounds[shard + 1])
-        lo = min(start + stage * self.piece, end)
-        return lo, min(lo + self.piece, end)
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
 
 
-def wire_bytes(codec: Codec, layout: Layout, rank: int, gather: bool = True) -> int:
-    """Bytes ``rank`` sends in one compressed all-reduce (``gather=False``:
-    reduce-scatter): its pieces for the other shards, plus its re-encoded
-    reduced pieces, which N - 1 ranks receive. Side channels of stateful
-    codecs are not included (their plans report ``side_bytes``)."""
-    total = 0
-    for s in range(layout.stages):
-        for j in range(layout.size):
-            lo, hi = layout.piece_range(j, s)
-            if j != rank:
-                total += codec.wire_size(hi - lo)
-            elif gather:
-                total += (layout.size - 1) * codec.wire_size(hi - lo)
-    return total
+def _parts(shape: tuple[int, ...], count: int, key: Any, parts: Sequence[Any] | None
+           ) -> list[Part]:
+    """The tensors of the buffer: ``parts`` is a sequence of (key, shape) that tiles
+    the flat buffer in order; without it the buffer is one tensor of ``shape``.
+    A key of None stands for the tensor's shape."""
+    if parts is None:
+        return [Part(0, tuple(shape), ("shape", tuple(shape)) if key is None else key)]
+    if key is not None:
+        raise TypeError("pass either key= or parts=, not both")
+    result, offset = [], 0
+    for entry in parts:
+        try:
+            name, part_shape = entry
+            part_shape = tuple(int(d) for d in part_shape)
+        except (TypeError, ValueError):
+            raise TypeError(f"parts entries must be (key, shape) pairs, got {entry!r}") from None
+        if any(d < 0 for d in part_shape):
+            raise ValueError(f"part {name!r} has a negative dimension: {part_shape}")
+        result.append(Part(offset, part_shape,
+                           ("shape", part_shape) if name is None else name))
+        offset += math.prod(part_shape)
+    if offset != count:
+        raise ValueError(f"parts hold {offset} values, the buffer {count}")
+    return result
 
 
-def array_module(array: Any) -> Any:
-    """numpy, or cupy for CuPy arrays (the NCCL backend works on the device)."""
-    if type(array).__module__.startswith("cupy"):
-        import cupy
-
-        return cupy
-    return np
+# ---------------------------------------------------------------------------
+# argument handling
 
 
 def _check_array(x: Any, name: str = "x") -> Any:
@@ -176,188 +174,6 @@ def _check_array(x: Any, name: str = "x") -> Any:
         raise TypeError(f"{name} has dtype {x.dtype}; geocomm collectives take float32, "
                         "float16, bfloat16 or (codec 'none') float64")
     return x
-
-
-def _segments(sizes: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    counts = np.asarray(sizes, dtype=np.int64)
-    displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-    return counts, displs
-
-
-class _ScratchPool:
-    """Wire buffers kept between calls, per thread, for NumPy pipelines.
-
-    Megabyte-sized buffers freed after every call go back to the kernel
-    (glibc trims the heap), and the next call pays for zeroed pages again: a
-    profile of a 64 MiB fp8 all-reduce showed that page clearing cost as much
-    as encoding. CuPy has its own memory pool, so device buffers skip this.
-    """
-
-    KEEP = 16  # buffers kept per thread (a pipeline uses 8) ...
-    KEEP_BYTES = 64 << 20  # ... and at most this many bytes of them
-
-    def __init__(self) -> None:
-        self.local = threading.local()
-
-    def _free(self) -> list[np.ndarray]:
-        if not hasattr(self.local, "free"):
-            self.local.free = []
-        return self.local.free
-
-    def take(self, xp: Any, nbytes: int) -> Any:
-        """An uninitialized uint8 buffer of ``nbytes`` (a pooled one when it fits)."""
-        if xp is not np:
-            return xp.empty(nbytes, np.uint8)
-        free = self._free()
-        fits = [i for i, b in enumerate(free) if b.size >= nbytes]
-        if not fits:
-            return np.empty(nbytes, np.uint8)
-        best = min(fits, key=lambda i: free[i].size)
-        return free.pop(best)[:nbytes]
-
-    def give_back(self, buffers: list[Any]) -> None:
-        free = self._free()
-        for b in buffers:
-            if isinstance(b, np.ndarray):
-                free.append(b.base if b.base is not None else b)
-        free.sort(key=lambda b: b.size)
-        kept, total = 0, 0
-        while kept < min(len(free), self.KEEP) and total + free[kept].size <= self.KEEP_BYTES:
-            total += free[kept].size
-            kept += 1
-        del free[kept:]
-
-
-_SCRATCH = _ScratchPool()
-
-
-class Pipeline:
-    """The staged algorithm for one call; phases are separate methods so the
-    perf tools can time encode, communication and decode on their own."""
-
-    def __init__(self, comm: Communicator, codec: Codec, layout: Layout,
-                 source: np.ndarray, result: np.ndarray, result_offset: int, gather: bool):
-        self.comm, self.codec, self.layout = comm, codec, layout
-        self.source, self.result = source, result
-        self.result_offset = result_offset  # absolute index of result[0]
-        self.gather = gather
-        self.open: list[Request] = []
-        n, me = comm.size, comm.rank
-        xp = array_module(source)
-        wire = codec.wire_size
-        mine = wire(layout.piece)
-        every = [wire(min(layout.piece, int(b - a))) for a, b in
-                 zip(layout.bounds[:-1], layout.bounds[1:], strict=True)]
-        # two stages in flight at most per phase: double buffers
-        self.a2a_send = [_SCRATCH.take(xp, sum(every)) for _ in range(2)]
-        self.a2a_recv = [_SCRATCH.take(xp, n * mine) for _ in range(2)]
-        self.ag_send = [_SCRATCH.take(xp, mine) for _ in range(2)]
-        self.ag_recv = [_SCRATCH.take(xp, sum(every)) for _ in range(2)]
-        self.me = me
-        self.a2a_req: dict[int, Request] = {}
-        self.ag_req: dict[int, Request] = {}
-
-    # -- helpers ------------------------------------------------------------
-    def _progress(self) -> None:
-        self.open = [r for r in self.open if not r.test()]
-
-    def _stage_sizes(self, stage: int) -> list[int]:
-        """Wire bytes of every shard's piece in ``stage``."""
-        ranges = (self.layout.piece_range(j, stage) for j in range(self.comm.size))
-        return [self.codec.wire_size(hi - lo) for lo, hi in ranges]
-
-    def _local(self, lo: int, hi: int) -> np.ndarray:
-        return self.result[lo - self.result_offset: hi - self.result_offset]
-
-    # -- phases ---------------------------------------------------------------
-    def _a2a_sizes(self, s: int) -> tuple[list[int], list[int]]:
-        """Wire bytes this rank sends to and receives from each rank in stage
-        ``s``'s all-to-all: its piece of every other shard, and every other
-        rank's piece of its own shard; nothing to itself (its own piece enters
-        the sum unquantized)."""
-        sizes = self._stage_sizes(s)
-        mine = sizes[self.me]
-        sizes[self.me] = 0
-        return sizes, [0 if i == self.me else mine for i in range(self.comm.size)]
-
-    def encode_stage(self, s: int) -> None:
-        counts, displs = _segments(self._a2a_sizes(s)[0])
-        buf = self.a2a_send[s % 2]
-        for j in range(self.comm.size):
-            if j != self.me:
-                lo, hi = self.layout.piece_range(j, s)
-                self.codec.encode_wire(self.source[lo:hi],
-                                       buf[displs[j]: displs[j] + counts[j]])
-                self._progress()
-
-    def start_alltoall(self, s: int) -> None:
-        send_sizes, recv_sizes = self._a2a_sizes(s)
-        send_counts, send_displs = _segments(send_sizes)
-        recv_counts, recv_displs = _segments(recv_sizes)
-        req = self.comm.alltoallv(self.a2a_send[s % 2], send_counts, send_displs,
-                                  self.a2a_recv[s % 2], recv_counts, recv_displs)
-        self.a2a_req[s] = req
-        self.open.append(req)
-
-    def reduce_stage(self, s: int) -> None:
-        """My piece of my shard (exact), then the other ranks' decoded pieces in
-        rank order, summed in fp32 into result. Own piece first: out may alias
-        the source, and the order must not depend on that."""
-        wait(self.a2a_req.pop(s), f"the all-to-all of stage {s}", self.me)
-        lo, hi = self.layout.piece_range(self.me, s)
-        acc = self._local(lo, hi)
-        acc[...] = self.source[lo:hi]
-        seg = self.codec.wire_size(hi - lo)
-        buf = self.a2a_recv[s % 2]
-        offset = 0
-        for i in range(self.comm.size):
-            if i != self.me:
-                self.codec.decode_wire(buf[offset: offset + seg], acc, accumulate=True)
-                offset += seg
-                self._progress()
-
-    def reencode_stage(self, s: int) -> None:
-        """Encode my reduced piece for the all-gather (the second quantization)."""
-        lo, hi = self.layout.piece_range(self.me, s)
-        self.codec.encode_wire(self._local(lo, hi), self.ag_send[s % 2])
-        self._progress()
-
-    def start_allgather(self, s: int) -> None:
-        sizes = self._stage_sizes(s)
-        counts, displs = _segments(sizes)
-        send = self.ag_send[s % 2][: sizes[self.me]]
-        req = self.comm.allgatherv(send, self.ag_recv[s % 2], counts, displs)
-        self.ag_req[s] = req
-        self.open.append(req)
-
-    def decode_stage(self, s: int) -> None:
-        wait(self.ag_req.pop(s), f"the all-gather of stage {s}", self.me)
-        counts, displs = _segments(self._stage_sizes(s))
-        buf = self.ag_recv[s % 2]
-        for j in range(self.comm.size):
-            lo, hi = self.layout.piece_range(j, s)
-            self.codec.decode_wire(buf[displs[j]: displs[j] + counts[j]], self._local(lo, hi))
-            self._progress()
-
-    def run(self) -> None:
-        stages = self.layout.stages
-        for s in range(stages + 2):
-            if s < stages:
-                self.encode_stage(s)
-                self.start_alltoall(s)
-            if 1 <= s <= stages:
-                self.reduce_stage(s - 1)
-                if self.gather:
-                    self.reencode_stage(s - 1)
-                    self.start_allgather(s - 1)
-            if self.gather and s >= 2:
-                self.decode_stage(s - 2)
-        # every request has completed (each phase waited on its own)
-        _SCRATCH.give_back(self.a2a_send + self.a2a_recv + self.ag_send + self.ag_recv)
-
-
-# ---------------------------------------------------------------------------
-# argument handling
 
 
 def _as_float32(x: Any) -> Any:
@@ -379,31 +195,32 @@ def _check_out(out: Any, x: Any) -> None:
 
 
 def _fingerprint(kind: str, count: int, dtype: np.dtype, op: str, codec: Codec,
-                 key: str | None) -> np.ndarray:
+                 parts: list[Part]) -> np.ndarray:
     config = json.dumps(codec.get_config(), sort_keys=True).encode()
-    state = getattr(codec, "state_checksum", None)  # stateful codecs: per-key geometry
-    return np.array([
-        zlib.crc32(kind.encode()), count, DTYPE_CODES[dtype], OPS.index(op),
-        zlib.crc32(config), zlib.crc32((key or "").encode()),
-        state(key) if state is not None and key is not None else 0,
-    ], dtype=np.int64)
+    layout = json.dumps([(repr(p.key), p.shape) for p in parts]).encode()
+    state = 0
+    if isinstance(codec, TransformingCodec):
+        for p in parts:
+            state = zlib.crc32(codec.state_checksum(p.key).to_bytes(4, "little"), state)
+    return np.array([zlib.crc32(kind.encode()), count, DTYPE_CODES[dtype], OPS.index(op),
+                     zlib.crc32(config), zlib.crc32(layout), state], dtype=np.int64)
 
 
-_FIELDS = ("collective", "count", "dtype", "op", "codec config", "key", "codec state")
+_FIELDS = ("collective", "count", "dtype", "op", "codec config", "parts or key", "codec state")
 
 
 def check_consistent(comm: Communicator, kind: str, count: int, dtype: np.dtype, op: str,
-                     codec: Codec, key: str | None) -> None:
+                     codec: Codec, parts: list[Part]) -> None:
     """Raise CollectiveMismatchError on every rank if the ranks' calls differ."""
-    rows = comm.allgather_int64(_fingerprint(kind, count, dtype, op, codec, key))
+    rows = comm.allgather_int64(_fingerprint(kind, count, dtype, op, codec, parts))
     bad = np.nonzero((rows != rows[0]).any(axis=1))[0]
     if bad.size:
         diffs = [_FIELDS[f] for f in np.nonzero(rows[bad[0]] != rows[0])[0]]
         detail = ", ".join(f"rank {r}: count={rows[r, 1]}" for r in range(comm.size))
         raise CollectiveMismatchError(
             f"geocomm.{kind}: ranks {bad.tolist()} differ from rank 0 in {', '.join(diffs)} "
-            f"({detail}); every rank must pass the same count, dtype, op, codec and key, and "
-            "stateful codecs must hold the same state"
+            f"({detail}); every rank must pass the same count, dtype, op, codec and keys, and "
+            "transforming codecs must hold the same state"
         )
 
 
@@ -414,7 +231,7 @@ def _check_enabled(check: bool | None) -> bool:
 
 
 def _prepare(x: Any, op: str, codec: Any, comm: Communicator | None) -> tuple[
-        np.ndarray, Codec, Communicator]:
+        Any, Codec, Communicator]:
     x = _check_array(x)
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
@@ -424,92 +241,149 @@ def _prepare(x: Any, op: str, codec: Any, comm: Communicator | None) -> tuple[
             "float64 arrays are not compressed (the formats start from float32); cast to "
             "float32 first or use codec='none' for an exact float64 reduction"
         )
-    select = getattr(codec, "select", None)  # codec="auto": by message size
-    if select is not None:
-        codec = select(x.size)
-    return x, codec, get_comm(comm)
+    return x, codec.for_count(x.size), get_comm(comm)
 
 
-def _host_only(codec: Codec, source: Any) -> None:
-    if array_module(source) is not np:
-        raise TypeError(f"codec {codec.codec_id!r} transforms on the host (NumPy); on CuPy "
-                        "arrays use fp8/nvfp4/bf16, or the MPI backend, which stages through "
-                        "host memory")
+# ---------------------------------------------------------------------------
+# transforming codecs
 
 
-def _begin(codec: Codec, source: Any, key: str | None, comm: Communicator) -> Any:
-    """The codec's transform plan (None for stateless codecs)."""
-    if type(codec).begin is Codec.begin:
+def _map_parts(codec: Codec, values: Any, mapped: Any, parts: list[Part],
+               bounds: np.ndarray) -> list[tuple[Part, Any]]:
+    """Plan every part and write its mapped values into ``mapped`` (may be ``values``).
+
+    Returns the (part, plan) pairs that have a plan; parts without one are
+    copied as they are.
+    """
+    planned = []
+    for part in parts:
+        lo, hi = part.offset, part.offset + part.size
+        plan = None
+        if isinstance(codec, TransformingCodec):
+            plan = codec.plan(values[lo:hi], part.shape, part.key, bounds)
+        if plan is None:
+            if mapped is not values:
+                mapped[lo:hi] = values[lo:hi]
+            continue
+        plan.forward(values[lo:hi], mapped[lo:hi])
+        planned.append((part, plan))
+    return planned
+
+
+def _side_sums(comm: Communicator, planned: list[tuple[Part, Any]]) -> list[Any]:
+    """The exact sums of the plans' side contributions, one collective for all."""
+    sides = [plan.side for _, plan in planned]
+    present = [s for s in sides if s is not None]
+    if not present:
+        return [None] * len(sides)
+    xp = array_module(present[0])
+    total = exact_sum(comm, xp.concatenate([s.reshape(-1) for s in present]))
+    sums, at = [], 0
+    for s in sides:
+        if s is None:
+            sums.append(None)
+            continue
+        sums.append(total[at: at + s.size].reshape(s.shape))
+        at += s.size
+    return sums
+
+
+def _refresh(comm: Communicator, codec: Any, planned: list[tuple[Part, Any]],
+             side_sums: list[Any], result: Any, lo: int, hi: int) -> None:
+    """Run the refresh rounds of every plan that asks for one, all tensors' partial
+    sums in one exact sum per round. ``result[lo - lo:...]`` is this rank's shard
+    [lo, hi) of the summed buffer, in the tensors' own coordinates."""
+    rounds = []
+    for (part, plan), side_sum in zip(planned, side_sums, strict=True):
+        if not plan.refreshes:
+            continue
+        a = min(max(lo, part.offset), part.offset + part.size)
+        b = min(max(hi, part.offset), part.offset + part.size)
+        rounds.append(codec.refresh(plan, result[a - lo: b - lo], a - part.offset, side_sum))
+    pending = [(r, _advance(r, None)) for r in rounds]
+    pending = [(r, v) for r, v in pending if v is not None]
+    while pending:
+        xp = array_module(pending[0][1])
+        total = exact_sum(comm, xp.concatenate([v.reshape(-1) for _, v in pending]))
+        nxt, at = [], 0
+        for r, v in pending:
+            value = _advance(r, total[at: at + v.size].reshape(v.shape))
+            at += v.size
+            if value is not None:
+                nxt.append((r, value))
+        pending = nxt
+
+
+def _advance(rounds: Any, total: Any) -> Any:
+    """The next partial sums of a refresh (None once it is done)."""
+    try:
+        return next(rounds) if total is None else rounds.send(total)
+    except StopIteration:
         return None
-    _host_only(codec, source)
-    return codec.begin(source, key, lambda v: ordered_sum(comm, v))
-
-
-def ordered_sum(comm: Communicator, values: np.ndarray) -> np.ndarray:
-    """Elementwise float32 sum over ranks, added in rank order: bitwise identical
-    on every rank (unlike MPI_Allreduce, whose order may differ per rank)."""
-    flat = np.ascontiguousarray(values, np.float32).reshape(-1)
-    nbytes = flat.nbytes
-    gathered = np.empty(comm.size * nbytes, np.uint8)
-    counts, displs = _segments([nbytes] * comm.size)
-    wait(comm.allgatherv(flat.view(np.uint8), gathered, counts, displs),
-         "a geometry all-reduce", comm.rank)
-    rows = gathered.view(np.float32).reshape(comm.size, -1)
-    total = rows[0].copy()
-    for row in rows[1:]:
-        total += row
-    return total.reshape(np.shape(values))
 
 
 # ---------------------------------------------------------------------------
 # public collectives
 
 
-def allreduce(x: np.ndarray, codec: Any = None, op: str = "sum", out: np.ndarray | None = None,
-              *, key: str | None = None, comm: Communicator | None = None,
-              chunk_elems: int | None = None, check: bool | None = None) -> np.ndarray:
+def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
+              key: Any = None, parts: Sequence[Any] | None = None,
+              comm: Communicator | None = None, chunk_elems: int | None = None,
+              check: bool | None = None) -> Any:
     """All-reduce ``x`` over the ranks of ``comm`` through ``codec``.
 
     x: float32, float16, bfloat16 (ml_dtypes) or, with ``codec="none"``,
-    float64 numpy array; any shape and strides. Returns an array of x's dtype
-    and shape (``out`` if given, which may be x itself). ``op``: "sum" or
-    "avg". ``key`` names the tensor for stateful codecs (GeoFP8). Results are
-    bitwise identical on every rank.
+    float64 NumPy (or CuPy) array; any shape and strides. Returns an array of
+    x's dtype and shape (``out`` if given, which may be x itself). ``op``:
+    "sum" or "avg". ``key`` names the tensor for transforming codecs
+    (GeoFP8); ``parts`` instead names several: a sequence of (key, shape)
+    that tiles the flat buffer in order (a DDP bucket), each mapped on its
+    own in one pipeline. Results are bitwise identical on every rank.
     """
     x, codec, comm = _prepare(x, op, codec, comm)
     _check_out(out, x)
+    tensors = _parts(x.shape, x.size, key, parts)
     xp = array_module(x)
     if _check_enabled(check):
-        check_consistent(comm, "allreduce", x.size, x.dtype, op, codec, key)
+        check_consistent(comm, "allreduce", x.size, x.dtype, op, codec, tensors)
     if codec.lossless:
         work = xp.ascontiguousarray(x, np.float64 if x.dtype == np.float64 else np.float32)
         # MPI/NCCL need distinct send and receive buffers
         total = _direct_result(out, work.dtype, work, same_ok=False)
         if total is None:
             total = xp.empty_like(work)
-        comm.allreduce(work, total, "sum")
+        comm.allreduce(work.reshape(-1), total.reshape(-1), "sum")
     else:
-        source = _as_float32(x)
-        plan = _begin(codec, source.reshape(x.shape), key, comm)
-        if plan is not None:
-            source = np.ascontiguousarray(plan.forward(source), np.float32)
-        # the pipeline only writes ranges it has already encoded, so out may be x
-        total = _direct_result(out, np.float32, source, same_ok=True) if plan is None else None
+        values = _as_float32(x)
+        bounds = shard_bounds(x.size, comm.size)
+        # the pipeline only writes ranges it has already encoded, so it may run in place
+        total = _direct_result(out, np.float32, values, same_ok=True)
         if total is None:
             total = xp.empty(x.size, np.float32)
-        layout = Layout.plan(x.size, comm.size, chunk_elems or DEFAULT_CHUNK_ELEMS)
-        Pipeline(comm, codec, layout, source, total, 0, gather=True).run()
-        if plan is not None:
-            total = np.ascontiguousarray(plan.inverse(total), np.float32)
-        codec.end(key, plan, total)
+        planned, source = [], values
+        if isinstance(codec, TransformingCodec):  # map into the result, reduce in place
+            planned, source = _map_parts(codec, values, total, tensors, bounds), total
+        pieces = Pieces.plan(x.size, comm.size, chunk_elems or DEFAULT_CHUNK_ELEMS)
+        Pipeline(comm, codec, pieces, source, total, 0, gather=True).run()
+        if planned:
+            sums = _side_sums(comm, planned)
+            for (part, plan), side_sum in zip(planned, sums, strict=True):
+                plan.inverse(total[part.offset: part.offset + part.size], 0, side_sum)
+            lo, hi = int(bounds[comm.rank]), int(bounds[comm.rank + 1])
+            _refresh(comm, codec, planned, sums, total[lo:hi], lo, hi)
     if op == "avg":
-        total /= total.dtype.type(comm.size)
+        _divide(total, comm.size)
     result = total.reshape(x.shape)
     if out is None:
         return result.astype(x.dtype, copy=False)
     if not _same_memory(out, result):
         out[...] = result
     return out
+
+
+def _divide(values: Any, size: int) -> None:
+    """values /= size in place."""
+    values /= values.dtype.type(size)
 
 
 def _direct_result(out: Any, dtype: Any, source: Any, same_ok: bool) -> Any:
@@ -534,18 +408,21 @@ def _same_memory(a: Any, b: Any) -> bool:
         and a.flags.c_contiguous
 
 
-def reduce_scatter(x: np.ndarray, codec: Any = None, op: str = "sum", *,
-                   key: str | None = None, comm: Communicator | None = None,
-                   chunk_elems: int | None = None, check: bool | None = None) -> np.ndarray:
+def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", *, key: Any = None,
+                   parts: Sequence[Any] | None = None, comm: Communicator | None = None,
+                   chunk_elems: int | None = None, check: bool | None = None) -> Any:
     """This rank's shard of the reduced flat ``x`` (``np.array_split`` convention).
 
     Each rank's pieces are quantized once on the way to the owner, who sums
-    them in fp32 and returns that sum (no second quantization). Returns a 1-D
+    them in fp32 and returns that sum (no second quantization). ``key`` and
+    ``parts`` as in :func:`allreduce`; a transforming codec maps every
+    tensor on every rank and the owner maps its shard back. Returns a 1-D
     array of x's dtype.
     """
     x, codec, comm = _prepare(x, op, codec, comm)
+    tensors = _parts(x.shape, x.size, key, parts)
     if _check_enabled(check):
-        check_consistent(comm, "reduce_scatter", x.size, x.dtype, op, codec, key)
+        check_consistent(comm, "reduce_scatter", x.size, x.dtype, op, codec, tensors)
     bounds = shard_bounds(x.size, comm.size)
     lo, hi = int(bounds[comm.rank]), int(bounds[comm.rank + 1])
     xp = array_module(x)
@@ -555,35 +432,39 @@ def reduce_scatter(x: np.ndarray, codec: Any = None, op: str = "sum", *,
         comm.allreduce(work.reshape(-1), total.reshape(-1), "sum")
         shard = total.reshape(-1)[lo:hi].copy()
     else:
-        source = _as_float32(x)
-        begin_shards = getattr(codec, "begin_shards", None)
-        plan = None
-        if begin_shards is not None:
-            _host_only(codec, source)
-            plan = begin_shards(source.reshape(x.shape), key, lambda v: ordered_sum(comm, v),
-                                bounds)
-        if plan is not None:
-            source = np.ascontiguousarray(plan.forward(source), np.float32)
+        values = _as_float32(x)
+        planned = []
+        if isinstance(codec, TransformingCodec):
+            mapped = xp.empty_like(values)
+            planned = _map_parts(codec, values, mapped, tensors, bounds)
+            values = mapped
         shard = xp.empty(hi - lo, np.float32)
-        layout = Layout.plan(x.size, comm.size, chunk_elems or DEFAULT_CHUNK_ELEMS)
-        Pipeline(comm, codec, layout, source, shard, lo, gather=False).run()
-        if plan is not None:
-            shard = np.ascontiguousarray(plan.inverse_range(shard, lo, hi), np.float32)
+        pieces = Pieces.plan(x.size, comm.size, chunk_elems or DEFAULT_CHUNK_ELEMS)
+        Pipeline(comm, codec, pieces, values, shard, lo, gather=False).run()
+        if planned:
+            sums = _side_sums(comm, planned)
+            for (part, plan), side_sum in zip(planned, sums, strict=True):
+                a, b = max(lo, part.offset), min(hi, part.offset + part.size)
+                if a < b:
+                    plan.inverse(shard[a - lo: b - lo], a - part.offset, side_sum)
+            _refresh(comm, codec, planned, sums, shard, lo, hi)
     if op == "avg":
-        shard /= shard.dtype.type(comm.size)
+        _divide(shard, comm.size)
     return shard.astype(x.dtype, copy=False)
 
 
-def allgather(x: np.ndarray, codec: Any = None, *, comm: Communicator | None = None,
-              check: bool | None = None) -> np.ndarray:
+def allgather(x: Any, codec: Any = None, *, comm: Communicator | None = None,
+              check: bool | None = None) -> Any:
     """Stack every rank's ``x`` (same shape on all ranks): shape ``(size, *x.shape)``.
 
     Each rank encodes its own array once; every rank decodes all of them from
-    the same bytes, so the result is identical everywhere.
+    the same bytes, so the result is identical everywhere. Transforming
+    codecs send their quantizer's bytes (no map: there is no sum to share).
     """
     x, codec, comm = _prepare(x, "sum", codec, comm)
     if _check_enabled(check):
-        check_consistent(comm, "allgather", x.size, x.dtype, "sum", codec, None)
+        check_consistent(comm, "allgather", x.size, x.dtype, "sum", codec,
+                         _parts(x.shape, x.size, None, None))
     xp = array_module(x)
     if x.dtype == np.float64:  # lossless codec only (checked in _prepare)
         send = xp.ascontiguousarray(x, np.float64).reshape(-1).view(np.uint8)

@@ -1,9 +1,9 @@
 """Codecs: the contract, the registry and the built-in formats."""
 
 from geocomm.codecs.auto import AutoCodec
-from geocomm.codecs.base import Codec, parse_frame
+from geocomm.codecs.base import Codec, TransformingCodec, parse_frame
 from geocomm.codecs.formats import BF16Codec, FP8Codec, NoneCodec, NVFP4Codec
-from geocomm.codecs.geometry import GeoFP8Codec, GeoNVFP4Codec, HadamardCodec
+from geocomm.codecs.geo import GeoFP8Codec, GeoNVFP4Codec, HadamardCodec
 from geocomm.codecs.registry import get_codec, register_codec, registered_ids
 
 for _cls in (NoneCodec, BF16Codec, FP8Codec, NVFP4Codec, GeoFP8Codec, GeoNVFP4Codec,
@@ -26,6 +26,7 @@ __all__ = [
     "HadamardCodec",
     "NVFP4Codec",
     "NoneCodec",
+    "TransformingCodec",
     "decode",
     "get_codec",
     "register_codec",

@@ -43,7 +43,7 @@ class AutoCodec(Codec):
         return {"id": self.codec_id, "codec": self.inner.get_config(),
                 "crossover_bytes": self.crossover_bytes}
 
-    def select(self, count: int) -> Codec:
+    def for_count(self, count: int) -> Codec:
         """The codec used for ``count`` values: plain below the crossover."""
         return self.inner if 4 * count >= self.crossover_bytes else self._plain
 

@@ -22,8 +22,8 @@ import math
 import struct
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Any, ClassVar, Protocol
+from collections.abc import Generator, Sequence
+from typing import Any, ClassVar
 
 import ml_dtypes
 import numpy as np
@@ -56,28 +56,6 @@ def check_float_array(x: Any, name: str = "x") -> np.ndarray:
             "or float64"
         )
     return x
-
-
-#: Elementwise float32 sum over all ranks, bitwise identical on every rank.
-AllreduceSum = Callable[[np.ndarray], np.ndarray]
-
-
-class TransformPlan(Protocol):
-    """A per-call invertible linear map chosen by a stateful codec (GeoFP8).
-
-    ``forward`` takes this rank's flat float32 values and returns what is
-    quantized and sent; ``inverse`` takes the SUM over ranks of the decoded
-    forward outputs and returns the sum in the original coordinates.
-    Linearity makes ``inverse(sum_i forward(x_i)) == sum_i x_i`` up to the
-    quantization error. ``side_bytes`` counts extra bytes this rank sent for
-    the plan (basis refresh, exact coefficients).
-    """
-
-    side_bytes: int
-
-    def forward(self, x: np.ndarray) -> np.ndarray: ...
-
-    def inverse(self, y: np.ndarray) -> np.ndarray: ...
 
 
 class Codec(ABC):
@@ -123,19 +101,10 @@ class Codec(ABC):
     def decode_wire(self, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
         """Decode ``out.size`` values from ``wire`` into ``out`` (``+=`` if accumulate)."""
 
-    # ---- geometry hooks (stateless codecs keep these defaults) ---------------
-    def begin(self, x: np.ndarray, key: str | None,
-              allreduce_sum: AllreduceSum | None) -> TransformPlan | None:
-        """Plan for tensor ``x`` (float32, caller's shape), or None for no transform.
-
-        Collective: every rank calls it with the same shape and key in the same
-        order; ``allreduce_sum`` (None outside a collective) may be called.
-        """
-        return None
-
-    def end(self, key: str | None, plan: TransformPlan | None, result: np.ndarray) -> None:
-        """Update per-key state from the reduced ``result`` (identical on all ranks)."""
-        return None
+    def for_count(self, count: int) -> Codec:
+        """The codec that carries a message of ``count`` values (itself; ``auto``
+        chooses by size). Depends on the count only, so every rank chooses alike."""
+        return self
 
     # ---- frame bodies (override when the body depends on more than the count) --
     def frame_body_size(self, shape: tuple[int, ...]) -> int:
@@ -185,6 +154,51 @@ class Codec(ABC):
             return result.astype(info.dtype, copy=False)
         out[...] = result
         return out
+
+
+class TransformingCodec(Codec):
+    """A codec that maps each tensor before quantizing and keeps per-key state (GeoFP8).
+
+    Its protocol with the collectives (docs/design.md, "Transforming codecs"):
+
+    * ``plan = codec.plan(x, shape, key, bounds)``: local, decided from shape,
+      config and the key's state only; None means plain quantization;
+    * ``plan.forward(x, out)`` writes the mapped values and sets ``plan.side``,
+      this rank's contribution to an exact side sum (or None);
+    * after the quantized sum, ``plan.inverse(values, lo, side_sum)`` maps a
+      flat range of the result back in place;
+    * if ``plan.refreshes``, the collective drives the generator
+      ``codec.refresh(plan, shard, lo, side_sum)``: every array it yields is
+      summed exactly over the ranks and sent back into it.
+
+    The codec never talks to a communicator, and its state changes only from
+    summed values, so every rank stays alike; ``state_checksum`` proves it.
+    """
+
+    @abstractmethod
+    def plan(self, x: Any, shape: Sequence[int], key: Any, bounds: Sequence[int]) -> Any:
+        """This call's plan for flat float32 ``x`` of a tensor of ``shape``, or None."""
+
+    @abstractmethod
+    def refresh(self, plan: Any, shard: Any, lo: int, side_sum: Any
+                ) -> Generator[Any, Any, None]:
+        """Rounds that update the plan's key from this rank's shard of the result."""
+
+    @abstractmethod
+    def state_checksum(self, key: Any = None) -> int:
+        """CRC32 of one key's state (or of all, key None); equal on ranks that agree."""
+
+    @abstractmethod
+    def reset_state(self) -> None:
+        """Forget every key's state."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """The state as plain values and NumPy arrays (for checkpoints)."""
+
+    @abstractmethod
+    def load_state_dict(self, data: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
 
 
 class FrameInfo:

@@ -1,0 +1,309 @@
+"""The GeoFP8 codecs: a quantizer behind a geometry map with per-key state.
+
+:class:`GeoCodec` is a :class:`~geocomm.codecs.base.TransformingCodec`: the
+collective asks it for this call's :meth:`plan` of each tensor, moves the
+mapped values through the quantizer and the plan's side contribution through
+an exact sum, inverts, and then runs the :meth:`refresh` rounds (each one a
+small exact sum the collective performs) that update the key's basis from the
+result. The codec never talks to a communicator. docs/design.md, "GeoFP8",
+has the maths; :mod:`~geocomm.codecs.geo.policy` the per-tensor choices.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Generator, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+from array_api_compat import array_namespace
+
+from geocomm.codecs.base import Codec, TransformingCodec
+from geocomm.codecs.formats import FP8Codec, NVFP4Codec
+from geocomm.codecs.geo import kernels
+from geocomm.codecs.geo.maps import HadamardPlan, SplitPlan
+from geocomm.codecs.geo.policy import DEFAULTS, TRANSFORMS, Layout, anisotropic, layout
+from geocomm.codecs.geo.state import KeyState
+
+#: Power iterations of a key's first refresh, from a fixed-seed random basis.
+COLD_ITERS = 2
+
+#: A refresh round: yields this rank's partial sums, receives their exact sum.
+Rounds = Generator[Any, Any, None]
+
+
+class _MeasurePlan:
+    """No map this call, but a refresh from its result (a key without a basis yet,
+    or one left plain for a flat spectrum and due for a re-measure)."""
+
+    side = None
+    refreshes = True
+
+    def __init__(self, lay: Layout, state: KeyState):
+        self.layout, self.state = lay, state
+
+    def forward(self, x: Any, out: Any) -> None:
+        if out is not x:
+            out[...] = x
+
+    def inverse(self, values: Any, lo: int, side_sum: Any) -> None:
+        return None
+
+
+class GeoCodec(TransformingCodec):
+    """A quantizer preceded by a geometry map (see the module docstring).
+
+    Knobs (:data:`~geocomm.codecs.geo.policy.DEFAULTS`): ``transform``
+    (split | hadamard | none), ``k`` (largest rank), ``budget`` (multiply-adds
+    per value and call), ``refresh`` (calls between basis updates),
+    ``max_side`` (side channel over payload), ``min_dim``/``min_numel``
+    (smallest mapped matrix), ``min_share`` (anisotropy needed), ``seed``.
+    """
+
+    #: knobs listed in get_config (subclasses may expose fewer)
+    _fields: ClassVar[tuple[str, ...]] = tuple(DEFAULTS)
+
+    def __init__(self, quantizer: Codec, **knobs: Any):
+        unknown = set(knobs) - set(DEFAULTS)
+        if unknown:
+            raise TypeError(f"unknown GeoFP8 parameters {sorted(unknown)}; "
+                            f"known: {sorted(DEFAULTS)}")
+        config = {**DEFAULTS, **knobs}
+        if config["transform"] not in TRANSFORMS:
+            raise ValueError(f"transform must be one of {TRANSFORMS}, "
+                             f"got {config['transform']!r}")
+        self.quantizer = quantizer
+        self.transform = config["transform"]
+        self.k = _check_int("k", config["k"], 1)
+        self.refresh_period = _check_int("refresh", config["refresh"], 1)
+        self.min_dim = _check_int("min_dim", config["min_dim"], 1)
+        self.min_numel = _check_int("min_numel", config["min_numel"], 0)
+        self.seed = _check_int("seed", config["seed"], 0)
+        self.budget = _check_float("budget", config["budget"], 0.0, math.inf)
+        self.max_side = _check_float("max_side", config["max_side"], 0.0, math.inf)
+        self.min_share = _check_float("min_share", config["min_share"], 0.0, 1.0)
+        self._state: dict[Any, KeyState] = {}
+
+    # ---- configuration --------------------------------------------------------
+    def _knobs(self) -> dict[str, Any]:
+        return {"transform": self.transform, "k": self.k, "budget": self.budget,
+                "refresh": self.refresh_period, "max_side": self.max_side,
+                "min_dim": self.min_dim, "min_numel": self.min_numel,
+                "min_share": self.min_share, "seed": self.seed}
+
+    def get_config(self) -> dict[str, Any]:
+        quantizer = self.quantizer.get_config()
+        quantizer.pop("id")
+        knobs = self._knobs()
+        return {"id": self.codec_id, **quantizer, **{f: knobs[f] for f in self._fields}}
+
+    # ---- wire API: the quantizer's ---------------------------------------------
+    def wire_size(self, n: int) -> int:
+        return self.quantizer.wire_size(n)
+
+    def encode_wire(self, x: Any, wire: Any) -> None:
+        self.quantizer.encode_wire(x, wire)
+
+    def decode_wire(self, wire: Any, out: Any, accumulate: bool = False) -> None:
+        self.quantizer.decode_wire(wire, out, accumulate)
+
+    # ---- the map of one call -----------------------------------------------------
+    def layout(self, shape: Sequence[int], framed: bool = False) -> Layout | None:
+        """The map of a tensor of ``shape`` (None: plain quantization)."""
+        payload = self.quantizer.wire_size(math.prod(shape))
+        return layout(shape, self._knobs(), payload, framed)
+
+    def plan(self, x: Any, shape: Sequence[int], key: Any, bounds: Sequence[int]) -> Any:
+        """This call's plan for the flat float32 values ``x`` of a tensor of ``shape``.
+
+        ``key`` names the tensor (None: its shape does); ``bounds`` are the
+        collective's N + 1 shard offsets. Local: decides from shape, config
+        and the key's state only, so every rank decides alike. None means
+        plain quantization and no state.
+        """
+        lay = self.layout(shape)
+        if lay is None:
+            return None
+        if self.transform == "hadamard":
+            return HadamardPlan(lay, self.seed, bounds)
+        st = self._state_for(("shape", tuple(shape)) if key is None else key, lay)
+        st.calls += 1
+        due = st.vt is None or st.calls - st.refreshed >= self.refresh_period
+        active = st.vt is not None and (st.share is None or anisotropic(st.share, lay,
+                                                                         self.min_share))
+        if active:
+            return SplitPlan(lay, st.vt, refreshes=due, state=st)
+        return _MeasurePlan(lay, st) if due else None
+
+    def refresh(self, plan: Any, shard: Any, lo: int, side_sum: Any) -> Rounds:
+        """The rounds that update the basis of ``plan``'s key from this call's result.
+
+        ``shard``: this rank's flat range [lo, lo + shard.size) of the summed
+        result in the tensor's own coordinates (before any averaging);
+        ``side_sum``: the summed coefficients of the plan (None for a
+        measuring plan). Each round yields this rank's partial sums and
+        receives their exact sum over ranks. The state changes only when the
+        sums are finite and the result is not all zero.
+        """
+        return self._rounds(plan.state, shard, lo, side_sum)
+
+    def _rounds(self, st: KeyState, shard: Any, lo: int, coef: Any) -> Rounds:
+        lay = st.layout
+        xp = array_namespace(shard)
+        if coef is None:  # measure: power iterations from the basis (or a random one)
+            cold = st.vt is None
+            vt = kernels.orthonormalize(xp.zeros((lay.k, lay.n), dtype=xp.float32),
+                                        self.seed) if cold else st.vt
+            for it in range(COLD_ITERS if cold else 1):
+                if it:
+                    vt = kernels.orthonormalize(w, self.seed)
+                coef = xp.reshape((yield xp.reshape(_projection(shard, lo, vt, lay), (-1,))),
+                                  (lay.m, lay.k))
+                w, energy = _split_energy((yield _accumulation(shard, lo, coef, lay)), lay)
+        else:
+            w, energy = _split_energy((yield _accumulation(shard, lo, coef, lay)), lay)
+        top = kernels.sumsq(coef)
+        if not (math.isfinite(energy) and math.isfinite(top) and energy > 0):
+            return  # a non-finite or all-zero result says nothing about the geometry
+        if not bool(xp.all(xp.isfinite(w))):
+            return
+        st.commit(kernels.orthonormalize(w, self.seed), min(top / energy, 1.0))
+
+    # ---- state --------------------------------------------------------------------
+    def _state_for(self, key: Any, lay: Layout) -> KeyState:
+        st = self._state.get(key)
+        if st is None or st.layout != lay:
+            st = self._state[key] = KeyState(lay)
+        return st
+
+    def state_checksum(self, key: Any = None) -> int:
+        """CRC32 of one key's state (0 if it has none), or with key None of
+        every key's, in key order; equal on ranks that agree."""
+        if key is not None:
+            st = self._state.get(key)
+            return 0 if st is None else st.crc
+        crc = 0
+        for k in sorted(self._state, key=repr):
+            crc = zlib.crc32(repr(k).encode() + self._state[k].crc.to_bytes(4, "little"), crc)
+        return crc
+
+    def reset_state(self) -> None:
+        """Forget every key's geometry."""
+        self._state.clear()
+
+    def state_info(self, key: Any) -> dict[str, Any] | None:
+        """A copy of the state of ``key`` (None if it has none): ``shape``, ``k``,
+        ``calls``, ``refreshed``, ``share`` and the basis ``vt`` (NumPy)."""
+        st = self._state.get(key)
+        return None if st is None else st.to_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every key's state as NumPy arrays and plain values (for checkpoints)."""
+        return {"version": 1, "config": self.get_config(),
+                "keys": [(k, st.to_dict()) for k, st in self._state.items()]}
+
+    def load_state_dict(self, data: dict[str, Any], xp: Any = np) -> None:
+        """Restore :meth:`state_dict` output; the basis goes to namespace ``xp``."""
+        if data.get("version") != 1:
+            raise ValueError(f"unknown GeoFP8 state version {data.get('version')!r}")
+        if data.get("config") != self.get_config():
+            raise ValueError(f"state was saved by {data.get('config')}, "
+                             f"this codec is {self.get_config()}")
+        self._state = {_key(k): KeyState.from_dict(v, xp) for k, v in data["keys"]}
+
+    # ---- standalone frames ----------------------------------------------------------
+    def frame_body_size(self, shape: tuple[int, ...]) -> int:
+        from geocomm.codecs.geo import frames
+
+        return frames.body_size(self, shape)
+
+    def encode_frame_body(self, x: np.ndarray, body: np.ndarray) -> None:
+        from geocomm.codecs.geo import frames
+
+        frames.encode_body(self, x, body)
+
+    def decode_frame_body(self, body: np.ndarray, out: np.ndarray) -> None:
+        from geocomm.codecs.geo import frames
+
+        frames.decode_body(self, body, out)
+
+
+def _key(k: Any) -> Any:
+    """Keys come back from JSON-like containers as lists: tuples again."""
+    return tuple(_key(v) for v in k) if isinstance(k, list) else k
+
+
+def _projection(shard: Any, lo: int, vt: Any, lay: Layout) -> Any:
+    """This rank's part of S V (m, k): its shard's rows, zeros elsewhere."""
+    xp = array_namespace(shard, vt)
+    part = xp.zeros((lay.m, lay.k), dtype=xp.float32)
+    if shard.shape[0]:
+        r0 = lo // lay.n
+        rows = kernels.rows(lo, shard.shape[0], lay.n)
+        part[r0 : r0 + rows, :] = kernels.project(shard, lo, lay.n, vt)
+    return part
+
+
+def _accumulation(shard: Any, lo: int, coef: Any, lay: Layout) -> Any:
+    """This rank's part of coef^T S (k, n) and of ||S||^2, flat: k n + 1 values."""
+    xp = array_namespace(shard, coef)
+    acc = xp.zeros((lay.k, lay.n), dtype=xp.float32)
+    if shard.shape[0]:
+        r0 = lo // lay.n
+        rows = kernels.rows(lo, shard.shape[0], lay.n)
+        kernels.accumulate(shard, lo, lay.n, coef[r0 : r0 + rows, :], acc)
+    energy = xp.asarray([kernels.sumsq(shard)], dtype=xp.float32)
+    return xp.concat([xp.reshape(acc, (-1,)), energy])
+
+
+def _split_energy(total: Any, lay: Layout) -> tuple[Any, float]:
+    """(W (k, n), ||S||^2) from a summed accumulation."""
+    xp = array_namespace(total)
+    w = xp.reshape(total[: lay.k * lay.n], (lay.k, lay.n))
+    return w, float(total[lay.k * lay.n])
+
+
+def _check_int(name: str, value: Any, low: int) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def _check_float(name: str, value: Any, low: float, high: float) -> float:
+    if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not low <= value <= high:
+        raise ValueError(f"{name} must lie in [{low}, {high}], got {value!r}")
+    return value
+
+
+class GeoFP8Codec(GeoCodec):
+    """GeoFP8: geometry map + ``FP8Codec(fmt, block)``."""
+
+    codec_id: ClassVar[str] = "geofp8"
+
+    def __init__(self, fmt: str = "e4m3", block: int = 128, **knobs: Any):
+        super().__init__(FP8Codec(fmt, block), **knobs)
+
+
+class GeoNVFP4Codec(GeoCodec):
+    """Geometry map + NVFP4."""
+
+    codec_id: ClassVar[str] = "geonvfp4"
+
+    def __init__(self, **knobs: Any):
+        super().__init__(NVFP4Codec(), **knobs)
+
+
+class HadamardCodec(GeoCodec):
+    """The random-rotation baseline: randomized Hadamard rows + ``FP8Codec(fmt, block)``."""
+
+    codec_id: ClassVar[str] = "hadamard"
+    _fields: ClassVar[tuple[str, ...]] = ("seed", "min_dim", "min_numel")
+
+    def __init__(self, fmt: str = "e4m3", block: int = 128, seed: int = 0,
+                 min_dim: int = DEFAULTS["min_dim"], min_numel: int = DEFAULTS["min_numel"]):
+        super().__init__(FP8Codec(fmt, block), transform="hadamard", seed=seed,
+                         min_dim=min_dim, min_numel=min_numel)

@@ -1,0 +1,98 @@
+"""Standalone GeoFP8 frames: the side channel that makes a frame decodable alone.
+
+A frame has no per-key state to lean on, so ``encode`` computes the basis
+from the tensor itself (the cold-start power iterations of a refresh, on one
+rank) and stores it. Body of a mapped tensor::
+
+    [u32 flag][basis V^T: k x n fp32][coefficients A: m x k fp32][quantized residual]
+
+flag 1: the residual is X - A V^T and decoding adds A V^T back; flag 0: no
+map (side zero-filled; a tensor with inf/NaN, whose basis cannot be
+measured, is stored this way). Hadamard frames and tensors the policy leaves
+plain hold the quantized body alone.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any
+
+import numpy as np
+
+from geocomm.codecs.geo import kernels
+from geocomm.codecs.geo.maps import HadamardPlan, SplitPlan
+from geocomm.codecs.geo.state import KeyState
+
+_FLAG = struct.Struct("<I")
+
+
+def run_locally(rounds: Any) -> None:
+    """Drive refresh rounds on one rank: each partial sum is its own total."""
+    try:
+        value = next(rounds)
+        while True:
+            value = rounds.send(value)
+    except StopIteration:
+        pass
+
+
+def _side_bytes(codec: Any, shape: tuple[int, ...]) -> tuple[Any, int]:
+    lay = codec.layout(shape, framed=True)
+    if lay is None or lay.k == 0:
+        return lay, 0
+    return lay, _FLAG.size + 4 * lay.k * (lay.n + lay.m)
+
+
+def body_size(codec: Any, shape: tuple[int, ...]) -> int:
+    """Bytes of the frame body of a tensor of ``shape``."""
+    return _side_bytes(codec, shape)[1] + codec.quantizer.wire_size(math.prod(shape))
+
+
+def encode_body(codec: Any, x: np.ndarray, body: np.ndarray) -> None:
+    """Encode float32 ``x`` (its own shape) into ``body``."""
+    lay, side = _side_bytes(codec, x.shape)
+    flat = np.ascontiguousarray(x, np.float32).reshape(-1)
+    if lay is not None and lay.k == 0:  # hadamard
+        mapped = np.empty_like(flat)
+        HadamardPlan(lay, codec.seed, [0, flat.size]).forward(flat, mapped)
+        flat = mapped
+    if side == 0:
+        codec.quantizer.encode_wire(flat, body)
+        return
+    state = KeyState(lay)
+    run_locally(codec._rounds(state, flat, 0, None))
+    if state.vt is None:  # nothing to measure (inf/NaN): no map
+        body[:side] = 0
+        codec.quantizer.encode_wire(flat, body[side:])
+        return
+    plan = SplitPlan(lay, state.vt, refreshes=False)
+    residual = np.empty_like(flat)
+    plan.forward(flat, residual)
+    body[: _FLAG.size] = np.frombuffer(_FLAG.pack(1), np.uint8)
+    side_values = np.concatenate([np.asarray(state.vt).reshape(-1), plan.side.reshape(-1)])
+    body[_FLAG.size : side] = side_values.astype("<f4").view(np.uint8)
+    codec.quantizer.encode_wire(residual, body[side:])
+
+
+def decode_body(codec: Any, body: np.ndarray, out: np.ndarray) -> None:
+    """Decode ``body`` into float32 ``out`` (the frame's shape); ValueError if malformed."""
+    lay, side = _side_bytes(codec, out.shape)
+    flat = out.reshape(-1)
+    codec.quantizer.decode_wire(body[side:], flat)
+    if lay is not None and lay.k == 0:
+        HadamardPlan(lay, codec.seed, [0, flat.size]).inverse(flat, 0, None)
+        return
+    if side == 0:
+        return
+    (flag,) = _FLAG.unpack(bytes(body[: _FLAG.size]))
+    if flag not in (0, 1):
+        raise ValueError(f"GeoFP8 frame flag is {flag}, expected 0 or 1")
+    if flag == 0:
+        return
+    values = body[_FLAG.size : side].copy().view("<f4").astype(np.float32)
+    if not np.isfinite(values).all():
+        raise ValueError("GeoFP8 frame side channel holds non-finite values")
+    vt = np.ascontiguousarray(values[: lay.k * lay.n].reshape(lay.k, lay.n))
+    coef = np.ascontiguousarray(values[lay.k * lay.n :].reshape(lay.m, lay.k))
+    kernels.expand(flat, 0, lay.n, coef, vt, 1.0, flat)

@@ -1,0 +1,169 @@
+"""The geometry kernels for arrays of any namespace: the C core on the host, CUDA on CuPy.
+
+Each function takes arrays of one namespace (NumPy, CuPy, array-api-strict,
+...) and returns arrays of that namespace. Host arrays go through the C
+kernels of ``native/geometry.c`` (zero-copy through DLPack), CuPy arrays
+through ``native/gc_geometry.cu``; both follow the order of
+``native/gc_linalg.h``, so the bits never depend on the device, the CPU or a
+BLAS. The small dense steps (orthonormalizing a k x d basis, sums of squares
+of coefficients) run in C on the host; CuPy stages those small matrices
+through host memory, never the gradient itself.
+
+A "range" is ``values``, the flat elements [lo, lo + values.size) of a
+row-major matrix with ``n`` columns; coefficient matrices hold one row per
+matrix row the range touches (:func:`rows`), the first being row lo // n.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+import numpy as np
+from array_api_compat import array_namespace, is_cupy_array
+
+from geocomm import _nativecodec as native
+
+__all__ = ["accumulate", "expand", "orthonormalize", "project", "rows", "sumsq"]
+
+_THREADS = 256
+_LANES = 8  # GC_LANES of native/gc_linalg.h: threads per projected coefficient
+
+
+def rows(lo: int, length: int, n: int) -> int:
+    """Rows of an n-column matrix that the flat range [lo, lo + length) touches."""
+    if length <= 0:
+        return 0
+    return (lo + length - 1) // n - lo // n + 1
+
+
+def _host(a: Any) -> np.ndarray:
+    """A NumPy view of a host array (zero-copy through DLPack)."""
+    return a if isinstance(a, np.ndarray) else np.from_dlpack(a)
+
+
+def project(values: Any, lo: int, n: int, vt: Any) -> Any:
+    """coef (rows, k): dot products of each touched row's part with the k rows of vt.
+
+    Non-finite values read as 0, so a rank's inf/NaN stays where it is
+    instead of spreading into every coefficient of its row.
+    """
+    if is_cupy_array(values):
+        return _cuda_project(values, lo, n, vt)
+    xp = array_namespace(values, vt)
+    coef, _ = native.geo_project(_host(values), lo, n, _host(vt))
+    return xp.asarray(coef)
+
+
+def expand(values: Any, lo: int, n: int, coef: Any, vt: Any, sign: float, out: Any) -> None:
+    """out = values + sign * coef vt over the range; ``out`` may be ``values``."""
+    if is_cupy_array(values):
+        _cuda_expand(values, lo, n, coef, vt, sign, out)
+        return
+    native.geo_expand(_host(values), lo, n, _host(coef), _host(vt), float(sign), _host(out))
+
+
+def accumulate(values: Any, lo: int, n: int, coef: Any, acc: Any) -> None:
+    """acc (k, n) += coef^T values over the range's rows, in row order."""
+    if is_cupy_array(values):
+        _cuda_accumulate(values, lo, n, coef, acc)
+        return
+    native.geo_accumulate(_host(values), lo, n, _host(coef), _host(acc))
+
+
+def sumsq(values: Any) -> float:
+    """Sum of squares in fp64, in a fixed order (host; CuPy copies to the host)."""
+    if is_cupy_array(values):
+        values = values.get()
+    return native.geo_sumsq(np.ascontiguousarray(_host(values), np.float32).reshape(-1))
+
+
+def orthonormalize(rows_: Any, seed: int) -> Any:
+    """A new (k, d) array whose rows are an orthonormal basis of the rows' span.
+
+    Rows lost to the ones before them (or zero, or non-finite) are replaced by
+    fixed pseudo-random directions drawn from ``seed``; the work is fp64 on
+    the host, so every device gets the same bits.
+    """
+    xp = array_namespace(rows_)
+    if is_cupy_array(rows_):
+        host = rows_.get()
+    else:
+        host = np.array(_host(rows_), np.float32, copy=True)
+    host = np.ascontiguousarray(host, np.float32)
+    native.geo_orthonormalize(host, seed)
+    return xp.asarray(host)
+
+
+# ---------------------------------------------------------------------------
+# CUDA (CuPy arrays)
+
+_modules: dict[int, Any] = {}
+_lock = threading.Lock()
+
+
+@functools.cache
+def _source() -> str:
+    """gc_geometry.cu with gc_linalg.h and gc_scalar.h inlined (one NVRTC unit)."""
+    from geocomm import cuda
+
+    directory = cuda._source_dir()
+    text = (directory / "gc_geometry.cu").read_text()
+    for header in ("gc_linalg.h", "gc_scalar.h"):
+        body = (directory / header).read_text()
+        text = text.replace(f'#include "{header}"', body, 1)
+    return text
+
+
+def _kernel(cupy: Any, name: str) -> Any:
+    from geocomm import cuda
+
+    device = cupy.cuda.Device().id
+    with _lock:
+        module = _modules.get(device)
+        if module is None:
+            module = cupy.cuda.function.Module()
+            module.load(cuda._compile(cupy, _source()))
+            _modules[device] = module
+    return module.get_function(name)
+
+
+def _grid(threads: int) -> tuple[int]:
+    return (max(1, -(-threads // _THREADS)),)
+
+
+def _cuda_project(values: Any, lo: int, n: int, vt: Any) -> Any:
+    import cupy
+
+    k = vt.shape[0]
+    count = rows(lo, values.size, n) * k
+    coef = cupy.empty((count // k if k else 0, k), cupy.float32)
+    if count:
+        _kernel(cupy, "gc_geo_project")(
+            _grid(count * _LANES), (_THREADS,),
+            (values, np.uint64(lo), np.uint64(values.size), np.uint64(n), vt, np.uint64(k),
+             np.uint64(count), coef))
+    return coef
+
+
+def _cuda_expand(values: Any, lo: int, n: int, coef: Any, vt: Any, sign: float,
+                 out: Any) -> None:
+    import cupy
+
+    if values.size:
+        _kernel(cupy, "gc_geo_expand")(
+            _grid(values.size), (_THREADS,),
+            (values, np.uint64(lo), np.uint64(values.size), np.uint64(n), coef, vt,
+             np.uint64(vt.shape[0]), np.float32(sign), out))
+
+
+def _cuda_accumulate(values: Any, lo: int, n: int, coef: Any, acc: Any) -> None:
+    import cupy
+
+    k = acc.shape[0]
+    if values.size:
+        _kernel(cupy, "gc_geo_accumulate")(
+            _grid(k * n), (_THREADS,),
+            (values, np.uint64(lo), np.uint64(values.size), np.uint64(n), coef, np.uint64(k),
+             np.uint64(rows(lo, values.size, n)), acc))

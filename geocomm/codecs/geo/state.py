@@ -1,0 +1,82 @@
+"""Per-key GeoFP8 state: the basis a tensor is mapped with, and its checksum.
+
+State changes only from values that are bitwise identical on every rank (the
+summed side reductions of a refresh), so ranks that start alike stay alike;
+:meth:`KeyState.checksum` lets the collectives prove it before every call.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from geocomm.codecs.geo.policy import Layout
+
+
+def _host_bytes(a: Any) -> bytes:
+    """The little-endian float32 bytes of an array of any namespace (CuPy copies)."""
+    if hasattr(a, "get") and not isinstance(a, np.ndarray):
+        a = a.get()
+    host = a if isinstance(a, np.ndarray) else np.from_dlpack(a)
+    return np.ascontiguousarray(host, "<f4").tobytes()
+
+
+@dataclass
+class KeyState:
+    """What GeoFP8 knows about one tensor.
+
+    ``vt``: the (k, d) basis, orthonormal rows (None before the first
+    refresh); ``calls``: calls so far; ``refreshed``: the call count at the
+    last refresh; ``share``: the top-k energy share measured then (None before).
+    """
+
+    layout: Layout
+    vt: Any = None
+    calls: int = 0
+    refreshed: int = 0
+    share: float | None = None
+    _basis_crc: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.vt is not None:
+            self._basis_crc = zlib.crc32(_host_bytes(self.vt))
+
+    @property
+    def crc(self) -> int:
+        """CRC32 of the whole state (the basis is hashed once, when it changes)."""
+        lay = self.layout
+        head = struct.pack("<5q?d", lay.m, lay.n, lay.k, self.calls, self.refreshed,
+                           self.share is not None, self.share or 0.0)
+        return zlib.crc32(head, self._basis_crc)
+
+    def commit(self, vt: Any, share: float) -> None:
+        """A refresh result: the new basis and the share it measured."""
+        self.vt, self.share, self.refreshed = vt, float(share), self.calls
+        self._basis_crc = zlib.crc32(_host_bytes(vt))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON- and NumPy-only snapshot (for checkpoints)."""
+        lay = self.layout
+        return {"shape": (lay.m, lay.n), "k": lay.k, "calls": self.calls,
+                "refreshed": self.refreshed, "share": self.share,
+                "vt": None if self.vt is None else np.frombuffer(
+                    _host_bytes(self.vt), "<f4").reshape(lay.k, lay.n).copy()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], xp: Any) -> KeyState:
+        """Inverse of :meth:`to_dict`; ``xp`` is the namespace the basis lives in."""
+        m, n = (int(v) for v in data["shape"])
+        st = cls(Layout(m, n, int(data["k"])))
+        st.calls, st.refreshed = int(data["calls"]), int(data["refreshed"])
+        st.share = None if data["share"] is None else float(data["share"])
+        if data["vt"] is not None:
+            vt = np.asarray(data["vt"], np.float32)
+            if vt.shape != (st.layout.k, st.layout.n):
+                raise ValueError(f"basis of shape {vt.shape} does not fit {st.layout}")
+            st.vt = xp.asarray(vt)
+            st._basis_crc = zlib.crc32(_host_bytes(st.vt))
+        return st

@@ -1,0 +1,208 @@
+"""Helpers for tests and studies: ranks simulated in one process, a metering communicator.
+
+* :func:`simulate_allreduce` / :func:`simulate_reduce_scatter`: the
+  collectives' algorithm (both quantizations, the owner's own piece exact, the
+  transforming-codec protocol with its exact side sums and refresh rounds) on
+  N simulated ranks, each with its own codec instance, for arrays of any
+  namespace that speaks the array API (NumPy, array-api-strict, CuPy). What
+  it returns is what :func:`geocomm.allreduce` returns on N real ranks, bit
+  for bit (tests check that).
+* :class:`MeteredComm`: wraps a communicator and counts the bytes each
+  collective call sends, so studies can report wire and side-channel bytes
+  without reaching into the pipeline.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from array_api_compat import array_namespace
+
+from geocomm._pipeline import shard_bounds
+from geocomm.codecs import Codec, TransformingCodec
+
+__all__ = ["MeteredComm", "roundtrip", "simulate_allreduce", "simulate_reduce_scatter"]
+
+
+def _host(a: Any) -> np.ndarray:
+    if hasattr(a, "get") and not isinstance(a, np.ndarray):
+        return a.get()
+    return a if isinstance(a, np.ndarray) else np.from_dlpack(a)
+
+
+def roundtrip(codec: Codec, values: Any) -> np.ndarray:
+    """decode(encode(values)) through the codec's wire format (flat float32, host)."""
+    flat = np.ascontiguousarray(_host(values), np.float32).reshape(-1)
+    wire = np.empty(codec.wire_size(flat.size), np.uint8)
+    codec.encode_wire(flat, wire)
+    out = np.empty(flat.size, np.float32)
+    codec.decode_wire(wire, out)
+    return out
+
+
+def _ordered_sum(values: Sequence[Any]) -> Any:
+    """The collective's exact side sum: owner's values first, then the others in rank
+    order; for a vector split into shards this is the rank-order sum per shard."""
+    xp = array_namespace(*values)
+    size = len(values)
+    count = values[0].shape[0]
+    bounds = shard_bounds(count, size)
+    total = xp.zeros(count, dtype=xp.float32)
+    for owner, (lo, hi) in enumerate(itertools.pairwise(int(b) for b in bounds)):
+        acc = values[owner][lo:hi]
+        for rank in range(size):
+            if rank != owner:
+                acc = acc + values[rank][lo:hi]
+        total[lo:hi] = acc
+    return total
+
+
+def _plans(codecs: Sequence[Codec], xs: Sequence[Any], shape: tuple[int, ...], key: Any,
+           bounds: Sequence[int]) -> tuple[list[Any], list[Any]]:
+    """Every rank's plan and mapped flat values (its input when there is no plan)."""
+    plans, mapped = [], []
+    for codec, x in zip(codecs, xs, strict=True):
+        xp = array_namespace(x)
+        flat = xp.reshape(xp.astype(x, xp.float32), (-1,))
+        plan = codec.plan(flat, shape, key, bounds) if isinstance(
+            codec, TransformingCodec) else None
+        out = flat
+        if plan is not None:
+            out = xp.empty_like(flat)
+            plan.forward(flat, out)
+        plans.append(plan)
+        mapped.append(out)
+    return plans, mapped
+
+
+def _side_sum(plans: Sequence[Any]) -> Any:
+    if plans[0] is None or plans[0].side is None:
+        return None
+    xp = array_namespace(plans[0].side)
+    shape = plans[0].side.shape
+    return xp.reshape(_ordered_sum([xp.reshape(p.side, (-1,)) for p in plans]), shape)
+
+
+def _refresh(codecs: Sequence[Codec], plans: Sequence[Any], shards: Sequence[Any],
+             los: Sequence[int], side_sum: Any) -> None:
+    """Drive every rank's refresh rounds in lockstep, summing their yields in order."""
+    if plans[0] is None or not plans[0].refreshes:
+        return
+    rounds = [c.refresh(p, s, lo, side_sum)
+              for c, p, s, lo in zip(codecs, plans, shards, los, strict=True)]
+    values = [next(r, None) for r in rounds]
+    while values[0] is not None:
+        xp = array_namespace(values[0])
+        shape = values[0].shape
+        total = xp.reshape(_ordered_sum([xp.reshape(v, (-1,)) for v in values]), shape)
+        values = [_send(r, total) for r in rounds]
+
+
+def _send(rounds: Any, total: Any) -> Any:
+    try:
+        return rounds.send(total)
+    except StopIteration:
+        return None
+
+
+def _reduce_shards(codecs: Sequence[Codec], mapped: Sequence[Any], bounds: np.ndarray,
+                   gather: bool) -> list[np.ndarray]:
+    """Per owner, its shard of the pipeline's sum: its own piece exact, the others
+    quantized once, summed in rank order (and re-quantized when ``gather``)."""
+    size = len(mapped)
+    host = [np.ascontiguousarray(_host(m), np.float32) for m in mapped]
+    shards = []
+    for owner, (lo, hi) in enumerate(itertools.pairwise(int(b) for b in bounds)):
+        acc = host[owner][lo:hi].copy()
+        for rank in range(size):
+            if rank != owner:
+                acc += roundtrip(codecs[rank], host[rank][lo:hi])
+        shards.append(roundtrip(codecs[owner], acc) if gather else acc)
+    return shards
+
+
+def simulate_allreduce(codecs: Sequence[Codec], xs: Sequence[Any], key: Any = None) -> Any:
+    """The sum that :func:`geocomm.allreduce` returns on ``len(xs)`` ranks.
+
+    Rank i uses ``codecs[i]`` (its own state, as separate processes would)
+    and input ``xs[i]``; shards follow np.array_split. ``key`` None stands for
+    the shape, as in the collectives. Returns an array of xs[0]'s namespace and
+    shape, identical on every simulated rank (the codecs' states advance).
+    """
+    size = len(xs)
+    xp = array_namespace(*xs)
+    shape = tuple(xs[0].shape)
+    count = math.prod(shape)
+    key = ("shape", shape) if key is None else key
+    bounds = shard_bounds(count, size)
+    plans, mapped = _plans(codecs, xs, shape, key, bounds)
+    total = xp.asarray(np.concatenate(_reduce_shards(codecs, mapped, bounds, gather=True)))
+    side_sum = _side_sum(plans)
+    if plans[0] is not None:
+        plans[0].inverse(total, 0, side_sum)  # identical on every rank: invert once
+    shards = [total[int(bounds[r]): int(bounds[r + 1])] for r in range(size)]
+    _refresh(codecs, plans, shards, [int(bounds[r]) for r in range(size)], side_sum)
+    return xp.reshape(total, shape)
+
+
+def simulate_reduce_scatter(codecs: Sequence[Codec], xs: Sequence[Any], key: Any = None
+                            ) -> list[Any]:
+    """Every rank's shard that :func:`geocomm.reduce_scatter` returns (flat, in rank order)."""
+    size = len(xs)
+    xp = array_namespace(*xs)
+    shape = tuple(xs[0].shape)
+    key = ("shape", shape) if key is None else key
+    bounds = shard_bounds(math.prod(shape), size)
+    plans, mapped = _plans(codecs, xs, shape, key, bounds)
+    shards = [xp.asarray(s) for s in _reduce_shards(codecs, mapped, bounds, gather=False)]
+    side_sum = _side_sum(plans)
+    los = [int(bounds[r]) for r in range(size)]
+    for plan, shard, lo in zip(plans, shards, los, strict=True):
+        if plan is not None and shard.shape[0]:
+            plan.inverse(shard, lo, side_sum)
+    _refresh(codecs, plans, shards, los, side_sum)
+    return shards
+
+
+class MeteredComm:
+    """A communicator that forwards every call to ``comm`` and counts what it sends.
+
+    ``sent``: bytes this rank passed to all-to-alls and all-gathers (its own
+    segments only, as a network would see them), ``calls``: number of
+    collective calls; :meth:`reset` zeroes both.
+    """
+
+    def __init__(self, comm: Any):
+        self.comm = comm
+        self.rank, self.size, self.backend = comm.rank, comm.size, comm.backend
+        self.sent = 0
+        self.calls = 0
+
+    def reset(self) -> None:
+        self.sent = self.calls = 0
+
+    def alltoallv(self, send, send_counts, send_displs, recv, recv_counts, recv_displs):
+        self.calls += 1
+        self.sent += int(np.sum(send_counts)) - int(send_counts[self.rank])
+        return self.comm.alltoallv(send, send_counts, send_displs, recv, recv_counts,
+                                   recv_displs)
+
+    def allgatherv(self, send, recv, counts, displs):
+        self.calls += 1
+        self.sent += int(counts[self.rank]) * (self.size - 1)
+        return self.comm.allgatherv(send, recv, counts, displs)
+
+    def allreduce(self, send, recv, op):
+        self.calls += 1
+        self.sent += 2 * send.nbytes * (self.size - 1) // max(self.size, 1)
+        return self.comm.allreduce(send, recv, op)
+
+    def allgather_int64(self, values):
+        return self.comm.allgather_int64(values)
+
+    def barrier(self):
+        return self.comm.barrier()
