@@ -127,6 +127,23 @@ def geo_expand(x: np.ndarray, lo: int, n: int, coef: np.ndarray, vt: np.ndarray,
         raise ValueError(f"gc_geo_expand refused its arguments ({rc})")
 
 
+def geo_residual(x: np.ndarray, n: int, vt: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """coef = project(x) and out = x - coef vt for the whole matrix x (m*n values), one pass."""
+    k = vt.shape[0]
+    _f32(x, "x")
+    _f32(out, "out", x.size, writable=True)
+    _f32(vt, "vt", k * n)
+    m = x.size // n
+    coef = np.empty((m, k), np.float32)
+    got = _lib.gc_geo_residual(_ffi.from_buffer("float[]", x), m, n,
+                               _ffi.from_buffer("float[]", vt), k,
+                               _ffi.from_buffer("float[]", coef, require_writable=True),
+                               _ffi.from_buffer("float[]", out, require_writable=True))
+    if got < 0:
+        raise ValueError(f"gc_geo_residual refused its arguments ({got})")
+    return coef
+
+
 def geo_accumulate(x: np.ndarray, lo: int, n: int, coef: np.ndarray, acc: np.ndarray) -> None:
     """acc (k, n) += coef^T x over the range's rows, in row order."""
     k = acc.shape[0]

@@ -63,6 +63,12 @@ int64_t gc_geo_project(const float *x, size_t lo, size_t len, size_t n, const fl
 int gc_geo_expand(const float *x, size_t lo, size_t len, size_t n, const float *coef,
                   const float *vt, size_t k, float sign, float *out);
 
+/* The split residual of a whole m x n matrix in one pass over it:
+ * coef = gc_geo_project(x), then out = x - coef vt (gc_geo_expand with sign
+ * -1), block of rows by block of rows. Same bits as the two calls. */
+int64_t gc_geo_residual(const float *x, size_t m, size_t n, const float *vt, size_t k,
+                        float *coef, float *out);
+
 /* acc[l][j] += sum over the range's rows r (in order) of coef[r][l] x[r][j];
  * acc is k x n. Non-finite x make acc non-finite. */
 int gc_geo_accumulate(const float *x, size_t lo, size_t len, size_t n, const float *coef,

@@ -388,6 +388,36 @@ int gc_geo_accumulate(const float *x, size_t lo, size_t len, size_t n, const flo
     return 0;
 }
 
+/* Rows per block of the fused residual: projected, then expanded while in cache. */
+#define GC_RESIDUAL_ROWS 8
+
+GC_CLONES static size_t residual_rows(const float *x, size_t rows, size_t n, const float *vt,
+                                      const float *vp, size_t k, float *coef, float *out)
+{
+    size_t redone = 0;
+    for (size_t r = 0; r < rows; r += GC_RESIDUAL_ROWS) {
+        size_t nr = rows - r < GC_RESIDUAL_ROWS ? rows - r : GC_RESIDUAL_ROWS;
+        redone += project_segment(x + r * n, n, nr, n, vt, n, k, coef + r * k);
+        expand_segment(x + r * n, n, nr, 0, n, coef + r * k, vt, vp, k, -1.0f, out + r * n);
+    }
+    return redone;
+}
+
+int64_t gc_geo_residual(const float *x, size_t m, size_t n, const float *vt, size_t k,
+                        float *coef, float *out)
+{
+    if (!geo_args_ok(x, m * n, n, vt, k, out) || (m && !coef))
+        return GC_EINVAL;
+    if (m == 0)
+        return 0;
+    float *vp = pack_basis(vt, k, n);
+    if (!vp)
+        return GC_ENOMEM;
+    size_t redone = residual_rows(x, m, n, vt, vp, k, coef, out);
+    free(vp);
+    return (int64_t)redone;
+}
+
 /* ---- small dense work (host only, fp64) ---------------------------------------- */
 
 double gc_geo_sumsq(const float *x, size_t len)

@@ -25,7 +25,7 @@ from array_api_compat import array_namespace, is_cupy_array
 
 from geocomm import _nativecodec as native
 
-__all__ = ["accumulate", "expand", "orthonormalize", "project", "rows", "sumsq"]
+__all__ = ["accumulate", "expand", "orthonormalize", "project", "residual", "rows", "sumsq"]
 
 _THREADS = 256
 _LANES = 8  # GC_LANES of native/gc_linalg.h: threads per projected coefficient
@@ -62,6 +62,17 @@ def expand(values: Any, lo: int, n: int, coef: Any, vt: Any, sign: float, out: A
         _cuda_expand(values, lo, n, coef, vt, sign, out)
         return
     native.geo_expand(_host(values), lo, n, _host(coef), _host(vt), float(sign), _host(out))
+
+
+def residual(values: Any, n: int, vt: Any, out: Any) -> Any:
+    """The split residual of a whole matrix: returns coef = project(values), writes
+    out = values - coef vt (same bits as the two calls; one pass on the host)."""
+    if is_cupy_array(values):
+        coef = _cuda_project(values, 0, n, vt)
+        _cuda_expand(values, 0, n, coef, vt, -1.0, out)
+        return coef
+    xp = array_namespace(values, vt)
+    return xp.asarray(native.geo_residual(_host(values), n, _host(vt), _host(out)))
 
 
 def accumulate(values: Any, lo: int, n: int, coef: Any, acc: Any) -> None:

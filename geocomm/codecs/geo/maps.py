@@ -49,8 +49,7 @@ class SplitPlan:
         ``out`` may be ``x``. Non-finite values of x are kept at their
         positions and do not enter A.
         """
-        self.side = kernels.project(x, 0, self.layout.n, self.vt)
-        kernels.expand(x, 0, self.layout.n, self.side, self.vt, -1.0, out)
+        self.side = kernels.residual(x, self.layout.n, self.vt, out)
 
     def inverse(self, values: Any, lo: int, side_sum: Any) -> None:
         """values += (sum_i A_i) V^T over the range starting at ``lo``, in place."""
