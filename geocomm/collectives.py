@@ -1,7 +1,7 @@
 """Compressed all-reduce, reduce-scatter and all-gather (docs/design.md, "The collective").
 
 This is the only module that holds a codec and a communicator at once. The
-staged algorithm itself lives in :mod:`geocomm._pipeline`; here are the
+staged algorithm itself lives in :mod:`geocomm.pipeline`; here are the
 public functions, argument checks, the cross-rank consistency check, and the
 protocol with transforming codecs (GeoFP8):
 
@@ -9,7 +9,7 @@ protocol with transforming codecs (GeoFP8):
    of the buffer; ``plan.forward`` writes the mapped values into the result
    buffer and sets ``plan.side``;
 2. the pipeline reduces the mapped buffer in place; the plans' side
-   contributions travel in one exact sum (:func:`~geocomm._pipeline.exact_sum`);
+   contributions travel in one exact sum (:func:`~geocomm.pipeline.exact_sum`);
 3. ``plan.inverse`` maps the result back; ``op="avg"`` divides by ``N``;
 4. plans that refresh run ``codec.refresh`` rounds on this rank's shard of
    the result: each round's partial sums of all tensors travel in one exact
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from geocomm._pipeline import (
+from geocomm.pipeline import (
     DEFAULT_CHUNK_ELEMS,
     Pieces,
     Pipeline,

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from array_api_compat import array_namespace
 
-from geocomm._pipeline import shard_bounds
+from geocomm.pipeline import shard_bounds
 from geocomm.codecs import Codec, TransformingCodec
 
 __all__ = ["MeteredComm", "roundtrip", "simulate_allreduce", "simulate_reduce_scatter"]

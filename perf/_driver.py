@@ -1,12 +1,20 @@
 """Shared driver of the nccl-tests-style perf tools (all_reduce_perf, reduce_scatter_perf).
 
 A collective plugs in four things (see :class:`Collective`): how to run it,
-its bus-bandwidth factor, the bytes a rank sends, and the per-element error
-bound used to count ``#wrong``. Inputs are regenerated from the seed on every
-rank, so each rank checks its result against an fp64 reduction of all
-inputs. Columns follow nccl-tests (size, count, type, redop, time, algbw,
-busbw, #wrong) plus wire bytes per rank, the ratio to fp32 ring traffic and
-the relative error.
+its bus-bandwidth factor, the bytes a rank sends, and the error bound used to
+count ``#wrong``. Inputs are regenerated from the seed on every rank, so each
+rank checks its result against an fp64 reduction of all inputs. Columns
+follow nccl-tests (size, count, type, redop, time, algbw, busbw, #wrong) plus
+the bytes a rank sent (measured: payload, side channels and the metadata
+check), the ratio to fp32 ring traffic and the relative error.
+
+Inputs (``--input``): ``gaussian`` vectors, or ``gradient``: matrices of
+``--cols`` columns like a weight gradient, a signal of rank 16 shared by the
+ranks (singular values falling by 2x every 4 directions, 90% of the energy)
+plus each rank's own noise. Transforming codecs (geofp8, geonvfp4, hadamard)
+get ``gradient`` by default, since they leave 1-D tensors plain. Their
+results are checked norm-wise (``#wrong`` is 1 when ||error|| exceeds the
+derived bound): no element-wise bound exists for them.
 """
 
 from __future__ import annotations
@@ -26,7 +34,10 @@ import ml_dtypes
 import numpy as np
 
 import geocomm
-from geocomm.collectives import Layout, get_comm, resolve_codec
+from geocomm.codecs import TransformingCodec
+from geocomm.collectives import get_comm, resolve_codec
+from geocomm.pipeline import DEFAULT_CHUNK_ELEMS, Pieces, Pipeline
+from geocomm.testing import MeteredComm
 
 DTYPES = {"float": np.float32, "half": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -40,44 +51,12 @@ class Collective:
     bus_factor: Callable[[int], float]
     #: expected(inputs_f64_sum, rank, size) -> the slice of the reduction this rank holds
     expected: Callable
-    #: bound(inputs, codec, rank, size) -> per-element error bound on this rank's result
+    #: bound(inputs, codec, rank, size, op) -> per-element error bound on this rank's result
     bound: Callable
+    #: norm_bound(inputs, codec, rank, size, op) -> bound of ||error|| (transforming codecs)
+    norm_bound: Callable
     #: gather: whether the all-gather phase exists (wire bytes, breakdown)
     gather: bool
-
-
-class MeteredComm:
-    """A communicator that forwards to ``inner`` and counts the bytes this rank sends.
-
-    All-to-all: the segments addressed to other ranks. All-gather: its
-    segment once per other rank. Plain all-reduce: 2(N-1)/N of the buffer
-    (ring). The small int64 all-gather of the consistency check is counted too.
-    """
-
-    def __init__(self, inner: Any):
-        self.inner = inner
-        self.rank, self.size, self.backend = inner.rank, inner.size, inner.backend
-        self.sent = 0
-
-    def alltoallv(self, send, send_counts, send_displs, recv, recv_counts, recv_displs):
-        self.sent += int(np.sum(send_counts)) - int(send_counts[self.rank])
-        return self.inner.alltoallv(send, send_counts, send_displs, recv, recv_counts,
-                                    recv_displs)
-
-    def allgatherv(self, send, recv, counts, displs):
-        self.sent += (self.size - 1) * int(send.nbytes)
-        return self.inner.allgatherv(send, recv, counts, displs)
-
-    def allreduce(self, send, recv, op):
-        self.sent += ring_bytes(int(send.nbytes), self.size)
-        return self.inner.allreduce(send, recv, op)
-
-    def allgather_int64(self, values):
-        self.sent += (self.size - 1) * int(np.asarray(values).nbytes)
-        return self.inner.allgather_int64(values)
-
-    def barrier(self) -> None:
-        self.inner.barrier()
 
 
 def command_line(nranks: int) -> str:
@@ -113,13 +92,30 @@ def parse_args(name: str, argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=None, help="pipeline chunk (values per stage)")
     p.add_argument("--breakdown", action="store_true",
                    help="also time encode, communication and decode on their own")
+    p.add_argument("--input", choices=["auto", "gaussian", "gradient"], default="auto",
+                   help="gaussian vectors or gradient-like matrices (auto: gradient for "
+                        "transforming codecs)")
+    p.add_argument("--cols", type=int, default=4096, help="columns of gradient-like inputs")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
-def _inputs(count: int, size: int, seed: int, index: int, dtype) -> list[np.ndarray]:
-    return [np.random.default_rng([seed, index, r]).standard_normal(count, np.float32)
-            .astype(dtype) for r in range(size)]
+def _inputs(count: int, ranks: list[int], seed: int, index: int, dtype, kind: str,
+            cols: int) -> list[np.ndarray]:
+    """The inputs of ``ranks`` for sweep point ``index`` (any rank can rebuild any)."""
+    if kind == "gaussian" or count < 2 * cols or count % cols:
+        return [np.random.default_rng([seed, index, r]).standard_normal(count, np.float32)
+                .astype(dtype) for r in ranks]
+    rows, rank_k = count // cols, 16
+    shared = np.random.default_rng([seed, index, 1 << 20])
+    sigma = 2.0 ** (-np.arange(rank_k) / 4)
+    u = shared.standard_normal((rows, rank_k), np.float32) * sigma.astype(np.float32)
+    v = shared.standard_normal((rank_k, cols), np.float32)
+    signal = u @ v
+    # noise of 1/3 the signal's rms: the rank-16 signal holds ~90% of the energy
+    scale = np.float32(float(np.sqrt(np.mean(signal * signal))) / 3)
+    return [(signal + scale * np.random.default_rng([seed, index, r]).standard_normal(
+        (rows, cols), np.float32)).astype(dtype) for r in ranks]
 
 
 def slowest(comm, value: float) -> float:
@@ -155,7 +151,7 @@ def breakdown(comm, codec, x: np.ndarray, chunk: int | None, gather: bool,
 def _breakdown_once(comm, codec, x: np.ndarray, chunk: int | None,
                     gather: bool) -> dict[str, float]:
     source = np.ascontiguousarray(x, np.float32).reshape(-1)
-    layout = Layout.plan(source.size, comm.size, chunk or geocomm.collectives.DEFAULT_CHUNK_ELEMS)
+    layout = Pieces.plan(source.size, comm.size, chunk or DEFAULT_CHUNK_ELEMS)
     bounds = layout.bounds
     offset = 0 if gather else int(bounds[comm.rank])
     length = source.size if gather else int(bounds[comm.rank + 1] - bounds[comm.rank])
@@ -167,7 +163,7 @@ def _breakdown_once(comm, codec, x: np.ndarray, chunk: int | None,
         fn(*args)
         parts[part] += time.perf_counter() - start
 
-    pipe = geocomm.collectives.Pipeline(comm, codec, layout, source, result, offset, gather)
+    pipe = Pipeline(comm, codec, layout, source, result, offset, gather)
     comm.barrier()
     for s in range(layout.stages):
         clock("encode", pipe.encode_stage, s)
@@ -177,7 +173,7 @@ def _breakdown_once(comm, codec, x: np.ndarray, chunk: int | None,
             clock("encode", pipe.reencode_stage, s)
             clock("comm", lambda s=s: (pipe.start_allgather(s), pipe.ag_req[s].wait()))
             clock("decode", pipe.decode_stage, s)
-    pipelined = geocomm.collectives.Pipeline(comm, codec, layout, source, result, offset, gather)
+    pipelined = Pipeline(comm, codec, layout, source, result, offset, gather)
     comm.barrier()
     start = time.perf_counter()
     pipelined.run()
@@ -193,11 +189,15 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
     comm = get_comm()
     rank, size = comm.rank, comm.size
     codec = resolve_codec({"id": args.codec, **json.loads(args.codec_args)})
+    big = codec.for_count(args.maxbytes // np.dtype(DTYPES[args.datatype]).itemsize)
+    kind = args.input if args.input != "auto" else (
+        "gradient" if isinstance(big, TransformingCodec) else "gaussian")
     dtype = DTYPES[args.datatype]
     itemsize = np.dtype(dtype).itemsize
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"# geocomm {coll.name}_perf: {size} ranks, codec {codec.get_config()}, "
-        f"op {args.op}, type {args.datatype}, chunk {args.chunk or 'default'}")
+        f"op {args.op}, type {args.datatype}, chunk {args.chunk or 'default'}, "
+        f"input {kind}" + (f" ({args.cols} columns)" if kind == "gradient" else ""))
     say("# command: " + command_line(size))
     head = (f"{'size':>12} {'count':>10} {'type':>8} {'redop':>6} {'time(us)':>10} "
             f"{'algbw':>7} {'busbw':>7} {'#wrong':>7} {'wire(B)':>12} {'ratio':>6} {'relerr':>9}")
@@ -208,36 +208,40 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
     nbytes, index = args.minbytes, 0
     while nbytes <= args.maxbytes:
         count = max(nbytes // itemsize, 1)
-        xs = _inputs(count, size, args.seed, index, dtype) if args.check else None
-        x = xs[rank] if xs is not None else _inputs(count, 1, args.seed, index, dtype)[0]
+        ranks = list(range(size)) if args.check else [rank]
+        xs = _inputs(count, ranks, args.seed, index, dtype, kind, args.cols)
+        x = xs[rank] if args.check else xs[0]
 
-        def call(x=x, count=count) -> np.ndarray:
-            return coll.run(x, codec, args.op, args.chunk)
+        def call(x=x, comm=comm) -> np.ndarray:
+            return coll.run(x, codec, args.op, args.chunk, comm)
 
         for _ in range(args.warmup_iters):
             call()
         seconds = timed(comm, call, args.iters)
-        result = call()
+        used = codec.for_count(count)  # what carried this size (codec "auto" switches)
+        transforms = isinstance(used, TransformingCodec)
+        metered = MeteredComm(comm)
+        result = call(comm=metered)
+        wire = max(int(r[0]) for r in comm.allgather_int64(np.array([metered.sent])))
         wrong, relerr = -1, float("nan")
-        if xs is not None:
+        if args.check:
             f64 = [v.astype(np.float64) for v in xs]
-            exact = coll.expected(np.sum(f64, axis=0), rank, size, args.op)
-            diff = np.abs(result.astype(np.float64) - exact)
-            bound = coll.bound([v.astype(np.float32) for v in xs], codec, rank, size, args.op)
+            exact = coll.expected(np.sum(f64, axis=0).reshape(-1), rank, size, args.op)
+            diff = np.abs(result.astype(np.float64).reshape(-1) - exact)
+            inputs = [v.astype(np.float32) for v in xs]
             out_unit = 0.0 if dtype == np.float32 else (2.0**-8 if itemsize == 2 and
                                                         dtype != np.float16 else 2.0**-11)
-            bound = bound * (1 + out_unit) + out_unit * np.abs(exact)
-            counts = np.array([int(np.sum(diff > bound))], np.int64)
-            wrong = int(comm.allgather_int64(counts).sum())
+            if transforms:
+                bound = coll.norm_bound(inputs, used, rank, size, args.op)
+                bound = bound * (1 + out_unit) + out_unit * float(np.linalg.norm(exact))
+                mine = int(float(np.linalg.norm(diff)) > bound)
+            else:
+                bound = coll.bound([v.reshape(-1) for v in inputs], used, rank, size, args.op)
+                bound = bound * (1 + out_unit) + out_unit * np.abs(exact)
+                mine = int(np.sum(diff > bound))
+            wrong = int(comm.allgather_int64(np.array([mine], np.int64)).sum())
             norm = np.linalg.norm(exact)
             relerr = float(np.linalg.norm(diff) / norm) if norm > 0 else 0.0
-        layout = Layout.plan(count, size, args.chunk or geocomm.collectives.DEFAULT_CHUNK_ELEMS)
-        if codec.lossless:
-            wire = ring_bytes(count * 4, size) if coll.gather else \
-                int((size - 1) / size * count * 4)
-        else:
-            wire = max(int(r[0]) for r in comm.allgather_int64(np.array(
-                [geocomm.collectives.wire_bytes(codec, layout, rank, coll.gather)])))
         fp32_wire = coll.bus_factor(size) * count * 4
         algbw = count * itemsize / seconds / 1e9
         row = {
@@ -274,6 +278,7 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
             "tool": f"{coll.name}_perf", "command": command_line(size), "ranks": size,
             "codec": codec.get_config(), "op": args.op, "datatype": args.datatype,
             "link": os.environ.get("GEOCOMM_LINK", "shared memory"),
+            "input": kind, "cols": args.cols if kind == "gradient" else None,
             "chunk": args.chunk, "machine": platform.machine(), "python": platform.python_version(),
             "geocomm": geocomm.__version__, "rows": rows, "wrong_total": total_wrong,
             "avg_busbw_GBps": avg_busbw,

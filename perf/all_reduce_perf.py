@@ -23,17 +23,22 @@ def _bound(xs, codec, rank, size, op):
     return b / size + 2.0**-23 * b if op == "avg" else b
 
 
+def _norm_bound(xs, codec, rank, size, op):
+    b = bounds.transformed_bound(xs, codec, gather=True)
+    return b / size + 2.0**-23 * b if op == "avg" else b
+
+
 _OUT: dict = {}
 
 
-def _run(x, codec, op, chunk):
+def _run(x, codec, op, chunk, comm):
     """All-reduce into a receive buffer reused across calls (nccl-tests preallocates
     its buffers too), so neither path pays for faulting in fresh pages each call."""
     out = _OUT.get((x.shape, x.dtype))
     if out is None:
         _OUT.clear()
         out = _OUT[(x.shape, x.dtype)] = np.empty_like(x)
-    return geocomm.allreduce(x, codec=codec, op=op, chunk_elems=chunk, out=out)
+    return geocomm.allreduce(x, codec=codec, op=op, chunk_elems=chunk, out=out, comm=comm)
 
 
 ALL_REDUCE = Collective(
@@ -42,6 +47,7 @@ ALL_REDUCE = Collective(
     bus_factor=lambda n: 2 * (n - 1) / n,
     expected=_expected,
     bound=_bound,
+    norm_bound=_norm_bound,
     gather=True,
 )
 

@@ -10,7 +10,7 @@ from _driver import Collective, main
 
 import geocomm
 from geocomm.codecs import bounds
-from geocomm.collectives import shard_bounds
+from geocomm.pipeline import shard_bounds
 
 
 def _shard(values, rank, size):
@@ -32,13 +32,20 @@ def _bound(xs, codec, rank, size, op):
     return b / size + 2.0**-23 * b if op == "avg" else b
 
 
+def _norm_bound(xs, codec, rank, size, op):
+    """The whole buffer's error bound also bounds this rank's shard of it."""
+    b = bounds.transformed_bound(xs, codec, gather=False)
+    return b / size + 2.0**-23 * b if op == "avg" else b
+
+
 REDUCE_SCATTER = Collective(
     name="reduce_scatter",
-    run=lambda x, codec, op, chunk: geocomm.reduce_scatter(x, codec=codec, op=op,
-                                                           chunk_elems=chunk),
+    run=lambda x, codec, op, chunk, comm: geocomm.reduce_scatter(
+        x, codec=codec, op=op, chunk_elems=chunk, comm=comm),
     bus_factor=lambda n: (n - 1) / n,
     expected=_expected,
     bound=_bound,
+    norm_bound=_norm_bound,
     gather=False,
 )
 

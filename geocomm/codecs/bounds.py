@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from geocomm.codecs.base import Codec
+from geocomm.codecs.base import Codec, TransformingCodec
 
 _E4M3 = (2.0**-4, 2.0**-10 / 448 + 2.0**-20, 2.0**-141)
 _E5M2 = (2.0**-3, 2.0**-17 / 57344 + 2.0**-20, 2.0**-134)
@@ -35,6 +35,8 @@ FP32_UNIT = 2.0**-24
 
 def error_constants(codec: Codec) -> tuple[float, float, float]:
     """(U, C, D) of the single-quantization bound |Q(v) - v| <= U|v| + C A + D."""
+    if isinstance(codec, TransformingCodec):
+        codec = codec.quantizer
     config = codec.get_config()
     kind = config["id"]
     if kind == "none":
@@ -80,3 +82,43 @@ def reduce_scatter_bound(inputs: list[np.ndarray], codec: Codec) -> np.ndarray:
     abs_sum = np.sum([np.abs(np.asarray(x, np.float64)) for x in inputs], axis=0)
     e1 = np.sum([single_bound(x, codec) for x in inputs], axis=0)
     return e1 + 2 * len(inputs) * FP32_UNIT * (abs_sum + e1)
+
+
+def transformed_bound(inputs: list[np.ndarray], codec: Codec, gather: bool = True) -> float:
+    """Bound of ||Y - sum_i x_i||_F for a transforming codec (GeoFP8, Hadamard).
+
+    No element-wise bound exists: what is quantized is each rank's mapped
+    matrix R_i, not x_i. Norm-wise it is bounded by the inputs alone. Both
+    maps move a row x of X_i to a row r with ||r|| <= ||x|| (the split
+    residual x (I - V V^T) is an orthogonal projection, the Hadamard rotation
+    is orthogonal), up to the fp32 rounding of k-term chains, well inside the
+    factor 1 + 2^-10 used below; so ||R_i||_F <= ||X_i||_F and every |R_i|
+    element is at most the largest row norm rho_i. One quantization then
+    errs by at most U ||R_i||_F + (C rho_i + D) sqrt(count) (the element
+    bound, summed in quadrature); the owner's sum S' is bounded by
+    sum_i ||R_i|| + E1 and, with ``gather``, quantized again; the fp32 sums
+    add 2 N 2^-24 of what they add; and what the map subtracts on each rank
+    and adds back once for the sum differ by the rounding of k-term chains,
+    at most 2 (k + 2) 2^-24 sqrt(n) sum_i ||X_i||_F (for the Hadamard
+    rotation k is its depth, log2 n additions per value). The bound also holds
+    for tensors the codec leaves plain (rho_i >= max |x|).
+    """
+    u, c, d = error_constants(codec)
+    slack = 1 + 2.0**-10
+    xs = [np.asarray(x, np.float64) for x in inputs]
+    count = xs[0].size
+    if count == 0:
+        return 0.0
+    mats = [x.reshape(x.shape[0], -1) if x.ndim > 1 else x.reshape(1, -1) for x in xs]
+    norms = [slack * float(np.linalg.norm(x)) for x in xs]
+    rhos = [slack * float(np.sqrt((m * m).sum(axis=1)).max()) for m in mats]
+    root = np.sqrt(count)
+    e1 = sum(u * nrm + (c * rho + d) * root for nrm, rho in zip(norms, rhos, strict=True))
+    s_norm = sum(norms) + e1
+    e2 = (u * s_norm + (c * (sum(rhos) + e1) + d) * root) if gather else 0.0
+    sums = 2 * len(xs) * FP32_UNIT * s_norm
+    n = mats[0].shape[1]
+    lay = codec.layout(xs[0].shape) if isinstance(codec, TransformingCodec) else None
+    k = 0 if lay is None else (lay.k or int(np.log2(n)) + 1)
+    mapped = 2 * (k + 2) * FP32_UNIT * np.sqrt(n) * sum(norms)
+    return e1 + e2 + sums + mapped
