@@ -25,7 +25,8 @@ from array_api_compat import array_namespace
 from geocomm.pipeline import shard_bounds
 from geocomm.codecs import Codec, TransformingCodec
 
-__all__ = ["MeteredComm", "roundtrip", "simulate_allreduce", "simulate_reduce_scatter"]
+__all__ = ["MeteredComm", "roundtrip", "run_refresh_locally", "simulate_allreduce",
+           "simulate_reduce_scatter"]
 
 
 def _host(a: Any) -> np.ndarray:
@@ -42,6 +43,15 @@ def roundtrip(codec: Codec, values: Any) -> np.ndarray:
     out = np.empty(flat.size, np.float32)
     codec.decode_wire(wire, out)
     return out
+
+
+def run_refresh_locally(codec: TransformingCodec, plan: Any, values: Any, side_sum: Any) -> None:
+    """A plan's refresh as one rank alone runs it: ``values`` is the whole result
+    (the rank's shard is everything) and each partial sum is its own total."""
+    rounds = codec.refresh(plan, values, 0, side_sum)
+    value = next(rounds, None)
+    while value is not None:
+        value = _send(rounds, value)
 
 
 def _ordered_sum(values: Sequence[Any]) -> Any:

@@ -1,0 +1,188 @@
+"""What a GeoFP8 call costs on one core, against FP8 alone, and where the time goes.
+
+One process, one thread, one gradient-like matrix (default 4096 x 4096: a
+rank-16 signal with singular values halving every 4 directions, 90% of the
+energy, plus noise). A "call" is what one rank of the all-reduce does to its
+own tensor, with no communication and the quantizer run once each way:
+plan and map (project + subtract), encode, decode, map back (add), and the
+basis refresh every ``refresh`` calls (here on the whole matrix, as on one
+rank; on N ranks each refreshes only its 1/N). The steady-state time is the
+median over 4 x refresh calls. Yardsticks measured in the same run:
+``np.copyto`` of the matrix and the FP8 encode + decode of it.
+
+    python perf/geo_bench.py -J perf/results/geo_bench.json   # table + sweep over k, refresh
+
+The sweep reports the time of every (k, refresh) against FP8; the error of
+the same settings on real gradients comes from
+perf/studies/geo_real_gradients.py, and perf/studies/geo_tradeoff.py puts
+the two on one plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")  # the yardsticks' numpy calls stay on one core too
+
+import numpy as np  # noqa: E402
+
+from geocomm.codecs import get_codec  # noqa: E402
+from geocomm.testing import run_refresh_locally  # noqa: E402
+
+
+def gradient_like(m: int, n: int, seed: int = 0) -> np.ndarray:
+    """Rank-16 signal (singular values halving every 4 directions) plus noise, ~90/10."""
+    rng = np.random.default_rng([seed, m, n])
+    sigma = (2.0 ** (-np.arange(16) / 4)).astype(np.float32)
+    signal = (rng.standard_normal((m, 16), np.float32) * sigma) @ rng.standard_normal(
+        (16, n), np.float32)
+    noise = rng.standard_normal((m, n), np.float32)
+    return signal + np.float32(np.sqrt(np.mean(signal * signal)) / 3) * noise
+
+
+def median_seconds(fn: Any, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+class Call:
+    """One rank's GeoFP8 work on one tensor, phase by phase (seconds accumulate)."""
+
+    PHASES = ("plan+map", "encode", "decode", "map back", "refresh")
+
+    def __init__(self, codec: Any, x: np.ndarray):
+        self.codec, self.x = codec, x
+        self.flat = x.reshape(-1)
+        self.mapped = np.empty_like(self.flat)
+        self.result = np.empty_like(self.flat)
+        self.wire = np.empty(codec.wire_size(self.flat.size), np.uint8)
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+
+    def _clock(self, phase: str, fn: Any, *args: Any) -> Any:
+        start = time.perf_counter()
+        value = fn(*args)
+        self.seconds[phase] += time.perf_counter() - start
+        return value
+
+    def __call__(self) -> None:
+        codec, flat = self.codec, self.flat
+
+        def map_out() -> Any:
+            plan = codec.plan(flat, self.x.shape, "w", [0, flat.size])
+            if plan is not None:
+                plan.forward(flat, self.mapped)
+            return plan
+
+        plan = self._clock("plan+map", map_out)
+        source = flat if plan is None else self.mapped
+        self._clock("encode", codec.encode_wire, source, self.wire)
+        self._clock("decode", codec.decode_wire, self.wire, self.result)
+        if plan is not None:
+            self._clock("map back", plan.inverse, self.result, 0, plan.side)
+            if plan.refreshes:
+                self._clock("refresh", run_refresh_locally, codec, plan, self.result,
+                            plan.side)
+
+
+def steady_state(codec: Any, x: np.ndarray, refresh: int) -> tuple[float, dict[str, float]]:
+    """(median seconds per call, mean seconds per phase per call) after the cold start."""
+    call = Call(codec, x)
+    for _ in range(2 * refresh):  # cold start and a few refreshes
+        call()
+    call.seconds = dict.fromkeys(Call.PHASES, 0.0)
+    reps = 4 * refresh
+    median = median_seconds(call, reps)
+    return median, {k: v / reps for k, v in call.seconds.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="4096x4096", help="matrix shape MxN")
+    p.add_argument("--ks", default="4,8,12,16,24,32", help="ranks of the sweep")
+    p.add_argument("--refreshes", default="1,2,4,8", help="refresh periods of the sweep")
+    p.add_argument("-J", "--json", default=None, help="write the results here (and .md beside)")
+    args = p.parse_args(argv)
+    m, n = (int(v) for v in args.shape.lower().split("x"))
+    x = gradient_like(m, n)
+    flat = x.reshape(-1)
+    copy = np.empty_like(flat)
+    fp8 = get_codec("fp8")
+    wire = np.empty(fp8.wire_size(flat.size), np.uint8)
+    out = np.empty_like(flat)
+
+    def fp8_call() -> None:
+        fp8.encode_wire(flat, wire)
+        fp8.decode_wire(wire, out)
+
+    fp8_call()
+    copy_s = median_seconds(lambda: np.copyto(copy, flat), 15)
+    fp8_s = median_seconds(fp8_call, 15)
+    default = get_codec("geofp8")
+    geo_s, phases = steady_state(default, x, default.refresh_period)
+    lay = default.layout(x.shape)
+    print(f"# {m} x {n}, one core; np.copyto {flat.nbytes / copy_s / 1e9:.2f} GB/s, "
+          f"fp8 encode+decode {fp8_s * 1e3:.2f} ms ({flat.nbytes / fp8_s / 1e9:.2f} GB/s)")
+    print(f"# command: python {' '.join(sys.argv)}")
+    print(f"default geofp8 (k={lay.k}, refresh={default.refresh_period}): "
+          f"{geo_s * 1e3:.2f} ms = {geo_s / fp8_s:.2f}x fp8")
+    for phase, sec in phases.items():
+        print(f"  {phase:>9}: {sec * 1e3:7.2f} ms  ({sec / geo_s:5.1%})")
+    sweep = []
+    print(f"\n{'k':>4} {'refresh':>8} {'ms':>8} {'x fp8':>7}")
+    for k in (int(v) for v in args.ks.split(",")):
+        for r in (int(v) for v in args.refreshes.split(",")):
+            codec = get_codec("geofp8", k=k, refresh=r, budget=1e9, max_side=1e9)
+            sec, _ = steady_state(codec, x, r)
+            sweep.append({"k": k, "refresh": r, "seconds": sec, "ratio_to_fp8": sec / fp8_s})
+            print(f"{k:>4} {r:>8} {sec * 1e3:>8.2f} {sec / fp8_s:>7.2f}")
+    if args.json:
+        result = {"command": "python " + " ".join(sys.argv), "shape": [m, n],
+                  "machine": platform.machine(), "python": platform.python_version(),
+                  "copyto_GBps": flat.nbytes / copy_s / 1e9, "fp8_seconds": fp8_s,
+                  "fp8_GBps": flat.nbytes / fp8_s / 1e9,
+                  "default": {"config": default.get_config(), "k": lay.k,
+                              "seconds": geo_s, "ratio_to_fp8": geo_s / fp8_s,
+                              "phases_seconds": phases},
+                  "sweep": sweep}
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        path.with_suffix(".md").write_text(markdown(result))
+    return 0
+
+
+def markdown(r: dict[str, Any]) -> str:
+    d = r["default"]
+    lines = [
+        "# GeoFP8 cost on one core", "",
+        f"Command: `{r['command']}`", "",
+        f"{r['shape'][0]} x {r['shape'][1]} gradient-like matrix, one thread. Yardsticks "
+        f"measured in the same run: np.copyto {r['copyto_GBps']:.2f} GB/s, FP8 E4M3 block 128 "
+        f"encode + decode {r['fp8_seconds'] * 1e3:.2f} ms ({r['fp8_GBps']:.2f} GB/s).", "",
+        f"Default geofp8 (k = {d['k']}, refresh every {d['config']['refresh']} calls): "
+        f"{d['seconds'] * 1e3:.2f} ms per call = **{d['ratio_to_fp8']:.2f}x** FP8's time "
+        "(target <= 4x).", "",
+        "| phase | ms per call | share |", "| --- | --- | --- |",
+    ]
+    lines += [f"| {k} | {v * 1e3:.2f} | {v / d['seconds']:.1%} |"
+              for k, v in d["phases_seconds"].items()]
+    lines += ["", "| k | refresh | ms per call | x FP8 |", "| --- | --- | --- | --- |"]
+    lines += [f"| {s['k']} | {s['refresh']} | {s['seconds'] * 1e3:.2f} | "
+              f"{s['ratio_to_fp8']:.2f} |" for s in r["sweep"]]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
