@@ -6,11 +6,13 @@ public functions, argument checks, the cross-rank consistency check, and the
 protocol with transforming codecs (GeoFP8):
 
 1. ``plan = codec.plan(x, shape, key, bounds)`` for every tensor (``parts``)
-   of the buffer; ``plan.forward`` writes the mapped values into the result
-   buffer and sets ``plan.side``;
-2. the pipeline reduces the mapped buffer in place; the plans' side
-   contributions travel in one exact sum (:func:`~geocomm.pipeline.exact_sum`);
-3. ``plan.inverse`` maps the result back; ``op="avg"`` divides by ``N``;
+   of the buffer; ``plan.begin`` computes this rank's side contribution;
+   the contributions of all tensors travel in one exact sum
+   (:func:`~geocomm.pipeline.exact_sum`);
+2. the pipeline reduces the buffer, mapping each piece just before it is
+   encoded and mapping it back as soon as its sum is final (both overlap the
+   communication of other pieces); the sum runs in place in the result;
+3. ``op="avg"`` divides by ``N``;
 4. plans that refresh run ``codec.refresh`` rounds on this rank's shard of
    the result: each round's partial sums of all tensors travel in one exact
    sum. The codec never talks to the communicator.
@@ -25,6 +27,7 @@ instead of hanging or producing garbage. ``check=False`` (or
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
@@ -248,26 +251,78 @@ def _prepare(x: Any, op: str, codec: Any, comm: Communicator | None) -> tuple[
 # transforming codecs
 
 
-def _map_parts(codec: Codec, values: Any, mapped: Any, parts: list[Part],
-               bounds: np.ndarray) -> list[tuple[Part, Any]]:
-    """Plan every part and write its mapped values into ``mapped`` (may be ``values``).
+def _plan_parts(codec: Codec, values: Any, mapped: Any, parts: list[Part],
+                bounds: np.ndarray) -> list[tuple[Part, Any]]:
+    """Plan every part; return the (part, plan) pairs that have a plan.
 
-    Returns the (part, plan) pairs that have a plan; parts without one are
-    copied as they are.
+    Ranged plans run their whole-tensor step (``begin``: the coefficients of
+    the side channel) now and map piece by piece later (:class:`_PartsMap`);
+    the others map their whole tensor into ``mapped`` now.
     """
     planned = []
+    if not isinstance(codec, TransformingCodec):
+        return planned
     for part in parts:
         lo, hi = part.offset, part.offset + part.size
-        plan = None
-        if isinstance(codec, TransformingCodec):
-            plan = codec.plan(values[lo:hi], part.shape, part.key, bounds)
+        plan = codec.plan(values[lo:hi], part.shape, part.key, bounds)
         if plan is None:
-            if mapped is not values:
-                mapped[lo:hi] = values[lo:hi]
             continue
-        plan.forward(values[lo:hi], mapped[lo:hi])
+        if plan.ranged:
+            plan.begin(values[lo:hi])
+        else:
+            plan.forward(values[lo:hi], mapped[lo:hi])
         planned.append((part, plan))
     return planned
+
+
+class _PartsMap:
+    """The pipeline's :class:`~geocomm.pipeline.RangeMap` over a buffer of tensors.
+
+    ``read`` writes the mapped values of a range into ``mapped`` (ranged
+    plans map there and then; whole-tensor plans did it up front; tensors
+    without a plan are copied unless ``mapped`` is ``values``); ``done``
+    maps a finished range of ``result`` (which starts at ``offset``) back,
+    for ranged plans. Whole-tensor plans are inverted by :meth:`finish`.
+    """
+
+    def __init__(self, values: Any, mapped: Any, result: Any, offset: int, parts: list[Part],
+                 planned: list[tuple[Part, Any]], side_sums: list[Any]):
+        self.values, self.mapped, self.result, self.offset = values, mapped, result, offset
+        plans = {id(part): (plan, side) for (part, plan), side in
+                 zip(planned, side_sums, strict=True)}
+        self.parts = [(p, *plans.get(id(p), (None, None))) for p in parts]
+        self.starts = [p.offset for p in parts]
+
+    def _overlaps(self, lo: int, hi: int) -> Any:
+        """(part, plan, side sum, a, b) for every part meeting [lo, hi), [a, b) the overlap."""
+        i = max(bisect.bisect_right(self.starts, lo) - 1, 0)
+        while i < len(self.parts) and self.parts[i][0].offset < hi:
+            part, plan, side = self.parts[i]
+            a, b = max(lo, part.offset), min(hi, part.offset + part.size)
+            if a < b:
+                yield part, plan, side, a, b
+            i += 1
+
+    def read(self, lo: int, hi: int) -> Any:
+        for part, plan, _, a, b in self._overlaps(lo, hi):
+            if plan is not None and plan.ranged:
+                plan.forward_range(self.values[a:b], a - part.offset, self.mapped[a:b])
+            elif plan is None and self.mapped is not self.values:
+                self.mapped[a:b] = self.values[a:b]
+        return self.mapped[lo:hi]
+
+    def done(self, lo: int, hi: int) -> None:
+        for part, plan, side, a, b in self._overlaps(lo, hi):
+            if plan is not None and plan.ranged:
+                plan.inverse(self.result[a - self.offset: b - self.offset], a - part.offset,
+                             side)
+
+    def finish(self, lo: int, hi: int) -> None:
+        """Invert the whole-tensor plans over the result's range [lo, hi)."""
+        for part, plan, side, a, b in self._overlaps(lo, hi):
+            if plan is not None and not plan.ranged:
+                plan.inverse(self.result[a - self.offset: b - self.offset], a - part.offset,
+                             side)
 
 
 def _side_sums(comm: Communicator, planned: list[tuple[Part, Any]]) -> list[Any]:
@@ -360,15 +415,15 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
         total = _direct_result(out, np.float32, values, same_ok=True)
         if total is None:
             total = xp.empty(x.size, np.float32)
-        planned, source = [], values
-        if isinstance(codec, TransformingCodec):  # map into the result, reduce in place
-            planned, source = _map_parts(codec, values, total, tensors, bounds), total
+        planned = _plan_parts(codec, values, total, tensors, bounds)
         pieces = Pieces.plan(x.size, comm.size, chunk_elems or DEFAULT_CHUNK_ELEMS)
-        Pipeline(comm, codec, pieces, source, total, 0, gather=True).run()
-        if planned:
+        if not planned:
+            Pipeline(comm, codec, pieces, values, total, 0, gather=True).run()
+        else:  # map piece by piece into the result, reduce there in place, map back
             sums = _side_sums(comm, planned)
-            for (part, plan), side_sum in zip(planned, sums, strict=True):
-                plan.inverse(total[part.offset: part.offset + part.size], 0, side_sum)
+            parts_map = _PartsMap(values, total, total, 0, tensors, planned, sums)
+            Pipeline(comm, codec, pieces, total, total, 0, gather=True, mapper=parts_map).run()
+            parts_map.finish(0, x.size)
             lo, hi = int(bounds[comm.rank]), int(bounds[comm.rank + 1])
             _refresh(comm, codec, planned, sums, total[lo:hi], lo, hi)
     if op == "avg":
@@ -433,20 +488,17 @@ def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", *, key: Any = Non
         shard = total.reshape(-1)[lo:hi].copy()
     else:
         values = _as_float32(x)
-        planned = []
-        if isinstance(codec, TransformingCodec):
-            mapped = xp.empty_like(values)
-            planned = _map_parts(codec, values, mapped, tensors, bounds)
-            values = mapped
         shard = xp.empty(hi - lo, np.float32)
         pieces = Pieces.plan(x.size, comm.size, chunk_elems or DEFAULT_CHUNK_ELEMS)
-        Pipeline(comm, codec, pieces, values, shard, lo, gather=False).run()
-        if planned:
+        mapped = xp.empty_like(values) if isinstance(codec, TransformingCodec) else values
+        planned = _plan_parts(codec, values, mapped, tensors, bounds)
+        if not planned:
+            Pipeline(comm, codec, pieces, values, shard, lo, gather=False).run()
+        else:
             sums = _side_sums(comm, planned)
-            for (part, plan), side_sum in zip(planned, sums, strict=True):
-                a, b = max(lo, part.offset), min(hi, part.offset + part.size)
-                if a < b:
-                    plan.inverse(shard[a - lo: b - lo], a - part.offset, side_sum)
+            parts_map = _PartsMap(values, mapped, shard, lo, tensors, planned, sums)
+            Pipeline(comm, codec, pieces, mapped, shard, lo, gather=False, mapper=parts_map).run()
+            parts_map.finish(lo, hi)
             _refresh(comm, codec, planned, sums, shard, lo, hi)
     if op == "avg":
         _divide(shard, comm.size)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -160,14 +160,35 @@ class _ScratchPool:
 _SCRATCH = _ScratchPool()
 
 
+class RangeMap(Protocol):
+    """Maps the flat ranges of a buffer while it is reduced (transforming codecs).
+
+    ``read(lo, hi)`` returns the values to send for [lo, hi) (the pipeline
+    asks for every piece exactly once, before encoding it or adding it up);
+    ``done(lo, hi)`` says that result[lo:hi] (absolute indices) holds its
+    final sum, which the map may then take back in place. Either may run
+    between the pipeline's communication steps, so its work overlaps them.
+    """
+
+    def read(self, lo: int, hi: int) -> Any: ...
+
+    def done(self, lo: int, hi: int) -> None: ...
+
+
 class Pipeline:
     """The staged algorithm for one call; phases are separate methods so the
-    perf tools can time encode, communication and decode on their own."""
+    perf tools can time encode, communication and decode on their own.
+
+    ``source`` holds the values to reduce (or ``mapper`` maps them piece by
+    piece); ``result`` receives the sum from absolute index
+    ``result_offset`` on and may be ``source``.
+    """
 
     def __init__(self, comm: Communicator, codec: Codec, pieces: Pieces,
-                 source: np.ndarray, result: np.ndarray, result_offset: int, gather: bool):
+                 source: np.ndarray, result: np.ndarray, result_offset: int, gather: bool,
+                 mapper: RangeMap | None = None):
         self.comm, self.codec, self.pieces = comm, codec, pieces
-        self.source, self.result = source, result
+        self.source, self.result, self.mapper = source, result, mapper
         self.result_offset = result_offset  # absolute index of result[0]
         self.gather = gather
         self.open: list[Request] = []
@@ -198,6 +219,14 @@ class Pipeline:
     def _local(self, lo: int, hi: int) -> np.ndarray:
         return self.result[lo - self.result_offset: hi - self.result_offset]
 
+    def _read(self, lo: int, hi: int) -> Any:
+        return self.source[lo:hi] if self.mapper is None else self.mapper.read(lo, hi)
+
+    def _done(self, lo: int, hi: int) -> None:
+        if self.mapper is not None and hi > lo:
+            self.mapper.done(lo, hi)
+            self._progress()
+
     # -- phases ---------------------------------------------------------------
     def _a2a_sizes(self, s: int) -> tuple[list[int], list[int]]:
         """Wire bytes this rank sends to and receives from each rank in stage
@@ -215,8 +244,7 @@ class Pipeline:
         for j in range(self.comm.size):
             if j != self.me:
                 lo, hi = self.pieces.piece_range(j, s)
-                self.codec.encode_wire(self.source[lo:hi],
-                                       buf[displs[j]: displs[j] + counts[j]])
+                self.codec.encode_wire(self._read(lo, hi), buf[displs[j]: displs[j] + counts[j]])
                 self._progress()
 
     def start_alltoall(self, s: int) -> None:
@@ -235,7 +263,7 @@ class Pipeline:
         wait(self.a2a_req.pop(s), f"the all-to-all of stage {s}", self.me)
         lo, hi = self.pieces.piece_range(self.me, s)
         acc = self._local(lo, hi)
-        acc[...] = self.source[lo:hi]
+        acc[...] = self._read(lo, hi)
         seg = self.codec.wire_size(hi - lo)
         buf = self.a2a_recv[s % 2]
         offset = 0
@@ -244,6 +272,8 @@ class Pipeline:
                 self.codec.decode_wire(buf[offset: offset + seg], acc, accumulate=True)
                 offset += seg
                 self._progress()
+        if not self.gather:  # reduce-scatter: the owner's sum is final
+            self._done(lo, hi)
 
     def reencode_stage(self, s: int) -> None:
         """Encode my reduced piece for the all-gather (the second quantization)."""
@@ -267,6 +297,7 @@ class Pipeline:
             lo, hi = self.pieces.piece_range(j, s)
             self.codec.decode_wire(buf[displs[j]: displs[j] + counts[j]], self._local(lo, hi))
             self._progress()
+            self._done(lo, hi)
 
     def run(self) -> None:
         stages = self.pieces.stages

@@ -164,9 +164,12 @@ class TransformingCodec(Codec):
     * ``plan = codec.plan(x, shape, key, bounds)``: local, decided from shape,
       config and the key's state only; None means plain quantization;
     * ``plan.forward(x, out)`` writes the mapped values and sets ``plan.side``,
-      this rank's contribution to an exact side sum (or None);
+      this rank's contribution to an exact side sum (or None); a plan with
+      ``ranged`` true also offers ``plan.begin(x)`` (sets ``side``) and then
+      ``plan.forward_range(values, lo, out)`` for any flat range;
     * after the quantized sum, ``plan.inverse(values, lo, side_sum)`` maps a
-      flat range of the result back in place;
+      flat range of the result back in place (any range for a ranged plan,
+      whole rows otherwise);
     * if ``plan.refreshes``, the collective drives the generator
       ``codec.refresh(plan, shard, lo, side_sum)``: every array it yields is
       summed exactly over the ranks and sent back into it.

@@ -39,13 +39,20 @@ class _MeasurePlan:
 
     side = None
     refreshes = True
+    ranged = True
 
     def __init__(self, lay: Layout, state: KeyState):
         self.layout, self.state = lay, state
 
+    def begin(self, x: Any) -> None:
+        return None
+
+    def forward_range(self, values: Any, lo: int, out: Any) -> None:
+        if out is not values:
+            out[...] = values
+
     def forward(self, x: Any, out: Any) -> None:
-        if out is not x:
-            out[...] = x
+        self.forward_range(x, 0, out)
 
     def inverse(self, values: Any, lo: int, side_sum: Any) -> None:
         return None

@@ -37,17 +37,34 @@ class SplitPlan:
     ``side``: this rank's coefficients A_i (m, k), the contribution to the
     exact side sum; ``refreshes``: whether the key's basis is updated from
     this call's result; ``state``: the key's state (the codec's, opaque here).
+    ``ranged``: the map works on any flat range once :meth:`begin` has run,
+    so the collective maps each piece just before it travels.
     """
+
+    ranged = True
 
     def __init__(self, lay: Layout, vt: Any, refreshes: bool, state: Any = None):
         self.layout, self.vt, self.refreshes, self.state = lay, vt, refreshes, state
         self.side: Any = None
 
-    def forward(self, x: Any, out: Any) -> None:
-        """out = X - A V^T for this rank's flat values x; sets :attr:`side` to A.
+    def begin(self, x: Any) -> None:
+        """A = X V for this rank's flat values x: sets :attr:`side`.
 
-        ``out`` may be ``x``. Non-finite values of x are kept at their
-        positions and do not enter A.
+        Non-finite values of x do not enter A (they stay at their positions).
+        """
+        self.side = kernels.project(x, 0, self.layout.n, self.vt)
+
+    def forward_range(self, values: Any, lo: int, out: Any) -> None:
+        """out = X - A V^T over the range ``values`` starting at ``lo`` (after begin)."""
+        n = self.layout.n
+        r0 = lo // n
+        coef = self.side[r0 : r0 + kernels.rows(lo, values.shape[0], n), :]
+        kernels.expand(values, lo, n, coef, self.vt, -1.0, out)
+
+    def forward(self, x: Any, out: Any) -> None:
+        """begin and forward_range over the whole tensor, in one pass (same bits).
+
+        ``out`` may be ``x``.
         """
         self.side = kernels.residual(x, self.layout.n, self.vt, out)
 
@@ -67,6 +84,7 @@ class HadamardPlan:
 
     side = None
     refreshes = False
+    ranged = False  # a row is rotated as a whole
 
     def __init__(self, lay: Layout, seed: int, bounds: Sequence[int]):
         self.layout = lay
@@ -89,18 +107,19 @@ class HadamardPlan:
         return any(s <= a and b <= e for s, e in zip(self.bounds[:-1], self.bounds[1:],
                                                        strict=True))
 
-    def _rotate(self, block: Any, inverse: bool) -> Any:
+    def _rotate(self, block: Any, inverse: bool) -> None:
+        """Rotate the rows of ``block`` (r, n) in place."""
         xp = array_namespace(block)
         n, p = self.layout.n, self.p
         parts = list(zip((0, n - p), self._signs, strict=False))
-        scale = 1.0 / math.sqrt(p)
+        scale = xp.asarray(1.0 / math.sqrt(p), dtype=xp.float32)
         for start, signs in (reversed(parts) if inverse else parts):
             s = xp.asarray(signs)
             cols = block[:, start : start + p]
-            rotated = (_fwht(cols) * scale * s) if inverse else _fwht(cols * s) * scale
-            block = xp.concat([block[:, :start], xp.astype(rotated, xp.float32),
-                               block[:, start + p :]], axis=1)
-        return block
+            if not inverse:
+                cols = cols * s
+            cols = _fwht(cols) * scale
+            block[:, start : start + p] = cols * s if inverse else cols
 
     def _apply(self, values: Any, lo: int, inverse: bool) -> Any:
         xp = array_namespace(values)
@@ -109,23 +128,29 @@ class HadamardPlan:
         if r1 <= r0:
             return values
         a, b = r0 * n - lo, r1 * n - lo
-        block = self._rotate(xp.reshape(values[a:b], (r1 - r0, n)), inverse)
-        return xp.concat([values[:a], xp.reshape(block, (-1,)), values[b:]])
+        block = xp.reshape(values[a:b], (r1 - r0, n))
+        self._rotate(block, inverse)
+        values[a:b] = xp.reshape(block, (-1,))
+        return values
 
     def forward(self, x: Any, out: Any) -> None:
-        out[...] = self._apply(x, 0, False)
+        if out is not x:
+            out[...] = x
+        self._apply(out, 0, False)
 
     def inverse(self, values: Any, lo: int, side_sum: Any) -> None:
-        values[...] = self._apply(values, lo, True)
+        self._apply(values, lo, True)
 
 
 def _fwht(x: Any) -> Any:
-    """Unnormalized Sylvester Walsh-Hadamard transform of every row (length 2**j)."""
+    """Unnormalized Sylvester Walsh-Hadamard transform of every row (length 2**j):
+    log2(p) butterfly levels, each a sum and a difference of half-blocks."""
     xp = array_namespace(x)
     r, p = x.shape
-    y, h = x, 1
-    while h < p:
+    y, h = xp.reshape(x, (r, p)), p // 2
+    while h >= 1:
         y = xp.reshape(y, (r, p // (2 * h), 2, h))
-        y = xp.stack((y[:, :, 0, :] + y[:, :, 1, :], y[:, :, 0, :] - y[:, :, 1, :]), axis=2)
-        h *= 2
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        y = xp.concat([a + b, a - b], axis=2)
+        h //= 2
     return xp.reshape(y, (r, p))
