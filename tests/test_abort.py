@@ -274,3 +274,14 @@ def test_nccl_metadata_allgather_times_out(monkeypatch):
     comm = fake_nccl_comm([])
     with pytest.raises(CollectiveTimeout, match="metadata all-gather"):
         comm.allgather_int64(np.arange(3))
+
+
+def test_no_mpi_abort_once_mpi_is_finalized(monkeypatch):
+    """A thread failing after MPI_Finalize must not call MPI (erroneous): the
+    communicator's abort raises, and abort_job falls back to ending the process."""
+    log: list = []
+    monkeypatch.setattr(abort, "mpi_running", lambda: False)
+    with pytest.raises(RuntimeError, match="MPI is not running"):
+        abort.mpi_abort(_MpiComm(log), 1)
+    assert abort.mpi_world_abort(1) is False
+    assert log == []

@@ -179,15 +179,29 @@ def _write(text: str) -> None:
             pass
 
 
-def mpi_world_abort(code: int) -> bool:
-    """``MPI_Abort(MPI_COMM_WORLD)`` when mpi4py has initialised MPI with more than
-    one rank (it does not return then); False otherwise."""
+def mpi_running() -> bool:
+    """Whether mpi4py has initialised MPI and not yet finalised it (MPI calls
+    outside that window, e.g. in a thread failing at exit, are erroneous)."""
     mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+    return mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()
+
+
+def mpi_abort(comm: Any, code: int) -> None:
+    """``comm.Abort(code)`` (does not return), or RuntimeError once MPI is finalised."""
+    if not mpi_running():
+        raise RuntimeError("MPI is not running (finalised or never initialised)")
+    comm.Abort(code)
+
+
+def mpi_world_abort(code: int) -> bool:
+    """``MPI_Abort(MPI_COMM_WORLD)`` when MPI runs with more than one rank (it
+    does not return then); False otherwise."""
+    if not mpi_running():
         return False
-    if mpi.COMM_WORLD.Get_size() <= 1:
+    world = sys.modules["mpi4py.MPI"].COMM_WORLD
+    if world.Get_size() <= 1:
         return False
-    mpi.COMM_WORLD.Abort(code)
+    mpi_abort(world, code)
     return True
 
 

@@ -97,4 +97,4 @@ class MPICommunicator:
 
     def abort(self, code: int = 1) -> None:
         """MPI_Abort on this communicator: ends every rank of the job (does not return)."""
-        self.comm.Abort(code)
+        abort.mpi_abort(self.comm, code)

@@ -283,7 +283,7 @@ class NCCLCommunicator:
         try:
             self.abort_local()
         finally:
-            self.mpi_comm.Abort(code)
+            abort.mpi_abort(self.mpi_comm, code)
 
     def close(self) -> None:
         """Finish queued transfers and free the NCCL communicator (no-op once
