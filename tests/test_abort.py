@@ -285,3 +285,16 @@ def test_no_mpi_abort_once_mpi_is_finalized(monkeypatch):
         abort.mpi_abort(_MpiComm(log), 1)
     assert abort.mpi_world_abort(1) is False
     assert log == []
+
+
+def test_broken_previous_hook_still_prints_and_aborts(hooks, monkeypatch, capsys):
+    def broken(*args):
+        raise RuntimeError("hook bug")
+
+    monkeypatch.setattr(sys, "excepthook", broken)
+    comm = FakeComm(2, hooks)
+    abort.register(comm)
+    with pytest.raises(Aborted):
+        raise_in_main(ValueError("the real failure"))
+    err = capsys.readouterr().err
+    assert "ValueError: the real failure" in err and "aborting the job (2 ranks" in err

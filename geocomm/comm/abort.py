@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import traceback
 import weakref
 from typing import Any, Protocol
 
@@ -106,6 +107,8 @@ def _wrap_sys(previous: Any) -> Any:
     def excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
         try:
             previous(exc_type, exc, tb)
+        except Exception:  # a broken previous hook must not hide the failure
+            traceback.print_exception(exc_type, exc, tb)
         finally:
             status = _INTERRUPT_STATUS if issubclass(exc_type, KeyboardInterrupt) else EXIT_STATUS
             _abort_if_enabled(status, f"uncaught {exc_type.__name__} in the main thread")
@@ -117,6 +120,8 @@ def _wrap_threading(previous: Any) -> Any:
     def excepthook(args: Any) -> None:
         try:
             previous(args)
+        except Exception:  # a broken previous hook must not hide the failure
+            traceback.print_exception(args.exc_type, args.exc_value, args.exc_traceback)
         finally:
             # threading's own hook ignores SystemExit: a thread may end itself that way
             if not issubclass(args.exc_type, SystemExit):
@@ -170,12 +175,12 @@ def abort_job(code: int = EXIT_STATUS, reason: str = "a rank failed") -> None:
 
 
 def _write(text: str) -> None:
-    for stream in (sys.stdout, sys.stderr):
+    """Flush stdout, then write ``text`` to stderr and flush it (an abort skips
+    Python's own flushing); a closed or broken stream must not stop the abort."""
+    for step in (sys.stdout.flush, lambda: sys.stderr.write(text), sys.stderr.flush):
         try:
-            if stream is sys.stderr:
-                stream.write(text)
-            stream.flush()
-        except Exception:  # a closed or broken stream must not stop the abort
+            step()
+        except Exception:
             pass
 
 

@@ -265,10 +265,15 @@ class NCCLCommunicator:
         """Wait for this rank's queued transfers, then for every rank (MPI barrier);
         each wait is bounded by GEOCOMM_TIMEOUT."""
         self._check_usable()
+        self._drain()
+        wait(_MPIRequest(self.mpi_comm.Ibarrier()), "a barrier", self.rank)
+
+    def _drain(self) -> None:
+        """Wait (at most GEOCOMM_TIMEOUT, then abort) for the work queued on the
+        communicator stream; unlike stream.synchronize(), never forever."""
         with self.device:
             done = _NCCLRequest(self.stream.record(), (), self.abort_local)
         wait(done, "the queued NCCL transfers", self.rank)
-        wait(_MPIRequest(self.mpi_comm.Ibarrier()), "a barrier", self.rank)
 
     def abort_local(self) -> None:
         """ncclCommAbort: cancel this rank's queued NCCL work and free the
@@ -287,12 +292,10 @@ class NCCLCommunicator:
 
     def close(self) -> None:
         """Finish queued transfers and free the NCCL communicator (no-op once
-        aborted or closed). Waits like :meth:`barrier`'s first step, so a
-        transfer stuck on a missing peer aborts instead of hanging."""
+        aborted or closed); a transfer stuck on a missing peer aborts the
+        communicator and raises CollectiveTimeout instead of hanging."""
         if self.aborted or self.closed:
             return
-        with self.device:
-            done = _NCCLRequest(self.stream.record(), (), self.abort_local)
-        wait(done, "the queued NCCL transfers", self.rank)
+        self._drain()
         self.closed = True
         self.nccl_comm.destroy()
