@@ -1,47 +1,78 @@
-"""One-shot GPU check: CuPy kernels == native C core == NumPy reference, speed, NCCL smoke test.
+"""The one GPU check: CuPy kernels and collectives == the CPU path, bit for bit; speed.
 
     python perf/gpu_check.py --out perf/results/gpu_check.json
-    mpirun -n 1 python perf/gpu_check.py --out perf/results/gpu_check.json
 
-1. Bytes. For every format (e4m3/e5m2 with blocks 0, 1, 16, 128, 1000, 3000
-   -- team and tile kernels, single- and multi-tile --, nvfp4, bf16) and every
-   input case (wide dynamic range, edge values, random bit patterns with
-   NaN/inf, subnormal and all-zero blocks, odd sizes from 0 up, a 5M-value
-   tensor, a wire at an odd byte offset, an explicit stream), the GPU encode
-   must equal the native encode and the reference encode byte for byte;
-   decode and decode+accumulate (of the native wire) must equal the native
-   core bit for bit. NaN payloads are exempt: GPU arithmetic returns the
-   canonical NaN, so for NaNs only the positions must agree.
-2. Speed. Encode, decode and decode+accumulate of a --size-mib buffer
-   (default 256 MiB of fp32), timed with CUDA events over --repeats launches,
-   against a device-to-device memcpy of the same buffer.
-3. NCCL. An NCCLCommunicator over MPI.COMM_WORLD: alltoallv / allgatherv
-   byte round trips, allreduce sum/max, allgather_int64, barrier, and a raw
-   grouped ncclSend/ncclRecv to self (a 1-rank job never sends to a peer).
+Writes the JSON and a markdown summary beside it (.md); prints the summary.
+Exit status 0: every section passed; 1: a mismatch or a failure (each is
+printed as a ``FAIL`` line to stderr); 2: nothing to check (no CuPy, no CUDA
+device, or no native C core). Sections are independent: one that fails or
+raises is reported and the others still run. ``--budget-s`` (default 420 s)
+skips the sections that would start after it, so the run stays under 8
+minutes.
 
-Writes --out (JSON) and the same path with .md (tables). Exit status: 0 all
-equal, 1 any mismatch or failure, 2 no CuPy/GPU (or no native core).
+Sections (1 process, 1 GPU; the CPU side uses MPI.COMM_WORLD of 1 rank):
+
+bytes       GPU encode == C core encode (== NumPy reference for small inputs)
+            byte for byte, and GPU decode / decode+accumulate of the C core's
+            bytes == C core decode bit for bit (NaN payloads exempt: only NaN
+            positions must agree), for e4m3/e5m2 with blocks 0 (one per
+            tensor), 1, 16, 31-33, 128, 1000, 1024/1025 (the team/tile kernel
+            switch), 3000, 4096/4097 and 12293/50000 (several tiles per block),
+            nvfp4 and bf16; inputs: wide range, edge values, random bit
+            patterns (NaN/inf), subnormal and all-zero blocks, odd sizes from 0
+            up, 5M values, a wire at an odd offset, an explicit stream.
+errors      geocomm.cuda's argument checks raise like the C core's.
+nccl        NCCLCommunicator on 1 rank: alltoallv/allgatherv byte round trips,
+            allreduce sum/max, allgather_int64, barrier, and a raw grouped
+            ncclSend/ncclRecv to self, ordered after the fills by an event.
+collectives geocomm.allreduce / reduce_scatter / allgather on CuPy over NCCL
+            == on NumPy over MPI, bit for bit: fp32, fp16 and bf16 (bits
+            widened on the device, as the torch adapter does), codecs none,
+            bf16, fp8 e4m3/128, fp8 e5m2/0, nvfp4, in place, and many pipeline
+            stages (chunk_elems 4096 on 100,003 values).
+torch       torch CUDA tensors (fp32/fp16/bf16, new result and out= in place)
+            whose input is produced behind a long kernel on torch's current
+            stream and whose result is consumed on a side stream that waits
+            for the current stream == the torch CPU tensors over MPI.
+geofp8      geocomm.allreduce(cupy_matrix, codec="geofp8", key=...) over NCCL,
+            several steps, == the same sequence on NumPy over MPI. Reported
+            as "unsupported" (not a failure) while GeoFP8 refuses CuPy arrays.
+timing      fp8 pipeline vs plain NCCL all-reduce vs a CuPy copy (the device's
+            copy bandwidth) at 64 and 256 MiB; the codec kernels alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 F32 = np.float32
-FP8_BLOCKS = (0, 1, 16, 128, 1000, 3000)
+#: team kernel up to TEAM_MAX = 1024 values per block, tile kernel above;
+#: tiles of TILE = 4096 values, so blocks > 4096 span several tiles
+FP8_BLOCKS = (0, 1, 16, 31, 32, 33, 128, 1000, 1024, 1025, 3000, 4096, 4097, 3 * 4096 + 5,
+              50_000)
+ODD_SIZES = (0, 1, 2, 15, 16, 17, 31, 33, 127, 129, 1000, 1023, 1024, 1025, 4095, 4097, 8193,
+             12_299)
+#: inputs up to this size are also compared with the (slow) NumPy reference
+REFERENCE_MAX_N = 70_000
 EDGES = np.array([0.0, -0.0, 448.0, -448.0, 464.0, 465.0, -465.0, 480.0, 57344.0, 61440.0,
                   -61441.0, 6.0, 5.0, 0.25, 1e-45, -3e-39, 1e-40, 2.0**-100, 2.0**-126,
                   2.0**-149, 3.4e38, -3.4e38, np.inf, -np.inf, np.nan, -np.nan], F32)
+COLLECTIVE_CODECS = {"none": "none", "bf16": "bf16", "fp8-e4m3-128": "fp8",
+                     "fp8-e5m2-0": {"id": "fp8", "fmt": "e5m2", "block": 0},
+                     "nvfp4": "nvfp4"}
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 def fail_exit(message: str, code: int) -> None:
@@ -60,19 +91,19 @@ def wide(rng: np.random.Generator, n: int, lo: int = -60, hi: int = 60) -> np.nd
     return (sign * mant * np.exp2(rng.integers(lo, hi, n))).astype(F32)
 
 
-def cases(rng: np.random.Generator) -> list[tuple[str, np.ndarray]]:
+def cases(rng: np.random.Generator, big: int = 5_000_017) -> list[tuple[str, np.ndarray]]:
+    """(name, float32 input) for the bytes section."""
     out = [("wide", wide(rng, 1_000_003))]
-    edges = rng.choice(EDGES, 65_537) * rng.choice(np.array([1.0, 2.0**-20, 2.0**-130], F32),
-                                                    65_537)
-    out.append(("edges", edges.astype(F32)))
+    scale = rng.choice(np.array([1.0, 2.0**-20, 2.0**-130], F32), 65_537)
+    out.append(("edges", (rng.choice(EDGES, 65_537) * scale).astype(F32)))
     out.append(("bits", rng.integers(0, 2**32, 262_147, dtype=np.uint64).astype(np.uint32)
                 .view(F32)))
     tiny = wide(rng, 100_003, -149, -120)
     tiny[(np.arange(tiny.size) // 40) % 3 == 0] = 0.0  # all-zero blocks among subnormal ones
     out.append(("tiny", tiny))
-    for n in (0, 1, 2, 15, 16, 17, 31, 33, 127, 129, 1000, 4097):
-        out.append((f"n={n}", wide(rng, n)))
-    out.append(("big", wide(rng, 5_000_017, -20, 20)))
+    out += [(f"n={n}", wide(rng, n)) for n in ODD_SIZES]
+    if big:
+        out.append(("big", wide(rng, big, -20, 20)))
     return out
 
 
@@ -81,42 +112,107 @@ def configs() -> list[tuple[str, int]]:
             + [("nvfp4", 0), ("bf16", 0)])
 
 
+def gradient(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Gradient-like float32 values: a rank-4 signal plus noise (anisotropic, as
+    GeoFP8 expects), scaled to typical gradient magnitudes."""
+    m = shape[0]
+    n = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+    signal = rng.standard_normal((m, 4)) @ rng.standard_normal((4, n)) * 3.0
+    return ((signal + rng.standard_normal((m, n))) * 1e-3).astype(F32).reshape(shape)
+
+
 # ---------------------------------------------------------------------------
 # comparisons
 
 
 def byte_diff(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
+    """Byte equality of two uint8 arrays."""
     if a.shape != b.shape:
-        return {"equal": False, "why": f"sizes {a.size} != {b.size}"}
+        return {"equal": False, "why": f"shapes {a.shape} != {b.shape}"}
     bad = np.flatnonzero(a != b)
     return {"equal": bad.size == 0, "mismatches": int(bad.size),
-            **({"first": int(bad[0]), "got": int(a[bad[0]]), "want": int(b[bad[0]])}
+            **({"first": int(bad[0]), "got": int(a.flat[bad[0]]), "want": int(b.flat[bad[0]])}
                if bad.size else {})}
 
 
 def value_diff(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
-    """Bitwise equality of fp32 values, any NaN equal to any NaN."""
-    if a.shape != b.shape:
-        return {"equal": False, "why": f"sizes {a.size} != {b.size}"}
-    both_nan = np.isnan(a) & np.isnan(b)
-    bad = np.flatnonzero((a.view(np.uint32) != b.view(np.uint32)) & ~both_nan)
+    """Bit equality of two float arrays of one dtype (float32, float16 or
+    ml_dtypes bfloat16), any NaN equal to any NaN (GPU arithmetic returns the
+    canonical NaN, the C core may keep a payload)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return {"equal": False, "why": f"{a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}"}
+    uint = np.dtype(f"u{a.dtype.itemsize}")
+    wa, wb = a.astype(F32).ravel(), b.astype(F32).ravel()  # exact for all three dtypes
+    both_nan = np.isnan(wa) & np.isnan(wb)
+    bad = np.flatnonzero((a.view(uint).ravel() != b.view(uint).ravel()) & ~both_nan)
     return {"equal": bad.size == 0, "mismatches": int(bad.size),
-            **({"first": int(bad[0]), "got": float(a[bad[0]]), "want": float(b[bad[0]])}
+            **({"first": int(bad[0]), "got": float(wa[bad[0]]), "want": float(wb[bad[0]])}
                if bad.size else {})}
 
 
+def all_equal(row: dict[str, Any]) -> bool:
+    """Every comparison in ``row`` (values that are dicts with "equal") holds."""
+    diffs = [v for v in row.values() if isinstance(v, dict) and "equal" in v]
+    return bool(diffs) and all(d["equal"] for d in diffs)
+
+
 # ---------------------------------------------------------------------------
-# 1. bytes
+# context shared by the sections
+
+
+class Context:
+    """CuPy, the arguments, and the communicators (built on first use; a
+    failed NCCL set-up is re-raised by every section that needs it)."""
+
+    def __init__(self, cp: Any, args: argparse.Namespace):
+        self.cp, self.args = cp, args
+        self._nccl: Any = None
+        self._nccl_error: BaseException | None = None
+        self._mpi: Any = None
+
+    def nccl(self) -> Any:
+        if self._nccl_error is not None:
+            raise RuntimeError(f"no NCCL communicator: {self._nccl_error!r}")
+        if self._nccl is None:
+            try:
+                from geocomm.comm.nccl import NCCLCommunicator
+
+                self._nccl = NCCLCommunicator()
+            except BaseException as exc:
+                self._nccl_error = exc
+                raise
+        return self._nccl
+
+    def mpi(self) -> Any:
+        if self._mpi is None:
+            from geocomm.comm.mpi import MPICommunicator
+
+            self._mpi = MPICommunicator()
+        return self._mpi
+
+    def sync(self) -> None:
+        self.cp.cuda.Device().synchronize()
+
+    def close(self) -> None:
+        if self._nccl is not None:
+            self._nccl.close()
+
+
+# ---------------------------------------------------------------------------
+# bytes
 
 
 def after_current(cp: Any, stream: Any) -> None:
-    """Order ``stream`` after the copies queued on the current stream (it does not sync itself)."""
+    """Order ``stream`` after the work queued on the current stream (the
+    copies that filled its inputs): a non-blocking stream does not wait for
+    the legacy default stream by itself."""
     if stream is not None:
         stream.wait_event(cp.cuda.get_current_stream().record())
 
 
 def check_case(cp: Any, fmt: str, block: int, name: str, x: np.ndarray,
                base: np.ndarray, variant: str = "") -> dict[str, Any]:
+    """One format/block/input: GPU vs C core (vs reference for small inputs)."""
     from geocomm import _nativecodec as native
     from geocomm import cuda
     from geocomm.codecs import _reference as ref
@@ -124,74 +220,77 @@ def check_case(cp: Any, fmt: str, block: int, name: str, x: np.ndarray,
     code = native.FORMATS[fmt]
     n = x.size
     size = native.wire_size(code, n, block)
-    assert cuda.wire_size(fmt, n, block) == size
-    row: dict[str, Any] = {"fmt": fmt, "block": block, "case": name + variant, "n": n}
-
+    use_ref = n <= REFERENCE_MAX_N
+    row: dict[str, Any] = {"fmt": fmt, "block": block, "case": name + variant, "n": n,
+                           "wire_size": {"equal": cuda.wire_size(fmt, n, block) == size}}
     cpu_wire = np.zeros(size, np.uint8)
     native.encode(code, x, block, cpu_wire)
-    with np.errstate(all="ignore"):  # the reference casts NaN/inf on purpose
-        ref_wire = ref.encode(fmt, x, block)
     stream = cp.cuda.Stream(non_blocking=True) if variant == " stream" else None
     offset = 1 if variant == " offset" else 0
     x_dev = cp.asarray(x)
-    store = cp.full(size + offset, 0xA5, dtype=cp.uint8)
-    wire_dev = store[offset:]
+    store = cp.full(size + offset, 0xA5, dtype=cp.uint8)  # poison: unwritten bytes show
     after_current(cp, stream)
-    cuda.encode(fmt, x_dev, block, wire_dev, stream=stream)
+    cuda.encode(fmt, x_dev, block, store[offset:], stream=stream)
     if stream is not None:
         stream.synchronize()
-    gpu_wire = cp.asnumpy(wire_dev)
+    gpu_wire = cp.asnumpy(store[offset:])
     row["encode_vs_native"] = byte_diff(gpu_wire, cpu_wire)
-    row["encode_vs_reference"] = byte_diff(gpu_wire, ref_wire)
+    if use_ref:
+        with np.errstate(all="ignore"):  # the reference casts NaN/inf on purpose
+            row["encode_vs_reference"] = byte_diff(gpu_wire, ref.encode(fmt, x, block))
 
-    cpu_wire_dev = store.copy()
-    cpu_wire_dev[offset:] = cp.asarray(cpu_wire)
+    wire_dev = cp.full(size + offset, 0xA5, dtype=cp.uint8)
+    wire_dev[offset:] = cp.asarray(cpu_wire)
     for acc in (False, True):
         want = base.copy() if acc else np.zeros(n, F32)
         native.decode(code, cpu_wire, block, want, accumulate=acc)
         out_dev = cp.asarray(base) if acc else cp.full(n, np.nan, dtype=cp.float32)
         after_current(cp, stream)
-        cuda.decode(fmt, cpu_wire_dev[offset:], block, out_dev, accumulate=acc, stream=stream)
+        cuda.decode(fmt, wire_dev[offset:], block, out_dev, accumulate=acc, stream=stream)
         if stream is not None:
             stream.synchronize()
         got = cp.asnumpy(out_dev)
         key = "accumulate" if acc else "decode"
         row[f"{key}_vs_native"] = value_diff(got, want)
-        with np.errstate(all="ignore"):
-            ref_vals = ref.decode(fmt, cpu_wire, n, block)
-            row[f"{key}_vs_reference"] = value_diff(got, (base + ref_vals) if acc else ref_vals)
-    row["ok"] = all(v["equal"] for k, v in row.items() if k.endswith(("_native", "_reference")))
+        if use_ref:
+            with np.errstate(all="ignore"):
+                ref_vals = ref.decode(fmt, cpu_wire, n, block)
+                row[f"{key}_vs_reference"] = value_diff(got, (base + ref_vals) if acc
+                                                        else ref_vals)
+    row["ok"] = all_equal(row)
     return row
 
 
-def check_bytes(cp: Any, rng: np.random.Generator) -> list[dict[str, Any]]:
+def check_bytes(ctx: Context, config_list: list | None = None,
+                inputs: list | None = None) -> dict[str, Any]:
     rows = []
-    inputs = cases(rng)
-    for fmt, block in configs():
-        variants = [(name, x, "") for name, x in inputs]
-        by_name = dict(inputs)
-        variants += [(name, by_name[name], variant)
-                     for name, variant in (("wide", " offset"), ("edges", " stream"))
-                     if name in by_name]
+    inputs = cases(np.random.default_rng(ctx.args.seed)) if inputs is None else inputs
+    by_name = dict(inputs)
+    # what decode+accumulate adds onto, one per input
+    bases = {name: wide(np.random.default_rng(x.size), x.size, -10, 10) for name, x in inputs}
+    variants = [(name, x, "") for name, x in inputs]
+    variants += [(name, by_name[name], v) for name, v in (("wide", " offset"),
+                                                         ("edges", " stream")) if name in by_name]
+    for fmt, block in configs() if config_list is None else config_list:
         for name, x, variant in variants:
-            base = wide(np.random.default_rng(x.size), x.size, -10, 10)
             try:
-                row = check_case(cp, fmt, block, name, x, base, variant)
+                row = check_case(ctx.cp, fmt, block, name, x, bases[name], variant)
             except Exception:
                 row = {"fmt": fmt, "block": block, "case": name + variant, "n": x.size,
                        "ok": False, "error": traceback.format_exc()}
             rows.append(row)
-            if not row["ok"]:
-                print(f"MISMATCH {fmt} block={block} {name}{variant}: "
-                      f"{ {k: v for k, v in row.items() if k not in ('fmt', 'block', 'case')} }",
-                      file=sys.stderr)
-    return rows
+    failing = [r for r in rows if not r["ok"]]
+    return {"ok": not failing, "rows": rows,
+            "failures": [f"{r['fmt']} block={r['block']} {r['case']}: "
+                         f"{ {k: v for k, v in r.items() if k not in ('fmt', 'block', 'case')} }"
+                         for r in failing]}
 
 
-def check_errors(cp: Any) -> list[dict[str, Any]]:
+def check_errors(ctx: Context) -> dict[str, Any]:
     """The argument checks of geocomm.cuda raise like geocomm._nativecodec."""
     from geocomm import cuda
 
+    cp = ctx.cp
     x = cp.zeros(100, cp.float32)
     wire = cp.zeros(cuda.wire_size("e4m3", 100, 16), cp.uint8)
     calls = {
@@ -217,95 +316,22 @@ def check_errors(cp: Any) -> list[dict[str, Any]]:
             rows.append({"check": name, "ok": True})
         except Exception as other:
             rows.append({"check": name, "ok": False, "why": repr(other)})
-    return rows
+    return {"ok": all(r["ok"] for r in rows), "rows": rows,
+            "failures": [f"{r['check']}: {r['why']}" for r in rows if not r["ok"]]}
 
 
 # ---------------------------------------------------------------------------
-# 2. speed
-
-
-def time_op(cp: Any, op, repeats: int) -> float:
-    """Mean seconds per call of op() on the current stream (CUDA events)."""
-    for _ in range(3):
-        op()
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    for _ in range(repeats):
-        op()
-    end.record()
-    end.synchronize()
-    return cp.cuda.get_elapsed_time(start, end) / 1e3 / repeats
-
-
-def codec_speed(cp: Any, x: Any, fmt: str, block: int, repeats: int,
-                copy_gbs: float) -> list[dict[str, Any]]:
-    """Encode, decode and decode+accumulate timings of one format on buffer x."""
-    from geocomm import cuda
-
-    size = cuda.wire_size(fmt, x.size, block)
-    wire = cp.empty(size, cp.uint8)
-    out = cp.zeros(x.size, cp.float32)
-    ops = {
-        "encode": (lambda: cuda.encode(fmt, x, block, wire), x.nbytes + size),
-        "decode": (lambda: cuda.decode(fmt, wire, block, out), size + out.nbytes),
-        "accumulate": (lambda: cuda.decode(fmt, wire, block, out, accumulate=True),
-                       size + 2 * out.nbytes),
-    }
-    rows = []
-    for op_name, (op, traffic) in ops.items():
-        seconds = time_op(cp, op, repeats)
-        rows.append({"fmt": fmt, "block": block, "op": op_name, "seconds": seconds,
-                     "values_GBps": x.nbytes / seconds / 1e9,
-                     "traffic_GBps": traffic / seconds / 1e9,
-                     "vs_memcpy": traffic / seconds / 1e9 / copy_gbs})
-    return rows
-
-
-def memcpy_seconds(cp: Any, x: Any, repeats: int) -> float:
-    """Seconds per device-to-device copy of x into a fresh buffer (the bandwidth yardstick)."""
-    dst = cp.empty_like(x)
-    return time_op(cp, lambda: dst.data.copy_from_device_async(x.data, x.nbytes), repeats)
-
-
-def check_speed(cp: Any, size_mib: int, repeats: int) -> dict[str, Any]:
-    """GB/s of the kernels on one buffer, next to a device-to-device memcpy of it.
-
-    values_GBps counts the fp32 bytes of the tensor; traffic_GBps the bytes a
-    kernel must read and write at least (fp32 values + wire, + fp32 read when
-    accumulating), comparable with the memcpy's read + write.
-    """
-    n = size_mib * (1 << 20) // 4
-    x = cp.random.default_rng(1).standard_normal(n, dtype=cp.float32)
-    copy_s = memcpy_seconds(cp, x, repeats)
-    copy_gbs = 2 * x.nbytes / copy_s / 1e9
-    codecs = []
-    for fmt, block in (("e4m3", 0), ("e4m3", 16), ("e4m3", 128), ("e5m2", 128),
-                       ("nvfp4", 0), ("bf16", 0)):
-        codecs += codec_speed(cp, x, fmt, block, repeats, copy_gbs)
-    return {"n": n, "bytes": x.nbytes,
-            "memcpy_d2d": {"seconds": copy_s, "traffic_GBps": copy_gbs}, "codecs": codecs}
-
-
-# ---------------------------------------------------------------------------
-# 3. NCCL
+# nccl
 
 
 def pattern(cp: Any, a: int, b: int, length: int) -> Any:
     return ((cp.arange(length, dtype=cp.int64) + 31 * a + 17 * b) % 251).astype(cp.uint8)
 
 
-def check_nccl(cp: Any) -> dict[str, Any]:
-    from geocomm.comm import nccl as gnccl
-
-    if not gnccl.available:
-        try:
-            gnccl.require_nccl()
-        except ImportError as exc:
-            return {"status": "skipped", "reason": str(exc), "ok": True}
-    try:
-        comm = gnccl.NCCLCommunicator()
-    except ImportError as exc:
-        return {"status": "skipped", "reason": str(exc), "ok": True}
+def check_nccl(ctx: Context) -> dict[str, Any]:
+    """The NCCL communicator's byte moves and reductions (1 rank: the own segment
+    is a device copy), plus a raw grouped send/recv to self."""
+    cp, comm = ctx.cp, ctx.nccl()
     r, size = comm.rank, comm.size
     checks: dict[str, bool] = {}
 
@@ -318,11 +344,7 @@ def check_nccl(cp: Any) -> dict[str, Any]:
     recv_displs = np.concatenate([[0], np.cumsum(recv_counts)[:-1]])
     send = cp.concatenate([pattern(cp, r, p, seg(r, p)) for p in range(size)])
     recv = cp.zeros(int(recv_counts.sum()), cp.uint8)
-    req = comm.alltoallv(send, send_counts, send_displs, recv, recv_counts, recv_displs)
-    deadline = time.monotonic() + 60
-    while not req.test() and time.monotonic() < deadline:
-        time.sleep(1e-4)
-    req.wait()
+    comm.alltoallv(send, send_counts, send_displs, recv, recv_counts, recv_displs).wait()
     want = cp.concatenate([pattern(cp, p, r, seg(p, r)) for p in range(size)])
     checks["alltoallv"] = bool((recv == want).all())
 
@@ -346,88 +368,412 @@ def check_nccl(cp: Any) -> dict[str, Any]:
     checks["allgather_int64"] = bool((rows == np.array([[p, 2 * p] for p in range(size)])).all())
     comm.barrier()
 
-    # grouped ncclSend/ncclRecv to self: the call path alltoallv uses for peers
+    # grouped ncclSend/ncclRecv to self: the call path alltoallv uses for peers.
+    # The fills run on the current stream, NCCL on the communicator's own
+    # non-blocking stream: order NCCL after the fills with an event, and the
+    # comparison after NCCL by synchronizing its stream.
     data, back = pattern(cp, r, 9, 4099), cp.zeros(4099, cp.uint8)
     nccl = comm._nccl
+    after_current(cp, comm.stream)
     nccl.groupStart()
-    comm.nccl_comm.send(data.data.ptr, data.size, nccl.NCCL_UINT8, r, comm.stream.ptr)
-    comm.nccl_comm.recv(back.data.ptr, back.size, nccl.NCCL_UINT8, r, comm.stream.ptr)
-    nccl.groupEnd()
+    try:
+        comm.nccl_comm.send(data.data.ptr, data.size, nccl.NCCL_UINT8, r, comm.stream.ptr)
+        comm.nccl_comm.recv(back.data.ptr, back.size, nccl.NCCL_UINT8, r, comm.stream.ptr)
+    finally:
+        nccl.groupEnd()
     comm.stream.synchronize()
     checks["ncclSend/ncclRecv to self"] = bool((back == data).all())
-    comm.close()
-    return {"status": "ran", "rank": r, "size": size, "checks": checks,
-            "ok": all(checks.values())}
+    return {"ok": all(checks.values()), "rank": r, "size": size, "checks": checks,
+            "failures": [name for name, good in checks.items() if not good]}
 
 
 # ---------------------------------------------------------------------------
-# report
+# collectives: CuPy over NCCL == NumPy over MPI
+
+
+def _host_input(dtype: str, values: np.ndarray) -> np.ndarray:
+    import ml_dtypes
+
+    return values.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+
+
+def _to_device(cp: Any, host: np.ndarray) -> Any:
+    """The device operand the collective sees: the array itself, or for
+    bfloat16 (no CuPy dtype) its bits widened to float32, as the torch adapter does."""
+    from geocomm.adapters.arrays import bf16_bits_to_float32
+
+    if host.dtype.name == "bfloat16":
+        return bf16_bits_to_float32(cp.asarray(host.view(np.uint16)))
+    return cp.asarray(host)
+
+
+def _to_host(cp: Any, result: Any, dtype: str) -> np.ndarray:
+    """A device result as a host array of ``dtype`` (bfloat16: rounded like the adapter)."""
+    import ml_dtypes
+
+    from geocomm.adapters.arrays import float32_to_bf16_bits
+
+    if dtype == "bfloat16":
+        return cp.asnumpy(float32_to_bf16_bits(result)).view(ml_dtypes.bfloat16)
+    return cp.asnumpy(result)
+
+
+def run_collective(kind: str, x: Any, codec: Any, comm: Any, chunk: int,
+                   in_place: bool) -> Any:
+    """One geocomm collective through the public API (adapters included)."""
+    import geocomm
+
+    fn = {"allreduce": geocomm.allreduce, "reduce_scatter": geocomm.reduce_scatter,
+          "allgather": geocomm.allgather}[kind]
+    kwargs: dict[str, Any] = {"codec": codec, "comm": comm}
+    if kind != "allgather":
+        kwargs["chunk_elems"] = chunk
+    if in_place:
+        fn(x, out=x, **kwargs)
+        return x
+    return fn(x, **kwargs)
+
+
+def collective_cases() -> list[tuple[str, str, str, bool]]:
+    """(collective, dtype, codec name, in place)."""
+    out = []
+    for kind in ("allreduce", "reduce_scatter", "allgather"):
+        for dtype in DTYPES:
+            for codec in COLLECTIVE_CODECS:
+                for in_place in ((False, True) if kind == "allreduce" else (False,)):
+                    out.append((kind, dtype, codec, in_place))
+    return out
+
+
+def check_collectives(ctx: Context, n: int = 100_003, chunk: int = 4096) -> dict[str, Any]:
+    cp, nccl, mpi = ctx.cp, ctx.nccl(), ctx.mpi()
+    rng = np.random.default_rng([ctx.args.seed, nccl.rank])
+    values = gradient(rng, (n,))
+    values[::97] *= 1e4  # a spread of block scales
+    rows = []
+    for kind, dtype, codec_name, in_place in collective_cases():
+        row: dict[str, Any] = {"collective": kind, "dtype": dtype, "codec": codec_name,
+                               "in_place": in_place}
+        codec = COLLECTIVE_CODECS[codec_name]
+        try:
+            host = _host_input(dtype, values)
+            want = run_collective(kind, host.copy(), codec, mpi, chunk, in_place)
+            got = run_collective(kind, _to_device(cp, host), codec, nccl, chunk, in_place)
+            row["vs_numpy_mpi"] = value_diff(_to_host(cp, got, dtype), want)
+            row["ok"] = all_equal(row)
+        except Exception:
+            row.update(ok=False, error=traceback.format_exc())
+        rows.append(row)
+    return {"ok": all(r["ok"] for r in rows), "n": n, "chunk_elems": chunk, "rows": rows,
+            "failures": [f"{r['collective']} {r['dtype']} {r['codec']} "
+                         f"{'in place ' if r['in_place'] else ''}"
+                         f"{r.get('vs_numpy_mpi', r.get('error'))}"
+                         for r in rows if not r["ok"]]}
+
+
+# ---------------------------------------------------------------------------
+# torch CUDA round trip
+
+
+def _torch_bits(t: Any) -> np.ndarray:
+    """The host values of a torch tensor as a NumPy array of the same dtype
+    (bfloat16 through its int16 bits)."""
+    import ml_dtypes
+    import torch
+
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def check_torch(ctx: Context, n: int = 300_001, chunk: int = 65_536) -> dict[str, Any]:
+    try:
+        import torch
+    except ImportError as exc:
+        return {"ok": True, "status": "skipped", "reason": f"torch is not installed ({exc})"}
+    if not torch.cuda.is_available():
+        return {"ok": True, "status": "skipped",
+                "reason": f"torch {torch.__version__} has no CUDA device (a CPU build?)"}
+    import geocomm
+
+    nccl, mpi = ctx.nccl(), ctx.mpi()
+    device = torch.device("cuda", ctx.cp.cuda.Device().id)
+    values = torch.from_numpy(gradient(np.random.default_rng([ctx.args.seed, 7]), (n,)))
+    busy = torch.randn(4096, 4096, device=device)
+    rows = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for in_place in (False, True):
+            row: dict[str, Any] = {"dtype": str(dtype), "in_place": in_place}
+            try:
+                host = values.to(dtype)
+                want = geocomm.allreduce(host.clone(), codec="fp8", op="avg", comm=mpi,
+                                         chunk_elems=chunk)
+                staged = host.to(device)
+                torch.cuda.synchronize(device)
+                # the input is written behind a long kernel on torch's current
+                # stream: geocomm must read it in that stream's order
+                for _ in range(4):
+                    busy = busy @ busy / 64.0  # entries keep variance ~1
+                x = staged.clone()
+                out = x if in_place else None
+                result = geocomm.allreduce(x, codec="fp8", op="avg", comm=nccl, out=out,
+                                           chunk_elems=chunk)
+                # a consumer on a side stream waits for the current stream only
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    consumed = result * 1
+                side.synchronize()
+                row["kind"] = {"equal": isinstance(result, torch.Tensor)
+                               and result.dtype == dtype and result.device == device
+                               and result.shape == host.shape}
+                if in_place:
+                    row["same_storage"] = {"equal": result is x}
+                row["vs_cpu_mpi"] = value_diff(_torch_bits(consumed), _torch_bits(want))
+                row["ok"] = all_equal(row)
+            except Exception:
+                row.update(ok=False, error=traceback.format_exc())
+            rows.append(row)
+    return {"ok": all(r["ok"] for r in rows), "status": "ran", "rows": rows,
+            "failures": [f"{r['dtype']} {'in place' if r['in_place'] else 'new result'}: "
+                         f"{ {k: v for k, v in r.items() if k not in ('dtype', 'in_place')} }"
+                         for r in rows if not r["ok"]]}
+
+
+# ---------------------------------------------------------------------------
+# GeoFP8 over NCCL
+
+
+def check_geofp8(ctx: Context, shape: tuple[int, int] = (2048, 4096),
+                 steps: int = 4) -> dict[str, Any]:
+    """The same sequence of GeoFP8 all-reduces (state carried across steps by
+    key) on CuPy over NCCL and on NumPy over MPI, compared step by step."""
+    import geocomm
+
+    cp, nccl, mpi = ctx.cp, ctx.nccl(), ctx.mpi()
+    on_gpu, on_cpu = geocomm.get_codec("geofp8"), geocomm.get_codec("geofp8")
+    rows = []
+    for step in range(steps):
+        g = gradient(np.random.default_rng([ctx.args.seed, nccl.rank, step]), shape)
+        want = geocomm.allreduce(g.copy(), codec=on_cpu, key="layer.w", comm=mpi)
+        try:
+            got = geocomm.allreduce(cp.asarray(g), codec=on_gpu, key="layer.w", comm=nccl)
+        except TypeError as exc:
+            if step == 0:  # refused before anything ran: not there yet, not wrong
+                return {"ok": True, "status": "unsupported",
+                        "reason": f"GeoFP8 does not take CuPy arrays yet: {exc}"}
+            raise
+        rows.append({"step": step, "vs_numpy_mpi": value_diff(cp.asnumpy(got), want)})
+        rows[-1]["ok"] = all_equal(rows[-1])
+    return {"ok": all(r["ok"] for r in rows), "status": "ran", "shape": list(shape),
+            "rows": rows,
+            "failures": [f"step {r['step']}: {r['vs_numpy_mpi']}" for r in rows if not r["ok"]]}
+
+
+# ---------------------------------------------------------------------------
+# timing
+
+
+def median_seconds(ctx: Context, op: Callable[[], Any], repeats: int) -> float:
+    """Median wall time of op() between device synchronizations (the pipeline
+    waits on the host, so events on one stream would not cover it)."""
+    for _ in range(2):
+        op()
+    ctx.sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        op()
+        ctx.sync()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def time_pipeline(ctx: Context, size_mib: int, repeats: int) -> list[dict[str, Any]]:
+    """Copy, plain NCCL all-reduce and the fp8 pipeline on ``size_mib`` of fp32.
+
+    GB/s is the algorithm bandwidth: tensor bytes / time (for the copy that
+    is half its read + write traffic); ``vs_copy`` divides by the copy's.
+    """
+    import geocomm
+
+    cp, nccl = ctx.cp, ctx.nccl()
+    n = size_mib * (1 << 20) // 4
+    x = cp.random.default_rng(1).standard_normal(n, dtype=cp.float32)
+    y = cp.empty_like(x)
+    ops = {
+        "cupy copy": lambda: cp.copyto(y, x),
+        "NCCL all-reduce (fp32)": lambda: nccl.allreduce(x, y, "sum"),
+        "geocomm fp8 pipeline": lambda: geocomm.allreduce(x, codec="fp8", out=y, comm=nccl),
+    }
+    rows = []
+    for name, op in ops.items():
+        seconds = median_seconds(ctx, op, repeats)
+        rows.append({"size_MiB": size_mib, "op": name, "seconds": seconds,
+                     "GBps": x.nbytes / seconds / 1e9})
+    copy = rows[0]["GBps"]
+    for row in rows:
+        row["vs_copy"] = row["GBps"] / copy
+    return rows
+
+
+def time_kernels(ctx: Context, size_mib: int, repeats: int) -> list[dict[str, Any]]:
+    """Encode, decode and decode+accumulate alone (CUDA events on one stream)."""
+    from geocomm import cuda
+
+    cp = ctx.cp
+    n = size_mib * (1 << 20) // 4
+    x = cp.random.default_rng(2).standard_normal(n, dtype=cp.float32)
+    out = cp.zeros(n, cp.float32)
+    rows = []
+    for fmt, block in (("e4m3", 128), ("e4m3", 0), ("e5m2", 128), ("nvfp4", 0), ("bf16", 0)):
+        wire = cp.empty(cuda.wire_size(fmt, n, block), cp.uint8)
+        ops = {"encode": functools.partial(cuda.encode, fmt, x, block, wire),
+               "decode": functools.partial(cuda.decode, fmt, wire, block, out),
+               "accumulate": functools.partial(cuda.decode, fmt, wire, block, out,
+                                               accumulate=True)}
+        for name, op in ops.items():
+            for _ in range(3):
+                op()
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            for _ in range(repeats):
+                op()
+            end.record()
+            end.synchronize()
+            seconds = cp.cuda.get_elapsed_time(start, end) / 1e3 / repeats
+            rows.append({"fmt": fmt, "block": block, "op": name, "seconds": seconds,
+                         "fp32_GBps": x.nbytes / seconds / 1e9})
+    return rows
+
+
+def check_timing(ctx: Context, sizes_mib: tuple[int, ...] = (64, 256),
+                 repeats: int = 10) -> dict[str, Any]:
+    pipeline = [row for size in sizes_mib for row in time_pipeline(ctx, size, repeats)]
+    kernels = time_kernels(ctx, max(sizes_mib), 2 * repeats)
+    return {"ok": True, "pipeline": pipeline, "kernels": kernels, "failures": []}
+
+
+# ---------------------------------------------------------------------------
+# running and reporting
+
+
+SECTIONS: dict[str, Callable[[Context], dict[str, Any]]] = {
+    "bytes": check_bytes, "errors": check_errors, "nccl": check_nccl,
+    "collectives": check_collectives, "torch": check_torch, "geofp8": check_geofp8,
+    "timing": check_timing,
+}
+
+
+def run_sections(ctx: Context, names: list[str], budget_s: float) -> dict[str, dict[str, Any]]:
+    """Run each section on its own: an exception fails that section only."""
+    results: dict[str, dict[str, Any]] = {}
+    start = time.monotonic()
+    for name in names:
+        if time.monotonic() - start > budget_s:
+            results[name] = {"ok": False, "status": "skipped",
+                             "reason": f"time budget of {budget_s:.0f} s used up", "failures": [
+                                 "not run: time budget used up"]}
+            continue
+        began = time.monotonic()
+        try:
+            result = SECTIONS[name](ctx)
+        except Exception:
+            result = {"ok": False, "status": "failed", "error": traceback.format_exc(),
+                      "failures": [traceback.format_exc(limit=3).strip()]}
+        result.setdefault("status", "ran")
+        result["seconds"] = time.monotonic() - began
+        results[name] = result
+        print(f"gpu_check: {name}: {summary_word(result)} ({result['seconds']:.1f} s)",
+              flush=True)
+    return results
+
+
+def summary_word(result: dict[str, Any]) -> str:
+    if result["status"] in ("skipped", "unsupported"):
+        return f"{result['status']} ({result.get('reason', '')})"
+    return "PASS" if result["ok"] else "FAIL"
 
 
 def environment(cp: Any) -> dict[str, Any]:
-    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    name = props["name"]
-    info = {"device": name.decode() if isinstance(name, bytes) else name,
-            "compute_capability": cp.cuda.Device().compute_capability,
-            "cupy": cp.__version__, "driver": cp.cuda.runtime.driverGetVersion(),
-            "runtime": cp.cuda.runtime.runtimeGetVersion(), "python": platform.python_version(),
-            "numpy": np.__version__}
+    info: dict[str, Any] = {"python": platform.python_version(), "numpy": np.__version__,
+                            "cupy": getattr(cp, "__version__", "?")}
     try:
-        info["nvrtc"] = list(cp.cuda.nvrtc.getVersion())
-    except Exception:  # older CuPy layouts
-        pass
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+        name = props["name"]
+        info.update(device=name.decode() if isinstance(name, bytes) else name,
+                    compute_capability=cp.cuda.Device().compute_capability,
+                    driver=cp.cuda.runtime.driverGetVersion(),
+                    runtime=cp.cuda.runtime.runtimeGetVersion())
+    except Exception as exc:  # report, do not fail: the checks say what matters
+        info["device_error"] = repr(exc)
     return info
 
 
 def markdown(report: dict[str, Any]) -> str:
+    sections = report["sections"]
     lines = [f"# GPU check ({report['environment'].get('device', '?')})", "",
-             f"Result: **{'PASS' if report['ok'] else 'FAIL'}**", "",
-             "## Bytes (GPU vs native C core vs NumPy reference)", "",
-             "| format | block | cases | all equal | failing cases |",
-             "| --- | --- | --- | --- | --- |"]
-    by_config: dict[tuple[str, int], list[dict]] = {}
-    for row in report["bytes"]:
-        by_config.setdefault((row["fmt"], row["block"]), []).append(row)
-    for (fmt, block), rows in by_config.items():
-        failing = ", ".join(r["case"] for r in rows if not r["ok"]) or "-"
-        lines.append(f"| {fmt} | {block} | {len(rows)} | "
-                     f"{'yes' if all(r['ok'] for r in rows) else 'NO'} | {failing} |")
-    lines += ["", "## Argument checks", "", "| check | ok |", "| --- | --- |"]
-    lines += [f"| {r['check']} | {'yes' if r['ok'] else 'NO: ' + r.get('why', '')} |"
-              for r in report["errors"]]
-    speed = report.get("speed")
-    if speed:
-        copy = speed["memcpy_d2d"]
-        lines += ["", f"## Speed ({speed['bytes'] / 2**20:.0f} MiB of fp32, "
-                  f"{report['args']['repeats']} repeats)", "",
-                  f"memcpy device-to-device: {copy['seconds'] * 1e3:.3f} ms, "
-                  f"{copy['traffic_GBps']:.0f} GB/s (read + write)", "",
-                  "| format | block | op | ms | fp32 GB/s | traffic GB/s | of memcpy |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {c['fmt']} | {c['block']} | {c['op']} | {c['seconds'] * 1e3:.3f} | "
-                  f"{c['values_GBps']:.0f} | {c['traffic_GBps']:.0f} | {c['vs_memcpy']:.0%} |"
-                  for c in speed["codecs"]]
-    nccl = report.get("nccl")
-    if nccl:
-        lines += ["", "## NCCL", ""]
-        if nccl["status"] == "ran":
-            lines += [f"{nccl['size']} rank(s)", "", "| check | ok |", "| --- | --- |"]
-            lines += [f"| {k} | {'yes' if v else 'NO'} |" for k, v in nccl["checks"].items()]
-        else:
-            lines.append(f"{nccl['status']}: {nccl.get('reason', nccl.get('error', ''))}")
+             f"Result: **{'PASS' if report['ok'] else 'FAIL'}** in {report['seconds']:.0f} s", "",
+             "| section | result | seconds |", "| --- | --- | --- |"]
+    lines += [f"| {name} | {summary_word(r)} | {r.get('seconds', 0):.1f} |"
+              for name, r in sections.items()]
+    failing = [(name, f) for name, r in sections.items() for f in r.get("failures", [])]
+    if failing:
+        lines += ["", "## Failures", ""] + [f"- {name}: `{f[:400]}`" for name, f in failing]
+    rows = sections.get("bytes", {}).get("rows")
+    if rows:
+        lines += ["", "## Bytes (GPU vs C core; vs NumPy reference up to "
+                  f"{REFERENCE_MAX_N} values)", "",
+                  "| format | block | cases | all equal |", "| --- | --- | --- | --- |"]
+        by_config: dict[tuple[str, int], list[dict]] = {}
+        for row in rows:
+            by_config.setdefault((row["fmt"], row["block"]), []).append(row)
+        lines += [f"| {fmt} | {block} | {len(group)} | "
+                  f"{'yes' if all(r['ok'] for r in group) else 'NO'} |"
+                  for (fmt, block), group in by_config.items()]
+    rows = sections.get("collectives", {}).get("rows")
+    if rows:
+        lines += ["", "## Collectives (CuPy over NCCL vs NumPy over MPI, bitwise)", "",
+                  "| collective | dtype | codec | in place | equal |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['collective']} | {r['dtype']} | {r['codec']} | "
+                  f"{'yes' if r['in_place'] else 'no'} | {'yes' if r['ok'] else 'NO'} |"
+                  for r in rows]
+    timing = sections.get("timing", {})
+    if timing.get("pipeline"):
+        lines += ["", "## Timing (1 rank; GB/s = fp32 tensor bytes / time)", "",
+                  "| MiB | operation | ms | GB/s | vs copy |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['size_MiB']} | {r['op']} | {r['seconds'] * 1e3:.3f} | "
+                  f"{r['GBps']:.0f} | {r['vs_copy']:.2f} |" for r in timing["pipeline"]]
+        lines += ["", "| format | block | kernel | ms | fp32 GB/s |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['fmt']} | {r['block']} | {r['op']} | {r['seconds'] * 1e3:.3f} | "
+                  f"{r['fp32_GBps']:.0f} |" for r in timing["kernels"]]
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("perf/results/gpu_check.json"))
-    p.add_argument("--size-mib", type=int, default=256, help="speed test buffer (fp32 MiB)")
-    p.add_argument("--repeats", type=int, default=50)
-    p.add_argument("--seed", type=int, default=20261129)
-    p.add_argument("--no-speed", action="store_true")
-    p.add_argument("--no-nccl", action="store_true")
-    args = p.parse_args(argv)
+def write_report(report: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    out.with_suffix(".md").write_text(markdown(report))
 
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="Sections: " + ", ".join(SECTIONS))
+    p.add_argument("--out", type=Path, default=Path("perf/results/gpu_check.json"),
+                   help="JSON report; the markdown summary goes beside it (.md)")
+    p.add_argument("--seed", type=int, default=20261129)
+    p.add_argument("--only", nargs="+", choices=list(SECTIONS), default=list(SECTIONS),
+                   help="run only these sections")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="start no section after this many seconds (default 420)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     from geocomm import _nativecodec as native
     from geocomm import cuda
 
@@ -441,34 +787,29 @@ def main(argv: list[str] | None = None) -> int:
     import cupy as cp
 
     t0 = time.monotonic()
+    ctx = Context(cp, args)
     report: dict[str, Any] = {"args": {k: str(v) if isinstance(v, Path) else v
                                        for k, v in vars(args).items()},
                               "environment": environment(cp)}
-    report["bytes"] = check_bytes(cp, np.random.default_rng(args.seed))
-    report["errors"] = check_errors(cp)
-    ok = all(r["ok"] for r in report["bytes"]) and all(r["ok"] for r in report["errors"])
-    if not args.no_speed:
-        report["speed"] = check_speed(cp, args.size_mib, args.repeats)
-    if not args.no_nccl:
+    try:
+        report["sections"] = run_sections(ctx, args.only, args.budget_s)
+    finally:
         try:
-            report["nccl"] = check_nccl(cp)
-        except Exception:
-            report["nccl"] = {"status": "failed", "error": traceback.format_exc(), "ok": False}
-        ok = ok and report["nccl"]["ok"]
-    report["ok"] = ok
+            ctx.close()
+        except Exception as exc:
+            print(f"gpu_check: closing the NCCL communicator failed: {exc!r}", file=sys.stderr)
+    report["ok"] = all(r["ok"] for r in report["sections"].values())
     report["seconds"] = time.monotonic() - t0
-
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
-    if rank:  # under mpirun -n N > 1 every rank checks its own GPU; rank 0 keeps the name
-        args.out = args.out.with_name(f"{args.out.stem}.rank{rank}{args.out.suffix}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
-    md = markdown(report)
-    args.out.with_suffix(".md").write_text(md)
-    print(md)
-    print(f"gpu_check: {'PASS' if ok else 'FAIL'} in {report['seconds']:.1f} s; "
-          f"wrote {args.out} and {args.out.with_suffix('.md')}")
-    return 0 if ok else 1
+    out = args.out if not rank else args.out.with_name(f"{args.out.stem}.rank{rank}.json")
+    write_report(report, out)
+    print(markdown(report))
+    for name, result in report["sections"].items():
+        for failure in result.get("failures", []) if not result["ok"] else []:
+            print(f"FAIL {name}: {failure}", file=sys.stderr)
+    print(f"gpu_check: {'PASS' if report['ok'] else 'FAIL'} in {report['seconds']:.1f} s; "
+          f"wrote {out} and {out.with_suffix('.md')}")
+    return 0 if report["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -1,10 +1,15 @@
 """A small MPI job for tests/test_faults.py: rank 1 misbehaves in one of several ways.
 
-    python -m geocomm.launch -n 2 -- python tests/fault_job.py SCENARIO
+    python -m geocomm.launch -n 2 -- python tests/fault_job.py SCENARIO [TAG]
+    mpiexec -n 3 python tests/fault_job.py SCENARIO [TAG]
+
+TAG is ignored: it makes the command line unique, so a test can look for
+processes of its own job only.
 """
 
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -25,5 +30,14 @@ if comm.rank == 1:
         time.sleep(3600)  # never arrives at the next collective
     if scenario == "mismatch":
         x = np.ones(1 << 15, np.float32)
+    if scenario == "thread":
+        # a worker thread dies; the main thread never reaches the next collective
+        def work():
+            raise RuntimeError("injected failure in a worker thread of rank 1")
+
+        worker = threading.Thread(target=work, name="worker")
+        worker.start()
+        worker.join()
+        time.sleep(3600)
 geocomm.allreduce(x, codec="fp8")
 print(f"rank {comm.rank}: second all-reduce done", flush=True)

@@ -7,14 +7,33 @@ Conversions are zero-copy where the producer allows it (NumPy, torch CPU,
 CuPy, DLPack on CPU); JAX arrays are immutable, so their result is a new JAX
 array and ``out=`` cannot be a JAX array.
 
+Details that are easy to get wrong:
+
+* bfloat16 CUDA tensors: CuPy 13 has no bfloat16 dtype, so the tensor's bits
+  are read as int16 through DLPack and widened to float32 on the device
+  (exact); the result is rounded back to bfloat16 with round-to-nearest-even
+  (:func:`float32_to_bf16_bits`, the C core's ``gc_bf16_code``), and ``out=``
+  is written through the same int16 view. The collective sees float32, so
+  its metadata check compares float32 on such ranks.
+* torch CUDA tensors: geocomm's CuPy work (conversions, codec kernels, NCCL's
+  start event, result copies) runs on torch's current stream of the tensor's
+  device (``cupy.cuda.ExternalStream``), so results and ``out=`` writes are
+  ordered before anything the caller queues on that stream afterwards. A
+  consumer on another torch stream must wait for the current stream, as for
+  any torch operation.
+* other DLPack producers are dispatched on ``__dlpack_device__()``: CUDA
+  memory (device type 2, managed 13) goes to ``cupy.from_dlpack``, host memory
+  (1, pinned 3 and 11) to ``numpy.from_dlpack``; anything else is a TypeError.
+
 This module converts; :mod:`geocomm.collectives` computes on NumPy (or CuPy)
 arrays and knows nothing of frameworks.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -23,72 +42,215 @@ from geocomm import collectives
 
 Restore = Callable[[Any], Any]
 
+#: DLPack device types (``DLDeviceType``) read with CuPy and with NumPy
+DLPACK_CUDA = {2: "CUDA", 13: "CUDA managed"}
+DLPACK_HOST = {1: "CPU", 3: "CUDA pinned host", 11: "ROCm pinned host"}
+
+
+class _Operand(NamedTuple):
+    """A caller's array as the collectives see it.
+
+    ``array``: NumPy or CuPy array; ``restore``: turns a result array into the
+    caller's kind; ``commit``: None when ``array`` shares the caller's memory,
+    else a function that writes ``array``'s values back into it (``out=``).
+    """
+
+    array: Any
+    restore: Restore
+    commit: Callable[[], None] | None = None
+
+
+def _identity(r: Any) -> Any:
+    return r
+
 
 def _module_of(x: Any) -> str:
     return type(x).__module__.split(".", 1)[0]
 
 
-def _torch_to_array(t: Any) -> tuple[Any, Restore]:
+# ---------------------------------------------------------------------------
+# bfloat16 bits <-> float32, on NumPy or CuPy (no bfloat16 dtype needed)
+
+
+def _xp(array: Any) -> Any:
+    return collectives.array_module(array)
+
+
+def bf16_bits_to_float32(bits: Any) -> Any:
+    """float32 values of bfloat16 bit patterns (int16/uint16 array, NumPy or
+    CuPy): the bits become the upper half of the float32. Exact; same shape."""
+    xp = _xp(bits)
+    if bits.dtype not in (np.int16, np.uint16):
+        raise TypeError(f"bfloat16 bits must be an int16 or uint16 array, got {bits.dtype}")
+    wide = bits.view(np.uint16).astype(np.uint32) << xp.uint32(16)
+    return wide.view(np.float32)
+
+
+def float32_to_bf16_bits(values: Any) -> Any:
+    """uint16 bfloat16 bit patterns of float32 ``values`` (NumPy or CuPy), rounded
+    to nearest even, NaN -> sign | 0x7fc0: the C core's ``gc_bf16_code`` and
+    ml_dtypes' cast, bit for bit. Same shape, C-contiguous."""
+    xp = _xp(values)
+    if values.dtype != np.float32:
+        raise TypeError(f"values must be float32, got {values.dtype}")
+    u32 = xp.uint32
+    bits = xp.ascontiguousarray(values).view(np.uint32)
+    # uint32 wrap-around only happens for NaN patterns, which are replaced below
+    rounded = (bits + u32(0x7FFF) + ((bits >> u32(16)) & u32(1))) >> u32(16)
+    nan = ((bits >> u32(16)) & u32(0x8000)) | u32(0x7FC0)
+    is_nan = (bits & u32(0x7FFFFFFF)) > u32(0x7F800000)
+    return xp.where(is_nan, nan, rounded).astype(np.uint16)
+
+
+# ---------------------------------------------------------------------------
+# torch
+
+
+def _torch_cpu(t: Any) -> _Operand:
     import torch
 
-    if t.requires_grad:
-        t = t.detach()
-    if t.device.type == "cuda":
-        import cupy
-
-        if t.dtype == torch.bfloat16:
-            raise TypeError("bfloat16 CUDA tensors have no CuPy dtype; cast to float32 first")
-        return cupy.from_dlpack(t), lambda r: torch.from_dlpack(r)
-    if t.device.type != "cpu":
-        raise TypeError(f"torch tensors on {t.device.type} are not supported (cpu or cuda)")
     if t.dtype == torch.bfloat16:
         # numpy has no bfloat16: share the memory through an int16 view
         array = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        return array, lambda r: torch.from_numpy(
-            np.ascontiguousarray(r).view(np.int16)).view(torch.bfloat16)
+        return _Operand(array, lambda r: torch.from_numpy(
+            np.ascontiguousarray(r).view(np.int16)).view(torch.bfloat16))
+    return _Operand(t.numpy(), torch.from_numpy)
+
+
+def _torch_device(t: Any, xp: Any) -> _Operand:
+    """A torch tensor as an ``xp`` array through DLPack (``xp``: cupy for CUDA
+    tensors; numpy works the same on CPU tensors, which is how it is tested).
+
+    Float dtypes share the memory. bfloat16 becomes a float32 copy, since the
+    array library may have no bfloat16; ``restore`` and ``commit`` round back.
+    """
+    import torch
+
+    if t.dtype != torch.bfloat16:
+        return _Operand(xp.from_dlpack(t), torch.from_dlpack)
+    bits = xp.from_dlpack(t.view(torch.int16))
+
+    def restore(r: Any) -> Any:
+        return torch.from_dlpack(float32_to_bf16_bits(r).view(np.int16)).view(torch.bfloat16)
+
+    array = bf16_bits_to_float32(bits)
+
+    def commit() -> None:
+        bits[...] = float32_to_bf16_bits(array).view(np.int16)
+
+    return _Operand(array, restore, commit)
+
+
+def _torch(t: Any) -> _Operand:
+    if t.requires_grad:
+        t = t.detach()
     if not t.dtype.is_floating_point:
         raise TypeError(f"torch tensor of dtype {t.dtype} is not a float tensor")
-    return t.numpy(), torch.from_numpy
+    if t.device.type == "cuda":
+        return _torch_device(t, _cupy())
+    if t.device.type != "cpu":
+        raise TypeError(f"torch tensors on {t.device.type} are not supported (cpu or cuda)")
+    return _torch_cpu(t)
 
 
-def _jax_to_array(x: Any) -> tuple[Any, Restore]:
+def _torch_stream(*tensors: Any) -> contextlib.AbstractContextManager:
+    """Make torch's current stream of the first CUDA tensor's device CuPy's
+    current stream (and that device current), so geocomm's device work is
+    ordered with the caller's torch work; a null context otherwise."""
+    for t in tensors:
+        if _module_of(t) == "torch" and t.device.type == "cuda":
+            import torch
+
+            cupy = _cupy()
+            index = t.device.index if t.device.index is not None else \
+                torch.cuda.current_device()
+            stack = contextlib.ExitStack()
+            stack.enter_context(cupy.cuda.Device(index))
+            stack.enter_context(cupy.cuda.ExternalStream(
+                torch.cuda.current_stream(index).cuda_stream, index))
+            return stack
+    return contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------------------
+# other kinds
+
+
+def _cupy() -> Any:
+    try:
+        import cupy
+    except ImportError as exc:
+        raise ImportError("CUDA arrays need CuPy: pip install 'geocomm[cupy]' (cupy-cuda12x). "
+                          f"Import error: {exc}") from None
+    return cupy
+
+
+def _jax(x: Any) -> _Operand:
     import jax.numpy as jnp
 
     device = next(iter(x.devices())) if hasattr(x, "devices") else None
     if device is not None and device.platform != "cpu":
         raise TypeError(f"JAX arrays on {device.platform} are not supported yet (cpu only)")
     array = np.asarray(x)  # zero-copy view of a CPU JAX buffer
-    return array, lambda r: jnp.asarray(r)
+    return _Operand(array, lambda r: jnp.asarray(r))
 
 
-def as_array(x: Any, name: str = "x") -> tuple[Any, Restore]:
-    """(NumPy or CuPy array sharing x's memory where possible, function that
-    turns a result array back into x's kind)."""
+def dlpack_device_type(x: Any) -> int | None:
+    """The DLPack device type of ``x`` (``__dlpack_device__()[0]``), None if it has none."""
+    device = getattr(x, "__dlpack_device__", None)
+    if device is None:
+        return None
+    return int(device()[0])
+
+
+def _dlpack(x: Any, name: str) -> _Operand:
+    """Any other DLPack producer: CuPy for CUDA memory, NumPy for host memory.
+    The result is a CuPy or NumPy array (the producer's own type is unknown)."""
+    kind = dlpack_device_type(x)
+    if kind in DLPACK_CUDA:
+        return _Operand(_cupy().from_dlpack(x), _identity)
+    if kind is not None and kind not in DLPACK_HOST:
+        raise TypeError(f"{name} of type {type(x).__name__} lives on DLPack device type {kind}; "
+                        f"geocomm reads {sorted(DLPACK_HOST.values())} memory with NumPy and "
+                        f"{sorted(DLPACK_CUDA.values())} memory with CuPy")
+    try:
+        return _Operand(np.from_dlpack(x), _identity)
+    except (BufferError, TypeError, RuntimeError) as exc:
+        raise TypeError(f"{name} of type {type(x).__name__} cannot be read through "
+                        f"DLPack on the CPU: {exc}") from None
+
+
+def _operand(x: Any, name: str) -> _Operand:
     if isinstance(x, np.ndarray):
-        return x, lambda r: r
+        return _Operand(x, _identity)
     module = _module_of(x)
     if module == "torch":
-        return _torch_to_array(x)
+        return _torch(x)
     if module == "cupy":
-        return x, lambda r: r
+        return _Operand(x, _identity)
     if module in ("jax", "jaxlib"):
-        return _jax_to_array(x)
+        return _jax(x)
     if hasattr(x, "__dlpack__"):
-        try:
-            return np.from_dlpack(x), lambda r: r
-        except (BufferError, TypeError, RuntimeError) as exc:
-            raise TypeError(f"{name} of type {type(x).__name__} cannot be read through "
-                            f"DLPack on the CPU: {exc}") from None
+        return _dlpack(x, name)
     raise TypeError(f"{name} of type {type(x).__module__}.{type(x).__name__} is not an "
                     "array geocomm understands (numpy, torch, cupy, jax or any DLPack array)")
 
 
-def as_out(out: Any, name: str = "out") -> Any:
-    """The array view through which ``out`` is written in place."""
+def as_array(x: Any, name: str = "x") -> tuple[Any, Restore]:
+    """(NumPy or CuPy array sharing x's memory where possible, function that
+    turns a result array back into x's kind). bfloat16 CUDA tensors give a
+    float32 CuPy copy (see the module docstring)."""
+    operand = _operand(x, name)
+    return operand.array, operand.restore
+
+
+def _out_operand(out: Any, x: Any, x_operand: _Operand, name: str = "out") -> _Operand:
+    """The array through which ``out`` is written (plus its commit step)."""
     if _module_of(out) in ("jax", "jaxlib"):
         raise TypeError("JAX arrays are immutable and cannot be an out= target")
-    array, _ = as_array(out, name)
-    return array
+    if out is x:
+        return x_operand  # in place: one conversion serves both
+    return _operand(out, name)
 
 
 def _is_cupy(array: Any) -> bool:
@@ -96,32 +258,36 @@ def _is_cupy(array: Any) -> bool:
 
 
 def _run(fn: Callable, x: Any, out: Any, **kwargs: Any) -> Any:
-    array, restore = as_array(x)
-    out_array = as_out(out) if out is not None else None
-    if _is_cupy(array):
-        return _run_cupy(fn, array, restore, out, out_array, **kwargs)
-    if out_array is not None:
-        fn(array, out=out_array, **kwargs)
+    with _torch_stream(x, out):
+        operand = _operand(x, "x")
+        target = _out_operand(out, x, operand) if out is not None else None
+        if _is_cupy(operand.array):
+            result = _run_cupy(fn, operand.array, target, **kwargs)
+        else:
+            result = fn(operand.array, **kwargs) if target is None else \
+                fn(operand.array, out=target.array, **kwargs)
+        if target is None:
+            return operand.restore(result)
+        if target.commit is not None:
+            target.commit()
         return out
-    return restore(fn(array, **kwargs))
 
 
-def _run_cupy(fn, array, restore, out, out_array, **kwargs):
+def _run_cupy(fn: Callable, array: Any, target: _Operand | None, **kwargs: Any) -> Any:
     """CuPy arrays: the NCCL backend works on the device; the MPI backend
-    stages through host memory (MPI is not assumed CUDA-aware)."""
-    import cupy
-
+    stages through host memory (MPI is not assumed CUDA-aware). Returns the
+    result array (``target.array`` when writing to ``out``)."""
+    cupy = _cupy()
     comm = collectives.get_comm(kwargs.pop("comm", None))
     if comm.backend == "nccl":
-        if out_array is not None:
-            fn(array, out=out_array, comm=comm, **kwargs)
-            return out
-        return restore(fn(array, comm=comm, **kwargs))
+        if target is None:
+            return fn(array, comm=comm, **kwargs)
+        return fn(array, out=target.array, comm=comm, **kwargs)
     result = fn(cupy.asnumpy(array), comm=comm, **kwargs)
-    if out_array is not None:
-        out_array[...] = cupy.asarray(result)
-        return out
-    return restore(cupy.asarray(result))
+    if target is None:
+        return cupy.asarray(result)
+    target.array[...] = cupy.asarray(result)
+    return target.array
 
 
 def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, **kwargs: Any) -> Any:
@@ -139,4 +305,5 @@ def allgather(x: Any, codec: Any = None, **kwargs: Any) -> Any:
     return _run(collectives.allgather, x, None, codec=codec, **kwargs)
 
 
-__all__ = ["allgather", "allreduce", "as_array", "reduce_scatter"]
+__all__ = ["allgather", "allreduce", "as_array", "bf16_bits_to_float32",
+           "float32_to_bf16_bits", "reduce_scatter"]

@@ -21,9 +21,10 @@ DEFAULT_TIMEOUT_S = 300.0
 class CollectiveTimeout(TimeoutError):
     """A peer did not take part in a collective within the timeout.
 
-    The communicator is unusable afterwards (requests are still posted): let
-    the exception end the process; under ``python -m mpi4py`` (or mpiexec's
-    default error handling) the whole job then ends instead of hanging.
+    The communicator is unusable afterwards (requests are still posted; NCCL
+    aborts its communicator): let the exception end the process. Uncaught, it
+    aborts the whole job (:mod:`geocomm.comm.abort`) instead of leaving the
+    other ranks waiting.
     """
 
 
@@ -49,7 +50,9 @@ class Request(Protocol):
 def wait(request: Request, what: str, rank: int, timeout: float | None = None) -> None:
     """Wait for ``request``, testing it (which also drives progress) until it
     completes; raise :class:`CollectiveTimeout` naming ``what`` and ``rank``
-    after ``timeout`` seconds (default :func:`timeout_seconds`)."""
+    after ``timeout`` seconds (default :func:`timeout_seconds`). Before
+    raising, calls the request's ``on_timeout()`` if it has one (NCCL aborts
+    its communicator there, cancelling the transfers that cannot finish)."""
     limit = timeout_seconds() if timeout is None else timeout
     if request.test():
         return
@@ -58,6 +61,9 @@ def wait(request: Request, what: str, rank: int, timeout: float | None = None) -
     while not request.test():
         waited = time.monotonic() - start
         if waited > limit:
+            on_timeout = getattr(request, "on_timeout", None)
+            if on_timeout is not None:
+                on_timeout()
             raise CollectiveTimeout(
                 f"geocomm: rank {rank} waited {waited:.1f} s for {what}; a peer rank failed, "
                 "exited or never called it (GEOCOMM_TIMEOUT sets the limit)")

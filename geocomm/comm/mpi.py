@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from geocomm.comm import abort
 from geocomm.comm.base import wait
 
 try:
@@ -50,7 +51,12 @@ class _MPIRequest:
 
 
 class MPICommunicator:
-    """:class:`geocomm.comm.Communicator` over an mpi4py communicator."""
+    """:class:`geocomm.comm.Communicator` over an mpi4py communicator.
+
+    With more than one rank, an uncaught exception anywhere in the process
+    then aborts the job (:mod:`geocomm.comm.abort`; ``GEOCOMM_ABORT_ON_ERROR=0``
+    turns that off).
+    """
 
     backend = "mpi"
 
@@ -59,6 +65,7 @@ class MPICommunicator:
         self.comm = mpi.COMM_WORLD if comm is None else comm
         self.rank: int = self.comm.Get_rank()
         self.size: int = self.comm.Get_size()
+        abort.register(self)
 
     def alltoallv(self, send, send_counts, send_displs, recv, recv_counts, recv_displs):
         req = self.comm.Ialltoallv(
@@ -85,5 +92,9 @@ class MPICommunicator:
     def barrier(self) -> None:
         wait(_MPIRequest(self.comm.Ibarrier()), "a barrier", self.rank)
 
+    def abort_local(self) -> None:
+        """Nothing to release: MPI_Abort takes down this rank's MPI state too."""
+
     def abort(self, code: int = 1) -> None:
-        self.comm.Abort(code)
+        """MPI_Abort on this communicator: ends every rank of the job (does not return)."""
+        abort.mpi_abort(self.comm, code)

@@ -15,6 +15,14 @@ buffers alive until it is dropped, so CuPy's memory pool cannot hand them out
 while NCCL still uses them. ``allreduce`` (the uncompressed baseline) runs on
 the current stream, ordered like any CuPy operation.
 
+Failures: a request that times out (``GEOCOMM_TIMEOUT``) aborts the NCCL
+communicator before :class:`~geocomm.comm.base.CollectiveTimeout` is raised,
+so the transfers queued for a missing peer are cancelled instead of keeping
+the GPU (and ``ncclCommDestroy`` at exit) waiting forever; the communicator
+refuses further work. The MPI side (metadata all-gather, barrier) waits with
+the same timeout. With more than one rank an uncaught exception aborts NCCL,
+then the MPI job (:mod:`geocomm.comm.abort`).
+
 The module imports without CuPy; ``available`` (computed on first access) says
 whether CuPy, NCCL and a CUDA device are usable, and constructing
 :class:`NCCLCommunicator` without them raises an ImportError naming what is
@@ -28,7 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from geocomm.comm.mpi import require_mpi
+from geocomm.comm import abort
+from geocomm.comm.base import wait
+from geocomm.comm.mpi import _MPIRequest, require_mpi
 
 _OPS = {"sum": "NCCL_SUM", "max": "NCCL_MAX"}
 _DTYPES = {np.dtype(np.float32): "NCCL_FLOAT32", np.dtype(np.float64): "NCCL_FLOAT64"}
@@ -71,13 +81,18 @@ def require_nccl() -> tuple[Any, Any]:
 
 
 class _NCCLRequest:
-    """Completion of work queued on the communicator stream."""
+    """Completion of work queued on the communicator stream.
 
-    __slots__ = ("_buffers", "_event")
+    ``on_timeout`` is called by :func:`geocomm.comm.base.wait` before it
+    raises: it aborts the communicator, which cancels the queued transfers.
+    """
 
-    def __init__(self, event: Any, buffers: tuple):
+    __slots__ = ("_buffers", "_event", "on_timeout")
+
+    def __init__(self, event: Any, buffers: tuple, on_timeout: Any = None):
         self._event = event
         self._buffers = buffers
+        self.on_timeout = on_timeout
 
     def test(self) -> bool:
         done = bool(self._event.done)
@@ -132,6 +147,8 @@ class NCCLCommunicator:
         uid = self.mpi_comm.bcast(uid, root=0)
         self.nccl_comm = nccl.NcclCommunicator(self.size, uid, self.rank)
         self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.aborted = self.closed = False
+        abort.register(self)
 
     # -- helpers ---------------------------------------------------------------
 
@@ -153,8 +170,15 @@ class NCCLCommunicator:
             raise ValueError(f"{name}: a segment lies outside the {buf.nbytes}-byte buffer")
         return [(int(d), int(c)) for d, c in zip(displs, counts, strict=True)]
 
+    def _check_usable(self) -> None:
+        if self.aborted or self.closed:
+            why = "aborted (after a timeout or failure)" if self.aborted else "closed"
+            raise RuntimeError(f"rank {self.rank}: this NCCL communicator was {why}; "
+                               "create a new one")
+
     def _start(self) -> None:
         """Order the communicator stream after the work queued so far on the current stream."""
+        self._check_usable()
         self.stream.wait_event(self._cupy.cuda.get_current_stream().record())
 
     def _copy(self, dst: Any, dst_off: int, src: Any, src_off: int, nbytes: int) -> None:
@@ -186,7 +210,7 @@ class NCCLCommunicator:
                         self.nccl_comm.recv(recv.data.ptr + off, cnt, uint8, peer, stream)
             finally:
                 nccl.groupEnd()
-            return _NCCLRequest(self.stream.record(), (send, recv))
+            return _NCCLRequest(self.stream.record(), (send, recv), self.abort_local)
 
     # -- Communicator protocol -------------------------------------------------
 
@@ -210,6 +234,7 @@ class NCCLCommunicator:
 
     def allreduce(self, send: Any, recv: Any, op: str) -> None:
         """All-reduce (``op`` "sum" or "max") of float32/float64 cupy arrays (current stream)."""
+        self._check_usable()
         cupy = self._cupy
         for name, a in (("send", send), ("recv", recv)):
             if not isinstance(a, cupy.ndarray) or a.dtype not in _DTYPES \
@@ -228,22 +253,49 @@ class NCCLCommunicator:
                 getattr(self._nccl, _OPS[op]), cupy.cuda.get_current_stream().ptr)
 
     def allgather_int64(self, values: np.ndarray) -> np.ndarray:
-        """Blocking all-gather of a small host int64 vector over MPI; returns (size, len) rows."""
+        """All-gather of a small host int64 vector over MPI (waits at most
+        GEOCOMM_TIMEOUT); returns (size, len) rows."""
         values = np.ascontiguousarray(values, np.int64)
         rows = np.empty((self.size, values.size), np.int64)
-        self.mpi_comm.Allgather(values, rows)
+        wait(_MPIRequest(self.mpi_comm.Iallgather(values, rows)), "a metadata all-gather",
+             self.rank)
         return rows
 
     def barrier(self) -> None:
-        """Wait for this rank's queued transfers, then for every rank (MPI barrier)."""
-        self.stream.synchronize()
-        self.mpi_comm.Barrier()
+        """Wait for this rank's queued transfers, then for every rank (MPI barrier);
+        each wait is bounded by GEOCOMM_TIMEOUT."""
+        self._check_usable()
+        self._drain()
+        wait(_MPIRequest(self.mpi_comm.Ibarrier()), "a barrier", self.rank)
+
+    def _drain(self) -> None:
+        """Wait (at most GEOCOMM_TIMEOUT, then abort) for the work queued on the
+        communicator stream; unlike stream.synchronize(), never forever."""
+        with self.device:
+            done = _NCCLRequest(self.stream.record(), (), self.abort_local)
+        wait(done, "the queued NCCL transfers", self.rank)
+
+    def abort_local(self) -> None:
+        """ncclCommAbort: cancel this rank's queued NCCL work and free the
+        communicator, without ending the job (idempotent)."""
+        if not (self.aborted or self.closed):
+            self.aborted = True
+            with self.device:
+                self.nccl_comm.abort()
 
     def abort(self, code: int = 1) -> None:
-        self.nccl_comm.abort()
-        self.mpi_comm.Abort(code)
+        """Abort NCCL, then MPI_Abort the job (does not return)."""
+        try:
+            self.abort_local()
+        finally:
+            abort.mpi_abort(self.mpi_comm, code)
 
     def close(self) -> None:
-        """Finish queued transfers and free the NCCL communicator."""
-        self.stream.synchronize()
+        """Finish queued transfers and free the NCCL communicator (no-op once
+        aborted or closed); a transfer stuck on a missing peer aborts the
+        communicator and raises CollectiveTimeout instead of hanging."""
+        if self.aborted or self.closed:
+            return
+        self._drain()
+        self.closed = True
         self.nccl_comm.destroy()

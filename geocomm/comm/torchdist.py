@@ -4,14 +4,20 @@ It lets the DDP communication hook send geocomm's encoded bytes through the
 process group DDP already uses, whether the job came from ``torchrun`` or
 ``mpirun``. Gloo moves data on its own threads, so nonblocking calls overlap
 with the codec without help. Uneven all-gathers are padded to the largest
-segment (gloo has no all-gather-v).
+segment (gloo has no all-gather-v). With more than one rank, an uncaught
+exception ends the job (:mod:`geocomm.comm.abort`): ``MPI_Abort`` when MPI
+runs the ranks (mpirun), else this process exits at once with status 1, which
+torchrun answers by stopping the other ranks.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
+
+from geocomm.comm import abort
 
 
 class _Work:
@@ -54,6 +60,7 @@ class TorchDistCommunicator:
         self._torch, self._dist, self.group = torch, dist, group
         self.rank: int = dist.get_rank(group)
         self.size: int = dist.get_world_size(group)
+        abort.register(self)
 
     def _t(self, array: np.ndarray) -> Any:
         return self._torch.from_numpy(array)
@@ -96,3 +103,11 @@ class TorchDistCommunicator:
 
     def barrier(self) -> None:
         self._dist.barrier(group=self.group)
+
+    def abort_local(self) -> None:
+        """Nothing to release: ending the process frees gloo's sockets."""
+
+    def abort(self, code: int = 1) -> None:
+        """MPI_Abort when MPI runs the job, else exit this process now (does not return)."""
+        if not abort.mpi_world_abort(code):
+            os._exit(code)
