@@ -2,7 +2,7 @@
 
 Mixed-precision loss scalers skip a step when any gradient is inf/NaN, so a
 NaN or inf on one rank must come out non-finite on all ranks, at the same
-positions (NVFP4: the whole block of 16 around it, DESIGN section 3).
+positions (NVFP4: the whole block of 16 around it, docs/design.md, "Formats").
 """
 
 from __future__ import annotations
