@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 from array_api_compat import array_namespace
 
-from geocomm.pipeline import shard_bounds
 from geocomm.codecs import Codec, TransformingCodec
+from geocomm.pipeline import shard_bounds
 
 __all__ = ["MeteredComm", "roundtrip", "run_refresh_locally", "simulate_allreduce",
            "simulate_reduce_scatter"]

@@ -10,7 +10,6 @@ launches its own mpiexec (MPMD, one environment per rank).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path

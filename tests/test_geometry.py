@@ -31,7 +31,6 @@ import pytest
 
 from geocomm.codecs import decode, get_codec
 from geocomm.codecs.geo import DEFAULTS, kernels
-from geocomm.codecs.geo.frames import run_locally
 from geocomm.codecs.geo.policy import Layout, layout, rank_for_budget
 from geocomm.testing import simulate_allreduce, simulate_reduce_scatter
 
@@ -356,8 +355,9 @@ def test_frame_rejects_a_corrupt_side_channel():
     info_len = frame.size - codec.frame_body_size((64, 64)) - 4
     bad = frame.copy()
     bad[info_len + 4: info_len + 8] = np.frombuffer(np.float32(np.nan).tobytes(), np.uint8)
-    from geocomm.codecs.base import _CRC  # re-seal the frame: the side channel is checked
     import zlib
+
+    from geocomm.codecs.base import _CRC  # re-seal the frame: the side channel is checked
 
     bad[-4:] = np.frombuffer(_CRC.pack(zlib.crc32(bad[:-4])), np.uint8)
     with pytest.raises(ValueError, match="non-finite"):
@@ -394,7 +394,7 @@ def test_collectives_match_the_simulation(comm, codec_id):
 def test_parts_map_each_tensor_on_its_own(comm):
     import geocomm
 
-    size, rank = comm.size, comm.rank
+    rank = comm.rank
     knobs = {"min_dim": 8, "min_numel": 0}
     bucket, single = get_codec("geofp8", **knobs), get_codec("geofp8", **knobs)
     parts = [("a", (40, 30)), ("bias", (30,)), ("b", (20, 50))]

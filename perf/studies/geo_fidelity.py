@@ -25,9 +25,9 @@ import time
 from typing import Any
 
 import numpy as np
+from geocomm.codecs.geometry import simulate_allreduce
 
 from geocomm.codecs import get_codec
-from geocomm.codecs.geometry import simulate_allreduce
 
 # (label, config) pairs; max_side/min_share are opened up so every variant applies
 UNLIMITED = {"max_side": 1e9, "min_share": 0.0}

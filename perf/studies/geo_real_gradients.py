@@ -42,9 +42,6 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
-
-from geocomm.codecs import TransformingCodec, get_codec  # noqa: E402
-from geocomm.testing import simulate_allreduce  # noqa: E402
 from llama import (  # noqa: E402
     CONFIGS,
     TextData,
@@ -54,6 +51,9 @@ from llama import (  # noqa: E402
     make_optimizer,
     train_step,
 )
+
+from geocomm.codecs import TransformingCodec, get_codec  # noqa: E402
+from geocomm.testing import simulate_allreduce  # noqa: E402
 
 FP8 = {"id": "fp8", "fmt": "e4m3", "block": 128}
 NVFP4 = {"id": "nvfp4"}

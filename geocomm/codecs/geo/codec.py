@@ -162,12 +162,13 @@ class GeoCodec(TransformingCodec):
             cold = st.vt is None
             vt = kernels.orthonormalize(xp.zeros((lay.k, lay.n), dtype=xp.float32),
                                         self.seed) if cold else st.vt
-            for it in range(COLD_ITERS if cold else 1):
-                if it:
-                    vt = kernels.orthonormalize(w, self.seed)
+            iters = COLD_ITERS if cold else 1
+            for it in range(iters):
                 coef = xp.reshape((yield xp.reshape(_projection(shard, lo, vt, lay), (-1,))),
                                   (lay.m, lay.k))
                 w, energy = _split_energy((yield _accumulation(shard, lo, coef, lay)), lay)
+                if it + 1 < iters:
+                    vt = kernels.orthonormalize(w, self.seed)
         else:
             w, energy = _split_energy((yield _accumulation(shard, lo, coef, lay)), lay)
         top = kernels.sumsq(coef)

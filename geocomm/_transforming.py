@@ -1,0 +1,146 @@
+"""How the collectives drive a transforming codec (docs/design.md, "Transforming codecs").
+
+The codec plans and maps; this module runs its protocol for a buffer of
+tensors: :func:`plan_parts` plans every tensor and runs the whole-tensor
+steps, :func:`side_sums` sums the plans' side contributions exactly in one
+collective, :class:`PartsMap` maps pieces for the pipeline as they travel
+and back as their sums become final, and :func:`refresh` runs the refresh
+rounds of all tensors, one exact sum per round.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+import numpy as np
+
+from geocomm.codecs import Codec, TransformingCodec
+from geocomm.comm.base import Communicator
+from geocomm.pipeline import array_module, exact_sum
+
+
+def plan_parts(codec: Codec, values: Any, mapped: Any, parts: list[Any],
+                bounds: np.ndarray) -> list[tuple[Any, Any]]:
+    """Plan every part; return the (part, plan) pairs that have a plan.
+
+    Ranged plans run their whole-tensor step (``begin``: the coefficients of
+    the side channel) now and map piece by piece later (:class:`PartsMap`);
+    the others map their whole tensor into ``mapped`` now.
+    """
+    planned = []
+    if not isinstance(codec, TransformingCodec):
+        return planned
+    for part in parts:
+        lo, hi = part.offset, part.offset + part.size
+        plan = codec.plan(values[lo:hi], part.shape, part.key, bounds)
+        if plan is None:
+            continue
+        if plan.ranged:
+            plan.begin(values[lo:hi])
+        else:
+            plan.forward(values[lo:hi], mapped[lo:hi])
+        planned.append((part, plan))
+    return planned
+
+
+class PartsMap:
+    """The pipeline's :class:`~geocomm.pipeline.RangeMap` over a buffer of tensors.
+
+    ``read`` writes the mapped values of a range into ``mapped`` (ranged
+    plans map there and then; whole-tensor plans did it up front; tensors
+    without a plan are copied unless ``mapped`` is ``values``); ``done``
+    maps a finished range of ``result`` (which starts at ``offset``) back,
+    for ranged plans. Whole-tensor plans are inverted by :meth:`finish`.
+    """
+
+    def __init__(self, values: Any, mapped: Any, result: Any, offset: int, parts: list[Any],
+                 planned: list[tuple[Any, Any]], side_sums: list[Any]):
+        self.values, self.mapped, self.result, self.offset = values, mapped, result, offset
+        plans = {id(part): (plan, side) for (part, plan), side in
+                 zip(planned, side_sums, strict=True)}
+        self.parts = [(p, *plans.get(id(p), (None, None))) for p in parts]
+        self.starts = [p.offset for p in parts]
+
+    def _overlaps(self, lo: int, hi: int) -> Any:
+        """(part, plan, side sum, a, b) for every part meeting [lo, hi), [a, b) the overlap."""
+        i = max(bisect.bisect_right(self.starts, lo) - 1, 0)
+        while i < len(self.parts) and self.parts[i][0].offset < hi:
+            part, plan, side = self.parts[i]
+            a, b = max(lo, part.offset), min(hi, part.offset + part.size)
+            if a < b:
+                yield part, plan, side, a, b
+            i += 1
+
+    def read(self, lo: int, hi: int) -> Any:
+        for part, plan, _, a, b in self._overlaps(lo, hi):
+            if plan is not None and plan.ranged:
+                plan.forward_range(self.values[a:b], a - part.offset, self.mapped[a:b])
+            elif plan is None and self.mapped is not self.values:
+                self.mapped[a:b] = self.values[a:b]
+        return self.mapped[lo:hi]
+
+    def done(self, lo: int, hi: int) -> None:
+        for part, plan, side, a, b in self._overlaps(lo, hi):
+            if plan is not None and plan.ranged:
+                plan.inverse(self.result[a - self.offset: b - self.offset], a - part.offset,
+                             side)
+
+    def finish(self, lo: int, hi: int) -> None:
+        """Invert the whole-tensor plans over the result's range [lo, hi)."""
+        for part, plan, side, a, b in self._overlaps(lo, hi):
+            if plan is not None and not plan.ranged:
+                plan.inverse(self.result[a - self.offset: b - self.offset], a - part.offset,
+                             side)
+
+
+def side_sums(comm: Communicator, planned: list[tuple[Any, Any]]) -> list[Any]:
+    """The exact sums of the plans' side contributions, one collective for all."""
+    sides = [plan.side for _, plan in planned]
+    present = [s for s in sides if s is not None]
+    if not present:
+        return [None] * len(sides)
+    xp = array_module(present[0])
+    total = exact_sum(comm, xp.concatenate([s.reshape(-1) for s in present]))
+    sums, at = [], 0
+    for s in sides:
+        if s is None:
+            sums.append(None)
+            continue
+        sums.append(total[at: at + s.size].reshape(s.shape))
+        at += s.size
+    return sums
+
+
+def refresh(comm: Communicator, codec: Any, planned: list[tuple[Any, Any]],
+             side_sums: list[Any], result: Any, lo: int, hi: int) -> None:
+    """Run the refresh rounds of every plan that asks for one, all tensors' partial
+    sums in one exact sum per round. ``result[lo - lo:...]`` is this rank's shard
+    [lo, hi) of the summed buffer, in the tensors' own coordinates."""
+    rounds = []
+    for (part, plan), side_sum in zip(planned, side_sums, strict=True):
+        if not plan.refreshes:
+            continue
+        a = min(max(lo, part.offset), part.offset + part.size)
+        b = min(max(hi, part.offset), part.offset + part.size)
+        rounds.append(codec.refresh(plan, result[a - lo: b - lo], a - part.offset, side_sum))
+    pending = [(r, _advance(r, None)) for r in rounds]
+    pending = [(r, v) for r, v in pending if v is not None]
+    while pending:
+        xp = array_module(pending[0][1])
+        total = exact_sum(comm, xp.concatenate([v.reshape(-1) for _, v in pending]))
+        nxt, at = [], 0
+        for r, v in pending:
+            value = _advance(r, total[at: at + v.size].reshape(v.shape))
+            at += v.size
+            if value is not None:
+                nxt.append((r, value))
+        pending = nxt
+
+
+def _advance(rounds: Any, total: Any) -> Any:
+    """The next partial sums of a refresh (None once it is done)."""
+    try:
+        return next(rounds) if total is None else rounds.send(total)
+    except StopIteration:
+        return None
