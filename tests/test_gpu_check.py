@@ -198,29 +198,8 @@ def test_collectives_section_compares_every_case(gc, stand_ins):
 
 def test_geofp8_section_runs_the_same_sequence(gc, stand_ins):
     result = gc.check_geofp8(stand_ins, shape=(96, 256), steps=2)
-    assert result["ok"] and result["status"] == "ran" and len(result["rows"]) == 2
-
-
-def test_geofp8_refusal_is_reported_as_unsupported(gc, stand_ins, monkeypatch):
-    import geocomm
-
-    real = geocomm.allreduce
-
-    def refuse_device(x, *args, **kwargs):
-        if not x.flags.writeable:  # the stand-in 'device' array, marked below
-            raise TypeError("codec 'geofp8' transforms on the host (NumPy)")
-        return real(x, *args, **kwargs)
-
-    stand_ins.cp.asarray = lambda a, dtype=None: _readonly(np.array(a, dtype=dtype))
-    monkeypatch.setattr(geocomm, "allreduce", refuse_device)
-    result = gc.check_geofp8(stand_ins, shape=(8, 8), steps=1)
-    assert result["ok"] and result["status"] == "unsupported"
-    assert "transforms on the host" in result["reason"]
-
-
-def _readonly(a):
-    a.flags.writeable = False
-    return a
+    assert result["ok"], result["failures"]
+    assert result["status"] == "ran" and len(result["rows"]) == 3 + 2  # kernels, then steps
 
 
 def test_timing_section_reports_every_operation(gc, stand_ins):
