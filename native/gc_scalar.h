@@ -240,13 +240,18 @@ GC_FN float gc_quant_factor(float amax, float fmax, float *pre)
  * gets the NaN code 0x7f (and payload codes 0), so its 16 values decode as
  * NaN. With `up` (stochastic rounding) the code is rounded up instead of to
  * nearest, so that no value of the block exceeds 6 block scales: a value
- * above 6 would be clamped to 6, a bias no random rounding can undo.
+ * above 6 would be clamped to 6, a bias no random rounding can undo. (A
+ * non-zero block never gets scale 0 then; only a tensor amax below
+ * 2688 * 2^-149, whose fp32 tensor scale is 0, still decodes as 0.)
  */
 GC_FN gc_u8 gc_nvfp4_scale_code(float bamax, float tpre, float tfactor, int block_finite, int up)
 {
     float s = ((bamax / GC_E2M1_MAX) * tpre) * tfactor;
     gc_u8 c = gc_e4m3_code(s, 0.0f, 0, 0u);
-    c = (gc_u8)(c + (up && c < 0x7eu && gc_e4m3_value(c) < s)); /* 0x7e: 448, the largest */
+    /* up: the next code when c is below s (0x7e, 448, is the largest), and at
+     * least the smallest subnormal for a non-zero block whose s underflowed */
+    int below = gc_e4m3_value(c) < s || (c == 0u && bamax > 0.0f);
+    c = (gc_u8)(c + (up && c < 0x7eu && below));
     return block_finite ? c : (gc_u8)0x7fu;
 }
 
@@ -256,10 +261,12 @@ GC_FN gc_u8 gc_nvfp4_scale_code(float bamax, float tpre, float tfactor, int bloc
  * E4M3, E5M2 or E2M1 with largest exponent EMAX (8, 15, 2) and largest value
  * FMAX. X = floor(log2(amax)) - EMAX ("floor", the OCP rule: values up to
  * 2^(EMAX+1) X land above FMAX and saturate) or, with rceil, the smallest X
- * with amax <= FMAX 2^X (nothing saturates). X is clamped to the E8M0 range
- * below (>= -127: smaller blocks lose their smallest values); it never
- * exceeds 127 - EMAX + 1 <= 126 for finite fp32 amax. An all-zero block has
- * X = -127. Elements are x * 2^-X, exact unless they fall below fp32's range.
+ * with amax <= FMAX 2^X (nothing saturates). X is clamped to
+ * [-127, 127 - EMAX]: below, E8M0's range ends (blocks smaller than 2^-127
+ * lose their smallest values); above, FMAX 2^X would overflow fp32, so rceil
+ * falls back to floor (and saturates) for amax > FMAX 2^(127 - EMAX), the top
+ * 2^(EMAX+1) / FMAX of fp32's range. An all-zero block has X = -127.
+ * Elements are x * 2^-X, exact unless they fall below fp32's range.
  */
 
 /* Shared exponent X of a block with finite max |x| = amax (see above). */
@@ -272,10 +279,11 @@ GC_FN int gc_mx_exponent(float amax, int emax, float fmax, int rceil)
     /* amax = 1.m * 2^(x + EMAX) exceeds FMAX 2^x = 1.f * 2^(x + EMAX) iff m > f */
     x += rceil && (b & 0x007fffffu) > (gc_bits(fmax) & 0x007fffffu);
     x = amax > 0.0f ? x : -127;
+    x = x > 127 - emax ? 127 - emax : x;
     return x < -127 ? -127 : x;
 }
 
-/* 2^-X as an fp32 factor (X <= 126, so it is a normal number). */
+/* 2^-X as an fp32 factor (X <= 125, so it is a normal number). */
 GC_FN float gc_mx_factor(int x) { return gc_float((gc_u32)(127 - x) << 23); }
 
 /* The value 2^(c - 127) of E8M0 code c (code 0 is 2^-127, an fp32
@@ -292,10 +300,10 @@ GC_FN float gc_e8m0_value(gc_u32 c)
  * codec's seed, the caller's stream and the element's global index
  * offset + i, so they do not depend on how the data is cut into calls:
  *   key(seed, stream)  = mix64(mix64(seed) ^ stream)
- *   bits(key, index)   = mix64(key + index * 0x9e3779b97f4a7c15) >> 32
- * mix64 is SplitMix64's finalizer (a bijection of 64-bit words), so bits(key,
- * .) is the output sequence of a SplitMix64 generator started at key.
- * All arithmetic is modulo 2^64.
+ *   bits(key, index)   = mix64(key + (index + 1) * 0x9e3779b97f4a7c15) >> 32
+ * mix64 is SplitMix64's finalizer (a bijection of 64-bit words), so
+ * bits(key, index) is the upper half of output number `index` (from 0) of a
+ * SplitMix64 generator seeded with key. All arithmetic is modulo 2^64.
  */
 #define GC_SR_GAMMA 0x9e3779b97f4a7c15ull
 
@@ -310,7 +318,7 @@ GC_FN gc_u64 gc_sr_key(gc_u64 seed, gc_u64 stream) { return gc_mix64(gc_mix64(se
 
 GC_FN gc_u32 gc_sr_bits(gc_u64 key, gc_u64 index)
 {
-    return (gc_u32)(gc_mix64(key + index * GC_SR_GAMMA) >> 32);
+    return (gc_u32)(gc_mix64(key + (index + 1u) * GC_SR_GAMMA) >> 32);
 }
 
 /* The rnd argument of the code functions for element `index`: the random

@@ -51,7 +51,7 @@ int gc_encode(int fmt, const float *x, size_t n, size_t block, uint8_t *wire);
  * gc_sr_key, gc_sr_bits), so one call or several calls over consecutive
  * pieces with the matching offsets give the same bits. GC_RCEIL (MX formats
  * only) rounds the shared exponent up so that no element saturates, instead
- * of the OCP floor rule. seed, stream and offset are ignored without
+ * of the OCP floor rule (gc_scalar.h: gc_mx_exponent). seed, stream and offset are ignored without
  * GC_STOCHASTIC. GC_EINVAL for an unknown format or flag, or GC_RCEIL on a
  * non-MX format. */
 int gc_encode_ex(int fmt, const float *x, size_t n, size_t block, uint8_t *wire, unsigned flags,

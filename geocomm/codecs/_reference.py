@@ -52,9 +52,13 @@ def sr_key(seed: int, stream: int) -> int:
 
 
 def sr_bits(seed: int, stream: int, offset: int, n: int) -> np.ndarray:
-    """uint32 words of elements offset .. offset + n - 1: mix64(key + index * gamma) >> 32."""
+    """uint32 words of elements offset .. offset + n - 1: mix64(key + (index + 1) gamma) >> 32.
+
+    That is the upper half of SplitMix64's output number ``index`` from state ``key``.
+    """
     index = np.arange(n, dtype=_U64) + _U64(offset)  # wraps modulo 2^64 like size_t
-    return (_mix64(_U64(sr_key(seed, stream)) + index * _GAMMA) >> _U64(32)).astype(np.uint32)
+    state = _U64(sr_key(seed, stream)) + (index + _U64(1)) * _GAMMA
+    return (_mix64(state) >> _U64(32)).astype(np.uint32)
 
 
 @functools.cache
@@ -205,11 +209,12 @@ def _e4m3_values(codes: np.ndarray) -> np.ndarray:
     return codes.view(ml_dtypes.float8_e4m3fn).astype(F32)
 
 
-def _e4m3_ceil(s: np.ndarray) -> np.ndarray:
-    """E4M3 codes of the smallest value >= s (0 <= s; at most 448)."""
+def _e4m3_ceil(s: np.ndarray, nonzero: np.ndarray) -> np.ndarray:
+    """E4M3 codes of the smallest value >= s (0 <= s; at most 448), and at least
+    the smallest subnormal (code 1) where ``nonzero`` (s may have underflowed to 0)."""
     values, codes = _grid(ml_dtypes.float8_e4m3fn)
     i = np.searchsorted(values, np.minimum(s.astype(np.float64), 448.0), side="left")
-    return codes[i]
+    return np.where(nonzero, np.maximum(codes[i], 1), codes[i]).astype(np.uint8)
 
 
 def encode_nvfp4(x: np.ndarray, rnd: np.ndarray | None = None) -> np.ndarray:
@@ -232,7 +237,7 @@ def encode_nvfp4(x: np.ndarray, rnd: np.ndarray | None = None) -> np.ndarray:
     if rnd is None:
         scode = _cast_saturated(s, np.zeros_like(s), FMAX["e4m3"], ml_dtypes.float8_e4m3fn)
     else:
-        scode = _e4m3_ceil(s)
+        scode = _e4m3_ceil(s, _amax(rows) > 0)
     scode = np.where(finite, scode, np.uint8(0x7F)).astype(np.uint8)
     eff = _e4m3_values(scode) * gscale
     pre, factor = _quant_factor(np.where(finite, eff, F32(0)).astype(F32), F32(1))
@@ -292,14 +297,15 @@ def mx_exponents(amax: np.ndarray, element: str, rceil: bool) -> np.ndarray:
     """Shared exponents X (int64) of blocks with finite maxima amax.
 
     floor: X = floor(log2 amax) - EMAX (OCP); rceil: the smallest X with
-    amax <= FMAX 2^X. Clamped below to E8M0's -127; amax 0 gives -127.
+    amax <= FMAX 2^X. Clamped to [-127, 127 - EMAX] (E8M0's bottom; FMAX 2^X
+    below fp32's overflow); amax 0 gives -127.
     """
     fmax, emax, _ = _ELEMENT[element]
     a = amax.astype(np.float64)
     x = np.frexp(a)[1].astype(np.int64) - 1 - emax  # a = m 2^e, m in [0.5, 1)
     if rceil:
         x += a > np.ldexp(float(fmax), x)  # exact in float64
-    return np.maximum(np.where(a > 0, x, -127), -127)
+    return np.clip(np.where(a > 0, x, -127), -127, 127 - emax)
 
 
 def encode_mx(x: np.ndarray, fmt: str, rceil: bool = False,

@@ -26,7 +26,9 @@ for E4M3 and E5M2, 1/4 for E2M1), which replaces U where it is larger
 (E4M3: 2^-4 -> 2^-3); the subnormal half quantum q_sub / 2 times 2^X <=
 A / 2^EMAX gives C = q_sub / 2^(EMAX + 1) (E4M3 2^-18, E5M2 2^-32, E2M1
 2^-4). With rceil nothing saturates (U as for the element format) and
-2^X < 2 A / FMAX gives C = q_sub / FMAX. A block whose X is clamped to
+2^X < 2 A / FMAX gives C = q_sub / FMAX (for amax up to FMAX 2^(127 - EMAX),
+about 2.5e38 or more: above, X is capped so that FMAX 2^X stays finite, and
+values saturate as with floor). A block whose X is clamped to
 E8M0's smallest -127 loses up to q_sub / 2 * 2^-127 absolute, and a decoded
 fp32 subnormal 2^-150: D = q_sub 2^-128 + 2^-150 (E4M3 < 2^-136, E5M2 <
 2^-143, E2M1 < 2^-128).

@@ -167,9 +167,11 @@ class _MXCodec(_NativeFormat):
 
     ``scale_rule="floor"`` is the OCP rule X = floor(log2 amax) - EMAX (the
     largest values of a block may saturate at the element maximum);
-    ``"rceil"`` rounds X up so that nothing saturates. The default is floor
-    with nearest rounding and rceil with stochastic rounding, which needs it:
-    a saturated value is biased whatever the rounding.
+    ``"rceil"`` rounds X up so that nothing saturates (except in blocks
+    within 2^(EMAX+1) / FMAX of fp32's largest value, where X is capped at
+    127 - EMAX so that decoded values stay finite). The default is floor with
+    nearest rounding and rceil with stochastic rounding, which needs it: a
+    saturated value is biased whatever the rounding.
     """
 
     def _set_scale_rule(self, scale_rule: str | None) -> None:
