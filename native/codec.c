@@ -341,10 +341,16 @@ GC_MX_ENCODER(encode_mxfp4_sr, GC_MXFP4, 1)
 static inline void decode_mx_block(int fmt, int accumulate, const uint8_t *restrict cb,
                                    size_t len, float scale, float *restrict ob)
 {
-    if (fmt == GC_MXFP4)
+    if (fmt == GC_MXFP4 && len == GC_MX_BLOCK) {
+        /* two literal 16-value halves: gcc vectorizes those like NVFP4's
+         * blocks (a 32-value loop ran at half the speed) */
+        e2m1_block_values(cb, 16, scale, accumulate, ob);
+        e2m1_block_values(cb + 8, 16, scale, accumulate, ob + 16);
+    } else if (fmt == GC_MXFP4) {
         e2m1_block_values(cb, len, scale, accumulate, ob);
-    else
+    } else {
         fp8_block_values(fmt == GC_MXFP8_E5M2, accumulate, cb, len, scale, ob);
+    }
 }
 
 GC_INLINE void decode_mx(int fmt, int accumulate, const uint8_t *restrict wire, size_t n,
