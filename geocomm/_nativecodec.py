@@ -21,8 +21,13 @@ else:
 
 available: bool = _lib is not None
 
-E4M3, E5M2, NVFP4, BF16 = 1, 2, 3, 4
-FORMATS = {"e4m3": E4M3, "e5m2": E5M2, "nvfp4": NVFP4, "bf16": BF16}
+E4M3, E5M2, NVFP4, BF16, MXFP8_E4M3, MXFP8_E5M2, MXFP4 = 1, 2, 3, 4, 5, 6, 7
+FORMATS = {"e4m3": E4M3, "e5m2": E5M2, "nvfp4": NVFP4, "bf16": BF16,
+           "mxfp8_e4m3": MXFP8_E4M3, "mxfp8_e5m2": MXFP8_E5M2, "mxfp4": MXFP4}
+MX_FORMATS = (MXFP8_E4M3, MXFP8_E5M2, MXFP4)
+#: gc_encode_ex flags: stochastic rounding; the MX round-up ("rceil") scale rule
+STOCHASTIC, RCEIL = 1, 2
+U64_MAX = 2**64 - 1
 
 
 class NativeBuildMissing(ImportError):
@@ -61,12 +66,36 @@ def _check_wire(wire: np.ndarray, need: int, writable: bool = False) -> None:
         raise ValueError("wire is read-only")
 
 
-def encode(fmt: int, x: np.ndarray, block: int, wire: np.ndarray) -> None:
-    """Encode the float32 values of ``x`` into the first bytes of ``wire``."""
+def check_u64(value: int, name: str) -> int:
+    """``value`` as a Python int in [0, 2^64), else ValueError."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) \
+            or not 0 <= value <= U64_MAX:
+        raise ValueError(f"{name} must be an integer in [0, 2**64), got {value!r}")
+    return int(value)
+
+
+def check_flags(fmt: int, flags: int) -> int:
+    """Validated gc_encode_ex flags for ``fmt`` (ValueError as the C core would refuse them)."""
+    flags = int(flags)
+    if flags & ~(STOCHASTIC | RCEIL) or (flags & RCEIL and fmt not in MX_FORMATS):
+        raise ValueError(f"flags {flags} are not valid for format {fmt}")
+    return flags
+
+
+def encode(fmt: int, x: np.ndarray, block: int, wire: np.ndarray, *, flags: int = 0,
+           seed: int = 0, rng_stream: int = 0, offset: int = 0) -> None:
+    """Encode the float32 values of ``x`` into the first bytes of ``wire`` (gc_encode_ex).
+
+    ``flags``: STOCHASTIC and/or RCEIL; with STOCHASTIC the random bits of
+    element i come from (seed, rng_stream, offset + i).
+    """
     _check_f32(x, "x")
     _check_wire(wire, wire_size(fmt, x.size, block), writable=True)
-    rc = _lib.gc_encode(fmt, _ffi.from_buffer("float[]", x), x.size, block,
-                        _ffi.from_buffer("uint8_t[]", wire, require_writable=True))
+    flags = check_flags(fmt, flags)
+    rc = _lib.gc_encode_ex(fmt, _ffi.from_buffer("float[]", x), x.size, block,
+                           _ffi.from_buffer("uint8_t[]", wire, require_writable=True), flags,
+                           check_u64(seed, "seed"), check_u64(rng_stream, "stream"),
+                           check_u64(offset, "offset"))
     if rc:
         raise ValueError(f"unknown native format {fmt}")
 

@@ -1,10 +1,12 @@
 """CuPy face of the codec: the CUDA kernels of ``native/gc_cuda.cu``.
 
 Mirrors :mod:`geocomm._nativecodec` for CuPy arrays: ``wire_size``,
-``encode(fmt, x, block, wire, stream=None)`` and ``decode(fmt, wire, block,
-out, accumulate=False, stream=None)`` write the same wire bodies
-(``native/geocomm.h``) as the C core, byte for byte, because both run the
-arithmetic of ``native/gc_scalar.h``. Decoded values are bitwise equal too,
+``encode(fmt, x, block, wire, stream=None, *, flags=0, seed=0, rng_stream=0,
+offset=0)`` and ``decode(fmt, wire, block, out, accumulate=False,
+stream=None)`` write the same wire bodies (``native/geocomm.h``) as the C
+core, byte for byte, because both run the arithmetic of
+``native/gc_scalar.h``. ``stream`` is the CUDA stream; the stochastic
+rounding stream is ``rng_stream``. Decoded values are bitwise equal too,
 except NaN payloads: GPU arithmetic returns the canonical NaN, so only the
 positions of NaNs are guaranteed to agree.
 
@@ -21,23 +23,45 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from geocomm._nativecodec import BF16, E4M3, E5M2, FORMATS, NVFP4
+from geocomm._nativecodec import (
+    BF16,
+    E4M3,
+    E5M2,
+    FORMATS,
+    MX_FORMATS,
+    MXFP4,
+    MXFP8_E4M3,
+    MXFP8_E5M2,
+    NVFP4,
+    RCEIL,
+    STOCHASTIC,
+    check_flags,
+    check_u64,
+)
 
 __all__ = [
     "BF16",
     "E4M3",
     "E5M2",
     "FORMATS",
+    "MXFP4",
+    "MXFP8_E4M3",
+    "MXFP8_E5M2",
     "NVFP4",
     "NVRTC_OPTIONS",
+    "RCEIL",
+    "STOCHASTIC",
     "CudaUnavailable",
+    "Fp8Plan",
     "decode",
     "encode",
+    "fp8_plan",
     "kernel_source",
     "require",
     "wire_size",
@@ -56,6 +80,7 @@ _SOURCES = ("gc_scalar.h", "gc_cuda.cu")
 _INCLUDE_LINE = '#include "gc_scalar.h"'
 _GRID_MAX = 2**31 - 1
 _FP8 = (E4M3, E5M2)
+_MX_BLOCK = 32
 
 
 class CudaUnavailable(ImportError):
@@ -186,7 +211,7 @@ def _kernel(cupy: Any, name: str) -> Any:
 
 def _fmt_id(fmt: int | str) -> int:
     code = FORMATS.get(fmt) if isinstance(fmt, str) else fmt
-    if code not in (E4M3, E5M2, NVFP4, BF16):
+    if code not in FORMATS.values():
         raise ValueError(f"unknown format {fmt!r}")
     return int(code)
 
@@ -203,6 +228,8 @@ def wire_size(fmt: int | str, n: int, block: int = 0) -> int:
         return 4 * -(-n // (block or n)) + n
     if fmt == NVFP4:
         return 4 + -(-n // 16) + -(-n // 2)
+    if fmt in MX_FORMATS:
+        return -(-n // _MX_BLOCK) + (-(-n // 2) if fmt == MXFP4 else n)
     return 2 * n
 
 
@@ -241,8 +268,45 @@ def _team_shift(block: int) -> int:
     return min(5, (block - 1).bit_length())
 
 
+@dataclass(frozen=True)
+class Fp8Plan:
+    """How the fp8 kernels cover n values (see :func:`fp8_plan`).
+
+    ``block`` is the effective scaling block (<= n), ``nblocks`` the number
+    of scales. Team kernels (``team_shift`` is not None) run 2^team_shift
+    lanes per scaling block; tile kernels run ``tiles_per_block`` thread
+    blocks of TILE values per scaling block. ``grid`` is the thread blocks of
+    one launch.
+    """
+
+    block: int
+    nblocks: int
+    team_shift: int | None
+    tiles_per_block: int
+    grid: int
+
+
+def fp8_plan(n: int, block: int) -> Fp8Plan:
+    """The launch plan of the fp8 kernels for n >= 1 values and scaling ``block``.
+
+    Block 0 and any block >= n mean one scale for all n values, so the plan
+    caps the block at n: a huge block must not launch tiles for values that
+    do not exist (block 2^30 used to start 262,144 thread blocks for one
+    scale, and 2^48 overflowed the grid). Raises ValueError past one grid.
+    """
+    if n < 1 or block < 0:
+        raise ValueError(f"fp8_plan needs n >= 1 and block >= 0, got n={n}, block={block}")
+    block = n if block == 0 or block > n else block
+    nblocks = -(-n // block)
+    if block <= TEAM_MAX:
+        shift = _team_shift(block)
+        return Fp8Plan(block, nblocks, shift, 0, _grid(nblocks << shift)[0])
+    per_block, total = _tiles(n, block)
+    return Fp8Plan(block, nblocks, None, per_block, total)
+
+
 def _tiles(n: int, block: int) -> tuple[int, int]:
-    """(tiles per scaling block, total tiles) for the tile kernels."""
+    """(tiles per scaling block, total tiles) for the tile kernels; block <= n."""
     per_block = -(-block // TILE)
     total = -(-n // block) * per_block
     if total > _GRID_MAX:
@@ -268,7 +332,7 @@ def _u64(v: int) -> np.uint64:
 
 
 def _amax_tiles(cupy: Any, x: Any, n: int, block: int) -> Any:
-    """Per-scaling-block amax bits (uint32 device array) by the tile kernel."""
+    """Per-scaling-block amax bits (uint32 device array) by the tile kernel; block <= n."""
     per_block, total = _tiles(n, block)
     amax = cupy.zeros(-(-n // block), dtype=cupy.uint32)
     _kernel(cupy, "gc_amax_tiles")(
@@ -276,44 +340,63 @@ def _amax_tiles(cupy: Any, x: Any, n: int, block: int) -> Any:
     return amax
 
 
-def encode(fmt: int | str, x: Any, block: int, wire: Any, stream: Any = None) -> None:
+def encode(fmt: int | str, x: Any, block: int, wire: Any, stream: Any = None, *,
+           flags: int = 0, seed: int = 0, rng_stream: int = 0, offset: int = 0) -> None:
     """Encode the float32 values of cupy array ``x`` into the first bytes of ``wire``.
 
-    Runs on ``stream`` (default: the current stream) of x's device; returns
-    without synchronizing.
+    ``flags`` (STOCHASTIC, RCEIL), ``seed``, ``rng_stream`` and ``offset`` as
+    in the C gc_encode_ex. Runs on CUDA ``stream`` (default: the current
+    stream) of x's device; returns without synchronizing.
     """
     cupy = require()
     fmt, block = _fmt_id(fmt), _check_block(block)
+    flags = check_flags(fmt, flags)
+    seed, rng_stream = check_u64(seed, "seed"), check_u64(rng_stream, "stream")
+    offset = check_u64(offset, "offset")
     _check_f32(cupy, x, "x")
     n = x.size
     _check_wire(cupy, wire, wire_size(fmt, n, block), x.device)
     if n == 0:
         return
+    sr = np.int32(bool(flags & STOCHASTIC))
+    if sr:
+        from geocomm.codecs._reference import sr_key  # the key of gc_sr_key, computed once
+
+        key = sr_key(seed, rng_stream)
+    else:
+        key = 0
+    rounding = (sr, _u64(key), _u64(offset))
+    rceil = np.int32(bool(flags & RCEIL))
     with _launch_context(x.device, stream):
         if fmt == BF16:
-            _kernel(cupy, "gc_bf16_encode")(_grid(n), (THREADS,), (x, _u64(n), wire))
+            _kernel(cupy, "gc_bf16_encode")(_grid(n), (THREADS,), (x, _u64(n), *rounding, wire))
         elif fmt == NVFP4:
             amax = _amax_tiles(cupy, x, n, n)
             _kernel(cupy, "gc_nvfp4_encode")(
-                _grid((n + 1) // 2), (THREADS,), (x, _u64(n), amax, wire))
+                _grid((n + 1) // 2), (THREADS,), (x, _u64(n), amax, *rounding, wire))
+        elif fmt == MXFP4:
+            _kernel(cupy, "gc_mxfp4_encode")(
+                _grid((n + 1) // 2), (THREADS,), (x, _u64(n), rceil, *rounding, wire))
+        elif fmt in MX_FORMATS:
+            _kernel(cupy, "gc_mxfp8_encode")(
+                _grid(n), (THREADS,),
+                (x, _u64(n), np.int32(fmt == MXFP8_E5M2), rceil, *rounding, wire))
         else:
-            _encode_fp8(cupy, fmt, x, n, block or n, wire)
+            _encode_fp8(cupy, fmt, x, n, fp8_plan(n, block), rounding, wire)
 
 
-def _encode_fp8(cupy: Any, fmt: int, x: Any, n: int, block: int, wire: Any) -> None:
-    e5m2, nblocks = np.int32(fmt == E5M2), -(-n // block)
-    if block <= TEAM_MAX:
-        shift = _team_shift(block)
+def _encode_fp8(cupy: Any, fmt: int, x: Any, n: int, plan: Fp8Plan, rounding: tuple,
+                wire: Any) -> None:
+    e5m2 = np.int32(fmt == E5M2)
+    head = (x, _u64(n), _u64(plan.block), _u64(plan.nblocks))
+    if plan.team_shift is not None:
         _kernel(cupy, "gc_fp8_encode_team")(
-            _grid(nblocks << shift), (THREADS,),
-            (x, _u64(n), _u64(block), _u64(nblocks), np.uint32(shift), e5m2, wire))
+            (plan.grid,), (THREADS,), (*head, np.uint32(plan.team_shift), e5m2, *rounding, wire))
         return
-    amax = _amax_tiles(cupy, x, n, block)
-    per_block, total = _tiles(n, block)
+    amax = _amax_tiles(cupy, x, n, plan.block)
     _kernel(cupy, "gc_fp8_encode_tiles")(
-        (total,), (THREADS,),
-        (x, _u64(n), _u64(block), _u64(nblocks), _u64(per_block), _u64(TILE), amax, e5m2,
-         wire))
+        (plan.grid,), (THREADS,),
+        (*head, _u64(plan.tiles_per_block), _u64(TILE), amax, e5m2, *rounding, wire))
 
 
 def decode(fmt: int | str, wire: Any, block: int, out: Any, accumulate: bool = False,
@@ -337,21 +420,24 @@ def decode(fmt: int | str, wire: Any, block: int, out: Any, accumulate: bool = F
         elif fmt == NVFP4:
             _kernel(cupy, "gc_nvfp4_decode")(
                 _grid((n + 1) // 2), (THREADS,), (wire, _u64(n), acc, out))
+        elif fmt == MXFP4:
+            _kernel(cupy, "gc_mxfp4_decode")(
+                _grid((n + 1) // 2), (THREADS,), (wire, _u64(n), acc, out))
+        elif fmt in MX_FORMATS:
+            _kernel(cupy, "gc_mxfp8_decode")(
+                _grid(n), (THREADS,), (wire, _u64(n), np.int32(fmt == MXFP8_E5M2), acc, out))
         else:
-            _decode_fp8(cupy, fmt, wire, n, block or n, acc, out)
+            _decode_fp8(cupy, fmt, wire, n, fp8_plan(n, block), acc, out)
 
 
-def _decode_fp8(cupy: Any, fmt: int, wire: Any, n: int, block: int, acc: np.int32,
+def _decode_fp8(cupy: Any, fmt: int, wire: Any, n: int, plan: Fp8Plan, acc: np.int32,
                 out: Any) -> None:
-    e5m2, nblocks = np.int32(fmt == E5M2), -(-n // block)
-    if block <= TEAM_MAX:
-        shift = _team_shift(block)
+    e5m2 = np.int32(fmt == E5M2)
+    head = (wire, _u64(n), _u64(plan.block), _u64(plan.nblocks))
+    if plan.team_shift is not None:
         _kernel(cupy, "gc_fp8_decode_team")(
-            _grid(nblocks << shift), (THREADS,),
-            (wire, _u64(n), _u64(block), _u64(nblocks), np.uint32(shift), e5m2, acc, out))
+            (plan.grid,), (THREADS,), (*head, np.uint32(plan.team_shift), e5m2, acc, out))
         return
-    per_block, total = _tiles(n, block)
     _kernel(cupy, "gc_fp8_decode_tiles")(
-        (total,), (THREADS,),
-        (wire, _u64(n), _u64(block), _u64(nblocks), _u64(per_block), _u64(TILE), e5m2, acc,
-         out))
+        (plan.grid,), (THREADS,),
+        (*head, _u64(plan.tiles_per_block), _u64(TILE), e5m2, acc, out))

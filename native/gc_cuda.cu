@@ -17,6 +17,14 @@
  *                        per output byte (2 values), 8 lanes per 16-value
  *                        block.
  *   BF16                 one thread per value.
+ *   MXFP8                one thread per value: a warp is one 32-value block,
+ *                        its amax an xor-shuffle reduction.
+ *   MXFP4                one thread per output byte (2 values), 16 lanes per
+ *                        32-value block.
+ *
+ * Encoders take the rounding (sr: 0 nearest even, 1 stochastic) and, for
+ * stochastic rounding, key = gc_sr_key(seed, stream) and the global index
+ * `offset` of x[0]: value i draws gc_sr_bits(key, offset + i), as in codec.c.
  *
  * Block amaxes are unsigned maxima of the fp32 bit patterns with the sign
  * cleared and non-finite values as 0, exactly like codec.c: for non-negative
@@ -38,8 +46,6 @@
  * Kernels expect blockDim.x to be a multiple of 32.
  */
 #include "gc_scalar.h"
-
-typedef unsigned long long gc_u64;
 
 #define GC_DEV __device__ __forceinline__
 #define GC_FULL_MASK 0xffffffffu
@@ -104,9 +110,9 @@ GC_DEV gc_u32 gc_block_max(gc_u32 m)
     return m;
 }
 
-GC_DEV gc_u8 gc_fp8_code(int e5m2, float q, float x)
+GC_DEV gc_u8 gc_fp8_code(int e5m2, float q, float x, int sr, gc_u32 rnd)
 {
-    return e5m2 ? gc_e5m2_code(q, x) : gc_e4m3_code(q, x);
+    return e5m2 ? gc_e5m2_code(q, x, sr, rnd) : gc_e4m3_code(q, x, sr, rnd);
 }
 
 GC_DEV float gc_fp8_value(int e5m2, gc_u32 c)
@@ -163,6 +169,7 @@ extern "C" __global__ void gc_amax_tiles(const float *x, gc_u64 n, gc_u64 block,
 /* Team encode: 2^lshift lanes per scaling block of `block` values. */
 extern "C" __global__ void gc_fp8_encode_team(const float *x, gc_u64 n, gc_u64 block,
                                               gc_u64 nblocks, unsigned int lshift, int e5m2,
+                                              int sr, gc_u64 key, gc_u64 offset,
                                               unsigned char *wire)
 {
     const float fmax = e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
@@ -188,7 +195,8 @@ extern "C" __global__ void gc_fp8_encode_team(const float *x, gc_u64 n, gc_u64 b
     unsigned char *cb = wire + 4 * nblocks + start;
     for (gc_u64 i = lane; i < len; i += width) {
         float xi = xb[i];
-        cb[i] = gc_fp8_code(e5m2, (xi * pre) * factor, xi);
+        cb[i] = gc_fp8_code(e5m2, (xi * pre) * factor, xi, sr,
+                            gc_rnd_at(sr, key, offset + start + i));
     }
 }
 
@@ -196,6 +204,7 @@ extern "C" __global__ void gc_fp8_encode_team(const float *x, gc_u64 n, gc_u64 b
 extern "C" __global__ void gc_fp8_encode_tiles(const float *x, gc_u64 n, gc_u64 block,
                                                gc_u64 nblocks, gc_u64 tiles_per_block,
                                                gc_u64 tile, const gc_u32 *amax, int e5m2,
+                                               int sr, gc_u64 key, gc_u64 offset,
                                                unsigned char *wire)
 {
     const float fmax = e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
@@ -211,7 +220,7 @@ extern "C" __global__ void gc_fp8_encode_tiles(const float *x, gc_u64 n, gc_u64 
     unsigned char *codes = wire + 4 * nblocks;
     for (gc_u64 i = start + threadIdx.x; i < end; i += blockDim.x) {
         float xi = x[i];
-        codes[i] = gc_fp8_code(e5m2, (xi * pre) * factor, xi);
+        codes[i] = gc_fp8_code(e5m2, (xi * pre) * factor, xi, sr, gc_rnd_at(sr, key, offset + i));
     }
 }
 
@@ -256,6 +265,7 @@ extern "C" __global__ void gc_fp8_decode_tiles(const unsigned char *wire, gc_u64
  * block reduce its amax and finiteness by shuffles. tamax holds the bits of
  * the tensor amax from gc_amax_tiles (one scaling block of n values). */
 extern "C" __global__ void gc_nvfp4_encode(const float *x, gc_u64 n, const gc_u32 *tamax,
+                                           int sr, gc_u64 key, gc_u64 offset,
                                            unsigned char *wire)
 {
     const float tmax = GC_E2M1_MAX * GC_E4M3_MAX;
@@ -277,11 +287,14 @@ extern "C" __global__ void gc_nvfp4_encode(const float *x, gc_u64 n, const gc_u3
     float tfactor = gc_quant_factor(tensor_amax, tmax, &tpre);
     float gscale = tensor_amax / tmax;
     int finite = bad == 0;
-    gc_u8 sc = gc_nvfp4_scale_code(gc_float(m), tpre, tfactor, finite);
+    gc_u8 sc = gc_nvfp4_scale_code(gc_float(m), tpre, tfactor, finite, sr);
     float pre;
     float factor = gc_quant_factor(gc_e4m3_value(sc) * gscale, 1.0f, &pre);
-    gc_u32 c0 = finite ? gc_e2m1_code((x0 * pre) * factor) : 0u;
-    gc_u32 c1 = finite && has1 ? gc_e2m1_code((x1 * pre) * factor) : 0u;
+    gc_u32 c0 = finite ? gc_e2m1_code((x0 * pre) * factor, sr, gc_rnd_at(sr, key, offset + 2 * p))
+                       : 0u;
+    gc_u32 c1 = finite && has1 ? gc_e2m1_code((x1 * pre) * factor, sr,
+                                              gc_rnd_at(sr, key, offset + 2 * p + 1))
+                               : 0u;
 
     wire[4 + nblocks + p] = (unsigned char)(c0 | (c1 << 4));
     if ((p & (GC_NVFP4_BLOCK / 2 - 1)) == 0)
@@ -307,12 +320,13 @@ extern "C" __global__ void gc_nvfp4_decode(const unsigned char *wire, gc_u64 n, 
 
 /* ---- BF16 -------------------------------------------------------------------- */
 
-extern "C" __global__ void gc_bf16_encode(const float *x, gc_u64 n, unsigned char *wire)
+extern "C" __global__ void gc_bf16_encode(const float *x, gc_u64 n, int sr, gc_u64 key,
+                                          gc_u64 offset, unsigned char *wire)
 {
     gc_u64 i = gc_global_id();
     if (i >= n)
         return;
-    gc_u16 c = gc_bf16_code(x[i]);
+    gc_u16 c = gc_bf16_code(x[i], sr, gc_rnd_at(sr, key, offset + i));
     wire[2 * i] = (unsigned char)c;
     wire[2 * i + 1] = (unsigned char)(c >> 8);
 }
@@ -325,4 +339,78 @@ extern "C" __global__ void gc_bf16_decode(const unsigned char *wire, gc_u64 n, i
         return;
     gc_u32 c = (gc_u32)wire[2 * i] | ((gc_u32)wire[2 * i + 1] << 8);
     gc_put(out + i, gc_bf16_value(c), accumulate);
+}
+
+/* ---- MX (MXFP8, MXFP4) ---------------------------------------------------------- */
+
+/* One thread per value, one warp per 32-value block (THREADS is a multiple of
+ * 32, so warps and blocks are aligned). */
+extern "C" __global__ void gc_mxfp8_encode(const float *x, gc_u64 n, int e5m2, int rceil, int sr,
+                                           gc_u64 key, gc_u64 offset, unsigned char *wire)
+{
+    gc_u64 i = gc_global_id();
+    float xi = i < n ? x[i] : 0.0f;
+    gc_u32 m = gc_team_max(gc_amax_bits(0u, xi), GC_MX_BLOCK);
+    if (i >= n)
+        return;
+    int e = gc_mx_exponent(gc_float(m), e5m2 ? 15 : 8, e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX, rceil);
+    float factor = gc_mx_factor(e);
+    gc_u64 nblocks = gc_ceil_div(n, GC_MX_BLOCK);
+    wire[nblocks + i] = gc_fp8_code(e5m2, xi * factor, xi, sr,
+                                    gc_rnd_at(sr, key, offset + i));
+    if ((i & (GC_MX_BLOCK - 1)) == 0)
+        wire[i / GC_MX_BLOCK] = (unsigned char)(e + 127);
+}
+
+/* One thread per code byte (values 2p and 2p + 1), 16 lanes per block. */
+extern "C" __global__ void gc_mxfp4_encode(const float *x, gc_u64 n, int rceil, int sr,
+                                           gc_u64 key, gc_u64 offset, unsigned char *wire)
+{
+    const unsigned int lanes = GC_MX_BLOCK / 2;
+    gc_u64 p = gc_global_id();
+    int has0 = 2 * p < n;
+    int has1 = 2 * p + 1 < n;
+    float x0 = has0 ? x[2 * p] : 0.0f;
+    float x1 = has1 ? x[2 * p + 1] : 0.0f;
+    gc_u32 m = gc_team_max(gc_amax_bits(gc_amax_bits(0u, x0), x1), lanes);
+    gc_u32 bad = gc_team_max((gc_u32)(!gc_finite(x0) | !gc_finite(x1)), lanes);
+    if (!has0)
+        return;
+    int finite = bad == 0;
+    int e = gc_mx_exponent(gc_float(m), 2, GC_E2M1_MAX, rceil);
+    float factor = gc_mx_factor(e);
+    gc_u32 c0 = finite ? gc_e2m1_code(x0 * factor, sr, gc_rnd_at(sr, key, offset + 2 * p))
+                       : 0u;
+    gc_u32 c1 = finite && has1 ? gc_e2m1_code(x1 * factor, sr,
+                                              gc_rnd_at(sr, key, offset + 2 * p + 1))
+                               : 0u;
+    gc_u64 nblocks = gc_ceil_div(n, GC_MX_BLOCK);
+    wire[nblocks + p] = (unsigned char)(c0 | (c1 << 4));
+    if ((p & (lanes - 1)) == 0)
+        wire[p / lanes] = finite ? (unsigned char)(e + 127) : (unsigned char)0xffu;
+}
+
+extern "C" __global__ void gc_mxfp8_decode(const unsigned char *wire, gc_u64 n, int e5m2,
+                                           int accumulate, float *out)
+{
+    gc_u64 i = gc_global_id();
+    if (i >= n)
+        return;
+    gc_u64 nblocks = gc_ceil_div(n, GC_MX_BLOCK);
+    float scale = gc_e8m0_value(wire[i / GC_MX_BLOCK]);
+    gc_put(out + i, __fmul_rn(gc_fp8_value(e5m2, wire[nblocks + i]), scale), accumulate);
+}
+
+extern "C" __global__ void gc_mxfp4_decode(const unsigned char *wire, gc_u64 n, int accumulate,
+                                           float *out)
+{
+    gc_u64 p = gc_global_id();
+    if (p >= (n + 1) / 2)
+        return;
+    gc_u64 nblocks = gc_ceil_div(n, GC_MX_BLOCK);
+    float scale = gc_e8m0_value(wire[p / (GC_MX_BLOCK / 2)]);
+    gc_u32 byte = wire[nblocks + p];
+    gc_put(out + 2 * p, __fmul_rn(gc_e2m1_value(byte & 0xfu), scale), accumulate);
+    if (2 * p + 1 < n)
+        gc_put(out + 2 * p + 1, __fmul_rn(gc_e2m1_value(byte >> 4), scale), accumulate);
 }

@@ -15,6 +15,11 @@
  *   E4M3FN, keeps its inf/NaN code in E5M2.
  * When amax is tiny (< 2^-100) FMAX / amax would overflow, so both factors
  * are pre-multiplied by 2^64 (exact, a power of two); see gc_quant_factor.
+ *
+ * Every code function takes `sr` and `rnd`: sr == 0 rounds to nearest even
+ * (rnd unused), sr != 0 rounds stochastically with the 32 random bits rnd
+ * (gc_sr_bits); the loops pass a constant sr, so the nearest path compiles
+ * to what it was before stochastic rounding existed.
  */
 #ifndef GC_SCALAR_H
 #define GC_SCALAR_H
@@ -24,6 +29,7 @@
 typedef unsigned int gc_u32;
 typedef unsigned char gc_u8;
 typedef unsigned short gc_u16;
+typedef unsigned long long gc_u64;
 #else
 #include <math.h>
 #include <stdint.h>
@@ -32,12 +38,14 @@ typedef unsigned short gc_u16;
 typedef uint32_t gc_u32;
 typedef uint8_t gc_u8;
 typedef uint16_t gc_u16;
+typedef uint64_t gc_u64;
 #endif
 
 #define GC_E4M3_MAX 448.0f
 #define GC_E5M2_MAX 57344.0f
 #define GC_E2M1_MAX 6.0f
 #define GC_NVFP4_BLOCK 16
+#define GC_MX_BLOCK 32
 
 GC_FN gc_u32 gc_bits(float f)
 {
@@ -95,21 +103,61 @@ GC_FN gc_u32 gc_round_minifloat(float r, int mbits, int bias)
     return r < min_normal ? subnormal : normal;
 }
 
+/*
+ * Stochastic twin of gc_round_minifloat: |r| rounds to its upper neighbour hi
+ * with probability (r - lo) / (hi - lo), else to its lower neighbour lo, so
+ * E[value] = r. The fraction is a 32-bit fixed-point number
+ * t = floor(2^32 (r - lo) / (hi - lo)) and the code rounds up iff rnd < t:
+ * for uniform rnd, P(up) = t / 2^32. That is exact when r - lo is a multiple
+ * of 2^-32 (hi - lo), which holds for every r >= 2^-9 (hi - lo) (r has 24
+ * significant bits): all normal and subnormal codes' ranges and far below.
+ * Smaller r (under 2^-9 of the smallest subnormal) round up with a
+ * probability at most 2^-32 too low. r == lo (a representable value, FMAX
+ * included) never moves: t = 0.
+ *
+ * Fixed point: at or above the format's smallest normal, the fp32 pattern
+ * with its exponent rebased to BIAS holds the code in its top bits and the
+ * fraction in the low 23 - MBITS bits (a carry out of the mantissa steps
+ * into the next binade, whose first value is the upper neighbour). Below it,
+ * the 24-bit significand m of r holds r in quanta 2^(1 - BIAS - MBITS) with
+ * `sh` fraction bits; sh > 32 only when the code is 0 (m < 2^24).
+ */
+GC_FN gc_u32 gc_round_minifloat_sr(float r, int mbits, int bias, gc_u32 rnd)
+{
+    gc_u32 bits = gc_bits(r);
+    gc_u32 e = bits >> 23;               /* biased fp32 exponent; r >= 0 */
+    gc_u32 emin = (gc_u32)(128 - bias);  /* fp32 exponent of the format's smallest normal */
+    int normal = e >= emin;
+    gc_u32 e1 = e ? e : 1u;              /* fp32 subnormals have exponent 1, no implicit bit */
+    gc_u32 m = normal ? bits - ((gc_u32)(127 - bias) << 23)
+                      : (bits & 0x007fffffu) | (e ? 0x00800000u : 0u);
+    gc_u32 sh = (gc_u32)(23 - mbits) + (normal ? 0u : emin - e1);
+    gc_u32 whole = m >> (sh < 31u ? sh : 31u);
+    gc_u32 frac = sh <= 32u ? m << (32u - sh) : m >> (sh - 32u < 31u ? sh - 32u : 31u);
+    return whole + (rnd < frac);
+}
+
+/* |r| rounded to nearest even or (sr) stochastically with rnd. */
+GC_FN gc_u32 gc_round_mag(float r, int mbits, int bias, int sr, gc_u32 rnd)
+{
+    return sr ? gc_round_minifloat_sr(r, mbits, bias, rnd) : gc_round_minifloat(r, mbits, bias);
+}
+
 /* q (already x * factor) to E4M3FN: saturate finite, NaN for non-finite x. */
-GC_FN gc_u8 gc_e4m3_code(float q, float x)
+GC_FN gc_u8 gc_e4m3_code(float q, float x, int sr, gc_u32 rnd)
 {
     gc_u32 sign = (gc_bits(x) >> 24) & 0x80u;
     float r = gc_min_abs(q, GC_E4M3_MAX);
-    gc_u32 mag = gc_round_minifloat(r, 3, 7);
+    gc_u32 mag = gc_round_mag(r, 3, 7, sr, rnd);
     return (gc_u8)(sign | (gc_finite(x) ? mag : 0x7fu));
 }
 
 /* q to E5M2: saturate finite, keep inf (0x7c) and NaN (0x7e) codes. */
-GC_FN gc_u8 gc_e5m2_code(float q, float x)
+GC_FN gc_u8 gc_e5m2_code(float q, float x, int sr, gc_u32 rnd)
 {
     gc_u32 sign = (gc_bits(x) >> 24) & 0x80u;
     float r = gc_min_abs(q, GC_E5M2_MAX);
-    gc_u32 mag = gc_round_minifloat(r, 2, 15);
+    gc_u32 mag = gc_round_mag(r, 2, 15, sr, rnd);
     /* 0x7e for NaN (mantissa != 0), 0x7c for inf: bit 23 of mantissa +
      * 0x7fffff is set exactly when the mantissa is non-zero (arithmetic
      * instead of a comparison keeps the loop vectorizable) */
@@ -119,11 +167,11 @@ GC_FN gc_u8 gc_e5m2_code(float q, float x)
 }
 
 /* q to E2M1 (4-bit code in the low nibble), saturating; q must be finite. */
-GC_FN gc_u8 gc_e2m1_code(float q)
+GC_FN gc_u8 gc_e2m1_code(float q, int sr, gc_u32 rnd)
 {
     gc_u32 sign = (gc_bits(q) >> 28) & 0x8u;
     float r = gc_min_abs(q, GC_E2M1_MAX);
-    return (gc_u8)(sign | gc_round_minifloat(r, 1, 1));
+    return (gc_u8)(sign | gc_round_mag(r, 1, 1, sr, rnd));
 }
 
 GC_FN float gc_e4m3_value(gc_u32 c)
@@ -155,12 +203,17 @@ GC_FN float gc_e2m1_value(gc_u32 c)
     return (c & 8u) ? -v : v;
 }
 
-/* fp32 to bfloat16, round-to-nearest-even; any NaN becomes the canonical
- * quiet NaN 0x7fc0 with its sign (as ml_dtypes does). */
-GC_FN gc_u16 gc_bf16_code(float x)
+/* fp32 to bfloat16, round-to-nearest-even or (sr) stochastically; any NaN
+ * becomes the canonical quiet NaN 0x7fc0 with its sign (as ml_dtypes does).
+ * There is no saturation (as in ml_dtypes): above the largest finite
+ * bfloat16 the upper neighbour is 2^128, i.e. inf. */
+GC_FN gc_u16 gc_bf16_code(float x, int sr, gc_u32 rnd)
 {
     gc_u32 bits = gc_bits(x);
     gc_u32 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    if (sr) /* the same bits on the magnitude: bfloat16 is an 8-bit-mantissa minifloat */
+        rounded = ((bits >> 16) & 0x8000u)
+                  | gc_round_minifloat_sr(gc_float(bits & 0x7fffffffu), 7, 127, rnd);
     gc_u32 nan = ((bits >> 16) & 0x8000u) | 0x7fc0u;
     int is_nan = (bits & 0x7fffffffu) > 0x7f800000u;
     return (gc_u16)(is_nan ? nan : rounded);
@@ -185,12 +238,94 @@ GC_FN float gc_quant_factor(float amax, float fmax, float *pre)
  * tfactor = gc_quant_factor(tensor_amax, 6 * 448, &tpre) maps the tensor's
  * amax onto the largest block scale. A block holding a non-finite value
  * gets the NaN code 0x7f (and payload codes 0), so its 16 values decode as
- * NaN.
+ * NaN. With `up` (stochastic rounding) the code is rounded up instead of to
+ * nearest, so that no value of the block exceeds 6 block scales: a value
+ * above 6 would be clamped to 6, a bias no random rounding can undo. (A
+ * non-zero block never gets scale 0 then; only a tensor amax below
+ * 2688 * 2^-149, whose fp32 tensor scale is 0, still decodes as 0.)
  */
-GC_FN gc_u8 gc_nvfp4_scale_code(float bamax, float tpre, float tfactor, int block_finite)
+GC_FN gc_u8 gc_nvfp4_scale_code(float bamax, float tpre, float tfactor, int block_finite, int up)
 {
     float s = ((bamax / GC_E2M1_MAX) * tpre) * tfactor;
-    return block_finite ? gc_e4m3_code(s, 0.0f) : (gc_u8)0x7fu;
+    gc_u8 c = gc_e4m3_code(s, 0.0f, 0, 0u);
+    /* up: the next code when c is below s (0x7e, 448, is the largest), and at
+     * least the smallest subnormal for a non-zero block whose s underflowed */
+    int below = gc_e4m3_value(c) < s || (c == 0u && bamax > 0.0f);
+    c = (gc_u8)(c + (up && c < 0x7eu && below));
+    return block_finite ? c : (gc_u8)0x7fu;
+}
+
+/* ---- MX (OCP Microscaling v1.0) ---------------------------------------------
+ *
+ * One E8M0 scale 2^X per 32 values (code X + 127; 0xff is NaN), elements in
+ * E4M3, E5M2 or E2M1 with largest exponent EMAX (8, 15, 2) and largest value
+ * FMAX. X = floor(log2(amax)) - EMAX ("floor", the OCP rule: values up to
+ * 2^(EMAX+1) X land above FMAX and saturate) or, with rceil, the smallest X
+ * with amax <= FMAX 2^X (nothing saturates). X is clamped to
+ * [-127, 127 - EMAX]: below, E8M0's range ends (blocks smaller than 2^-127
+ * lose their smallest values); above, FMAX 2^X would overflow fp32, so rceil
+ * falls back to floor (and saturates) for amax > FMAX 2^(127 - EMAX), the top
+ * 2^(EMAX+1) / FMAX of fp32's range. An all-zero block has X = -127.
+ * Elements are x * 2^-X, exact unless they fall below fp32's range.
+ */
+
+/* Shared exponent X of a block with finite max |x| = amax (see above). */
+GC_FN int gc_mx_exponent(float amax, int emax, float fmax, int rceil)
+{
+    /* fp32 subnormals are scaled into the normal range (exactly) to read their exponent */
+    int sub = amax < 0x1p-126f;
+    gc_u32 b = gc_bits(sub ? amax * 0x1p32f : amax);
+    int x = (int)(b >> 23) - 127 - (sub ? 32 : 0) - emax;
+    /* amax = 1.m * 2^(x + EMAX) exceeds FMAX 2^x = 1.f * 2^(x + EMAX) iff m > f */
+    x += rceil && (b & 0x007fffffu) > (gc_bits(fmax) & 0x007fffffu);
+    x = amax > 0.0f ? x : -127;
+    x = x > 127 - emax ? 127 - emax : x;
+    return x < -127 ? -127 : x;
+}
+
+/* 2^-X as an fp32 factor (X <= 125, so it is a normal number). */
+GC_FN float gc_mx_factor(int x) { return gc_float((gc_u32)(127 - x) << 23); }
+
+/* The value 2^(c - 127) of E8M0 code c (code 0 is 2^-127, an fp32
+ * subnormal; 0xff is NaN). */
+GC_FN float gc_e8m0_value(gc_u32 c)
+{
+    float v = c ? gc_float(c << 23) : gc_float(0x00400000u);
+    return c == 0xffu ? gc_float(0x7fc00000u) : v;
+}
+
+/* ---- stochastic rounding: counter-based random bits -------------------------
+ *
+ * The random bits of element i of an encode call are a pure function of the
+ * codec's seed, the caller's stream and the element's global index
+ * offset + i, so they do not depend on how the data is cut into calls:
+ *   key(seed, stream)  = mix64(mix64(seed) ^ stream)
+ *   bits(key, index)   = mix64(key + (index + 1) * 0x9e3779b97f4a7c15) >> 32
+ * mix64 is SplitMix64's finalizer (a bijection of 64-bit words), so
+ * bits(key, index) is the upper half of output number `index` (from 0) of a
+ * SplitMix64 generator seeded with key. All arithmetic is modulo 2^64.
+ */
+#define GC_SR_GAMMA 0x9e3779b97f4a7c15ull
+
+GC_FN gc_u64 gc_mix64(gc_u64 z)
+{
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+GC_FN gc_u64 gc_sr_key(gc_u64 seed, gc_u64 stream) { return gc_mix64(gc_mix64(seed) ^ stream); }
+
+GC_FN gc_u32 gc_sr_bits(gc_u64 key, gc_u64 index)
+{
+    return (gc_u32)(gc_mix64(key + (index + 1u) * GC_SR_GAMMA) >> 32);
+}
+
+/* The rnd argument of the code functions for element `index`: the random
+ * bits with sr, else 0 (a constant sr == 0 drops the hash). */
+GC_FN gc_u32 gc_rnd_at(int sr, gc_u64 key, gc_u64 index)
+{
+    return sr ? gc_sr_bits(key, index) : 0u;
 }
 
 #endif /* GC_SCALAR_H */

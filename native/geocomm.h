@@ -10,6 +10,10 @@
  *                     then ceil(n / 2) bytes of E2M1 codes (element 2i in
  *                     the low nibble, 2i + 1 in the high nibble).
  *   GC_BF16           n two-byte bfloat16 codes.
+ *   GC_MXFP8_E4M3,    OCP Microscaling: ceil(n / 32) E8M0 scale bytes (2^(c - 127),
+ *   GC_MXFP8_E5M2     0xff NaN), then n one-byte E4M3 / E5M2 codes.
+ *   GC_MXFP4          ceil(n / 32) E8M0 scale bytes, then ceil(n / 2) bytes of
+ *                     E2M1 codes packed as in GC_NVFP4.
  * n == 0 encodes as an empty body. Scales inside a body need no alignment.
  * Functions return 0 on success and GC_EINVAL for an unknown format.
  * Thread-safe: no global state.
@@ -24,14 +28,34 @@
 #define GC_E5M2 2
 #define GC_NVFP4 3
 #define GC_BF16 4
+#define GC_MXFP8_E4M3 5
+#define GC_MXFP8_E5M2 6
+#define GC_MXFP4 7
+/* gc_encode_ex flags */
+#define GC_STOCHASTIC 1
+#define GC_RCEIL 2
 #define GC_EINVAL -22
 #define GC_ENOMEM -12
 
-/* Bytes of the wire body of n values (block is ignored by NVFP4 and BF16). */
+/* Bytes of the wire body of n values (block is ignored by all but E4M3, E5M2). */
 size_t gc_wire_size(int fmt, size_t n, size_t block);
 
-/* Encode n fp32 values into wire, which holds gc_wire_size(fmt, n, block). */
+/* Encode n fp32 values into wire, which holds gc_wire_size(fmt, n, block);
+ * rounds to nearest even (gc_encode_ex with flags 0). */
 int gc_encode(int fmt, const float *x, size_t n, size_t block, uint8_t *wire);
+
+/* gc_encode with options. flags: GC_STOCHASTIC rounds every code (and the
+ * NVFP4 block scales upward, so nothing saturates) stochastically, with
+ * E[decoded] = input up to fp32 scale arithmetic; the random bits of element
+ * i are a pure function of (seed, stream, offset + i) (gc_scalar.h:
+ * gc_sr_key, gc_sr_bits), so one call or several calls over consecutive
+ * pieces with the matching offsets give the same bits. GC_RCEIL (MX formats
+ * only) rounds the shared exponent up so that no element saturates, instead
+ * of the OCP floor rule (gc_scalar.h: gc_mx_exponent). seed, stream and offset are ignored without
+ * GC_STOCHASTIC. GC_EINVAL for an unknown format or flag, or GC_RCEIL on a
+ * non-MX format. */
+int gc_encode_ex(int fmt, const float *x, size_t n, size_t block, uint8_t *wire, unsigned flags,
+                 uint64_t seed, uint64_t stream, uint64_t offset);
 
 /* Decode a wire body of n values into out; with accumulate != 0 the values
  * are added to out (fp32, element by element) instead of stored. */

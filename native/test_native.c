@@ -2,8 +2,10 @@
  * C unit tests of the native codec, independent of Python: decode of every
  * code against a second, ldexp-based definition of the formats; encode of
  * every representable value back to its code; every E2M1 code through the
- * NVFP4 decoder; wire sizes; non-finite rules;
- * accumulate; and decoding random bytes (run under -Db_sanitize=address,
+ * NVFP4 decoder; every E8M0 scale through the MX decoders; wire sizes;
+ * non-finite rules; gc_encode_ex's flags and its stochastic rounding staying
+ * between the two neighbours; accumulate; and encoding random values and
+ * decoding random bytes in every format (run under -Db_sanitize=address,
  * undefined, that catches any out-of-bounds access). Prints
  * "N passed, M failed" and exits non-zero on failure.
  */
@@ -94,6 +96,23 @@ static void test_e2m1_codes(void)
     }
 }
 
+/* Every E8M0 scale code through the MXFP8 (E4M3) decoder with element 1.0:
+ * 2^(c - 127), NaN for 0xff. */
+static void test_e8m0_scales(void)
+{
+    uint8_t wire[256 + 256 * 32];
+    float out[256 * 32];
+    for (int c = 0; c < 256; c++) {
+        wire[c] = (uint8_t)c;
+        memset(wire + 256 + 32 * c, 0x38, 32); /* E4M3 code of 1.0 */
+    }
+    CHECK(gc_decode(GC_MXFP8_E4M3, wire, 256 * 32, 0, out, 0) == 0, "decode mxfp8");
+    for (int c = 0; c < 256; c++) {
+        float ref = c == 255 ? NAN : ldexpf(1.0f, c - 127);
+        CHECK(same(out[32 * c + 31], ref), "e8m0 code %d: %g vs %g", c, out[32 * c + 31], ref);
+    }
+}
+
 static void test_wire_sizes(void)
 {
     CHECK(gc_wire_size(GC_E4M3, 0, 128) == 0, "empty");
@@ -101,11 +120,46 @@ static void test_wire_sizes(void)
     CHECK(gc_wire_size(GC_E5M2, 100, 0) == 4 + 100, "e5m2 per tensor");
     CHECK(gc_wire_size(GC_NVFP4, 33, 0) == 4 + 3 + 17, "nvfp4 33");
     CHECK(gc_wire_size(GC_BF16, 7, 0) == 14, "bf16 7");
+    CHECK(gc_wire_size(GC_MXFP8_E4M3, 65, 128) == 3 + 65, "mxfp8 65");
+    CHECK(gc_wire_size(GC_MXFP8_E5M2, 64, 0) == 2 + 64, "mxfp8 e5m2 64");
+    CHECK(gc_wire_size(GC_MXFP4, 33, 0) == 2 + 17, "mxfp4 33");
     CHECK(gc_wire_size(99, 7, 0) == 0, "unknown format has no size");
     float x = 1.0f;
     uint8_t w[16];
     CHECK(gc_encode(99, &x, 1, 0, w) == GC_EINVAL, "unknown format rejected");
     CHECK(gc_decode(99, w, 1, 0, &x, 0) == GC_EINVAL, "unknown format rejected");
+    CHECK(gc_encode_ex(GC_E4M3, &x, 1, 0, w, 4, 0, 0, 0) == GC_EINVAL, "unknown flag rejected");
+    CHECK(gc_encode_ex(GC_E4M3, &x, 1, 0, w, GC_RCEIL, 0, 0, 0) == GC_EINVAL,
+          "rceil needs an MX format");
+    CHECK(gc_encode_ex(GC_MXFP4, &x, 1, 0, w, GC_RCEIL | GC_STOCHASTIC, 1, 2, 3) == 0,
+          "mxfp4 with both flags");
+}
+
+/* Stochastic rounding lands on one of the two neighbours of x, and nearest
+ * rounding picks one of the same two: with the same scales, the codes have
+ * the same sign and differ by at most one step. */
+static void test_stochastic_neighbours(void)
+{
+    enum { N = 4096 };
+    static float x[N];
+    static uint8_t rn[4 * N + N], sr[4 * N + N];
+    for (int i = 0; i < N; i++)
+        x[i] = sinf((float)i * 0.37f) * ldexpf(1.0f, i % 40 - 20);
+    int fmts[] = {GC_E4M3, GC_E5M2, GC_MXFP8_E4M3, GC_MXFP8_E5M2};
+    for (int f = 0; f < 4; f++) {
+        unsigned rceil = fmts[f] >= GC_MXFP8_E4M3 ? GC_RCEIL : 0u;
+        size_t head = gc_wire_size(fmts[f], N, 128) - N;
+        gc_encode_ex(fmts[f], x, N, 128, rn, rceil, 0, 0, 0);
+        gc_encode_ex(fmts[f], x, N, 128, sr, rceil | GC_STOCHASTIC, 9, 8, 7);
+        int ok = memcmp(rn, sr, head) == 0, moved = 0;
+        for (int i = 0; i < N; i++) {
+            int a = rn[head + i] & 0x7f, b = sr[head + i] & 0x7f;
+            ok &= (rn[head + i] & 0x80) == (sr[head + i] & 0x80) && abs(a - b) <= 1;
+            moved += a != b;
+        }
+        CHECK(ok && moved > 0, "fmt %d: stochastic codes are nearest's neighbours (%d moved)",
+              fmts[f], moved);
+    }
 }
 
 static void test_nonfinite(void)
@@ -135,8 +189,8 @@ static void test_accumulate(void)
     for (int i = 0; i < 300; i++)
         x[i] = sinf((float)i);
     uint8_t w[2 * 300 + 4 * 300];
-    int fmts[] = {GC_E4M3, GC_E5M2, GC_NVFP4, GC_BF16};
-    for (int f = 0; f < 4; f++) {
+    int fmts[] = {GC_E4M3, GC_E5M2, GC_NVFP4, GC_BF16, GC_MXFP8_E4M3, GC_MXFP8_E5M2, GC_MXFP4};
+    for (int f = 0; f < 7; f++) {
         gc_encode(fmts[f], x, 300, 128, w);
         gc_decode(fmts[f], w, 300, 128, once, 0);
         for (int i = 0; i < 300; i++)
@@ -156,13 +210,17 @@ static void test_random_wires(void)
     for (int trial = 0; trial < 2000; trial++) {
         size_t n = (size_t)(rand() % 700);
         size_t block = (size_t)(rand() % 200);
-        int fmt = 1 + rand() % 4;
+        int fmt = 1 + rand() % 7;
         size_t size = gc_wire_size(fmt, n, block);
         uint8_t *wire = malloc(size ? size : 1);
         float *out = malloc((n ? n : 1) * sizeof(float));
         for (size_t i = 0; i < size; i++)
             wire[i] = (uint8_t)rand();
         CHECK(gc_decode(fmt, wire, n, block, out, 0) == 0, "decode random wire");
+        /* and encode the decoded values (NaN, inf, anything) with every option */
+        unsigned flags = (unsigned)(rand() % 2) | (fmt >= GC_MXFP8_E4M3 ? (rand() % 2) * 2u : 0u);
+        CHECK(gc_encode_ex(fmt, out, n, block, wire, flags, (uint64_t)rand(), (uint64_t)rand(),
+                           (uint64_t)0 - (uint64_t)rand()) == 0, "encode random values");
         free(wire);
         free(out);
     }
@@ -173,7 +231,9 @@ int main(void)
     test_fp8_codes(GC_E4M3, e4m3, 448.0f);
     test_fp8_codes(GC_E5M2, e5m2, 57344.0f);
     test_e2m1_codes();
+    test_e8m0_scales();
     test_wire_sizes();
+    test_stochastic_neighbours();
     test_nonfinite();
     test_accumulate();
     test_random_wires();

@@ -2,7 +2,8 @@
 
 One fp32 input (normal, fixed seed, ``--size-mib`` MiB) goes through every
 case: native encode, decode and decode+accumulate for E4M3 and E5M2 with
-block 128, NVFP4 and BF16; ml_dtypes ``astype(float8_e4m3fn)``; torch
+block 128, NVFP4, BF16, MXFP8 (E4M3) and MXFP4; native encode with stochastic
+rounding of each (MX with the rceil scale rule it needs); ml_dtypes ``astype(float8_e4m3fn)``; torch
 ``tensor.to(torch.float8_e4m3fn)`` on one thread; and ``np.copyto`` into a
 preallocated array (the memory-bandwidth yardstick). Each case runs twice to
 warm up, then ``--repeats`` times; the median time is reported as GB/s of
@@ -41,7 +42,8 @@ from geocomm import _nativecodec as native
 from geocomm.codecs import _reference as ref
 
 SEED = 20261129
-FORMATS = [("e4m3", 128), ("e5m2", 128), ("nvfp4", 0), ("bf16", 0)]
+FORMATS = [("e4m3", 128), ("e5m2", 128), ("nvfp4", 0), ("bf16", 0), ("mxfp8_e4m3", 0),
+           ("mxfp4", 0)]
 
 
 @dataclass
@@ -106,6 +108,27 @@ def native_cases(x: np.ndarray, fmt: str, block: int) -> list[Case]:
         Case(f"native decode+acc {label}",
              lambda: native.decode(code, wire, block, acc, accumulate=True), check_accumulate),
     ]
+
+
+def stochastic_case(x: np.ndarray, fmt: str, block: int) -> Case:
+    """Native encode with stochastic rounding (seed 1, stream 2, offset 0)."""
+    code = native.FORMATS[fmt]
+    wire = np.empty(native.wire_size(code, x.size, block), np.uint8)
+    mx = fmt.startswith("mx")
+    flags = native.STOCHASTIC | (native.RCEIL if mx else 0)
+    options = {"rounding": "stochastic", "seed": 1, "stream": 2,
+               **({"scale_rule": "rceil"} if mx else {})}
+
+    def run() -> None:
+        native.encode(code, x, block, wire, flags=flags, seed=1, rng_stream=2)
+
+    def check() -> str:
+        run()
+        return "ok" if np.array_equal(wire, ref.encode(fmt, x, block, **options)) else (
+            "WIRE MISMATCH")
+
+    label = f"{fmt}" + (f" block {block}" if block else "")
+    return Case(f"native encode {label} stochastic", run, check)
 
 
 def baseline_cases(x: np.ndarray) -> list[Case]:
@@ -236,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     n = args.size_mib * (1 << 20) // 4
     x = np.random.default_rng(SEED).standard_normal(n, dtype=np.float32)
     cases = [c for fmt, block in FORMATS for c in native_cases(x, fmt, block)]
+    cases += [stochastic_case(x, fmt, block) for fmt, block in FORMATS]
     cases += baseline_cases(x)
     for case in cases:
         time_case(case, args.repeats)

@@ -39,12 +39,19 @@ CASE_IDS = [f"{fmt}-b{b}" for fmt, b in CASES]
 # ---- helpers ---------------------------------------------------------------
 
 
-def native_encode(fmt: str, x: np.ndarray, block: int = 0) -> np.ndarray:
-    """Native wire body of x (flattened, as float32)."""
+def native_encode(fmt: str, x: np.ndarray, block: int = 0, **options) -> np.ndarray:
+    """Native wire body of x (flattened, as float32).
+
+    ``options`` are those of the reference's ``encode`` (rounding, scale_rule,
+    seed, stream, offset), passed to the C core as gc_encode_ex flags and values.
+    """
     flat = np.ascontiguousarray(x, F32).reshape(-1)
     code = native.FORMATS[fmt]
     wire = np.empty(native.wire_size(code, flat.size, block), np.uint8)
-    native.encode(code, flat, block, wire)
+    flags = (native.STOCHASTIC if options.get("rounding") == "stochastic" else 0) | (
+        native.RCEIL if options.get("scale_rule") == "rceil" else 0)
+    native.encode(code, flat, block, wire, flags=flags, seed=options.get("seed", 0),
+                  rng_stream=options.get("stream", 0), offset=options.get("offset", 0))
     return wire
 
 
@@ -82,14 +89,16 @@ def assert_same_bytes(actual: np.ndarray, expected: np.ndarray) -> None:
     )
 
 
-def check_native_matches_reference(fmt: str, x: np.ndarray, block: int, seed: int = 0) -> None:
-    """Same bytes from encode; same values from decode and from decode-accumulate."""
+def check_native_matches_reference(fmt: str, x: np.ndarray, block: int, onto_seed: int = 0,
+                                   **options) -> None:
+    """Same bytes from encode (with the reference's encode ``options``); same values
+    from decode and from decode-accumulate."""
     x = np.ascontiguousarray(x, F32).reshape(-1)
-    wire = native_encode(fmt, x, block)
-    assert_same_bytes(wire, ref.encode(fmt, x, block))
+    wire = native_encode(fmt, x, block, **options)
+    assert_same_bytes(wire, ref.encode(fmt, x, block, **options))
     expected = ref.decode(fmt, wire, x.size, block)
     assert_same_floats(native_decode(fmt, wire, x.size, block), expected)
-    onto = np.random.default_rng(seed).standard_normal(x.size).astype(F32)
+    onto = np.random.default_rng(onto_seed).standard_normal(x.size).astype(F32)
     with np.errstate(invalid="ignore", over="ignore"):
         assert_same_floats(native_decode(fmt, wire, x.size, block, onto=onto), onto + expected)
 
@@ -296,7 +305,7 @@ def test_random_inputs_match_reference(fmt, block, kind):
 @pytest.mark.parametrize(("fmt", "block"), CASES, ids=CASE_IDS)
 def test_edge_inputs_match_reference(fmt, block):
     for i, x in enumerate(edge_tensors(fmt, block)):
-        check_native_matches_reference(fmt, x, block, seed=i)
+        check_native_matches_reference(fmt, x, block, onto_seed=i)
 
 
 @pytest.mark.parametrize(("fmt", "block"), CASES, ids=CASE_IDS)
@@ -305,7 +314,7 @@ def test_every_small_length_matches_reference(fmt, block):
     rng = np.random.default_rng(5)
     for n in [*range(0, 41), 127, 128, 129, 255, 257]:
         x = (rng.standard_normal(n) * 3).astype(F32)
-        check_native_matches_reference(fmt, x, block, seed=n)
+        check_native_matches_reference(fmt, x, block, onto_seed=n)
         assert native.wire_size(native.FORMATS[fmt], n, block) == ref.wire_size(fmt, n, block)
 
 

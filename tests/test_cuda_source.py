@@ -71,7 +71,8 @@ def test_kernel_ptx_is_ieee(kernel_cu: Path, tmp_path: Path):
     entries = set(re.findall(r"\.entry\s+(\w+)", ptx))
     assert {"gc_amax_tiles", "gc_fp8_encode_team", "gc_fp8_encode_tiles", "gc_fp8_decode_team",
             "gc_fp8_decode_tiles", "gc_nvfp4_encode", "gc_nvfp4_decode", "gc_bf16_encode",
-            "gc_bf16_decode"} <= entries
+            "gc_bf16_decode", "gc_mxfp8_encode", "gc_mxfp8_decode", "gc_mxfp4_encode",
+            "gc_mxfp4_decode"} <= entries
     instructions = [line.split()[0] for line in ptx.splitlines()
                     if line.strip() and not line.lstrip().startswith(("//", ".", "{", "}", "$"))]
     assert not [i for i in instructions if i.startswith("fma")], "fused multiply-add in PTX"
@@ -162,6 +163,41 @@ def test_team_and_tile_plans():
     """Launch geometry: team width is the next power of two up to a warp; tiles cover blocks."""
     assert [gcuda._team_shift(b) for b in (1, 2, 3, 16, 17, 32, 33, 1024)] == [0, 1, 2, 4, 5, 5,
                                                                                5, 5]
-    per_block, total = gcuda._tiles(10_000, 5000)
-    assert per_block == -(-5000 // gcuda.TILE) and total == 2 * per_block
+    plan = gcuda.fp8_plan(10_000, 5000)
+    assert plan.team_shift is None and plan.nblocks == 2
+    assert plan.tiles_per_block == -(-5000 // gcuda.TILE) and plan.grid == 2 * plan.tiles_per_block
     assert gcuda.THREADS % 32 == 0
+
+
+@pytest.mark.parametrize("n", [1, 31, 1000, 4097, 10**6 + 3, 2**31 + 5])
+@pytest.mark.parametrize("block", [0, 1, 7, 128, 1024, 1025, 5000, 2**30, 2**48])
+def test_fp8_launch_plan_caps_the_block_at_n(n, block):
+    """Block 0 and every block >= n are one scale over n values (as gc_wire_size counts
+    them), so the plan's grid depends on n, not on the block's nominal size: no thread
+    block may be launched for values that do not exist (issue #14, item 4)."""
+    plan = gcuda.fp8_plan(n, block)
+    one_scale = block == 0 or block >= n
+    assert plan.block == (n if one_scale else block)
+    assert plan.nblocks == -(-n // plan.block)
+    assert gcuda.wire_size("e4m3", n, block) == 4 * plan.nblocks + n  # the layout agrees
+    if plan.team_shift is not None:  # team kernels: 2^shift lanes per scaling block
+        assert plan.block <= gcuda.TEAM_MAX and plan.tiles_per_block == 0
+        assert plan.grid == -(-(plan.nblocks << plan.team_shift) // gcuda.THREADS)
+    else:  # tile kernels: every tile holds at least one value of its block
+        assert plan.block > gcuda.TEAM_MAX
+        assert plan.tiles_per_block == -(-plan.block // gcuda.TILE)
+        assert plan.grid == plan.nblocks * plan.tiles_per_block
+        assert (plan.tiles_per_block - 1) * gcuda.TILE < plan.block
+    if one_scale:  # the grid is what n values need, however large the nominal block
+        need = -(-n // gcuda.TILE) if plan.team_shift is None else 1
+        assert plan.grid == need
+    assert plan.grid <= 2**31 - 1
+
+
+def test_fp8_launch_plan_rejects_bad_arguments():
+    with pytest.raises(ValueError):
+        gcuda.fp8_plan(0, 128)
+    with pytest.raises(ValueError):
+        gcuda.fp8_plan(10, -1)
+    with pytest.raises(ValueError, match="grid"):  # one lane per value, 2^40 values
+        gcuda.fp8_plan(2**40, 1)

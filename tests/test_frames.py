@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 import geocomm
 from geocomm import _nativecodec as native
 from geocomm.codecs import _reference as ref
+from geocomm.codecs import bounds
 
 GOLDEN = pathlib.Path(__file__).resolve().parent / "golden"
 HEAD = struct.Struct("<4sBBBBIQ")
@@ -49,6 +50,11 @@ CONFIGS = [
     {"id": "fp8", "fmt": "e4m3", "block": 0},
     {"id": "fp8", "fmt": "e5m2", "block": 16},
     {"id": "nvfp4"},
+    {"id": "mxfp8", "fmt": "e4m3", "scale_rule": "floor"},
+    {"id": "mxfp8", "fmt": "e5m2", "scale_rule": "rceil"},
+    {"id": "mxfp4", "scale_rule": "floor"},
+    {"id": "fp8", "fmt": "e4m3", "block": 16, "rounding": "stochastic", "seed": 5},
+    {"id": "mxfp4", "scale_rule": "rceil", "rounding": "stochastic", "seed": 0},
 ]
 CONFIG_IDS = ["-".join(str(v) for v in c.values()) for c in CONFIGS]
 # hypothesis: no example database (ranks under mpiexec would share it), bounded work
@@ -94,6 +100,16 @@ def build_frame(fields: dict, **changes) -> bytes:
     return data + CRC.pack(zlib.crc32(data))
 
 
+def reference_body(config: dict, x: np.ndarray) -> bytes:
+    """The wire body of x for config by the NumPy reference (frames use stream 0, offset 0)."""
+    if config["id"] == "none":
+        return x.astype("<f4").tobytes()
+    fmt = {"fp8": config.get("fmt"), "mxfp8": f"mxfp8_{config.get('fmt')}"}.get(
+        config["id"], config["id"])
+    options = {k: config[k] for k in ("rounding", "seed", "scale_rule") if k in config}
+    return ref.encode(fmt, x, config.get("block", 0), **options).tobytes()
+
+
 def decode_or_reject(data):
     """geocomm.decode(data) must return an array or raise ValueError, nothing else."""
     try:
@@ -114,11 +130,7 @@ def test_frame_layout(config):
     assert f["shape"] == (3, 50)
     assert f["config"] == json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
     assert f["crc"] == CRC.pack(zlib.crc32(bytes(frame[: -CRC.size])))
-    if config["id"] == "none":
-        assert f["body"] == x.astype("<f4").tobytes()
-    else:
-        fmt = config["fmt"] if config["id"] == "fp8" else config["id"]
-        assert f["body"] == ref.encode(fmt, x, config.get("block", 0)).tobytes()
+    assert f["body"] == reference_body(config, x)
     assert build_frame(f) == frame.tobytes()
 
 
@@ -133,7 +145,53 @@ def test_get_codec_by_id_params_config_and_instance():
     assert geocomm.get_codec(codec) is codec
     assert geocomm.get_codec("fp8").get_config() == {"id": "fp8", "fmt": "e4m3", "block": 128}
     assert geocomm.get_codec(None) == geocomm.get_codec("none")
-    assert {"none", "bf16", "fp8", "nvfp4"} <= set(geocomm.registered_ids())
+    assert {"none", "bf16", "fp8", "nvfp4", "mxfp8", "mxfp4"} <= set(geocomm.registered_ids())
+
+
+def test_rounding_and_scale_rule_defaults_and_configs():
+    # nearest rounding (the default) adds nothing to a config, so every config
+    # and frame written before stochastic rounding existed stays valid
+    for codec_id in ("bf16", "fp8", "nvfp4"):
+        plain = geocomm.get_codec(codec_id)
+        assert "rounding" not in plain.get_config() and "seed" not in plain.get_config()
+        assert geocomm.get_codec(codec_id, rounding="nearest") == plain
+        sr = geocomm.get_codec(codec_id, rounding="stochastic", seed=9)
+        assert sr.get_config() == {**plain.get_config(), "rounding": "stochastic", "seed": 9}
+        assert sr != plain and sr != geocomm.get_codec(codec_id, rounding="stochastic")
+    # MX: the OCP floor rule by default, rceil with stochastic rounding (which needs it)
+    assert geocomm.get_codec("mxfp8").get_config() == {"id": "mxfp8", "fmt": "e4m3",
+                                                       "scale_rule": "floor"}
+    assert geocomm.get_codec("mxfp4", rounding="stochastic").get_config() == {
+        "id": "mxfp4", "scale_rule": "rceil", "rounding": "stochastic", "seed": 0}
+    assert geocomm.get_codec("mxfp4", scale_rule="rceil").get_config() == {
+        "id": "mxfp4", "scale_rule": "rceil"}
+
+
+@pytest.mark.parametrize(("codec_id", "params"), [
+    ("fp8", {"rounding": "up"}), ("fp8", {"rounding": None}), ("bf16", {"seed": -1}),
+    ("nvfp4", {"seed": 2**64}), ("fp8", {"seed": 1.5}), ("fp8", {"seed": True}),
+    ("mxfp8", {"fmt": "e2m1"}), ("mxfp8", {"scale_rule": "ceil"}),
+    ("mxfp4", {"scale_rule": "floor", "rounding": "stochastic"}),
+])
+def test_bad_rounding_and_mx_params_are_value_error(codec_id, params):
+    with pytest.raises(ValueError):
+        geocomm.get_codec(codec_id, **params)
+
+
+@pytest.mark.parametrize("codec_id", ["none", "bf16", "fp8", "nvfp4", "mxfp8", "mxfp4", "auto"])
+def test_encode_wire_takes_stream_and_offset(codec_id):
+    # every codec accepts them; nearest rounding (and "none") ignores them
+    codec = geocomm.get_codec(codec_id)
+    x = sample((100,), np.float32)
+    a, b = (np.empty(codec.wire_size(100), np.uint8) for _ in range(2))
+    codec.encode_wire(x, a)
+    codec.encode_wire(x, b, stream=2**64 - 1, offset=12345)
+    assert np.array_equal(a, b)
+    if codec_id not in ("none", "auto"):
+        with pytest.raises(ValueError):
+            codec.encode_wire(x, b, stream=-1)
+        with pytest.raises(ValueError):
+            codec.encode_wire(x, b, offset=2**64)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
@@ -184,8 +242,9 @@ def test_roundtrip_keeps_dtype_and_shape(config, dtype, shape):
     assert y.dtype == np.dtype(dtype) and y.shape == shape
     assert geocomm.decode(frame).shape == shape
     # the codec sees x as float32: "none" gives those values back, "bf16" their
-    # bfloat16 rounding; the quantizing codecs stay within their error bounds
-    # (tests/test_codec_formats.py), here loosely at |x| <= 4 sigma = 16
+    # bfloat16 rounding; the quantizing codecs stay within their derived error
+    # bounds (geocomm.codecs.bounds), plus the cast of the result to dtype
+    # (at most 2^-8 relative, bfloat16's half ulp)
     x32 = x.astype(np.float32)
     if config["id"] == "none":
         np.testing.assert_array_equal(y, x32.astype(dtype))
@@ -193,7 +252,9 @@ def test_roundtrip_keeps_dtype_and_shape(config, dtype, shape):
         np.testing.assert_array_equal(y, x32.astype(ml_dtypes.bfloat16).astype(np.float32)
                                       .astype(dtype))
     else:
-        np.testing.assert_allclose(y.astype(np.float64), x32, rtol=0.25, atol=0.6)
+        bound = bounds.single_bound(x32.ravel(), codec).reshape(shape)
+        err = np.abs(y.astype(np.float64) - x32)
+        assert np.all(err <= bound * (1 + 2.0**-8) + 2.0**-8 * np.abs(x32))
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
@@ -398,7 +459,8 @@ VALID_FRAMES = [
         (CONFIGS[0], (3,), np.float32), (CONFIGS[1], (2, 3), np.float16),
         (CONFIGS[2], (5,), np.float64), (CONFIGS[3], (), np.float32),
         (CONFIGS[4], (17,), ml_dtypes.bfloat16), (CONFIGS[5], (3, 7), np.float32),
-        (CONFIGS[5], (0,), np.float32),
+        (CONFIGS[5], (0,), np.float32), (CONFIGS[6], (40,), np.float32),
+        (CONFIGS[8], (33,), np.float16), (CONFIGS[9], (5, 5), np.float32),
     ])
 ]
 CONFIG_TEXTS = [json.dumps(c, sort_keys=True, separators=(",", ":")).encode() for c in CONFIGS] + [

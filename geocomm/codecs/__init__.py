@@ -2,12 +2,19 @@
 
 from geocomm.codecs.auto import AutoCodec
 from geocomm.codecs.base import Codec, TransformingCodec, parse_frame
-from geocomm.codecs.formats import BF16Codec, FP8Codec, NoneCodec, NVFP4Codec
+from geocomm.codecs.formats import (
+    BF16Codec,
+    FP8Codec,
+    MXFP4Codec,
+    MXFP8Codec,
+    NoneCodec,
+    NVFP4Codec,
+)
 from geocomm.codecs.geo import GeoFP8Codec, GeoNVFP4Codec, HadamardCodec
 from geocomm.codecs.registry import get_codec, register_codec, registered_ids
 
-for _cls in (NoneCodec, BF16Codec, FP8Codec, NVFP4Codec, GeoFP8Codec, GeoNVFP4Codec,
-             HadamardCodec, AutoCodec):
+for _cls in (NoneCodec, BF16Codec, FP8Codec, NVFP4Codec, MXFP8Codec, MXFP4Codec, GeoFP8Codec,
+             GeoNVFP4Codec, HadamardCodec, AutoCodec):
     register_codec(_cls)
 
 
@@ -24,6 +31,8 @@ __all__ = [
     "GeoFP8Codec",
     "GeoNVFP4Codec",
     "HadamardCodec",
+    "MXFP4Codec",
+    "MXFP8Codec",
     "NVFP4Codec",
     "NoneCodec",
     "TransformingCodec",

@@ -8,8 +8,8 @@ A :class:`Codec` turns float arrays into bytes and back. It has two faces:
   ``ValueError``;
 * the wire API used inside collectives, where no header travels and every
   rank derives the layout from the element count: ``wire_size(n)``,
-  ``encode_wire(x, wire)``, ``decode_wire(wire, out, accumulate)`` on flat
-  float32 arrays.
+  ``encode_wire(x, wire, stream=0, offset=0)``, ``decode_wire(wire, out,
+  accumulate)`` on flat float32 arrays.
 
 ``get_config()`` is JSON-able and defines equality:
 ``get_codec(c.get_config()) == c``.
@@ -94,8 +94,16 @@ class Codec(ABC):
         """Bytes of the wire body of ``n`` values."""
 
     @abstractmethod
-    def encode_wire(self, x: np.ndarray, wire: np.ndarray) -> None:
-        """Encode flat contiguous float32 ``x`` into ``wire[:wire_size(x.size)]``."""
+    def encode_wire(self, x: np.ndarray, wire: np.ndarray, *, stream: int = 0,
+                    offset: int = 0) -> None:
+        """Encode flat contiguous float32 ``x`` into ``wire[:wire_size(x.size)]``.
+
+        Stochastic rounding draws the random bits of ``x[i]`` from (the
+        codec's seed, ``stream``, ``offset + i``), both integers in [0, 2^64):
+        ``offset`` is the global index of ``x[0]``, so encoding pieces with
+        their offsets gives each element the bits of one whole call. Codecs
+        that round to nearest ignore both.
+        """
 
     @abstractmethod
     def decode_wire(self, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:

@@ -18,6 +18,29 @@ a scale then carries an absolute error up to 2^-150 and so does the product
 code * scale, so |error| gains at most (max code + 1) 2^-150 (E4M3: 449
 2^-150 < 2^-141, E5M2: < 2^-134, NVFP4 with its two scale factors: < 2^-137,
 bfloat16's own subnormal half quantum: 2^-134).
+
+MX (E8M0 scale 2^X per 32 values, elements x 2^-X computed exactly): with
+the OCP floor rule 2^(X + EMAX) <= A, and values in [FMAX, 2^(EMAX + 1)) 2^X
+saturate to FMAX 2^X, a relative error below 1 - FMAX / 2^(EMAX + 1) (1/8
+for E4M3 and E5M2, 1/4 for E2M1), which replaces U where it is larger
+(E4M3: 2^-4 -> 2^-3); the subnormal half quantum q_sub / 2 times 2^X <=
+A / 2^EMAX gives C = q_sub / 2^(EMAX + 1) (E4M3 2^-18, E5M2 2^-32, E2M1
+2^-4). With rceil nothing saturates (U as for the element format) and
+2^X < 2 A / FMAX gives C = q_sub / FMAX (for amax up to FMAX 2^(127 - EMAX),
+about 2.5e38 or more: above, X is capped so that FMAX 2^X stays finite, and
+values saturate as with floor). A block whose X is clamped to
+E8M0's smallest -127 loses up to q_sub / 2 * 2^-127 absolute, and a decoded
+fp32 subnormal 2^-150: D = q_sub 2^-128 + 2^-150 (E4M3 < 2^-136, E5M2 <
+2^-143, E2M1 < 2^-128).
+
+Stochastic rounding moves a value to one of its two neighbours, so it errs by
+less than the whole gap instead of half of it: U and the subnormal part of C
+double (and D, generously). NVFP4 with stochastic rounding rounds its block
+scale up instead, so nothing saturates: e = S g <= (1 + 2^-3) B / 6 (plus
+g 2^-9 for subnormal scale codes, under 2^-21 T) and the error is below one
+E2M1 gap, |x| / 2 above 1 e and 0.5 e below: U = 1/2 and
+C = 0.5 (1 + 2^-3) / 6 + 2^-21 + 2^-20 < 0.1. MX with stochastic rounding
+uses rceil (the codec insists): U = 2^-m, C = 2 q_sub / FMAX.
 """
 
 from __future__ import annotations
@@ -30,7 +53,19 @@ _E4M3 = (2.0**-4, 2.0**-10 / 448 + 2.0**-20, 2.0**-141)
 _E5M2 = (2.0**-3, 2.0**-17 / 57344 + 2.0**-20, 2.0**-134)
 _BF16 = (2.0**-8, 0.0, 2.0**-134)
 _NVFP4 = (2.0**-2, 0.65 / 6 * (1 + 2.0**-4), 2.0**-137)
+_NVFP4_SR = (2.0**-1, 0.1, 2.0**-136)
+# MX: (m mantissa bits, EMAX, FMAX, subnormal quantum q_sub) of the element format
+_MX_ELEMENT = {"e4m3": (3, 8, 448.0, 2.0**-9), "e5m2": (2, 15, 57344.0, 2.0**-16),
+               "e2m1": (1, 2, 6.0, 0.5)}
 FP32_UNIT = 2.0**-24
+
+
+def _mx_constants(element: str, scale_rule: str) -> tuple[float, float, float]:
+    m, emax, fmax, q_sub = _MX_ELEMENT[element]
+    d = q_sub * 2.0**-128 + 2.0**-150
+    if scale_rule == "rceil":
+        return 2.0 ** -(m + 1), q_sub / fmax, d
+    return max(2.0 ** -(m + 1), 1 - fmax / 2.0 ** (emax + 1)), q_sub / 2.0 ** (emax + 1), d
 
 
 def error_constants(codec: Codec) -> tuple[float, float, float]:
@@ -39,15 +74,21 @@ def error_constants(codec: Codec) -> tuple[float, float, float]:
         codec = codec.quantizer
     config = codec.get_config()
     kind = config["id"]
+    stochastic = config.get("rounding") == "stochastic"
     if kind == "none":
         return 0.0, 0.0, 0.0
-    if kind == "bf16":
-        return _BF16
     if kind == "nvfp4":
-        return _NVFP4
-    if kind == "fp8":
-        return _E5M2 if config["fmt"] == "e5m2" else _E4M3
-    raise ValueError(f"no error bound is derived for codec {kind!r}")
+        return _NVFP4_SR if stochastic else _NVFP4
+    if kind == "bf16":
+        u, c, d = _BF16
+    elif kind == "fp8":
+        u, c, d = _E5M2 if config["fmt"] == "e5m2" else _E4M3
+    elif kind in ("mxfp8", "mxfp4"):
+        element = config["fmt"] if kind == "mxfp8" else "e2m1"
+        u, c, d = _mx_constants(element, config["scale_rule"])
+    else:
+        raise ValueError(f"no error bound is derived for codec {kind!r}")
+    return (2 * u, 2 * c, 2 * d) if stochastic else (u, c, d)
 
 
 def single_bound(values: np.ndarray, codec: Codec) -> np.ndarray:

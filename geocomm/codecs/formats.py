@@ -1,8 +1,16 @@
-"""The quantizing formats: ``none``, ``bf16``, ``fp8`` (E4M3FN / E5M2), ``nvfp4``.
+"""The quantizing formats: ``none``, ``bf16``, ``fp8`` (E4M3FN / E5M2), ``nvfp4``,
+``mxfp8`` and ``mxfp4`` (OCP Microscaling).
 
 Each codec maps flat float32 data to a wire body laid out as in
 ``native/geocomm.h``; the native C core does the work and
 ``geocomm.codecs._reference`` defines the bytes it must produce.
+
+Every lossy format takes ``rounding="nearest"`` (default: round to nearest
+even) or ``"stochastic"`` with a ``seed``: then E[decode(encode(x))] = x up to
+fp32 scale arithmetic, and the random bits of element i are a pure function of
+(seed, stream, offset + i), where ``encode_wire(x, wire, stream=, offset=)``
+gets stream and offset from the caller (``encode`` uses 0 and 0). Nearest
+rounding ignores them, and its configs (hence frames) do not mention rounding.
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ class NoneCodec(Codec):
     def wire_size(self, n: int) -> int:
         return 4 * n
 
-    def encode_wire(self, x: np.ndarray, wire: np.ndarray) -> None:
+    def encode_wire(self, x: np.ndarray, wire: np.ndarray, *, stream: int = 0,
+                    offset: int = 0) -> None:
         wire[: 4 * x.size] = x.view(np.uint8)
 
     def decode_wire(self, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
@@ -47,8 +56,12 @@ def _backend(array: Any) -> Any:
     return native
 
 
+ROUNDINGS = ("nearest", "stochastic")
+
+
 class _NativeFormat(Codec):
-    """A codec whose body is one native format (subclasses set ``_fmt``/``_block``).
+    """A codec whose body is one native format (subclasses set ``_fmt``/``_block``
+    and call ``_set_rounding``).
 
     NumPy arrays run through the C core, CuPy arrays through the CUDA kernels
     built from the same arithmetic (``native/gc_scalar.h``): same bytes.
@@ -56,25 +69,47 @@ class _NativeFormat(Codec):
 
     _fmt: int
     _block: int = 0
+    _flags: int = 0  # gc_encode_ex flags
+    rounding: str = "nearest"
+    seed: int = 0
+
+    def _set_rounding(self, rounding: str, seed: int) -> None:
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+        self.rounding = rounding
+        self.seed = native.check_u64(seed, "seed")
+        if rounding == "stochastic":
+            self._flags |= native.STOCHASTIC
+
+    def _rounding_config(self) -> dict[str, Any]:
+        """Config entries of the rounding: none for the default (so old configs stay valid)."""
+        if self.rounding == "nearest":
+            return {}
+        return {"rounding": self.rounding, "seed": self.seed}
 
     def wire_size(self, n: int) -> int:
         return native.wire_size(self._fmt, n, self._block)
 
-    def encode_wire(self, x: np.ndarray, wire: np.ndarray) -> None:
-        _backend(x).encode(self._fmt, x, self._block, wire)
+    def encode_wire(self, x: np.ndarray, wire: np.ndarray, *, stream: int = 0,
+                    offset: int = 0) -> None:
+        _backend(x).encode(self._fmt, x, self._block, wire, flags=self._flags, seed=self.seed,
+                           rng_stream=stream, offset=offset)
 
     def decode_wire(self, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
         _backend(out).decode(self._fmt, wire, self._block, out, accumulate)
 
 
 class BF16Codec(_NativeFormat):
-    """bfloat16 with round-to-nearest-even: 2 bytes per value, no scales."""
+    """bfloat16 (nearest even or stochastic rounding): 2 bytes per value, no scales."""
 
     codec_id: ClassVar[str] = "bf16"
     _fmt = native.BF16
 
+    def __init__(self, rounding: str = "nearest", seed: int = 0):
+        self._set_rounding(rounding, seed)
+
     def get_config(self) -> dict[str, Any]:
-        return {"id": self.codec_id}
+        return {"id": self.codec_id, **self._rounding_config()}
 
 
 # block lengths reach the C core as size_t; larger ones mean "one block" anyway
@@ -89,7 +124,8 @@ class FP8Codec(_NativeFormat):
 
     codec_id: ClassVar[str] = "fp8"
 
-    def __init__(self, fmt: str = "e4m3", block: int = 128):
+    def __init__(self, fmt: str = "e4m3", block: int = 128, rounding: str = "nearest",
+                 seed: int = 0):
         if fmt not in ("e4m3", "e5m2"):
             raise ValueError(f"fp8 fmt must be 'e4m3' or 'e5m2', got {fmt!r}")
         if (not isinstance(block, (int, np.integer)) or isinstance(block, bool)
@@ -99,16 +135,93 @@ class FP8Codec(_NativeFormat):
         self.block = int(block)
         self._fmt = native.FORMATS[fmt]
         self._block = self.block
+        self._set_rounding(rounding, seed)
 
     def get_config(self) -> dict[str, Any]:
-        return {"id": self.codec_id, "fmt": self.fmt, "block": self.block}
+        return {"id": self.codec_id, "fmt": self.fmt, "block": self.block,
+                **self._rounding_config()}
 
 
 class NVFP4Codec(_NativeFormat):
-    """NVFP4: E2M1 values, one E4M3 scale per 16 values, one fp32 scale per tensor."""
+    """NVFP4: E2M1 values, one E4M3 scale per 16 values, one fp32 scale per tensor.
+
+    Stochastic rounding rounds the block scales up (never to a smaller
+    scale), so no value saturates at 6 block scales.
+    """
 
     codec_id: ClassVar[str] = "nvfp4"
     _fmt = native.NVFP4
 
+    def __init__(self, rounding: str = "nearest", seed: int = 0):
+        self._set_rounding(rounding, seed)
+
     def get_config(self) -> dict[str, Any]:
-        return {"id": self.codec_id}
+        return {"id": self.codec_id, **self._rounding_config()}
+
+
+SCALE_RULES = ("floor", "rceil")
+
+
+class _MXCodec(_NativeFormat):
+    """OCP Microscaling: one E8M0 scale 2^X per 32 values (wire layout in native/geocomm.h).
+
+    ``scale_rule="floor"`` is the OCP rule X = floor(log2 amax) - EMAX (the
+    largest values of a block may saturate at the element maximum);
+    ``"rceil"`` rounds X up so that nothing saturates (except in blocks
+    within 2^(EMAX+1) / FMAX of fp32's largest value, where X is capped at
+    127 - EMAX so that decoded values stay finite). The default is floor with
+    nearest rounding and rceil with stochastic rounding, which needs it: a
+    saturated value is biased whatever the rounding.
+    """
+
+    def _set_scale_rule(self, scale_rule: str | None) -> None:
+        if scale_rule is None:
+            scale_rule = "rceil" if self.rounding == "stochastic" else "floor"
+        if scale_rule not in SCALE_RULES:
+            raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
+        if scale_rule == "floor" and self.rounding == "stochastic":
+            raise ValueError("stochastic rounding needs scale_rule='rceil': the floor rule "
+                             "saturates a block's largest values, which biases them")
+        self.scale_rule = scale_rule
+        if scale_rule == "rceil":
+            self._flags |= native.RCEIL
+
+
+class MXFP8Codec(_MXCodec):
+    """MXFP8: ``fmt="e4m3"`` (max 448) or ``"e5m2"`` (max 57344) codes, E8M0 scale per 32.
+
+    Non-finite values keep their position like fp8 (E4M3: NaN; E5M2: inf/NaN).
+    """
+
+    codec_id: ClassVar[str] = "mxfp8"
+
+    def __init__(self, fmt: str = "e4m3", scale_rule: str | None = None,
+                 rounding: str = "nearest", seed: int = 0):
+        if fmt not in ("e4m3", "e5m2"):
+            raise ValueError(f"mxfp8 fmt must be 'e4m3' or 'e5m2', got {fmt!r}")
+        self.fmt = fmt
+        self._fmt = native.FORMATS[f"mxfp8_{fmt}"]
+        self._set_rounding(rounding, seed)
+        self._set_scale_rule(scale_rule)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"id": self.codec_id, "fmt": self.fmt, "scale_rule": self.scale_rule,
+                **self._rounding_config()}
+
+
+class MXFP4Codec(_MXCodec):
+    """MXFP4: E2M1 codes (two per byte), E8M0 scale per 32 values.
+
+    E2M1 has no NaN: a block holding a non-finite value gets the NaN scale
+    0xff, so all its 32 values decode as NaN.
+    """
+
+    codec_id: ClassVar[str] = "mxfp4"
+    _fmt = native.MXFP4
+
+    def __init__(self, scale_rule: str | None = None, rounding: str = "nearest", seed: int = 0):
+        self._set_rounding(rounding, seed)
+        self._set_scale_rule(scale_rule)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"id": self.codec_id, "scale_rule": self.scale_rule, **self._rounding_config()}
