@@ -43,6 +43,7 @@ from geocomm.codecs.base import DTYPE_CODES
 from geocomm.comm.base import Communicator, wait
 from geocomm.pipeline import (
     DEFAULT_CHUNK_ELEMS,
+    mix64,
     Pieces,
     Pipeline,
     _segments,
@@ -226,6 +227,22 @@ def check_consistent(comm: Communicator, kind: str, count: int, dtype: np.dtype,
         )
 
 
+_calls: dict[str, int] = {}
+
+
+def _rounding_stream(codec: Codec, parts: list[Part]) -> int:
+    """The call's stochastic-rounding stream (0 when the codec rounds to nearest):
+    a hash of the codec config and the tensors' keys, and the number of calls made
+    so far with them, which every rank counts alike."""
+    config = codec.get_config()
+    if config.get("rounding") != "stochastic":
+        return 0
+    name = json.dumps([config, [repr(p.key) for p in parts]], sort_keys=True)
+    count = _calls.get(name, 0)
+    _calls[name] = count + 1
+    return mix64(zlib.crc32(name.encode()) ^ (count << 32))
+
+
 def _check_enabled(check: bool | None) -> bool:
     if check is not None:
         return check
@@ -286,12 +303,14 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
             total = xp.empty(x.size, np.float32)
         planned = plan_parts(codec, values, total, tensors, bounds)
         pieces = Pieces.plan(x.size, comm.size, chunk_elems or DEFAULT_CHUNK_ELEMS)
+        stream = _rounding_stream(codec, tensors)
         if not planned:
-            Pipeline(comm, codec, pieces, values, total, 0, gather=True).run()
+            Pipeline(comm, codec, pieces, values, total, 0, gather=True, stream=stream).run()
         else:  # map piece by piece into the result, reduce there in place, map back
             sums = side_sums(comm, planned)
             parts_map = PartsMap(values, total, total, 0, tensors, planned, sums)
-            Pipeline(comm, codec, pieces, total, total, 0, gather=True, mapper=parts_map).run()
+            Pipeline(comm, codec, pieces, total, total, 0, gather=True, mapper=parts_map,
+                     stream=stream).run()
             parts_map.finish(0, x.size)
             lo, hi = int(bounds[comm.rank]), int(bounds[comm.rank + 1])
             refresh(comm, codec, planned, sums, total[lo:hi], lo, hi)
@@ -361,12 +380,14 @@ def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", *, key: Any = Non
         pieces = Pieces.plan(x.size, comm.size, chunk_elems or DEFAULT_CHUNK_ELEMS)
         mapped = xp.empty_like(values) if isinstance(codec, TransformingCodec) else values
         planned = plan_parts(codec, values, mapped, tensors, bounds)
+        stream = _rounding_stream(codec, tensors)
         if not planned:
-            Pipeline(comm, codec, pieces, values, shard, lo, gather=False).run()
+            Pipeline(comm, codec, pieces, values, shard, lo, gather=False, stream=stream).run()
         else:
             sums = side_sums(comm, planned)
             parts_map = PartsMap(values, mapped, shard, lo, tensors, planned, sums)
-            Pipeline(comm, codec, pieces, mapped, shard, lo, gather=False, mapper=parts_map).run()
+            Pipeline(comm, codec, pieces, mapped, shard, lo, gather=False, mapper=parts_map,
+                     stream=stream).run()
             parts_map.finish(lo, hi)
             refresh(comm, codec, planned, sums, shard, lo, hi)
     if op == "avg":

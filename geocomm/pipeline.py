@@ -43,6 +43,24 @@ DEFAULT_CHUNK_ELEMS = 1 << 20
 PIECE_ALIGN = 256
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def mix64(z: int) -> int:
+    """SplitMix64's finalizer: a 64-bit mix with every input bit reaching every output bit."""
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def rounding_stream(call: int, rank: int, quantization: int) -> int:
+    """The stochastic-rounding stream of one quantization of a call: ``call`` identifies
+    the call (tensor key and call number), then the encoding rank and which of the two
+    quantizations; the element index is the counter within the stream."""
+    return mix64(mix64(mix64(call) ^ (rank + 1)) ^ quantization)
+
+
 def shard_bounds(count: int, size: int) -> np.ndarray:
     """Offsets of the ``np.array_split(range(count), size)`` shards (size + 1 values)."""
     q, r = divmod(count, size)
@@ -186,8 +204,12 @@ class Pipeline:
 
     def __init__(self, comm: Communicator, codec: Codec, pieces: Pieces,
                  source: np.ndarray, result: np.ndarray, result_offset: int, gather: bool,
-                 mapper: RangeMap | None = None):
+                 mapper: RangeMap | None = None, stream: int = 0):
         self.comm, self.codec, self.pieces = comm, codec, pieces
+        # stochastic rounding: every quantization of the call draws from its own
+        # stream (this rank's first one, its second one), counted by element index
+        self.streams = (rounding_stream(stream, comm.rank, 1),
+                        rounding_stream(stream, comm.rank, 2))
         self.source, self.result, self.mapper = source, result, mapper
         self.result_offset = result_offset  # absolute index of result[0]
         self.gather = gather
@@ -244,7 +266,8 @@ class Pipeline:
         for j in range(self.comm.size):
             if j != self.me:
                 lo, hi = self.pieces.piece_range(j, s)
-                self.codec.encode_wire(self._read(lo, hi), buf[displs[j]: displs[j] + counts[j]])
+                self.codec.encode_wire(self._read(lo, hi), buf[displs[j]: displs[j] + counts[j]],
+                                       stream=self.streams[0], offset=lo)
                 self._progress()
 
     def start_alltoall(self, s: int) -> None:
@@ -278,7 +301,8 @@ class Pipeline:
     def reencode_stage(self, s: int) -> None:
         """Encode my reduced piece for the all-gather (the second quantization)."""
         lo, hi = self.pieces.piece_range(self.me, s)
-        self.codec.encode_wire(self._local(lo, hi), self.ag_send[s % 2])
+        self.codec.encode_wire(self._local(lo, hi), self.ag_send[s % 2], stream=self.streams[1],
+                               offset=lo)
         self._progress()
 
     def start_allgather(self, s: int) -> None:

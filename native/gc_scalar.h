@@ -8,7 +8,7 @@
  * `__device__ __forceinline__` in CUDA. Only fp32 arithmetic is used: no
  * fp64, no libm calls beyond fabsf, no fast-math assumptions.
  *
- * Conventions (DESIGN section 3):
+ * Conventions (docs/design.md, "Formats"):
  *   scale = amax / FMAX            (fp32; 0 for an all-zero block)
  *   code  = RNE(clamp(x * (FMAX / amax), -FMAX, FMAX))
  *   amax ignores non-finite inputs; a non-finite input encodes as NaN in

@@ -1,6 +1,6 @@
 """Bit-level tests of the fp8 (E4M3FN, E5M2), NVFP4 and BF16 wire bodies.
 
-Three implementations must agree (DESIGN section 3): the native C core
+Three implementations must agree (docs/design.md, "Formats"): the native C core
 (``geocomm._nativecodec``), the NumPy reference (``geocomm.codecs._reference``)
 and ml_dtypes' casts once the documented scaling and clamp are applied. The
 tests below check, in that order: every code decodes like ml_dtypes; native
@@ -408,7 +408,7 @@ def test_clamp_keeps_finite_inputs_finite(fmt):
         assert np.all(np.isfinite(decoded)), f"block {block}"
 
 
-# ---- non-finite inputs (DESIGN section 3) ----------------------------------
+# ---- non-finite inputs (docs/design.md, "Non-finite values") --------------
 
 BAD = {3: np.inf, 200: -np.inf, 517: np.nan, 518: -np.nan}
 
@@ -497,7 +497,7 @@ def fp8_bound(fmt: str, x: np.ndarray, block: int) -> np.ndarray:
     fp32 subnormal (A < FMAX * 2^-126) the stored scale is off by up to 2^-150
     absolute, times a code of at most FMAX, plus a subnormal product rounding
     of 2^-150: under FMAX * 2^-149 (about 4e-41 for E5M2: such blocks keep no
-    relative precision, as the fp32 scale of DESIGN section 3 implies).
+    relative precision, as the fp32 scale of docs/design.md, "Formats" implies).
     """
     m = {"e4m3": 3, "e5m2": 2}[fmt]
     q_sub = {"e4m3": 2.0**-9, "e5m2": 2.0**-16}[fmt]

@@ -100,6 +100,8 @@ class GeoCodec(TransformingCodec):
                 "min_share": self.min_share, "seed": self.seed}
 
     def get_config(self) -> dict[str, Any]:
+        """The quantizer's parameters, then the geometry's (one ``seed`` serves both:
+        the quantizer's stochastic rounding and the geometry's random starts)."""
         quantizer = self.quantizer.get_config()
         quantizer.pop("id")
         knobs = self._knobs()
@@ -109,8 +111,8 @@ class GeoCodec(TransformingCodec):
     def wire_size(self, n: int) -> int:
         return self.quantizer.wire_size(n)
 
-    def encode_wire(self, x: Any, wire: Any) -> None:
-        self.quantizer.encode_wire(x, wire)
+    def encode_wire(self, x: Any, wire: Any, *, stream: int = 0, offset: int = 0) -> None:
+        self.quantizer.encode_wire(x, wire, stream=stream, offset=offset)
 
     def decode_wire(self, wire: Any, out: Any, accumulate: bool = False) -> None:
         self.quantizer.decode_wire(wire, out, accumulate)
@@ -288,21 +290,22 @@ def _check_float(name: str, value: Any, low: float, high: float) -> float:
 
 
 class GeoFP8Codec(GeoCodec):
-    """GeoFP8: geometry map + ``FP8Codec(fmt, block)``."""
+    """GeoFP8: geometry map + ``FP8Codec(fmt, block, rounding, seed)``."""
 
     codec_id: ClassVar[str] = "geofp8"
 
-    def __init__(self, fmt: str = "e4m3", block: int = 128, **knobs: Any):
-        super().__init__(FP8Codec(fmt, block), **knobs)
+    def __init__(self, fmt: str = "e4m3", block: int = 128, rounding: str = "nearest",
+                 seed: int = DEFAULTS["seed"], **knobs: Any):
+        super().__init__(FP8Codec(fmt, block, rounding, seed), seed=seed, **knobs)
 
 
 class GeoNVFP4Codec(GeoCodec):
-    """Geometry map + NVFP4."""
+    """Geometry map + ``NVFP4Codec(rounding, seed)``."""
 
     codec_id: ClassVar[str] = "geonvfp4"
 
-    def __init__(self, **knobs: Any):
-        super().__init__(NVFP4Codec(), **knobs)
+    def __init__(self, rounding: str = "nearest", seed: int = DEFAULTS["seed"], **knobs: Any):
+        super().__init__(NVFP4Codec(rounding, seed), seed=seed, **knobs)
 
 
 class HadamardCodec(GeoCodec):
