@@ -61,8 +61,9 @@ class Collective:
 def command_line(nranks: int) -> str:
     """The command that reproduces this run, launcher included."""
     link = os.environ.get("GEOCOMM_LINK")  # set by perf/emulated_link.py
-    launcher = (f"python perf/emulated_link.py --rate {link.split()[0]} -n {nranks}" if link
-                else f"python -m geocomm.launch -n {nranks}")
+    plain = " --plain" if link and link.endswith(" plain") else ""
+    launcher = (f"python perf/emulated_link.py --rate {link.split()[0]}{plain} -n {nranks}"
+                if link else f"python -m geocomm.launch -n {nranks}")
     return " ".join([launcher, "--", "python", *sys.argv])
 
 
@@ -224,10 +225,13 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
         wire = max(int(r[0]) for r in comm.allgather_int64(np.array([metered.sent])))
         wrong, relerr = -1, float("nan")
         if args.check:
-            f64 = [v.astype(np.float64) for v in xs]
-            exact = coll.expected(np.sum(f64, axis=0).reshape(-1), rank, size, args.op)
+            total = np.zeros(xs[0].size, np.float64)
+            for v in xs:  # one rank at a time: no fp64 copy of every input at once
+                total += v.reshape(-1)
+            exact = coll.expected(total, rank, size, args.op)
+            del total
             diff = np.abs(result.astype(np.float64).reshape(-1) - exact)
-            inputs = [v.astype(np.float32) for v in xs]
+            inputs = [v if v.dtype == np.float32 else v.astype(np.float32) for v in xs]
             out_unit = 0.0 if dtype == np.float32 else (2.0**-8 if itemsize == 2 and
                                                         dtype != np.float16 else 2.0**-11)
             if transforms:

@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="token bucket size (default 128kb: two 64 KiB loopback packets; a "
                         "larger bucket lets traffic that follows a pause run above the rate)")
     p.add_argument("-n", "--nranks", type=int, default=2)
+    p.add_argument("--plain", action="store_true",
+                   help="leave thread variables alone, as a plain mpirun would (geocomm.launch "
+                        "gives each rank its share of the cores for BLAS/OpenMP threads)")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
@@ -70,7 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = f"geocomm-{uuid.uuid4().hex[:8]}"
     mpi_argv, env = mpiexec_command(args.nranks, command, TCP_ARGS)
-    env["GEOCOMM_LINK"] = f"{args.rate}" + (f" delay {args.delay}" if args.delay else "")
+    if args.plain:
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            if var not in os.environ:
+                env.pop(var, None)
+    env["GEOCOMM_LINK"] = (f"{args.rate}" + (f" delay {args.delay}" if args.delay else "")
+                           + (" plain" if args.plain else ""))
 
     def cleanup(*_: object) -> None:
         remove_namespace(name)

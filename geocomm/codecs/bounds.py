@@ -146,20 +146,24 @@ def transformed_bound(inputs: list[np.ndarray], codec: Codec, gather: bool = Tru
     """
     u, c, d = error_constants(codec)
     slack = 1 + 2.0**-10
-    xs = [np.asarray(x, np.float64) for x in inputs]
-    count = xs[0].size
+    count = int(np.asarray(inputs[0]).size)
     if count == 0:
         return 0.0
-    mats = [x.reshape(x.shape[0], -1) if x.ndim > 1 else x.reshape(1, -1) for x in xs]
-    norms = [slack * float(np.linalg.norm(x)) for x in xs]
-    rhos = [slack * float(np.sqrt((m * m).sum(axis=1)).max()) for m in mats]
+    shape = np.shape(inputs[0])
+    cols = int(np.prod(shape[1:])) if len(shape) > 1 else count
+    norms, rhos = [], []
+    for x in inputs:  # one input at a time in fp64
+        rows = np.asarray(x, np.float64).reshape(-1, cols)
+        row_norms = np.sqrt(np.einsum("ij,ij->i", rows, rows))
+        norms.append(slack * float(np.sqrt(np.sum(row_norms * row_norms))))
+        rhos.append(slack * float(row_norms.max()))
     root = np.sqrt(count)
     e1 = sum(u * nrm + (c * rho + d) * root for nrm, rho in zip(norms, rhos, strict=True))
     s_norm = sum(norms) + e1
     e2 = (u * s_norm + (c * (sum(rhos) + e1) + d) * root) if gather else 0.0
-    sums = 2 * len(xs) * FP32_UNIT * s_norm
-    n = mats[0].shape[1]
-    lay = codec.layout(xs[0].shape) if isinstance(codec, TransformingCodec) else None
+    sums = 2 * len(inputs) * FP32_UNIT * s_norm
+    n = cols
+    lay = codec.layout(shape) if isinstance(codec, TransformingCodec) else None
     k = 0 if lay is None else (lay.k or int(np.log2(n)) + 1)
     mapped = 2 * (k + 2) * FP32_UNIT * np.sqrt(n) * sum(norms)
     return e1 + e2 + sums + mapped

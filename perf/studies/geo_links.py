@@ -1,0 +1,164 @@
+"""GeoFP8 against plain fp32 MPI on emulated links: the all_reduce_perf sweeps, one table.
+
+Runs ``perf/all_reduce_perf.py`` inside ``perf/emulated_link.py`` (ranks in a
+network namespace whose loopback is shaped with tc; MPI over TCP) for every
+(link, rank count, codec), on the same gradient-like inputs (``--input
+gradient``: 4096-column matrices, a rank-16 signal plus noise), with checking
+on, and tabulates each codec's time against the plain fp32 all-reduce
+(``--codec none``, Open MPI's own algorithm) of the same run. A last job
+repeats geofp8 at 64 MiB under a plain ``mpiexec`` environment (no thread
+variables set, as mpirun, srun or torchrun users have it) next to the same
+job under geocomm.launch's per-rank thread share. Needs root (namespaces).
+
+    python perf/studies/geo_links.py -o perf/results/geo_links
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from geocomm.codecs import get_codec
+
+ROOT = Path(__file__).resolve().parents[2]
+#: (warm-up, timed) iterations per codec: enough timed calls for two refresh
+#: periods of geofp8 and its cold start inside the warm-up
+ITERS = {"none": (1, 3), "fp8": (2, 6), "geofp8": (4, 8)}
+
+
+def yardstick() -> dict[str, float]:
+    """np.copyto and fp8 E4M3 block-128 encode GB/s of 64 MiB on this machine, now."""
+    x = np.random.default_rng(0).standard_normal(1 << 24).astype(np.float32)
+    out = np.empty_like(x)
+    fp8 = get_codec("fp8")
+    wire = np.empty(fp8.wire_size(x.size), np.uint8)
+
+    def best(fn: Any) -> float:
+        fn()
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return {"copyto_GBps": x.nbytes / best(lambda: np.copyto(out, x)) / 1e9,
+            "fp8_encode_GBps": x.nbytes / best(lambda: fp8.encode_wire(x, wire)) / 1e9}
+
+
+def sweep(link: str, ranks: int, codec: str, sizes: tuple[str, str], plain: bool = False,
+          timeout: float = 3600) -> dict[str, Any]:
+    """One all_reduce_perf job on the emulated link; its JSON report."""
+    warm, iters = ITERS[codec]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        cmd = [sys.executable, "perf/emulated_link.py", "--rate", link, "-n", str(ranks),
+               *(["--plain"] if plain else []), "--", sys.executable,
+               "perf/all_reduce_perf.py", "-b", sizes[0], "-e", sizes[1], "-f", "4",
+               "-w", str(warm), "-n", str(iters), "--codec", codec, "--input", "gradient",
+               "-J", str(out)]
+        print("#", " ".join(cmd), flush=True)
+        subprocess.run(cmd, cwd=ROOT, check=True, timeout=timeout)
+        return json.loads(out.read_text())
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    result: dict[str, Any] = {"command": "python " + " ".join(sys.argv),
+                              "yardstick_before": yardstick(), "runs": []}
+    for link in args.links.split(","):
+        for ranks in (int(r) for r in args.ranks.split(",")):
+            for codec in ("none", "fp8", "geofp8"):
+                report = sweep(link, ranks, codec, (args.min, args.max))
+                result["runs"].append({"link": link, "ranks": ranks, "codec": codec,
+                                       "launch": "geocomm.launch", "report": report})
+    for plain in (False, True):
+        report = sweep(args.plain_link, 2, "geofp8", ("64M", "64M"), plain=plain)
+        result["runs"].append({"link": args.plain_link, "ranks": 2, "codec": "geofp8",
+                               "launch": "plain mpiexec" if plain else "geocomm.launch",
+                               "report": report, "plain_check": True})
+    result["yardstick_after"] = yardstick()
+    return result
+
+
+def _time(run: dict[str, Any], size: int) -> float | None:
+    return next((r["time_us"] for r in run["report"]["rows"] if r["size"] == size), None)
+
+
+def markdown(r: dict[str, Any]) -> str:
+    yb, ya = r["yardstick_before"], r["yardstick_after"]
+    lines = [
+        "# GeoFP8 on emulated links", "",
+        f"Command: `{r['command']}` (root: network namespaces). Yardstick in the same run: "
+        f"np.copyto {yb['copyto_GBps']:.2f} GB/s before, {ya['copyto_GBps']:.2f} after; "
+        f"fp8 encode {yb['fp8_encode_GBps']:.2f} / {ya['fp8_encode_GBps']:.2f} GB/s.", "",
+        "Inputs: 4096-column gradient-like matrices (rank-16 signal plus noise), checking on. "
+        "Time: mean per call, the slowest rank's. Speed-up: time of plain fp32 MPI "
+        "(`--codec none`) over the codec's time, same link, ranks and size.", "",
+        "| link | ranks | size | fp32 MPI ms | fp8 ms | geofp8 ms | fp8 speed-up | "
+        "geofp8 speed-up | geofp8 rel. error | geofp8 #wrong |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    sweeps = [x for x in r["runs"] if not x.get("plain_check")]
+    keys = sorted({(x["link"], x["ranks"]) for x in sweeps}, key=lambda k: (k[0], k[1]))
+    verdicts = []
+    for link, ranks in keys:
+        runs = {x["codec"]: x for x in sweeps if x["link"] == link and x["ranks"] == ranks}
+        for row in runs["none"]["report"]["rows"]:
+            size = row["size"]
+            base, fp8, geo = (_time(runs[c], size) for c in ("none", "fp8", "geofp8"))
+            grow = next(g for g in runs["geofp8"]["report"]["rows"] if g["size"] == size)
+            target = 3.0 if link.startswith("1gbit") else 1.5
+            verdicts.append((link, ranks, size, base / geo, target))
+            lines.append(
+                f"| {link} | {ranks} | {size >> 20} MiB | {base / 1e3:.1f} | {fp8 / 1e3:.1f} | "
+                f"{geo / 1e3:.1f} | {base / fp8:.2f}x | {base / geo:.2f}x | "
+                f"{grow['relerr']:.2e} | {grow['wrong']} |")
+    met = sum(v >= t for *_, v, t in verdicts)
+    lines += ["", f"Must-show (geofp8 >= 3x fp32 at 1 Gbit/s, >= 1.5x at 10 Gbit/s): met at "
+              f"{met} of {len(verdicts)} points."]
+    checks = [x for x in r["runs"] if x.get("plain_check")]
+    if checks:
+        t = {x["launch"]: _time(x, 64 << 20) for x in checks}
+        ratio = t["plain mpiexec"] / t["geocomm.launch"]
+        lines += ["", f"Plain mpiexec (no thread variables) vs geocomm.launch, geofp8 64 MiB, "
+                  f"2 ranks, {checks[0]['link']}: {t['plain mpiexec'] / 1e3:.1f} ms vs "
+                  f"{t['geocomm.launch'] / 1e3:.1f} ms ({ratio:.3f}x; target within 10%)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--links", default="1gbit,10gbit")
+    p.add_argument("--ranks", default="2,4")
+    p.add_argument("--min", default="16M")
+    p.add_argument("--max", default="256M")
+    p.add_argument("--plain-link", default="10gbit", help="link of the plain-mpiexec check")
+    p.add_argument("-o", "--out", default="perf/results/geo_links")
+    p.add_argument("--report", action="store_true", help="re-render the md from the JSON")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    if args.report:
+        result = json.loads(out.with_suffix(".json").read_text())
+    else:
+        if os.geteuid() != 0:
+            print("geo_links: needs root for the emulated links", file=sys.stderr)
+            return 2
+        result = run(args)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
