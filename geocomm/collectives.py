@@ -43,11 +43,11 @@ from geocomm.codecs.base import DTYPE_CODES
 from geocomm.comm.base import Communicator, wait
 from geocomm.pipeline import (
     DEFAULT_CHUNK_ELEMS,
-    mix64,
     Pieces,
     Pipeline,
     _segments,
     array_module,
+    mix64,
     shard_bounds,
 )
 
