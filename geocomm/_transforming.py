@@ -20,16 +20,17 @@ from geocomm.comm.base import Communicator
 from geocomm.pipeline import array_module, exact_sum
 
 
-def plan_parts(codec: Codec, values: Any, mapped: Any, parts: list[Any],
+def plan_parts(codec: TransformingCodec | None, values: Any, mapped: Any, parts: list[Any],
                 bounds: np.ndarray) -> list[tuple[Any, Any]]:
-    """Plan every part; return the (part, plan) pairs that have a plan.
+    """Plan every part with ``codec`` (None: no part is mapped); return the (part, plan)
+    pairs that have a plan.
 
     Ranged plans run their whole-tensor step (``begin``: the coefficients of
     the side channel) now and map piece by piece later (:class:`PartsMap`);
     the others map their whole tensor into ``mapped`` now.
     """
     planned = []
-    if not isinstance(codec, TransformingCodec):
+    if codec is None:
         return planned
     for part in parts:
         lo, hi = part.offset, part.offset + part.size
@@ -49,14 +50,18 @@ class PartsMap:
 
     ``read`` writes the mapped values of a range into ``mapped`` (ranged
     plans map there and then; whole-tensor plans did it up front; tensors
-    without a plan are copied unless ``mapped`` is ``values``); ``done``
+    without a plan are copied unless ``mapped`` is ``values``) and adds the
+    error-feedback ``residual`` if there is one; ``encoded`` stores in the
+    residual what a quantization lost (decoding with ``codec``); ``done``
     maps a finished range of ``result`` (which starts at ``offset``) back,
     for ranged plans. Whole-tensor plans are inverted by :meth:`finish`.
     """
 
     def __init__(self, values: Any, mapped: Any, result: Any, offset: int, parts: list[Any],
-                 planned: list[tuple[Any, Any]], side_sums: list[Any]):
+                 planned: list[tuple[Any, Any]], side_sums: list[Any], residual: Any = None,
+                 codec: Codec | None = None):
         self.values, self.mapped, self.result, self.offset = values, mapped, result, offset
+        self.residual, self.codec = residual, codec
         plans = {id(part): (plan, side) for (part, plan), side in
                  zip(planned, side_sums, strict=True)}
         self.parts = [(p, *plans.get(id(p), (None, None))) for p in parts]
@@ -78,7 +83,16 @@ class PartsMap:
                 plan.forward_range(self.values[a:b], a - part.offset, self.mapped[a:b])
             elif plan is None and self.mapped is not self.values:
                 self.mapped[a:b] = self.values[a:b]
+        if self.residual is not None:
+            self.mapped[lo:hi] += self.residual[lo:hi]
         return self.mapped[lo:hi]
+
+    def encoded(self, lo: int, hi: int, values: Any, wire: Any) -> None:
+        if self.residual is not None:
+            sent = self.residual[lo:hi]
+            self.codec.decode_wire(wire, sent)
+            sent *= -1
+            sent += values  # residual = values - decode(wire)
 
     def done(self, lo: int, hi: int) -> None:
         for part, plan, side, a, b in self._overlaps(lo, hi):

@@ -38,7 +38,13 @@ from typing import Any
 import numpy as np
 
 from geocomm._transforming import PartsMap, plan_parts, refresh, side_sums
-from geocomm.codecs import Codec, TransformingCodec, get_codec
+from geocomm.codecs import (
+    Codec,
+    ErrorFeedbackCodec,
+    StatefulCodec,
+    TransformingCodec,
+    get_codec,
+)
 from geocomm.codecs.base import DTYPE_CODES
 from geocomm.comm.base import Communicator, wait
 from geocomm.pipeline import (
@@ -202,7 +208,7 @@ def _fingerprint(kind: str, count: int, dtype: np.dtype, op: str, codec: Codec,
     config = json.dumps(codec.get_config(), sort_keys=True).encode()
     layout = json.dumps([(repr(p.key), p.shape) for p in parts]).encode()
     state = 0
-    if isinstance(codec, TransformingCodec):
+    if isinstance(codec, StatefulCodec):
         for p in parts:
             state = zlib.crc32(codec.state_checksum(p.key).to_bytes(4, "little"), state)
     return np.array([zlib.crc32(kind.encode()), count, DTYPE_CODES[dtype], OPS.index(op),
@@ -228,6 +234,16 @@ def check_consistent(comm: Communicator, kind: str, count: int, dtype: np.dtype,
 
 
 _calls: dict[str, int] = {}
+
+
+def _stateful_parts(codec: Codec, kind: str, parts: list[Part], count: int, xp: Any
+                    ) -> tuple[TransformingCodec | None, Any]:
+    """(the codec that maps the tensors or None, the error-feedback residual of this
+    call's layout or None)."""
+    if isinstance(codec, ErrorFeedbackCodec):
+        layout = json.dumps([kind, [(repr(p.key), p.shape) for p in parts]])
+        return codec.transform, codec.residual(layout, count, xp)
+    return (codec if isinstance(codec, TransformingCodec) else None), None
 
 
 def _rounding_stream(codec: Codec, parts: list[Part]) -> int:
@@ -301,19 +317,20 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
         total = _direct_result(out, np.float32, values, same_ok=True)
         if total is None:
             total = xp.empty(x.size, np.float32)
-        planned = plan_parts(codec, values, total, tensors, bounds)
+        transform, residual = _stateful_parts(codec, "allreduce", tensors, x.size, xp)
+        planned = plan_parts(transform, values, total, tensors, bounds)
         pieces = Pieces.plan(x.size, comm.size, chunk_elems or DEFAULT_CHUNK_ELEMS)
         stream = _rounding_stream(codec, tensors)
-        if not planned:
+        if not planned and residual is None:
             Pipeline(comm, codec, pieces, values, total, 0, gather=True, stream=stream).run()
         else:  # map piece by piece into the result, reduce there in place, map back
             sums = side_sums(comm, planned)
-            parts_map = PartsMap(values, total, total, 0, tensors, planned, sums)
+            parts_map = PartsMap(values, total, total, 0, tensors, planned, sums, residual, codec)
             Pipeline(comm, codec, pieces, total, total, 0, gather=True, mapper=parts_map,
                      stream=stream).run()
             parts_map.finish(0, x.size)
             lo, hi = int(bounds[comm.rank]), int(bounds[comm.rank + 1])
-            refresh(comm, codec, planned, sums, total[lo:hi], lo, hi)
+            refresh(comm, transform, planned, sums, total[lo:hi], lo, hi)
     if op == "avg":
         _divide(total, comm.size)
     result = total.reshape(x.shape)
@@ -378,18 +395,20 @@ def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", *, key: Any = Non
         values = _as_float32(x)
         shard = xp.empty(hi - lo, np.float32)
         pieces = Pieces.plan(x.size, comm.size, chunk_elems or DEFAULT_CHUNK_ELEMS)
-        mapped = xp.empty_like(values) if isinstance(codec, TransformingCodec) else values
-        planned = plan_parts(codec, values, mapped, tensors, bounds)
+        transform, residual = _stateful_parts(codec, "reduce_scatter", tensors, x.size, xp)
+        mapped = values if transform is None and residual is None else xp.empty_like(values)
+        planned = plan_parts(transform, values, mapped, tensors, bounds)
         stream = _rounding_stream(codec, tensors)
-        if not planned:
+        if not planned and residual is None:
             Pipeline(comm, codec, pieces, values, shard, lo, gather=False, stream=stream).run()
         else:
             sums = side_sums(comm, planned)
-            parts_map = PartsMap(values, mapped, shard, lo, tensors, planned, sums)
+            parts_map = PartsMap(values, mapped, shard, lo, tensors, planned, sums, residual,
+                                 codec)
             Pipeline(comm, codec, pieces, mapped, shard, lo, gather=False, mapper=parts_map,
                      stream=stream).run()
             parts_map.finish(lo, hi)
-            refresh(comm, codec, planned, sums, shard, lo, hi)
+            refresh(comm, transform, planned, sums, shard, lo, hi)
     if op == "avg":
         _divide(shard, comm.size)
     return shard.astype(x.dtype, copy=False)

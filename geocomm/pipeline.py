@@ -183,12 +183,17 @@ class RangeMap(Protocol):
 
     ``read(lo, hi)`` returns the values to send for [lo, hi) (the pipeline
     asks for every piece exactly once, before encoding it or adding it up);
-    ``done(lo, hi)`` says that result[lo:hi] (absolute indices) holds its
-    final sum, which the map may then take back in place. Either may run
-    between the pipeline's communication steps, so its work overlaps them.
+    ``encoded(lo, hi, values, wire)`` says that ``values`` of [lo, hi) went
+    out as ``wire`` (every quantization this rank makes: its pieces of other
+    shards, then the sum of its own); ``done(lo, hi)`` says that
+    result[lo:hi] (absolute indices) holds its final sum, which the map may
+    then take back in place. Each runs between the pipeline's communication
+    steps, so its work overlaps them.
     """
 
     def read(self, lo: int, hi: int) -> Any: ...
+
+    def encoded(self, lo: int, hi: int, values: Any, wire: Any) -> None: ...
 
     def done(self, lo: int, hi: int) -> None: ...
 
@@ -266,8 +271,10 @@ class Pipeline:
         for j in range(self.comm.size):
             if j != self.me:
                 lo, hi = self.pieces.piece_range(j, s)
-                self.codec.encode_wire(self._read(lo, hi), buf[displs[j]: displs[j] + counts[j]],
-                                       stream=self.streams[0], offset=lo)
+                values, wire = self._read(lo, hi), buf[displs[j]: displs[j] + counts[j]]
+                self.codec.encode_wire(values, wire, stream=self.streams[0], offset=lo)
+                if self.mapper is not None:
+                    self.mapper.encoded(lo, hi, values, wire)
                 self._progress()
 
     def start_alltoall(self, s: int) -> None:
@@ -301,8 +308,10 @@ class Pipeline:
     def reencode_stage(self, s: int) -> None:
         """Encode my reduced piece for the all-gather (the second quantization)."""
         lo, hi = self.pieces.piece_range(self.me, s)
-        self.codec.encode_wire(self._local(lo, hi), self.ag_send[s % 2], stream=self.streams[1],
-                               offset=lo)
+        values = self._local(lo, hi)
+        self.codec.encode_wire(values, self.ag_send[s % 2], stream=self.streams[1], offset=lo)
+        if self.mapper is not None:
+            self.mapper.encoded(lo, hi, values, self.ag_send[s % 2])
         self._progress()
 
     def start_allgather(self, s: int) -> None:

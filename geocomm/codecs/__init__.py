@@ -1,7 +1,8 @@
 """Codecs: the contract, the registry and the built-in formats."""
 
 from geocomm.codecs.auto import AutoCodec
-from geocomm.codecs.base import Codec, TransformingCodec, parse_frame
+from geocomm.codecs.base import Codec, StatefulCodec, TransformingCodec, parse_frame
+from geocomm.codecs.feedback import ErrorFeedbackCodec
 from geocomm.codecs.formats import (
     BF16Codec,
     FP8Codec,
@@ -27,6 +28,7 @@ __all__ = [
     "AutoCodec",
     "BF16Codec",
     "Codec",
+    "ErrorFeedbackCodec",
     "FP8Codec",
     "GeoFP8Codec",
     "GeoNVFP4Codec",
@@ -35,6 +37,7 @@ __all__ = [
     "MXFP8Codec",
     "NVFP4Codec",
     "NoneCodec",
+    "StatefulCodec",
     "TransformingCodec",
     "decode",
     "get_codec",

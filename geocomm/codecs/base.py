@@ -164,7 +164,29 @@ class Codec(ABC):
         return out
 
 
-class TransformingCodec(Codec):
+class StatefulCodec(Codec):
+    """A codec with state that lives across calls (GeoFP8's bases, error feedback's
+    residuals). The collectives compare ``state_checksum`` across ranks before
+    every call; checkpoints carry ``state_dict``."""
+
+    @abstractmethod
+    def state_checksum(self, key: Any = None) -> int:
+        """CRC32 of one key's state (or of all, key None); equal on ranks that agree."""
+
+    @abstractmethod
+    def reset_state(self) -> None:
+        """Forget every key's state."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """The state as plain values and NumPy arrays (for checkpoints)."""
+
+    @abstractmethod
+    def load_state_dict(self, data: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+
+
+class TransformingCodec(StatefulCodec):
     """A codec that maps each tensor before quantizing and keeps per-key state (GeoFP8).
 
     Its protocol with the collectives (docs/design.md, "Transforming codecs"):
@@ -194,22 +216,6 @@ class TransformingCodec(Codec):
     def refresh(self, plan: Any, shard: Any, lo: int, side_sum: Any
                 ) -> Generator[Any, Any, None]:
         """Rounds that update the plan's key from this rank's shard of the result."""
-
-    @abstractmethod
-    def state_checksum(self, key: Any = None) -> int:
-        """CRC32 of one key's state (or of all, key None); equal on ranks that agree."""
-
-    @abstractmethod
-    def reset_state(self) -> None:
-        """Forget every key's state."""
-
-    @abstractmethod
-    def state_dict(self) -> dict[str, Any]:
-        """The state as plain values and NumPy arrays (for checkpoints)."""
-
-    @abstractmethod
-    def load_state_dict(self, data: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output."""
 
 
 class FrameInfo:

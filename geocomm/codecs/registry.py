@@ -44,6 +44,8 @@ def get_codec(codec: str | dict[str, Any] | Codec | None, **params: Any) -> Code
     """A codec from an id (plus params), a config dict, or a Codec (returned as is).
 
     ``None`` means ``"none"``. Unknown ids raise ``KeyError`` listing the known ones.
+    ``error_feedback=True`` wraps a lossy codec in
+    :class:`~geocomm.codecs.feedback.ErrorFeedbackCodec`.
     """
     if isinstance(codec, Codec):
         if params:
@@ -65,4 +67,12 @@ def get_codec(codec: str | dict[str, Any] | Codec | None, **params: Any) -> Code
         _load_entry_points()
     if codec_id not in _registry:
         raise KeyError(f"unknown codec {codec_id!r}; known: {', '.join(registered_ids())}")
-    return _registry[codec_id].from_config(config)
+    feedback = config.pop("error_feedback", False)
+    if not isinstance(feedback, bool):
+        raise ValueError(f"error_feedback must be True or False, got {feedback!r}")
+    codec = _registry[codec_id].from_config(config)
+    if feedback:
+        from geocomm.codecs.feedback import ErrorFeedbackCodec
+
+        return ErrorFeedbackCodec(codec)
+    return codec

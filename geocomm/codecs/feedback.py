@@ -1,0 +1,116 @@
+"""Error feedback: what a rank's quantization lost is added to its next call.
+
+``get_codec("fp8", error_feedback=True)`` (any lossy codec, GeoFP8 included)
+wraps the codec in :class:`ErrorFeedbackCodec`. Per call layout (the keys
+and shapes of the tensors a collective moves) it keeps one flat residual
+``r`` on each rank: where the rank quantized another shard's piece, the first
+quantization's error; on its own shard, the second quantization's error of
+the sum it owns. The next call sends ``x + r`` instead of ``x``, so every
+error is sent again until it is gone: the running mean of the results
+converges to the exact mean (docs/design.md, "Error feedback").
+
+Residuals differ from rank to rank (each rank's errors are its own), but
+they only change what a rank sends, never how the bytes are decoded, so the
+results stay bitwise identical on every rank. The state checksum the
+collectives compare covers the layouts and call counts, not the residuals.
+A layout whose size changes starts from a zero residual.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import numpy as np
+
+from geocomm.codecs.base import Codec, StatefulCodec, TransformingCodec
+
+
+class ErrorFeedbackCodec(StatefulCodec):
+    """``inner`` with error feedback; its wire format and config plus ``error_feedback``."""
+
+    def __init__(self, inner: Codec):
+        if inner.lossless or isinstance(inner, ErrorFeedbackCodec):
+            raise ValueError(f"error feedback needs a lossy codec, not {inner.get_config()}")
+        self.inner = inner
+        self.codec_id = inner.codec_id
+        self._residuals: dict[str, Any] = {}
+        self._calls: dict[str, int] = {}
+
+    @property
+    def transform(self) -> TransformingCodec | None:
+        """The inner codec when it maps tensors (GeoFP8), else None."""
+        return self.inner if isinstance(self.inner, TransformingCodec) else None
+
+    def get_config(self) -> dict[str, Any]:
+        return {**self.inner.get_config(), "error_feedback": True}
+
+    # ---- wire API: the inner codec's ------------------------------------------
+    def wire_size(self, n: int) -> int:
+        return self.inner.wire_size(n)
+
+    def encode_wire(self, x: Any, wire: Any, *, stream: int = 0, offset: int = 0) -> None:
+        self.inner.encode_wire(x, wire, stream=stream, offset=offset)
+
+    def decode_wire(self, wire: Any, out: Any, accumulate: bool = False) -> None:
+        self.inner.decode_wire(wire, out, accumulate)
+
+    def frame_body_size(self, shape: tuple[int, ...]) -> int:
+        return self.inner.frame_body_size(shape)
+
+    def encode_frame_body(self, x: np.ndarray, body: np.ndarray) -> None:
+        self.inner.encode_frame_body(x, body)  # a frame stands alone: no feedback
+
+    def decode_frame_body(self, body: np.ndarray, out: np.ndarray) -> None:
+        self.inner.decode_frame_body(body, out)
+
+    # ---- residuals ----------------------------------------------------------------
+    def residual(self, layout: str, count: int, xp: Any) -> Any:
+        """The residual (flat float32, ``count`` values) of a call layout, counting
+        the call; zeros for a new layout or one whose size changed."""
+        r = self._residuals.get(layout)
+        if r is None or r.shape[0] != count or type(r) is not type(xp.empty(0)):
+            r = self._residuals[layout] = xp.zeros(count, dtype=np.float32)
+            self._calls[layout] = 0
+        self._calls[layout] += 1
+        return r
+
+    # ---- state ----------------------------------------------------------------------
+    def state_checksum(self, key: Any = None) -> int:
+        """CRC32 of the layouts and call counts (and of the inner codec's state for
+        ``key``); equal on ranks that agree. Residuals are per rank and excluded."""
+        crc = 0
+        for layout in sorted(self._calls):
+            crc = zlib.crc32(f"{layout}:{self._calls[layout]}".encode(), crc)
+        if self.transform is not None:
+            crc = zlib.crc32(self.transform.state_checksum(key).to_bytes(4, "little"), crc)
+        return crc
+
+    def reset_state(self) -> None:
+        self._residuals.clear()
+        self._calls.clear()
+        if self.transform is not None:
+            self.transform.reset_state()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's residuals (NumPy) and call counts, and the inner codec's state."""
+        return {"version": 1, "config": self.get_config(),
+                "residuals": {k: _to_numpy(v) for k, v in self._residuals.items()},
+                "calls": dict(self._calls),
+                "inner": None if self.transform is None else self.transform.state_dict()}
+
+    def load_state_dict(self, data: dict[str, Any], xp: Any = np) -> None:
+        """Restore :meth:`state_dict` output; residuals go to namespace ``xp``."""
+        if data.get("version") != 1 or data.get("config") != self.get_config():
+            raise ValueError(f"state was saved by {data.get('config')}, "
+                             f"this codec is {self.get_config()}")
+        self._residuals = {k: xp.asarray(np.asarray(v, np.float32))
+                           for k, v in data["residuals"].items()}
+        self._calls = {k: int(v) for k, v in data["calls"].items()}
+        if self.transform is not None and data.get("inner") is not None:
+            self.transform.load_state_dict(data["inner"])
+
+
+def _to_numpy(a: Any) -> np.ndarray:
+    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.array(a)
+
