@@ -341,12 +341,18 @@ class Yardstick:
                 f"{self.fp8_encode_GBps:.2f} GB/s ({self.mib} MiB of fp32, one thread)")
 
 
-def yardstick(mib: int = 64, repeats: int = 5) -> Yardstick:
+def yardstick(comm: Any = None, mib: int = 64, repeats: int = 5) -> Yardstick | None:
     """Measure :class:`Yardstick` here and now (about half a second at 64 MiB).
 
-    Call it in the process that measures, at a quiet moment (in an MPI job:
-    on one rank while the others wait), and store it with the results.
+    Call it in the run whose numbers it accompanies and store it with them.
+    With ``comm`` (a collective: every rank calls it), rank 0 measures while
+    the others wait in a barrier, so that no rank competes with it for the
+    memory bus; rank 0 gets the result, the others None.
     """
+    if comm is not None:
+        ruler = yardstick(None, mib, repeats) if comm.rank == 0 else None
+        comm.barrier()
+        return ruler
     x = np.random.default_rng(0).standard_normal((mib << 20) // 4, dtype=np.float32)
     copy = np.empty_like(x)
     codec = get_codec("fp8", fmt="e4m3", block=128)

@@ -123,9 +123,7 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
         f"op {args.op}, type {args.datatype}, chunk {args.chunk or 'default'}, "
         f"input {kind}" + (f" ({args.cols} columns)" if kind == "gradient" else ""))
     say("# command: " + launch_command(size))
-    # measured on rank 0 alone while the others wait, so no rank competes with it
-    ruler = yardstick() if rank == 0 else None
-    comm.barrier()
+    ruler = yardstick(comm)
     say(f"# yardstick: {ruler}")
     head = (f"{'size':>12} {'count':>10} {'type':>8} {'redop':>6} {'time(us)':>10} "
             f"{'algbw':>7} {'busbw':>7} {'#wrong':>7} {'wire(B)':>12} {'ratio':>6} {'relerr':>9}")

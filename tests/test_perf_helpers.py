@@ -49,6 +49,12 @@ def test_slowest_and_timed_take_the_slowest_rank(comm):
 
 
 @pytest.mark.mpi
+def test_yardstick_over_ranks_is_measured_on_rank_zero(comm):
+    ruler = yardstick(comm, mib=1, repeats=1)
+    assert (ruler is not None) == (comm.rank == 0)
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("gather", [True, False])
 def test_breakdown_times_every_phase(comm, gather):
     x = np.random.default_rng(comm.rank).standard_normal(5000, np.float32)

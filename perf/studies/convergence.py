@@ -609,9 +609,7 @@ def main(argv: list[str] | None = None) -> int:
                    n_heads=args.heads, ff=args.ff, seq_len=args.seq_len, batch=args.batch)
     tc = replace(llama.TrainConfig(), lr=args.lr)
     prefix = ROOT / args.out
-    # measured on rank 0 alone while the others wait, so no rank competes with it
-    ruler = dataclasses.asdict(yardstick()) if comm.rank == 0 else None
-    comm.barrier()
+    ruler = yardstick(comm)
     result: dict[str, Any] = {
         "title": args.title or f"Convergence under each codec ({comm.size} ranks)",
         "command": f"python -m geocomm.launch -n {comm.size} --timeout 3600 -- python "
@@ -630,7 +628,8 @@ def main(argv: list[str] | None = None) -> int:
                  "torch": torch.__version__, "geocomm": geocomm.__version__,
                  "threads_per_rank": args.threads,
                  "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS")},
-        "provenance": provenance(), "load_before": uptime(), "yardstick": ruler, "runs": [],
+        "provenance": provenance(), "load_before": uptime(),
+        "yardstick": dataclasses.asdict(ruler) if ruler else None, "runs": [],
     }
     t0 = time.perf_counter()
     # the exact run first: it is the reference trajectory of the drift

@@ -48,9 +48,7 @@ def main() -> int:
     comm = geocomm.get_comm()
     count = args.size // 4
     codec = geocomm.get_codec(args.codec).for_count(count)
-    # measured on rank 0 alone while the others wait, so no rank competes with it
-    ruler = yardstick() if comm.rank == 0 else None
-    comm.barrier()
+    ruler = yardstick(comm)
     x = np.random.default_rng([comm.rank, 7]).standard_normal(count, np.float32)
     rows = []
     for chunk in [int(c) for c in args.chunks.split(",")]:
