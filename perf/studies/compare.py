@@ -60,6 +60,7 @@ from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+import geocomm  # noqa: E402
 from geocomm.testing import (  # noqa: E402
     MeteredComm,
     emulated_link,
@@ -134,15 +135,12 @@ def _relerr(got: np.ndarray, exact: np.ndarray) -> float:
 
 class GeocommMethod:
     def __init__(self, codec: dict[str, Any], comm: Any, x: np.ndarray):
-        import geocomm
-
-        self.geocomm = geocomm
         self.codec = geocomm.get_codec(codec)
         self.comm = MeteredComm(comm)
         self.x, self.out = x, np.empty_like(x)
 
     def __call__(self) -> None:
-        self.geocomm.allreduce(self.x, codec=self.codec, out=self.out, key="grad",
+        geocomm.allreduce(self.x, codec=self.codec, out=self.out, key="grad",
                                comm=self.comm, check=False)
 
     def result(self, exact: np.ndarray, size: int) -> tuple[float, int]:
@@ -245,8 +243,6 @@ def build(label: str, comm: Any, x: np.ndarray) -> Any:
 
 
 def worker(args: argparse.Namespace) -> int:
-    import geocomm
-
     comm = geocomm.init()
     rank, size = comm.rank, comm.size
     labels = args.methods.split(",")
