@@ -6,7 +6,10 @@ count ``#wrong``. Inputs are regenerated from the seed on every rank, so each
 rank checks its result against an fp64 reduction of all inputs. Columns
 follow nccl-tests (size, count, type, redop, time, algbw, busbw, #wrong) plus
 the bytes a rank sent (measured: payload, side channels and the metadata
-check), the ratio to fp32 ring traffic and the relative error.
+check), the ratio to fp32 ring traffic and the relative error. A header comment
+line and the JSON (``yardstick``) give the machine's copy and fp8 encode
+speeds measured in the same run (:func:`geocomm.testing.yardstick`); the
+timing and size helpers live in :mod:`geocomm.testing` too.
 
 Inputs (``--input``): ``gaussian`` vectors, or ``gradient``: matrices of
 ``--cols`` columns like a weight gradient, a signal of rank 16 shared by the
@@ -20,11 +23,9 @@ derived bound): no element-wise bound exists for them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import platform
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,8 +36,15 @@ import numpy as np
 import geocomm
 from geocomm.codecs import TransformingCodec
 from geocomm.collectives import get_comm, resolve_codec
-from geocomm.pipeline import DEFAULT_CHUNK_ELEMS, Pieces, Pipeline
-from geocomm.testing import MeteredComm
+from geocomm.testing import (
+    MeteredComm,
+    breakdown,
+    emulated_link,
+    launch_command,
+    parse_size,
+    timed,
+    yardstick,
+)
 
 DTYPES = {"float": np.float32, "half": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -56,24 +64,6 @@ class Collective:
     norm_bound: Callable
     #: gather: whether the all-gather phase exists (wire bytes, breakdown)
     gather: bool
-
-
-def command_line(nranks: int) -> str:
-    """The command that reproduces this run, launcher included."""
-    link = os.environ.get("GEOCOMM_LINK")  # set by perf/emulated_link.py
-    plain = " --plain" if link and link.endswith(" plain") else ""
-    launcher = (f"python perf/emulated_link.py --rate {link.split()[0]}{plain} -n {nranks}"
-                if link else f"python -m geocomm.launch -n {nranks}")
-    return " ".join([launcher, "--", "python", *sys.argv])
-
-
-def parse_size(text: str) -> int:
-    """'8', '1K', '128M', '1G' -> bytes (binary multiples, like nccl-tests)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper()
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
 
 
 def parse_args(name: str, argv: list[str] | None = None) -> argparse.Namespace:
@@ -118,72 +108,6 @@ def _inputs(count: int, ranks: list[int], seed: int, index: int, dtype, kind: st
         (rows, cols), np.float32)).astype(dtype) for r in ranks]
 
 
-def slowest(comm, value: float) -> float:
-    """The largest of every rank's ``value``."""
-    mine, worst = np.array([value], np.float64), np.empty(1)
-    comm.allreduce(mine, worst, "max")
-    return float(worst[0])
-
-
-def timed(comm, fn: Callable, iters: int) -> float:
-    """Mean seconds per call, the slowest rank's (as nccl-tests reports)."""
-    comm.barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return slowest(comm, (time.perf_counter() - start) / max(iters, 1))
-
-
-def ring_bytes(nbytes: int, size: int) -> int:
-    """Bytes a rank sends in a ring all-reduce of ``nbytes``: 2(N-1)/N of them."""
-    return 2 * (size - 1) * nbytes // size
-
-
-def breakdown(comm, codec, x: np.ndarray, chunk: int | None, gather: bool,
-              repeats: int = 3) -> dict[str, float]:
-    """Seconds of encode, communication and decode run one after the other
-    (no overlap) and of the pipelined run, for the same call; each the best
-    of ``repeats`` runs, the slowest rank's."""
-    runs = [_breakdown_once(comm, codec, x, chunk, gather) for _ in range(repeats)]
-    return {part: min(run[part] for run in runs) for part in runs[0]}
-
-
-def _breakdown_once(comm, codec, x: np.ndarray, chunk: int | None,
-                    gather: bool) -> dict[str, float]:
-    source = np.ascontiguousarray(x, np.float32).reshape(-1)
-    layout = Pieces.plan(source.size, comm.size, chunk or DEFAULT_CHUNK_ELEMS)
-    bounds = layout.bounds
-    offset = 0 if gather else int(bounds[comm.rank])
-    length = source.size if gather else int(bounds[comm.rank + 1] - bounds[comm.rank])
-    result = np.empty(length, np.float32)
-    parts = {"encode": 0.0, "comm": 0.0, "decode": 0.0}
-
-    def clock(part: str, fn: Callable, *args) -> None:
-        start = time.perf_counter()
-        fn(*args)
-        parts[part] += time.perf_counter() - start
-
-    pipe = Pipeline(comm, codec, layout, source, result, offset, gather)
-    comm.barrier()
-    for s in range(layout.stages):
-        clock("encode", pipe.encode_stage, s)
-        clock("comm", lambda s=s: (pipe.start_alltoall(s), pipe.a2a_req[s].wait()))
-        clock("decode", pipe.reduce_stage, s)
-        if gather:
-            clock("encode", pipe.reencode_stage, s)
-            clock("comm", lambda s=s: (pipe.start_allgather(s), pipe.ag_req[s].wait()))
-            clock("decode", pipe.decode_stage, s)
-    pipelined = Pipeline(comm, codec, layout, source, result, offset, gather)
-    comm.barrier()
-    start = time.perf_counter()
-    pipelined.run()
-    parts["pipelined"] = time.perf_counter() - start
-    mine = np.array([parts["encode"], parts["comm"], parts["decode"], parts["pipelined"]])
-    slowest = np.empty(4)
-    comm.allreduce(mine, slowest, "max")
-    return dict(zip(["encode", "comm", "decode", "pipelined"], slowest.tolist(), strict=True))
-
-
 def main(coll: Collective, argv: list[str] | None = None) -> int:
     args = parse_args(coll.name, argv)
     comm = get_comm()
@@ -198,7 +122,9 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
     say(f"# geocomm {coll.name}_perf: {size} ranks, codec {codec.get_config()}, "
         f"op {args.op}, type {args.datatype}, chunk {args.chunk or 'default'}, "
         f"input {kind}" + (f" ({args.cols} columns)" if kind == "gradient" else ""))
-    say("# command: " + command_line(size))
+    say("# command: " + launch_command(size))
+    ruler = yardstick(comm)
+    say(f"# yardstick: {ruler}")
     head = (f"{'size':>12} {'count':>10} {'type':>8} {'redop':>6} {'time(us)':>10} "
             f"{'algbw':>7} {'busbw':>7} {'#wrong':>7} {'wire(B)':>12} {'ratio':>6} {'relerr':>9}")
     if args.breakdown:
@@ -278,13 +204,13 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
             f"at {rows[-1]['size']} bytes")
     if rank == 0 and args.output_file:
         report = {
-            "tool": f"{coll.name}_perf", "command": command_line(size), "ranks": size,
+            "tool": f"{coll.name}_perf", "command": launch_command(size), "ranks": size,
             "codec": codec.get_config(), "op": args.op, "datatype": args.datatype,
-            "link": os.environ.get("GEOCOMM_LINK", "shared memory"),
+            "link": emulated_link() or "shared memory",
             "input": kind, "cols": args.cols if kind == "gradient" else None,
             "chunk": args.chunk, "machine": platform.machine(), "python": platform.python_version(),
             "geocomm": geocomm.__version__, "rows": rows, "wrong_total": total_wrong,
-            "avg_busbw_GBps": avg_busbw,
+            "avg_busbw_GBps": avg_busbw, "yardstick": dataclasses.asdict(ruler),
         }
         Path(args.output_file).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_file).write_text(json.dumps(report, indent=1) + "\n")

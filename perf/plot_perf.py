@@ -6,7 +6,8 @@
 Draws bus bandwidth and relative error against message size (one line per
 input file) into OUT.png and writes OUT.md: a table of time per call for
 every size and, when the first file is a baseline, each other file's speed-up
-over it (time ratio, measured in the same way on the same machine).
+over it (time ratio, measured in the same way on the same machine), and
+the machine yardstick each run measured (copy and fp8 encode speeds).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import json
 from pathlib import Path
 
 import matplotlib
+
+from geocomm.testing import yardstick_line
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -53,7 +56,8 @@ def main() -> int:
 
     names = [label(r) for r in reports]
     lines = [f"# {args.title}", "", "Commands:", ""]
-    lines += [f"- `{r['command']}` ({r['ranks']} ranks)" for r in reports]
+    lines += [f"- `{r['command']}` ({r['ranks']} ranks). {yardstick_line(r.get('yardstick'))}"
+              for r in reports]
     lines += ["", "| size (B) | " + " | ".join(f"{n} time (us)" for n in names)
               + "".join(f" | {n} speed-up vs {names[0]}" for n in names[1:])
               + " | " + " | ".join(f"{n} wire/fp32" for n in names) + " |"]

@@ -19,12 +19,12 @@ DATA=$(mktemp /tmp/geocomm-perf.XXXXXX)
 trap 'rm -f "$DATA" "$DATA.txt" "$OUT.timing"' EXIT
 CMD=("$PY" perf/emulated_link.py --rate "$RATE" -n 2 -- "$PY" perf/all_reduce_perf.py
      -b "$SIZE" -e "$SIZE" -n 60 -w 3 -c 0 --codec "$CODEC")
-perf record -q -F 999 -g -o "$DATA" -- "${CMD[@]}" | grep -E '^ +[0-9]' > "$OUT.timing"
+perf record -q -F 999 -g -o "$DATA" -- "${CMD[@]}" | grep -E '^ +[0-9]|^# yardstick' > "$OUT.timing"
 {
   echo "# Profile: ${CODEC} all-reduce of ${SIZE}, 2 ranks, emulated ${RATE} link"
   echo
   echo "Command: \`bash perf/profile_allreduce.sh ${RATE} ${CODEC} ${SIZE}\` (perf record -F 999"
-  echo "over every process of \`${CMD[*]}\`). all_reduce_perf line:"
+  echo "over every process of \`${CMD[*]}\`). all_reduce_perf's yardstick and result lines:"
   echo
   echo '```'
   cat "$OUT.timing"

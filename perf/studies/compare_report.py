@@ -1,4 +1,4 @@
-"""Tables, plots and the alpha-beta model of a ``perf/compare.py`` result.
+"""Tables, plots and the alpha-beta model of a ``perf/studies/compare.py`` result.
 
 ``write(result, prefix)`` writes PREFIX.json (the result with the fitted model),
 PREFIX.md, PREFIX_busbw.png and PREFIX_error.png.
@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from geocomm.testing import yardstick_line
 
 MIB = 1 << 20
 LINK_GBPS = {"1gbit": 0.125, "10gbit": 1.25, "25gbit": 3.125}  # nominal GB/s
@@ -279,6 +281,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"common signal + rank-private noise (rms {result['inputs']['noise_rms']}). "
              "Time is the slowest rank's mean per call; DDP rows are the DDP backward minus "
              "the same backward without DDP.", "",
+             yardstick_line(result.get("yardstick")), "",
              "## Must-show ratios (time of the baseline / time of the method)", "",
              *targets(rows), "## Wire bytes and error", "", *quality_table(rows, methods),
              "## Time per link and rank count", ""]

@@ -1,6 +1,6 @@
 """Convergence: data-parallel pretraining of a small Llama under each codec.
 
-Every MPI rank trains the byte-level decoder of ``perf/llama.py`` from
+Every MPI rank trains the byte-level decoder of ``perf/studies/llama.py`` from
 scratch with AdamW on the shipped text; after each backward pass every
 parameter's gradient is averaged through ``geocomm.allreduce(grad,
 codec=..., op="avg", out=grad, key=name)``. For a given seed every codec
@@ -17,15 +17,17 @@ all-gather segments to other ranks, and 2(N-1)/N of a plain all-reduce's
 buffer, as a ring all-reduce would send; geometry side channels included),
 and the step time. Held-out loss is measured every ``--eval-every`` steps
 and at the end. Rank 0 writes ``PREFIX.json`` (all curves, metadata, the
-command), ``PREFIX.md`` (table per codec) and ``PREFIX.png`` (curves).
+command, the machine yardstick of :func:`geocomm.testing.yardstick`),
+``PREFIX.md`` (table per codec) and ``PREFIX.png`` (curves).
 
-    python -m geocomm.launch -n 2 --timeout 3600 -- python perf/convergence.py
-    python perf/convergence.py --report perf/results/convergence.json   # tables/plot only
+    python -m geocomm.launch -n 2 --timeout 3600 -- python perf/studies/convergence.py
+    python perf/studies/convergence.py --report perf/results/convergence.json  # tables/plot
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -45,17 +47,16 @@ from typing import Any
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
+import llama  # noqa: E402  (perf/studies/llama.py: model, data, optimizer)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import llama  # noqa: E402  (perf/llama.py: model, data, optimizer)
-from _driver import MeteredComm  # noqa: E402
-
 import geocomm  # noqa: E402
-from geocomm.collectives import DEFAULT_CHUNK_ELEMS, Layout, wire_bytes  # noqa: E402
+import geocomm.codecs.geo  # noqa: E402
+from geocomm.pipeline import DEFAULT_CHUNK_ELEMS, Pieces, wire_bytes  # noqa: E402
+from geocomm.testing import MeteredComm, yardstick, yardstick_line  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 #: label -> codec config; the order is the order of the tables
 CODECS: dict[str, Any] = {
@@ -83,9 +84,10 @@ PAIRS = (("geofp8", "fp8"), ("geonvfp4", "nvfp4"))
 
 def payload_bytes(codec: Any, model: torch.nn.Module, comm: Any) -> int:
     """Bytes this rank sends per step for the quantized payload alone (no side
-    channels): ``wire_bytes`` over the ``Layout.plan`` of every parameter."""
-    return sum(wire_bytes(codec, Layout.plan(p.numel(), comm.size, DEFAULT_CHUNK_ELEMS),
-                          comm.rank) for p in model.parameters())
+    channels): :func:`geocomm.pipeline.wire_bytes` of every parameter's pieces."""
+    return sum(wire_bytes(codec.for_count(p.numel()),
+                          Pieces.plan(p.numel(), comm.size, DEFAULT_CHUNK_ELEMS), comm.rank)
+               for p in model.parameters())
 
 
 # ---------------------------------------------------------------------------
@@ -115,7 +117,7 @@ def sampling_spread(comm: Any, exact: list[np.ndarray], local: list[np.ndarray])
     """How far the ranks' own gradients lie from their average, as the noise of the
     average: sqrt(mean_r ||g_r - avg||^2 / (N - 1)) / ||avg||. For independent
     batches this estimates the sampling noise ||avg - E[g]|| / ||avg|| of the
-    averaged gradient, the yardstick the communication error is compared with."""
+    averaged gradient, the noise floor the communication error is compared with."""
     if comm.size < 2:
         return float("nan")
     dev = sum(float(np.sum((g.astype(np.float64) - e) ** 2)) for e, g in zip(exact, local,
@@ -331,6 +333,7 @@ def markdown(result: dict[str, Any]) -> str:
         "drift: ||theta - theta_fp32|| / ||theta_fp32 - theta_0|| at the last step, same seed "
         "and batches (how far the run has left the full-precision trajectory).",
         "",
+        *yardstick_lines(result),
         *noise_note(summ),
         "| codec | seeds | train loss | held-out loss | train gap to fp32 | held-out gap to fp32 "
         "| comm rel. error (all / median tensor) | parameter drift from fp32 (final) "
@@ -378,6 +381,12 @@ def markdown(result: dict[str, Any]) -> str:
               f"{wall} {result['wall_s'] / 60:.1f} min; load average before "
               f"{result['load_before']}, after {result['load_after']} (2 cores)."]
     return "\n".join(lines) + "\n"
+
+
+def yardstick_lines(result: dict[str, Any]) -> list[str]:
+    """The machine yardstick of the run (of every merged run), to scale its times."""
+    records = result.get("yardsticks", [result.get("yardstick")])
+    return [*(yardstick_line(r) for r in records), ""]
 
 
 def noise_note(summ: dict[str, Any]) -> list[str]:
@@ -498,6 +507,7 @@ def merge(results: list[dict[str, Any]], title: str = "") -> dict[str, Any]:
     merged["wall_s"] = sum(r["wall_s"] for r in results)
     merged["load_before"] = " / ".join(r["load_before"] for r in results)
     merged["load_after"] = " / ".join(r["load_after"] for r in results)
+    merged["yardsticks"] = [r.get("yardstick") for r in results]
     return merged
 
 
@@ -521,18 +531,20 @@ def uptime() -> str:
 
 
 def provenance() -> dict[str, Any]:
-    """Git commit, whether tracked files differ from it, and the hash of the geometry
-    module the GeoFP8 codecs ran with (it may carry uncommitted work)."""
+    """Git commit, whether tracked files differ from it, and the hash of the installed
+    GeoFP8 package the codecs ran with (it may carry uncommitted work)."""
     def git(*a: str) -> str:
         try:
             return subprocess.run(["git", *a], cwd=ROOT, capture_output=True,
                                   text=True).stdout.strip()
         except OSError:
             return ""
-    geometry = ROOT / "geocomm" / "codecs" / "geometry.py"
+    geometry = hashlib.sha256()
+    for source in sorted(Path(geocomm.codecs.geo.__file__).parent.glob("*.py")):
+        geometry.update(source.read_bytes())
     return {"commit": git("rev-parse", "HEAD"), "dirty": git("status", "--porcelain",
                                                              "--untracked-files=no"),
-            "geometry_sha256": hashlib.sha256(geometry.read_bytes()).hexdigest()[:16]}
+            "geometry_sha256": geometry.hexdigest()[:16]}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -597,6 +609,7 @@ def main(argv: list[str] | None = None) -> int:
                    n_heads=args.heads, ff=args.ff, seq_len=args.seq_len, batch=args.batch)
     tc = replace(llama.TrainConfig(), lr=args.lr)
     prefix = ROOT / args.out
+    ruler = yardstick(comm)
     result: dict[str, Any] = {
         "title": args.title or f"Convergence under each codec ({comm.size} ranks)",
         "command": f"python -m geocomm.launch -n {comm.size} --timeout 3600 -- python "
@@ -609,12 +622,14 @@ def main(argv: list[str] | None = None) -> int:
         "codecs": {label: CODECS[label] for label in labels},
         "bytes_note": "bytes this rank sends per step: all-to-all/all-gather segments to "
                       "other ranks, 2(N-1)/N of plain all-reduce buffers (ring), geometry "
-                      "side channels included; payload_bytes = wire_bytes(Layout.plan) only",
+                      "side channels included; payload_bytes: geocomm.pipeline.wire_bytes, "
+                      "the quantized payload alone",
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
                  "torch": torch.__version__, "geocomm": geocomm.__version__,
                  "threads_per_rank": args.threads,
                  "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS")},
-        "provenance": provenance(), "load_before": uptime(), "runs": [],
+        "provenance": provenance(), "load_before": uptime(),
+        "yardstick": dataclasses.asdict(ruler) if ruler else None, "runs": [],
     }
     t0 = time.perf_counter()
     # the exact run first: it is the reference trajectory of the drift

@@ -16,7 +16,7 @@ Reusable pieces for data-parallel studies:
 * ``average_gradients(model, codec)``: every parameter's gradient averaged
   over the ranks through ``geocomm.allreduce(..., op="avg", key=name)``.
 
-    python perf/llama.py --steps 50            # a quick single-process run
+    python perf/studies/llama.py --steps 50    # a quick single-process run
 """
 
 from __future__ import annotations

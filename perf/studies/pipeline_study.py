@@ -4,24 +4,36 @@ For one message size (default 64 MiB of fp32) and each chunk size, reports
 the pipelined time per call and, measured in the same run, encode,
 communication and decode run one after the other without overlap. The
 overlap ratio is pipelined / (encode + comm + decode); below 1 the pipeline
-hides work. Picks the chunk with the fastest pipelined time.
+hides work. Picks the chunk with the fastest pipelined time. The machine
+yardstick (:func:`geocomm.testing.yardstick`) is measured first and stated
+with the table.
 
-    python -m geocomm.launch -n 2 -- python perf/pipeline_study.py --codec fp8
+    python -m geocomm.launch -n 2 -- python perf/studies/pipeline_study.py --codec fp8
+    python perf/emulated_link.py --rate 10gbit -n 2 -- \
+        python perf/studies/pipeline_study.py --codec fp8 --out perf/results/pipeline_10gbit
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
-from _driver import breakdown, command_line, parse_size, timed
 
 import geocomm
-from geocomm.collectives import DEFAULT_CHUNK_ELEMS, get_comm, resolve_codec
+from geocomm.pipeline import DEFAULT_CHUNK_ELEMS
+from geocomm.testing import (
+    breakdown,
+    emulated_link,
+    launch_command,
+    parse_size,
+    timed,
+    yardstick,
+    yardstick_line,
+)
 
 
 def main() -> int:
@@ -33,15 +45,18 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--out", default="perf/results/pipeline")
     args = p.parse_args()
-    comm = get_comm()
-    codec = resolve_codec(args.codec)
+    comm = geocomm.get_comm()
     count = args.size // 4
+    codec = geocomm.get_codec(args.codec).for_count(count)
+    ruler = yardstick(comm)
     x = np.random.default_rng([comm.rank, 7]).standard_normal(count, np.float32)
     rows = []
     for chunk in [int(c) for c in args.chunks.split(",")]:
-        geocomm.allreduce(x, codec=codec, chunk_elems=chunk)  # warm-up
-        seconds = timed(comm, lambda c=chunk: geocomm.allreduce(x, codec=codec, chunk_elems=c),
-                         args.iters)
+        def call(chunk: int = chunk) -> None:
+            geocomm.allreduce(x, codec=codec, chunk_elems=chunk, comm=comm)
+
+        call()  # warm-up
+        seconds = timed(comm, call, args.iters)
         parts = breakdown(comm, codec, x, chunk, gather=True)
         serial = parts["encode"] + parts["comm"] + parts["decode"]
         rows.append({"chunk_elems": chunk, "allreduce_ms": seconds * 1e3,
@@ -56,8 +71,9 @@ def main() -> int:
     if comm.rank != 0:
         return 0
     best = min(rows, key=lambda r: r["allreduce_ms"])
-    link = os.environ.get("GEOCOMM_LINK", "shared memory")
-    report = {"command": command_line(comm.size), "link": link,
+    link = emulated_link() or "shared memory"
+    report = {"command": launch_command(comm.size), "link": link,
+              "yardstick": dataclasses.asdict(ruler),
               "ranks": comm.size, "bytes": count * 4, "codec": codec.get_config(),
               "default_chunk_elems": DEFAULT_CHUNK_ELEMS, "best_chunk_elems": best["chunk_elems"],
               "rows": rows}
@@ -65,7 +81,8 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     lines = [f"# Pipelined all-reduce, {count * 4 >> 20} MiB fp32, {comm.size} ranks, "
-             f"codec {codec.get_config()}, link: {link}", "", f"Command: `{report['command']}`", "",
+             f"codec {codec.get_config()}, link: {link}", "", f"Command: `{report['command']}`",
+             "", yardstick_line(report["yardstick"]), "",
              "| chunk (values) | all-reduce ms | encode ms | comm ms | decode ms | serial ms "
              "| pipelined ms | pipelined / serial |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['chunk_elems']} | {r['allreduce_ms']:.2f} | {r['encode_ms']:.2f} | "

@@ -1,0 +1,165 @@
+"""The collectives over communicators other than COMM_WORLD (mpi4py's matrix).
+
+Every collective runs over ``MPI.COMM_SELF``, ``COMM_WORLD``, a ``Dup`` of
+it and a ``Split`` into the even and the odd world ranks, ordered by
+descending world rank inside each group (so group rank and world rank
+differ). Which world ranks form this rank's group, and in what order, is
+written in terms of rank and size (:func:`members`), not read back from MPI:
+the test checks that MPI agrees. Inputs are rebuilt from world ranks, so
+every rank knows its group's inputs; the expected result is what
+:mod:`geocomm.testing` simulates for that group, bit for bit, and for the
+exact codec the integer-valued sum itself. Results must be bitwise identical
+within a group. Passes at any ``-n``; at 4 ranks the split makes two groups
+of two.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+import geocomm
+from geocomm import get_codec
+from geocomm.comm.mpi import MPICommunicator
+from geocomm.testing import roundtrip, simulate_allreduce, simulate_reduce_scatter
+
+MPI = pytest.importorskip("mpi4py.MPI")
+
+pytestmark = pytest.mark.mpi
+
+GROUPS = ("self", "world", "dup", "split")
+#: codec config and pipeline chunk. Small matrices are eligible for GeoFP8; NVFP4
+#: scales per piece, so it keeps one pipeline stage to match the simulation.
+CODECS = {
+    "none": ("none", 1000),
+    "fp8": ({"id": "fp8", "fmt": "e4m3", "block": 128}, 1000),
+    "nvfp4": ("nvfp4", None),
+    "geofp8": ({"id": "geofp8", "min_dim": 8, "min_numel": 0}, 1000),
+}
+SHAPE = (97, 83)  # 8051 values: shards of every size are ragged, blocks split
+STEPS = 3  # GeoFP8 measures on the first call, maps from the second on
+
+
+def members(kind: str, rank: int, size: int) -> list[int]:
+    """World ranks of the group of world rank ``rank``, in group-rank order."""
+    if kind == "self":
+        return [rank]
+    if kind in ("world", "dup"):
+        return list(range(size))
+    return sorted((r for r in range(size) if r % 2 == rank % 2), reverse=True)
+
+
+def mpi_comm(kind: str, world: MPI.Comm) -> MPI.Comm:
+    """The mpi4py communicator of ``kind``; Split's key -rank reverses the order."""
+    if kind == "self":
+        return MPI.COMM_SELF
+    if kind == "world":
+        return world
+    if kind == "dup":
+        return world.Dup()
+    return world.Split(world.Get_rank() % 2, -world.Get_rank())
+
+
+@pytest.fixture(params=GROUPS)
+def group(request):
+    """(geocomm communicator over the group, world ranks of its members in group order)."""
+    world = MPI.COMM_WORLD
+    raw = mpi_comm(request.param, world)
+    world_ranks = members(request.param, world.Get_rank(), world.Get_size())
+    try:
+        comm = MPICommunicator(raw)
+        assert comm.size == len(world_ranks)
+        assert comm.rank == world_ranks.index(world.Get_rank())
+        yield comm, world_ranks
+    finally:
+        if raw not in (MPI.COMM_SELF, world):
+            raw.Free()
+
+
+def inputs(world_ranks: list[int], step: int) -> list[np.ndarray]:
+    """The members' gradients (group-rank order): a shared rank-4 signal plus each
+    world rank's noise, in multiples of 1/64 below 2^5, so that fp32 sums of a
+    few are exact."""
+    shared = np.random.default_rng([step, 4])
+    signal = shared.standard_normal((SHAPE[0], 4)) @ shared.standard_normal((4, SHAPE[1]))
+    xs = []
+    for r in world_ranks:
+        noise = np.random.default_rng([r, step, 5]).standard_normal(SHAPE)
+        xs.append((np.round((signal + 0.3 * noise) * 64) / 64).astype(np.float32))
+    return xs
+
+
+def identical_in_group(comm, array: np.ndarray) -> bool:
+    digest = hashlib.sha256(np.ascontiguousarray(array).tobytes()).digest()
+    rows = comm.allgather_int64(np.frombuffer(digest[:8], np.int64))
+    return bool((rows == rows[0]).all())
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+def test_allreduce(group, name):
+    comm, world_ranks = group
+    config, chunk = CODECS[name]
+    mine = get_codec(config)
+    simulated = [get_codec(config) for _ in world_ranks]  # one state per member
+    for step in range(STEPS):
+        xs = inputs(world_ranks, step)
+        got = geocomm.allreduce(xs[comm.rank], codec=mine, key="w", comm=comm,
+                                chunk_elems=chunk)
+        assert got.shape == SHAPE and got.dtype == np.float32
+        assert np.array_equal(got, simulate_allreduce(simulated, xs, key="w"))
+        if name == "none":
+            assert np.array_equal(got, np.sum(xs, axis=0, dtype=np.float64))
+        assert identical_in_group(comm, got)
+    if name == "geofp8":
+        assert mine.state_checksum() == simulated[0].state_checksum()
+        assert mine.state_info("w")["vt"] is not None  # the map was in use
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+def test_reduce_scatter(group, name):
+    comm, world_ranks = group
+    config, chunk = CODECS[name]
+    mine = get_codec(config)
+    simulated = [get_codec(config) for _ in world_ranks]
+    mine_of_all = np.array_split(np.arange(SHAPE[0] * SHAPE[1]), comm.size)[comm.rank]
+    for step in range(STEPS):
+        xs = inputs(world_ranks, step)
+        shard = geocomm.reduce_scatter(xs[comm.rank], codec=mine, key="w", comm=comm,
+                                       chunk_elems=chunk)
+        assert shard.shape == mine_of_all.shape
+        assert np.array_equal(shard, simulate_reduce_scatter(simulated, xs, key="w")[comm.rank])
+        if name == "none":
+            total = np.sum(xs, axis=0, dtype=np.float64).reshape(-1)
+            assert np.array_equal(shard, total[mine_of_all])
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+def test_allgather(group, name):
+    comm, world_ranks = group
+    config, _ = CODECS[name]
+    codec = get_codec(config)
+    xs = inputs(world_ranks, step=0)
+    rows = geocomm.allgather(xs[comm.rank], codec=codec, comm=comm)
+    assert rows.shape == (len(world_ranks), *SHAPE)
+    # every member's array through the wire format once (GeoFP8: its quantizer, no map)
+    expected = np.stack([roundtrip(codec, x).reshape(SHAPE) for x in xs])
+    assert np.array_equal(rows, expected)
+    if name == "none":
+        assert np.array_equal(rows, np.stack(xs))
+    assert identical_in_group(comm, rows)
+
+
+def test_init_sets_the_default_to_any_mpi4py_communicator():
+    """geocomm.init(MPI.COMM_SELF): collectives without comm= stay on this rank."""
+    previous = geocomm.get_comm()
+    try:
+        comm = geocomm.init(MPI.COMM_SELF)
+        assert (comm.rank, comm.size) == (0, 1)
+        x = inputs([MPI.COMM_WORLD.Get_rank()], step=0)[0]
+        assert np.array_equal(geocomm.allreduce(x, codec="none"), x)
+        assert np.array_equal(geocomm.allreduce(x, codec="fp8"), roundtrip(get_codec("fp8"), x)
+                              .reshape(SHAPE))
+    finally:
+        geocomm.init(previous)
