@@ -15,7 +15,7 @@ Before the jobs the machine's yardstick (copy and fp8 encode GB/s,
 
 Every method all-reduces the same tensors: per rank an fp32 matrix of
 ``COLS`` columns, a common rank-16 signal with a 1/i spectrum plus
-rank-private noise (anisotropic, like a weight gradient; DESIGN section 5).
+rank-private noise (anisotropic, like a weight gradient; docs/design.md, "GeoFP8").
 Methods:
 
 * ``fp32``: plain ``MPI_Allreduce`` (mpi4py, Open MPI's own algorithm);

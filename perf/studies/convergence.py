@@ -70,7 +70,7 @@ CODECS: dict[str, Any] = {
 }
 
 #: the default model: llama.py's "small" shapes (256 x 256 and 688 x 256 matrices,
-#: so GeoFP8 has the same matrices as in DESIGN section 5) with 2 layers and
+#: so GeoFP8 has the same matrices as in docs/design.md, "GeoFP8") with 2 layers and
 #: 64-byte windows, so that 7 codecs x 3 seeds fit in 30 minutes on 2 cores
 DEFAULT_MODEL = replace(llama.CONFIGS["small"], n_layers=2, seq_len=64)
 
