@@ -20,14 +20,14 @@ from geocomm.comm.base import Communicator
 from geocomm.pipeline import array_module, exact_sum
 
 
-def plan_parts(codec: TransformingCodec | None, values: Any, mapped: Any, parts: list[Any],
-                bounds: np.ndarray) -> list[tuple[Any, Any]]:
+def plan_parts(codec: TransformingCodec | None, values: Any, parts: list[Any],
+               bounds: np.ndarray) -> list[tuple[Any, Any]]:
     """Plan every part with ``codec`` (None: no part is mapped); return the (part, plan)
     pairs that have a plan.
 
     Ranged plans run their whole-tensor step (``begin``: the coefficients of
     the side channel) now and map piece by piece later (:class:`PartsMap`);
-    the others map their whole tensor into ``mapped`` now.
+    the others map their whole tensor when the map is built.
     """
     planned = []
     if codec is None:
@@ -39,8 +39,6 @@ def plan_parts(codec: TransformingCodec | None, values: Any, mapped: Any, parts:
             continue
         if plan.ranged:
             plan.begin(values[lo:hi])
-        else:
-            plan.forward(values[lo:hi], mapped[lo:hi])
         planned.append((part, plan))
     return planned
 
@@ -48,13 +46,16 @@ def plan_parts(codec: TransformingCodec | None, values: Any, mapped: Any, parts:
 class PartsMap:
     """The pipeline's :class:`~geocomm.pipeline.RangeMap` over a buffer of tensors.
 
-    ``read`` writes the mapped values of a range into ``mapped`` (ranged
-    plans map there and then; whole-tensor plans did it up front; tensors
-    without a plan are copied unless ``mapped`` is ``values``) and adds the
-    error-feedback ``residual`` if there is one; ``encoded`` stores in the
-    residual what a quantization lost (decoding with ``codec``); ``done``
-    maps a finished range of ``result`` (which starts at ``offset``) back,
-    for ranged plans. Whole-tensor plans are inverted by :meth:`finish`.
+    ``read`` returns the mapped values of a range, written into ``mapped``
+    (a buffer like ``values``, which it may be) or, with ``mapped`` None,
+    into a scratch that lives until the next read (ranged plans map there and
+    then; whole-tensor plans map their tensor into ``mapped`` up front, so
+    they get a buffer; tensors without a plan are copied unless ``mapped`` is
+    ``values``), plus the error-feedback ``residual`` if there is one;
+    ``encoded`` stores in the residual what a quantization lost (decoding
+    with ``codec``); ``done`` maps a finished range of ``result`` (which
+    starts at ``offset``) back, for ranged plans. Whole-tensor plans are
+    inverted by :meth:`finish`.
     """
 
     def __init__(self, values: Any, mapped: Any, result: Any, offset: int, parts: list[Any],
@@ -66,6 +67,21 @@ class PartsMap:
                  zip(planned, side_sums, strict=True)}
         self.parts = [(p, *plans.get(id(p), (None, None))) for p in parts]
         self.starts = [p.offset for p in parts]
+        self.scratch = None
+        whole = [(part, plan) for part, plan in planned if not plan.ranged]
+        if whole and self.mapped is None:
+            self.mapped = array_module(values).empty_like(values)
+        for part, plan in whole:
+            lo, hi = part.offset, part.offset + part.size
+            plan.forward(values[lo:hi], self.mapped[lo:hi])
+
+    def _target(self, lo: int, hi: int) -> Any:
+        """Where the mapped values of [lo, hi) go."""
+        if self.mapped is not None:
+            return self.mapped[lo:hi]
+        if self.scratch is None or self.scratch.shape[0] < hi - lo:
+            self.scratch = array_module(self.values).empty(hi - lo, dtype=np.float32)
+        return self.scratch[: hi - lo]
 
     def _overlaps(self, lo: int, hi: int) -> Any:
         """(part, plan, side sum, a, b) for every part meeting [lo, hi), [a, b) the overlap."""
@@ -78,14 +94,15 @@ class PartsMap:
             i += 1
 
     def read(self, lo: int, hi: int) -> Any:
+        out = self._target(lo, hi)
         for part, plan, _, a, b in self._overlaps(lo, hi):
             if plan is not None and plan.ranged:
-                plan.forward_range(self.values[a:b], a - part.offset, self.mapped[a:b])
+                plan.forward_range(self.values[a:b], a - part.offset, out[a - lo: b - lo])
             elif plan is None and self.mapped is not self.values:
-                self.mapped[a:b] = self.values[a:b]
+                out[a - lo: b - lo] = self.values[a:b]
         if self.residual is not None:
-            self.mapped[lo:hi] += self.residual[lo:hi]
-        return self.mapped[lo:hi]
+            out += self.residual[lo:hi]
+        return out
 
     def encoded(self, lo: int, hi: int, values: Any, wire: Any) -> None:
         if self.residual is not None:

@@ -318,7 +318,7 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
         if total is None:
             total = xp.empty(x.size, np.float32)
         transform, residual = _stateful_parts(codec, "allreduce", tensors, x.size, xp)
-        planned = plan_parts(transform, values, total, tensors, bounds)
+        planned = plan_parts(transform, values, tensors, bounds)
         pieces = Pieces.plan(x.size, comm.size, chunk_elems or DEFAULT_CHUNK_ELEMS)
         stream = _rounding_stream(codec, tensors)
         if not planned and residual is None:
@@ -396,16 +396,15 @@ def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", *, key: Any = Non
         shard = xp.empty(hi - lo, np.float32)
         pieces = Pieces.plan(x.size, comm.size, chunk_elems or DEFAULT_CHUNK_ELEMS)
         transform, residual = _stateful_parts(codec, "reduce_scatter", tensors, x.size, xp)
-        mapped = values if transform is None and residual is None else xp.empty_like(values)
-        planned = plan_parts(transform, values, mapped, tensors, bounds)
+        planned = plan_parts(transform, values, tensors, bounds)
         stream = _rounding_stream(codec, tensors)
         if not planned and residual is None:
             Pipeline(comm, codec, pieces, values, shard, lo, gather=False, stream=stream).run()
         else:
             sums = side_sums(comm, planned)
-            parts_map = PartsMap(values, mapped, shard, lo, tensors, planned, sums, residual,
-                                 codec)
-            Pipeline(comm, codec, pieces, mapped, shard, lo, gather=False, mapper=parts_map,
+            # pieces are mapped into a scratch as they go: no full-size buffer
+            parts_map = PartsMap(values, None, shard, lo, tensors, planned, sums, residual, codec)
+            Pipeline(comm, codec, pieces, values, shard, lo, gather=False, mapper=parts_map,
                      stream=stream).run()
             parts_map.finish(lo, hi)
             refresh(comm, transform, planned, sums, shard, lo, hi)
