@@ -12,21 +12,8 @@
 #include <string.h>
 
 #include "geocomm.h"
+#include "gc_check.h"
 #include "gc_linalg.h"
-
-static int passed, failed;
-
-#define CHECK(cond, ...)                                                                  \
-    do {                                                                                  \
-        if (cond) {                                                                       \
-            passed++;                                                                     \
-        } else {                                                                          \
-            failed++;                                                                     \
-            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                          \
-            fprintf(stderr, __VA_ARGS__);                                                 \
-            fputc('\n', stderr);                                                          \
-        }                                                                                 \
-    } while (0)
 
 static float uniform(unsigned *s)
 {

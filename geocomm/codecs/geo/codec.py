@@ -244,14 +244,18 @@ def _key(k: Any) -> Any:
     return tuple(_key(v) for v in k) if isinstance(k, list) else k
 
 
+def _shard_rows(shard: Any, lo: int, lay: Layout) -> slice:
+    """The rows of the (m, n) matrix that this rank's shard [lo, lo + shard.size) touches."""
+    r0 = lo // lay.n
+    return slice(r0, r0 + kernels.rows(lo, shard.shape[0], lay.n))
+
+
 def _projection(shard: Any, lo: int, vt: Any, lay: Layout) -> Any:
     """This rank's part of S V (m, k): its shard's rows, zeros elsewhere."""
     xp = array_namespace(shard, vt)
     part = xp.zeros((lay.m, lay.k), dtype=xp.float32)
     if shard.shape[0]:
-        r0 = lo // lay.n
-        rows = kernels.rows(lo, shard.shape[0], lay.n)
-        part[r0 : r0 + rows, :] = kernels.project(shard, lo, lay.n, vt)
+        part[_shard_rows(shard, lo, lay), :] = kernels.project(shard, lo, lay.n, vt)
     return part
 
 
@@ -260,9 +264,7 @@ def _accumulation(shard: Any, lo: int, coef: Any, lay: Layout) -> Any:
     xp = array_namespace(shard, coef)
     acc = xp.zeros((lay.k, lay.n), dtype=xp.float32)
     if shard.shape[0]:
-        r0 = lo // lay.n
-        rows = kernels.rows(lo, shard.shape[0], lay.n)
-        kernels.accumulate(shard, lo, lay.n, coef[r0 : r0 + rows, :], acc)
+        kernels.accumulate(shard, lo, lay.n, coef[_shard_rows(shard, lo, lay), :], acc)
     energy = xp.asarray([kernels.sumsq(shard)], dtype=xp.float32)
     return xp.concat([xp.reshape(acc, (-1,)), energy])
 
