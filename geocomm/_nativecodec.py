@@ -141,16 +141,30 @@ def geo_project(x: np.ndarray, lo: int, n: int, vt: np.ndarray) -> tuple[np.ndar
     return coef, int(got)
 
 
+def geo_pack(vt: np.ndarray) -> np.ndarray:
+    """vt (k, n) in the packed layout gc_geo_expand reads fastest."""
+    k, n = vt.shape
+    _f32(vt, "vt")
+    require()
+    packed = np.empty(int(_lib.gc_geo_packed_size(k, n)), np.float32)
+    _lib.gc_geo_pack(_ffi.from_buffer("float[]", vt), k, n,
+                     _ffi.from_buffer("float[]", packed, require_writable=True))
+    return packed
+
+
 def geo_expand(x: np.ndarray, lo: int, n: int, coef: np.ndarray, vt: np.ndarray, sign: float,
-               out: np.ndarray) -> None:
-    """out = x + sign * coef vt over the range (out may be x)."""
+               out: np.ndarray, packed: np.ndarray | None = None) -> None:
+    """out = x + sign * coef vt over the range (out may be x); ``packed``: geo_pack(vt)."""
     k = vt.shape[0]
     _f32(x, "x")
     _f32(out, "out", x.size, writable=True)
     _f32(vt, "vt", k * n)
     _f32(coef, "coef", geo_rows(lo, x.size, n) * k)
+    if packed is not None:
+        _f32(packed, "packed", int(_lib.gc_geo_packed_size(k, n)))
     rc = _lib.gc_geo_expand(_ffi.from_buffer("float[]", x), lo, x.size, n,
                             _ffi.from_buffer("float[]", coef), _ffi.from_buffer("float[]", vt),
+                            _ffi.NULL if packed is None else _ffi.from_buffer("float[]", packed),
                             k, sign, _ffi.from_buffer("float[]", out, require_writable=True))
     if rc:
         raise ValueError(f"gc_geo_expand refused its arguments ({rc})")

@@ -83,9 +83,15 @@ int64_t gc_geo_project(const float *x, size_t lo, size_t len, size_t n, const fl
 
 /* out = x + sign * (coef vt) over the range: out[e] = x[e] + sign * sum_l
  * coef[r][l] vt[l][j] for element e in row r, column j; sign is 1 or -1.
- * out may be x. */
+ * out may be x. packed: vt as gc_geo_pack lays it out, or NULL (then it is
+ * packed for this call); the result does not depend on it. */
 int gc_geo_expand(const float *x, size_t lo, size_t len, size_t n, const float *coef,
-                  const float *vt, size_t k, float sign, float *out);
+                  const float *vt, const float *packed, size_t k, float sign, float *out);
+
+/* Floats of vt's packed layout (column panels, each holding every basis row's
+ * part contiguously), and the packing itself. */
+size_t gc_geo_packed_size(size_t k, size_t n);
+int gc_geo_pack(const float *vt, size_t k, size_t n, float *packed);
 
 /* The split residual of a whole m x n matrix in one pass over it:
  * coef = gc_geo_project(x), then out = x - coef vt (gc_geo_expand with sign

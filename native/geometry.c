@@ -162,16 +162,28 @@ GC_CLONES static size_t project_segment(const float *x, size_t ldx, size_t rows,
  * one place (rows of vt lie n floats apart and would share cache sets). */
 #define GC_PANEL (4 * GC_LANES)
 
-/* The k x n basis vt as ceil(n / GC_PANEL) panels of k x GC_PANEL (zero padded). */
-static float *pack_basis(const float *vt, size_t k, size_t n)
+size_t gc_geo_packed_size(size_t k, size_t n)
 {
-    size_t panels = (n + GC_PANEL - 1) / GC_PANEL;
-    float *vp = calloc(panels * k * GC_PANEL, sizeof(float));
-    if (!vp)
-        return NULL;
+    return (n + GC_PANEL - 1) / GC_PANEL * k * GC_PANEL;
+}
+
+int gc_geo_pack(const float *vt, size_t k, size_t n, float *vp)
+{
+    if (!vt || !vp || k == 0 || n == 0)
+        return GC_EINVAL;
+    memset(vp, 0, gc_geo_packed_size(k, n) * sizeof(float));
     for (size_t l = 0; l < k; l++)
         for (size_t j = 0; j < n; j++)
             vp[((j / GC_PANEL) * k + l) * GC_PANEL + j % GC_PANEL] = vt[l * n + j];
+    return 0;
+}
+
+/* A packed copy of vt (freed by the caller), or NULL when out of memory. */
+static float *pack_basis(const float *vt, size_t k, size_t n)
+{
+    float *vp = malloc(gc_geo_packed_size(k, n) * sizeof(float));
+    if (vp)
+        gc_geo_pack(vt, k, n, vp);
     return vp;
 }
 
@@ -351,20 +363,21 @@ int64_t gc_geo_project(const float *x, size_t lo, size_t len, size_t n, const fl
 }
 
 int gc_geo_expand(const float *x, size_t lo, size_t len, size_t n, const float *coef,
-                  const float *vt, size_t k, float sign, float *out)
+                  const float *vt, const float *packed, size_t k, float sign, float *out)
 {
     if (!geo_args_ok(x, len, n, vt, k, out) || (len && !coef) || (sign != 1.0f && sign != -1.0f))
         return GC_EINVAL;
     if (len == 0)
         return 0;
-    float *vp = pack_basis(vt, k, n);
-    if (!vp)
+    float *vp = packed ? NULL : pack_basis(vt, k, n);
+    if (!packed && !vp)
         return GC_ENOMEM;
     segment seg[3];
     int count = segments(lo, len, n, seg);
     for (int s = 0; s < count; s++)
         expand_segment(x + seg[s].offset, n, seg[s].rows, seg[s].col, seg[s].cols,
-                       coef + seg[s].row * k, vt, vp, k, sign, out + seg[s].offset);
+                       coef + seg[s].row * k, vt, packed ? packed : vp, k, sign,
+                       out + seg[s].offset);
     free(vp);
     return 0;
 }

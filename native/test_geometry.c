@@ -95,8 +95,14 @@ static void test_kernels_match_definition(void)
         CHECK(!memcmp(c1, c2, sizeof(float) * k * rows), "project m=%zu n=%zu k=%zu lo=%zu "
               "len=%zu", m, n, k, lo, len);
         float sign = rand() % 2 ? 1.0f : -1.0f;
-        CHECK(gc_geo_expand(x, lo, len, n, c1, vt, k, sign, o1) == 0, "expand returns 0");
+        CHECK(gc_geo_expand(x, lo, len, n, c1, vt, NULL, k, sign, o1) == 0, "expand returns 0");
         ref_expand(x, lo, len, n, c1, vt, k, sign, o2);
+        float *packed = malloc(sizeof(float) * gc_geo_packed_size(k, n));
+        float *o3 = malloc(sizeof(float) * len);
+        gc_geo_pack(vt, k, n, packed);
+        gc_geo_expand(x, lo, len, n, c1, vt, packed, k, sign, o3);
+        CHECK(!memcmp(o1, o3, sizeof(float) * len), "a packed basis gives the same bits");
+        free(packed), free(o3);
         int same = 1;
         for (size_t i = 0; i < len; i++)
             same &= isnan(o1[i]) ? isnan(o2[i]) : !memcmp(o1 + i, o2 + i, sizeof(float));
@@ -132,7 +138,7 @@ static void test_nonfinite_rows(void)
     x[3] = keep;
     float out[32];
     x[5] = INFINITY;
-    gc_geo_expand(x, 0, 32, 16, coef, vt, 1, -1.0f, out);
+    gc_geo_expand(x, 0, 32, 16, coef, vt, NULL, 1, -1.0f, out);
     CHECK(isinf(out[5]) && isfinite(out[4]), "expand keeps inf at its position");
 }
 

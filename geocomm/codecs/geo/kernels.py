@@ -25,7 +25,8 @@ from array_api_compat import array_namespace, is_cupy_array
 
 from geocomm import _nativecodec as native
 
-__all__ = ["accumulate", "expand", "orthonormalize", "project", "residual", "rows", "sumsq"]
+__all__ = ["accumulate", "expand", "orthonormalize", "pack", "project", "residual", "rows",
+           "sumsq"]
 
 _THREADS = 256
 _LANES = 8  # GC_LANES of native/gc_linalg.h: threads per projected coefficient
@@ -56,12 +57,20 @@ def project(values: Any, lo: int, n: int, vt: Any) -> Any:
     return xp.asarray(coef)
 
 
-def expand(values: Any, lo: int, n: int, coef: Any, vt: Any, sign: float, out: Any) -> None:
-    """out = values + sign * coef vt over the range; ``out`` may be ``values``."""
+def pack(vt: Any) -> Any:
+    """vt in the layout the host expansion reads fastest (None for CuPy: unused there)."""
+    return None if is_cupy_array(vt) else native.geo_pack(_host(vt))
+
+
+def expand(values: Any, lo: int, n: int, coef: Any, vt: Any, sign: float, out: Any,
+           packed: Any = None) -> None:
+    """out = values + sign * coef vt over the range; ``out`` may be ``values``;
+    ``packed``: :func:`pack` of vt, when the caller expands with it many times."""
     if is_cupy_array(values):
         _cuda_expand(values, lo, n, coef, vt, sign, out)
         return
-    native.geo_expand(_host(values), lo, n, _host(coef), _host(vt), float(sign), _host(out))
+    native.geo_expand(_host(values), lo, n, _host(coef), _host(vt), float(sign), _host(out),
+                      packed)
 
 
 def residual(values: Any, n: int, vt: Any, out: Any) -> Any:

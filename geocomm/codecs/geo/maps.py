@@ -46,6 +46,7 @@ class SplitPlan:
     def __init__(self, lay: Layout, vt: Any, refreshes: bool, state: Any = None):
         self.layout, self.vt, self.refreshes, self.state = lay, vt, refreshes, state
         self.side: Any = None
+        self._packed: Any = None
 
     def begin(self, x: Any) -> None:
         """A = X V for this rank's flat values x: sets :attr:`side`.
@@ -53,13 +54,14 @@ class SplitPlan:
         Non-finite values of x do not enter A (they stay at their positions).
         """
         self.side = kernels.project(x, 0, self.layout.n, self.vt)
+        self._packed = kernels.pack(self.vt)  # every piece expands with it
 
     def forward_range(self, values: Any, lo: int, out: Any) -> None:
         """out = X - A V^T over the range ``values`` starting at ``lo`` (after begin)."""
         n = self.layout.n
         r0 = lo // n
         coef = self.side[r0 : r0 + kernels.rows(lo, values.shape[0], n), :]
-        kernels.expand(values, lo, n, coef, self.vt, -1.0, out)
+        kernels.expand(values, lo, n, coef, self.vt, -1.0, out, self._packed)
 
     def forward(self, x: Any, out: Any) -> None:
         """begin and forward_range over the whole tensor, in one pass (same bits).
@@ -73,7 +75,7 @@ class SplitPlan:
         n = self.layout.n
         r0 = lo // n
         coef = side_sum[r0 : r0 + kernels.rows(lo, values.shape[0], n), :]
-        kernels.expand(values, lo, n, coef, self.vt, 1.0, values)
+        kernels.expand(values, lo, n, coef, self.vt, 1.0, values, self._packed)
 
 
 class HadamardPlan:
