@@ -206,13 +206,13 @@ def _check_out(out: Any, x: Any) -> None:
 def _fingerprint(kind: str, count: int, dtype: np.dtype, op: str, codec: Codec,
                  parts: list[Part]) -> np.ndarray:
     config = json.dumps(codec.get_config(), sort_keys=True).encode()
-    layout = json.dumps([(repr(p.key), p.shape) for p in parts]).encode()
+    signature = json.dumps([(repr(p.key), p.shape) for p in parts]).encode()
     state = 0
     if isinstance(codec, StatefulCodec):
         for p in parts:
             state = zlib.crc32(codec.state_checksum(p.key).to_bytes(4, "little"), state)
     return np.array([zlib.crc32(kind.encode()), count, DTYPE_CODES[dtype], OPS.index(op),
-                     zlib.crc32(config), zlib.crc32(layout), state], dtype=np.int64)
+                     zlib.crc32(config), zlib.crc32(signature), state], dtype=np.int64)
 
 
 _FIELDS = ("collective", "count", "dtype", "op", "codec config", "parts or key", "codec state")
@@ -239,10 +239,10 @@ _calls: dict[str, int] = {}
 def _stateful_parts(codec: Codec, kind: str, parts: list[Part], count: int, xp: Any
                     ) -> tuple[TransformingCodec | None, Any]:
     """(the codec that maps the tensors or None, the error-feedback residual of this
-    call's layout or None)."""
+    call's signature or None)."""
     if isinstance(codec, ErrorFeedbackCodec):
-        layout = json.dumps([kind, [(repr(p.key), p.shape) for p in parts]])
-        return codec.transform, codec.residual(layout, count, xp)
+        signature = json.dumps([kind, [(repr(p.key), p.shape) for p in parts]])
+        return codec.transform, codec.residual(signature, count, xp)
     return (codec if isinstance(codec, TransformingCodec) else None), None
 
 

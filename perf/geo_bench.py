@@ -131,11 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     fp8_s = median_seconds(fp8_call, 15)
     default = get_codec("geofp8")
     geo_s, phases = steady_state(default, x, default.refresh_period)
-    lay = default.layout(x.shape)
+    dims = default.map_shape(x.shape)
     print(f"# {m} x {n}, one core; np.copyto {flat.nbytes / copy_s / 1e9:.2f} GB/s, "
           f"fp8 encode+decode {fp8_s * 1e3:.2f} ms ({flat.nbytes / fp8_s / 1e9:.2f} GB/s)")
     print(f"# command: python {' '.join(sys.argv)}")
-    print(f"default geofp8 (k={lay.k}, refresh={default.refresh_period}): "
+    print(f"default geofp8 (k={dims.k}, refresh={default.refresh_period}): "
           f"{geo_s * 1e3:.2f} ms = {geo_s / fp8_s:.2f}x fp8")
     for phase, sec in phases.items():
         print(f"  {phase:>9}: {sec * 1e3:7.2f} ms  ({sec / geo_s:5.1%})")
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                   "machine": platform.machine(), "python": platform.python_version(),
                   "copyto_GBps": flat.nbytes / copy_s / 1e9, "fp8_seconds": fp8_s,
                   "fp8_GBps": flat.nbytes / fp8_s / 1e9,
-                  "default": {"config": default.get_config(), "k": lay.k,
+                  "default": {"config": default.get_config(), "k": dims.k,
                               "seconds": geo_s, "ratio_to_fp8": geo_s / fp8_s,
                               "phases_seconds": phases},
                   "sweep": sweep}

@@ -31,7 +31,7 @@ import pytest
 
 from geocomm.codecs import decode, get_codec
 from geocomm.codecs.geo import DEFAULTS, kernels
-from geocomm.codecs.geo.policy import Layout, layout, rank_for_budget
+from geocomm.codecs.geo.policy import MapShape, map_shape, rank_for_budget
 from geocomm.testing import simulate_allreduce, simulate_reduce_scatter
 
 NAMESPACES = [np, array_api_strict]
@@ -160,17 +160,17 @@ def test_rank_follows_budget_bytes_and_shape():
     config = dict(DEFAULTS)
     fp8_payload = lambda m, n: m * n + 4 * -(-m * n // 128)  # noqa: E731
     assert rank_for_budget(40, 4) == 12
-    assert layout((4096, 4096), config, fp8_payload(4096, 4096)) == Layout(4096, 4096, 12)
+    assert map_shape((4096, 4096), config, fp8_payload(4096, 4096)) == MapShape(4096, 4096, 12)
     # 256 columns: the side channel (m k fp32) must fit in a quarter of the payload
-    lay = layout((688, 256), config, fp8_payload(688, 256))
-    assert lay.k == 12 and 4 * 688 * lay.k <= 0.25 * fp8_payload(688, 256)
-    narrow = layout((4096, 64), config, fp8_payload(4096, 64))
+    dims = map_shape((688, 256), config, fp8_payload(688, 256))
+    assert dims.k == 12 and 4 * 688 * dims.k <= 0.25 * fp8_payload(688, 256)
+    narrow = map_shape((4096, 64), config, fp8_payload(4096, 64))
     assert narrow.k == int(0.25 * fp8_payload(4096, 64) // (4 * 4096))
-    assert layout((4096,), config, 4096) is None
-    assert layout((32, 1024), config, fp8_payload(32, 1024)) is None  # min_dim
-    assert layout((64, 200), config, fp8_payload(64, 200)) is None  # min_numel
-    assert layout((256, 256), {**config, "budget": 2.0}, fp8_payload(256, 256)) is None
-    assert layout((4, 8, 32), {**config, "min_dim": 1, "min_numel": 0},
+    assert map_shape((4096,), config, 4096) is None
+    assert map_shape((32, 1024), config, fp8_payload(32, 1024)) is None  # min_dim
+    assert map_shape((64, 200), config, fp8_payload(64, 200)) is None  # min_numel
+    assert map_shape((256, 256), {**config, "budget": 2.0}, fp8_payload(256, 256)) is None
+    assert map_shape((4, 8, 32), {**config, "min_dim": 1, "min_numel": 0},
                   fp8_payload(4, 256)).n == 256  # N-d: (shape[0], prod(rest))
 
 

@@ -163,7 +163,7 @@ def transformed_bound(inputs: list[np.ndarray], codec: Codec, gather: bool = Tru
     e2 = (u * s_norm + (c * (sum(rhos) + e1) + d) * root) if gather else 0.0
     sums = 2 * len(inputs) * FP32_UNIT * s_norm
     n = cols
-    lay = codec.layout(shape) if isinstance(codec, TransformingCodec) else None
-    k = 0 if lay is None else (lay.k or int(np.log2(n)) + 1)
+    dims = codec.map_shape(shape) if isinstance(codec, TransformingCodec) else None
+    k = 0 if dims is None else (dims.k or int(np.log2(n)) + 1)
     mapped = 2 * (k + 2) * FP32_UNIT * np.sqrt(n) * sum(norms)
     return e1 + e2 + sums + mapped

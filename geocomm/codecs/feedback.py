@@ -1,8 +1,9 @@
 """Error feedback: what a rank's quantization lost is added to its next call.
 
 ``get_codec("fp8", error_feedback=True)`` (any lossy codec, GeoFP8 included)
-wraps the codec in :class:`ErrorFeedbackCodec`. Per call layout (the keys
-and shapes of the tensors a collective moves) it keeps one flat residual
+wraps the codec in :class:`ErrorFeedbackCodec`. Per call signature (the
+collective and the keys and shapes of the tensors it moves) it keeps one flat
+residual
 ``r`` on each rank: where the rank quantized another shard's piece, the first
 quantization's error; on its own shard, the second quantization's error of
 the sum it owns. The next call sends ``x + r`` instead of ``x``, so every
@@ -12,8 +13,8 @@ converges to the exact mean (docs/design.md, "Error feedback").
 Residuals differ from rank to rank (each rank's errors are its own), but
 they only change what a rank sends, never how the bytes are decoded, so the
 results stay bitwise identical on every rank. The state checksum the
-collectives compare covers the layouts and call counts, not the residuals.
-A layout whose size changes starts from a zero residual.
+collectives compare covers the signatures and call counts, not the
+residuals. A signature whose size changes starts from a zero residual.
 """
 
 from __future__ import annotations
@@ -65,23 +66,23 @@ class ErrorFeedbackCodec(StatefulCodec):
         self.inner.decode_frame_body(body, out)
 
     # ---- residuals ----------------------------------------------------------------
-    def residual(self, layout: str, count: int, xp: Any) -> Any:
-        """The residual (flat float32, ``count`` values) of a call layout, counting
-        the call; zeros for a new layout or one whose size changed."""
-        r = self._residuals.get(layout)
+    def residual(self, signature: str, count: int, xp: Any) -> Any:
+        """The residual (flat float32, ``count`` values) of a call signature, counting
+        the call; zeros for a new signature or one whose size changed."""
+        r = self._residuals.get(signature)
         if r is None or r.shape[0] != count or type(r) is not type(xp.empty(0)):
-            r = self._residuals[layout] = xp.zeros(count, dtype=np.float32)
-            self._calls[layout] = 0
-        self._calls[layout] += 1
+            r = self._residuals[signature] = xp.zeros(count, dtype=np.float32)
+            self._calls[signature] = 0
+        self._calls[signature] += 1
         return r
 
     # ---- state ----------------------------------------------------------------------
     def state_checksum(self, key: Any = None) -> int:
-        """CRC32 of the layouts and call counts (and of the inner codec's state for
+        """CRC32 of the signatures and call counts (and of the inner codec's state for
         ``key``); equal on ranks that agree. Residuals are per rank and excluded."""
         crc = 0
-        for layout in sorted(self._calls):
-            crc = zlib.crc32(f"{layout}:{self._calls[layout]}".encode(), crc)
+        for signature in sorted(self._calls):
+            crc = zlib.crc32(f"{signature}:{self._calls[signature]}".encode(), crc)
         if self.transform is not None:
             crc = zlib.crc32(self.transform.state_checksum(key).to_bytes(4, "little"), crc)
         return crc

@@ -114,8 +114,8 @@ def side_fraction(codec: Any, shapes: list[tuple[int, ...]]) -> float:
     for shape in shapes:
         payload += codec.wire_size(math.prod(shape))
         if isinstance(codec, TransformingCodec):
-            lay = codec.layout(shape)
-            side += 0 if lay is None else 4 * lay.m * lay.k
+            dims = codec.map_shape(shape)
+            side += 0 if dims is None else 4 * dims.m * dims.k
     return side / payload
 
 

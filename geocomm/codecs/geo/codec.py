@@ -21,9 +21,9 @@ from array_api_compat import array_namespace
 
 from geocomm.codecs.base import Codec, TransformingCodec
 from geocomm.codecs.formats import FP8Codec, NVFP4Codec
-from geocomm.codecs.geo import kernels
+from geocomm.codecs.geo import kernels, policy
 from geocomm.codecs.geo.maps import HadamardPlan, SplitPlan
-from geocomm.codecs.geo.policy import DEFAULTS, TRANSFORMS, Layout, anisotropic, layout
+from geocomm.codecs.geo.policy import DEFAULTS, TRANSFORMS, MapShape, anisotropic
 from geocomm.codecs.geo.state import KeyState
 
 #: Power iterations of a key's first refresh, from a fixed-seed random basis.
@@ -41,8 +41,8 @@ class _MeasurePlan:
     refreshes = True
     ranged = True
 
-    def __init__(self, lay: Layout, state: KeyState):
-        self.layout, self.state = lay, state
+    def __init__(self, dims: MapShape, state: KeyState):
+        self.map_shape, self.state = dims, state
 
     def begin(self, x: Any) -> None:
         return None
@@ -118,10 +118,10 @@ class GeoCodec(TransformingCodec):
         self.quantizer.decode_wire(wire, out, accumulate)
 
     # ---- the map of one call -----------------------------------------------------
-    def layout(self, shape: Sequence[int], framed: bool = False) -> Layout | None:
+    def map_shape(self, shape: Sequence[int], framed: bool = False) -> MapShape | None:
         """The map of a tensor of ``shape`` (None: plain quantization)."""
         payload = self.quantizer.wire_size(math.prod(shape))
-        return layout(shape, self._knobs(), payload, framed)
+        return policy.map_shape(shape, self._knobs(), payload, framed)
 
     def plan(self, x: Any, shape: Sequence[int], key: Any, bounds: Sequence[int]) -> Any:
         """This call's plan for the flat float32 values ``x`` of a tensor of ``shape``.
@@ -131,19 +131,19 @@ class GeoCodec(TransformingCodec):
         and the key's state only, so every rank decides alike. None means
         plain quantization and no state.
         """
-        lay = self.layout(shape)
-        if lay is None:
+        dims = self.map_shape(shape)
+        if dims is None:
             return None
         if self.transform == "hadamard":
-            return HadamardPlan(lay, self.seed, bounds)
-        st = self._state_for(("shape", tuple(shape)) if key is None else key, lay)
+            return HadamardPlan(dims, self.seed, bounds)
+        st = self._state_for(("shape", tuple(shape)) if key is None else key, dims)
         st.calls += 1
         due = st.vt is None or st.calls - st.refreshed >= self.refresh_period
-        active = st.vt is not None and (st.share is None or anisotropic(st.share, lay,
+        active = st.vt is not None and (st.share is None or anisotropic(st.share, dims,
                                                                          self.min_share))
         if active:
-            return SplitPlan(lay, st.vt, refreshes=due, state=st)
-        return _MeasurePlan(lay, st) if due else None
+            return SplitPlan(dims, st.vt, refreshes=due, state=st)
+        return _MeasurePlan(dims, st) if due else None
 
     def refresh(self, plan: Any, shard: Any, lo: int, side_sum: Any) -> Rounds:
         """The rounds that update the basis of ``plan``'s key from this call's result.
@@ -158,21 +158,21 @@ class GeoCodec(TransformingCodec):
         return self._rounds(plan.state, shard, lo, side_sum)
 
     def _rounds(self, st: KeyState, shard: Any, lo: int, coef: Any) -> Rounds:
-        lay = st.layout
+        dims = st.map_shape
         xp = array_namespace(shard)
         if coef is None:  # measure: power iterations from the basis (or a random one)
             cold = st.vt is None
-            vt = kernels.orthonormalize(xp.zeros((lay.k, lay.n), dtype=xp.float32),
+            vt = kernels.orthonormalize(xp.zeros((dims.k, dims.n), dtype=xp.float32),
                                         self.seed) if cold else st.vt
             iters = COLD_ITERS if cold else 1
             for it in range(iters):
-                coef = xp.reshape((yield xp.reshape(_projection(shard, lo, vt, lay), (-1,))),
-                                  (lay.m, lay.k))
-                w, energy = _split_energy((yield _accumulation(shard, lo, coef, lay)), lay)
+                coef = xp.reshape((yield xp.reshape(_projection(shard, lo, vt, dims), (-1,))),
+                                  (dims.m, dims.k))
+                w, energy = _split_energy((yield _accumulation(shard, lo, coef, dims)), dims)
                 if it + 1 < iters:
                     vt = kernels.orthonormalize(w, self.seed)
         else:
-            w, energy = _split_energy((yield _accumulation(shard, lo, coef, lay)), lay)
+            w, energy = _split_energy((yield _accumulation(shard, lo, coef, dims)), dims)
         top = kernels.sumsq(coef)
         if not (math.isfinite(energy) and math.isfinite(top) and energy > 0):
             return  # a non-finite or all-zero result says nothing about the geometry
@@ -181,10 +181,10 @@ class GeoCodec(TransformingCodec):
         st.commit(kernels.orthonormalize(w, self.seed), min(top / energy, 1.0))
 
     # ---- state --------------------------------------------------------------------
-    def _state_for(self, key: Any, lay: Layout) -> KeyState:
+    def _state_for(self, key: Any, dims: MapShape) -> KeyState:
         st = self._state.get(key)
-        if st is None or st.layout != lay:
-            st = self._state[key] = KeyState(lay)
+        if st is None or st.map_shape != dims:
+            st = self._state[key] = KeyState(dims)
         return st
 
     def state_checksum(self, key: Any = None) -> int:
@@ -244,36 +244,36 @@ def _key(k: Any) -> Any:
     return tuple(_key(v) for v in k) if isinstance(k, list) else k
 
 
-def _shard_rows(shard: Any, lo: int, lay: Layout) -> slice:
+def _shard_rows(shard: Any, lo: int, dims: MapShape) -> slice:
     """The rows of the (m, n) matrix that this rank's shard [lo, lo + shard.size) touches."""
-    r0 = lo // lay.n
-    return slice(r0, r0 + kernels.rows(lo, shard.shape[0], lay.n))
+    r0 = lo // dims.n
+    return slice(r0, r0 + kernels.rows(lo, shard.shape[0], dims.n))
 
 
-def _projection(shard: Any, lo: int, vt: Any, lay: Layout) -> Any:
+def _projection(shard: Any, lo: int, vt: Any, dims: MapShape) -> Any:
     """This rank's part of S V (m, k): its shard's rows, zeros elsewhere."""
     xp = array_namespace(shard, vt)
-    part = xp.zeros((lay.m, lay.k), dtype=xp.float32)
+    part = xp.zeros((dims.m, dims.k), dtype=xp.float32)
     if shard.shape[0]:
-        part[_shard_rows(shard, lo, lay), :] = kernels.project(shard, lo, lay.n, vt)
+        part[_shard_rows(shard, lo, dims), :] = kernels.project(shard, lo, dims.n, vt)
     return part
 
 
-def _accumulation(shard: Any, lo: int, coef: Any, lay: Layout) -> Any:
+def _accumulation(shard: Any, lo: int, coef: Any, dims: MapShape) -> Any:
     """This rank's part of coef^T S (k, n) and of ||S||^2, flat: k n + 1 values."""
     xp = array_namespace(shard, coef)
-    acc = xp.zeros((lay.k, lay.n), dtype=xp.float32)
+    acc = xp.zeros((dims.k, dims.n), dtype=xp.float32)
     if shard.shape[0]:
-        kernels.accumulate(shard, lo, lay.n, coef[_shard_rows(shard, lo, lay), :], acc)
+        kernels.accumulate(shard, lo, dims.n, coef[_shard_rows(shard, lo, dims), :], acc)
     energy = xp.asarray([kernels.sumsq(shard)], dtype=xp.float32)
     return xp.concat([xp.reshape(acc, (-1,)), energy])
 
 
-def _split_energy(total: Any, lay: Layout) -> tuple[Any, float]:
+def _split_energy(total: Any, dims: MapShape) -> tuple[Any, float]:
     """(W (k, n), ||S||^2) from a summed accumulation."""
     xp = array_namespace(total)
-    w = xp.reshape(total[: lay.k * lay.n], (lay.k, lay.n))
-    return w, float(total[lay.k * lay.n])
+    w = xp.reshape(total[: dims.k * dims.n], (dims.k, dims.n))
+    return w, float(total[dims.k * dims.n])
 
 
 def _check_int(name: str, value: Any, low: int) -> int:

@@ -38,10 +38,10 @@ def run_locally(rounds: Any) -> None:
 
 
 def _side_bytes(codec: Any, shape: tuple[int, ...]) -> tuple[Any, int]:
-    lay = codec.layout(shape, framed=True)
-    if lay is None or lay.k == 0:
-        return lay, 0
-    return lay, _FLAG.size + 4 * lay.k * (lay.n + lay.m)
+    dims = codec.map_shape(shape, framed=True)
+    if dims is None or dims.k == 0:
+        return dims, 0
+    return dims, _FLAG.size + 4 * dims.k * (dims.n + dims.m)
 
 
 def body_size(codec: Any, shape: tuple[int, ...]) -> int:
@@ -51,22 +51,22 @@ def body_size(codec: Any, shape: tuple[int, ...]) -> int:
 
 def encode_body(codec: Any, x: np.ndarray, body: np.ndarray) -> None:
     """Encode float32 ``x`` (its own shape) into ``body``."""
-    lay, side = _side_bytes(codec, x.shape)
+    dims, side = _side_bytes(codec, x.shape)
     flat = np.ascontiguousarray(x, np.float32).reshape(-1)
-    if lay is not None and lay.k == 0:  # hadamard
+    if dims is not None and dims.k == 0:  # hadamard
         mapped = np.empty_like(flat)
-        HadamardPlan(lay, codec.seed, [0, flat.size]).forward(flat, mapped)
+        HadamardPlan(dims, codec.seed, [0, flat.size]).forward(flat, mapped)
         flat = mapped
     if side == 0:
         codec.quantizer.encode_wire(flat, body)
         return
-    state = KeyState(lay)
+    state = KeyState(dims)
     run_locally(codec._rounds(state, flat, 0, None))
     if state.vt is None:  # nothing to measure (inf/NaN): no map
         body[:side] = 0
         codec.quantizer.encode_wire(flat, body[side:])
         return
-    plan = SplitPlan(lay, state.vt, refreshes=False)
+    plan = SplitPlan(dims, state.vt, refreshes=False)
     residual = np.empty_like(flat)
     plan.forward(flat, residual)
     body[: _FLAG.size] = np.frombuffer(_FLAG.pack(1), np.uint8)
@@ -77,11 +77,11 @@ def encode_body(codec: Any, x: np.ndarray, body: np.ndarray) -> None:
 
 def decode_body(codec: Any, body: np.ndarray, out: np.ndarray) -> None:
     """Decode ``body`` into float32 ``out`` (the frame's shape); ValueError if malformed."""
-    lay, side = _side_bytes(codec, out.shape)
+    dims, side = _side_bytes(codec, out.shape)
     flat = out.reshape(-1)
     codec.quantizer.decode_wire(body[side:], flat)
-    if lay is not None and lay.k == 0:
-        HadamardPlan(lay, codec.seed, [0, flat.size]).inverse(flat, 0, None)
+    if dims is not None and dims.k == 0:
+        HadamardPlan(dims, codec.seed, [0, flat.size]).inverse(flat, 0, None)
         return
     if side == 0:
         return
@@ -93,6 +93,6 @@ def decode_body(codec: Any, body: np.ndarray, out: np.ndarray) -> None:
     values = body[_FLAG.size : side].copy().view("<f4").astype(np.float32)
     if not np.isfinite(values).all():
         raise ValueError("GeoFP8 frame side channel holds non-finite values")
-    vt = np.ascontiguousarray(values[: lay.k * lay.n].reshape(lay.k, lay.n))
-    coef = np.ascontiguousarray(values[lay.k * lay.n :].reshape(lay.m, lay.k))
-    kernels.expand(flat, 0, lay.n, coef, vt, 1.0, flat)
+    vt = np.ascontiguousarray(values[: dims.k * dims.n].reshape(dims.k, dims.n))
+    coef = np.ascontiguousarray(values[dims.k * dims.n :].reshape(dims.m, dims.k))
+    kernels.expand(flat, 0, dims.n, coef, vt, 1.0, flat)

@@ -28,7 +28,7 @@ import numpy as np
 from array_api_compat import array_namespace
 
 from geocomm.codecs.geo import kernels
-from geocomm.codecs.geo.policy import Layout
+from geocomm.codecs.geo.policy import MapShape
 
 
 class SplitPlan:
@@ -43,8 +43,8 @@ class SplitPlan:
 
     ranged = True
 
-    def __init__(self, lay: Layout, vt: Any, refreshes: bool, state: Any = None):
-        self.layout, self.vt, self.refreshes, self.state = lay, vt, refreshes, state
+    def __init__(self, dims: MapShape, vt: Any, refreshes: bool, state: Any = None):
+        self.map_shape, self.vt, self.refreshes, self.state = dims, vt, refreshes, state
         self.side: Any = None
         self._packed: Any = None
 
@@ -53,12 +53,12 @@ class SplitPlan:
 
         Non-finite values of x do not enter A (they stay at their positions).
         """
-        self.side = kernels.project(x, 0, self.layout.n, self.vt)
+        self.side = kernels.project(x, 0, self.map_shape.n, self.vt)
         self._packed = kernels.pack(self.vt)  # every piece expands with it
 
     def forward_range(self, values: Any, lo: int, out: Any) -> None:
         """out = X - A V^T over the range ``values`` starting at ``lo`` (after begin)."""
-        n = self.layout.n
+        n = self.map_shape.n
         r0 = lo // n
         coef = self.side[r0 : r0 + kernels.rows(lo, values.shape[0], n), :]
         kernels.expand(values, lo, n, coef, self.vt, -1.0, out, self._packed)
@@ -68,11 +68,11 @@ class SplitPlan:
 
         ``out`` may be ``x``.
         """
-        self.side = kernels.residual(x, self.layout.n, self.vt, out)
+        self.side = kernels.residual(x, self.map_shape.n, self.vt, out)
 
     def inverse(self, values: Any, lo: int, side_sum: Any) -> None:
         """values += (sum_i A_i) V^T over the range starting at ``lo``, in place."""
-        n = self.layout.n
+        n = self.map_shape.n
         r0 = lo // n
         coef = side_sum[r0 : r0 + kernels.rows(lo, values.shape[0], n), :]
         kernels.expand(values, lo, n, coef, self.vt, 1.0, values, self._packed)
@@ -88,9 +88,9 @@ class HadamardPlan:
     refreshes = False
     ranged = False  # a row is rotated as a whole
 
-    def __init__(self, lay: Layout, seed: int, bounds: Sequence[int]):
-        self.layout = lay
-        n = lay.n
+    def __init__(self, dims: MapShape, seed: int, bounds: Sequence[int]):
+        self.map_shape = dims
+        n = dims.n
         self.p = 1 << (n.bit_length() - 1)
         rng = np.random.default_rng([seed, n, 0x4841])
         count = 1 if self.p == n else 2
@@ -100,7 +100,7 @@ class HadamardPlan:
 
     def _rows(self, lo: int, hi: int) -> tuple[int, int]:
         """[r0, r1): the rows inside [lo, hi) that also lie inside one shard."""
-        n = self.layout.n
+        n = self.map_shape.n
         r0, r1 = -(-lo // n), hi // n
         rows = [r for r in range(r0, r1) if self._inside_shard(r * n, (r + 1) * n)]
         return (rows[0], rows[-1] + 1) if rows else (0, 0)
@@ -112,7 +112,7 @@ class HadamardPlan:
     def _rotate(self, block: Any, inverse: bool) -> None:
         """Rotate the rows of ``block`` (r, n) in place."""
         xp = array_namespace(block)
-        n, p = self.layout.n, self.p
+        n, p = self.map_shape.n, self.p
         parts = list(zip((0, n - p), self._signs, strict=False))
         scale = xp.asarray(1.0 / math.sqrt(p), dtype=xp.float32)
         for start, signs in (reversed(parts) if inverse else parts):
@@ -125,7 +125,7 @@ class HadamardPlan:
 
     def _apply(self, values: Any, lo: int, inverse: bool) -> Any:
         xp = array_namespace(values)
-        n = self.layout.n
+        n = self.map_shape.n
         r0, r1 = self._rows(lo, lo + values.shape[0])
         if r1 <= r0:
             return values

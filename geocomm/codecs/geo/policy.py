@@ -50,7 +50,7 @@ def matrix_shape(shape: Sequence[int]) -> tuple[int, int] | None:
 
 
 @dataclass(frozen=True)
-class Layout:
+class MapShape:
     """How one eligible tensor is mapped: its (m, n) view and the rank k of its
     basis (k rows of length n; 0 for the Hadamard rotation)."""
 
@@ -64,13 +64,13 @@ def rank_for_budget(budget: float, refresh: int) -> int:
     return int(budget // (3 + 1 / refresh))
 
 
-def layout(shape: Sequence[int], config: dict[str, Any], payload_bytes: int,
-           framed: bool = False) -> Layout | None:
+def map_shape(shape: Sequence[int], config: dict[str, Any], payload_bytes: int,
+           framed: bool = False) -> MapShape | None:
     """The map of a tensor of ``shape`` under ``config``, or None (plain quantization).
 
     ``payload_bytes``: the quantized body of the whole tensor. ``framed``: a
     standalone frame also carries the basis (k (m + n) floats instead of k c).
-    Hadamard layouts have k = 0.
+    Hadamard maps have k = 0.
     """
     mn = matrix_shape(shape)
     if mn is None or config["transform"] == "none":
@@ -79,13 +79,13 @@ def layout(shape: Sequence[int], config: dict[str, Any], payload_bytes: int,
     if min(m, n) < config["min_dim"] or m * n < config["min_numel"]:
         return None
     if config["transform"] == "hadamard":
-        return Layout(m, n, 0)
+        return MapShape(m, n, 0)
     per_rank = (m + n) if framed else m  # floats per basis vector on the side channel
     k = min(config["k"], min(m, n) // 2, rank_for_budget(config["budget"], config["refresh"]))
     k = min(k, int(config["max_side"] * payload_bytes // (4 * per_rank)))
-    return Layout(m, n, k) if k >= 1 else None
+    return MapShape(m, n, k) if k >= 1 else None
 
 
-def anisotropic(share: float, lay: Layout, min_share: float) -> bool:
+def anisotropic(share: float, dims: MapShape, min_share: float) -> bool:
     """Whether a top-k energy share beats a flat spectrum's k / min(m, n) by ``min_share``."""
-    return share - lay.k / min(lay.m, lay.n) >= min_share
+    return share - dims.k / min(dims.m, dims.n) >= min_share

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from geocomm.codecs.geo.policy import Layout
+from geocomm.codecs.geo.policy import MapShape
 
 
 def _host_bytes(a: Any) -> bytes:
@@ -34,7 +34,7 @@ class KeyState:
     last refresh; ``share``: the top-k energy share measured then (None before).
     """
 
-    layout: Layout
+    map_shape: MapShape
     vt: Any = None
     calls: int = 0
     refreshed: int = 0
@@ -48,8 +48,8 @@ class KeyState:
     @property
     def crc(self) -> int:
         """CRC32 of the whole state (the basis is hashed once, when it changes)."""
-        lay = self.layout
-        head = struct.pack("<5q?d", lay.m, lay.n, lay.k, self.calls, self.refreshed,
+        dims = self.map_shape
+        head = struct.pack("<5q?d", dims.m, dims.n, dims.k, self.calls, self.refreshed,
                            self.share is not None, self.share or 0.0)
         return zlib.crc32(head, self._basis_crc)
 
@@ -60,23 +60,23 @@ class KeyState:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON- and NumPy-only snapshot (for checkpoints)."""
-        lay = self.layout
-        return {"shape": (lay.m, lay.n), "k": lay.k, "calls": self.calls,
+        dims = self.map_shape
+        return {"shape": (dims.m, dims.n), "k": dims.k, "calls": self.calls,
                 "refreshed": self.refreshed, "share": self.share,
                 "vt": None if self.vt is None else np.frombuffer(
-                    _host_bytes(self.vt), "<f4").reshape(lay.k, lay.n).copy()}
+                    _host_bytes(self.vt), "<f4").reshape(dims.k, dims.n).copy()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], xp: Any) -> KeyState:
         """Inverse of :meth:`to_dict`; ``xp`` is the namespace the basis lives in."""
         m, n = (int(v) for v in data["shape"])
-        st = cls(Layout(m, n, int(data["k"])))
+        st = cls(MapShape(m, n, int(data["k"])))
         st.calls, st.refreshed = int(data["calls"]), int(data["refreshed"])
         st.share = None if data["share"] is None else float(data["share"])
         if data["vt"] is not None:
             vt = np.asarray(data["vt"], np.float32)
-            if vt.shape != (st.layout.k, st.layout.n):
-                raise ValueError(f"basis of shape {vt.shape} does not fit {st.layout}")
+            if vt.shape != (st.map_shape.k, st.map_shape.n):
+                raise ValueError(f"basis of shape {vt.shape} does not fit {st.map_shape}")
             st.vt = xp.asarray(vt)
             st._basis_crc = zlib.crc32(_host_bytes(st.vt))
         return st
