@@ -44,7 +44,9 @@ typedef uint64_t gc_u64;
 #define GC_E4M3_MAX 448.0f
 #define GC_E5M2_MAX 57344.0f
 #define GC_E2M1_MAX 6.0f
+/* values per scale (the wire layouts of geocomm.h, which defines the same) */
 #define GC_NVFP4_BLOCK 16
+#define GC_NVFP4_SUPERBLOCK 4096
 #define GC_MX_BLOCK 32
 
 GC_FN gc_u32 gc_bits(float f)
@@ -71,9 +73,6 @@ GC_FN float gc_float(gc_u32 u)
 
 /* 1 when f is neither inf nor NaN (exponent field not all ones). */
 GC_FN int gc_finite(float f) { return (gc_bits(f) & 0x7f800000u) != 0x7f800000u; }
-
-/* |f| for finite f, 0 otherwise: the contribution of f to a block's amax. */
-GC_FN float gc_amax_term(float f) { return gc_finite(f) ? fabsf(f) : 0.0f; }
 
 /* min(|q|, fmax), and fmax for NaN q (like fminf, but vectorizes as minps). */
 GC_FN float gc_min_abs(float q, float fmax)
@@ -235,14 +234,16 @@ GC_FN float gc_quant_factor(float amax, float fmax, float *pre)
 
 /*
  * NVFP4 block scale: the E4M3 code of ((bamax / 6) * tpre) * tfactor, where
- * tfactor = gc_quant_factor(tensor_amax, 6 * 448, &tpre) maps the tensor's
- * amax onto the largest block scale. A block holding a non-finite value
- * gets the NaN code 0x7f (and payload codes 0), so its 16 values decode as
- * NaN. With `up` (stochastic rounding) the code is rounded up instead of to
- * nearest, so that no value of the block exceeds 6 block scales: a value
- * above 6 would be clamped to 6, a bias no random rounding can undo. (A
- * non-zero block never gets scale 0 then; only a tensor amax below
- * 2688 * 2^-149, whose fp32 tensor scale is 0, still decodes as 0.)
+ * tfactor = gc_quant_factor(samax, 6 * 448, &tpre) maps the amax of the
+ * block's superblock (GC_NVFP4_SUPERBLOCK values, whose fp32 scale is
+ * samax / (6 * 448)) onto the largest block scale. A block holding a
+ * non-finite value gets the NaN code 0x7f (and payload codes 0), so its 16
+ * values decode as NaN. With `up` (stochastic rounding) the code is rounded
+ * up instead of to nearest, so that no value of the block exceeds 6 block
+ * scales: a value above 6 would be clamped to 6, a bias no random rounding
+ * can undo. (A non-zero block never gets scale 0 then; only a superblock
+ * amax below 2688 * 2^-149, whose fp32 superblock scale is 0, still decodes
+ * as 0.)
  */
 GC_FN gc_u8 gc_nvfp4_scale_code(float bamax, float tpre, float tfactor, int block_finite, int up)
 {
