@@ -331,6 +331,27 @@ def test_every_small_length_matches_reference(fmt, block):
         assert native.wire_size(native.FORMATS[fmt], n, block) == ref.wire_size(fmt, n, block)
 
 
+def test_wire_sizes_agree_in_all_three_implementations():
+    # The layout is written once per implementation: gc_wire_size (C core),
+    # geocomm.cuda.wire_size (the CUDA kernels' layout) and the reference's
+    # wire_size. Every format, counts around every block, MX block and NVFP4
+    # superblock boundary, and blocks that split, equal or exceed n.
+    from geocomm import cuda
+
+    rng = np.random.default_rng(15)
+    counts = {0, 1, 2, 3, 10**6 + 3, 2**31 + 5, *rng.integers(1, 10**7, 40).tolist()}
+    for base in (16, 32, 128, 4096, 3 * 4096, 256 * 4096):
+        counts |= {base - 1, base, base + 1}
+    for name in native.FORMAT_NAMES:
+        for n in sorted(counts):
+            for block in (0, 1, 7, 16, 32, 128, 4096, 5000, 2**40):
+                expect = ref.wire_size(name, n, block)
+                assert native.wire_size(name, n, block) == expect, (name, n, block)
+                assert cuda.wire_size(name, n, block) == expect, (name, n, block)
+                assert cuda.wire_size(native.FORMATS[name], n, block) == expect
+    assert ref.wire_size("nvfp4", 4097) == 2 * 4 + 257 + 2049  # two superblock scales
+
+
 @pytest.mark.parametrize(("fmt", "block"), CASES, ids=CASE_IDS)
 def test_arbitrary_wire_bytes_decode_like_reference(fmt, block):
     # Random bodies: scales of every bit pattern (NaN, inf, subnormal), every code.
