@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,20 +167,21 @@ def _compile(cupy: Any, source: str) -> bytes:
         nvrtc.destroyProgram(prog)
 
 
-#: per device id: (loaded module, its kernel functions by name)
-_modules: dict[int, tuple[Any, dict[str, Any]]] = {}
+#: per (device id, source function): (loaded module, its kernel functions by name)
+_modules: dict[tuple[int, Callable[[], str]], tuple[Any, dict[str, Any]]] = {}
 _lock = threading.Lock()
 
 
-def _kernel(cupy: Any, name: str) -> Any:
-    """Kernel ``name`` of the module loaded on the current device (compiled on first use)."""
-    device = cupy.cuda.Device().id
+def _kernel(cupy: Any, name: str, source: Callable[[], str] = kernel_source) -> Any:
+    """Kernel ``name`` of the module that ``source()`` gives (default: the codec's
+    kernels), compiled with NVRTC_OPTIONS and loaded on the current device on first use."""
+    key = (cupy.cuda.Device().id, source)
     with _lock:
-        entry = _modules.get(device)
+        entry = _modules.get(key)
         if entry is None:
             module = cupy.cuda.function.Module()
-            module.load(_compile(cupy, kernel_source()))
-            entry = _modules[device] = (module, {})
+            module.load(_compile(cupy, source()))
+            entry = _modules[key] = (module, {})
         module, functions = entry
         function = functions.get(name)
         if function is None:
@@ -394,12 +396,10 @@ def decode(fmt: int | str, wire: Any, block: int, out: Any, accumulate: bool = F
     with _launch_context(out.device, stream):
         if fmt == native.BF16:
             _kernel(cupy, "gc_bf16_decode")(_grid(n), (THREADS,), (wire, _u64(n), acc, out))
-        elif fmt == native.NVFP4:
-            _kernel(cupy, "gc_nvfp4_decode")(
-                _grid((n + 1) // 2), (THREADS,), (wire, _u64(n), acc, out))
-        elif fmt == native.MXFP4:
-            _kernel(cupy, "gc_mxfp4_decode")(
-                _grid((n + 1) // 2), (THREADS,), (wire, _u64(n), acc, out))
+        elif fmt in (native.NVFP4, native.MXFP4):
+            _kernel(cupy, "gc_e2m1_decode")(
+                _grid((n + 1) // 2), (THREADS,),
+                (wire, _u64(n), np.int32(fmt == native.MXFP4), acc, out))
         elif fmt in native.MX_FORMATS:
             _kernel(cupy, "gc_mxfp8_decode")(
                 _grid(n), (THREADS,),

@@ -462,33 +462,26 @@ int gc_encode(int fmt, const float *x, size_t n, size_t block, uint8_t *wire)
     return gc_encode_ex(fmt, x, n, block, wire, 0, 0, 0, 0);
 }
 
+/* Decoders of the formats without a block length, by format id. */
+static void (*const gc_decoders[])(int, const uint8_t *, size_t, float *) = {
+    [GC_NVFP4] = decode_nvfp4,
+    [GC_BF16] = decode_bf16,
+    [GC_MXFP8_E4M3] = decode_mxfp8_e4m3,
+    [GC_MXFP8_E5M2] = decode_mxfp8_e5m2,
+    [GC_MXFP4] = decode_mxfp4,
+};
+
 int gc_decode(int fmt, const uint8_t *wire, size_t n, size_t block, float *out, int accumulate)
 {
     if (!known_format(fmt))
         return GC_EINVAL;
     if (n == 0)
         return 0;
-    switch (fmt) {
-    case GC_E4M3:
+    if (fmt == GC_E4M3)
         (accumulate ? accumulate_e4m3 : decode_e4m3)(wire, n, fp8_block(n, block), out);
-        return 0;
-    case GC_E5M2:
+    else if (fmt == GC_E5M2)
         (accumulate ? accumulate_e5m2 : decode_e5m2)(wire, n, fp8_block(n, block), out);
-        return 0;
-    case GC_NVFP4:
-        decode_nvfp4(accumulate != 0, wire, n, out);
-        return 0;
-    case GC_BF16:
-        decode_bf16(accumulate != 0, wire, n, out);
-        return 0;
-    case GC_MXFP8_E4M3:
-        decode_mxfp8_e4m3(accumulate != 0, wire, n, out);
-        return 0;
-    case GC_MXFP8_E5M2:
-        decode_mxfp8_e5m2(accumulate != 0, wire, n, out);
-        return 0;
-    default:
-        decode_mxfp4(accumulate != 0, wire, n, out);
-        return 0;
-    }
+    else
+        gc_decoders[fmt](accumulate != 0, wire, n, out);
+    return 0;
 }

@@ -21,6 +21,7 @@
  *                        its amax an xor-shuffle reduction.
  *   MXFP4                one thread per output byte (2 values), 16 lanes per
  *                        32-value block.
+ *   E2M1 decode          NVFP4 and MXFP4: one kernel, one thread per code byte.
  *   divide               one thread per value (op="avg" of the collectives).
  *
  * Encoders take the rounding (sr: 0 nearest even, 1 stochastic) and, for
@@ -309,23 +310,6 @@ extern "C" __global__ void gc_nvfp4_encode(const float *x, gc_u64 n, const gc_u3
         gc_store_f32(wire + 4 * k, scale);
 }
 
-extern "C" __global__ void gc_nvfp4_decode(const unsigned char *wire, gc_u64 n, int accumulate,
-                                           float *out)
-{
-    gc_u64 p = gc_global_id();
-    if (p >= (n + 1) / 2)
-        return;
-    gc_u64 nsuper = gc_ceil_div(n, GC_NVFP4_SUPERBLOCK);
-    const unsigned char *bscales = wire + 4 * nsuper;
-    const unsigned char *codes = bscales + gc_ceil_div(n, GC_NVFP4_BLOCK);
-    float scale = gc_load_f32(wire + 4 * (p / (GC_NVFP4_SUPERBLOCK / 2)));
-    float eff = __fmul_rn(gc_e4m3_value(bscales[p / (GC_NVFP4_BLOCK / 2)]), scale);
-    gc_u32 byte = codes[p];
-    gc_put(out + 2 * p, __fmul_rn(gc_e2m1_value(byte & 0xfu), eff), accumulate);
-    if (2 * p + 1 < n)
-        gc_put(out + 2 * p + 1, __fmul_rn(gc_e2m1_value(byte >> 4), eff), accumulate);
-}
-
 /* ---- BF16 -------------------------------------------------------------------- */
 
 extern "C" __global__ void gc_bf16_encode(const float *x, gc_u64 n, int sr, gc_u64 key,
@@ -409,15 +393,26 @@ extern "C" __global__ void gc_mxfp8_decode(const unsigned char *wire, gc_u64 n, 
     gc_put(out + i, __fmul_rn(gc_fp8_value(e5m2, wire[nblocks + i]), scale), accumulate);
 }
 
-extern "C" __global__ void gc_mxfp4_decode(const unsigned char *wire, gc_u64 n, int accumulate,
-                                           float *out)
+/* NVFP4 (mx == 0) and MXFP4 (mx != 0) decode: one thread per code byte (values
+ * 2p and 2p + 1), each reading the scale of its block. */
+extern "C" __global__ void gc_e2m1_decode(const unsigned char *wire, gc_u64 n, int mx,
+                                          int accumulate, float *out)
 {
     gc_u64 p = gc_global_id();
     if (p >= (n + 1) / 2)
         return;
-    gc_u64 nblocks = gc_ceil_div(n, GC_MX_BLOCK);
-    float scale = gc_e8m0_value(wire[p / (GC_MX_BLOCK / 2)]);
-    gc_u32 byte = wire[nblocks + p];
+    const unsigned char *codes;
+    float scale;
+    if (mx) {
+        codes = wire + gc_ceil_div(n, GC_MX_BLOCK);
+        scale = gc_e8m0_value(wire[p / (GC_MX_BLOCK / 2)]);
+    } else {
+        const unsigned char *bscales = wire + 4 * gc_ceil_div(n, GC_NVFP4_SUPERBLOCK);
+        codes = bscales + gc_ceil_div(n, GC_NVFP4_BLOCK);
+        float super_scale = gc_load_f32(wire + 4 * (p / (GC_NVFP4_SUPERBLOCK / 2)));
+        scale = __fmul_rn(gc_e4m3_value(bscales[p / (GC_NVFP4_BLOCK / 2)]), super_scale);
+    }
+    gc_u32 byte = codes[p];
     gc_put(out + 2 * p, __fmul_rn(gc_e2m1_value(byte & 0xfu), scale), accumulate);
     if (2 * p + 1 < n)
         gc_put(out + 2 * p + 1, __fmul_rn(gc_e2m1_value(byte >> 4), scale), accumulate);
