@@ -13,10 +13,11 @@
  *                     4096) of the body (the last one may be shorter); its
  *                     scale is its finite amax / (6 * 448), and block j's
  *                     scale code is relative to the scale of superblock
- *                     16 j / 4096. So the bytes of values [a, b) with a a
- *                     multiple of 4096 do not depend on the values outside
- *                     [a, b): a body is the section-wise concatenation of the
- *                     bodies of its 4096-aligned pieces, and a body of n <=
+ *                     16 j / 4096. So the bytes of values [a, b), a a
+ *                     multiple of 4096 and b one or n, do not depend on the
+ *                     values outside [a, b): a body is the section-wise
+ *                     concatenation of the bodies of pieces cut at multiples
+ *                     of 4096 (encoded with offset + a), and a body of n <=
  *                     4096 values has one scale (the whole body's).
  *   GC_BF16           n two-byte bfloat16 codes.
  *   GC_MXFP8_E4M3,    OCP Microscaling: ceil(n / 32) E8M0 scale bytes (2^(c - 127),
