@@ -4,9 +4,18 @@
 :class:`NativeBuildMissing` with a message saying how to build it when it was
 not. Arguments are validated here (dtype, contiguity, sizes), so the C code
 never sees a buffer shorter than the header promises.
+
+The format ids (``E4M3`` ... ``MXFP4``, ``FORMATS`` by name), the
+gc_encode_ex flags (``STOCHASTIC``, ``RCEIL``) and the layout constants
+(``NVFP4_BLOCK``, ``NVFP4_SUPERBLOCK``, ``MX_BLOCK``) are the ``GC_*``
+constants of the compiled cdef (``native/geocomm.h``), never numbers written
+here; without the build, reading one raises :class:`NativeBuildMissing`.
+Functions take a format as its id or its name.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -21,12 +30,13 @@ else:
 
 available: bool = _lib is not None
 
-E4M3, E5M2, NVFP4, BF16, MXFP8_E4M3, MXFP8_E5M2, MXFP4 = 1, 2, 3, 4, 5, 6, 7
-FORMATS = {"e4m3": E4M3, "e5m2": E5M2, "nvfp4": NVFP4, "bf16": BF16,
-           "mxfp8_e4m3": MXFP8_E4M3, "mxfp8_e5m2": MXFP8_E5M2, "mxfp4": MXFP4}
-MX_FORMATS = (MXFP8_E4M3, MXFP8_E5M2, MXFP4)
-#: gc_encode_ex flags: stochastic rounding; the MX round-up ("rceil") scale rule
-STOCHASTIC, RCEIL = 1, 2
+#: format names of the C API (id: the cdef's GC_<NAME UPPER-CASED>)
+FORMAT_NAMES = ("e4m3", "e5m2", "nvfp4", "bf16", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4")
+_MX_NAMES = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4")
+#: module constants read from the cdef: format ids, gc_encode_ex flags (stochastic
+#: rounding; the MX round-up "rceil" scale rule), values per scale
+CDEF_NAMES = (*(name.upper() for name in FORMAT_NAMES), "STOCHASTIC", "RCEIL", "NVFP4_BLOCK",
+               "NVFP4_SUPERBLOCK", "MX_BLOCK")
 U64_MAX = 2**64 - 1
 
 
@@ -44,9 +54,35 @@ def require() -> None:
         )
 
 
-def wire_size(fmt: int, n: int, block: int = 0) -> int:
-    """Bytes of the headerless wire body of ``n`` values."""
+if _lib is not None:
+    E4M3, E5M2, NVFP4, BF16 = _lib.GC_E4M3, _lib.GC_E5M2, _lib.GC_NVFP4, _lib.GC_BF16
+    MXFP8_E4M3, MXFP8_E5M2, MXFP4 = _lib.GC_MXFP8_E4M3, _lib.GC_MXFP8_E5M2, _lib.GC_MXFP4
+    STOCHASTIC, RCEIL = _lib.GC_STOCHASTIC, _lib.GC_RCEIL
+    NVFP4_BLOCK, NVFP4_SUPERBLOCK = _lib.GC_NVFP4_BLOCK, _lib.GC_NVFP4_SUPERBLOCK
+    MX_BLOCK = _lib.GC_MX_BLOCK
+    FORMATS: dict[str, int] = {name: getattr(_lib, f"GC_{name.upper()}") for name in FORMAT_NAMES}
+    MX_FORMATS: tuple[int, ...] = tuple(FORMATS[name] for name in _MX_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    """Only reached without the build (with it, the cdef's constants are module globals)."""
+    if name in (*CDEF_NAMES, "FORMATS", "MX_FORMATS"):
+        require()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def format_id(fmt: int | str) -> int:
+    """The id of format ``fmt`` (an id or a name of FORMAT_NAMES); ValueError if unknown."""
     require()
+    code = FORMATS.get(fmt) if isinstance(fmt, str) else fmt
+    if isinstance(code, bool) or code not in FORMATS.values():
+        raise ValueError(f"unknown format {fmt!r}")
+    return int(code)
+
+
+def wire_size(fmt: int | str, n: int, block: int = 0) -> int:
+    """Bytes of the headerless wire body of ``n`` values (the C gc_wire_size)."""
+    fmt = format_id(fmt)  # first: it raises NativeBuildMissing without the build
     return int(_lib.gc_wire_size(fmt, n, block))
 
 
@@ -74,21 +110,22 @@ def check_u64(value: int, name: str) -> int:
     return int(value)
 
 
-def check_flags(fmt: int, flags: int) -> int:
+def check_flags(fmt: int | str, flags: int) -> int:
     """Validated gc_encode_ex flags for ``fmt`` (ValueError as the C core would refuse them)."""
-    flags = int(flags)
+    fmt, flags = format_id(fmt), int(flags)
     if flags & ~(STOCHASTIC | RCEIL) or (flags & RCEIL and fmt not in MX_FORMATS):
         raise ValueError(f"flags {flags} are not valid for format {fmt}")
     return flags
 
 
-def encode(fmt: int, x: np.ndarray, block: int, wire: np.ndarray, *, flags: int = 0,
+def encode(fmt: int | str, x: np.ndarray, block: int, wire: np.ndarray, *, flags: int = 0,
            seed: int = 0, rng_stream: int = 0, offset: int = 0) -> None:
     """Encode the float32 values of ``x`` into the first bytes of ``wire`` (gc_encode_ex).
 
     ``flags``: STOCHASTIC and/or RCEIL; with STOCHASTIC the random bits of
     element i come from (seed, rng_stream, offset + i).
     """
+    fmt = format_id(fmt)
     _check_f32(x, "x")
     _check_wire(wire, wire_size(fmt, x.size, block), writable=True)
     flags = check_flags(fmt, flags)
@@ -97,18 +134,19 @@ def encode(fmt: int, x: np.ndarray, block: int, wire: np.ndarray, *, flags: int 
                            check_u64(seed, "seed"), check_u64(rng_stream, "stream"),
                            check_u64(offset, "offset"))
     if rc:
-        raise ValueError(f"unknown native format {fmt}")
+        raise ValueError(f"the native core refused format {fmt} with flags {flags} ({rc})")
 
 
-def decode(fmt: int, wire: np.ndarray, block: int, out: np.ndarray,
+def decode(fmt: int | str, wire: np.ndarray, block: int, out: np.ndarray,
            accumulate: bool = False) -> None:
     """Decode ``out.size`` values from ``wire`` into (or, accumulating, onto) ``out``."""
+    fmt = format_id(fmt)
     _check_f32(out, "out", writable=True)
     _check_wire(wire, wire_size(fmt, out.size, block))
     rc = _lib.gc_decode(fmt, _ffi.from_buffer("uint8_t[]", wire), out.size, block,
                         _ffi.from_buffer("float[]", out, require_writable=True), int(accumulate))
     if rc:
-        raise ValueError(f"unknown native format {fmt}")
+        raise ValueError(f"the native core refused format {fmt} ({rc})")
 
 
 # ---------------------------------------------------------------------------

@@ -8,7 +8,10 @@ core, byte for byte, because both run the arithmetic of
 ``native/gc_scalar.h``. ``stream`` is the CUDA stream; the stochastic
 rounding stream is ``rng_stream``. Decoded values are bitwise equal too,
 except NaN payloads: GPU arithmetic returns the canonical NaN, so only the
-positions of NaNs are guaranteed to agree.
+positions of NaNs are guaranteed to agree. Format ids, flags and layout
+constants are the C core's (``geocomm._nativecodec``, from the compiled
+cdef); this module forwards them (``geocomm.cuda.E4M3`` ...). ``divide`` is
+the IEEE division of op="avg" (CuPy's own arithmetic flushes subnormals).
 
 Importing this module never imports CuPy. ``available`` (computed on first
 access) says whether CuPy imports and sees a CUDA device; every function that
@@ -23,43 +26,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from geocomm._nativecodec import (
-    BF16,
-    E4M3,
-    E5M2,
-    FORMATS,
-    MX_FORMATS,
-    MXFP4,
-    MXFP8_E4M3,
-    MXFP8_E5M2,
-    NVFP4,
-    RCEIL,
-    STOCHASTIC,
-    check_flags,
-    check_u64,
-)
+from geocomm import _nativecodec as native
 
 __all__ = [
-    "BF16",
-    "E4M3",
-    "E5M2",
-    "FORMATS",
-    "MXFP4",
-    "MXFP8_E4M3",
-    "MXFP8_E5M2",
-    "NVFP4",
     "NVRTC_OPTIONS",
-    "RCEIL",
-    "STOCHASTIC",
     "CudaUnavailable",
     "Fp8Plan",
     "decode",
+    "divide",
+    "divide_grid",
     "encode",
     "fp8_plan",
     "kernel_source",
@@ -69,7 +51,8 @@ __all__ = [
 
 #: Threads per thread block of every launch (a multiple of the warp size).
 THREADS = 256
-#: Values per thread block in the tile kernels (fp8 blocks > TEAM_MAX, block 0, NVFP4 amax).
+#: Values per thread block in the tile kernels (fp8 blocks > TEAM_MAX, block 0, NVFP4
+#: superblock amaxes).
 TILE = 4096
 #: Largest fp8 block handled by one team (<= one warp) of lanes in a single pass.
 TEAM_MAX = 1024
@@ -79,8 +62,6 @@ NVRTC_OPTIONS = ("-std=c++17", "-fmad=false", "-ftz=false", "-prec-div=true", "-
 _SOURCES = ("gc_scalar.h", "gc_cuda.cu")
 _INCLUDE_LINE = '#include "gc_scalar.h"'
 _GRID_MAX = 2**31 - 1
-_FP8 = (E4M3, E5M2)
-_MX_BLOCK = 32
 
 
 class CudaUnavailable(ImportError):
@@ -106,6 +87,8 @@ def _probe() -> tuple[Any, str]:
 def __getattr__(name: str) -> Any:
     if name == "available":
         return _probe()[0] is not None
+    if name in (*native.CDEF_NAMES, "FORMATS", "MX_FORMATS"):  # the C core's constants
+        return getattr(native, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -184,20 +167,21 @@ def _compile(cupy: Any, source: str) -> bytes:
         nvrtc.destroyProgram(prog)
 
 
-#: per device id: (loaded module, its kernel functions by name)
-_modules: dict[int, tuple[Any, dict[str, Any]]] = {}
+#: per (device id, source function): (loaded module, its kernel functions by name)
+_modules: dict[tuple[int, Callable[[], str]], tuple[Any, dict[str, Any]]] = {}
 _lock = threading.Lock()
 
 
-def _kernel(cupy: Any, name: str) -> Any:
-    """Kernel ``name`` of the module loaded on the current device (compiled on first use)."""
-    device = cupy.cuda.Device().id
+def _kernel(cupy: Any, name: str, source: Callable[[], str] = kernel_source) -> Any:
+    """Kernel ``name`` of the module that ``source()`` gives (default: the codec's
+    kernels), compiled with NVRTC_OPTIONS and loaded on the current device on first use."""
+    key = (cupy.cuda.Device().id, source)
     with _lock:
-        entry = _modules.get(device)
+        entry = _modules.get(key)
         if entry is None:
             module = cupy.cuda.function.Module()
-            module.load(_compile(cupy, kernel_source()))
-            entry = _modules[device] = (module, {})
+            module.load(_compile(cupy, source()))
+            entry = _modules[key] = (module, {})
         module, functions = entry
         function = functions.get(name)
         if function is None:
@@ -209,27 +193,22 @@ def _kernel(cupy: Any, name: str) -> Any:
 # argument checks (as in geocomm._nativecodec)
 
 
-def _fmt_id(fmt: int | str) -> int:
-    code = FORMATS.get(fmt) if isinstance(fmt, str) else fmt
-    if code not in FORMATS.values():
-        raise ValueError(f"unknown format {fmt!r}")
-    return int(code)
-
-
 def wire_size(fmt: int | str, n: int, block: int = 0) -> int:
-    """Bytes of the headerless wire body of ``n`` values (the C gc_wire_size; needs no CuPy)."""
-    fmt = _fmt_id(fmt)
+    """Bytes of the headerless wire body of ``n`` values: the layout the kernels
+    write (native/geocomm.h), with the compiled core's constants; needs no CuPy."""
+    fmt = native.format_id(fmt)
     n, block = int(n), int(block)
     if n < 0 or block < 0:
         raise ValueError(f"n and block must be non-negative, got n={n}, block={block}")
     if n == 0:
         return 0
-    if fmt in _FP8:
+    if fmt in (native.E4M3, native.E5M2):
         return 4 * -(-n // (block or n)) + n
-    if fmt == NVFP4:
-        return 4 + -(-n // 16) + -(-n // 2)
-    if fmt in MX_FORMATS:
-        return -(-n // _MX_BLOCK) + (-(-n // 2) if fmt == MXFP4 else n)
+    if fmt == native.NVFP4:
+        return (4 * -(-n // native.NVFP4_SUPERBLOCK) + -(-n // native.NVFP4_BLOCK)
+                + -(-n // 2))
+    if fmt in native.MX_FORMATS:
+        return -(-n // native.MX_BLOCK) + (-(-n // 2) if fmt == native.MXFP4 else n)
     return 2 * n
 
 
@@ -332,7 +311,7 @@ def _u64(v: int) -> np.uint64:
 
 
 def _amax_tiles(cupy: Any, x: Any, n: int, block: int) -> Any:
-    """Per-scaling-block amax bits (uint32 device array) by the tile kernel; block <= n."""
+    """Per-scaling-block amax bits (uint32 device array) by the tile kernel; 1 <= block <= n."""
     per_block, total = _tiles(n, block)
     amax = cupy.zeros(-(-n // block), dtype=cupy.uint32)
     _kernel(cupy, "gc_amax_tiles")(
@@ -349,16 +328,16 @@ def encode(fmt: int | str, x: Any, block: int, wire: Any, stream: Any = None, *,
     stream) of x's device; returns without synchronizing.
     """
     cupy = require()
-    fmt, block = _fmt_id(fmt), _check_block(block)
-    flags = check_flags(fmt, flags)
-    seed, rng_stream = check_u64(seed, "seed"), check_u64(rng_stream, "stream")
-    offset = check_u64(offset, "offset")
+    fmt, block = native.format_id(fmt), _check_block(block)
+    flags = native.check_flags(fmt, flags)
+    seed, rng_stream = native.check_u64(seed, "seed"), native.check_u64(rng_stream, "stream")
+    offset = native.check_u64(offset, "offset")
     _check_f32(cupy, x, "x")
     n = x.size
     _check_wire(cupy, wire, wire_size(fmt, n, block), x.device)
     if n == 0:
         return
-    sr = np.int32(bool(flags & STOCHASTIC))
+    sr = np.int32(bool(flags & native.STOCHASTIC))
     if sr:
         from geocomm.codecs._reference import sr_key  # the key of gc_sr_key, computed once
 
@@ -366,28 +345,28 @@ def encode(fmt: int | str, x: Any, block: int, wire: Any, stream: Any = None, *,
     else:
         key = 0
     rounding = (sr, _u64(key), _u64(offset))
-    rceil = np.int32(bool(flags & RCEIL))
+    rceil = np.int32(bool(flags & native.RCEIL))
     with _launch_context(x.device, stream):
-        if fmt == BF16:
+        if fmt == native.BF16:
             _kernel(cupy, "gc_bf16_encode")(_grid(n), (THREADS,), (x, _u64(n), *rounding, wire))
-        elif fmt == NVFP4:
-            amax = _amax_tiles(cupy, x, n, n)
+        elif fmt == native.NVFP4:  # superblock amaxes, then one thread per code byte
+            amax = _amax_tiles(cupy, x, n, min(n, native.NVFP4_SUPERBLOCK))
             _kernel(cupy, "gc_nvfp4_encode")(
                 _grid((n + 1) // 2), (THREADS,), (x, _u64(n), amax, *rounding, wire))
-        elif fmt == MXFP4:
+        elif fmt == native.MXFP4:
             _kernel(cupy, "gc_mxfp4_encode")(
                 _grid((n + 1) // 2), (THREADS,), (x, _u64(n), rceil, *rounding, wire))
-        elif fmt in MX_FORMATS:
+        elif fmt in native.MX_FORMATS:
             _kernel(cupy, "gc_mxfp8_encode")(
                 _grid(n), (THREADS,),
-                (x, _u64(n), np.int32(fmt == MXFP8_E5M2), rceil, *rounding, wire))
+                (x, _u64(n), np.int32(fmt == native.MXFP8_E5M2), rceil, *rounding, wire))
         else:
             _encode_fp8(cupy, fmt, x, n, fp8_plan(n, block), rounding, wire)
 
 
 def _encode_fp8(cupy: Any, fmt: int, x: Any, n: int, plan: Fp8Plan, rounding: tuple,
                 wire: Any) -> None:
-    e5m2 = np.int32(fmt == E5M2)
+    e5m2 = np.int32(fmt == native.E5M2)
     head = (x, _u64(n), _u64(plan.block), _u64(plan.nblocks))
     if plan.team_shift is not None:
         _kernel(cupy, "gc_fp8_encode_team")(
@@ -407,7 +386,7 @@ def decode(fmt: int | str, wire: Any, block: int, out: Any, accumulate: bool = F
     ``stream`` (default: the current stream) of out's device.
     """
     cupy = require()
-    fmt, block = _fmt_id(fmt), _check_block(block)
+    fmt, block = native.format_id(fmt), _check_block(block)
     _check_f32(cupy, out, "out")
     n = out.size
     _check_wire(cupy, wire, wire_size(fmt, n, block), out.device)
@@ -415,24 +394,23 @@ def decode(fmt: int | str, wire: Any, block: int, out: Any, accumulate: bool = F
         return
     acc = np.int32(bool(accumulate))
     with _launch_context(out.device, stream):
-        if fmt == BF16:
+        if fmt == native.BF16:
             _kernel(cupy, "gc_bf16_decode")(_grid(n), (THREADS,), (wire, _u64(n), acc, out))
-        elif fmt == NVFP4:
-            _kernel(cupy, "gc_nvfp4_decode")(
-                _grid((n + 1) // 2), (THREADS,), (wire, _u64(n), acc, out))
-        elif fmt == MXFP4:
-            _kernel(cupy, "gc_mxfp4_decode")(
-                _grid((n + 1) // 2), (THREADS,), (wire, _u64(n), acc, out))
-        elif fmt in MX_FORMATS:
+        elif fmt in (native.NVFP4, native.MXFP4):
+            _kernel(cupy, "gc_e2m1_decode")(
+                _grid((n + 1) // 2), (THREADS,),
+                (wire, _u64(n), np.int32(fmt == native.MXFP4), acc, out))
+        elif fmt in native.MX_FORMATS:
             _kernel(cupy, "gc_mxfp8_decode")(
-                _grid(n), (THREADS,), (wire, _u64(n), np.int32(fmt == MXFP8_E5M2), acc, out))
+                _grid(n), (THREADS,),
+                (wire, _u64(n), np.int32(fmt == native.MXFP8_E5M2), acc, out))
         else:
             _decode_fp8(cupy, fmt, wire, n, fp8_plan(n, block), acc, out)
 
 
 def _decode_fp8(cupy: Any, fmt: int, wire: Any, n: int, plan: Fp8Plan, acc: np.int32,
                 out: Any) -> None:
-    e5m2 = np.int32(fmt == E5M2)
+    e5m2 = np.int32(fmt == native.E5M2)
     head = (wire, _u64(n), _u64(plan.block), _u64(plan.nblocks))
     if plan.team_shift is not None:
         _kernel(cupy, "gc_fp8_decode_team")(
@@ -441,3 +419,50 @@ def _decode_fp8(cupy: Any, fmt: int, wire: Any, n: int, plan: Fp8Plan, acc: np.i
     _kernel(cupy, "gc_fp8_decode_tiles")(
         (plan.grid,), (THREADS,),
         (*head, _u64(plan.tiles_per_block), _u64(TILE), e5m2, acc, out))
+
+
+# ---------------------------------------------------------------------------
+# op="avg": division by the rank count
+
+
+#: the kernel of each dtype :func:`divide` takes
+_DIVIDE_KERNELS = {np.dtype(np.float32): "gc_divide_f32", np.dtype(np.float64): "gc_divide_f64"}
+
+
+def divide_grid(n: int) -> tuple[int]:
+    """Thread blocks of THREADS threads for :func:`divide` of n >= 1 values (one per value)."""
+    if n < 1:
+        raise ValueError(f"divide_grid needs n >= 1, got {n}")
+    return _grid(n)
+
+
+def _divisor(size: int) -> int:
+    if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"size must be a positive integer, got {size!r}")
+    return int(size)
+
+
+def divide(values: Any, size: int, stream: Any = None) -> None:
+    """``values /= size`` in place on the GPU, as NumPy does it on the CPU.
+
+    ``values``: a C-contiguous float32 (or float64) cupy array; ``size``: a
+    positive integer (the rank count of op="avg"). Every value becomes the
+    IEEE quotient ``values[i] / dtype(size)``, rounded to nearest, subnormal
+    results kept: CuPy's own elementwise kernels are compiled with
+    ``-ftz=true`` and flush results below 2^-126 (x 1.2e-38) to zero, so the
+    GPU would disagree with the CPU there. Runs on ``stream`` (default: the
+    current stream) of values' device; returns without synchronizing.
+    """
+    cupy = require()
+    size = _divisor(size)
+    dtype = getattr(values, "dtype", None)
+    if (not isinstance(values, cupy.ndarray) or dtype not in _DIVIDE_KERNELS
+            or not values.flags.c_contiguous):
+        raise TypeError("values must be a C-contiguous float32 or float64 cupy array, got "
+                        f"{type(values).__name__} of dtype {dtype}")
+    n = values.size
+    if n == 0:
+        return
+    with _launch_context(values.device, stream):
+        _kernel(cupy, _DIVIDE_KERNELS[dtype])(
+            divide_grid(n), (THREADS,), (values, _u64(n), dtype.type(size)))

@@ -38,9 +38,11 @@ from geocomm.comm.base import Communicator, Request, wait
 
 #: Values of the whole buffer per pipeline stage (all shards together).
 DEFAULT_CHUNK_ELEMS = 1 << 20
-#: Pieces start at multiples of this many values, so fp8 blocks of 128 and
-#: NVFP4 blocks of 16 are never split.
-PIECE_ALIGN = 256
+#: Pieces start at multiples of this many values from their shard's start, so no
+#: scaling block is split (fp8's 128, MX's 32, NVFP4's superblocks of 4096 and
+#: blocks of 16), and every scale covers the same values whatever chunk_elems
+#: is: the results' bits do not depend on the stage size.
+PIECE_ALIGN = 4096
 
 
 _MASK64 = (1 << 64) - 1

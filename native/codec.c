@@ -40,7 +40,7 @@ size_t gc_wire_size(int fmt, size_t n, size_t block)
     case GC_E5M2:
         return 4 * ceil_div(n, fp8_block(n, block)) + n;
     case GC_NVFP4:
-        return 4 + ceil_div(n, GC_NVFP4_BLOCK) + ceil_div(n, 2);
+        return 4 * ceil_div(n, GC_NVFP4_SUPERBLOCK) + ceil_div(n, GC_NVFP4_BLOCK) + ceil_div(n, 2);
     case GC_BF16:
         return 2 * n;
     case GC_MXFP8_E4M3:
@@ -206,49 +206,70 @@ static inline void e2m1_block_values(const uint8_t *restrict cb, size_t len, flo
 
 /* Blocks per pass of the NVFP4 encoder: amaxes first, then the scale codes of
  * all those blocks in one loop (vectorized across blocks, where the scalar
- * scale arithmetic of one 16-value block used to dominate), then the codes. */
+ * scale arithmetic of one 16-value block used to dominate), then the codes.
+ * A superblock holds a whole number of groups. */
 #define GC_NVFP4_GROUP 64
+#if GC_NVFP4_SUPERBLOCK % (GC_NVFP4_GROUP * GC_NVFP4_BLOCK) != 0
+#error "an NVFP4 superblock must hold whole groups of blocks"
+#endif
 
-GC_INLINE void encode_nvfp4(int sr, const float *x, size_t n, uint8_t *wire, gc_u64 key,
-                                gc_u64 offset)
+/* One superblock of len <= GC_NVFP4_SUPERBLOCK values: its fp32 scale at
+ * *sscale, its block scales at bscales, its codes at codes; element i has the
+ * global index `index` + i. Its amax is read first, then the values again
+ * (from cache: a superblock is 16 KiB). */
+GC_INLINE void encode_nvfp4_super(int sr, const float *x, size_t len, uint8_t *sscale,
+                                  uint8_t *bscales, uint8_t *codes, gc_u64 key, gc_u64 index)
 {
-    const float tmax = GC_E2M1_MAX * GC_E4M3_MAX;
-    size_t nblocks = ceil_div(n, GC_NVFP4_BLOCK);
-    uint8_t *bscales = wire + 4;
-    uint8_t *codes = bscales + nblocks;
-    float tamax = block_amax(x, n);
-    float tpre;
-    float tfactor = gc_quant_factor(tamax, tmax, &tpre);
-    float gscale = tamax / tmax;
-    store_f32(wire, gscale);
+    const float smax = GC_E2M1_MAX * GC_E4M3_MAX;
+    size_t nblocks = ceil_div(len, GC_NVFP4_BLOCK);
+    float samax = block_amax(x, len);
+    float spre;
+    float sfactor = gc_quant_factor(samax, smax, &spre);
+    float scale = samax / smax;
+    store_f32(sscale, scale);
     for (size_t g = 0; g < nblocks; g += GC_NVFP4_GROUP) {
         size_t count = nblocks - g < GC_NVFP4_GROUP ? nblocks - g : GC_NVFP4_GROUP;
         float bamax[GC_NVFP4_GROUP], pre[GC_NVFP4_GROUP], factor[GC_NVFP4_GROUP];
         int finite[GC_NVFP4_GROUP];
         for (size_t j = 0; j < count; j++) {
             size_t start = (g + j) * GC_NVFP4_BLOCK;
-            size_t len = n - start < GC_NVFP4_BLOCK ? n - start : GC_NVFP4_BLOCK;
-            if (len == GC_NVFP4_BLOCK)
+            size_t blen = len - start < GC_NVFP4_BLOCK ? len - start : GC_NVFP4_BLOCK;
+            if (blen == GC_NVFP4_BLOCK)
                 block_stats(x + start, GC_NVFP4_BLOCK, &bamax[j], &finite[j]);
             else
-                block_stats(x + start, len, &bamax[j], &finite[j]);
+                block_stats(x + start, blen, &bamax[j], &finite[j]);
         }
         for (size_t j = 0; j < count; j++) {
-            gc_u8 sc = gc_nvfp4_scale_code(bamax[j], tpre, tfactor, finite[j], sr);
+            gc_u8 sc = gc_nvfp4_scale_code(bamax[j], spre, sfactor, finite[j], sr);
             bscales[g + j] = sc;
-            factor[j] = gc_quant_factor(gc_e4m3_value(sc) * gscale, 1.0f, &pre[j]);
+            factor[j] = gc_quant_factor(gc_e4m3_value(sc) * scale, 1.0f, &pre[j]);
         }
         for (size_t j = 0; j < count; j++) {
             size_t start = (g + j) * GC_NVFP4_BLOCK;
-            size_t len = n - start < GC_NVFP4_BLOCK ? n - start : GC_NVFP4_BLOCK;
+            size_t blen = len - start < GC_NVFP4_BLOCK ? len - start : GC_NVFP4_BLOCK;
             uint8_t *cb = codes + start / 2;
-            if (len == GC_NVFP4_BLOCK)
+            if (blen == GC_NVFP4_BLOCK)
                 e2m1_block_codes(sr, x + start, GC_NVFP4_BLOCK, pre[j], factor[j], finite[j], cb,
-                                 key, offset + start);
+                                 key, index + start);
             else
-                e2m1_block_codes(sr, x + start, len, pre[j], factor[j], finite[j], cb, key,
-                                 offset + start);
+                e2m1_block_codes(sr, x + start, blen, pre[j], factor[j], finite[j], cb, key,
+                                 index + start);
         }
+    }
+}
+
+/* Superblock by superblock (geocomm.h: the layout). */
+GC_INLINE void encode_nvfp4(int sr, const float *x, size_t n, uint8_t *wire, gc_u64 key,
+                            gc_u64 offset)
+{
+    size_t nsuper = ceil_div(n, GC_NVFP4_SUPERBLOCK);
+    uint8_t *bscales = wire + 4 * nsuper;
+    uint8_t *codes = bscales + ceil_div(n, GC_NVFP4_BLOCK);
+    for (size_t k = 0; k < nsuper; k++) {
+        size_t start = k * GC_NVFP4_SUPERBLOCK;
+        size_t len = n - start < GC_NVFP4_SUPERBLOCK ? n - start : GC_NVFP4_SUPERBLOCK;
+        encode_nvfp4_super(sr, x + start, len, wire + 4 * k, bscales + start / GC_NVFP4_BLOCK,
+                           codes + start / 2, key, offset + start);
     }
 }
 
@@ -258,14 +279,15 @@ GC_CLONES static void encode_nvfp4_sr(const float *x, size_t n, uint8_t *w, gc_u
 GC_CLONES static void decode_nvfp4(int accumulate, const uint8_t *wire, size_t n, float *out)
 {
     size_t nblocks = ceil_div(n, GC_NVFP4_BLOCK);
-    const uint8_t *bscales = wire + 4;
+    const uint8_t *bscales = wire + 4 * ceil_div(n, GC_NVFP4_SUPERBLOCK);
     const uint8_t *codes = bscales + nblocks;
-    float gscale = load_f32(wire);
     for (size_t g = 0; g < nblocks; g += GC_NVFP4_GROUP) {
         size_t count = nblocks - g < GC_NVFP4_GROUP ? nblocks - g : GC_NVFP4_GROUP;
+        /* a group lies inside one superblock */
+        float scale = load_f32(wire + 4 * (g * GC_NVFP4_BLOCK / GC_NVFP4_SUPERBLOCK));
         float eff[GC_NVFP4_GROUP];
         for (size_t j = 0; j < count; j++)
-            eff[j] = gc_e4m3_value(bscales[g + j]) * gscale;
+            eff[j] = gc_e4m3_value(bscales[g + j]) * scale;
         for (size_t j = 0; j < count; j++) {
             size_t start = (g + j) * GC_NVFP4_BLOCK;
             size_t len = n - start < GC_NVFP4_BLOCK ? n - start : GC_NVFP4_BLOCK;
@@ -440,33 +462,26 @@ int gc_encode(int fmt, const float *x, size_t n, size_t block, uint8_t *wire)
     return gc_encode_ex(fmt, x, n, block, wire, 0, 0, 0, 0);
 }
 
+/* Decoders of the formats without a block length, by format id. */
+static void (*const gc_decoders[])(int, const uint8_t *, size_t, float *) = {
+    [GC_NVFP4] = decode_nvfp4,
+    [GC_BF16] = decode_bf16,
+    [GC_MXFP8_E4M3] = decode_mxfp8_e4m3,
+    [GC_MXFP8_E5M2] = decode_mxfp8_e5m2,
+    [GC_MXFP4] = decode_mxfp4,
+};
+
 int gc_decode(int fmt, const uint8_t *wire, size_t n, size_t block, float *out, int accumulate)
 {
     if (!known_format(fmt))
         return GC_EINVAL;
     if (n == 0)
         return 0;
-    switch (fmt) {
-    case GC_E4M3:
+    if (fmt == GC_E4M3)
         (accumulate ? accumulate_e4m3 : decode_e4m3)(wire, n, fp8_block(n, block), out);
-        return 0;
-    case GC_E5M2:
+    else if (fmt == GC_E5M2)
         (accumulate ? accumulate_e5m2 : decode_e5m2)(wire, n, fp8_block(n, block), out);
-        return 0;
-    case GC_NVFP4:
-        decode_nvfp4(accumulate != 0, wire, n, out);
-        return 0;
-    case GC_BF16:
-        decode_bf16(accumulate != 0, wire, n, out);
-        return 0;
-    case GC_MXFP8_E4M3:
-        decode_mxfp8_e4m3(accumulate != 0, wire, n, out);
-        return 0;
-    case GC_MXFP8_E5M2:
-        decode_mxfp8_e5m2(accumulate != 0, wire, n, out);
-        return 0;
-    default:
-        decode_mxfp4(accumulate != 0, wire, n, out);
-        return 0;
-    }
+    else
+        gc_decoders[fmt](accumulate != 0, wire, n, out);
+    return 0;
 }

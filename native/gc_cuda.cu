@@ -13,14 +13,16 @@
  *   (and block 0)        of one scaling block. Encoding takes two passes:
  *                        gc_amax_tiles (atomicMax into a zeroed u32 per
  *                        scaling block), then gc_fp8_encode_tiles.
- *   NVFP4                gc_amax_tiles for the tensor amax, then one thread
- *                        per output byte (2 values), 8 lanes per 16-value
- *                        block.
+ *   NVFP4                gc_amax_tiles for the superblock amaxes (scaling
+ *                        block GC_NVFP4_SUPERBLOCK), then one thread per
+ *                        output byte (2 values), 8 lanes per 16-value block.
  *   BF16                 one thread per value.
  *   MXFP8                one thread per value: a warp is one 32-value block,
  *                        its amax an xor-shuffle reduction.
  *   MXFP4                one thread per output byte (2 values), 16 lanes per
  *                        32-value block.
+ *   E2M1 decode          NVFP4 and MXFP4: one kernel, one thread per code byte.
+ *   divide               one thread per value (op="avg" of the collectives).
  *
  * Encoders take the rounding (sr: 0 nearest even, 1 stochastic) and, for
  * stochastic rounding, key = gc_sr_key(seed, stream) and the global index
@@ -262,16 +264,20 @@ extern "C" __global__ void gc_fp8_decode_tiles(const unsigned char *wire, gc_u64
 /* ---- NVFP4 ------------------------------------------------------------------- */
 
 /* One thread per code byte (values 2p and 2p + 1); the 8 lanes of a 16-value
- * block reduce its amax and finiteness by shuffles. tamax holds the bits of
- * the tensor amax from gc_amax_tiles (one scaling block of n values). */
-extern "C" __global__ void gc_nvfp4_encode(const float *x, gc_u64 n, const gc_u32 *tamax,
+ * block reduce its amax and finiteness by shuffles. samax holds the amax bits
+ * of every superblock (gc_amax_tiles with scaling block GC_NVFP4_SUPERBLOCK;
+ * one for n values when n is smaller). */
+extern "C" __global__ void gc_nvfp4_encode(const float *x, gc_u64 n, const gc_u32 *samax,
                                            int sr, gc_u64 key, gc_u64 offset,
                                            unsigned char *wire)
 {
-    const float tmax = GC_E2M1_MAX * GC_E4M3_MAX;
+    const float smax = GC_E2M1_MAX * GC_E4M3_MAX;
+    const gc_u64 pairs_per_super = GC_NVFP4_SUPERBLOCK / 2;
     gc_u64 p = gc_global_id();
     gc_u64 npairs = (n + 1) / 2;
-    gc_u64 nblocks = gc_ceil_div(n, GC_NVFP4_BLOCK);
+    gc_u64 nsuper = gc_ceil_div(n, GC_NVFP4_SUPERBLOCK);
+    unsigned char *bscales = wire + 4 * nsuper;
+    unsigned char *codes = bscales + gc_ceil_div(n, GC_NVFP4_BLOCK);
     int has0 = 2 * p < n;
     int has1 = 2 * p + 1 < n;
     float x0 = has0 ? x[2 * p] : 0.0f;
@@ -282,40 +288,26 @@ extern "C" __global__ void gc_nvfp4_encode(const float *x, gc_u64 n, const gc_u3
     if (p >= npairs)
         return;
 
-    float tensor_amax = gc_float(*tamax);
-    float tpre;
-    float tfactor = gc_quant_factor(tensor_amax, tmax, &tpre);
-    float gscale = tensor_amax / tmax;
+    gc_u64 k = p / pairs_per_super;
+    float super_amax = gc_float(samax[k]);
+    float spre;
+    float sfactor = gc_quant_factor(super_amax, smax, &spre);
+    float scale = super_amax / smax;
     int finite = bad == 0;
-    gc_u8 sc = gc_nvfp4_scale_code(gc_float(m), tpre, tfactor, finite, sr);
+    gc_u8 sc = gc_nvfp4_scale_code(gc_float(m), spre, sfactor, finite, sr);
     float pre;
-    float factor = gc_quant_factor(gc_e4m3_value(sc) * gscale, 1.0f, &pre);
+    float factor = gc_quant_factor(gc_e4m3_value(sc) * scale, 1.0f, &pre);
     gc_u32 c0 = finite ? gc_e2m1_code((x0 * pre) * factor, sr, gc_rnd_at(sr, key, offset + 2 * p))
                        : 0u;
     gc_u32 c1 = finite && has1 ? gc_e2m1_code((x1 * pre) * factor, sr,
                                               gc_rnd_at(sr, key, offset + 2 * p + 1))
                                : 0u;
 
-    wire[4 + nblocks + p] = (unsigned char)(c0 | (c1 << 4));
+    codes[p] = (unsigned char)(c0 | (c1 << 4));
     if ((p & (GC_NVFP4_BLOCK / 2 - 1)) == 0)
-        wire[4 + p / (GC_NVFP4_BLOCK / 2)] = sc;
-    if (p == 0)
-        gc_store_f32(wire, gscale);
-}
-
-extern "C" __global__ void gc_nvfp4_decode(const unsigned char *wire, gc_u64 n, int accumulate,
-                                           float *out)
-{
-    gc_u64 p = gc_global_id();
-    if (p >= (n + 1) / 2)
-        return;
-    gc_u64 nblocks = gc_ceil_div(n, GC_NVFP4_BLOCK);
-    float gscale = gc_load_f32(wire);
-    float eff = __fmul_rn(gc_e4m3_value(wire[4 + p / (GC_NVFP4_BLOCK / 2)]), gscale);
-    gc_u32 byte = wire[4 + nblocks + p];
-    gc_put(out + 2 * p, __fmul_rn(gc_e2m1_value(byte & 0xfu), eff), accumulate);
-    if (2 * p + 1 < n)
-        gc_put(out + 2 * p + 1, __fmul_rn(gc_e2m1_value(byte >> 4), eff), accumulate);
+        bscales[p / (GC_NVFP4_BLOCK / 2)] = sc;
+    if ((p & (pairs_per_super - 1)) == 0)
+        gc_store_f32(wire + 4 * k, scale);
 }
 
 /* ---- BF16 -------------------------------------------------------------------- */
@@ -401,16 +393,45 @@ extern "C" __global__ void gc_mxfp8_decode(const unsigned char *wire, gc_u64 n, 
     gc_put(out + i, __fmul_rn(gc_fp8_value(e5m2, wire[nblocks + i]), scale), accumulate);
 }
 
-extern "C" __global__ void gc_mxfp4_decode(const unsigned char *wire, gc_u64 n, int accumulate,
-                                           float *out)
+/* NVFP4 (mx == 0) and MXFP4 (mx != 0) decode: one thread per code byte (values
+ * 2p and 2p + 1), each reading the scale of its block. */
+extern "C" __global__ void gc_e2m1_decode(const unsigned char *wire, gc_u64 n, int mx,
+                                          int accumulate, float *out)
 {
     gc_u64 p = gc_global_id();
     if (p >= (n + 1) / 2)
         return;
-    gc_u64 nblocks = gc_ceil_div(n, GC_MX_BLOCK);
-    float scale = gc_e8m0_value(wire[p / (GC_MX_BLOCK / 2)]);
-    gc_u32 byte = wire[nblocks + p];
+    const unsigned char *codes;
+    float scale;
+    if (mx) {
+        codes = wire + gc_ceil_div(n, GC_MX_BLOCK);
+        scale = gc_e8m0_value(wire[p / (GC_MX_BLOCK / 2)]);
+    } else {
+        const unsigned char *bscales = wire + 4 * gc_ceil_div(n, GC_NVFP4_SUPERBLOCK);
+        codes = bscales + gc_ceil_div(n, GC_NVFP4_BLOCK);
+        float super_scale = gc_load_f32(wire + 4 * (p / (GC_NVFP4_SUPERBLOCK / 2)));
+        scale = __fmul_rn(gc_e4m3_value(bscales[p / (GC_NVFP4_BLOCK / 2)]), super_scale);
+    }
+    gc_u32 byte = codes[p];
     gc_put(out + 2 * p, __fmul_rn(gc_e2m1_value(byte & 0xfu), scale), accumulate);
     if (2 * p + 1 < n)
         gc_put(out + 2 * p + 1, __fmul_rn(gc_e2m1_value(byte >> 4), scale), accumulate);
+}
+
+/* ---- op="avg" ------------------------------------------------------------------ */
+
+/* values[i] /= d: one IEEE division, rounded to nearest, subnormals kept (CuPy's
+ * elementwise kernels, compiled with -ftz=true, would flush them). */
+extern "C" __global__ void gc_divide_f32(float *values, gc_u64 n, float d)
+{
+    gc_u64 i = gc_global_id();
+    if (i < n)
+        values[i] = __fdiv_rn(values[i], d);
+}
+
+extern "C" __global__ void gc_divide_f64(double *values, gc_u64 n, double d)
+{
+    gc_u64 i = gc_global_id();
+    if (i < n)
+        values[i] = __ddiv_rn(values[i], d);
 }

@@ -44,36 +44,32 @@ typedef uint64_t gc_u64;
 #define GC_E4M3_MAX 448.0f
 #define GC_E5M2_MAX 57344.0f
 #define GC_E2M1_MAX 6.0f
+/* values per scale (the wire layouts of geocomm.h, which defines the same) */
 #define GC_NVFP4_BLOCK 16
+#define GC_NVFP4_SUPERBLOCK 4096
 #define GC_MX_BLOCK 32
 
+/* The bit pattern of an fp32 value, and the value of a bit pattern. */
+#ifdef __CUDACC__
+GC_FN gc_u32 gc_bits(float f) { return __float_as_uint(f); }
+GC_FN float gc_float(gc_u32 u) { return __uint_as_float(u); }
+#else
 GC_FN gc_u32 gc_bits(float f)
 {
-#ifdef __CUDACC__
-    return __float_as_uint(f);
-#else
     gc_u32 u;
     memcpy(&u, &f, sizeof u);
     return u;
-#endif
 }
-
 GC_FN float gc_float(gc_u32 u)
 {
-#ifdef __CUDACC__
-    return __uint_as_float(u);
-#else
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
-#endif
 }
+#endif
 
 /* 1 when f is neither inf nor NaN (exponent field not all ones). */
 GC_FN int gc_finite(float f) { return (gc_bits(f) & 0x7f800000u) != 0x7f800000u; }
-
-/* |f| for finite f, 0 otherwise: the contribution of f to a block's amax. */
-GC_FN float gc_amax_term(float f) { return gc_finite(f) ? fabsf(f) : 0.0f; }
 
 /* min(|q|, fmax), and fmax for NaN q (like fminf, but vectorizes as minps). */
 GC_FN float gc_min_abs(float q, float fmax)
@@ -174,12 +170,22 @@ GC_FN gc_u8 gc_e2m1_code(float q, int sr, gc_u32 rnd)
     return (gc_u8)(sign | gc_round_mag(r, 1, 1, sr, rnd));
 }
 
+/* The value of the magnitude code `mag` (sign bit cleared, specials excluded)
+ * of a small float format with MBITS mantissa bits and exponent bias BIAS:
+ * normals by placing the code's bits into an fp32 pattern, subnormals as
+ * (mantissa) * 2^(1 - BIAS - MBITS). */
+GC_FN float gc_minifloat_value(gc_u32 mag, int mbits, int bias)
+{
+    float normal = gc_float((mag << (23 - mbits)) + ((gc_u32)(127 - bias) << 23));
+    float quantum = gc_float((gc_u32)(127 + 1 - bias - mbits) << 23);
+    float subnormal = (float)(int)(mag & ((1u << mbits) - 1u)) * quantum;
+    return (mag >> mbits) ? normal : subnormal;
+}
+
 GC_FN float gc_e4m3_value(gc_u32 c)
 {
     gc_u32 mag = c & 0x7fu;
-    float normal = gc_float((mag << 20) + (120u << 23));
-    float subnormal = (float)(int)(mag & 7u) * 0x1p-9f;
-    float v = (mag >> 3) ? normal : subnormal;
+    float v = gc_minifloat_value(mag, 3, 7);
     v = (mag == 0x7fu) ? gc_float(0x7fc00000u) : v;
     return (c & 0x80u) ? -v : v;
 }
@@ -187,9 +193,7 @@ GC_FN float gc_e4m3_value(gc_u32 c)
 GC_FN float gc_e5m2_value(gc_u32 c)
 {
     gc_u32 mag = c & 0x7fu;
-    float normal = gc_float((mag << 21) + (112u << 23));
-    float subnormal = (float)(int)(mag & 3u) * 0x1p-16f;
-    float v = (mag >> 2) ? normal : subnormal;
+    float v = gc_minifloat_value(mag, 2, 15);
     v = (mag == 0x7cu) ? gc_float(0x7f800000u) : v;
     v = (mag > 0x7cu) ? gc_float(0x7fc00000u) : v;
     return (c & 0x80u) ? -v : v;
@@ -197,9 +201,7 @@ GC_FN float gc_e5m2_value(gc_u32 c)
 
 GC_FN float gc_e2m1_value(gc_u32 c)
 {
-    gc_u32 mag = c & 7u;
-    float normal = gc_float((mag + (126u << 1)) << 22);
-    float v = (mag >> 1) ? normal : (float)(int)(mag & 1u) * 0.5f;
+    float v = gc_minifloat_value(c & 7u, 1, 1);
     return (c & 8u) ? -v : v;
 }
 
@@ -235,14 +237,16 @@ GC_FN float gc_quant_factor(float amax, float fmax, float *pre)
 
 /*
  * NVFP4 block scale: the E4M3 code of ((bamax / 6) * tpre) * tfactor, where
- * tfactor = gc_quant_factor(tensor_amax, 6 * 448, &tpre) maps the tensor's
- * amax onto the largest block scale. A block holding a non-finite value
- * gets the NaN code 0x7f (and payload codes 0), so its 16 values decode as
- * NaN. With `up` (stochastic rounding) the code is rounded up instead of to
- * nearest, so that no value of the block exceeds 6 block scales: a value
- * above 6 would be clamped to 6, a bias no random rounding can undo. (A
- * non-zero block never gets scale 0 then; only a tensor amax below
- * 2688 * 2^-149, whose fp32 tensor scale is 0, still decodes as 0.)
+ * tfactor = gc_quant_factor(samax, 6 * 448, &tpre) maps the amax of the
+ * block's superblock (GC_NVFP4_SUPERBLOCK values, whose fp32 scale is
+ * samax / (6 * 448)) onto the largest block scale. A block holding a
+ * non-finite value gets the NaN code 0x7f (and payload codes 0), so its 16
+ * values decode as NaN. With `up` (stochastic rounding) the code is rounded
+ * up instead of to nearest, so that no value of the block exceeds 6 block
+ * scales: a value above 6 would be clamped to 6, a bias no random rounding
+ * can undo. (A non-zero block never gets scale 0 then; only a superblock
+ * amax below 2688 * 2^-149, whose fp32 superblock scale is 0, still decodes
+ * as 0.)
  */
 GC_FN gc_u8 gc_nvfp4_scale_code(float bamax, float tpre, float tfactor, int block_finite, int up)
 {

@@ -6,9 +6,19 @@
  * A "wire body" is the headerless encoding of n fp32 values, little endian:
  *   GC_E4M3, GC_E5M2  ceil(n / block) fp32 scales, then n one-byte codes.
  *                     block == 0 means one scale for all n values.
- *   GC_NVFP4          one fp32 tensor scale, ceil(n / 16) E4M3 block scales,
- *                     then ceil(n / 2) bytes of E2M1 codes (element 2i in
- *                     the low nibble, 2i + 1 in the high nibble).
+ *   GC_NVFP4          ceil(n / 4096) fp32 superblock scales, then ceil(n / 16)
+ *                     E4M3 block scales, then ceil(n / 2) bytes of E2M1 codes
+ *                     (element 2i in the low nibble, 2i + 1 in the high
+ *                     nibble). Superblock k holds values [4096 k, 4096 k +
+ *                     4096) of the body (the last one may be shorter); its
+ *                     scale is its finite amax / (6 * 448), and block j's
+ *                     scale code is relative to the scale of superblock
+ *                     16 j / 4096. So the bytes of values [a, b), a a
+ *                     multiple of 4096 and b one or n, do not depend on the
+ *                     values outside [a, b): a body is the section-wise
+ *                     concatenation of the bodies of pieces cut at multiples
+ *                     of 4096 (encoded with offset + a), and a body of n <=
+ *                     4096 values has one scale (the whole body's).
  *   GC_BF16           n two-byte bfloat16 codes.
  *   GC_MXFP8_E4M3,    OCP Microscaling: ceil(n / 32) E8M0 scale bytes (2^(c - 127),
  *   GC_MXFP8_E5M2     0xff NaN), then n one-byte E4M3 / E5M2 codes.
@@ -34,6 +44,12 @@
 /* gc_encode_ex flags */
 #define GC_STOCHASTIC 1
 #define GC_RCEIL 2
+/* values per scale: NVFP4 E4M3 block scale, NVFP4 fp32 superblock scale, MX
+ * E8M0 scale (gc_scalar.h defines the same for the C loops and the CUDA
+ * kernels; tests/test_cuda_source.py checks that they agree) */
+#define GC_NVFP4_BLOCK 16
+#define GC_NVFP4_SUPERBLOCK 4096
+#define GC_MX_BLOCK 32
 #define GC_EINVAL -22
 #define GC_ENOMEM -12
 

@@ -3,6 +3,7 @@
  * code against a second, ldexp-based definition of the formats; encode of
  * every representable value back to its code; every E2M1 code through the
  * NVFP4 decoder; every E8M0 scale through the MX decoders; wire sizes;
+ * NVFP4 superblocks (their scales, and a body cut at multiples of 4096);
  * non-finite rules; gc_encode_ex's flags and its stochastic rounding staying
  * between the two neighbours; accumulate; and encoding random values and
  * decoding random bytes in every format (run under -Db_sanitize=address,
@@ -119,6 +120,8 @@ static void test_wire_sizes(void)
     CHECK(gc_wire_size(GC_E4M3, 129, 128) == 2 * 4 + 129, "e4m3 129");
     CHECK(gc_wire_size(GC_E5M2, 100, 0) == 4 + 100, "e5m2 per tensor");
     CHECK(gc_wire_size(GC_NVFP4, 33, 0) == 4 + 3 + 17, "nvfp4 33");
+    CHECK(gc_wire_size(GC_NVFP4, 4096, 0) == 4 + 256 + 2048, "nvfp4 one superblock");
+    CHECK(gc_wire_size(GC_NVFP4, 4097, 0) == 8 + 257 + 2049, "nvfp4 4097: two superblocks");
     CHECK(gc_wire_size(GC_BF16, 7, 0) == 14, "bf16 7");
     CHECK(gc_wire_size(GC_MXFP8_E4M3, 65, 128) == 3 + 65, "mxfp8 65");
     CHECK(gc_wire_size(GC_MXFP8_E5M2, 64, 0) == 2 + 64, "mxfp8 e5m2 64");
@@ -159,6 +162,43 @@ static void test_stochastic_neighbours(void)
         }
         CHECK(ok && moved > 0, "fmt %d: stochastic codes are nearest's neighbours (%d moved)",
               fmts[f], moved);
+    }
+}
+
+/* NVFP4: superblock k's fp32 scale is the amax of values [4096 k, 4096 k +
+ * 4096) over 6 * 448, and a body is the section-wise concatenation of the
+ * bodies of pieces cut at multiples of 4096 (with matching offsets for
+ * stochastic rounding), so a collective's pieces give the bytes of one call. */
+static void test_nvfp4_superblocks(void)
+{
+    enum { SB = GC_NVFP4_SUPERBLOCK, N = 3 * SB + 1001, NSUPER = 4 };
+    static float x[N];
+    static uint8_t whole[4 * NSUPER + N], piece[4 * NSUPER + N];
+    CHECK(SB == 4096 && SB % GC_NVFP4_BLOCK == 0, "superblock of 4096 values");
+    for (int i = 0; i < N; i++)
+        x[i] = sinf((float)i * 0.61f) * ldexpf(1.0f, (i / 700) % 30 - 15);
+    x[SB + 5] = NAN; /* ignored by its superblock's amax */
+    size_t cuts[] = {0, SB, 3 * SB, N};
+    for (unsigned flags = 0; flags <= GC_STOCHASTIC; flags += GC_STOCHASTIC) {
+        CHECK(gc_encode_ex(GC_NVFP4, x, N, 0, whole, flags, 3, 4, 5) == 0, "encode nvfp4");
+        const uint8_t *wb = whole + 4 * NSUPER, *wc = wb + (N + 15) / 16;
+        for (int k = 0; k < NSUPER; k++) {
+            float amax = 0.0f, scale;
+            for (int i = k * SB; i < N && i < (k + 1) * SB; i++)
+                amax = isfinite(x[i]) && fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+            memcpy(&scale, whole + 4 * k, 4);
+            CHECK(scale == amax / (6.0f * 448.0f), "superblock %d scale %g", k, scale);
+        }
+        int same = 1;
+        for (int c = 0; c < 3; c++) {
+            size_t a = cuts[c], n = cuts[c + 1] - a;
+            size_t ns = (n + SB - 1) / SB, nb = (n + 15) / 16;
+            gc_encode_ex(GC_NVFP4, x + a, n, 0, piece, flags, 3, 4, 5 + a);
+            same &= memcmp(piece, whole + 4 * (a / SB), 4 * ns) == 0;
+            same &= memcmp(piece + 4 * ns, wb + a / 16, nb) == 0;
+            same &= memcmp(piece + 4 * ns + nb, wc + a / 2, (n + 1) / 2) == 0;
+        }
+        CHECK(same, "nvfp4 (flags %u): pieces at multiples of 4096 give the body's bytes", flags);
     }
 }
 
@@ -234,6 +274,7 @@ int main(void)
     test_e8m0_scales();
     test_wire_sizes();
     test_stochastic_neighbours();
+    test_nvfp4_superblocks();
     test_nonfinite();
     test_accumulate();
     test_random_wires();

@@ -13,6 +13,8 @@ Every test is deterministic (fixed seeds) and runs on every MPI rank alike.
 
 from __future__ import annotations
 
+import itertools
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -29,7 +31,8 @@ F32 = np.float32
 FP8_DTYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 E2M1_MAX = 6.0
-NVFP4_TENSOR_MAX = 6.0 * 448.0  # E2M1 max times the largest E4M3 block scale
+NVFP4_SUPER_MAX = 6.0 * 448.0  # E2M1 max times the largest E4M3 block scale
+NVFP4_SUPERBLOCK = 4096  # values per fp32 superblock scale (native/geocomm.h)
 FP8_BLOCKS = (0, 1, 7, 16, 128)
 # (format, block) pairs that the bit-identity tests cover
 CASES = [(fmt, b) for fmt in ("e4m3", "e5m2") for b in FP8_BLOCKS] + [("nvfp4", 0), ("bf16", 0)]
@@ -211,20 +214,30 @@ def edge_tensors(fmt: str, block: int) -> list[np.ndarray]:
     return tensors
 
 
+def nvfp4_head_blocks(blocks: np.ndarray) -> np.ndarray:
+    """Whole 16-value blocks laid out behind a head block at the start of every
+    superblock: the head holds 6 * 448, so every superblock's scale factor is exactly 1."""
+    head = np.zeros(16, F32)
+    head[0] = NVFP4_SUPER_MAX
+    per = NVFP4_SUPERBLOCK - head.size
+    return np.concatenate([np.concatenate([head, blocks[i : i + per]])
+                           for i in range(0, blocks.size, per)]).astype(F32)
+
+
 def nvfp4_edge_tensors() -> list[np.ndarray]:
     """Blocks whose E2M1 payload sits on ties (block scale exactly 1) and blocks
-    whose E4M3 block scale sits on ties; the first block fixes the tensor scale."""
+    whose E4M3 block scale sits on ties (over 2 superblocks); the first block of
+    every superblock fixes its scale."""
     e2m1_ties = ties_and_neighbours(ml_dtypes.float4_e2m1fn)
     e4m3_mid = ties_and_neighbours(ml_dtypes.float8_e4m3fn)
     e4m3_mid = e4m3_mid[(e4m3_mid > 0) & (e4m3_mid <= 448)]
-    head = np.zeros(16, F32)
-    head[0] = NVFP4_TENSOR_MAX  # tensor scale factor exactly 1
     payload = with_block_max(e2m1_ties, 16, E2M1_MAX)
     rng = np.random.default_rng(3)
     scale_ties = np.zeros((e4m3_mid.size, 16), F32)
     scale_ties[:, 0] = E2M1_MAX * e4m3_mid  # block scale bamax / 6 = the midpoint
     scale_ties[:, 1:] = rng.uniform(-1, 1, (e4m3_mid.size, 15)) * scale_ties[:, :1]
-    out = [np.concatenate([head, payload]), np.concatenate([head, scale_ties.reshape(-1)])]
+    assert scale_ties.size > NVFP4_SUPERBLOCK
+    out = [nvfp4_head_blocks(payload), nvfp4_head_blocks(scale_ties.reshape(-1))]
     for k in (-140, -120, 40):
         out.append(np.ldexp(out[0], k))
     return out
@@ -283,7 +296,7 @@ def test_every_e2m1_value_encodes_back_to_its_code():
     codes = np.arange(16, dtype=np.uint8)
     values = codes.view(ml_dtypes.float4_e2m1fn).astype(F32)
     head = np.zeros(16, F32)
-    head[0] = NVFP4_TENSOR_MAX  # tensor factor 1; the second block's amax 6 gives scale 1.0
+    head[0] = NVFP4_SUPER_MAX  # superblock factor 1; the second block's amax 6 gives scale 1.0
     wire = native_encode("nvfp4", np.concatenate([head, values]))
     assert wire[:4].view("<f4")[0] == F32(1.0)
     assert wire[4:6].tolist() == [0x7E, 0x38]  # E4M3 codes of 448 and 1.0
@@ -316,6 +329,27 @@ def test_every_small_length_matches_reference(fmt, block):
         x = (rng.standard_normal(n) * 3).astype(F32)
         check_native_matches_reference(fmt, x, block, onto_seed=n)
         assert native.wire_size(native.FORMATS[fmt], n, block) == ref.wire_size(fmt, n, block)
+
+
+def test_wire_sizes_agree_in_all_three_implementations():
+    # The layout is written once per implementation: gc_wire_size (C core),
+    # geocomm.cuda.wire_size (the CUDA kernels' layout) and the reference's
+    # wire_size. Every format, counts around every block, MX block and NVFP4
+    # superblock boundary, and blocks that split, equal or exceed n.
+    from geocomm import cuda
+
+    rng = np.random.default_rng(15)
+    counts = {0, 1, 2, 3, 10**6 + 3, 2**31 + 5, *rng.integers(1, 10**7, 40).tolist()}
+    for base in (16, 32, 128, 4096, 3 * 4096, 256 * 4096):
+        counts |= {base - 1, base, base + 1}
+    for name in native.FORMAT_NAMES:
+        for n in sorted(counts):
+            for block in (0, 1, 7, 16, 32, 128, 4096, 5000, 2**40):
+                expect = ref.wire_size(name, n, block)
+                assert native.wire_size(name, n, block) == expect, (name, n, block)
+                assert cuda.wire_size(name, n, block) == expect, (name, n, block)
+                assert cuda.wire_size(native.FORMATS[name], n, block) == expect
+    assert ref.wire_size("nvfp4", 4097) == 2 * 4 + 257 + 2049  # two superblock scales
 
 
 @pytest.mark.parametrize(("fmt", "block"), CASES, ids=CASE_IDS)
@@ -368,22 +402,52 @@ def test_fp8_payload_is_ml_dtypes_cast(fmt, block, k):
 
 
 def test_nvfp4_payload_is_ml_dtypes_cast():
-    # Tensor amax 6 * 448 makes the tensor factor 1; a block with amax 6 then
-    # has block scale code 1.0, so its nibbles are ml_dtypes' E2M1 cast of x.
+    # A superblock amax of 6 * 448 makes the superblock factor 1; a block with
+    # amax 6 then has block scale code 1.0, so its nibbles are ml_dtypes' E2M1
+    # cast of x. Two superblocks and a partial third: each has its own scale.
     rng = np.random.default_rng(4)
-    values = np.concatenate([rng.uniform(-6, 6, 4000), ties_and_neighbours(
+    values = np.concatenate([rng.uniform(-6, 6, 9000), ties_and_neighbours(
         ml_dtypes.float4_e2m1fn), rng.choice([-1, 1], 500) * np.exp2(rng.uniform(-4, 2.5, 500))])
-    values = values.astype(F32)
-    head = np.zeros(16, F32)
-    head[0] = NVFP4_TENSOR_MAX
-    payload = with_block_max(values, 16, E2M1_MAX)
-    wire = native_encode("nvfp4", np.concatenate([head, payload]))
-    nblocks = 1 + payload.size // 16
-    assert wire[:4].view("<f4")[0] == F32(1.0)
-    assert np.all(wire[5 : 4 + nblocks] == 0x38)
-    packed = wire[4 + nblocks + 8 :]
-    nibbles = np.stack([packed & 0xF, packed >> 4], axis=1).reshape(-1)
-    assert_same_bytes(nibbles, payload.astype(ml_dtypes.float4_e2m1fn).view(np.uint8))
+    payload = with_block_max(values.astype(F32), 16, E2M1_MAX)
+    x = nvfp4_head_blocks(payload)
+    nsuper, nblocks = -(-x.size // NVFP4_SUPERBLOCK), x.size // 16
+    assert nsuper == 3 and x.size % NVFP4_SUPERBLOCK
+    wire = native_encode("nvfp4", x)
+    assert np.all(wire[: 4 * nsuper].view("<f4") == F32(1.0))
+    is_head = np.arange(nblocks) % (NVFP4_SUPERBLOCK // 16) == 0
+    scales = wire[4 * nsuper : 4 * nsuper + nblocks]
+    assert np.all(scales[is_head] == 0x7E) and np.all(scales[~is_head] == 0x38)  # 448 and 1.0
+    packed = wire[4 * nsuper + nblocks :]
+    nibbles = np.stack([packed & 0xF, packed >> 4], axis=1).reshape(-1, 16)[~is_head]
+    assert_same_bytes(nibbles.reshape(-1),
+                      payload.astype(ml_dtypes.float4_e2m1fn).view(np.uint8))
+
+
+def nvfp4_sections(wire: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(superblock scales, block scales, codes) of an NVFP4 wire body of n values."""
+    a = 4 * -(-n // NVFP4_SUPERBLOCK)
+    b = a + -(-n // 16)
+    return wire[:a], wire[a:b], wire[b:]
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_nvfp4_body_is_the_concatenation_of_aligned_pieces(rounding):
+    # A superblock's bytes depend on its own values only, so a body is the
+    # section-wise concatenation of the bodies of its pieces when every piece
+    # starts at a multiple of 4096 values (the collective cuts its shards so,
+    # issue #16); stochastic rounding draws by global index (offset = piece start).
+    x = random_wide(N_RANDOM + 1234, seed=16)
+    key = {"rounding": rounding, "seed": 5, "stream": 6} if rounding == "stochastic" else {}
+    whole = nvfp4_sections(native_encode("nvfp4", x, **key), x.size)
+    cuts = [0, 4096, 3 * 4096, 100 * 4096, 101 * 4096, 200 * 4096, x.size]
+    pieces = [nvfp4_sections(native_encode("nvfp4", x[a:b], **key, offset=a), b - a)
+              for a, b in itertools.pairwise(cuts)]
+    for section in range(3):
+        assert_same_bytes(np.concatenate([p[section] for p in pieces]), whole[section])
+    # and a misaligned cut changes the bytes: the superblocks are what makes them agree
+    split = [native_encode("nvfp4", x[a:b], **key, offset=a)
+             for a, b in ((0, 5000), (5000, x.size))]
+    assert not np.array_equal(nvfp4_sections(split[1], x.size - 5000)[2], whole[2][2500:])
 
 
 def test_bf16_codes_are_ml_dtypes_cast():
@@ -509,8 +573,9 @@ def fp8_bound(fmt: str, x: np.ndarray, block: int) -> np.ndarray:
 def nvfp4_bound(x: np.ndarray) -> np.ndarray:
     """|y - x| <= |x| / 4 + B / 16 + T * 2^-18 + 2^-21 B + 2^-136.
 
-    T is the tensor amax, B the amax of x's block of 16, g = T / 2688 the
-    tensor scale, s = B / (6 g) in [0, 448] the ideal block scale and S its
+    T is the amax of x's superblock (4096 values), B the amax of x's block of
+    16, g = T / 2688 the superblock scale, s = B / (6 g) in [0, 448] the
+    ideal block scale and S its
     E4M3 code: |S - s| <= max(2^-4 s, 2^-10) (half ulp with 3 mantissa bits,
     or half the subnormal quantum 2^-9). The element scale is e = S g and the
     payload q = x / e is rounded to E2M1 ({0, .5, 1, 1.5, 2, 3, 4, 6}).
@@ -521,7 +586,7 @@ def nvfp4_bound(x: np.ndarray) -> np.ndarray:
     fp32 roundings (block scale, e, q, y) add under 2^-21 B; a subnormal g
     (T < 2688 * 2^-126) adds at most 6 * 448 * 2^-150 absolute: under 2^-136.
     """
-    t = float(np.max(np.abs(x))) if x.size else 0.0
+    t = block_amax(x, NVFP4_SUPERBLOCK).astype(np.float64)
     b = block_amax(x, 16).astype(np.float64)
     return np.abs(x) / 4 + b / 16 + t * 2.0**-18 + b * 2.0**-21 + 2.0**-136
 
@@ -563,10 +628,8 @@ def test_e4m3_block128_error_is_within_amax_over_16():
 
 
 def test_nvfp4_error_bound():
-    x = bound_inputs(seed=5)
-    # one tensor per 4096 values so the tensor amax varies as well
-    for part in np.array_split(x, 64):
-        check_bound(part, roundtrip("nvfp4", part), nvfp4_bound(part))
+    x = bound_inputs(seed=5)  # 64 superblocks of different amax, the last one partial
+    check_bound(x, roundtrip("nvfp4", x), nvfp4_bound(x))
 
 
 def test_bf16_error_bound():

@@ -70,9 +70,9 @@ def test_kernel_ptx_is_ieee(kernel_cu: Path, tmp_path: Path):
     ptx = ptx_path.read_text()
     entries = set(re.findall(r"\.entry\s+(\w+)", ptx))
     assert {"gc_amax_tiles", "gc_fp8_encode_team", "gc_fp8_encode_tiles", "gc_fp8_decode_team",
-            "gc_fp8_decode_tiles", "gc_nvfp4_encode", "gc_nvfp4_decode", "gc_bf16_encode",
+            "gc_fp8_decode_tiles", "gc_nvfp4_encode", "gc_e2m1_decode", "gc_bf16_encode",
             "gc_bf16_decode", "gc_mxfp8_encode", "gc_mxfp8_decode", "gc_mxfp4_encode",
-            "gc_mxfp4_decode"} <= entries
+            "gc_divide_f32", "gc_divide_f64"} <= entries
     instructions = [line.split()[0] for line in ptx.splitlines()
                     if line.strip() and not line.lstrip().startswith(("//", ".", "{", "}", "$"))]
     assert not [i for i in instructions if i.startswith("fma")], "fused multiply-add in PTX"
@@ -137,15 +137,19 @@ def test_unknown_module_attribute():
         _ = nccl_mod.not_a_name
 
 
-@pytest.mark.skipif(not native.available, reason="native core not built")
-def test_wire_size_matches_native():
-    """geocomm.cuda computes the C gc_wire_size in Python (no CuPy needed)."""
-    for name, fmt in native.FORMATS.items():
-        for n in (0, 1, 2, 15, 16, 17, 31, 127, 128, 129, 1000, 4097, 10**6 + 3):
-            for block in (0, 1, 3, 16, 128, 1000, 5000):
-                expect = native.wire_size(fmt, n, block)
-                assert gcuda.wire_size(fmt, n, block) == expect, (name, n, block)
-                assert gcuda.wire_size(name, n, block) == expect, (name, n, block)
+@needs_nvcc
+def test_divide_is_one_ieee_division(kernel_cu: Path, tmp_path: Path):
+    """op="avg" on the GPU: the divide kernels divide with round-to-nearest (div.rn), never
+    flushing subnormals (no .ftz anywhere, checked above) nor approximating."""
+    ptx_path = tmp_path / "gc_kernels.ptx"
+    _run_nvcc(["-ptx", "-arch=compute_80", *NVCC_FLAGS, str(kernel_cu), "-o", str(ptx_path)],
+              tmp_path)
+    ptx = ptx_path.read_text()
+    for name, op in (("gc_divide_f32", "div.rn.f32"), ("gc_divide_f64", "div.rn.f64")):
+        body = ptx[ptx.index(f".entry {name}"):]
+        body = body[: body.index("\n}\n")]
+        divisions = re.findall(r"\bdiv\.[\w.]+", body)
+        assert divisions == [op], (name, divisions)
 
 
 def test_wire_size_rejects_bad_arguments():
@@ -157,6 +161,26 @@ def test_wire_size_rejects_bad_arguments():
         gcuda.wire_size("e4m3", -1)
     with pytest.raises(ValueError):
         gcuda.wire_size("e4m3", 10, -16)
+
+
+def test_divide_launch_geometry_and_arguments():
+    """One thread per value, THREADS per thread block; the divisor is a positive integer."""
+    assert [gcuda.divide_grid(n) for n in (1, 255, 256, 257, 10**6)] == [(1,), (1,), (1,), (2,),
+                                                                        (3907,)]
+    assert gcuda.divide_grid(2**31 * gcuda.THREADS - gcuda.THREADS) == (2**31 - 1,)
+    with pytest.raises(ValueError, match="grid"):
+        gcuda.divide_grid(2**31 * gcuda.THREADS)
+    with pytest.raises(ValueError):
+        gcuda.divide_grid(0)
+    assert gcuda._divisor(np.int64(3)) == 3
+    for bad in (0, -2, 1.0, True, "2"):
+        with pytest.raises(ValueError, match="positive integer"):
+            gcuda._divisor(bad)
+
+
+def test_divide_without_cupy(no_cupy):
+    with pytest.raises(gcuda.CudaUnavailable, match="CuPy"):
+        gcuda.divide(np.ones(3, np.float32), 2)
 
 
 def test_team_and_tile_plans():
@@ -201,3 +225,89 @@ def test_fp8_launch_plan_rejects_bad_arguments():
         gcuda.fp8_plan(10, -1)
     with pytest.raises(ValueError, match="grid"):  # one lane per value, 2^40 values
         gcuda.fp8_plan(2**40, 1)
+
+
+# ---------------------------------------------------------------------------
+# constants: the compiled core's, never numbers written in Python (issue #15)
+
+
+def _defines(path: Path) -> dict[str, int]:
+    return {m[1]: int(m[2]) for m in re.finditer(r"^#define (GC_\w+) (-?\d+)\s*$",
+                                                 path.read_text(), re.MULTILINE)}
+
+
+@pytest.mark.skipif(not native.available, reason="native core not built")
+def test_constants_come_from_the_compiled_core():
+    from geocomm._native import lib
+
+    for name in native.CDEF_NAMES:
+        assert getattr(native, name) == getattr(lib, f"GC_{name}"), name
+        assert getattr(gcuda, name) == getattr(lib, f"GC_{name}"), name
+    assert native.FORMATS == {f: getattr(lib, f"GC_{f.upper()}") for f in native.FORMAT_NAMES}
+    assert gcuda.FORMATS == native.FORMATS and gcuda.MX_FORMATS == native.MX_FORMATS
+    from geocomm.codecs import _reference as ref
+
+    assert set(ref.FORMAT_NAMES) == set(native.FORMAT_NAMES)
+    assert (ref.NVFP4_BLOCK, ref.NVFP4_SUPERBLOCK, ref.MX_BLOCK) == (
+        native.NVFP4_BLOCK, native.NVFP4_SUPERBLOCK, native.MX_BLOCK)
+    # the layout constants the kernels and the C loops use (gc_scalar.h) are the API's
+    native_dir = Path(__file__).resolve().parent.parent / "native"
+    api = _defines(native_dir / "geocomm.h")
+    for header in (native_dir / "gc_scalar.h", gcuda._source_dir() / "gc_scalar.h"):
+        scalar = _defines(header)
+        for name in ("GC_NVFP4_BLOCK", "GC_NVFP4_SUPERBLOCK", "GC_MX_BLOCK"):
+            assert scalar[name] == api[name] == getattr(lib, name), (header, name)
+
+
+def test_format_names_and_ids():
+    assert native.format_id("nvfp4") == native.NVFP4 == native.format_id(native.NVFP4)
+    for bad in ("e3m4", 99, None, True):
+        with pytest.raises(ValueError, match="unknown format"):
+            native.format_id(bad)
+
+
+WITHOUT_NATIVE = """
+import sys
+
+class BlockNative:
+    def find_spec(self, name, path=None, target=None):
+        if name == "geocomm._native":
+            raise ImportError("geocomm._native blocked by the test")
+        return None
+
+sys.meta_path.insert(0, BlockNative())
+
+import numpy as np
+import geocomm
+import geocomm.cuda as gcuda
+from geocomm import _nativecodec as native
+
+assert native.available is False
+for read in (lambda: native.E4M3, lambda: native.FORMATS, lambda: native.STOCHASTIC,
+             lambda: native.NVFP4_SUPERBLOCK, lambda: gcuda.NVFP4,
+             lambda: gcuda.wire_size("e4m3", 4), lambda: native.format_id("bf16"),
+             lambda: geocomm.get_codec("nvfp4", rounding="stochastic").wire_size(10)):
+    try:
+        read()
+    except native.NativeBuildMissing as exc:
+        assert "pip install" in str(exc)
+    else:
+        raise SystemExit("a constant of the C core was readable without it")
+try:
+    native.NOT_A_NAME
+except AttributeError:
+    pass
+mx = geocomm.get_codec("mxfp4", rounding="stochastic")  # configuring needs no C core
+assert mx.get_config()["scale_rule"] == "rceil"
+print("OK")
+"""
+
+
+def test_constants_without_the_native_core(tmp_path: Path):
+    """Without the build, importing works and reading a constant of the core raises
+    NativeBuildMissing (an ImportError saying how to build), never a made-up number."""
+    script = tmp_path / "without_native.py"
+    script.write_text(WITHOUT_NATIVE)
+    proc = subprocess.run([sys.executable, "-P", str(script)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=240, check=False)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr

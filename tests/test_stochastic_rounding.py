@@ -252,7 +252,7 @@ def classed_input(fmt: str, block: int, options: dict, rng) -> tuple[np.ndarray,
     x = np.zeros(nblocks * b, np.float64)
     cls = np.full(x.size, 1)
     cls[::b] = 0
-    if fmt == "nvfp4":  # block 0 holds the tensor max (tensor factor 1, scale 448)
+    if fmt == "nvfp4":  # block 0 holds the superblock max (factor 1, scale 448)
         ks, ds = rng.integers(-4, 7, nblocks - 1), rng.uniform(0.01, 0.06, nblocks - 1)
         scales = [448.0] + [2.0 ** int(k) * (1 + d) for k, d in zip(ks, ds, strict=True)]
         x[::b] = 6.0 * np.array(scales)
@@ -337,7 +337,7 @@ def test_nvfp4_maximum_is_unbiased_where_nearest_saturates():
     # -(s / scale - 1) 6 scales); stochastic rounding takes the next E4M3
     # value up as the scale, B lands strictly inside [4, 6] and rounds without bias.
     x, cls, mean, se, slack = mean_error_check("nvfp4", 0, {}, "stochastic")
-    maxima = np.flatnonzero(cls == 0)[1:]  # block 0 holds the tensor max (scale 448 exactly)
+    maxima = np.flatnonzero(cls == 0)[1:]  # block 0 holds the superblock max (scale 448)
     assert np.all(np.abs(mean[maxima]) <= 4 * se[maxima] + slack[maxima])
     _, _, nearest, _, _ = mean_error_check("nvfp4", 0, {}, "nearest")
     assert np.all(nearest[maxima] / x[maxima] < -0.009)  # saturated: B rounded down by >= 1%
@@ -357,7 +357,7 @@ def split_body(fmt: str, block: int, wire: np.ndarray, n: int) -> tuple[np.ndarr
     if fmt in ("e4m3", "e5m2"):
         head = 4 * -(-n // (block or n))
     elif fmt == "nvfp4":
-        head = 4 + -(-n // 16)
+        head = 4 * -(-n // 4096) + -(-n // 16)
     elif fmt == "bf16":
         head = 0
     else:
@@ -371,7 +371,9 @@ def test_one_call_and_pieces_give_the_same_bytes(fmt, block, options):
     # Element i draws the word of index offset + i, so encoding pieces with
     # their global offsets gives every element the bits of the one-call encode.
     # The pieces start at scaling-block boundaries (scales are per block; the
-    # NVFP4 tensor scale is per call, so every piece holds the tensor max).
+    # NVFP4 superblock scale is per 4096 values, so here, with pieces inside one
+    # superblock, every piece holds the superblock max; test_codec_formats
+    # cuts 4096-aligned pieces).
     b = {"nvfp4": 16, "bf16": 1}.get(fmt, 32 if fmt.startswith("mx") else block)
     n = 9 * b + 5 if b > 1 else 1189  # a partial last block
     x = random_wide(n, seed=5)
@@ -384,7 +386,7 @@ def test_one_call_and_pieces_give_the_same_bytes(fmt, block, options):
     scales, codes = split_body(fmt, block, whole, n)
     parts = [split_body(fmt, block, w, b - a) for w, (a, b) in zip(
         pieces_wire(fmt, block, options, x, cuts), itertools.pairwise(cuts), strict=True)]
-    if fmt == "nvfp4":  # one fp32 tensor scale per piece, then the block scales
+    if fmt == "nvfp4":  # one fp32 superblock scale per piece, then the block scales
         assert all(np.array_equal(p[0][:4], scales[:4]) for p in parts)
         assert_same_bytes(np.concatenate([p[0][4:] for p in parts]), scales[4:])
     else:
@@ -437,7 +439,7 @@ def test_nonfinite_positions_as_with_nearest(fmt, block, options):
 
 def test_nvfp4_block_scales_round_up():
     # Every block scale is the smallest E4M3 value >= the ideal s = (B / 6) *
-    # tensor factor, so B <= 6 block scales (up to the fp32 rounding of the
+    # superblock factor, so B <= 6 block scales (up to the fp32 rounding of the
     # product, 2^-21 relative) and no value saturates.
     x = random_wide(1 << 16, seed=14)
     x = np.where(np.isfinite(x), x, 0).astype(F32)
@@ -463,18 +465,12 @@ def test_error_bound(fmt, block, options):
         x = x[np.abs(x) < 3.38e38]
     codec = codec_for(fmt, block, rounding="stochastic")
     u, c, d = bounds.error_constants(codec)
-    b = {"nvfp4": 16, "bf16": 1}.get(fmt, 32 if fmt.startswith("mx") else block or x.size)
-    if fmt == "nvfp4":  # C is relative to the tensor amax there (64 tensors)
-        parts = np.array_split(np.arange(x.size), 64)
-        y = np.concatenate([native_decode(fmt, native_encode(fmt, x[p], **SR, seed=1), p.size)
-                            for p in parts])
-        amax = np.concatenate([np.full(p.size, np.abs(x[p]).max()) for p in parts])
-    else:
-        padded = np.zeros(-(-x.size // b) * b)
-        padded[: x.size] = np.abs(x)
-        amax = np.repeat(padded.reshape(-1, b).max(axis=1), b)[: x.size]
-        y = native_decode(fmt, native_encode(fmt, x, block, **SR, **options, seed=1), x.size,
-                          block)
+    # NVFP4: C is relative to the superblock amax there (64 superblocks)
+    b = {"nvfp4": 4096, "bf16": 1}.get(fmt, 32 if fmt.startswith("mx") else block or x.size)
+    padded = np.zeros(-(-x.size // b) * b)
+    padded[: x.size] = np.abs(x)
+    amax = np.repeat(padded.reshape(-1, b).max(axis=1), b)[: x.size]
+    y = native_decode(fmt, native_encode(fmt, x, block, **SR, **options, seed=1), x.size, block)
     check_bound(x, y, u * np.abs(x.astype(np.float64)) + c * amax + d, tight=fmt != "e5m2"
                 or block != 1)
 

@@ -26,7 +26,8 @@ F32 = np.float32
 FMAX = {"e4m3": F32(448.0), "e5m2": F32(57344.0)}
 FP8_DTYPE = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
 E2M1_MAX = F32(6.0)
-NVFP4_BLOCK = 16
+NVFP4_BLOCK = 16  # values per E4M3 block scale
+NVFP4_SUPERBLOCK = 4096  # values per fp32 superblock scale
 TINY = F32(2.0**-100)  # below this amax, FMAX / amax could overflow fp32
 PRESCALE = F32(2.0**64)
 ROUNDINGS = ("nearest", "stochastic")
@@ -166,10 +167,6 @@ def _unpack_nibbles(packed: np.ndarray, n: int) -> np.ndarray:
     return codes[:n]
 
 
-def fp8_wire_size(n: int, block: int) -> int:
-    return 0 if n == 0 else 4 * -(-n // (block or n)) + n
-
-
 def encode_fp8(x: np.ndarray, fmt: str, block: int,
                rnd: np.ndarray | None = None) -> np.ndarray:
     """Wire body: fp32 scales (amax / FMAX) per block, then one code per value.
@@ -201,10 +198,6 @@ def decode_fp8(wire: np.ndarray, n: int, fmt: str, block: int) -> np.ndarray:
     return values * np.repeat(scales, b)[:n]
 
 
-def nvfp4_wire_size(n: int) -> int:
-    return 0 if n == 0 else 4 + -(-n // NVFP4_BLOCK) + -(-n // 2)
-
-
 def _e4m3_values(codes: np.ndarray) -> np.ndarray:
     return codes.view(ml_dtypes.float8_e4m3fn).astype(F32)
 
@@ -218,7 +211,8 @@ def _e4m3_ceil(s: np.ndarray, nonzero: np.ndarray) -> np.ndarray:
 
 
 def encode_nvfp4(x: np.ndarray, rnd: np.ndarray | None = None) -> np.ndarray:
-    """Wire body: fp32 tensor scale, E4M3 scale per 16 values, packed E2M1 codes.
+    """Wire body: fp32 scale per superblock of 4096 values, E4M3 scale per 16
+    values (relative to its superblock's scale), packed E2M1 codes.
 
     With ``rnd`` (stochastic rounding) the block scales round up instead of to
     nearest, so no value exceeds 6 block scales and none saturates.
@@ -227,35 +221,43 @@ def encode_nvfp4(x: np.ndarray, rnd: np.ndarray | None = None) -> np.ndarray:
     if n == 0:
         return np.zeros(0, np.uint8)
     flat = np.ascontiguousarray(x, F32).ravel()
-    tmax = E2M1_MAX * FMAX["e4m3"]
-    tamax = _amax(flat[None, :])
-    tpre, tfactor = _quant_factor(tamax, tmax)
-    gscale = (tamax / tmax).astype(F32)
+    smax = E2M1_MAX * FMAX["e4m3"]
+    samax = _amax(_blocks(flat, NVFP4_SUPERBLOCK))
+    spre, sfactor = _quant_factor(samax, smax)
+    sscale = (samax / smax).astype(F32)
     rows = _blocks(flat, NVFP4_BLOCK)
+    owner = _superblock_of_blocks(rows.shape[0])
     finite = np.isfinite(rows).all(axis=1)
-    s = ((_amax(rows) / E2M1_MAX) * tpre) * tfactor
+    s = ((_amax(rows) / E2M1_MAX) * spre[owner]) * sfactor[owner]
     if rnd is None:
         scode = _cast_saturated(s, np.zeros_like(s), FMAX["e4m3"], ml_dtypes.float8_e4m3fn)
     else:
         scode = _e4m3_ceil(s, _amax(rows) > 0)
     scode = np.where(finite, scode, np.uint8(0x7F)).astype(np.uint8)
-    eff = _e4m3_values(scode) * gscale
+    eff = _e4m3_values(scode) * sscale[owner]
     pre, factor = _quant_factor(np.where(finite, eff, F32(0)).astype(F32), F32(1))
     q = _scaled(rows, pre, factor)
     rnd_rows = _rows_of(rnd, NVFP4_BLOCK)
     codes = _cast_saturated(q, q, E2M1_MAX, ml_dtypes.float4_e2m1fn, rnd_rows).copy()
     codes[~finite] = 0
     packed = _pack_nibbles(codes.ravel()[:n])
-    return np.concatenate([gscale.astype("<f4").view(np.uint8), scode, packed])
+    return np.concatenate([sscale.astype("<f4").view(np.uint8), scode, packed])
+
+
+def _superblock_of_blocks(nblocks: int) -> np.ndarray:
+    """The superblock of each NVFP4 block of 16 values."""
+    return np.arange(nblocks) * NVFP4_BLOCK // NVFP4_SUPERBLOCK
 
 
 def decode_nvfp4(wire: np.ndarray, n: int) -> np.ndarray:
     if n == 0:
         return np.zeros(0, F32)
+    nsuper = -(-n // NVFP4_SUPERBLOCK)
     nblocks = -(-n // NVFP4_BLOCK)
-    gscale = wire[:4].view("<f4").astype(F32)[0]
-    eff = _e4m3_values(wire[4 : 4 + nblocks]) * gscale
-    codes = _unpack_nibbles(wire[4 + nblocks : 4 + nblocks + -(-n // 2)], n)
+    sscale = wire[: 4 * nsuper].view("<f4").astype(F32)
+    bscales = wire[4 * nsuper : 4 * nsuper + nblocks]
+    eff = _e4m3_values(bscales) * sscale[_superblock_of_blocks(nblocks)]
+    codes = _unpack_nibbles(wire[4 * nsuper + nblocks : 4 * nsuper + nblocks + -(-n // 2)], n)
     values = codes.view(ml_dtypes.float4_e2m1fn).astype(F32)
     return values * np.repeat(eff, NVFP4_BLOCK)[:n]
 
@@ -286,11 +288,6 @@ _ELEMENT = {  # (largest value, its exponent, ml_dtypes type)
     "e5m2": (FMAX["e5m2"], 15, ml_dtypes.float8_e5m2),
     "e2m1": (E2M1_MAX, 2, ml_dtypes.float4_e2m1fn),
 }
-
-
-def mx_wire_size(fmt: str, n: int) -> int:
-    payload = n if fmt != "mxfp4" else -(-n // 2)
-    return -(-n // MX_BLOCK) + payload
 
 
 def mx_exponents(amax: np.ndarray, element: str, rceil: bool) -> np.ndarray:
@@ -353,17 +350,22 @@ def decode_mx(wire: np.ndarray, n: int, fmt: str) -> np.ndarray:
 
 # ---- dispatch --------------------------------------------------------------------
 
+FORMAT_NAMES = (*FMAX, "nvfp4", "bf16", *MX_ELEMENT)
+
 
 def wire_size(fmt: str, n: int, block: int = 0) -> int:
+    """Bytes of the wire body of n values (native/geocomm.h): the reference's one formula."""
+    if fmt not in FORMAT_NAMES:
+        raise ValueError(f"unknown format {fmt!r}")
+    if n == 0:
+        return 0
     if fmt in FMAX:
-        return fp8_wire_size(n, block)
+        return 4 * -(-n // (block or n)) + n
     if fmt == "nvfp4":
-        return nvfp4_wire_size(n)
+        return 4 * -(-n // NVFP4_SUPERBLOCK) + -(-n // NVFP4_BLOCK) + -(-n // 2)
     if fmt == "bf16":
         return 2 * n
-    if fmt in MX_ELEMENT:
-        return 0 if n == 0 else mx_wire_size(fmt, n)
-    raise ValueError(f"unknown format {fmt!r}")
+    return -(-n // MX_BLOCK) + (-(-n // 2) if fmt == "mxfp4" else n)
 
 
 def encode(fmt: str, x: np.ndarray, block: int = 0, *, rounding: str = "nearest",
@@ -376,29 +378,25 @@ def encode(fmt: str, x: np.ndarray, block: int = 0, *, rounding: str = "nearest"
     """
     if rounding not in ROUNDINGS or scale_rule not in SCALE_RULES:
         raise ValueError(f"unknown rounding {rounding!r} or scale rule {scale_rule!r}")
+    if fmt not in FORMAT_NAMES:
+        raise ValueError(f"unknown format {fmt!r}")
     if scale_rule != "floor" and fmt not in MX_ELEMENT:
         raise ValueError(f"scale_rule applies to MX formats, not {fmt!r}")
     rnd = sr_bits(seed, stream, offset, np.size(x)) if rounding == "stochastic" else None
     if fmt in FMAX:
         return encode_fp8(x, fmt, block, rnd)
-    if fmt == "nvfp4":
-        return encode_nvfp4(x, rnd)
-    if fmt == "bf16":
-        return encode_bf16(x, rnd)
     if fmt in MX_ELEMENT:
         return encode_mx(x, fmt, scale_rule == "rceil", rnd)
-    raise ValueError(f"unknown format {fmt!r}")
+    return encode_nvfp4(x, rnd) if fmt == "nvfp4" else encode_bf16(x, rnd)
 
 
 def decode(fmt: str, wire: np.ndarray, n: int, block: int = 0) -> np.ndarray:
     """Reference decode of ``n`` float32 values from a wire body."""
+    if fmt not in FORMAT_NAMES:
+        raise ValueError(f"unknown format {fmt!r}")
     wire = np.ascontiguousarray(wire, np.uint8)
     if fmt in FMAX:
         return decode_fp8(wire, n, fmt, block)
-    if fmt == "nvfp4":
-        return decode_nvfp4(wire, n)
-    if fmt == "bf16":
-        return decode_bf16(wire, n)
     if fmt in MX_ELEMENT:
         return decode_mx(wire, n, fmt)
-    raise ValueError(f"unknown format {fmt!r}")
+    return decode_nvfp4(wire, n) if fmt == "nvfp4" else decode_bf16(wire, n)

@@ -6,12 +6,16 @@ round-to-nearest-even with the format's mantissa bits (E4M3: 3 bits -> 2^-4,
 E5M2: 2 -> 2^-3, bfloat16: 7 -> 2^-8, E2M1: 1 -> 2^-2). C covers what is not
 relative: half the format's subnormal quantum times the largest block scale
 A / FMAX (E4M3: 2^-10 / 448, E5M2: 2^-17 / 57344), plus 2^-20 for the fp32
-rounding of scale and factor. NVFP4 also rounds its E4M3 block scale
+rounding of scale and factor. NVFP4 is derived per superblock (4096
+values, aligned to the start of the encoded piece, with its own fp32 scale
+g = T / (6 * 448), T the superblock's amax): its E4M3 block scale is rounded
 (relative 2^-4), so a value may land at 6 / (1 - 2^-4) ~ 6.4 and be clamped to
 6 (error 0.4 block scales) on top of the 0.25-scale subnormal half quantum;
-with a block scale <= A / 6 * (1 + 2^-4) that gives C = 0.65 / 6 * (1 + 2^-4).
-The NVFP4 bound holds while block scales are E4M3 normals, i.e. no block's
-amax is below ~2^-6 / 448 of the tensor's (true for non-degenerate data).
+with a block scale <= B / 6 * (1 + 2^-4), B <= T <= A the amaxes of the block
+and its superblock, that gives C = 0.65 / 6 * (1 + 2^-4). The NVFP4 bound
+holds while block scales are E4M3 normals, i.e. no block's amax is below
+~2^-6 / 448 of its superblock's (true for non-degenerate data; superblocks
+make it local: a block only competes with the 4095 values around it).
 
 An absolute term D covers data so small that fp32 scales are subnormal:
 a scale then carries an absolute error up to 2^-150 and so does the product
@@ -37,7 +41,8 @@ Stochastic rounding moves a value to one of its two neighbours, so it errs by
 less than the whole gap instead of half of it: U and the subnormal part of C
 double (and D, generously). NVFP4 with stochastic rounding rounds its block
 scale up instead, so nothing saturates: e = S g <= (1 + 2^-3) B / 6 (plus
-g 2^-9 for subnormal scale codes, under 2^-21 T) and the error is below one
+g 2^-9 for subnormal scale codes, under 2^-21 T <= 2^-21 A, T the
+superblock's amax) and the error is below one
 E2M1 gap, |x| / 2 above 1 e and 0.5 e below: U = 1/2 and
 C = 0.5 (1 + 2^-3) / 6 + 2^-21 + 2^-20 < 0.1. MX with stochastic rounding
 uses rceil (the codec insists): U = 2^-m, C = 2 q_sub / FMAX.

@@ -60,32 +60,44 @@ ROUNDINGS = ("nearest", "stochastic")
 
 
 class _NativeFormat(Codec):
-    """A codec whose body is one native format (subclasses set ``_fmt``/``_block``
-    and call ``_set_rounding``).
+    """A codec whose body is one native format: subclasses set ``codec_id`` and
+    ``_fmt`` (the format's name in ``native.FORMAT_NAMES``; its id comes from the
+    compiled core when encoding, so configuring a codec needs no build) and
+    override ``__init__``/``get_config`` when they take more than the rounding.
 
     NumPy arrays run through the C core, CuPy arrays through the CUDA kernels
     built from the same arithmetic (``native/gc_scalar.h``): same bytes.
     """
 
-    _fmt: int
+    _fmt: str
     _block: int = 0
-    _flags: int = 0  # gc_encode_ex flags
     rounding: str = "nearest"
+    scale_rule: str = "floor"  # MX formats only
     seed: int = 0
+
+    def __init__(self, rounding: str = "nearest", seed: int = 0):
+        self._set_rounding(rounding, seed)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"id": self.codec_id, **self._rounding_config()}
 
     def _set_rounding(self, rounding: str, seed: int) -> None:
         if rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
         self.rounding = rounding
         self.seed = native.check_u64(seed, "seed")
-        if rounding == "stochastic":
-            self._flags |= native.STOCHASTIC
 
     def _rounding_config(self) -> dict[str, Any]:
         """Config entries of the rounding: none for the default (so old configs stay valid)."""
         if self.rounding == "nearest":
             return {}
         return {"rounding": self.rounding, "seed": self.seed}
+
+    @property
+    def _flags(self) -> int:
+        """gc_encode_ex flags (the compiled core's constants)."""
+        flags = native.STOCHASTIC if self.rounding == "stochastic" else 0
+        return flags | (native.RCEIL if self.scale_rule == "rceil" else 0)
 
     def wire_size(self, n: int) -> int:
         return native.wire_size(self._fmt, n, self._block)
@@ -103,13 +115,7 @@ class BF16Codec(_NativeFormat):
     """bfloat16 (nearest even or stochastic rounding): 2 bytes per value, no scales."""
 
     codec_id: ClassVar[str] = "bf16"
-    _fmt = native.BF16
-
-    def __init__(self, rounding: str = "nearest", seed: int = 0):
-        self._set_rounding(rounding, seed)
-
-    def get_config(self) -> dict[str, Any]:
-        return {"id": self.codec_id, **self._rounding_config()}
+    _fmt = "bf16"
 
 
 # block lengths reach the C core as size_t; larger ones mean "one block" anyway
@@ -133,7 +139,7 @@ class FP8Codec(_NativeFormat):
             raise ValueError(f"fp8 block must be an integer in [0, {MAX_BLOCK}], got {block!r}")
         self.fmt = fmt
         self.block = int(block)
-        self._fmt = native.FORMATS[fmt]
+        self._fmt = fmt
         self._block = self.block
         self._set_rounding(rounding, seed)
 
@@ -143,20 +149,15 @@ class FP8Codec(_NativeFormat):
 
 
 class NVFP4Codec(_NativeFormat):
-    """NVFP4: E2M1 values, one E4M3 scale per 16 values, one fp32 scale per tensor.
+    """NVFP4: E2M1 values, one E4M3 scale per 16 values, one fp32 scale per
+    superblock of 4096 values (so aligned pieces encode as the whole would).
 
     Stochastic rounding rounds the block scales up (never to a smaller
     scale), so no value saturates at 6 block scales.
     """
 
     codec_id: ClassVar[str] = "nvfp4"
-    _fmt = native.NVFP4
-
-    def __init__(self, rounding: str = "nearest", seed: int = 0):
-        self._set_rounding(rounding, seed)
-
-    def get_config(self) -> dict[str, Any]:
-        return {"id": self.codec_id, **self._rounding_config()}
+    _fmt = "nvfp4"
 
 
 SCALE_RULES = ("floor", "rceil")
@@ -183,8 +184,6 @@ class _MXCodec(_NativeFormat):
             raise ValueError("stochastic rounding needs scale_rule='rceil': the floor rule "
                              "saturates a block's largest values, which biases them")
         self.scale_rule = scale_rule
-        if scale_rule == "rceil":
-            self._flags |= native.RCEIL
 
 
 class MXFP8Codec(_MXCodec):
@@ -200,7 +199,7 @@ class MXFP8Codec(_MXCodec):
         if fmt not in ("e4m3", "e5m2"):
             raise ValueError(f"mxfp8 fmt must be 'e4m3' or 'e5m2', got {fmt!r}")
         self.fmt = fmt
-        self._fmt = native.FORMATS[f"mxfp8_{fmt}"]
+        self._fmt = f"mxfp8_{fmt}"
         self._set_rounding(rounding, seed)
         self._set_scale_rule(scale_rule)
 
@@ -217,7 +216,7 @@ class MXFP4Codec(_MXCodec):
     """
 
     codec_id: ClassVar[str] = "mxfp4"
-    _fmt = native.MXFP4
+    _fmt = "mxfp4"
 
     def __init__(self, scale_rule: str | None = None, rounding: str = "nearest", seed: int = 0):
         self._set_rounding(rounding, seed)

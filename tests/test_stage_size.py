@@ -1,0 +1,90 @@
+"""The pipeline's stage size never changes the bits of a result (issue #16).
+
+The collectives cut every shard into pieces of about ``chunk_elems / N``
+values and encode each piece as its own wire body. Every scale of every
+format covers a fixed run of values counted from the start of its body (fp8:
+128, MX: 32, NVFP4: 16 under a superblock scale of 4096), and pieces start at
+multiples of ``PIECE_ALIGN`` (4096) from their shard's start, so the same
+values share a scale whatever the piece size; stochastic rounding draws by
+global element index. So ``allreduce`` and ``reduce_scatter`` give identical
+bits for chunk_elems 2^20 and 2^15 (and 5000 per rank, whose pieces would
+not fall on superblocks without the alignment), with both roundings.
+
+Stochastic rounding's stream also counts the calls made with a codec and key
+(``geocomm.collectives._calls``): the two calls compared start from a fresh
+count, as two runs of a training job would.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import geocomm
+from geocomm import collectives
+from geocomm.pipeline import PIECE_ALIGN, Pieces
+
+COUNT = 300_007  # shards of odd lengths; 2^15 gives several stages, 2^20 one
+CHUNKS = (1 << 20, 1 << 15)
+CODECS = {
+    "fp8": {"id": "fp8", "fmt": "e4m3", "block": 128},
+    "nvfp4": {"id": "nvfp4"},
+    "mxfp8": {"id": "mxfp8", "fmt": "e4m3"},
+    "mxfp4": {"id": "mxfp4"},
+}
+ROUNDINGS = {"nearest": {}, "stochastic": {"rounding": "stochastic", "seed": 11}}
+
+
+def rank_input(rank: int) -> np.ndarray:
+    """Gaussians whose magnitude changes every 1000 values (2^-12 .. 2^12), so
+    neighbouring scales, superblock scales included, differ."""
+    rng = np.random.default_rng([rank, COUNT, 16])
+    scale = np.repeat(np.exp2(rng.integers(-12, 13, -(-COUNT // 1000))), 1000)[:COUNT]
+    return (rng.standard_normal(COUNT) * scale).astype(np.float32)
+
+
+def test_pieces_start_at_multiples_of_4096_in_their_shard():
+    # every piece of every stage starts PIECE_ALIGN-aligned relative to its shard, which
+    # an NVFP4 superblock (and every smaller scaling block) divides
+    assert PIECE_ALIGN % 4096 == 0
+    for count in (1, 4095, 4097, COUNT, 10**6 + 7):
+        for size in (1, 2, 3, 5, 8):
+            for chunk in (1, 777, 4096, *CHUNKS, 1 << 24):
+                plan = Pieces.plan(count, size, chunk)
+                assert plan.piece % PIECE_ALIGN == 0
+                for shard in range(size):
+                    start = int(plan.bounds[shard])
+                    for stage in range(plan.stages):
+                        lo, hi = plan.piece_range(shard, stage)
+                        assert (lo - start) % PIECE_ALIGN == 0 or lo == hi
+
+
+def _run(kind: str, x: np.ndarray, codec: dict, chunk: int) -> np.ndarray:
+    if kind == "allreduce":
+        return geocomm.allreduce(x.copy(), codec=codec, chunk_elems=chunk)
+    return geocomm.reduce_scatter(x.copy(), codec=codec, chunk_elems=chunk)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["allreduce", "reduce_scatter"])
+@pytest.mark.parametrize("rounding", list(ROUNDINGS))
+@pytest.mark.parametrize("name", list(CODECS))
+def test_stage_size_does_not_change_the_bits(comm, monkeypatch, kind, rounding, name):
+    chunks = (*CHUNKS, 5000 * comm.size)
+    stages = [Pieces.plan(COUNT, comm.size, chunk).stages for chunk in chunks]
+    assert stages[0] == 1 < stages[1] < stages[2]  # the calls really cut differently
+    codec = {**CODECS[name], **ROUNDINGS[rounding]}
+    x = rank_input(comm.rank)
+    results = []
+    for chunk in chunks:
+        monkeypatch.setattr(collectives, "_calls", {})  # a fresh stochastic-rounding count
+        results.append(_run(kind, x, codec, chunk))
+    for other in results[1:]:
+        assert results[0].dtype == other.dtype == np.float32
+        np.testing.assert_array_equal(results[0].view(np.uint32), other.view(np.uint32))
+    if rounding == "stochastic" and (kind == "allreduce" or comm.size > 1):
+        # without the fresh count the next call draws other bits: the results above
+        # are stochastic ones (a reduce-scatter on one rank quantizes nothing: its
+        # own piece never travels)
+        again = _run(kind, x, codec, chunks[-1])
+        assert not np.array_equal(again.view(np.uint32), results[-1].view(np.uint32))
