@@ -342,8 +342,14 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
 
 
 def _divide(values: Any, size: int) -> None:
-    """values /= size in place."""
-    values /= values.dtype.type(size)
+    """values /= size in place, one IEEE division per value on every device (CuPy's
+    own elementwise kernels flush subnormals to zero, so CuPy arrays get ours)."""
+    if array_module(values) is np:
+        values /= values.dtype.type(size)
+    else:
+        from geocomm import cuda
+
+        cuda.divide(values, size)
 
 
 def _direct_result(out: Any, dtype: Any, source: Any, same_ok: bool) -> Any:

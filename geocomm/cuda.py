@@ -1,6 +1,6 @@
 """CuPy face of the codec: the CUDA kernels of ``native/gc_cuda.cu``.
 
-Mirrors :mod:`geocomm._nativecodec` for CuPy arrays: ``wire_size``,
+Mirrors :mod:`geocomm.native` for CuPy arrays: ``wire_size``,
 ``encode(fmt, x, block, wire, stream=None, *, flags=0, seed=0, rng_stream=0,
 offset=0)`` and ``decode(fmt, wire, block, out, accumulate=False,
 stream=None)`` write the same wire bodies (``native/geocomm.h``) as the C
@@ -9,7 +9,7 @@ core, byte for byte, because both run the arithmetic of
 rounding stream is ``rng_stream``. Decoded values are bitwise equal too,
 except NaN payloads: GPU arithmetic returns the canonical NaN, so only the
 positions of NaNs are guaranteed to agree. Format ids, flags and layout
-constants are the C core's (``geocomm._nativecodec``, from the compiled
+constants are the C core's (``geocomm.native``, from the compiled
 cdef); this module forwards them (``geocomm.cuda.E4M3`` ...). ``divide`` is
 the IEEE division of op="avg" (CuPy's own arithmetic flushes subnormals).
 
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from geocomm import _nativecodec as native
+from geocomm import native
 
 __all__ = [
     "NVRTC_OPTIONS",
@@ -190,7 +190,7 @@ def _kernel(cupy: Any, name: str, source: Callable[[], str] = kernel_source) -> 
 
 
 # ---------------------------------------------------------------------------
-# argument checks (as in geocomm._nativecodec)
+# argument checks (as in geocomm.native)
 
 
 def wire_size(fmt: int | str, n: int, block: int = 0) -> int:

@@ -16,20 +16,8 @@
 #include <string.h>
 
 #include "geocomm.h"
+#include "gc_check.h"
 
-static int passed, failed;
-
-#define CHECK(cond, ...)                                                                  \
-    do {                                                                                  \
-        if (cond) {                                                                       \
-            passed++;                                                                     \
-        } else {                                                                          \
-            failed++;                                                                     \
-            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                          \
-            fprintf(stderr, __VA_ARGS__);                                                 \
-            fputc('\n', stderr);                                                          \
-        }                                                                                 \
-    } while (0)
 
 /* value of a minifloat code: ebits exponent bits, mbits mantissa bits */
 static float minifloat(unsigned code, int ebits, int mbits, int ieee_specials)

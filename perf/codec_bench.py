@@ -38,7 +38,7 @@ import ml_dtypes
 import numpy as np
 
 import geocomm
-from geocomm import _nativecodec as native
+from geocomm import native
 from geocomm.codecs import _reference as ref
 
 SEED = 20261129

@@ -214,8 +214,7 @@ def after_current(cp: Any, stream: Any) -> None:
 def check_case(cp: Any, fmt: str, block: int, name: str, x: np.ndarray,
                base: np.ndarray, variant: str = "") -> dict[str, Any]:
     """One format/block/input: GPU vs C core (vs reference for small inputs)."""
-    from geocomm import _nativecodec as native
-    from geocomm import cuda
+    from geocomm import cuda, native
     from geocomm.codecs import _reference as ref
 
     code = native.FORMATS[fmt]
@@ -288,7 +287,7 @@ def check_bytes(ctx: Context, config_list: list | None = None,
 
 
 def check_errors(ctx: Context) -> dict[str, Any]:
-    """The argument checks of geocomm.cuda raise like geocomm._nativecodec."""
+    """The argument checks of geocomm.cuda raise like geocomm.native."""
     from geocomm import cuda
 
     cp = ctx.cp
@@ -799,8 +798,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from geocomm import _nativecodec as native
-    from geocomm import cuda
+    from geocomm import cuda, native
 
     if not cuda.available:
         try:

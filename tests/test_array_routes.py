@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from geocomm import _nativecodec as native
+from geocomm import native
 from geocomm.adapters import arrays
 
 

@@ -182,7 +182,7 @@ def test_bad_out_and_op(comm):
 
 @pytest.mark.parametrize("name", ["fp8", "bf16"])
 def test_chunking_does_not_change_bytes(comm, name):
-    """Pieces start at multiples of 256 within a shard, so 128-blocks never
+    """Pieces start at multiples of 4096 within a shard, so 128-blocks never
     move with the chunk size: every chunk size gives the same bits."""
     xs = inputs(50_003, comm.size, tag=5)
     results = [geocomm.allreduce(xs[comm.rank], codec=CODECS[name], chunk_elems=chunk)

@@ -22,7 +22,7 @@ import pytest
 
 import geocomm.comm.nccl as nccl_mod
 import geocomm.cuda as gcuda
-from geocomm import _nativecodec as native
+from geocomm import native
 
 
 def _nvcc() -> str | None:
@@ -280,7 +280,7 @@ sys.meta_path.insert(0, BlockNative())
 import numpy as np
 import geocomm
 import geocomm.cuda as gcuda
-from geocomm import _nativecodec as native
+from geocomm import native
 
 assert native.available is False
 for read in (lambda: native.E4M3, lambda: native.FORMATS, lambda: native.STOCHASTIC,

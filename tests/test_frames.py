@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import geocomm
-from geocomm import _nativecodec as native
+from geocomm import native
 from geocomm.codecs import _reference as ref
 from geocomm.codecs import bounds
 
@@ -530,7 +530,7 @@ WITHOUT_NATIVE = textwrap.dedent("""
 
     import numpy as np
     import geocomm
-    from geocomm._nativecodec import NativeBuildMissing
+    from geocomm.native import NativeBuildMissing
 
     assert geocomm.native_available is False, "the block did not take"
     x = np.ones(5, np.float32)

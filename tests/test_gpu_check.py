@@ -22,8 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from geocomm import _nativecodec as native
-from geocomm import cuda
+from geocomm import cuda, native
 
 SCRIPT = Path(__file__).resolve().parents[1] / "perf" / "gpu_check.py"
 

@@ -39,7 +39,7 @@ from test_codec_formats import (
 )
 
 import geocomm
-from geocomm import _nativecodec as native
+from geocomm import native
 from geocomm.codecs import _reference as ref
 from geocomm.codecs import bounds
 

@@ -7,8 +7,8 @@ format covers a fixed run of values counted from the start of its body (fp8:
 multiples of ``PIECE_ALIGN`` (4096) from their shard's start, so the same
 values share a scale whatever the piece size; stochastic rounding draws by
 global element index. So ``allreduce`` and ``reduce_scatter`` give identical
-bits for chunk_elems 2^20 and 2^15 (and 5000 per rank, whose pieces would
-not fall on superblocks without the alignment), with both roundings.
+bits for chunk_elems 2^20, 2^15 and 4096 per rank (one aligned unit per
+piece: the most stages), with both roundings.
 
 Stochastic rounding's stream also counts the calls made with a codec and key
 (``geocomm.collectives._calls``): the two calls compared start from a fresh
@@ -70,7 +70,7 @@ def _run(kind: str, x: np.ndarray, codec: dict, chunk: int) -> np.ndarray:
 @pytest.mark.parametrize("rounding", list(ROUNDINGS))
 @pytest.mark.parametrize("name", list(CODECS))
 def test_stage_size_does_not_change_the_bits(comm, monkeypatch, kind, rounding, name):
-    chunks = (*CHUNKS, 5000 * comm.size)
+    chunks = (*CHUNKS, PIECE_ALIGN * comm.size)
     stages = [Pieces.plan(COUNT, comm.size, chunk).stages for chunk in chunks]
     assert stages[0] == 1 < stages[1] < stages[2]  # the calls really cut differently
     codec = {**CODECS[name], **ROUNDINGS[rounding]}

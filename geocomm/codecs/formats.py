@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from geocomm import _nativecodec as native
+from geocomm import native
 from geocomm.codecs.base import Codec
 
 

@@ -17,13 +17,12 @@ matrix row the range touches (:func:`rows`), the first being row lo // n.
 from __future__ import annotations
 
 import functools
-import threading
 from typing import Any
 
 import numpy as np
 from array_api_compat import array_namespace, is_cupy_array
 
-from geocomm import _nativecodec as native
+from geocomm import native
 
 __all__ = ["accumulate", "expand", "orthonormalize", "pack", "project", "residual", "rows",
            "sumsq"]
@@ -119,10 +118,6 @@ def orthonormalize(rows_: Any, seed: int) -> Any:
 # ---------------------------------------------------------------------------
 # CUDA (CuPy arrays)
 
-_modules: dict[int, Any] = {}
-_lock = threading.Lock()
-
-
 @functools.cache
 def _source() -> str:
     """gc_geometry.cu with gc_linalg.h and gc_scalar.h inlined (one NVRTC unit)."""
@@ -139,14 +134,7 @@ def _source() -> str:
 def _kernel(cupy: Any, name: str) -> Any:
     from geocomm import cuda
 
-    device = cupy.cuda.Device().id
-    with _lock:
-        module = _modules.get(device)
-        if module is None:
-            module = cupy.cuda.function.Module()
-            module.load(cuda._compile(cupy, _source()))
-            _modules[device] = module
-    return module.get_function(name)
+    return cuda._kernel(cupy, name, _source)
 
 
 def _grid(threads: int) -> tuple[int]:

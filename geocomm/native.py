@@ -1,4 +1,5 @@
-"""Thin, checked access to the compiled codec core ``geocomm._native``.
+"""The compiled C core (``geocomm._native``) with checked arguments: the CPU twin of
+:mod:`geocomm.cuda`.
 
 ``available`` says whether the extension was built; every function raises
 :class:`NativeBuildMissing` with a message saying how to build it when it was
