@@ -164,6 +164,22 @@ class Codec(ABC):
         return out
 
 
+class WireOf:
+    """Mixin: the wire API of another codec, ``self.wire_codec`` (a codec that wraps
+    one and sends its bytes: GeoFP8 its quantizer, error feedback its inner codec)."""
+
+    wire_codec: Codec
+
+    def wire_size(self, n: int) -> int:
+        return self.wire_codec.wire_size(n)
+
+    def encode_wire(self, x: Any, wire: Any, *, stream: int = 0, offset: int = 0) -> None:
+        self.wire_codec.encode_wire(x, wire, stream=stream, offset=offset)
+
+    def decode_wire(self, wire: Any, out: Any, accumulate: bool = False) -> None:
+        self.wire_codec.decode_wire(wire, out, accumulate)
+
+
 class StatefulCodec(Codec):
     """A codec with state that lives across calls (GeoFP8's bases, error feedback's
     residuals). The collectives compare ``state_checksum`` across ranks before

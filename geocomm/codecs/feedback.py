@@ -24,16 +24,16 @@ from typing import Any
 
 import numpy as np
 
-from geocomm.codecs.base import Codec, StatefulCodec, TransformingCodec
+from geocomm.codecs.base import Codec, StatefulCodec, TransformingCodec, WireOf
 
 
-class ErrorFeedbackCodec(StatefulCodec):
+class ErrorFeedbackCodec(WireOf, StatefulCodec):
     """``inner`` with error feedback; its wire format and config plus ``error_feedback``."""
 
     def __init__(self, inner: Codec):
         if inner.lossless or isinstance(inner, ErrorFeedbackCodec):
             raise ValueError(f"error feedback needs a lossy codec, not {inner.get_config()}")
-        self.inner = inner
+        self.inner = self.wire_codec = inner
         self.codec_id = inner.codec_id
         self._residuals: dict[str, Any] = {}
         self._calls: dict[str, int] = {}
@@ -45,16 +45,6 @@ class ErrorFeedbackCodec(StatefulCodec):
 
     def get_config(self) -> dict[str, Any]:
         return {**self.inner.get_config(), "error_feedback": True}
-
-    # ---- wire API: the inner codec's ------------------------------------------
-    def wire_size(self, n: int) -> int:
-        return self.inner.wire_size(n)
-
-    def encode_wire(self, x: Any, wire: Any, *, stream: int = 0, offset: int = 0) -> None:
-        self.inner.encode_wire(x, wire, stream=stream, offset=offset)
-
-    def decode_wire(self, wire: Any, out: Any, accumulate: bool = False) -> None:
-        self.inner.decode_wire(wire, out, accumulate)
 
     def frame_body_size(self, shape: tuple[int, ...]) -> int:
         return self.inner.frame_body_size(shape)

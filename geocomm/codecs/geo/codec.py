@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import numpy as np
 from array_api_compat import array_namespace
 
-from geocomm.codecs.base import Codec, TransformingCodec
+from geocomm.codecs.base import Codec, TransformingCodec, WireOf
 from geocomm.codecs.formats import FP8Codec, NVFP4Codec
 from geocomm.codecs.geo import kernels, policy
 from geocomm.codecs.geo.maps import HadamardPlan, SplitPlan
@@ -58,7 +58,7 @@ class _MeasurePlan:
         return None
 
 
-class GeoCodec(TransformingCodec):
+class GeoCodec(WireOf, TransformingCodec):
     """A quantizer preceded by a geometry map (see the module docstring).
 
     Knobs (:data:`~geocomm.codecs.geo.policy.DEFAULTS`): ``transform``
@@ -80,7 +80,7 @@ class GeoCodec(TransformingCodec):
         if config["transform"] not in TRANSFORMS:
             raise ValueError(f"transform must be one of {TRANSFORMS}, "
                              f"got {config['transform']!r}")
-        self.quantizer = quantizer
+        self.quantizer = self.wire_codec = quantizer  # the bytes are the quantizer's
         self.transform = config["transform"]
         self.k = _check_int("k", config["k"], 1)
         self.refresh_period = _check_int("refresh", config["refresh"], 1)
@@ -106,16 +106,6 @@ class GeoCodec(TransformingCodec):
         quantizer.pop("id")
         knobs = self._knobs()
         return {"id": self.codec_id, **quantizer, **{f: knobs[f] for f in self._fields}}
-
-    # ---- wire API: the quantizer's ---------------------------------------------
-    def wire_size(self, n: int) -> int:
-        return self.quantizer.wire_size(n)
-
-    def encode_wire(self, x: Any, wire: Any, *, stream: int = 0, offset: int = 0) -> None:
-        self.quantizer.encode_wire(x, wire, stream=stream, offset=offset)
-
-    def decode_wire(self, wire: Any, out: Any, accumulate: bool = False) -> None:
-        self.quantizer.decode_wire(wire, out, accumulate)
 
     # ---- the map of one call -----------------------------------------------------
     def map_shape(self, shape: Sequence[int], framed: bool = False) -> MapShape | None:
