@@ -6,7 +6,8 @@
   N simulated ranks, each with its own codec instance, for arrays of any
   namespace that speaks the array API (NumPy, array-api-strict, CuPy). What
   it returns is what :func:`geocomm.allreduce` returns on N real ranks, bit
-  for bit (tests check that).
+  for bit (tests check that), for round-to-nearest codecs without error
+  feedback.
 * :class:`MeteredComm`: wraps a communicator and counts the bytes each
   collective call sends, so studies can report wire and side-channel bytes
   without reaching into the pipeline.

@@ -21,38 +21,16 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from geocomm.codecs import get_codec
+from geocomm.testing import yardstick
 
 ROOT = Path(__file__).resolve().parents[2]
 #: (warm-up, timed) iterations per codec: enough timed calls for two refresh
 #: periods of geofp8 and its cold start inside the warm-up
 ITERS = {"none": (1, 3), "fp8": (2, 6), "geofp8": (4, 8)}
-
-
-def yardstick() -> dict[str, float]:
-    """np.copyto and fp8 E4M3 block-128 encode GB/s of 64 MiB on this machine, now."""
-    x = np.random.default_rng(0).standard_normal(1 << 24).astype(np.float32)
-    out = np.empty_like(x)
-    fp8 = get_codec("fp8")
-    wire = np.empty(fp8.wire_size(x.size), np.uint8)
-
-    def best(fn: Any) -> float:
-        fn()
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    return {"copyto_GBps": x.nbytes / best(lambda: np.copyto(out, x)) / 1e9,
-            "fp8_encode_GBps": x.nbytes / best(lambda: fp8.encode_wire(x, wire)) / 1e9}
 
 
 def sweep(link: str, ranks: int, codec: str, sizes: tuple[str, str], plain: bool = False,
@@ -73,7 +51,7 @@ def sweep(link: str, ranks: int, codec: str, sizes: tuple[str, str], plain: bool
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"command": "python " + " ".join(sys.argv),
-                              "yardstick_before": yardstick(), "runs": []}
+                              "yardstick_before": asdict(yardstick()), "runs": []}
     for link in args.links.split(","):
         for ranks in (int(r) for r in args.ranks.split(",")):
             for codec in ("none", "fp8", "geofp8"):
@@ -85,7 +63,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["runs"].append({"link": args.plain_link, "ranks": 2, "codec": "geofp8",
                                "launch": "plain mpiexec" if plain else "geocomm.launch",
                                "report": report, "plain_check": True})
-    result["yardstick_after"] = yardstick()
+    result["yardstick_after"] = asdict(yardstick())
     return result
 
 
@@ -98,7 +76,7 @@ def markdown(r: dict[str, Any]) -> str:
     lines = [
         "# GeoFP8 on emulated links", "",
         f"Command: `{r['command']}` (root: network namespaces). Yardstick in the same run: "
-        f"np.copyto {yb['copyto_GBps']:.2f} GB/s before, {ya['copyto_GBps']:.2f} after; "
+        f"np.copyto {yb['copy_GBps']:.2f} GB/s before, {ya['copy_GBps']:.2f} after; "
         f"fp8 encode {yb['fp8_encode_GBps']:.2f} / {ya['fp8_encode_GBps']:.2f} GB/s.", "",
         "Inputs: 4096-column gradient-like matrices (rank-16 signal plus noise), checking on. "
         "Time: mean per call, the slowest rank's. Speed-up: time of plain fp32 MPI "
