@@ -19,7 +19,6 @@ from geocomm.adapters.torch import (
     init_distributed_from_mpi,
 )
 from geocomm.codecs.bounds import FP32_UNIT, allreduce_bound
-from geocomm.collectives import CollectiveMismatchError
 from geocomm.pipeline import Pieces, wire_bytes
 from geocomm.testing import MeteredComm
 
@@ -186,7 +185,7 @@ def test_result_identical_on_ranks_and_within_derived_bound(comm):
 
 def test_exclusions_go_plain(comm):
     init_distributed_from_mpi()
-    rank, size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     inputs = _local_grads(rank, 0)
     net = _mlp()
     # biases and the norm by name, and the small head (1024 values) by size
@@ -272,7 +271,7 @@ def test_hook_future_completes_asynchronously(comm):
 
 def test_error_estimate_tracks_the_actual_error(comm):
     init_distributed_from_mpi()
-    rank, size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     inputs = torch.stack(_local_grads(rank, 0)).double()
     net = _mlp()
     # sample every value, so only the estimate's model is under test
