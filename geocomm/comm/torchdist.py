@@ -20,6 +20,7 @@ torchrun answers by stopping the other ranks.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -37,12 +38,22 @@ def _array_module(array: Any) -> Any:
 
 
 class _Work:
-    """A torch ``Work`` plus an optional step to run once it has completed."""
+    """A torch ``Work`` plus an optional step to run once it has completed.
 
-    __slots__ = ("_finish", "_work")
+    ``wait_for`` sleeps until the work's future completes (the backend's own
+    thread sets an event), so :func:`geocomm.comm.base.wait` does not poll.
+    """
+
+    __slots__ = ("_done", "_finish", "_work")
 
     def __init__(self, work: Any, finish: Any = None):
         self._work, self._finish = work, finish
+        self._done = threading.Event()
+        work.get_future().add_done_callback(lambda _: self._done.set())
+
+    def wait_for(self, seconds: float) -> bool:
+        """Block at most ``seconds`` (GIL released) for completion; True when done."""
+        return self._done.wait(seconds)
 
     def _complete(self) -> None:
         if self._finish is not None:
@@ -50,7 +61,8 @@ class _Work:
             self._finish = None
 
     def test(self) -> bool:
-        if self._work.is_completed():
+        # the future completes before gloo marks its work completed: trust either
+        if self._done.is_set() or self._work.is_completed():
             self._work.wait()
             self._complete()
             return True
