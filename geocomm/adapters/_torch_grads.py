@@ -42,9 +42,9 @@ NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.
 #: Pipeline stage size (values) of the hooks' collectives. A DDP bucket or an
 #: FSDP2 module holds a few million values; with the collectives' default of
 #: 1M a bucket is one or two stages, and the link idles while a stage is
-#: encoded and decoded. 256K values was the fastest stage size on the emulated
-#: 1 Gbit/s link (perf/results/pipeline_1gbit_n2.md) and keeps 4-24 stages in
-#: a bucket.
+#: encoded and decoded. 256K values was the fastest stage size measured on the
+#: emulated 1 Gbit/s link (perf/results/pipeline_1gbit_n2.md, 64 MiB) and keeps
+#: 4-24 stages in a bucket of 1-6M values.
 CHUNK_ELEMS = 1 << 18
 
 #: values per sampled run of the error estimate: a multiple of every block length
