@@ -1,6 +1,6 @@
 """Training with geocomm's DDP hook and FSDP2 reduce-scatter: step time, overlap, bytes, agreement.
 
-    python perf/studies/ddp_train.py                # root: both jobs below, ~15 min
+    python perf/studies/ddp_train.py                # root: both jobs below, ~12 min
     python perf/studies/ddp_train.py --steps 4 --warmup 2 --fsdp-steps 4 --fsdp-seeds 1 \\
         --out /tmp/ddp_train                        # a short validation run
 
@@ -10,17 +10,22 @@ Two MPI jobs, each rank a process with one torch thread, gloo over TCP:
   network namespace whose loopback is shaped to 1 Gbit/s): the Llama of
   ``llama.py`` scaled to ~26 MB of fp32 gradients (d_model 512, 2 layers,
   one sequence of 32 bytes per rank: little compute, so communication
-  decides), DDP with ``--bucket-mb`` buckets, AdamW with clipping. Methods,
-  each from the same initial weights and data: DDP's default fp32
-  all-reduce, DDP's ``fp16_compress_hook``, geocomm's hook with ``fp8`` and
-  ``geofp8``, and ``nocomm`` (a hook that returns the local gradient at
-  once: forward + backward + optimizer alone). Per method: median step time
-  (the slower rank's per step), parameters hashed after every step and
-  compared across ranks, and for geocomm the telemetry (collectives per
-  step, DDP buckets per step, bytes, ratio, error estimate). Overlap: the
-  buckets of one step are captured and reduced again with the hook's
-  ``reduce_bucket`` one after the other with nothing else running ("hook
-  alone"); hidden = (nocomm + hook alone - step) / hook alone.
+  decides), DDP with ``--bucket-mb`` buckets, SGD with momentum
+  (``--optimizer adamw``: llama.py's AdamW with clipping, ~25 ms more per
+  step for every method). Methods, each from the same initial weights and
+  data: DDP's default fp32 all-reduce, DDP's ``fp16_compress_hook``,
+  geocomm's hook with ``fp8`` and ``geofp8``, and ``nocomm`` (a hook that
+  returns the local gradient at once: forward + backward + optimizer alone).
+  Per method: median step time (the slower rank's per step), parameters
+  hashed after every step and compared across ranks, and for geocomm the
+  telemetry (collectives per step, DDP buckets per step, bytes, ratio, error
+  estimate) and the hook alone: one step's buckets reduced again with the
+  hook's ``reduce_bucket`` one after the other with nothing else running;
+  hidden = (nocomm + hook alone - step) / hook alone. With one sequence the
+  backward (~30 ms) is much shorter than fp8's ~110 ms on the wire, so at
+  most a quarter can hide; the overlap run repeats nocomm, fp8 and geofp8
+  with ``--overlap-batch`` sequences, a backward about as long as the
+  communication.
 * ``fsdp`` (``python -m geocomm.launch -n 2``, no shaping): the small Llama
   (``CONFIGS["small"]``) under FSDP2 (``fully_shard`` per block and the
   root), ``--fsdp-steps`` steps uncompressed with ``--fsdp-seeds`` seeds
@@ -167,7 +172,7 @@ def _ddp_model(cfg: Any, args: argparse.Namespace, method: str) -> tuple[Any, ..
     elif method == "nocomm":
         model.register_comm_hook(None, _nocomm_hook)
     elif method != "default":
-        state = gt.GeocommHookState(net, codec=method)
+        state = gt.GeocommHookState(net, codec=method, chunk_elems=args.chunk_elems)
         model.register_comm_hook(state, _counting_hook)
     if args.optimizer == "adamw":  # llama.py's: AdamW, clipping, warm-up
         tc = TrainConfig()
@@ -194,7 +199,9 @@ def _hook_alone(args: argparse.Namespace, net: Any, codec: str, data: Any, rank:
         buckets.clear()
         tokens, targets = data.batches("train", rank, size, step)
         model(tokens, targets).backward()
-    state = gt.GeocommHookState(net, codec=geocomm.get_codec(codec))  # fresh GeoFP8 state
+    # a codec instance of its own: GeoFP8 state apart from the training run's
+    state = gt.GeocommHookState(net, codec=geocomm.get_codec(codec),
+                                chunk_elems=args.chunk_elems)
     times = []
     for _ in range(args.alone_repeats):
         work = [(b.clone(), p, i) for b, p, i in buckets]
@@ -521,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overlap-batch", type=int, default=4,
                    help="sequences per rank of the overlap run (0: none)")
     p.add_argument("--alone-repeats", type=int, default=5)
+    p.add_argument("--chunk-elems", type=int, default=None,
+                   help="pipeline stage size of the hook (default: the hook's)")
     p.add_argument("--fsdp-steps", type=int, default=100)
     p.add_argument("--fsdp-seeds", type=int, default=3)
     p.add_argument("--fsdp-batch", type=int, default=0, help="sequences per rank (0: config's)")
