@@ -40,6 +40,9 @@ geofp8      the geometry kernels on ragged ranges with inf/NaN == the C core;
             sequence on NumPy over MPI, state checksums included.
 timing      fp8 pipeline vs plain NCCL all-reduce vs a CuPy copy (the device's
             copy bandwidth) at 64 and 256 MiB; the codec kernels alone.
+ddp         geocomm's DDP hook on CUDA gradients over a NCCL process group
+            (fp32, fp16, bf16 models): every bucket it reduced on its worker
+            stream == geocomm.allreduce of the same bucket on the CPU over MPI.
 """
 
 from __future__ import annotations
@@ -680,13 +683,99 @@ def check_timing(ctx: Context, sizes_mib: tuple[int, ...] = (64, 256),
 
 
 # ---------------------------------------------------------------------------
+# the DDP hook on CUDA gradients
+
+
+def check_ddp(ctx: Context, steps: int = 3) -> dict[str, Any]:
+    """geocomm_hook in a 1-rank DDP over a NCCL process group: see :func:`ddp_rows`."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as exc:
+        return {"ok": True, "status": "skipped", "reason": f"torch is not installed ({exc})"}
+    if not torch.cuda.is_available():
+        return {"ok": True, "status": "skipped",
+                "reason": f"torch {torch.__version__} has no CUDA device (a CPU build?)"}
+    device = torch.device("cuda", ctx.cp.cuda.Device().id)
+    torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    rows = ddp_rows(device, ctx.mpi(), ctx.args.seed, steps)
+    return {"ok": all(r["ok"] for r in rows), "status": "ran", "rows": rows,
+            "failures": [f"{r['dtype']}: { {k: v for k, v in r.items() if k != 'dtype'} }"
+                         for r in rows if not r["ok"]]}
+
+
+def ddp_rows(device: Any, mpi: Any, seed: int, steps: int) -> list[dict[str, Any]]:
+    """For fp32, fp16 and bf16 models on ``device`` (torch.distributed initialised
+    with one rank): each bucket, copied as DDP hands it over (on the gradients'
+    stream, behind a long kernel), is reduced by the hook's worker on its own
+    stream; the gradients DDP writes back must equal geocomm.allreduce of the copy
+    on the CPU over ``mpi``, bit for bit, with one collective per bucket."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import geocomm
+    import geocomm.adapters.torch as gt
+
+    rows = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        row: dict[str, Any] = {"dtype": str(dtype)}
+        state = None
+        try:
+            torch.manual_seed(seed % 2**31)
+            net = torch.nn.Sequential(
+                torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024),
+                torch.nn.GELU(), torch.nn.Linear(1024, 16)).to(device, dtype)
+            model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None,
+                        bucket_cap_mb=1)
+            state = gt.GeocommHookState(net, codec="fp8")
+            seen: list[tuple[Any, list[Any], int]] = []
+
+            def hook(state, bucket, seen=seen):  # no annotation: DDP checks it
+                seen.append((bucket.buffer().clone(), bucket.parameters(), bucket.index()))
+                return gt.geocomm_hook(state, bucket)
+
+            model.register_comm_hook(state, hook)
+            busy = torch.randn(1024, 1024, device=device)
+            diffs, buckets = [], 0
+            for _ in range(steps):
+                seen.clear()
+                for _ in range(4):  # the gradients come behind a long kernel
+                    busy = busy @ busy / 32.0  # entries keep variance ~1
+                x = torch.randn(256, 512, device=device, dtype=dtype)
+                model(x).float().pow(2).mean().backward()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                for buffer, params, _ in seen:
+                    want = geocomm.allreduce(buffer.cpu(), codec="fp8", op="avg", comm=mpi,
+                                             chunk_elems=state.reducer.chunk_elems)
+                    got = torch.cat([p.grad.reshape(-1) for p in params])
+                    diffs.append(value_diff(_torch_bits(got), _torch_bits(want)))
+                buckets += len(seen)
+                model.zero_grad()
+            row["buckets"] = buckets
+            row["vs_cpu_mpi"] = next((d for d in diffs if not d["equal"]), diffs[0])
+            row["one_collective_per_bucket"] = {"equal": all(
+                b.collectives == 1 for step in state.telemetry.history for b in step.buckets)}
+            row["ok"] = all_equal(row)
+        except Exception:
+            row.update(ok=False, error=traceback.format_exc())
+        finally:
+            if state is not None:
+                state.close()
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------
 # running and reporting
 
 
 SECTIONS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "bytes": check_bytes, "errors": check_errors, "nccl": check_nccl,
     "collectives": check_collectives, "torch": check_torch, "geofp8": check_geofp8,
-    "timing": check_timing,
+    "timing": check_timing, "ddp": check_ddp,
 }
 
 

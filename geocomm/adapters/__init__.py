@@ -1,4 +1,4 @@
-"""Framework adapters: any array kind in and out; PyTorch DDP hook in ``.torch``."""
+"""Framework adapters: any array kind in and out; PyTorch DDP and FSDP2 in ``.torch``."""
 
 from geocomm.adapters.arrays import allgather, allreduce, as_array, reduce_scatter
 

@@ -1,28 +1,75 @@
-"""PyTorch integration: a DDP communication hook and torch.distributed set-up.
+"""PyTorch integration: an asynchronous bucketed DDP hook, FSDP2, torch.distributed set-up.
 
     import geocomm.adapters.torch as gt
     gt.init_distributed_from_mpi()               # under mpirun (torchrun sets env itself)
     model = DDP(net)
-    model.register_comm_hook(gt.GeocommHookState(net, codec="geofp8"), gt.geocomm_hook)
+    state = gt.GeocommHookState(net, codec="geofp8")
+    model.register_comm_hook(state, gt.geocomm_hook)
+    ...
+    state.last_step                              # bytes, ratio, error estimate of the last step
 
-The hook all-reduces every parameter's gradient on its own (so GeoFP8 sees
-the 2-D shape and keeps per-parameter geometry, keyed by parameter name)
-through the DDP process group and returns the averaged bucket.
+DDP hands the hook one bucket (a flat buffer of several gradients) at a time,
+while backward goes on computing the others. :func:`geocomm_hook` queues the
+bucket for the state's worker thread and returns a future at once; the worker
+reduces the whole bucket in ONE compressed collective (``parts=`` names every
+parameter, so GeoFP8 keeps each one's key and 2-D map) plus, when some of its
+parameters are excluded from compression, ONE exact collective for those.
+The future completes when the bucket holds the average.
+
+Why a thread: the C codec, NumPy and gloo release the GIL, so encoding and
+sending overlap the autograd engine's backward. One worker with a FIFO queue
+keeps the collective order the same on every rank (DDP launches buckets in
+index order). geocomm's traffic uses a process group of its own
+(``dist.new_group``) so it never interleaves with DDP's own collectives.
+
+CUDA gradients: the hook records an event on the gradients' stream (torch's
+current stream); the worker runs on a stream of its own that waits for that
+event, geocomm's CuPy kernels run on it (CuPy ``ExternalStream`` on torch's
+stream) and the bytes move through a NCCL process group (or a communicator
+passed as ``comm=``, e.g. :class:`geocomm.comm.nccl.NCCLCommunicator`). The
+future is device-aware, so DDP's stream waits for the worker's stream before
+it reads the result. fp32, fp16 and bf16 gradients.
+
+FSDP2 (``fully_shard``): :func:`compress_fsdp` (in
+:mod:`geocomm.adapters.torch_fsdp`, re-exported here) installs a compressed
+reduce-scatter and, for replicas, an all-reduce hook.
 """
 
 # No "from __future__ import annotations": DDP compares the hook's bucket
 # annotation with dist.GradBucket itself, not with a string.
+import contextlib
 import os
+import queue
 import socket
-from dataclasses import dataclass, field
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from geocomm.adapters.arrays import allreduce
+from geocomm.adapters._torch_grads import (
+    BucketStats,
+    Entry,
+    GradReducer,
+    Layout,
+    Selection,
+    StepStats,
+    Telemetry,
+)
 from geocomm.collectives import resolve_codec
 from geocomm.comm.torchdist import TorchDistCommunicator
+
+__all__ = [
+    "BucketStats",
+    "GeocommHookState",
+    "Selection",
+    "StepStats",
+    "Telemetry",
+    "dedicated_comm",
+    "geocomm_hook",
+    "init_distributed_from_mpi",
+]
 
 
 def init_distributed_from_mpi(backend: str = "gloo", port: int | None = None) -> None:
@@ -47,38 +94,198 @@ def init_distributed_from_mpi(backend: str = "gloo", port: int | None = None) ->
     dist.init_process_group(backend, rank=world.rank, world_size=world.size)
 
 
-@dataclass
-class GeocommHookState:
-    """What the hook needs: the codec, parameter names, the communicator.
+def dedicated_comm(group: Any = None, device: str = "cpu") -> TorchDistCommunicator:
+    """A communicator over a new process group with the ranks of ``group`` (default:
+    the world): gloo for ``device="cpu"``, NCCL for ``"cuda"``. Every rank of
+    ``group`` must call it, in the same order as its other ``new_group`` calls."""
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    return TorchDistCommunicator(dist.new_group(ranks=ranks, backend=backend,
+                                                use_local_synchronization=True))
 
-    ``module`` gives the names used as GeoFP8 keys; ``group`` is the process
-    group (default: DDP's world group).
+
+class _Worker:
+    """One daemon thread running jobs in submission order (the same on every rank).
+
+    A job's exception goes to its future (DDP raises it from backward), so a
+    failure never kills the thread silently nor leaves the future pending.
     """
 
-    module: torch.nn.Module
-    codec: Any = "fp8"
-    group: Any = None
-    check: bool | None = None
-    names: dict[int, str] = field(init=False)
-    comm: TorchDistCommunicator = field(init=False)
+    def __init__(self, name: str):
+        self._name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
 
-    def __post_init__(self) -> None:
-        self.codec = resolve_codec(self.codec)
-        self.names = {id(p): name for name, p in self.module.named_parameters()}
-        self.comm = TorchDistCommunicator(self.group)
+    def submit(self, job: Callable[[], None], future: torch.futures.Future) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+        self._queue.put((job, future))
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, future = item
+            try:
+                job()
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def close(self) -> None:
+        """Finish the queued jobs and stop the thread."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+class GeocommHookState:
+    """The state of :func:`geocomm_hook`: codec, communicator, parameter policy, telemetry.
+
+    ``module``: the module DDP wraps (its parameter names are the GeoFP8 keys
+    and what ``exclude`` matches). ``codec``: id, config or Codec. ``group``:
+    the ranks that take part (default: the world); geocomm talks over a new
+    process group over them (gloo, or NCCL for CUDA parameters), made here,
+    so every rank must construct the state at the same point. ``comm``: a
+    geocomm communicator to use instead. ``exclude``, ``min_numel``: see
+    :class:`Selection` (excluded parameters of a bucket share one exact
+    collective). ``check``: metadata comparison across ranks (None: on the
+    first call of each bucket layout, every call under ``GEOCOMM_CHECK=1``;
+    True: every call; False: never). ``error_sample``: values per bucket for
+    the error estimate (0: off). ``chunk_elems``: pipeline stage size
+    (default :data:`~geocomm.adapters._torch_grads.CHUNK_ELEMS`).
+    ``history``, ``log_every``: see :class:`Telemetry`.
+
+    Bucket layouts are the same on every rank whenever DDP calls the hook
+    (DDP verifies parameter shapes at construction and broadcasts rebuilt
+    buckets from rank 0), so every rank decides alike when to check.
+    """
+
+    def __init__(self, module: torch.nn.Module, codec: Any = "fp8", group: Any = None,
+                 check: bool | None = None, *, comm: Any = None,
+                 exclude: Sequence[str] = (), min_numel: int = 0, error_sample: int = 4096,
+                 chunk_elems: int | None = None, history: int = 100, log_every: int = 0):
+        codec = resolve_codec(codec)  # a bad codec fails here, before any collective
+        self.module = module
+        self.names = {id(p): name for name, p in module.named_parameters()}
+        self.selection = Selection.of(exclude, min_numel)
+        self.device = _module_device(module)
+        if comm is None:
+            comm = dedicated_comm(group, self.device.type)
+        self.reducer = GradReducer(codec, comm, check, error_sample, chunk_elems,
+                                   Telemetry(history, log_every))
+        self._layouts: dict[Any, Layout] = {}
+        self._worker = _Worker("geocomm-ddp")
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    @property
+    def codec(self) -> Any:
+        return self.reducer.codec
+
+    @property
+    def comm(self) -> Any:
+        """The (metered) communicator: ``comm.sent`` bytes, ``comm.calls`` transfers."""
+        return self.reducer.comm
+
+    @property
+    def telemetry(self) -> Telemetry:
+        return self.reducer.telemetry
+
+    @property
+    def last_step(self) -> StepStats | None:
+        """Bytes, compression ratio and error estimate of the last finished step."""
+        return self.telemetry.last_step
+
+    def layout(self, params: Sequence[torch.Tensor], index: int = 0) -> Layout:
+        """The layout of a bucket of ``params`` (in bucket order), cached."""
+        cache_key = (index, tuple(id(p) for p in params))
+        layout = self._layouts.get(cache_key)
+        if layout is None:
+            entries, offset = [], 0
+            for p in params:
+                name = self.names.get(id(p))
+                if name is None:
+                    raise ValueError(
+                        f"bucket {index}: a parameter of shape {tuple(p.shape)} is not a "
+                        "parameter of the module given to GeocommHookState (pass the module "
+                        "that DDP wraps)")
+                entries.append(Entry(name, name, tuple(p.shape), offset))
+                offset += p.numel()
+            layout = self._layouts[cache_key] = Layout(entries, self.selection)
+        return layout
+
+    def reduce_bucket(self, buffer: torch.Tensor, params: Sequence[torch.Tensor],
+                      index: int = 0) -> BucketStats:
+        """Average the flat ``buffer`` of ``params``' gradients over the ranks, in
+        place, now (what the worker runs for each bucket; also usable to time
+        the communication alone). Returns the bucket's statistics."""
+        layout = self.layout(params, index)
+        return self.reducer.allreduce(layout, buffer, index, "avg",
+                                      what=f"DDP bucket {index} ({len(params)} parameters)")
+
+    def _stream_context(self, ready: Any) -> contextlib.AbstractContextManager:
+        """CPU: nothing. CUDA: the worker's stream, after the gradients' stream's ``ready``."""
+        if ready is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.device))
+        stack.enter_context(torch.cuda.stream(self._stream))
+        self._stream.wait_event(ready)
+        return stack
+
+    def submit(self, buffer: torch.Tensor, params: Sequence[torch.Tensor], index: int,
+               last: bool) -> torch.futures.Future:
+        """Queue the bucket; the future's value is ``buffer`` once it holds the average."""
+        if buffer.is_cuda:
+            ready = torch.cuda.current_stream(buffer.device).record_event()
+            future: torch.futures.Future = torch.futures.Future(devices=[buffer.device])
+        else:
+            ready, future = None, torch.futures.Future()
+
+        def job() -> None:
+            with self._stream_context(ready):
+                self.reduce_bucket(buffer, params, index)
+                if last:
+                    self.telemetry.end_step()
+                # inside the stream context: a CUDA future records the worker's stream
+                future.set_result(buffer)
+
+        self._worker.submit(job, future)
+        return future
+
+    def close(self) -> None:
+        """Let queued buckets finish and stop the worker thread (a later bucket restarts it)."""
+        self._worker.close()
 
 
 def geocomm_hook(state: GeocommHookState,
                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: compressed average of every gradient in ``bucket``."""
-    buffer = bucket.buffer()
-    offset = 0
-    for param in bucket.parameters():
-        count = param.numel()
-        grad = buffer[offset: offset + count].view(param.shape)
-        allreduce(grad, codec=state.codec, op="avg", out=grad, key=state.names.get(id(param)),
-                  comm=state.comm, check=state.check)
-        offset += count
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(buffer)
-    return future
+    """DDP comm hook: the compressed average of ``bucket``, computed asynchronously.
+
+    Returns at once; the future completes with the bucket's buffer when it
+    holds the average (bitwise identical on every rank). Register with
+    ``model.register_comm_hook(state, geocomm_hook)``.
+    """
+    return state.submit(bucket.buffer(), bucket.parameters(), bucket.index(), bucket.is_last())
+
+
+def __getattr__(name: str) -> Any:
+    # FSDP2 lives in its own module (it imports torch.distributed.fsdp, public in torch >=
+    # 2.6); re-exported lazily so the DDP hook works with older torch
+    if name in ("compress_fsdp", "GeocommReduceScatter", "GeocommAllReduceHook",
+                "FSDPCompression"):
+        from geocomm.adapters import torch_fsdp
+
+        return getattr(torch_fsdp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

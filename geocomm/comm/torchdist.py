@@ -1,10 +1,17 @@
-"""Communicator over a ``torch.distributed`` process group (gloo on CPU).
+"""Communicator over a ``torch.distributed`` process group (gloo on CPU, NCCL on GPUs).
 
-It lets the DDP communication hook send geocomm's encoded bytes through the
-process group DDP already uses, whether the job came from ``torchrun`` or
-``mpirun``. Gloo moves data on its own threads, so nonblocking calls overlap
-with the codec without help. Uneven all-gathers are padded to the largest
-segment (gloo has no all-gather-v). With more than one rank, an uncaught
+It lets the DDP and FSDP2 integrations (:mod:`geocomm.adapters.torch`) send
+geocomm's encoded bytes through a torch process group, whether the job came
+from ``torchrun`` or ``mpirun``. Gloo moves data on its own threads, so
+nonblocking calls overlap with the codec without help. Uneven all-gathers are
+padded to the largest segment (gloo has no all-gather-v).
+
+Over a NCCL group the communicator moves CuPy arrays (``backend == "nccl"``,
+so the collectives keep them on the device): they travel as CUDA tensors
+through DLPack, ProcessGroupNCCL orders each transfer after the work queued
+on torch's current stream, and ``wait()`` makes the current stream wait for
+it. The metadata all-gather goes through the device and back (NCCL has no
+host tensors). With more than one rank, an uncaught
 exception ends the job (:mod:`geocomm.comm.abort`): ``MPI_Abort`` when MPI
 runs the ranks (mpirun), else this process exits at once with status 1, which
 torchrun answers by stopping the other ranks.
@@ -13,6 +20,7 @@ torchrun answers by stopping the other ranks.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -20,13 +28,32 @@ import numpy as np
 from geocomm.comm import abort
 
 
-class _Work:
-    """A torch ``Work`` plus an optional step to run once it has completed."""
+def _array_module(array: Any) -> Any:
+    """numpy for NumPy arrays, else cupy (the only device arrays the collectives pass)."""
+    if isinstance(array, np.ndarray):
+        return np
+    import cupy
 
-    __slots__ = ("_finish", "_work")
+    return cupy
+
+
+class _Work:
+    """A torch ``Work`` plus an optional step to run once it has completed.
+
+    ``wait_for`` sleeps until the work's future completes (the backend's own
+    thread sets an event), so :func:`geocomm.comm.base.wait` does not poll.
+    """
+
+    __slots__ = ("_done", "_finish", "_work")
 
     def __init__(self, work: Any, finish: Any = None):
         self._work, self._finish = work, finish
+        self._done = threading.Event()
+        work.get_future().add_done_callback(lambda _: self._done.set())
+
+    def wait_for(self, seconds: float) -> bool:
+        """Block at most ``seconds`` (GIL released) for completion; True when done."""
+        return self._done.wait(seconds)
 
     def _complete(self) -> None:
         if self._finish is not None:
@@ -34,7 +61,8 @@ class _Work:
             self._finish = None
 
     def test(self) -> bool:
-        if self._work.is_completed():
+        # the future completes before gloo marks its work completed: trust either
+        if self._done.is_set() or self._work.is_completed():
             self._work.wait()
             self._complete()
             return True
@@ -60,10 +88,17 @@ class TorchDistCommunicator:
         self._torch, self._dist, self.group = torch, dist, group
         self.rank: int = dist.get_rank(group)
         self.size: int = dist.get_world_size(group)
+        # "nccl" tells the collectives to keep CuPy arrays on the device
+        self.backend = "nccl" if dist.get_backend(group) == "nccl" else "torch"
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if self.backend == "nccl" else torch.device("cpu")
         abort.register(self)
 
-    def _t(self, array: np.ndarray) -> Any:
-        return self._torch.from_numpy(array)
+    def _t(self, array: Any) -> Any:
+        """The array as a torch tensor sharing its memory (CuPy through DLPack)."""
+        if isinstance(array, np.ndarray):
+            return self._torch.from_numpy(array)
+        return self._torch.from_dlpack(array)
 
     def alltoallv(self, send, send_counts, send_displs, recv, recv_counts, recv_displs):
         # segments are packed in rank order (displacements are running sums)
@@ -75,10 +110,19 @@ class TorchDistCommunicator:
         return _Work(work)
 
     def allgatherv(self, send, recv, counts, displs):
+        xp = _array_module(send)
         width = int(np.max(counts)) if len(counts) else 0
-        padded = np.zeros(width, np.uint8)
-        padded[: send.size] = send[: int(counts[self.rank])]
-        gathered = np.empty(self.size * width, np.uint8)
+        mine = int(counts[self.rank])
+        if np.all(counts == width) and np.array_equal(displs, np.arange(self.size) * width) \
+                and recv.flags.c_contiguous and send.flags.c_contiguous:
+            # equal segments packed in rank order (the pipeline's usual stage): no padding
+            work = self._dist.all_gather_into_tensor(
+                self._t(recv[: self.size * width]), self._t(send[:width]), group=self.group,
+                async_op=True)
+            return _Work(work)
+        padded = xp.zeros(width, np.uint8)
+        padded[:mine] = send[:mine]
+        gathered = xp.empty(self.size * width, np.uint8)
         work = self._dist.all_gather_into_tensor(self._t(gathered), self._t(padded),
                                                  group=self.group, async_op=True)
 
@@ -97,8 +141,11 @@ class TorchDistCommunicator:
     def allgather_int64(self, values: np.ndarray) -> np.ndarray:
         values = np.ascontiguousarray(values, np.int64)
         rows = np.empty((self.size, values.size), np.int64)
-        self._dist.all_gather_into_tensor(self._t(rows.reshape(-1)), self._t(values),
-                                          group=self.group)
+        send = self._t(values).to(self.device)
+        gathered = self._t(rows.reshape(-1)).to(self.device)
+        self._dist.all_gather_into_tensor(gathered, send, group=self.group)
+        if self.device.type != "cpu":
+            rows.reshape(-1)[...] = gathered.cpu().numpy()
         return rows
 
     def barrier(self) -> None:

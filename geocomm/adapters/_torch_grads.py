@@ -1,0 +1,496 @@
+"""What the DDP hook and the FSDP2 reduce-scatter share: how a flat gradient buffer
+becomes (at most) one compressed and one plain collective, when the ranks compare
+metadata, and the per-step telemetry.
+
+A buffer holds ``rows`` rows of ``width`` values; every row lists the same
+tensors in the same order (a DDP bucket: one row of whole parameters; an
+FSDP2 reduce-scatter input: one row per rank, each row that rank's chunk of
+every parameter). :class:`Layout` splits the tensors by :class:`Selection`
+into a compressed and a plain :class:`ColumnGroup`; :class:`GradReducer` runs
+one collective per non-empty group, through a
+:class:`~geocomm.testing.MeteredComm` so every byte is counted.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from geocomm.adapters import arrays
+from geocomm.codecs import TransformingCodec
+from geocomm.collectives import CollectiveMismatchError, Part, check_consistent, resolve_codec
+from geocomm.testing import MeteredComm, roundtrip
+
+LOG = logging.getLogger("geocomm.torch")
+
+#: numpy dtypes of the gradient dtypes geocomm reduces (for the metadata fingerprint)
+NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
+                torch.bfloat16: np.dtype(ml_dtypes.bfloat16)}
+
+#: Pipeline stage size (values) of the hooks' collectives. A DDP bucket or an
+#: FSDP2 module holds a few million values; with the collectives' default of
+#: 1M a bucket is one or two stages, and the link idles while a stage is
+#: encoded and decoded. 256K values was the fastest stage size measured on the
+#: emulated 1 Gbit/s link (perf/results/pipeline_1gbit_n2.md, 64 MiB) and keeps
+#: 4-24 stages in a bucket of 1-6M values.
+CHUNK_ELEMS = 1 << 18
+
+#: values per sampled run of the error estimate: a multiple of every block length
+#: (fp8 128, NVFP4 16), so a run holds whole blocks
+SAMPLE_RUN = 256
+
+
+# ---------------------------------------------------------------------------
+# which parameters are compressed
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which tensors travel compressed: those whose name matches no ``exclude``
+    pattern (:func:`fnmatch.fnmatchcase`, e.g. ``"*embed*"``, ``"*norm*"``,
+    ``"head.*"``) and that hold at least ``min_numel`` values. The others are
+    reduced exactly (the plain collective)."""
+
+    exclude: tuple[str, ...] = ()
+    min_numel: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.exclude, str) or not all(isinstance(p, str) for p in self.exclude):
+            raise TypeError(f"exclude must be a sequence of name patterns, got {self.exclude!r}")
+        if not isinstance(self.min_numel, int) or self.min_numel < 0:
+            raise ValueError(f"min_numel must be a non-negative integer, got {self.min_numel!r}")
+
+    @classmethod
+    def of(cls, exclude: Any, min_numel: int) -> Selection:
+        """From user arguments: a lone string is refused, not split into characters."""
+        return cls(exclude if isinstance(exclude, str) else tuple(exclude), min_numel)
+
+    def compressed(self, name: str, numel: int) -> bool:
+        return numel >= self.min_numel and not any(
+            fnmatch.fnmatchcase(name, p) for p in self.exclude)
+
+
+# ---------------------------------------------------------------------------
+# layouts
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a row: ``numel`` values from ``offset`` on, viewed as ``shape``;
+    ``name`` for :class:`Selection`, ``key`` for the codec's per-tensor state."""
+
+    name: str
+    key: Any
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class ColumnGroup:
+    """Tensors of a row that share one collective.
+
+    Their columns are merged into ranges; :meth:`take` gives their values as one
+    flat buffer (row after row: a view when the group is all of a one-row
+    buffer or one range of it, else a copy) and :meth:`put` writes results back.
+    """
+
+    def __init__(self, entries: Sequence[Entry], rows: int, width: int):
+        self.entries = tuple(entries)
+        self.rows, self.width = rows, width
+        self.numel = sum(e.numel for e in self.entries)  # per row
+        ranges: list[list[int]] = []
+        for e in self.entries:
+            if ranges and ranges[-1][1] == e.offset:
+                ranges[-1][1] += e.numel
+            else:
+                ranges.append([e.offset, e.offset + e.numel])
+        self.ranges = tuple((a, b) for a, b in ranges)
+
+    def parts(self) -> list[tuple[Any, tuple[int, ...]]]:
+        """(key, shape) of every tensor of the flat buffer, row after row; with
+        several rows the key of row r is ``(key, r)`` (each rank's chunk of a
+        parameter is a tensor of its own)."""
+        if self.rows == 1:
+            return [(e.key, e.shape) for e in self.entries]
+        return [((e.key, r), e.shape) for r in range(self.rows) for e in self.entries]
+
+    def _direct(self) -> bool:
+        return len(self.ranges) == 1 and (self.rows == 1 or self.ranges[0] == (0, self.width))
+
+    def take(self, rows: torch.Tensor) -> torch.Tensor:
+        """The group's values of ``rows`` (rows, width), flat and contiguous."""
+        if self._direct():
+            a, b = self.ranges[0]
+            return rows[:, a:b].reshape(-1)
+        return torch.cat([rows[:, a:b] for a, b in self.ranges], dim=1).reshape(-1)
+
+    def put(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Write flat ``values`` (rows.shape[0] rows of the group) into ``rows``."""
+        values = values.view(rows.shape[0], self.numel)
+        at = 0
+        for a, b in self.ranges:
+            target = rows[:, a:b]
+            if target.data_ptr() != values[:, at: at + b - a].data_ptr():
+                target.copy_(values[:, at: at + b - a])
+            at += b - a
+
+
+class Layout:
+    """A buffer of ``rows`` rows of the tensors ``entries`` (in row order), split
+    into the ``compressed`` and ``plain`` groups (either may be None)."""
+
+    def __init__(self, entries: Sequence[Entry], selection: Selection, rows: int = 1):
+        self.entries, self.rows = tuple(entries), rows
+        self.width = sum(e.numel for e in self.entries)
+        offset = 0
+        for e in self.entries:
+            if e.offset != offset:
+                raise ValueError(f"tensor {e.name!r} starts at {e.offset}, expected {offset}")
+            offset += e.numel
+        chosen = [selection.compressed(e.name, e.numel) for e in self.entries]
+        comp = [e for e, c in zip(self.entries, chosen, strict=True) if c]
+        plain = [e for e, c in zip(self.entries, chosen, strict=True) if not c]
+        self.compressed = ColumnGroup(comp, rows, self.width) if comp else None
+        self.plain = ColumnGroup(plain, rows, self.width) if plain else None
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.width
+
+    def fingerprint_parts(self) -> list[Part]:
+        """Every tensor as a :class:`~geocomm.collectives.Part` for the metadata check:
+        compressed ones under their codec key, plain ones marked as plain."""
+        plain = {e.offset for e in self.plain.entries} if self.plain else set()
+        parts = []
+        for r in range(self.rows):
+            for e in self.entries:
+                key = e.key if self.rows == 1 else (e.key, r)
+                parts.append(Part(r * self.width + e.offset, e.shape,
+                                  ("plain", key) if e.offset in plain else key))
+        return parts
+
+
+# ---------------------------------------------------------------------------
+# telemetry
+
+
+@dataclass
+class BucketStats:
+    """One reduction (a DDP bucket, an FSDP2 module's reduce-scatter or all-reduce).
+
+    ``bytes_sent``: bytes this rank handed to the network (counted at the
+    communicator); ``baseline_bytes``: what the uncompressed ring collective in
+    the gradient dtype sends; ``rel_error``: estimated ||result - exact|| /
+    ||exact|| of the compressed tensors (None: nothing compressed or sampling
+    off; see :class:`ErrorSample`); ``calls``: byte-moving calls at the
+    communicator; ``collectives``: geocomm collectives run (1 or 2).
+    """
+
+    index: int
+    kind: str
+    numel: int
+    compressed_numel: int
+    collectives: int
+    calls: int
+    bytes_sent: int
+    baseline_bytes: int
+    rel_error: float | None
+    seconds: float
+
+    @property
+    def ratio(self) -> float:
+        """Compression ratio: baseline bytes over bytes sent."""
+        return self.baseline_bytes / self.bytes_sent if self.bytes_sent else math.inf
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ratio": self.ratio}
+
+
+@dataclass
+class StepStats:
+    """Every reduction of one training step (one backward)."""
+
+    step: int
+    buckets: list[BucketStats] = field(default_factory=list)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(b.bytes_sent for b in self.buckets)
+
+    @property
+    def baseline_bytes(self) -> int:
+        return sum(b.baseline_bytes for b in self.buckets)
+
+    @property
+    def ratio(self) -> float:
+        return self.baseline_bytes / self.bytes_sent if self.bytes_sent else math.inf
+
+    @property
+    def collectives(self) -> int:
+        return sum(b.collectives for b in self.buckets)
+
+    @property
+    def calls(self) -> int:
+        return sum(b.calls for b in self.buckets)
+
+    @property
+    def rel_error(self) -> float | None:
+        """The largest bucket estimate (None when no bucket has one)."""
+        errors = [b.rel_error for b in self.buckets if b.rel_error is not None]
+        return max(errors) if errors else None
+
+    @property
+    def seconds(self) -> float:
+        return sum(b.seconds for b in self.buckets)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "bytes_sent": self.bytes_sent,
+                "baseline_bytes": self.baseline_bytes, "ratio": self.ratio,
+                "collectives": self.collectives, "calls": self.calls,
+                "rel_error": self.rel_error, "seconds": self.seconds,
+                "buckets": [b.as_dict() for b in self.buckets]}
+
+    def summary(self) -> str:
+        err = "n/a" if self.rel_error is None else f"{self.rel_error:.2e}"
+        return (f"step {self.step}: {len(self.buckets)} reductions, {self.collectives} "
+                f"collectives, {self.bytes_sent / 1e6:.3f} MB sent, ratio {self.ratio:.2f}x, "
+                f"est. rel. error {err}, {self.seconds * 1e3:.1f} ms reducing")
+
+
+class Telemetry:
+    """Per-step statistics: reductions are recorded as they finish; :meth:`end_step`
+    closes the step. Keeps the last ``history`` steps and logs a summary every
+    ``log_every`` steps (logger ``geocomm.torch``, level INFO). Thread-safe:
+    the DDP hook records from its worker thread."""
+
+    def __init__(self, history: int = 100, log_every: int = 0):
+        self._lock = threading.Lock()
+        self._current: list[BucketStats] = []
+        self._history: deque[StepStats] = deque(maxlen=max(history, 1))
+        self.steps = 0
+        self.log_every = log_every
+
+    def record(self, stats: BucketStats) -> None:
+        with self._lock:
+            self._current.append(stats)
+
+    def end_step(self) -> StepStats:
+        with self._lock:
+            step = StepStats(self.steps, self._current)
+            self._current = []
+            self._history.append(step)
+            self.steps += 1
+        if self.log_every and step.step % self.log_every == 0:
+            LOG.info("geocomm %s", step.summary())
+        return step
+
+    @property
+    def last_step(self) -> StepStats | None:
+        """The most recent complete step (None before the first)."""
+        with self._lock:
+            return self._history[-1] if self._history else None
+
+    @property
+    def history(self) -> list[StepStats]:
+        with self._lock:
+            return list(self._history)
+
+
+class ErrorSample:
+    """A cheap estimate of a compressed collective's relative error.
+
+    Before the collective, ``budget`` values of this rank's input (runs of
+    :data:`SAMPLE_RUN` at evenly spaced aligned offsets within [lo, hi)) go
+    through the codec's quantizer: eps^2 = ||Q(x) - x||^2 / ||x||^2 is the
+    relative error of one quantization. In the collective, each shard's sum
+    receives the N - 1 other ranks' quantized pieces (error^2 about eps^2 (N -
+    1) ||g||^2, taking this rank's ||g|| for every rank's) and, for an
+    all-reduce, the quantized sum (eps^2 ||S||^2), so with S the summed result
+    at the same positions::
+
+        rel_error^2 = eps^2 ((N - 1) ||g||^2 / ||S||^2 + [all-reduce])
+
+    It assumes the quantization errors are uncorrelated with each other and
+    with the data, and sees the quantizer alone: a transforming codec's map
+    (GeoFP8) lowers the real error below it.
+    """
+
+    def __init__(self, codec: Any, values: torch.Tensor, lo: int, hi: int, budget: int):
+        self.eps2 = self.g2 = 0.0
+        self.index = None
+        if codec.lossless or budget <= 0 or hi <= lo:
+            return
+        count = hi - lo
+        runs = max(1, min(budget // SAMPLE_RUN, count // SAMPLE_RUN))
+        if count <= SAMPLE_RUN:
+            index = np.arange(lo, hi)
+        else:
+            starts = lo + (np.linspace(0, count - SAMPLE_RUN, runs) // SAMPLE_RUN).astype(
+                np.int64) * SAMPLE_RUN
+            index = (starts[:, None] + np.arange(SAMPLE_RUN)).reshape(-1)
+        self.index = torch.from_numpy(index).to(values.device)
+        local = values[self.index].float().cpu().numpy()
+        quantizer = codec.for_count(values.numel())  # what the collective chooses
+        if isinstance(quantizer, TransformingCodec):
+            quantizer = quantizer.quantizer
+        err = roundtrip(quantizer, local).astype(np.float64) - local
+        self.g2 = float(np.dot(local.astype(np.float64), local))
+        self.eps2 = float(np.dot(err, err)) / self.g2 if self.g2 else 0.0
+
+    def estimate(self, result: torch.Tensor, offset: int, size: int, avg: bool,
+                 gather: bool) -> float | None:
+        """The estimate from ``result`` (absolute index i lies at result[i - offset])."""
+        if self.index is None:
+            return None
+        if self.eps2 == 0.0:
+            return 0.0
+        total = result[self.index - offset].float().cpu().numpy().astype(np.float64)
+        if avg:
+            total *= size
+        s2 = float(np.dot(total, total))
+        if s2 == 0.0:
+            return math.nan
+        return math.sqrt(self.eps2 * ((size - 1) * self.g2 / s2 + (1.0 if gather else 0.0)))
+
+
+# ---------------------------------------------------------------------------
+# the reducer
+
+
+def check_policy(check: bool | None) -> str:
+    """When the ranks compare metadata: ``"first"`` call per layout (the default),
+    ``"always"`` (check=True, or ``GEOCOMM_CHECK=1`` set explicitly: debugging),
+    ``"never"`` (check=False or ``GEOCOMM_CHECK=0``)."""
+    if check is not None:
+        return "always" if check else "never"
+    env = os.environ.get("GEOCOMM_CHECK", "").strip().lower()
+    if not env:
+        return "first"
+    return "never" if env in ("0", "false", "no", "off") else "always"
+
+
+def baseline_bytes(kind: str, numel: int, itemsize: int, size: int) -> int:
+    """Bytes one rank sends in the uncompressed ring all-reduce (or reduce-scatter)."""
+    factor = 2 if kind == "allreduce" else 1
+    return factor * (size - 1) * numel * itemsize // size
+
+
+class GradReducer:
+    """Reduces buffers laid out by :class:`Layout`: the compressed group in one
+    collective of ``codec`` (``parts=`` keeps every tensor's key and shape),
+    the plain group in one exact collective; metadata compared per
+    :func:`check_policy`; a :class:`BucketStats` per reduction into
+    ``telemetry``. ``chunk_elems``: pipeline stage size (None:
+    :data:`CHUNK_ELEMS`). Not thread-safe: one thread drives it (collective order
+    must be the same on every rank).
+    """
+
+    def __init__(self, codec: Any, comm: Any, check: bool | None = None,
+                 error_sample: int = 4096, chunk_elems: int | None = None,
+                 telemetry: Telemetry | None = None):
+        self.codec = resolve_codec(codec)
+        self.comm = comm if isinstance(comm, MeteredComm) else MeteredComm(comm)
+        self.policy = check_policy(check)
+        self.error_sample = error_sample
+        self.chunk_elems = chunk_elems or CHUNK_ELEMS
+        self.telemetry = telemetry if telemetry is not None else Telemetry()
+        self._checked: set[Any] = set()
+
+    def _check(self, kind: str, layout: Layout, dtype: torch.dtype, op: str,
+               what: str) -> None:
+        key = (kind, id(layout), dtype, op)
+        if self.policy == "never" or (self.policy == "first" and key in self._checked):
+            return
+        try:
+            check_consistent(self.comm, kind, layout.numel, NUMPY_DTYPES[dtype], op,
+                             self.codec, layout.fingerprint_parts())
+        except CollectiveMismatchError as exc:
+            raise CollectiveMismatchError(f"{what}: {exc}") from exc
+        self._checked.add(key)
+
+    def _start(self) -> tuple[float, int, int]:
+        return time.perf_counter(), self.comm.sent, self.comm.calls
+
+    def _finish(self, start: tuple[float, int, int], index: int, kind: str, layout: Layout,
+                dtype: torch.dtype, collectives: int, rel_error: float | None) -> BucketStats:
+        t0, sent0, calls0 = start
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        stats = BucketStats(
+            index, kind, layout.numel,
+            layout.rows * (layout.compressed.numel if layout.compressed else 0),
+            collectives, self.comm.calls - calls0, self.comm.sent - sent0,
+            baseline_bytes(kind, layout.numel, itemsize, self.comm.size), rel_error,
+            time.perf_counter() - t0)
+        self.telemetry.record(stats)
+        return stats
+
+    def allreduce(self, layout: Layout, buffer: torch.Tensor, index: int = 0,
+                  op: str = "avg", what: str = "bucket") -> BucketStats:
+        """Reduce the flat ``buffer`` (one row of ``layout``) in place over the ranks."""
+        if buffer.numel() != layout.numel or layout.rows != 1:
+            raise ValueError(f"{what}: buffer of {buffer.numel()} values, layout of "
+                             f"{layout.numel} in {layout.rows} rows")
+        start = self._start()
+        self._check("allreduce", layout, buffer.dtype, op, what)
+        rows = buffer.view(1, -1)
+        rel_error, collectives = None, 0
+        for group, codec in ((layout.compressed, self.codec), (layout.plain, "none")):
+            if group is None:
+                continue
+            values = group.take(rows)
+            sample = ErrorSample(self.codec, values, 0, values.numel(), self.error_sample) \
+                if group is layout.compressed else None
+            arrays.allreduce(values, codec=codec, op=op, out=values,
+                             parts=group.parts() if codec is self.codec else None,
+                             comm=self.comm, check=False, chunk_elems=self.chunk_elems)
+            if sample is not None:
+                rel_error = sample.estimate(values, 0, self.comm.size, op == "avg", True)
+            group.put(rows, values)
+            collectives += 1
+        return self._finish(start, index, "allreduce", layout, buffer.dtype, collectives,
+                            rel_error)
+
+    def reduce_scatter(self, layout: Layout, source: torch.Tensor, out: torch.Tensor,
+                       index: int = 0, op: str = "avg", what: str = "module") -> BucketStats:
+        """Reduce-scatter ``source`` (``layout.rows`` = ranks rows) into this rank's
+        ``out`` (its row of the reduced buffer)."""
+        size, rank = self.comm.size, self.comm.rank
+        if layout.rows != size or source.numel() != layout.numel or out.numel() != layout.width:
+            raise ValueError(
+                f"{what}: reduce-scatter of {source.numel()} values into {out.numel()} on "
+                f"{size} ranks, but the layout has {layout.rows} rows of {layout.width} values")
+        start = self._start()
+        self._check("reduce_scatter", layout, source.dtype, op, what)
+        rows, out_rows = source.view(size, -1), out.view(1, -1)
+        rel_error, collectives = None, 0
+        for group, codec in ((layout.compressed, self.codec), (layout.plain, "none")):
+            if group is None:
+                continue
+            values = group.take(rows)
+            lo, hi = rank * group.numel, (rank + 1) * group.numel
+            sample = ErrorSample(self.codec, values, lo, hi, self.error_sample) \
+                if group is layout.compressed else None
+            shard = arrays.reduce_scatter(
+                values, codec=codec, op=op, parts=group.parts() if codec is self.codec else None,
+                comm=self.comm, check=False, chunk_elems=self.chunk_elems)
+            if sample is not None:
+                rel_error = sample.estimate(shard, lo, size, op == "avg", False)
+            group.put(out_rows, shard)
+            collectives += 1
+        return self._finish(start, index, "reduce_scatter", layout, source.dtype, collectives,
+                            rel_error)

@@ -1,0 +1,270 @@
+"""FSDP2 (``fully_shard``): compressed gradient reduce-scatter and replica all-reduce.
+
+    from torch.distributed.fsdp import fully_shard
+    import geocomm.adapters.torch as gt
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    fsdp = gt.compress_fsdp(model, codec="fp8")
+    ...
+    fsdp.last_step                               # bytes, ratio, error estimate
+
+FSDP2's public hooks (torch >= 2.7; this is written against 2.13):
+
+* ``FSDPModule.set_custom_reduce_scatter(comm)``: FSDP calls
+  ``comm(output_tensor, input_tensor, group, op)`` once per module and
+  backward, on its reduce-scatter stream. ``input_tensor`` is FSDP's flat
+  buffer of ``group.size()`` equal rows: row r holds rank r's chunk of every
+  gradient of the module (dim 0 padded to a multiple of the group size,
+  ``torch.chunk`` layout), in the module's parameter order; ``output_tensor``
+  receives this rank's row of the reduced buffer. :class:`GeocommReduceScatter`
+  reduce-scatters it through ``geocomm.reduce_scatter`` with ``parts=``: every
+  chunk is a tensor of its own (key ``(name, r)``, its own 2-D shape), so
+  GeoFP8's maps are shard-local and right-sided. Rows are exactly the
+  ``np.array_split`` shards, so no value crosses to another rank's shard.
+* ``FSDPModule.set_all_reduce_hook(hook)``: ``hook(reduce_output)`` runs after
+  the reduce-scatter on this rank's reduced shard. With replicas (HSDP-style:
+  FSDP over a 1-D mesh of the shard ranks, ``replicate_group`` the ranks
+  holding the same shard), :class:`GeocommAllReduceHook` averages the shard
+  over the replicas with one compressed all-reduce (keys ``(name, "replica",
+  shard rank)``). Do not use a 2-D HSDP mesh with it: FSDP's own replica
+  all-reduce would then run as well.
+
+FSDP includes zero gradients for parameters without one
+(``set_reduce_scatter_unused_params(True)``), so every call has the module's
+full layout. Calls run on the calling thread: FSDP waits for the reduce-scatter
+anyway (on GPUs, geocomm's kernels are ordered on FSDP's reduce-scatter
+stream, and the bytes travel through a NCCL group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from geocomm.adapters._torch_grads import (
+    Entry,
+    GradReducer,
+    Layout,
+    Selection,
+    StepStats,
+    Telemetry,
+)
+from geocomm.adapters.torch import dedicated_comm
+from geocomm.collectives import resolve_codec
+
+try:  # the interface set_custom_reduce_scatter names; FSDP only calls allocate and __call__
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatter
+except ImportError:  # pragma: no cover - other torch versions
+    _ReduceScatter = object  # type: ignore[assignment,misc]
+
+__all__ = ["FSDPCompression", "GeocommAllReduceHook", "GeocommReduceScatter", "compress_fsdp"]
+
+
+def _op_name(op: Any) -> str:
+    """geocomm's op for FSDP's reduce op: AVG and SUM (FSDP pre/post-divides for SUM)."""
+    if op == dist.ReduceOp.AVG:
+        return "avg"
+    if op == dist.ReduceOp.SUM:
+        return "sum"
+    raise ValueError(f"geocomm's FSDP2 reduce-scatter supports ReduceOp AVG and SUM, got {op!r} "
+                     "(a custom set_gradient_divide_factor makes FSDP use PREMUL_SUM; use "
+                     "set_force_sum_reduction_for_comms(True) with it)")
+
+
+class _Completed:
+    """A finished ``dist.Work`` stand-in for callers that pass ``async_op=True``."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class FSDPCompression:
+    """What :func:`compress_fsdp` installed: the reducers, their (metered)
+    communicators and the shared :class:`Telemetry`. A step closes once every
+    installed reduce-scatter and all-reduce hook has run."""
+
+    def __init__(self, telemetry: Telemetry):
+        self.telemetry = telemetry
+        self.reduce_scatters: list[GeocommReduceScatter] = []
+        self.all_reduce_hooks: list[GeocommAllReduceHook] = []
+        self._expected = 0
+        self._done = 0
+
+    @property
+    def last_step(self) -> StepStats | None:
+        return self.telemetry.last_step
+
+    def _expect(self, calls: int) -> None:
+        self._expected += calls
+
+    def _ran(self) -> None:
+        self._done += 1
+        if self._done >= self._expected:
+            self._done = 0
+            self.telemetry.end_step()
+
+
+class GeocommReduceScatter(_ReduceScatter):
+    """FSDP2 custom reduce-scatter (``set_custom_reduce_scatter``) through geocomm.
+
+    ``layout``: the module's chunks (one row per rank); ``reducer``: codec and
+    communicator over the shard ranks.
+    """
+
+    def __init__(self, layout: Layout, reducer: GradReducer, index: int, owner: FSDPCompression):
+        self.layout, self.reducer, self.index, self.owner = layout, reducer, index, owner
+
+    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op: Any, async_op: bool = False) -> Any:
+        if group.size() != self.reducer.comm.size:
+            raise ValueError(f"FSDP reduce-scatter over {group.size()} ranks, geocomm's "
+                             f"communicator has {self.reducer.comm.size}")
+        self.reducer.reduce_scatter(self.layout, input_tensor, output_tensor, self.index,
+                                    _op_name(op), what=f"FSDP module {self.index}")
+        self.owner._ran()
+        return _Completed() if async_op else None
+
+
+class GeocommAllReduceHook:
+    """FSDP2 all-reduce hook (``set_all_reduce_hook``): averages this rank's reduced
+    shard over the replicas, in place, with one compressed all-reduce."""
+
+    def __init__(self, layout: Layout, reducer: GradReducer, index: int, owner: FSDPCompression):
+        self.layout, self.reducer, self.index, self.owner = layout, reducer, index, owner
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        self.reducer.allreduce(self.layout, reduce_output, self.index, "avg",
+                               what=f"FSDP module {self.index} replica all-reduce")
+        self.owner._ran()
+
+
+def _managed_params(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters ``fully_shard(module)`` manages, in FSDP's order: a post-order
+    walk of the submodules that stops at nested FSDP modules, each module's own
+    parameters once (FSDP's ``_get_managed_states``)."""
+    modules: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def walk(m: nn.Module) -> None:
+        if m is not module and isinstance(m, FSDPModule):
+            return
+        seen.add(id(m))
+        for child in m.children():
+            if id(child) not in seen:
+                walk(child)
+        modules.append(m)
+
+    walk(module)
+    params: list[nn.Parameter] = []
+    visited: set[int] = set()
+    for m in modules:
+        for p in m.parameters(recurse=False):
+            if id(p) not in visited:
+                visited.add(id(p))
+                params.append(p)
+    return params
+
+
+def _shard_dims(param: Any) -> tuple[Any, int, int]:
+    """(mesh, mesh dim, tensor dim) of a sharded parameter's Shard placement."""
+    from torch.distributed.tensor import Shard
+
+    mesh = param.device_mesh
+    dims = [(i, p.dim) for i, p in enumerate(param.placements) if isinstance(p, Shard)]
+    if len(dims) != 1:
+        raise ValueError(f"expected one Shard placement, got {param.placements}")
+    if mesh.ndim != 1:
+        raise ValueError(
+            "compress_fsdp needs FSDP over a 1-D mesh of the shard ranks (pass the replicas "
+            "as replicate_group); with a 2-D HSDP mesh FSDP's own all-reduce would run too")
+    return mesh, dims[0][0], dims[0][1]
+
+
+def _chunk_shape(shape: Sequence[int], dim: int, size: int) -> tuple[int, ...]:
+    """One rank's chunk of a gradient in FSDP's reduce-scatter input: ``dim``
+    split in ``size`` (dim 0 padded up to a multiple of size)."""
+    chunk = list(shape)
+    chunk[dim] = -(-chunk[dim] // size)
+    return tuple(chunk)
+
+
+def compress_fsdp(model: nn.Module, codec: Any = "fp8", *, replicate_group: Any = None,
+                  comm: Any = None, replicate_comm: Any = None, exclude: Sequence[str] = (),
+                  min_numel: int = 0, check: bool | None = None, error_sample: int = 4096,
+                  chunk_elems: int | None = None, history: int = 100,
+                  log_every: int = 0) -> FSDPCompression:
+    """Make every FSDP2 module of ``model`` reduce its gradients through geocomm.
+
+    Call after ``fully_shard`` on every rank, at the same point. ``codec``:
+    id, config or Codec. ``comm``: communicator over the shard ranks (default:
+    a new process group over FSDP's mesh group); ``replicate_group`` (or
+    ``replicate_comm``): the ranks holding the same shard, for a compressed
+    all-reduce hook after the reduce-scatter. ``exclude``, ``min_numel``: see
+    :class:`~geocomm.adapters.torch.Selection` (a module's excluded chunks
+    share one exact collective). ``check``, ``error_sample``, ``chunk_elems``,
+    ``history``, ``log_every``: as for
+    :class:`~geocomm.adapters.torch.GeocommHookState`. Returns the
+    :class:`FSDPCompression` with the telemetry.
+    """
+    codec = resolve_codec(codec)  # a bad codec fails here, before any collective
+    names = {id(p): n for n, p in model.named_parameters()}
+    selection = Selection.of(exclude, min_numel)
+    telemetry = Telemetry(history, log_every)
+    owner = FSDPCompression(telemetry)
+    shard_reducer = replica_reducer = None
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for index, module in enumerate(modules):
+        params = [p for p in _managed_params(module) if p.requires_grad]
+        if not params:
+            continue
+        mesh, mesh_dim, _ = _shard_dims(params[0])
+        size = mesh.size(mesh_dim)
+        device = params[0].device
+        if shard_reducer is None:
+            base = comm if comm is not None else dedicated_comm(mesh.get_group(mesh_dim),
+                                                               device.type)
+            shard_reducer = GradReducer(codec, base, check, error_sample, chunk_elems, telemetry)
+            if replicate_group is not None or replicate_comm is not None:
+                base = replicate_comm if replicate_comm is not None else dedicated_comm(
+                    replicate_group, device.type)
+                replica_reducer = GradReducer(shard_reducer.codec, base, check, error_sample,
+                                              chunk_elems, telemetry)
+        if size != shard_reducer.comm.size:
+            raise ValueError(f"FSDP module {index} shards over {size} ranks, an earlier one over "
+                             f"{shard_reducer.comm.size}; compress_fsdp needs one shard mesh")
+        shard_rank = shard_reducer.comm.rank
+        entries, replica_entries, offset = [], [], 0
+        for p in params:
+            name = names[id(p)]
+            _, _, dim = _shard_dims(p)
+            chunk = _chunk_shape(p.shape, dim, size)
+            entries.append(Entry(name, name, chunk, offset))
+            replica_entries.append(Entry(name, (name, "replica", shard_rank), chunk, offset))
+            offset += Entry(name, name, chunk, 0).numel
+        if size > 1:
+            rs = GeocommReduceScatter(Layout(entries, selection, rows=size), shard_reducer,
+                                      index, owner)
+            module.set_custom_reduce_scatter(rs)
+            owner.reduce_scatters.append(rs)
+            owner._expect(1)
+        module.set_reduce_scatter_unused_params(True, recurse=False)
+        if replica_reducer is not None:
+            hook = GeocommAllReduceHook(Layout(replica_entries, selection), replica_reducer,
+                                        index, owner)
+            module.set_all_reduce_hook(hook)
+            owner.all_reduce_hooks.append(hook)
+            owner._expect(1)
+    return owner
