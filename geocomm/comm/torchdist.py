@@ -86,6 +86,8 @@ class TorchDistCommunicator:
             raise RuntimeError("torch.distributed is not initialised (init_process_group first, "
                                "or geocomm.adapters.torch.init_distributed_from_mpi())")
         self._torch, self._dist, self.group = torch, dist, group
+        # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
+        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self.rank: int = dist.get_rank(group)
         self.size: int = dist.get_world_size(group)
         # "nccl" tells the collectives to keep CuPy arrays on the device
@@ -116,14 +118,14 @@ class TorchDistCommunicator:
         if np.all(counts == width) and np.array_equal(displs, np.arange(self.size) * width) \
                 and recv.flags.c_contiguous and send.flags.c_contiguous:
             # equal segments packed in rank order (the pipeline's usual stage): no padding
-            work = self._dist.all_gather_into_tensor(
+            work = self._all_gather(
                 self._t(recv[: self.size * width]), self._t(send[:width]), group=self.group,
                 async_op=True)
             return _Work(work)
         padded = xp.zeros(width, np.uint8)
         padded[:mine] = send[:mine]
         gathered = xp.empty(self.size * width, np.uint8)
-        work = self._dist.all_gather_into_tensor(self._t(gathered), self._t(padded),
+        work = self._all_gather(self._t(gathered), self._t(padded),
                                                  group=self.group, async_op=True)
 
         def unpad() -> None:
@@ -143,7 +145,7 @@ class TorchDistCommunicator:
         rows = np.empty((self.size, values.size), np.int64)
         send = self._t(values).to(self.device)
         gathered = self._t(rows.reshape(-1)).to(self.device)
-        self._dist.all_gather_into_tensor(gathered, send, group=self.group)
+        self._all_gather(gathered, send, group=self.group)
         if self.device.type != "cpu":
             rows.reshape(-1)[...] = gathered.cpu().numpy()
         return rows
