@@ -49,12 +49,14 @@ from geocomm.codecs.base import DTYPE_CODES
 from geocomm.comm.base import Communicator, wait
 from geocomm.pipeline import (
     DEFAULT_CHUNK_ELEMS,
+    PIECE_ALIGN,
     Pieces,
-    Pipeline,
     _segments,
     array_module,
     mix64,
+    run_pipeline,
     shard_bounds,
+    stage_values,
 )
 
 OPS = ("sum", "avg")
@@ -276,7 +278,8 @@ def _prepare(x: Any, op: str, codec: Any, comm: Communicator | None) -> tuple[
             "float64 arrays are not compressed (the formats start from float32); cast to "
             "float32 first or use codec='none' for an exact float64 reduction"
         )
-    return x, codec.for_count(x.size), get_comm(comm)
+    comm = get_comm(comm)
+    return x, codec.for_count(x.size, comm.backend, comm.size), comm
 
 
 # ---------------------------------------------------------------------------
@@ -319,15 +322,15 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
             total = xp.empty(x.size, np.float32)
         transform, residual = _stateful_parts(codec, "allreduce", tensors, x.size, xp)
         planned = plan_parts(transform, values, tensors, bounds)
-        pieces = Pieces.plan(x.size, comm.size, chunk_elems or DEFAULT_CHUNK_ELEMS)
+        pieces = Pieces.plan(x.size, comm.size, chunk_elems or _stage_values(comm, codec, x.size))
         stream = _rounding_stream(codec, tensors)
         if not planned and residual is None:
-            Pipeline(comm, codec, pieces, values, total, 0, gather=True, stream=stream).run()
+            run_pipeline(comm, codec, pieces, values, total, 0, gather=True, stream=stream)
         else:  # map piece by piece into the result, reduce there in place, map back
             sums = side_sums(comm, planned)
             parts_map = PartsMap(values, total, total, 0, tensors, planned, sums, residual, codec)
-            Pipeline(comm, codec, pieces, total, total, 0, gather=True, mapper=parts_map,
-                     stream=stream).run()
+            run_pipeline(comm, codec, pieces, total, total, 0, gather=True, mapper=parts_map,
+                         stream=stream)
             parts_map.finish(0, x.size)
             lo, hi = int(bounds[comm.rank]), int(bounds[comm.rank + 1])
             refresh(comm, transform, planned, sums, total[lo:hi], lo, hi)
@@ -339,6 +342,12 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
     if not _same_memory(out, result):
         out[...] = result
     return out
+
+
+def _stage_values(comm: Communicator, codec: Codec, count: int) -> int:
+    """The backend's stage size for ``count`` values (docs/design.md, "The collective")."""
+    return stage_values(comm.backend, count, comm.size, codec.wire_size(PIECE_ALIGN) /
+                        (4 * PIECE_ALIGN))
 
 
 def _divide(values: Any, size: int) -> None:
@@ -400,18 +409,18 @@ def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", *, key: Any = Non
     else:
         values = _as_float32(x)
         shard = xp.empty(hi - lo, np.float32)
-        pieces = Pieces.plan(x.size, comm.size, chunk_elems or DEFAULT_CHUNK_ELEMS)
+        pieces = Pieces.plan(x.size, comm.size, chunk_elems or _stage_values(comm, codec, x.size))
         transform, residual = _stateful_parts(codec, "reduce_scatter", tensors, x.size, xp)
         planned = plan_parts(transform, values, tensors, bounds)
         stream = _rounding_stream(codec, tensors)
         if not planned and residual is None:
-            Pipeline(comm, codec, pieces, values, shard, lo, gather=False, stream=stream).run()
+            run_pipeline(comm, codec, pieces, values, shard, lo, gather=False, stream=stream)
         else:
             sums = side_sums(comm, planned)
             # pieces are mapped into a scratch as they go: no full-size buffer
             parts_map = PartsMap(values, None, shard, lo, tensors, planned, sums, residual, codec)
-            Pipeline(comm, codec, pieces, values, shard, lo, gather=False, mapper=parts_map,
-                     stream=stream).run()
+            run_pipeline(comm, codec, pieces, values, shard, lo, gather=False, mapper=parts_map,
+                         stream=stream)
             parts_map.finish(lo, hi)
             refresh(comm, transform, planned, sums, shard, lo, hi)
     if op == "avg":
