@@ -27,6 +27,7 @@ codecs use.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -211,6 +212,23 @@ class RangeMap(Protocol):
     def done(self, lo: int, hi: int) -> None: ...
 
 
+def schedule(stages: int, gather: bool) -> Iterator[tuple[str, int]]:
+    """The phases of a call in order, as (method of :class:`Pipeline`, stage): three
+    stages in flight, so stage s is encoded while s - 1's all-to-all and s - 2's
+    all-gather move."""
+    for s in range(stages + 2):
+        if s < stages:
+            yield "encode_stage", s
+            yield "start_alltoall", s
+        if 1 <= s <= stages:
+            yield "reduce_stage", s - 1
+            if gather:
+                yield "reencode_stage", s - 1
+                yield "start_allgather", s - 1
+        if gather and s >= 2:
+            yield "decode_stage", s - 2
+
+
 class Pipeline:
     """The staged algorithm for one call; phases are separate methods so the
     perf tools can time encode, communication and decode on their own.
@@ -346,18 +364,8 @@ class Pipeline:
             self._done(lo, hi)
 
     def run(self) -> None:
-        stages = self.pieces.stages
-        for s in range(stages + 2):
-            if s < stages:
-                self.encode_stage(s)
-                self.start_alltoall(s)
-            if 1 <= s <= stages:
-                self.reduce_stage(s - 1)
-                if self.gather:
-                    self.reencode_stage(s - 1)
-                    self.start_allgather(s - 1)
-            if self.gather and s >= 2:
-                self.decode_stage(s - 2)
+        for phase, s in schedule(self.pieces.stages, self.gather):
+            getattr(self, phase)(s)
         self.release()
 
     def release(self) -> None:
