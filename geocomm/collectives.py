@@ -46,7 +46,7 @@ from geocomm.codecs import (
     get_codec,
 )
 from geocomm.codecs.base import DTYPE_CODES
-from geocomm.comm.base import Communicator, wait
+from geocomm.comm.base import Communicator, wait_ordered
 from geocomm.pipeline import (
     DEFAULT_CHUNK_ELEMS,
     PIECE_ALIGN,
@@ -445,14 +445,14 @@ def allgather(x: Any, codec: Any = None, *, comm: Communicator | None = None,
         send = xp.ascontiguousarray(x, np.float64).reshape(-1).view(np.uint8)
         recv = xp.empty(comm.size * send.size, np.uint8)
         counts, displs = _segments([send.size] * comm.size)
-        wait(comm.allgatherv(send, recv, counts, displs), "an all-gather", comm.rank)
+        wait_ordered(comm.allgatherv(send, recv, counts, displs), "an all-gather", comm.rank)
         return recv.view(np.float64).reshape((comm.size, *x.shape))
     seg = codec.wire_size(x.size)
     send = xp.empty(seg, np.uint8)
     codec.encode_wire(_as_float32(x), send)
     recv = xp.empty(comm.size * seg, np.uint8)
     counts, displs = _segments([seg] * comm.size)
-    wait(comm.allgatherv(send, recv, counts, displs), "an all-gather", comm.rank)
+    wait_ordered(comm.allgatherv(send, recv, counts, displs), "an all-gather", comm.rank)
     values = xp.empty((comm.size, x.size), np.float32)
     for j in range(comm.size):
         codec.decode_wire(recv[j * seg: (j + 1) * seg], values[j])

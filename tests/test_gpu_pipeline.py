@@ -409,3 +409,157 @@ def test_run_pipeline_takes_the_host_path_for_numpy():
              True).run()
     assert_bits_equal(out, want)
     assert gpu_pipeline.wire_format(codec_of("fp8")) is not None
+
+
+# ---------------------------------------------------------------------------
+# the CUDA launches, against the kernels' signatures (no GPU: the launches are recorded)
+
+_C_TYPES = {"int": np.int32, "unsigned int": np.uint32, "gc_u64": np.uint64}
+
+
+def kernel_signatures() -> dict[str, list[type | None]]:
+    """Parameter types of every kernel of gc_pipeline.cu: None for a pointer."""
+    import re
+
+    text = (cuda._source_dir() / "gc_pipeline.cu").read_text()
+    out = {}
+    for name, params in re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', text):
+        types = []
+        for param in params.split(","):
+            decl = " ".join(param.split()[:-1]).replace("const ", "")
+            types.append(None if "*" in param else _C_TYPES[decl])
+        out[name] = types
+    return out
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """CudaKernels whose launches are checked against the signatures and recorded."""
+    signatures = kernel_signatures()
+    log = []
+
+    def kernel(cupy, name, source):
+        assert source is gp.kernel_source
+        types = signatures[name]
+
+        def launch(grid, block, args):
+            assert len(args) == len(types), (name, len(args), len(types))
+            for i, (arg, want) in enumerate(zip(args, types, strict=True)):
+                if want is None:
+                    assert isinstance(arg, np.ndarray), (name, i, type(arg))
+                else:
+                    assert type(arg) is want, (name, i, type(arg), want)
+            assert len(grid) == 2 and all(1 <= g for g in grid) and block[0] % 32 == 0
+            log.append((name, grid, block, args))
+
+        return launch
+
+    monkeypatch.setattr(cuda, "_kernel", kernel)
+    kernels = gp.CudaKernels.__new__(gp.CudaKernels)
+    kernels.cupy = None
+    return kernels, log
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("name", list(CODECS))
+def test_cuda_launches_match_the_kernels(launches, name, stochastic):
+    kernels, log = launches
+    fmt = gp.wire_format(codec_of(name, stochastic and name != "none"))
+    pieces = [gp.Piece(0, 5000, 0, 0), gp.Piece(5000, 0, fmt.wire_size(5000), 5000),
+              gp.Piece(6000, 4097, fmt.wire_size(5000), 6000)]
+    rows, amax = gp.segment_rows(fmt, pieces)
+    seg = gp.Segments(rows, rows)
+    x = np.zeros(20_000, np.float32)
+    wire = np.zeros(2 * fmt.wire_size(5000), np.uint8)
+    scratch = np.zeros(max(amax, 1), np.uint32)
+    kernels.encode(fmt, x, seg, wire, scratch, stream=5)
+    kernels.encode(fmt, x, seg, wire, scratch, gp.Incoming(wire, 2, fmt.wire_size(5000)),
+                   stream=6)
+    kernels.reduce(fmt, x, seg, gp.Incoming(wire, 1, 7), x)
+    kernels.decode(fmt, wire, seg, x)
+    names = [entry[0] for entry in log]
+    encoder = {gp.RAW: ["gc_pipe_value_encode"], gp.BF16: ["gc_pipe_value_encode"],
+               gp.NVFP4: ["gc_pipe_nvfp4_encode"], gp.MXFP8: ["gc_pipe_mxfp8_encode"],
+               gp.MXFP4: ["gc_pipe_mxfp4_encode"]}.get(fmt.family)
+    if encoder is None:
+        encoder = ["gc_pipe_fp8_encode_team"] if gp.team_walk(fmt) else \
+            ["gc_pipe_amax_tiles", "gc_pipe_fp8_encode_tiles"]
+    decoder = "gc_pipe_decode" if fmt.family != gp.FP8 else \
+        "gc_pipe_fp8_decode_team" if gp.team_walk(fmt) else "gc_pipe_fp8_decode_tiles"
+    assert names == 2 * encoder + ["gc_pipe_reduce", decoder]
+    for entry, walk in zip(log, [gp.encode_walk(fmt)] * 2 * len(encoder) + ["value", None],
+                           strict=True):
+        want = gp.launch_grid(walk or gp.decode_walk(fmt), rows, fmt)
+        assert entry[1] == want and entry[1][1] == 3
+    threads = gp.NVFP4_THREADS if fmt.family == gp.NVFP4 else cuda.THREADS
+    assert log[0][2] == (threads,)
+    # the rounding key: this stream's under stochastic rounding, else 0
+    keys = [args[-2] for n, _, _, args in log if n in encoder[-1:]]
+    assert keys == [np.uint64(fmt.key(5)), np.uint64(fmt.key(6))]
+    assert (keys[0] != 0) == fmt.stochastic
+    # the second encode adds the incoming bodies; the first passes none
+    at = 3 + (encoder[-1] == "gc_pipe_value_encode")  # (family,) x, table, in, nin, stride
+    incoming = [(int(args[at]), int(args[at + 1])) for n, _, _, args in log if n == encoder[-1]]
+    assert incoming == [(0, 0), (2, fmt.wire_size(5000))]
+
+
+def test_no_launch_without_values(launches):
+    kernels, log = launches
+    fmt = gp.wire_format(codec_of("fp8"))
+    rows, _ = gp.segment_rows(fmt, [gp.Piece(0, 0, 0, 0)])
+    seg = gp.Segments(rows, rows)
+    empty = np.zeros(0, np.float32)
+    kernels.encode(fmt, empty, seg, np.zeros(0, np.uint8), np.zeros(1, np.uint32))
+    kernels.reduce(fmt, empty, seg, gp.Incoming(np.zeros(0, np.uint8), 2, 0), empty)
+    kernels.decode(fmt, np.zeros(0, np.uint8), seg, empty)
+    assert log == []
+
+
+class CountingComm:
+    """A loopback rank whose requests count how they are waited for."""
+
+    def __init__(self, comm, log):
+        self.comm, self.log = comm, log
+        self.rank, self.size, self.backend = comm.rank, comm.size, comm.backend
+
+    def alltoallv(self, *args):
+        request, log = self.comm.alltoallv(*args), self.log
+
+        class Counted:
+            def test(self):
+                log.append("test")
+                return request.test()
+
+            def wait(self):
+                log.append("wait")
+                request.wait()
+
+            def wait_stream(self):
+                log.append("wait_stream")
+                request.wait_stream()
+
+        log.append("post")
+        return Counted()
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_batched_pipeline_never_waits_on_the_host(gather):
+    """Every transfer is one grouped call per stage and phase, waited for once, on the
+    stream (wait_stream): no test() polling, no host wait()."""
+    size, count = 3, 40_000
+    xs = rank_inputs(size, count, seed=6)
+    pieces = Pieces.plan(count, size, 4096 * size)
+    fmt = gp.wire_format(codec_of("fp8"))
+    logs = [[] for _ in range(size)]
+    pipes = []
+    for r, comm in enumerate(loopback(size, "nccl")):
+        lo, hi = int(pieces.bounds[r]), int(pieces.bounds[r + 1])
+        out = np.empty(count if gather else hi - lo, np.float32)
+        pipes.append(gp.BatchedPipeline(CountingComm(comm, logs[r]), fmt, pieces, xs[r], out,
+                                        0 if gather else lo, gather,
+                                        kernels=gp.HostKernels()))
+    run_lockstep(pipes)
+    calls = pieces.stages * (2 if gather else 1)
+    for log in logs:
+        assert log.count("post") == log.count("wait_stream") == calls
+        assert "test" not in log and "wait" not in log
