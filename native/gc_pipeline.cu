@@ -414,6 +414,18 @@ extern "C" __global__ void gc_pipe_decode(int family, int e5m2, const unsigned c
         out[s.values + i] = gc_body_value(family, e5m2, wire + s.wire, s.count, s.scales, 0, i);
 }
 
+/* FP8 values [start, end) of scaling block k of piece s, this thread's from
+ * `first` on in steps of `step` (the scale loaded once: gc_body_value's fp8 case). */
+GC_DEV void gc_fp8_decode_run(const unsigned char *wire, const gc_seg &s, int e5m2, gc_u64 k,
+                              gc_u64 first, gc_u64 end, gc_u64 step, float *out)
+{
+    const unsigned char *w = wire + s.wire;
+    float scale = gc_load_f32(w + 4 * k);
+    const unsigned char *codes = w + 4 * s.scales;
+    for (gc_u64 i = first; i < end; i += step)
+        out[s.values + i] = __fmul_rn(gc_fp8_value(e5m2, codes[i]), scale);
+}
+
 /* FP8, team walk: 2^lshift lanes per scaling block. */
 extern "C" __global__ void gc_pipe_fp8_decode_team(const unsigned char *wire, const gc_u64 *table,
                                                    unsigned int lshift, int e5m2, float *out)
@@ -425,10 +437,8 @@ extern "C" __global__ void gc_pipe_fp8_decode_team(const unsigned char *wire, co
     if (k >= s.scales)
         return;
     gc_u64 start = k * s.block;
-    gc_u64 end = start + gc_min_u64(s.block, s.count - start);
-    for (gc_u64 i = start + ((unsigned int)g & (width - 1u)); i < end; i += width)
-        out[s.values + i] = gc_body_value(GC_PIPE_FP8, e5m2, wire + s.wire, s.count, s.scales,
-                                          k, i);
+    gc_fp8_decode_run(wire, s, e5m2, k, start + ((unsigned int)g & (width - 1u)),
+                      start + gc_min_u64(s.block, s.count - start), width, out);
 }
 
 /* FP8, tile walk. */
@@ -441,7 +451,6 @@ extern "C" __global__ void gc_pipe_fp8_decode_tiles(const unsigned char *wire,
         return;
     gc_u64 k, start, end;
     gc_tile_range(s.count, s.block, s.tiles, tile, &k, &start, &end);
-    for (gc_u64 i = start + threadIdx.x; i < end; i += blockDim.x)
-        out[s.values + i] = gc_body_value(GC_PIPE_FP8, e5m2, wire + s.wire, s.count, s.scales,
-                                          k, i);
+    if (start < end)
+        gc_fp8_decode_run(wire, s, e5m2, k, start + threadIdx.x, end, blockDim.x, out);
 }
