@@ -298,7 +298,9 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
     "sum" or "avg". ``key`` names the tensor for transforming codecs
     (GeoFP8); ``parts`` instead names several: a sequence of (key, shape)
     that tiles the flat buffer in order (a DDP bucket), each mapped on its
-    own in one pipeline. Results are bitwise identical on every rank.
+    own in one pipeline. ``chunk_elems``: values per pipeline stage (default: the
+    backend's, :func:`geocomm.pipeline.stage_values`; the bits do not depend on it).
+    Results are bitwise identical on every rank.
     """
     x, codec, comm = _prepare(x, op, codec, comm)
     _check_out(out, x)

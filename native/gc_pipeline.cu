@@ -149,6 +149,29 @@ GC_DEV float gc_sum_at(gc_in in, const gc_seg &s, float v, gc_u64 k, gc_u64 i)
     return v;
 }
 
+/* The amax bits of the values x0, x1 of this lane's code byte over the aligned
+ * team of `lanes` lanes that holds their scaling block, and in *finite whether
+ * all of the block's values are finite. Every lane of the warp must call it. */
+GC_DEV gc_u32 gc_pair_amax(float x0, float x1, unsigned int lanes, int *finite)
+{
+    gc_u32 bad = gc_team_max((gc_u32)(!gc_finite(x0) | !gc_finite(x1)), lanes);
+    *finite = bad == 0;
+    return gc_team_max(gc_amax_bits(gc_amax_bits(0u, x0), x1), lanes);
+}
+
+/* The E2M1 code byte of values x0 (global rounding index `index`) and x1 (absent
+ * unless has1), quantized as (x * pre) * factor (MX: pre 1, exact); 0 for a block
+ * that is not finite. */
+GC_DEV unsigned char gc_e2m1_pair(float x0, float x1, int has1, float pre, float factor,
+                                  int finite, int sr, gc_u64 key, gc_u64 index)
+{
+    gc_u32 c0 = finite ? gc_e2m1_code((x0 * pre) * factor, sr, gc_rnd_at(sr, key, index)) : 0u;
+    gc_u32 c1 = finite && has1 ? gc_e2m1_code((x1 * pre) * factor, sr,
+                                              gc_rnd_at(sr, key, index + 1))
+                               : 0u;
+    return (unsigned char)(c0 | (c1 << 4));
+}
+
 /* ---- encoders ----------------------------------------------------------------- */
 
 /* RAW and BF16: one thread per value. */
@@ -309,24 +332,15 @@ extern "C" __global__ void gc_pipe_nvfp4_encode(const float *x, const gc_u64 *ta
 #pragma unroll
     for (int r = 0; r < GC_PIPE_NVFP4_PAIRS; ++r) {
         gc_u64 p = first + (gc_u64)r * GC_PIPE_NVFP4_THREADS;
-        float x0 = v[2 * r];
-        float x1 = v[2 * r + 1];
-        gc_u32 bm = gc_team_max(gc_amax_bits(gc_amax_bits(0u, x0), x1), lanes);
-        gc_u32 bad = gc_team_max((gc_u32)(!gc_finite(x0) | !gc_finite(x1)), lanes);
+        int finite;
+        gc_u32 bm = gc_pair_amax(v[2 * r], v[2 * r + 1], lanes, &finite);
         if (p >= npairs)
             continue;
-        int finite = bad == 0;
         gc_u8 sc = gc_nvfp4_scale_code(gc_float(bm), spre, sfactor, finite, sr);
         float pre;
         float factor = gc_quant_factor(gc_e4m3_value(sc) * scale, 1.0f, &pre);
-        gc_u32 c0 = finite ? gc_e2m1_code((x0 * pre) * factor, sr,
-                                          gc_rnd_at(sr, key, s.index + 2 * p))
-                           : 0u;
-        gc_u32 c1 = finite && 2 * p + 1 < n
-                        ? gc_e2m1_code((x1 * pre) * factor, sr,
-                                       gc_rnd_at(sr, key, s.index + 2 * p + 1))
-                        : 0u;
-        codes[p] = (unsigned char)(c0 | (c1 << 4));
+        codes[p] = gc_e2m1_pair(v[2 * r], v[2 * r + 1], 2 * p + 1 < n, pre, factor, finite, sr,
+                                key, s.index + 2 * p);
         if ((p & (lanes - 1)) == 0)
             bscales[p / lanes] = sc;
     }
@@ -370,19 +384,14 @@ extern "C" __global__ void gc_pipe_mxfp4_encode(const float *x, const gc_u64 *ta
     int has1 = 2 * p + 1 < s.count;
     float x0 = has0 ? gc_sum_at(incoming, s, x[s.values + 2 * p], 0, 2 * p) : 0.0f;
     float x1 = has1 ? gc_sum_at(incoming, s, x[s.values + 2 * p + 1], 0, 2 * p + 1) : 0.0f;
-    gc_u32 m = gc_team_max(gc_amax_bits(gc_amax_bits(0u, x0), x1), lanes);
-    gc_u32 bad = gc_team_max((gc_u32)(!gc_finite(x0) | !gc_finite(x1)), lanes);
+    int finite;
+    gc_u32 m = gc_pair_amax(x0, x1, lanes, &finite);
     if (!has0)
         return;
-    int finite = bad == 0;
     int e = gc_mx_exponent(gc_float(m), 2, GC_E2M1_MAX, rceil);
-    float factor = gc_mx_factor(e);
-    gc_u32 c0 = finite ? gc_e2m1_code(x0 * factor, sr, gc_rnd_at(sr, key, s.index + 2 * p)) : 0u;
-    gc_u32 c1 = finite && has1 ? gc_e2m1_code(x1 * factor, sr,
-                                              gc_rnd_at(sr, key, s.index + 2 * p + 1))
-                               : 0u;
     unsigned char *w = wire + s.wire;
-    w[s.scales + p] = (unsigned char)(c0 | (c1 << 4));
+    w[s.scales + p] = gc_e2m1_pair(x0, x1, has1, 1.0f, gc_mx_factor(e), finite, sr, key,
+                                   s.index + 2 * p);
     if ((p & (lanes - 1)) == 0)
         w[p / lanes] = finite ? (unsigned char)(e + 127) : (unsigned char)0xffu;
 }
