@@ -12,13 +12,16 @@ the same algorithm, with the same bits, as one launch per phase and stage:
   call on the host, a pure function of the pieces, the rank and the format;
   one upload per call.
 * **per stage**: one launch encodes this rank's pieces of the other ``N - 1``
-  shards (two for fp8 with blocks above TEAM_MAX: amax, then codes); one
-  grouped all-to-all; one launch adds the owner's piece and the ``N - 1``
-  received bodies in rank order (own piece first) and encodes the sum,
-  without storing it (``gc_pipe_reduce`` stores it instead for reduce-scatter
-  and for calls with a map, which needs the sum); one grouped all-gather
-  (an all-to-all whose rank sends its own body, encoded in place in the
-  receive buffer, to every other rank); one launch decodes every piece.
+  shards (two for fp8 walked by tiles, block 0 or above TEAM_MAX: amax, then
+  codes); one grouped all-to-all; one launch adds the owner's piece and the
+  ``N - 1`` received bodies in rank order (own piece first) and encodes the
+  sum, without storing it (``gc_pipe_reduce`` stores it instead for
+  reduce-scatter and for calls with a map, which needs the sum); one grouped
+  all-gather (an all-to-all whose rank sends its own body, encoded in place
+  in the receive buffer, to every other rank); one launch decodes every
+  piece. Stochastic rounding draws as the host path does: this rank's stream
+  1 for its pieces of other shards, stream 2 for its own sum, at each value's
+  global index.
 * **streams**: kernels run on the caller's current stream, NCCL on the
   communicator's. A grouped NCCL call first makes its stream wait for an
   event recorded on the current stream (the encode that filled what it sends,
