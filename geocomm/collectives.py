@@ -46,15 +46,17 @@ from geocomm.codecs import (
     get_codec,
 )
 from geocomm.codecs.base import DTYPE_CODES
-from geocomm.comm.base import Communicator, wait
+from geocomm.comm.base import Communicator, wait_ordered
 from geocomm.pipeline import (
     DEFAULT_CHUNK_ELEMS,
+    PIECE_ALIGN,
     Pieces,
-    Pipeline,
     _segments,
     array_module,
     mix64,
+    run_pipeline,
     shard_bounds,
+    stage_values,
 )
 
 OPS = ("sum", "avg")
@@ -276,7 +278,8 @@ def _prepare(x: Any, op: str, codec: Any, comm: Communicator | None) -> tuple[
             "float64 arrays are not compressed (the formats start from float32); cast to "
             "float32 first or use codec='none' for an exact float64 reduction"
         )
-    return x, codec.for_count(x.size), get_comm(comm)
+    comm = get_comm(comm)
+    return x, codec.for_count(x.size, comm.backend, comm.size), comm
 
 
 # ---------------------------------------------------------------------------
@@ -295,7 +298,9 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
     "sum" or "avg". ``key`` names the tensor for transforming codecs
     (GeoFP8); ``parts`` instead names several: a sequence of (key, shape)
     that tiles the flat buffer in order (a DDP bucket), each mapped on its
-    own in one pipeline. Results are bitwise identical on every rank.
+    own in one pipeline. ``chunk_elems``: values per pipeline stage (default: the
+    backend's, :func:`geocomm.pipeline.stage_values`; the bits do not depend on it).
+    Results are bitwise identical on every rank.
     """
     x, codec, comm = _prepare(x, op, codec, comm)
     _check_out(out, x)
@@ -319,15 +324,15 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
             total = xp.empty(x.size, np.float32)
         transform, residual = _stateful_parts(codec, "allreduce", tensors, x.size, xp)
         planned = plan_parts(transform, values, tensors, bounds)
-        pieces = Pieces.plan(x.size, comm.size, chunk_elems or DEFAULT_CHUNK_ELEMS)
+        pieces = Pieces.plan(x.size, comm.size, chunk_elems or _stage_values(comm, codec, x.size))
         stream = _rounding_stream(codec, tensors)
         if not planned and residual is None:
-            Pipeline(comm, codec, pieces, values, total, 0, gather=True, stream=stream).run()
+            run_pipeline(comm, codec, pieces, values, total, 0, gather=True, stream=stream)
         else:  # map piece by piece into the result, reduce there in place, map back
             sums = side_sums(comm, planned)
             parts_map = PartsMap(values, total, total, 0, tensors, planned, sums, residual, codec)
-            Pipeline(comm, codec, pieces, total, total, 0, gather=True, mapper=parts_map,
-                     stream=stream).run()
+            run_pipeline(comm, codec, pieces, total, total, 0, gather=True, mapper=parts_map,
+                         stream=stream)
             parts_map.finish(0, x.size)
             lo, hi = int(bounds[comm.rank]), int(bounds[comm.rank + 1])
             refresh(comm, transform, planned, sums, total[lo:hi], lo, hi)
@@ -339,6 +344,12 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
     if not _same_memory(out, result):
         out[...] = result
     return out
+
+
+def _stage_values(comm: Communicator, codec: Codec, count: int) -> int:
+    """The backend's stage size for ``count`` values (docs/design.md, "The collective")."""
+    return stage_values(comm.backend, count, comm.size, codec.wire_size(PIECE_ALIGN) /
+                        (4 * PIECE_ALIGN))
 
 
 def _divide(values: Any, size: int) -> None:
@@ -400,18 +411,18 @@ def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", *, key: Any = Non
     else:
         values = _as_float32(x)
         shard = xp.empty(hi - lo, np.float32)
-        pieces = Pieces.plan(x.size, comm.size, chunk_elems or DEFAULT_CHUNK_ELEMS)
+        pieces = Pieces.plan(x.size, comm.size, chunk_elems or _stage_values(comm, codec, x.size))
         transform, residual = _stateful_parts(codec, "reduce_scatter", tensors, x.size, xp)
         planned = plan_parts(transform, values, tensors, bounds)
         stream = _rounding_stream(codec, tensors)
         if not planned and residual is None:
-            Pipeline(comm, codec, pieces, values, shard, lo, gather=False, stream=stream).run()
+            run_pipeline(comm, codec, pieces, values, shard, lo, gather=False, stream=stream)
         else:
             sums = side_sums(comm, planned)
             # pieces are mapped into a scratch as they go: no full-size buffer
             parts_map = PartsMap(values, None, shard, lo, tensors, planned, sums, residual, codec)
-            Pipeline(comm, codec, pieces, values, shard, lo, gather=False, mapper=parts_map,
-                     stream=stream).run()
+            run_pipeline(comm, codec, pieces, values, shard, lo, gather=False, mapper=parts_map,
+                         stream=stream)
             parts_map.finish(lo, hi)
             refresh(comm, transform, planned, sums, shard, lo, hi)
     if op == "avg":
@@ -436,14 +447,14 @@ def allgather(x: Any, codec: Any = None, *, comm: Communicator | None = None,
         send = xp.ascontiguousarray(x, np.float64).reshape(-1).view(np.uint8)
         recv = xp.empty(comm.size * send.size, np.uint8)
         counts, displs = _segments([send.size] * comm.size)
-        wait(comm.allgatherv(send, recv, counts, displs), "an all-gather", comm.rank)
+        wait_ordered(comm.allgatherv(send, recv, counts, displs), "an all-gather", comm.rank)
         return recv.view(np.float64).reshape((comm.size, *x.shape))
     seg = codec.wire_size(x.size)
     send = xp.empty(seg, np.uint8)
     codec.encode_wire(_as_float32(x), send)
     recv = xp.empty(comm.size * seg, np.uint8)
     counts, displs = _segments([seg] * comm.size)
-    wait(comm.allgatherv(send, recv, counts, displs), "an all-gather", comm.rank)
+    wait_ordered(comm.allgatherv(send, recv, counts, displs), "an all-gather", comm.rank)
     values = xp.empty((comm.size, x.size), np.float32)
     for j in range(comm.size):
         codec.decode_wire(recv[j * seg: (j + 1) * seg], values[j])

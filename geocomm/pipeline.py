@@ -27,17 +27,20 @@ codecs use.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
+from geocomm import backends
 from geocomm.codecs import Codec
 from geocomm.codecs.formats import NoneCodec
 from geocomm.comm.base import Communicator, Request, wait
 
-#: Values of the whole buffer per pipeline stage (all shards together).
-DEFAULT_CHUNK_ELEMS = 1 << 20
+#: Values of the whole buffer per pipeline stage (all shards together) on host
+#: backends; devices take :func:`stage_values`.
+DEFAULT_CHUNK_ELEMS = backends.HOST_STAGE_VALUES
 #: Pieces start at multiples of this many values from their shard's start, so no
 #: scaling block is split (fp8's 128, MX's 32, NVFP4's superblocks of 4096 and
 #: blocks of 16), and every scale covers the same values whatever chunk_elems
@@ -100,6 +103,15 @@ class Pieces:
         start, end = int(self.bounds[shard]), int(self.bounds[shard + 1])
         lo = min(start + stage * self.piece, end)
         return lo, min(lo + self.piece, end)
+
+
+def stage_values(backend: str | None, count: int, size: int,
+                 ratio: float = backends.FP8_RATIO) -> int:
+    """Values per pipeline stage (``chunk_elems``) for ``count`` values on ``size`` ranks
+    of ``backend``: measured for host backends, the cost model's for devices
+    (:func:`geocomm.backends.stage_values`, whose docstring states the model);
+    ``ratio``: the codec's wire bytes per fp32 byte."""
+    return backends.stage_values(backend, count, size, ratio)
 
 
 def wire_bytes(codec: Codec, pieces: Pieces, rank: int, gather: bool = True) -> int:
@@ -198,6 +210,23 @@ class RangeMap(Protocol):
     def encoded(self, lo: int, hi: int, values: Any, wire: Any) -> None: ...
 
     def done(self, lo: int, hi: int) -> None: ...
+
+
+def schedule(stages: int, gather: bool) -> Iterator[tuple[str, int]]:
+    """The phases of a call in order, as (method of :class:`Pipeline`, stage): three
+    stages in flight, so stage s is encoded while s - 1's all-to-all and s - 2's
+    all-gather move."""
+    for s in range(stages + 2):
+        if s < stages:
+            yield "encode_stage", s
+            yield "start_alltoall", s
+        if 1 <= s <= stages:
+            yield "reduce_stage", s - 1
+            if gather:
+                yield "reencode_stage", s - 1
+                yield "start_allgather", s - 1
+        if gather and s >= 2:
+            yield "decode_stage", s - 2
 
 
 class Pipeline:
@@ -335,20 +364,32 @@ class Pipeline:
             self._done(lo, hi)
 
     def run(self) -> None:
-        stages = self.pieces.stages
-        for s in range(stages + 2):
-            if s < stages:
-                self.encode_stage(s)
-                self.start_alltoall(s)
-            if 1 <= s <= stages:
-                self.reduce_stage(s - 1)
-                if self.gather:
-                    self.reencode_stage(s - 1)
-                    self.start_allgather(s - 1)
-            if self.gather and s >= 2:
-                self.decode_stage(s - 2)
-        # every request has completed (each phase waited on its own)
+        for phase, s in schedule(self.pieces.stages, self.gather):
+            getattr(self, phase)(s)
+        self.release()
+
+    def release(self) -> None:
+        """Give the scratch back (every request has completed: each phase waited on its own)."""
         _SCRATCH.give_back(self.a2a_send + self.a2a_recv + self.ag_send + self.ag_recv)
+
+
+def run_pipeline(comm: Communicator, codec: Codec, pieces: Pieces, source: Any, result: Any,
+                 result_offset: int, gather: bool, mapper: RangeMap | None = None,
+                 stream: int = 0) -> None:
+    """Run one call's pipeline (arguments as :class:`Pipeline`'s). CuPy arrays over NCCL
+    whose codec sends a native format's bytes take the batched pipeline of
+    :mod:`geocomm.gpu_pipeline` (one kernel per phase and stage, waits ordered on
+    streams; it returns with the work queued on the current stream); everything else
+    the host-driven :class:`Pipeline`. Both give the same bits."""
+    if array_module(source) is not np and comm.backend == "nccl":
+        from geocomm import gpu_pipeline
+
+        fmt = gpu_pipeline.wire_format(codec)
+        if fmt is not None:
+            gpu_pipeline.BatchedPipeline(comm, fmt, pieces, source, result, result_offset,
+                                         gather, mapper, stream).run()
+            return
+    Pipeline(comm, codec, pieces, source, result, result_offset, gather, mapper, stream).run()
 
 
 _PLAIN = NoneCodec()
@@ -369,5 +410,5 @@ def exact_sum(comm: Communicator, values: Any) -> Any:
         total[...] = source
         return total
     pieces = Pieces.plan(source.size, comm.size, max(source.size, DEFAULT_CHUNK_ELEMS))
-    Pipeline(comm, _PLAIN, pieces, source, total, 0, gather=True).run()
+    run_pipeline(comm, _PLAIN, pieces, source, total, 0, gather=True)
     return total

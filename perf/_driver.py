@@ -113,7 +113,8 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
     comm = get_comm()
     rank, size = comm.rank, comm.size
     codec = resolve_codec({"id": args.codec, **json.loads(args.codec_args)})
-    big = codec.for_count(args.maxbytes // np.dtype(DTYPES[args.datatype]).itemsize)
+    big = codec.for_count(args.maxbytes // np.dtype(DTYPES[args.datatype]).itemsize,
+                          comm.backend, size)
     kind = args.input if args.input != "auto" else (
         "gradient" if isinstance(big, TransformingCodec) else "gaussian")
     dtype = DTYPES[args.datatype]
@@ -144,7 +145,7 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
         for _ in range(args.warmup_iters):
             call()
         seconds = timed(comm, call, args.iters)
-        used = codec.for_count(count)  # what carried this size (codec "auto" switches)
+        used = codec.for_count(count, comm.backend, size)  # what carried it ("auto" switches)
         transforms = isinstance(used, TransformingCodec)
         metered = MeteredComm(comm)
         result = call(comm=metered)

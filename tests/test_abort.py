@@ -8,9 +8,11 @@ behaviour is checked by tests/test_faults.py under plain mpiexec.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -238,7 +240,31 @@ def fake_nccl_comm(log: list, size: int = 2):
     comm.device = contextlib.nullcontext()
     comm.nccl_comm, comm.mpi_comm = _NcclHandle(log), _MpiComm(log)
     comm.aborted = comm.closed = False
+    comm.queued = collections.deque()
     return comm
+
+
+class _DoneEvent:
+    done = True
+
+
+def test_nccl_overdue_transfer_aborts_at_the_next_call(monkeypatch):
+    """Collectives return with their transfers queued; the next call into the
+    communicator looks (without blocking) at the oldest one still queued and, past
+    GEOCOMM_TIMEOUT, aborts NCCL and raises instead of queueing behind it."""
+    monkeypatch.setenv("GEOCOMM_TIMEOUT", "5")
+    log: list = []
+    comm = fake_nccl_comm(log)
+    now = time.monotonic()
+    comm.queued.extend([(now - 60, _DoneEvent()), (now - 1, _Event())])
+    comm._check_overdue()  # the completed one is forgotten, the pending one is young
+    assert len(comm.queued) == 1 and log == []
+    comm.queued.appendleft((now - 6, _Event()))
+    with pytest.raises(CollectiveTimeout, match=r"queued 6\.\d s ago"):
+        comm._check_overdue()
+    assert log == ["ncclCommAbort"] and comm.aborted
+    with pytest.raises(RuntimeError, match="aborted"):
+        comm.synchronize()
 
 
 def test_nccl_timeout_aborts_the_communicator(monkeypatch):

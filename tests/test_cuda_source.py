@@ -1,9 +1,10 @@
 """CPU-only checks of the GPU path: the CUDA kernels compile, and the CuPy/NCCL
 modules degrade cleanly without CuPy.
 
-``nvcc`` (no GPU needed) compiles the exact translation unit that
-geocomm.cuda hands to NVRTC, with warnings as errors, so a CUDA compile error
-fails CI. A PTX scan then checks the flags that bit-exactness rests on: no
+``nvcc`` (no GPU needed) compiles the exact translation units that
+geocomm.cuda and geocomm.gpu_pipeline hand to NVRTC (the codec's kernels,
+and the batched pipeline's, native/gc_pipeline.cu), with warnings as errors,
+so a CUDA compile error fails CI. A PTX scan then checks the flags that bit-exactness rests on: no
 fused multiply-add, no flush-to-zero, no approximate division. Whether the
 kernels give the C core's bytes is checked on a GPU by perf/gpu_check.py.
 """
@@ -22,7 +23,7 @@ import pytest
 
 import geocomm.comm.nccl as nccl_mod
 import geocomm.cuda as gcuda
-from geocomm import native
+from geocomm import gpu_pipeline, native
 
 
 def _nvcc() -> str | None:
@@ -46,33 +47,57 @@ def _run_nvcc(args: list[str], cwd: Path) -> None:
     assert proc.returncode == 0, f"nvcc {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
 
 
+#: The NVRTC units and the entry points each must hold: the codec's kernels
+#: (geocomm.cuda) and the batched pipeline's (geocomm.gpu_pipeline, which
+#: includes the codec's helpers).
+UNITS = {
+    "codec": (gcuda.kernel_source, {
+        "gc_amax_tiles", "gc_fp8_encode_team", "gc_fp8_encode_tiles", "gc_fp8_decode_team",
+        "gc_fp8_decode_tiles", "gc_nvfp4_encode", "gc_e2m1_decode", "gc_bf16_encode",
+        "gc_bf16_decode", "gc_mxfp8_encode", "gc_mxfp8_decode", "gc_mxfp4_encode",
+        "gc_divide_f32", "gc_divide_f64"}),
+    "pipeline": (gpu_pipeline.kernel_source, {
+        "gc_pipe_value_encode", "gc_pipe_fp8_encode_team", "gc_pipe_amax_tiles",
+        "gc_pipe_fp8_encode_tiles", "gc_pipe_nvfp4_encode", "gc_pipe_mxfp8_encode",
+        "gc_pipe_mxfp4_encode", "gc_pipe_reduce", "gc_pipe_decode", "gc_pipe_fp8_decode_team",
+        "gc_pipe_fp8_decode_tiles"}),
+}
+
+
+@pytest.fixture(params=list(UNITS))
+def unit(request, tmp_path: Path) -> tuple[Path, set[str]]:
+    """A kernel unit exactly as NVRTC gets it (headers inlined), in a private folder,
+    and the entry points it must define."""
+    source, entries = UNITS[request.param]
+    path = tmp_path / f"gc_{request.param}.cu"
+    path.write_text(source())
+    return path, entries
+
+
 @pytest.fixture
 def kernel_cu(tmp_path: Path) -> Path:
-    """The kernel source exactly as NVRTC gets it (header inlined), in a private folder."""
+    """The codec's kernel source exactly as NVRTC gets it (header inlined)."""
     path = tmp_path / "gc_kernels.cu"
     path.write_text(gcuda.kernel_source())
     return path
 
 
 @needs_nvcc
-def test_kernels_compile_for_sm90(kernel_cu: Path, tmp_path: Path):
+def test_kernels_compile_for_sm90(unit, tmp_path: Path):
     obj = tmp_path / "gc_kernels.o"
-    _run_nvcc(["-c", "-arch=sm_90", *NVCC_FLAGS, str(kernel_cu), "-o", str(obj)], tmp_path)
+    _run_nvcc(["-c", "-arch=sm_90", *NVCC_FLAGS, str(unit[0]), "-o", str(obj)], tmp_path)
     assert obj.stat().st_size > 0
 
 
 @needs_nvcc
-def test_kernel_ptx_is_ieee(kernel_cu: Path, tmp_path: Path):
+def test_kernel_ptx_is_ieee(unit, tmp_path: Path):
     """sm_80 PTX: every fp32 multiply/add is .rn (ptxas may not fuse it), no .ftz, no approx."""
     ptx_path = tmp_path / "gc_kernels.ptx"
-    _run_nvcc(["-ptx", "-arch=compute_80", *NVCC_FLAGS, str(kernel_cu), "-o", str(ptx_path)],
+    _run_nvcc(["-ptx", "-arch=compute_80", *NVCC_FLAGS, str(unit[0]), "-o", str(ptx_path)],
               tmp_path)
     ptx = ptx_path.read_text()
     entries = set(re.findall(r"\.entry\s+(\w+)", ptx))
-    assert {"gc_amax_tiles", "gc_fp8_encode_team", "gc_fp8_encode_tiles", "gc_fp8_decode_team",
-            "gc_fp8_decode_tiles", "gc_nvfp4_encode", "gc_e2m1_decode", "gc_bf16_encode",
-            "gc_bf16_decode", "gc_mxfp8_encode", "gc_mxfp8_decode", "gc_mxfp4_encode",
-            "gc_divide_f32", "gc_divide_f64"} <= entries
+    assert unit[1] <= entries
     instructions = [line.split()[0] for line in ptx.splitlines()
                     if line.strip() and not line.lstrip().startswith(("//", ".", "{", "}", "$"))]
     assert not [i for i in instructions if i.startswith("fma")], "fused multiply-add in PTX"
@@ -84,11 +109,30 @@ def test_kernel_ptx_is_ieee(kernel_cu: Path, tmp_path: Path):
 
 
 @needs_nvcc
-def test_kernel_file_compiles_with_include(tmp_path: Path):
-    """The installed gc_cuda.cu also compiles as a file that includes gc_scalar.h."""
+@pytest.mark.parametrize("name", ["gc_cuda.cu", "gc_pipeline.cu"])
+def test_kernel_file_compiles_with_include(tmp_path: Path, name: str):
+    """The installed kernel files also compile as files that include their headers."""
     src = gcuda._source_dir()
-    _run_nvcc(["-c", "-arch=sm_80", *NVCC_FLAGS, "-I", str(src), str(src / "gc_cuda.cu"),
-               "-o", str(tmp_path / "gc_cuda.o")], tmp_path)
+    _run_nvcc(["-c", "-arch=sm_80", *NVCC_FLAGS, "-I", str(src), str(src / name),
+               "-o", str(tmp_path / "kernels.o")], tmp_path)
+
+
+@needs_nvcc
+def test_pipeline_kernels_keep_registers_and_no_stack(tmp_path: Path):
+    """sm_90: the NVFP4 encoder keeps its 16 values in registers (no local memory), and
+    no batched kernel spills: a spill would cost more memory traffic than the data."""
+    path = tmp_path / "gc_pipeline.cu"
+    path.write_text(gpu_pipeline.kernel_source())
+    proc = subprocess.run([NVCC, "-c", "-arch=sm_90", *NVCC_FLAGS, "-Xptxas", "-v", str(path),
+                           "-o", str(tmp_path / "p.o")], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    report = re.split(r"Compiling entry function '(\w+)'", proc.stderr)
+    stats = dict(zip(report[1::2], report[2::2], strict=True))
+    pipeline = {name: text for name, text in stats.items() if name.startswith("gc_pipe_")}
+    assert set(pipeline) == UNITS["pipeline"][1]
+    for name, text in pipeline.items():
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in text, name
 
 
 # ---------------------------------------------------------------------------

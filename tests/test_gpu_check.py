@@ -18,11 +18,12 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
 
-from geocomm import cuda, native
+from geocomm import cuda, gpu_pipeline, native
 
 SCRIPT = Path(__file__).resolve().parents[1] / "perf" / "gpu_check.py"
 
@@ -114,6 +115,7 @@ class FakeStream:
 class FakeDevice:
     id = 0
     compute_capability = "90"
+    attributes: ClassVar[dict] = {"ClockRate": 1_980_000}
 
     def synchronize(self):
         pass
@@ -128,9 +130,10 @@ def fake_cupy() -> types.SimpleNamespace:
         __version__="fake", asarray=lambda a, dtype=None: np.array(a, dtype=dtype),
         asnumpy=lambda a: np.array(a), full=np.full, zeros=np.zeros, empty=np.empty,
         empty_like=np.empty_like, concatenate=np.concatenate, arange=np.arange,
-        copyto=np.copyto, uint8=np.uint8, int8=np.int8, int64=np.int64, float32=np.float32,
-        float64=np.float64, random=types.SimpleNamespace(default_rng=np.random.default_rng),
-        cuda=cuda_ns)
+        copyto=np.copyto, uint8=np.uint8, int8=np.int8, int64=np.int64, uint32=np.uint32,
+        float32=np.float32, float64=np.float64,
+        random=types.SimpleNamespace(default_rng=np.random.default_rng), cuda=cuda_ns,
+        RawKernel=lambda source, name: (lambda grid, block, args: None))
 
 
 def _fmt(fmt):
@@ -145,6 +148,8 @@ def stand_ins(gc, monkeypatch):
                         native.encode(_fmt(fmt), x, block, wire))
     monkeypatch.setattr(cuda, "decode", lambda fmt, wire, block, out, accumulate=False,
                         stream=None: native.decode(_fmt(fmt), wire, block, out, accumulate))
+    # the batched kernels: their contract run by the C core
+    monkeypatch.setattr(gpu_pipeline, "CudaKernels", gpu_pipeline.HostKernels)
 
     class StandInContext(gc.Context):
         def nccl(self):
@@ -187,12 +192,64 @@ def test_bytes_section_names_a_wrong_byte(gc, stand_ins, monkeypatch):
     assert result["rows"][0]["encode_vs_native"]["first"] == native.wire_size(1, 17, 128) - 1
 
 
-def test_collectives_section_compares_every_case(gc, stand_ins):
+def test_collectives_section_compares_every_case(gc, stand_ins, monkeypatch):
+    full = gc.check_lockstep
+    monkeypatch.setattr(gc, "check_lockstep", lambda ctx: full(ctx, n=9001))
     result = gc.check_collectives(stand_ins, n=3001, chunk=256)
     assert result["ok"], result["failures"][:3]
     cases = {(r["collective"], r["dtype"], r["codec"], r["in_place"]) for r in result["rows"]}
-    assert len(cases) == len(result["rows"]) == 3 * 3 * 5 + 3 * 5  # allreduce also in place
+    codecs = len(gc.COLLECTIVE_CODECS)
+    # allreduce also in place; then every codec but the map on 3 loopback ranks, both ways
+    assert len(cases) == len(result["rows"]) == 3 * 3 * codecs + 3 * codecs + 2 * (codecs - 1)
     assert ("allreduce", "bfloat16", "nvfp4", True) in cases
+    assert ("reduce_scatter x3 loopback", "float32", "mxfp4 stochastic", False) in cases
+    lockstep = [r for r in result["rows"] if "loopback" in r["collective"]]
+    assert all({"rank0", "rank1", "rank2"} <= set(r) for r in lockstep)
+
+
+def test_collectives_cover_every_format_and_the_map(gc):
+    import geocomm
+
+    formats = {gpu_pipeline.wire_format(geocomm.get_codec(c)).family
+               for c in gc.COLLECTIVE_CODECS.values()}
+    assert formats == {gpu_pipeline.RAW, gpu_pipeline.FP8, gpu_pipeline.NVFP4,
+                       gpu_pipeline.BF16, gpu_pipeline.MXFP8, gpu_pipeline.MXFP4}
+    walks = {gpu_pipeline.encode_walk(gpu_pipeline.wire_format(geocomm.get_codec(c)))
+             for c in gc.COLLECTIVE_CODECS.values()}
+    assert {"team", "tile", "superblock", "pair", "value"} <= walks
+    assert any(isinstance(c, dict) and c.get("error_feedback")
+               for c in gc.COLLECTIVE_CODECS.values())
+
+
+def test_batched_checks_cover_every_format_and_walk(gc, stand_ins):
+    """Every batched config runs its four comparisons (equal here by construction)."""
+    import geocomm
+
+    rng = np.random.default_rng(4)
+    x = gc.cases(rng, big=0)[1][1]  # edge values
+    others = [gc.wide(rng, 20_000) for _ in range(3)]
+    walks = set()
+    for name, config in gc.batched_configs():
+        row = gc.check_batched(stand_ins.cp, name, config, x, others)
+        assert row["ok"], row
+        assert {"encode", "decode", "sum_encode", "sum"} <= set(row)
+        walks.add(gpu_pipeline.encode_walk(gpu_pipeline.wire_format(geocomm.get_codec(config))))
+    assert walks == {"team", "tile", "superblock", "pair", "value"}
+    assert sum("stochastic" in name for name, _ in gc.batched_configs()) == len(
+        gc.BATCHED_CODECS) - 1
+
+
+def test_batched_check_names_a_wrong_byte(gc, stand_ins, monkeypatch):
+    class OffByOne(gpu_pipeline.HostKernels):
+        def encode(self, fmt, x, seg, wire, amax, incoming=None, stream=0):
+            super().encode(fmt, x, seg, wire, amax, incoming, stream)
+            wire[-1] ^= 1
+
+    monkeypatch.setattr(gpu_pipeline, "CudaKernels", OffByOne)
+    rng = np.random.default_rng(5)
+    row = gc.check_batched(stand_ins.cp, "fp8", {"id": "fp8"}, gc.wide(rng, 30_000),
+                           [gc.wide(rng, 20_000)])
+    assert not row["ok"] and not row["encode"]["equal"] and row["decode"]["equal"]
 
 
 def test_geofp8_section_runs_the_same_sequence(gc, stand_ins):
@@ -206,7 +263,16 @@ def test_timing_section_reports_every_operation(gc, stand_ins):
     ops = [r["op"] for r in result["pipeline"]]
     assert ops == ["cupy copy", "NCCL all-reduce (fp32)", "geocomm fp8 pipeline"]
     assert result["pipeline"][0]["vs_copy"] == 1.0
-    assert all(r["GBps"] > 0 for r in result["pipeline"])
+    assert all(r["GBps"] > 0 and r["gpu_GBps"] > 0 for r in result["pipeline"])
+    assert result["pipeline"][2]["stages"] == 1 and result["pipeline"][0]["stages"] is None
+    # the fake device times every call alike: the pipeline meets the must-show
+    assert result["ok"] and result["pipeline"][2]["vs_copy"] >= gc.MUST_SHOW_VS_COPY
+    stage = result["stage_cost"]
+    assert stage["stages"] == 8 and stage["model_stage_s"] is None  # MPI: a host backend
+    report = {"ok": True, "seconds": 1.0, "environment": {"device": "fake"},
+              "sections": {"timing": {**result, "status": "ran", "seconds": 1.0}}}
+    md = gc.markdown(report)
+    assert "| 1 | geocomm fp8 pipeline | 1 |" in md and "device GB/s" in md
     assert {(r["fmt"], r["op"]) for r in result["kernels"]} >= {("e4m3", "encode"),
                                                                 ("nvfp4", "accumulate")}
 

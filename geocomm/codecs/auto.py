@@ -4,8 +4,12 @@ Below ``crossover_bytes`` (of fp32 data) the fixed costs of the compressed
 algorithm (two collectives instead of one, encode and decode calls) exceed
 what fewer bytes save, so the plain all-reduce is used; at and above it the
 ``codec`` given (default ``fp8``). The choice depends only on the element
-count, which every rank shares, so all ranks choose alike. The default
-crossover is measured: see perf/results/crossover.md.
+count, the backend and the rank count, which every rank shares, so all ranks
+choose alike. By default (``crossover_bytes=None``) the crossover is the
+backend's (:func:`geocomm.backends.crossover_bytes`): measured for host
+backends (perf/results/crossover.md), modelled for devices, where a launch
+costs microseconds and the link moves hundreds of GB/s; a number fixes it for
+every backend.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from geocomm import backends
 from geocomm.codecs.base import Codec
 from geocomm.codecs.formats import NoneCodec
 
-#: Measured on an emulated 10 Gbit/s link, 2 ranks (perf/results/crossover.md):
-#: plain wins up to 256 KiB, ties at 1 MiB, fp8 is 3.8x faster at 4 MiB.
-DEFAULT_CROSSOVER_BYTES = 2 << 20
+#: The host backends' crossover (measured: see geocomm.backends.HOST_CROSSOVER_BYTES).
+DEFAULT_CROSSOVER_BYTES = backends.HOST_CROSSOVER_BYTES
+#: Values whose wire size gives the inner codec's wire bytes per fp32 byte (the model's ratio).
+_RATIO_VALUES = 1 << 20
 
 
 class AutoCodec(Codec):
@@ -27,25 +33,36 @@ class AutoCodec(Codec):
 
     codec_id: ClassVar[str] = "auto"
 
-    def __init__(self, codec: Any = "fp8", crossover_bytes: int = DEFAULT_CROSSOVER_BYTES):
+    def __init__(self, codec: Any = "fp8", crossover_bytes: int | None = None):
         from geocomm.codecs.registry import get_codec
 
         self.inner = get_codec(codec)
         if isinstance(self.inner, AutoCodec) or self.inner.lossless:
             raise ValueError("auto needs a compressing codec to switch to")
-        if not isinstance(crossover_bytes, (int, np.integer)) or crossover_bytes < 0:
-            raise ValueError(f"crossover_bytes must be a non-negative integer, got "
+        if crossover_bytes is not None and (
+                not isinstance(crossover_bytes, (int, np.integer)) or crossover_bytes < 0):
+            raise ValueError(f"crossover_bytes must be None or a non-negative integer, got "
                              f"{crossover_bytes!r}")
-        self.crossover_bytes = int(crossover_bytes)
+        self.crossover_bytes = None if crossover_bytes is None else int(crossover_bytes)
         self._plain = NoneCodec()
 
     def get_config(self) -> dict[str, Any]:
         return {"id": self.codec_id, "codec": self.inner.get_config(),
                 "crossover_bytes": self.crossover_bytes}
 
-    def for_count(self, count: int) -> Codec:
-        """The codec used for ``count`` values: plain below the crossover."""
-        return self.inner if 4 * count >= self.crossover_bytes else self._plain
+    def crossover_for(self, backend: str | None = None, size: int = 2) -> int | None:
+        """fp32 bytes from which ``count`` values go compressed on ``size`` ranks of
+        ``backend`` (None: never): the configured number, else the backend's."""
+        if self.crossover_bytes is not None:
+            return self.crossover_bytes
+        ratio = self.inner.wire_size(_RATIO_VALUES) / (4 * _RATIO_VALUES)
+        return backends.crossover_bytes(backend, size, ratio)
+
+    def for_count(self, count: int, backend: str | None = None, size: int = 2) -> Codec:
+        """The codec used for ``count`` values on ``size`` ranks of ``backend``: plain
+        below the crossover (:meth:`crossover_for`)."""
+        crossover = self.crossover_for(backend, size)
+        return self.inner if crossover is not None and 4 * count >= crossover else self._plain
 
     # standalone frames and the wire API use the compressing codec
     def wire_size(self, n: int) -> int:

@@ -81,6 +81,18 @@ def wait(request: Request, what: str, rank: int, timeout: float | None = None) -
             time.sleep(pause)
 
 
+def wait_ordered(request: Request, what: str, rank: int) -> None:
+    """Order what the caller does next after ``request``: a device request (one with
+    ``wait_stream()``, NCCL's) makes the current stream wait for it, without a host
+    wait (:mod:`geocomm.comm.nccl` says what times out then); any other is
+    :func:`wait`-ed for."""
+    wait_stream = getattr(request, "wait_stream", None)
+    if wait_stream is not None:
+        wait_stream()
+    else:
+        wait(request, what, rank)
+
+
 @runtime_checkable
 class Communicator(Protocol):
     """Rank, size and byte-moving collectives over flat contiguous arrays."""

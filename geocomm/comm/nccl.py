@@ -9,19 +9,36 @@ device-to-device copy); NCCL is never asked to sum codes.
 Streams: transfers run on the communicator's own non-blocking stream, which
 first waits for the work already queued on the caller's current stream (the
 encode that produced the send buffer). The returned request records an event
-after the transfer: ``test()`` polls it, ``wait()`` makes the caller's current
-stream wait on it and blocks the host until it completed. A request keeps its
-buffers alive until it is dropped, so CuPy's memory pool cannot hand them out
-while NCCL still uses them. ``allreduce`` (the uncompressed baseline) runs on
-the current stream, ordered like any CuPy operation.
+after the transfer: ``wait_stream()`` makes the caller's current stream wait
+on it without blocking the host (what the collectives do: the batched
+pipeline of :mod:`geocomm.gpu_pipeline` never waits on the host), ``test()``
+polls it, ``wait()`` also blocks the host until it completed. A request keeps
+its buffers alive until it is dropped; drop it only once the stream that
+allocated them waits for it (CuPy's pool hands memory out again on that
+stream only, so its later work runs after the transfer). ``allreduce`` (the
+uncompressed baseline) runs on the current stream, ordered like any CuPy
+operation.
 
-Failures: a request that times out (``GEOCOMM_TIMEOUT``) aborts the NCCL
-communicator before :class:`~geocomm.comm.base.CollectiveTimeout` is raised,
-so the transfers queued for a missing peer are cancelled instead of keeping
-the GPU (and ``ncclCommDestroy`` at exit) waiting forever; the communicator
-refuses further work. The MPI side (metadata all-gather, barrier) waits with
-the same timeout. With more than one rank an uncaught exception aborts NCCL,
-then the MPI job (:mod:`geocomm.comm.abort`).
+Failures and timeouts: since a collective returns with its transfers queued,
+``GEOCOMM_TIMEOUT`` bounds what the host waits for, not each transfer:
+
+* every call into the communicator first checks, without blocking, the
+  oldest transfer still queued: if it was queued more than the timeout ago,
+  a peer failed or never called; the NCCL communicator is aborted (which
+  cancels the transfers, so the streams waiting on them drain instead of
+  keeping the GPU, and ``ncclCommDestroy`` at exit, waiting forever) and
+  :class:`~geocomm.comm.base.CollectiveTimeout` is raised;
+* ``synchronize()``, ``barrier()`` and ``close()`` block until the queued
+  transfers complete, at most the timeout, then abort and raise likewise, as
+  does a request's ``wait()``;
+* the MPI side (the collectives' metadata all-gather, barrier) waits with the
+  same timeout, so a rank whose peer died fails at its next call there.
+
+A caller that synchronizes the device itself (``cupy.cuda.Device().
+synchronize()``) behind a transfer whose peer is gone waits without bound:
+call ``synchronize()`` first. The communicator refuses work once aborted.
+With more than one rank an uncaught exception aborts NCCL, then the MPI job
+(:mod:`geocomm.comm.abort`).
 
 The module imports without CuPy; ``available`` (computed on first access) says
 whether CuPy, NCCL and a CUDA device are usable, and constructing
@@ -31,13 +48,15 @@ missing.
 
 from __future__ import annotations
 
+import collections
 import functools
+import time
 from typing import Any
 
 import numpy as np
 
 from geocomm.comm import abort
-from geocomm.comm.base import wait
+from geocomm.comm.base import CollectiveTimeout, timeout_seconds, wait
 from geocomm.comm.mpi import _MPIRequest, require_mpi
 
 _OPS = {"sum": "NCCL_SUM", "max": "NCCL_MAX"}
@@ -148,6 +167,7 @@ class NCCLCommunicator:
         self.nccl_comm = nccl.NcclCommunicator(self.size, uid, self.rank)
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.aborted = self.closed = False
+        self.queued: collections.deque = collections.deque()  # (monotonic time, event)
         abort.register(self)
 
     # -- helpers ---------------------------------------------------------------
@@ -176,9 +196,25 @@ class NCCLCommunicator:
             raise RuntimeError(f"rank {self.rank}: this NCCL communicator was {why}; "
                                "create a new one")
 
+    def _check_overdue(self) -> None:
+        """Abort and raise CollectiveTimeout when the oldest transfer still queued was
+        queued more than GEOCOMM_TIMEOUT ago (a non-blocking look at its event)."""
+        while self.queued and self.queued[0][1].done:
+            self.queued.popleft()
+        if not self.queued:
+            return
+        waited = time.monotonic() - self.queued[0][0]
+        if waited > timeout_seconds():
+            self.abort_local()
+            raise CollectiveTimeout(
+                f"geocomm: rank {self.rank}: an NCCL transfer queued {waited:.1f} s ago has "
+                "not completed; a peer rank failed, exited or never called it "
+                "(GEOCOMM_TIMEOUT sets the limit)")
+
     def _start(self) -> None:
         """Order the communicator stream after the work queued so far on the current stream."""
         self._check_usable()
+        self._check_overdue()
         self.stream.wait_event(self._cupy.cuda.get_current_stream().record())
 
     def _copy(self, dst: Any, dst_off: int, src: Any, src_off: int, nbytes: int) -> None:
@@ -210,7 +246,9 @@ class NCCLCommunicator:
                         self.nccl_comm.recv(recv.data.ptr + off, cnt, uint8, peer, stream)
             finally:
                 nccl.groupEnd()
-            return _NCCLRequest(self.stream.record(), (send, recv), self.abort_local)
+            done = self.stream.record()
+            self.queued.append((time.monotonic(), done))
+            return _NCCLRequest(done, (send, recv), self.abort_local)
 
     # -- Communicator protocol -------------------------------------------------
 
@@ -235,6 +273,7 @@ class NCCLCommunicator:
     def allreduce(self, send: Any, recv: Any, op: str) -> None:
         """All-reduce (``op`` "sum" or "max") of float32/float64 cupy arrays (current stream)."""
         self._check_usable()
+        self._check_overdue()
         cupy = self._cupy
         for name, a in (("send", send), ("recv", recv)):
             if not isinstance(a, cupy.ndarray) or a.dtype not in _DTYPES \
@@ -264,9 +303,15 @@ class NCCLCommunicator:
     def barrier(self) -> None:
         """Wait for this rank's queued transfers, then for every rank (MPI barrier);
         each wait is bounded by GEOCOMM_TIMEOUT."""
+        self.synchronize()
+        wait(_MPIRequest(self.mpi_comm.Ibarrier()), "a barrier", self.rank)
+
+    def synchronize(self) -> None:
+        """Block until this rank's queued transfers completed: at most GEOCOMM_TIMEOUT,
+        then abort the communicator and raise CollectiveTimeout (unlike a device
+        synchronization, never forever)."""
         self._check_usable()
         self._drain()
-        wait(_MPIRequest(self.mpi_comm.Ibarrier()), "a barrier", self.rank)
 
     def _drain(self) -> None:
         """Wait (at most GEOCOMM_TIMEOUT, then abort) for the work queued on the
@@ -274,6 +319,7 @@ class NCCLCommunicator:
         with self.device:
             done = _NCCLRequest(self.stream.record(), (), self.abort_local)
         wait(done, "the queued NCCL transfers", self.rank)
+        self.queued.clear()
 
     def abort_local(self) -> None:
         """ncclCommAbort: cancel this rank's queued NCCL work and free the

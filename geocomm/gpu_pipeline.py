@@ -1,0 +1,609 @@
+"""The pipeline for CuPy arrays over NCCL: batched kernels, waits ordered on
+streams (docs/design.md, "The collective").
+
+The host-driven :class:`~geocomm.pipeline.Pipeline` launches a few kernels per
+piece and waits for every transfer from Python. :class:`BatchedPipeline` runs
+the same algorithm, with the same bits, as one launch per phase and stage:
+
+* **segment tables**: every launch covers the pieces of one table, a row of
+  ``len(FIELDS)`` uint64 per piece (where its values and wire body lie, its
+  stochastic-rounding index, its scale layout; ``native/gc_pipeline.cu``
+  documents the fields). :func:`call_plan` builds the rows of every stage of a
+  call on the host, a pure function of the pieces, the rank and the format;
+  one upload per call.
+* **per stage**: one launch encodes this rank's pieces of the other ``N - 1``
+  shards (two for fp8 walked by tiles, block 0 or above TEAM_MAX: amax, then
+  codes); one grouped all-to-all; one launch adds the owner's piece and the
+  ``N - 1`` received bodies in rank order (own piece first) and encodes the
+  sum, without storing it (``gc_pipe_reduce`` stores it instead for
+  reduce-scatter and for calls with a map, which needs the sum); one grouped
+  all-gather (an all-to-all whose rank sends its own body, encoded in place
+  in the receive buffer, to every other rank); one launch decodes every
+  piece. Stochastic rounding draws as the host path does: this rank's stream
+  1 for its pieces of other shards, stream 2 for its own sum, at each value's
+  global index.
+* **streams**: kernels run on the caller's current stream, NCCL on the
+  communicator's. A grouped NCCL call first makes its stream wait for an
+  event recorded on the current stream (the encode that filled what it sends,
+  and every read of what it will overwrite: stages double-buffer, so stage
+  ``s + 2`` reuses stage ``s``'s buffers after the current stream finished with
+  them); the phase that reads what arrived makes the current stream wait for
+  the event recorded after the transfer (``cudaStreamWaitEvent``). The host
+  never waits: the call returns with its work queued on the current stream,
+  like any CuPy operation, and the scratch goes back to CuPy's pool, which
+  hands it out again only on the current stream, after those waits.
+  What a ``GEOCOMM_TIMEOUT`` bounds then is said in :mod:`geocomm.comm.nccl`.
+
+A transforming codec's map (``mapper``) still runs per piece, in order:
+``read`` of the stage's pieces (copied into a staging buffer, since a read may
+reuse its memory), the batched encode, then ``encoded`` per piece; ``done``
+per piece after the batched decode.
+
+:class:`CudaKernels` launches the kernels; :class:`HostKernels` runs the same
+contract per piece through the C core on NumPy arrays: the reference the CUDA
+kernels must equal byte for byte (perf/gpu_check.py compares them), and with
+NumPy arrays the whole batched pipeline runs on a CPU for the tests.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from geocomm import cuda, native
+from geocomm.codecs.base import Codec, WireOf
+from geocomm.codecs.formats import NoneCodec, _NativeFormat
+from geocomm.comm.base import Communicator
+from geocomm.pipeline import (
+    Pieces,
+    Pipeline,
+    RangeMap,
+    _segments,
+    array_module,
+    rounding_stream,
+)
+
+#: The columns of a segment table (native/gc_pipeline.cu: GC_SEG_<NAME>).
+FIELDS = ("values", "count", "wire", "index", "amax", "scales", "block", "tiles")
+VALUES, COUNT, WIRE, INDEX, AMAX, SCALES, BLOCK, TILES = range(len(FIELDS))
+#: Format families (native/gc_pipeline.cu: GC_PIPE_<NAME>).
+RAW, FP8, NVFP4, BF16, MXFP8, MXFP4 = range(6)
+#: Threads per superblock of the NVFP4 encoder (GC_PIPE_NVFP4_THREADS).
+NVFP4_THREADS = 256
+#: Largest grid y (pieces per launch) and x (thread blocks) of one launch.
+GRID_Y_MAX = 65_535
+GRID_X_MAX = 2**31 - 1
+
+_SOURCE = "gc_pipeline.cu"
+_INCLUDE_LINE = '#include "gc_cuda.cu"'
+
+
+# ---------------------------------------------------------------------------
+# the wire format a codec sends
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """What the batched kernels need to know of a codec's wire bytes.
+
+    ``fmt``: the C core's format id (None for RAW: the lossless codec's fp32
+    bytes); ``block``: fp8's scaling block (0: one per body); ``rceil``: MX's
+    scale rule; ``stochastic`` and ``seed``: the rounding.
+    """
+
+    family: int
+    fmt: int | None = None
+    e5m2: bool = False
+    block: int = 0
+    rceil: bool = False
+    stochastic: bool = False
+    seed: int = 0
+
+    def wire_size(self, n: int) -> int:
+        return 4 * n if self.family == RAW else cuda.wire_size(self.fmt, n, self.block)
+
+    @property
+    def flags(self) -> int:
+        """gc_encode_ex flags of the C core."""
+        return ((native.STOCHASTIC if self.stochastic else 0)
+                | (native.RCEIL if self.rceil else 0))
+
+    def key(self, stream: int) -> int:
+        """The kernels' stochastic-rounding key of a rounding ``stream`` (0: nearest)."""
+        if not self.stochastic:
+            return 0
+        from geocomm.codecs._reference import sr_key
+
+        return sr_key(self.seed, stream)
+
+
+def wire_format(codec: Codec) -> WireFormat | None:
+    """The native format ``codec`` sends (wrappers send their wire codec's bytes), or
+    None when its bytes are its own (then the host-driven pipeline runs it)."""
+    while isinstance(codec, WireOf) and _inherits(codec, WireOf, "encode_wire", "decode_wire"):
+        codec = codec.wire_codec
+    if type(codec) is NoneCodec:
+        return WireFormat(RAW)
+    if not isinstance(codec, _NativeFormat) or not _inherits(
+            codec, _NativeFormat, "encode_wire", "decode_wire", "wire_size"):
+        return None
+    fmt = native.format_id(codec._fmt)
+    family = {native.E4M3: FP8, native.E5M2: FP8, native.NVFP4: NVFP4, native.BF16: BF16,
+              native.MXFP8_E4M3: MXFP8, native.MXFP8_E5M2: MXFP8, native.MXFP4: MXFP4}[fmt]
+    flags = codec._flags
+    return WireFormat(family, fmt, e5m2=fmt in (native.E5M2, native.MXFP8_E5M2),
+                      block=codec._block, rceil=bool(flags & native.RCEIL),
+                      stochastic=bool(flags & native.STOCHASTIC), seed=codec.seed)
+
+
+def _inherits(obj: Any, base: type, *names: str) -> bool:
+    """Whether ``obj`` uses ``base``'s own methods ``names`` (no subclass changed them)."""
+    return all(getattr(type(obj), name) is getattr(base, name) for name in names)
+
+
+# ---------------------------------------------------------------------------
+# segment tables and launch grids (pure functions of the host numbers)
+
+
+def team_walk(fmt: WireFormat) -> bool:
+    """fp8 with 1 <= block <= TEAM_MAX walks a body by teams of lanes, else by tiles."""
+    return 1 <= fmt.block <= cuda.TEAM_MAX
+
+
+def body_layout(fmt: WireFormat, n: int) -> tuple[int, int, int]:
+    """(scales, block, tiles) of a body of ``n`` values: the GC_SEG_SCALES, GC_SEG_BLOCK
+    and GC_SEG_TILES of its row. The fp8 tile walk caps the block at n (block 0 is
+    one scale for the body), as geocomm.cuda.fp8_plan does."""
+    if n == 0:
+        return 0, 0, 0
+    if fmt.family == FP8:
+        if team_walk(fmt):
+            return -(-n // fmt.block), fmt.block, 0
+        block = n if fmt.block == 0 or fmt.block > n else fmt.block
+        return -(-n // block), block, -(-block // cuda.TILE)
+    if fmt.family == NVFP4:
+        return -(-n // native.NVFP4_SUPERBLOCK), 0, 0
+    if fmt.family in (MXFP8, MXFP4):
+        return -(-n // native.MX_BLOCK), 0, 0
+    return 0, 0, 0
+
+
+class Piece(NamedTuple):
+    """Where one piece lies: first value (in the launch's values array), count,
+    first wire byte (in its wire buffer), global index of its first value."""
+
+    values: int
+    count: int
+    wire: int
+    index: int
+
+
+def segment_rows(fmt: WireFormat, pieces: list[Piece], amax: int = 0) -> tuple[np.ndarray, int]:
+    """The segment table of ``pieces`` and the amax slots after it: the fp8 tile walk
+    takes ``scales`` zeroed slots per piece, from ``amax`` on."""
+    rows = np.zeros((len(pieces), len(FIELDS)), np.uint64)
+    for row, piece in zip(rows, pieces, strict=True):
+        scales, block, tiles = body_layout(fmt, piece.count)
+        row[:] = (*piece, amax if tiles else 0, scales, block, tiles)
+        amax += scales if tiles else 0
+    return rows, amax
+
+
+def encode_walk(fmt: WireFormat) -> str:
+    """How the encoder of ``fmt`` walks a piece: one thread per ``value`` or code byte
+    (``pair``), an NVFP4 ``superblock`` per thread block, an fp8 ``team`` or ``tile``."""
+    if fmt.family == FP8:
+        return "team" if team_walk(fmt) else "tile"
+    return {NVFP4: "superblock", MXFP4: "pair"}.get(fmt.family, "value")
+
+
+def decode_walk(fmt: WireFormat) -> str:
+    """How the decoder walks: fp8 as its encoder, every other format one thread per value."""
+    return encode_walk(fmt) if fmt.family == FP8 else "value"
+
+
+def launch_grid(walk: str, rows: np.ndarray, fmt: WireFormat) -> tuple[int, int] | None:
+    """(thread blocks along x, pieces along y) of a launch over ``rows``, or None when
+    no piece holds a value. x covers the piece that needs the most."""
+    if rows.shape[0] == 0 or not rows[:, COUNT].any():
+        return None
+    if rows.shape[0] > GRID_Y_MAX:
+        raise ValueError(f"{rows.shape[0]} pieces exceed one launch's {GRID_Y_MAX}")
+    count, scales = int(rows[:, COUNT].max()), int(rows[:, SCALES].max())
+    if walk == "value":
+        blocks = -(-count // cuda.THREADS)
+    elif walk == "pair":
+        blocks = -(-((count + 1) // 2) // cuda.THREADS)
+    elif walk == "team":
+        blocks = -(-(scales << cuda._team_shift(fmt.block)) // cuda.THREADS)
+    elif walk == "tile":
+        blocks = int((rows[:, SCALES] * rows[:, TILES]).max())
+    else:  # superblock
+        blocks = scales
+    if blocks > GRID_X_MAX:
+        raise ValueError(f"{blocks} thread blocks exceed one grid")
+    return blocks, rows.shape[0]
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """Byte counts and displacements of one all-to-all (Communicator.alltoallv)."""
+
+    send_counts: np.ndarray
+    send_displs: np.ndarray
+    recv_counts: np.ndarray
+    recv_displs: np.ndarray
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage: row ranges of the call's table (``send``: this rank's pieces of the
+    other shards, in rank order; ``own``: its own piece; ``gather``: every shard's
+    piece), the two exchanges, and the byte size of the owner's body (the stride of
+    the bodies the all-to-all brings)."""
+
+    send: slice
+    own: slice
+    gather: slice
+    alltoall: Exchange
+    allgather: Exchange
+    own_bytes: int
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """Every stage of a call; ``rows`` is the one table they index (uploaded once).
+    Buffer sizes are the largest any stage needs: ``send_bytes``/``recv_bytes`` of the
+    all-to-all, ``gather_bytes`` of the all-gather, ``staged`` values of the staging
+    buffer (calls with a map), ``amax`` slots of the fp8 tile walk's scratch."""
+
+    rows: np.ndarray
+    stages: list[StagePlan] = field(repr=False)
+    send_bytes: int
+    recv_bytes: int
+    gather_bytes: int
+    staged: int
+    amax: int
+
+
+def call_plan(fmt: WireFormat, pieces: Pieces, rank: int, result_offset: int = 0,
+              gather: bool = True, staged: bool = False) -> CallPlan:
+    """The tables and exchanges of every stage of a call on ``rank``.
+
+    Send rows read values at their absolute index (the source array), or, when
+    ``staged``, packed in rank order from 0 (the staging buffer the map's reads
+    are copied to); they write the all-to-all's send buffer. The own row reads
+    from 0 (the owner's values are passed as their own array) and writes the
+    owner's place in the all-gather buffer, where the all-gather sends it from.
+    Gather rows read the all-gather buffer and write ``result`` (whose first
+    value has index ``result_offset``); reduce-scatter (``gather=False``) has
+    none. Pure: identical on every call of the same shape.
+    """
+    size = pieces.size
+    rows: list[np.ndarray] = []
+    stages = []
+    at = amax = 0
+    send_bytes = recv_bytes = gather_bytes = staged_values = 0
+    for s in range(pieces.stages):
+        ranges = [pieces.piece_range(j, s) for j in range(size)]
+        sizes = [fmt.wire_size(hi - lo) for lo, hi in ranges]
+        mine = sizes[rank]
+        send_counts, send_displs = _segments([0 if j == rank else b for j, b in enumerate(sizes)])
+        recv_counts, recv_displs = _segments([0 if j == rank else mine for j in range(size)])
+        gather_counts, gather_displs = _segments(sizes)
+        send, packed = [], 0
+        for j, (lo, hi) in enumerate(ranges):
+            if j != rank:
+                send.append(Piece(packed if staged else lo, hi - lo, int(send_displs[j]), lo))
+                packed += hi - lo
+        lo, hi = ranges[rank]
+        own = [Piece(0, hi - lo, int(gather_displs[rank]), lo)]
+        gathered = [Piece(a - result_offset, b - a, int(gather_displs[j]), a)
+                    for j, (a, b) in enumerate(ranges)] if gather else []
+        send_rows, amax = segment_rows(fmt, send, amax)
+        own_rows, amax = segment_rows(fmt, own, amax)
+        gather_rows, _ = segment_rows(fmt, gathered)
+        spans = []
+        for table in (send_rows, own_rows, gather_rows):
+            rows.append(table)
+            spans.append(slice(at, at + table.shape[0]))
+            at += table.shape[0]
+        others = gather_counts.copy()
+        others[rank] = 0
+        stages.append(StagePlan(
+            *spans,
+            alltoall=Exchange(send_counts, send_displs, recv_counts, recv_displs),
+            allgather=Exchange(np.where(np.arange(size) == rank, 0, mine),
+                               np.full(size, gather_displs[rank]), others, gather_displs),
+            own_bytes=mine))
+        send_bytes = max(send_bytes, int(send_counts.sum()))
+        recv_bytes = max(recv_bytes, int(recv_counts.sum()))
+        gather_bytes = max(gather_bytes, int(gather_counts.sum()))
+        staged_values = max(staged_values, packed if staged else 0)
+    table = np.concatenate(rows) if rows else np.zeros((0, len(FIELDS)), np.uint64)
+    return CallPlan(table, stages, send_bytes, recv_bytes, gather_bytes, staged_values, amax)
+
+
+# ---------------------------------------------------------------------------
+# kernels
+
+
+class Segments(NamedTuple):
+    """A segment table: host rows (for the grids) and the device copy the kernels read."""
+
+    rows: np.ndarray
+    device: Any
+
+
+class Incoming(NamedTuple):
+    """``count`` wire bodies, one every ``stride`` bytes of ``wire``, that an encoder adds
+    (in order) to its piece's values: what the all-to-all brought to the owner."""
+
+    wire: Any
+    count: int
+    stride: int
+
+
+@functools.cache
+def kernel_source() -> str:
+    """gc_pipeline.cu with gc_cuda.cu (and gc_scalar.h) inlined: one NVRTC unit."""
+    text = (cuda._source_dir() / _SOURCE).read_text()
+    if _INCLUDE_LINE not in text:
+        raise RuntimeError(f"{_SOURCE} does not contain the line {_INCLUDE_LINE!r}")
+    return text.replace(_INCLUDE_LINE, cuda.kernel_source(), 1)
+
+
+def _u64(v: int) -> np.uint64:
+    return np.uint64(v)
+
+
+class CudaKernels:
+    """The launches of native/gc_pipeline.cu on the current stream (CuPy arrays).
+
+    ``encode`` encodes every piece of ``seg`` (plus ``incoming``) into ``wire``
+    with rounding stream ``stream``; ``reduce`` writes the sums as fp32 into
+    ``out``; ``decode`` decodes every piece into ``out``. ``amax``: a zeroed
+    uint32 scratch with the slots the rows name (fp8 tile walk only).
+    """
+
+    def __init__(self) -> None:
+        self.cupy = cuda.require()
+
+    def _kernel(self, name: str) -> Any:
+        return cuda._kernel(self.cupy, name, kernel_source)
+
+    def encode(self, fmt: WireFormat, x: Any, seg: Segments, wire: Any, amax: Any,
+               incoming: Incoming | None = None, stream: int = 0) -> None:
+        walk = encode_walk(fmt)
+        grid = launch_grid(walk, seg.rows, fmt)
+        if grid is None:
+            return
+        inc = incoming or Incoming(wire, 0, 0)  # a valid pointer the kernel never reads
+        head = (x, seg.device, inc.wire, np.uint32(inc.count), _u64(inc.stride))
+        rounding = (np.int32(fmt.stochastic), _u64(fmt.key(stream)), wire)
+        e5m2, rceil = np.int32(fmt.e5m2), np.int32(fmt.rceil)
+        threads = (cuda.THREADS,)
+        if fmt.family in (RAW, BF16):
+            self._kernel("gc_pipe_value_encode")(grid, threads,
+                                                 (np.int32(fmt.family), *head, *rounding))
+        elif fmt.family == NVFP4:
+            self._kernel("gc_pipe_nvfp4_encode")(grid, (NVFP4_THREADS,), (*head, *rounding))
+        elif fmt.family == MXFP4:
+            self._kernel("gc_pipe_mxfp4_encode")(grid, threads, (*head, rceil, *rounding))
+        elif fmt.family == MXFP8:
+            self._kernel("gc_pipe_mxfp8_encode")(grid, threads, (*head, e5m2, rceil, *rounding))
+        elif walk == "team":
+            self._kernel("gc_pipe_fp8_encode_team")(
+                grid, threads, (*head, np.uint32(cuda._team_shift(fmt.block)), e5m2, *rounding))
+        else:
+            tile = _u64(cuda.TILE)
+            self._kernel("gc_pipe_amax_tiles")(grid, threads, (*head, e5m2, tile, amax))
+            self._kernel("gc_pipe_fp8_encode_tiles")(grid, threads,
+                                                     (*head, e5m2, tile, amax, *rounding))
+
+    def reduce(self, fmt: WireFormat, x: Any, seg: Segments, incoming: Incoming,
+               out: Any) -> None:
+        grid = launch_grid("value", seg.rows, fmt)
+        if grid is not None:
+            self._kernel("gc_pipe_reduce")(
+                grid, (cuda.THREADS,), (np.int32(fmt.family), np.int32(fmt.e5m2), x, seg.device,
+                                        incoming.wire, np.uint32(incoming.count),
+                                        _u64(incoming.stride), out))
+
+    def decode(self, fmt: WireFormat, wire: Any, seg: Segments, out: Any) -> None:
+        walk = decode_walk(fmt)
+        grid = launch_grid(walk, seg.rows, fmt)
+        if grid is None:
+            return
+        e5m2 = np.int32(fmt.e5m2)
+        if walk == "value":
+            self._kernel("gc_pipe_decode")(grid, (cuda.THREADS,),
+                                           (np.int32(fmt.family), e5m2, wire, seg.device, out))
+        elif walk == "team":
+            self._kernel("gc_pipe_fp8_decode_team")(
+                grid, (cuda.THREADS,),
+                (wire, seg.device, np.uint32(cuda._team_shift(fmt.block)), e5m2, out))
+        else:
+            self._kernel("gc_pipe_fp8_decode_tiles")(
+                grid, (cuda.THREADS,), (wire, seg.device, _u64(cuda.TILE), e5m2, out))
+
+
+class HostKernels:
+    """The kernels' contract run piece by piece by the C core on NumPy arrays: the
+    bytes and values :class:`CudaKernels` must produce. Every row's layout columns
+    are checked against :func:`body_layout` (a wrong table fails loudly here)."""
+
+    def _pieces(self, fmt: WireFormat, seg: Segments) -> Any:
+        for row in seg.rows.astype(np.int64):
+            n = int(row[COUNT])
+            if (int(row[SCALES]), int(row[BLOCK]), int(row[TILES])) != body_layout(fmt, n):
+                raise ValueError(f"segment row {row.tolist()} disagrees with the layout of "
+                                 f"{n} values: {body_layout(fmt, n)}")
+            if n:
+                yield int(row[VALUES]), n, int(row[WIRE]), int(row[INDEX])
+
+    def _sum(self, fmt: WireFormat, values: np.ndarray, incoming: Incoming | None) -> np.ndarray:
+        total = values.astype(np.float32, copy=True)
+        if incoming is not None:
+            size = fmt.wire_size(total.size)
+            for r in range(incoming.count):
+                body = incoming.wire[r * incoming.stride: r * incoming.stride + size]
+                self._decode_body(fmt, body, total, accumulate=True)
+        return total
+
+    def _decode_body(self, fmt: WireFormat, body: np.ndarray, out: np.ndarray,
+                     accumulate: bool = False) -> None:
+        if fmt.family == RAW:
+            values = body[: 4 * out.size].view("<f4")
+            out[...] = out + values if accumulate else values
+        else:
+            native.decode(fmt.fmt, body, fmt.block, out, accumulate)
+
+    def encode(self, fmt: WireFormat, x: np.ndarray, seg: Segments, wire: np.ndarray,
+               amax: Any, incoming: Incoming | None = None, stream: int = 0) -> None:
+        for values, n, at, index in self._pieces(fmt, seg):
+            total = self._sum(fmt, x[values: values + n], incoming)
+            body = wire[at: at + fmt.wire_size(n)]
+            if fmt.family == RAW:
+                body[...] = total.view(np.uint8)
+            else:
+                native.encode(fmt.fmt, total, fmt.block, body, flags=fmt.flags, seed=fmt.seed,
+                              rng_stream=stream, offset=index)
+
+    def reduce(self, fmt: WireFormat, x: np.ndarray, seg: Segments, incoming: Incoming,
+               out: np.ndarray) -> None:
+        for values, n, _, _ in self._pieces(fmt, seg):
+            out[values: values + n] = self._sum(fmt, x[values: values + n], incoming)
+
+    def decode(self, fmt: WireFormat, wire: np.ndarray, seg: Segments, out: np.ndarray) -> None:
+        for values, n, at, _ in self._pieces(fmt, seg):
+            self._decode_body(fmt, wire[at: at + fmt.wire_size(n)], out[values: values + n])
+
+
+# ---------------------------------------------------------------------------
+# the pipeline
+
+
+class BatchedPipeline(Pipeline):
+    """The staged algorithm of :class:`~geocomm.pipeline.Pipeline` (same phases, same
+    schedule, same bits) with one launch per phase and stage and no host waits;
+    see the module docstring. ``fmt``: the codec's :func:`wire_format`;
+    ``kernels``: :class:`CudaKernels` for CuPy arrays (default), :class:`HostKernels`
+    for NumPy arrays (tests); ``comm``'s requests must offer ``wait_stream()``.
+    """
+
+    def __init__(self, comm: Communicator, fmt: WireFormat, pieces: Pieces, source: Any,
+                 result: Any, result_offset: int, gather: bool,
+                 mapper: RangeMap | None = None, stream: int = 0, kernels: Any = None):
+        self.comm, self.fmt, self.pieces = comm, fmt, pieces
+        self.source, self.result, self.mapper = source, result, mapper
+        self.result_offset, self.gather = result_offset, gather
+        self.me, self.open = comm.rank, []
+        self.kernels = CudaKernels() if kernels is None else kernels
+        self.streams = (rounding_stream(stream, comm.rank, 1),
+                        rounding_stream(stream, comm.rank, 2))
+        # the owner's sum goes straight into its encoding unless something needs it as fp32
+        self.fused = gather and mapper is None
+        xp = array_module(source)
+        plan = self.plan = call_plan(fmt, pieces, comm.rank, result_offset, gather,
+                                     staged=mapper is not None)
+        self.table = xp.asarray(plan.rows)  # one upload for every stage
+        self.a2a_send = [xp.empty(plan.send_bytes, np.uint8) for _ in range(2)]
+        self.a2a_recv = [xp.empty(plan.recv_bytes, np.uint8) for _ in range(2)]
+        self.ag_buf = [xp.empty(plan.gather_bytes, np.uint8) for _ in range(2)]
+        self.staging = xp.empty(plan.staged, np.float32) if plan.staged else None
+        self.amax = xp.zeros(max(plan.amax, 1), np.uint32)
+        self.a2a_req: dict[int, Any] = {}
+        self.ag_req: dict[int, Any] = {}
+
+    def _segments(self, span: slice) -> Segments:
+        return Segments(self.plan.rows[span], self.table[span])
+
+    def _wait(self, requests: dict[int, Any], s: int) -> None:
+        """Order the current stream after stage ``s``'s transfer (no host wait)."""
+        request = requests.pop(s, None)
+        if request is not None:
+            request.wait_stream()
+
+    def _exchange(self, send: Any, recv: Any, exchange: Exchange) -> Any:
+        if self.comm.size == 1:  # nothing to move: the own piece never travels
+            return None
+        return self.comm.alltoallv(send, exchange.send_counts, exchange.send_displs, recv,
+                                   exchange.recv_counts, exchange.recv_displs)
+
+    def _send_pieces(self, s: int) -> list[tuple[int, int]]:
+        return [self.pieces.piece_range(j, s) for j in range(self.comm.size) if j != self.me]
+
+    # -- phases (the schedule is Pipeline.run's) ----------------------------------
+    def encode_stage(self, s: int) -> None:
+        stage = self.plan.stages[s]
+        seg = self._segments(stage.send)
+        x = self.source
+        if self.mapper is not None:  # map every piece; a read may reuse its memory: stage it
+            x = self.staging
+            for (lo, hi), row in zip(self._send_pieces(s), seg.rows, strict=True):
+                at = int(row[VALUES])
+                x[at: at + hi - lo] = self.mapper.read(lo, hi)
+        wire = self.a2a_send[s % 2]
+        self.kernels.encode(self.fmt, x, seg, wire, self.amax, stream=self.streams[0])
+        if self.mapper is not None:
+            for (lo, hi), row in zip(self._send_pieces(s), seg.rows, strict=True):
+                at, body = int(row[VALUES]), int(row[WIRE])
+                self.mapper.encoded(lo, hi, x[at: at + hi - lo],
+                                    wire[body: body + self.fmt.wire_size(hi - lo)])
+
+    def start_alltoall(self, s: int) -> None:
+        exchange = self.plan.stages[s].alltoall
+        request = self._exchange(self.a2a_send[s % 2], self.a2a_recv[s % 2], exchange)
+        if request is not None:
+            self.a2a_req[s] = request
+
+    def reduce_stage(self, s: int) -> None:
+        """The owner's piece (exact) plus the N - 1 received bodies in rank order: encoded
+        at once (fused), or stored as fp32 in the result (reduce-scatter, maps)."""
+        self._wait(self.a2a_req, s)
+        stage = self.plan.stages[s]
+        lo, hi = self.pieces.piece_range(self.me, s)
+        own = self._read(lo, hi)
+        incoming = Incoming(self.a2a_recv[s % 2], self.comm.size - 1, stage.own_bytes)
+        seg = self._segments(stage.own)
+        if self.fused:
+            self.kernels.encode(self.fmt, own, seg, self.ag_buf[s % 2], self.amax, incoming,
+                                stream=self.streams[1])
+            return
+        self.kernels.reduce(self.fmt, own, seg, incoming, self._local(lo, hi))
+        if not self.gather:  # reduce-scatter: the owner's sum is final
+            self._done(lo, hi)
+
+    def reencode_stage(self, s: int) -> None:
+        if self.fused:  # done by reduce_stage
+            return
+        stage = self.plan.stages[s]
+        lo, hi = self.pieces.piece_range(self.me, s)
+        values, seg = self._local(lo, hi), self._segments(stage.own)
+        self.kernels.encode(self.fmt, values, seg, self.ag_buf[s % 2], self.amax,
+                            stream=self.streams[1])
+        if self.mapper is not None:
+            at = int(seg.rows[0, WIRE])
+            self.mapper.encoded(lo, hi, values,
+                                self.ag_buf[s % 2][at: at + stage.own_bytes])
+
+    def start_allgather(self, s: int) -> None:
+        buf = self.ag_buf[s % 2]
+        request = self._exchange(buf, buf, self.plan.stages[s].allgather)
+        if request is not None:
+            self.ag_req[s] = request
+
+    def decode_stage(self, s: int) -> None:
+        self._wait(self.ag_req, s)
+        self.kernels.decode(self.fmt, self.ag_buf[s % 2], self._segments(
+            self.plan.stages[s].gather), self.result)
+        for j in range(self.comm.size):
+            self._done(*self.pieces.piece_range(j, s))
+
+    def release(self) -> None:
+        """Nothing to give back: the buffers return to CuPy's pool with this object,
+        on the current stream, which by then waits for every transfer."""

@@ -1,0 +1,465 @@
+/*
+ * Batched kernels of the GPU pipeline (geocomm/gpu_pipeline.py): one launch
+ * encodes, sums or decodes every piece of a pipeline stage.
+ *
+ * The pieces of a launch are the rows of a segment table, GC_SEG_FIELDS
+ * 64-bit words per piece, all computed on the host (so no kernel divides by a
+ * number it was not given):
+ *
+ *   GC_SEG_VALUES  first value of the piece in the values array
+ *   GC_SEG_COUNT   its number of values n (0: nothing to do)
+ *   GC_SEG_WIRE    first byte of its wire body in the wire buffer
+ *   GC_SEG_INDEX   global index of its first value: the stochastic-rounding
+ *                  counter of value i is index + i, as in the C core
+ *   GC_SEG_AMAX    its first slot in the zeroed amax scratch (fp8 tile walk)
+ *   GC_SEG_SCALES  scales of its body: fp8 ceil(n / block), NVFP4
+ *                  superblocks ceil(n / 4096), MX ceil(n / 32), else 0
+ *   GC_SEG_BLOCK   fp8: the scaling block its walk uses
+ *   GC_SEG_TILES   fp8 tile walk: tiles per scaling block
+ *
+ * blockIdx.y is the row; blockIdx.x and threadIdx.x walk the piece as the
+ * single-body kernels of gc_cuda.cu walk a body (fp8 teams and tiles, one
+ * warp per MX block, one thread per value or per code byte), except NVFP4,
+ * where one thread block of GC_PIPE_NVFP4_THREADS threads takes a whole
+ * superblock and reduces its amax itself (no second launch).
+ *
+ * Encoders encode the sum of a piece's values and `nin` incoming wire bodies
+ * of the same format and length (body r at in + r * in_stride), added in
+ * order, one fp32 add each (gc_sum_at). The first quantization passes nin = 0;
+ * the owner's re-encode passes the N - 1 bodies the all-to-all brought, in
+ * rank order, which is the C path's sum (own piece first, then the ranks in
+ * increasing order) bit for bit, without writing it to memory. gc_pipe_reduce
+ * writes that sum as fp32 instead (reduce-scatter, and calls whose map needs
+ * the sum); the decoders decode every piece of a stage into its place.
+ *
+ * Every value comes from the gc_scalar.h functions with the operands and
+ * order of gc_cuda.cu (whose helpers this file includes), so the bytes and
+ * values are the C core's; compile with the same flags (-fmad=false
+ * -ftz=false -prec-div=true). Kernels expect blockDim.x to be a multiple of
+ * 32 (GC_PIPE_NVFP4_THREADS exactly, for gc_pipe_nvfp4_encode).
+ */
+#include "gc_cuda.cu"
+
+#define GC_SEG_VALUES 0
+#define GC_SEG_COUNT 1
+#define GC_SEG_WIRE 2
+#define GC_SEG_INDEX 3
+#define GC_SEG_AMAX 4
+#define GC_SEG_SCALES 5
+#define GC_SEG_BLOCK 6
+#define GC_SEG_TILES 7
+#define GC_SEG_FIELDS 8
+
+/* Format families (geocomm/gpu_pipeline.py mirrors these numbers). */
+#define GC_PIPE_RAW 0 /* fp32 values as they are: the lossless codec */
+#define GC_PIPE_FP8 1
+#define GC_PIPE_NVFP4 2
+#define GC_PIPE_BF16 3
+#define GC_PIPE_MXFP8 4
+#define GC_PIPE_MXFP4 5
+
+/* gc_pipe_nvfp4_encode: threads per superblock, each holding this many code bytes. */
+#define GC_PIPE_NVFP4_THREADS 256
+#define GC_PIPE_NVFP4_PAIRS (GC_NVFP4_SUPERBLOCK / 2 / GC_PIPE_NVFP4_THREADS)
+
+/* One row of a segment table (see the top of this file). */
+struct gc_seg {
+    gc_u64 values, count, wire, index, amax, scales, block, tiles;
+};
+
+GC_DEV gc_seg gc_seg_row(const gc_u64 *table)
+{
+    const gc_u64 *t = table + (gc_u64)blockIdx.y * GC_SEG_FIELDS;
+    gc_seg s;
+    s.values = t[GC_SEG_VALUES];
+    s.count = t[GC_SEG_COUNT];
+    s.wire = t[GC_SEG_WIRE];
+    s.index = t[GC_SEG_INDEX];
+    s.amax = t[GC_SEG_AMAX];
+    s.scales = t[GC_SEG_SCALES];
+    s.block = t[GC_SEG_BLOCK];
+    s.tiles = t[GC_SEG_TILES];
+    return s;
+}
+
+/* The incoming bodies an encoder adds to its values (count 0: none). */
+struct gc_in {
+    const unsigned char *wire;
+    unsigned int count;
+    gc_u64 stride;
+    int family;
+    int e5m2;
+};
+
+GC_DEV gc_in gc_in_make(const unsigned char *wire, unsigned int count, gc_u64 stride, int family,
+                        int e5m2)
+{
+    gc_in in;
+    in.wire = wire;
+    in.count = count;
+    in.stride = stride;
+    in.family = family;
+    in.e5m2 = e5m2;
+    return in;
+}
+
+/* Code i of packed E2M1 codes (element 2p in the low nibble, 2p + 1 in the high). */
+GC_DEV gc_u32 gc_nibble(const unsigned char *codes, gc_u64 i)
+{
+    gc_u32 byte = codes[i / 2];
+    return (i & 1u) ? byte >> 4 : byte & 0xfu;
+}
+
+/* Value i of the wire body `wire` of n values with `scales` scales, of
+ * format `family` (fp8: value i lies in scaling block k), decoded as the
+ * decoders of gc_cuda.cu decode it. */
+GC_DEV float gc_body_value(int family, int e5m2, const unsigned char *wire, gc_u64 n,
+                           gc_u64 scales, gc_u64 k, gc_u64 i)
+{
+    switch (family) {
+    case GC_PIPE_FP8:
+        return __fmul_rn(gc_fp8_value(e5m2, wire[4 * scales + i]), gc_load_f32(wire + 4 * k));
+    case GC_PIPE_NVFP4: {
+        const unsigned char *bscales = wire + 4 * scales;
+        const unsigned char *codes = bscales + gc_ceil_div(n, GC_NVFP4_BLOCK);
+        float scale = __fmul_rn(gc_e4m3_value(bscales[i / GC_NVFP4_BLOCK]),
+                                gc_load_f32(wire + 4 * (i / GC_NVFP4_SUPERBLOCK)));
+        return __fmul_rn(gc_e2m1_value(gc_nibble(codes, i)), scale);
+    }
+    case GC_PIPE_BF16:
+        return gc_bf16_value((gc_u32)wire[2 * i] | ((gc_u32)wire[2 * i + 1] << 8));
+    case GC_PIPE_MXFP8:
+        return __fmul_rn(gc_fp8_value(e5m2, wire[scales + i]),
+                         gc_e8m0_value(wire[i / GC_MX_BLOCK]));
+    case GC_PIPE_MXFP4:
+        return __fmul_rn(gc_e2m1_value(gc_nibble(wire + scales, i)),
+                         gc_e8m0_value(wire[i / GC_MX_BLOCK]));
+    default:
+        return gc_load_f32(wire + 4 * i);
+    }
+}
+
+/* v (value i of piece s) plus value i of every incoming body, in order, one
+ * IEEE add each: what the C core's decode with accumulate does per body. */
+GC_DEV float gc_sum_at(gc_in in, const gc_seg &s, float v, gc_u64 k, gc_u64 i)
+{
+    for (unsigned int r = 0; r < in.count; ++r)
+        v = __fadd_rn(v, gc_body_value(in.family, in.e5m2, in.wire + r * in.stride, s.count,
+                                       s.scales, k, i));
+    return v;
+}
+
+/* The amax bits of the values x0, x1 of this lane's code byte over the aligned
+ * team of `lanes` lanes that holds their scaling block, and in *finite whether
+ * all of the block's values are finite. Every lane of the warp must call it. */
+GC_DEV gc_u32 gc_pair_amax(float x0, float x1, unsigned int lanes, int *finite)
+{
+    gc_u32 bad = gc_team_max((gc_u32)(!gc_finite(x0) | !gc_finite(x1)), lanes);
+    *finite = bad == 0;
+    return gc_team_max(gc_amax_bits(gc_amax_bits(0u, x0), x1), lanes);
+}
+
+/* The E2M1 code byte of values x0 (global rounding index `index`) and x1 (absent
+ * unless has1), quantized as (x * pre) * factor (MX: pre 1, exact); 0 for a block
+ * that is not finite. */
+GC_DEV unsigned char gc_e2m1_pair(float x0, float x1, int has1, float pre, float factor,
+                                  int finite, int sr, gc_u64 key, gc_u64 index)
+{
+    gc_u32 c0 = finite ? gc_e2m1_code((x0 * pre) * factor, sr, gc_rnd_at(sr, key, index)) : 0u;
+    gc_u32 c1 = finite && has1 ? gc_e2m1_code((x1 * pre) * factor, sr,
+                                              gc_rnd_at(sr, key, index + 1))
+                               : 0u;
+    return (unsigned char)(c0 | (c1 << 4));
+}
+
+/* ---- encoders ----------------------------------------------------------------- */
+
+/* RAW and BF16: one thread per value. */
+extern "C" __global__ void gc_pipe_value_encode(int family, const float *x, const gc_u64 *table,
+                                                const unsigned char *in, unsigned int nin,
+                                                gc_u64 in_stride, int sr, gc_u64 key,
+                                                unsigned char *wire)
+{
+    gc_seg s = gc_seg_row(table);
+    gc_u64 i = gc_global_id();
+    if (i >= s.count)
+        return;
+    float v = gc_sum_at(gc_in_make(in, nin, in_stride, family, 0), s, x[s.values + i], 0, i);
+    unsigned char *w = wire + s.wire;
+    if (family == GC_PIPE_BF16) {
+        gc_u16 c = gc_bf16_code(v, sr, gc_rnd_at(sr, key, s.index + i));
+        w[2 * i] = (unsigned char)c;
+        w[2 * i + 1] = (unsigned char)(c >> 8);
+    } else {
+        gc_store_f32(w + 4 * i, v);
+    }
+}
+
+/* FP8 with a block of at most a warp's teams' reach (TEAM_MAX): 2^lshift
+ * lanes per scaling block; the sums are formed twice (amax, then codes)
+ * rather than stored: the second pass reads what the first left in cache. */
+extern "C" __global__ void gc_pipe_fp8_encode_team(const float *x, const gc_u64 *table,
+                                                   const unsigned char *in, unsigned int nin,
+                                                   gc_u64 in_stride, unsigned int lshift,
+                                                   int e5m2, int sr, gc_u64 key,
+                                                   unsigned char *wire)
+{
+    const float fmax = e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
+    const unsigned int width = 1u << lshift;
+    gc_seg s = gc_seg_row(table);
+    gc_in incoming = gc_in_make(in, nin, in_stride, GC_PIPE_FP8, e5m2);
+    gc_u64 g = gc_global_id();
+    gc_u64 k = g >> lshift;
+    unsigned int lane = (unsigned int)g & (width - 1u);
+    gc_u64 start = k * s.block;
+    gc_u64 len = k < s.scales ? gc_min_u64(s.block, s.count - start) : 0;
+    const float *xb = x + s.values;
+
+    gc_u32 m = 0;
+    for (gc_u64 i = start + lane; i < start + len; i += width)
+        m = gc_amax_bits(m, gc_sum_at(incoming, s, xb[i], k, i));
+    float amax = gc_float(gc_team_max(m, width));
+    if (len == 0)
+        return;
+
+    float pre;
+    float factor = gc_quant_factor(amax, fmax, &pre);
+    unsigned char *w = wire + s.wire;
+    if (lane == 0)
+        gc_store_f32(w + 4 * k, amax / fmax);
+    unsigned char *codes = w + 4 * s.scales;
+    for (gc_u64 i = start + lane; i < start + len; i += width) {
+        float xi = gc_sum_at(incoming, s, xb[i], k, i);
+        codes[i] = gc_fp8_code(e5m2, (xi * pre) * factor, xi, sr, gc_rnd_at(sr, key, s.index + i));
+    }
+}
+
+/* FP8 tile walk (larger blocks, block 0), first pass: amax[s.amax + k] =
+ * max(itself, bits of the largest finite |sum| of this tile of scaling block
+ * k). The scratch must be zeroed before the launch. */
+extern "C" __global__ void gc_pipe_amax_tiles(const float *x, const gc_u64 *table,
+                                              const unsigned char *in, unsigned int nin,
+                                              gc_u64 in_stride, int e5m2, gc_u64 tile,
+                                              gc_u32 *amax)
+{
+    gc_seg s = gc_seg_row(table);
+    if (s.count == 0) /* the whole thread block: before gc_block_max's barrier */
+        return;
+    gc_in incoming = gc_in_make(in, nin, in_stride, GC_PIPE_FP8, e5m2);
+    gc_u64 k, start, end;
+    gc_tile_range(s.count, s.block, s.tiles, tile, &k, &start, &end);
+    gc_u32 m = 0;
+    for (gc_u64 i = start + threadIdx.x; i < end; i += blockDim.x)
+        m = gc_amax_bits(m, gc_sum_at(incoming, s, x[s.values + i], k, i));
+    m = gc_block_max(m);
+    if (threadIdx.x == 0 && m != 0)
+        atomicMax(amax + s.amax + k, m);
+}
+
+/* FP8 tile walk, second pass: the codes of this tile with its block's amax. */
+extern "C" __global__ void gc_pipe_fp8_encode_tiles(const float *x, const gc_u64 *table,
+                                                    const unsigned char *in, unsigned int nin,
+                                                    gc_u64 in_stride, int e5m2, gc_u64 tile,
+                                                    const gc_u32 *amax, int sr, gc_u64 key,
+                                                    unsigned char *wire)
+{
+    const float fmax = e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
+    gc_seg s = gc_seg_row(table);
+    if (s.count == 0)
+        return;
+    gc_in incoming = gc_in_make(in, nin, in_stride, GC_PIPE_FP8, e5m2);
+    gc_u64 k, start, end;
+    gc_tile_range(s.count, s.block, s.tiles, tile, &k, &start, &end);
+    if (start >= end)
+        return;
+    float bamax = gc_float(amax[s.amax + k]);
+    float pre;
+    float factor = gc_quant_factor(bamax, fmax, &pre);
+    unsigned char *w = wire + s.wire;
+    if (threadIdx.x == 0 && start == k * s.block)
+        gc_store_f32(w + 4 * k, bamax / fmax);
+    unsigned char *codes = w + 4 * s.scales;
+    for (gc_u64 i = start + threadIdx.x; i < end; i += blockDim.x) {
+        float xi = gc_sum_at(incoming, s, x[s.values + i], k, i);
+        codes[i] = gc_fp8_code(e5m2, (xi * pre) * factor, xi, sr, gc_rnd_at(sr, key, s.index + i));
+    }
+}
+
+/* NVFP4: one thread block per superblock of 4096 values; thread t holds code
+ * bytes (value pairs) t + GC_PIPE_NVFP4_THREADS r, r < GC_PIPE_NVFP4_PAIRS,
+ * in registers. The superblock amax is a block reduction, each 16-value
+ * block's amax and finiteness a reduction over its 8 lanes (pairs are aligned
+ * by 8), then every byte is encoded as gc_nvfp4_encode encodes it. */
+extern "C" __global__ void gc_pipe_nvfp4_encode(const float *x, const gc_u64 *table,
+                                                const unsigned char *in, unsigned int nin,
+                                                gc_u64 in_stride, int sr, gc_u64 key,
+                                                unsigned char *wire)
+{
+    __shared__ gc_u32 super_bits;
+    const float smax = GC_E2M1_MAX * GC_E4M3_MAX;
+    const unsigned int lanes = GC_NVFP4_BLOCK / 2;
+    gc_seg s = gc_seg_row(table);
+    gc_u64 k = blockIdx.x;
+    if (k >= s.scales) /* the whole thread block: before any barrier */
+        return;
+    gc_in incoming = gc_in_make(in, nin, in_stride, GC_PIPE_NVFP4, 0);
+    const float *xs = x + s.values;
+    gc_u64 n = s.count;
+    gc_u64 first = k * (GC_NVFP4_SUPERBLOCK / 2) + threadIdx.x;
+
+    float v[2 * GC_PIPE_NVFP4_PAIRS];
+    gc_u32 m = 0;
+#pragma unroll
+    for (int r = 0; r < GC_PIPE_NVFP4_PAIRS; ++r) {
+        gc_u64 p = first + (gc_u64)r * GC_PIPE_NVFP4_THREADS;
+        v[2 * r] = 2 * p < n ? gc_sum_at(incoming, s, xs[2 * p], 0, 2 * p) : 0.0f;
+        v[2 * r + 1] = 2 * p + 1 < n ? gc_sum_at(incoming, s, xs[2 * p + 1], 0, 2 * p + 1) : 0.0f;
+        m = gc_amax_bits(gc_amax_bits(m, v[2 * r]), v[2 * r + 1]);
+    }
+    m = gc_block_max(m);
+    if (threadIdx.x == 0)
+        super_bits = m;
+    __syncthreads();
+
+    float super_amax = gc_float(super_bits);
+    float spre;
+    float sfactor = gc_quant_factor(super_amax, smax, &spre);
+    float scale = super_amax / smax;
+    unsigned char *w = wire + s.wire;
+    unsigned char *bscales = w + 4 * s.scales;
+    unsigned char *codes = bscales + gc_ceil_div(n, GC_NVFP4_BLOCK);
+    gc_u64 npairs = (n + 1) / 2;
+#pragma unroll
+    for (int r = 0; r < GC_PIPE_NVFP4_PAIRS; ++r) {
+        gc_u64 p = first + (gc_u64)r * GC_PIPE_NVFP4_THREADS;
+        int finite;
+        gc_u32 bm = gc_pair_amax(v[2 * r], v[2 * r + 1], lanes, &finite);
+        if (p >= npairs)
+            continue;
+        gc_u8 sc = gc_nvfp4_scale_code(gc_float(bm), spre, sfactor, finite, sr);
+        float pre;
+        float factor = gc_quant_factor(gc_e4m3_value(sc) * scale, 1.0f, &pre);
+        codes[p] = gc_e2m1_pair(v[2 * r], v[2 * r + 1], 2 * p + 1 < n, pre, factor, finite, sr,
+                                key, s.index + 2 * p);
+        if ((p & (lanes - 1)) == 0)
+            bscales[p / lanes] = sc;
+    }
+    if (threadIdx.x == 0)
+        gc_store_f32(w + 4 * k, scale);
+}
+
+/* MXFP8: one thread per value, one warp per 32-value block. */
+extern "C" __global__ void gc_pipe_mxfp8_encode(const float *x, const gc_u64 *table,
+                                                const unsigned char *in, unsigned int nin,
+                                                gc_u64 in_stride, int e5m2, int rceil, int sr,
+                                                gc_u64 key, unsigned char *wire)
+{
+    gc_seg s = gc_seg_row(table);
+    gc_u64 i = gc_global_id();
+    float xi = i < s.count ? gc_sum_at(gc_in_make(in, nin, in_stride, GC_PIPE_MXFP8, e5m2), s,
+                                       x[s.values + i], 0, i)
+                           : 0.0f;
+    gc_u32 m = gc_team_max(gc_amax_bits(0u, xi), GC_MX_BLOCK);
+    if (i >= s.count)
+        return;
+    int e = gc_mx_exponent(gc_float(m), e5m2 ? 15 : 8, e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX, rceil);
+    unsigned char *w = wire + s.wire;
+    w[s.scales + i] = gc_fp8_code(e5m2, xi * gc_mx_factor(e), xi, sr,
+                                  gc_rnd_at(sr, key, s.index + i));
+    if ((i & (GC_MX_BLOCK - 1)) == 0)
+        w[i / GC_MX_BLOCK] = (unsigned char)(e + 127);
+}
+
+/* MXFP4: one thread per code byte (values 2p and 2p + 1), 16 lanes per block. */
+extern "C" __global__ void gc_pipe_mxfp4_encode(const float *x, const gc_u64 *table,
+                                                const unsigned char *in, unsigned int nin,
+                                                gc_u64 in_stride, int rceil, int sr, gc_u64 key,
+                                                unsigned char *wire)
+{
+    const unsigned int lanes = GC_MX_BLOCK / 2;
+    gc_seg s = gc_seg_row(table);
+    gc_in incoming = gc_in_make(in, nin, in_stride, GC_PIPE_MXFP4, 0);
+    gc_u64 p = gc_global_id();
+    int has0 = 2 * p < s.count;
+    int has1 = 2 * p + 1 < s.count;
+    float x0 = has0 ? gc_sum_at(incoming, s, x[s.values + 2 * p], 0, 2 * p) : 0.0f;
+    float x1 = has1 ? gc_sum_at(incoming, s, x[s.values + 2 * p + 1], 0, 2 * p + 1) : 0.0f;
+    int finite;
+    gc_u32 m = gc_pair_amax(x0, x1, lanes, &finite);
+    if (!has0)
+        return;
+    int e = gc_mx_exponent(gc_float(m), 2, GC_E2M1_MAX, rceil);
+    unsigned char *w = wire + s.wire;
+    w[s.scales + p] = gc_e2m1_pair(x0, x1, has1, 1.0f, gc_mx_factor(e), finite, sr, key,
+                                   s.index + 2 * p);
+    if ((p & (lanes - 1)) == 0)
+        w[p / lanes] = finite ? (unsigned char)(e + 127) : (unsigned char)0xffu;
+}
+
+/* ---- the sum as fp32, and decoders ----------------------------------------------- */
+
+/* out[s.values + i] = the sum of value i and the incoming bodies of `family`:
+ * one thread per value (fp8: block s.block). x and out may be one array. */
+extern "C" __global__ void gc_pipe_reduce(int family, int e5m2, const float *x,
+                                          const gc_u64 *table, const unsigned char *in,
+                                          unsigned int nin, gc_u64 in_stride, float *out)
+{
+    gc_seg s = gc_seg_row(table);
+    gc_u64 i = gc_global_id();
+    if (i >= s.count)
+        return;
+    gc_u64 k = family == GC_PIPE_FP8 ? i / s.block : 0;
+    out[s.values + i] = gc_sum_at(gc_in_make(in, nin, in_stride, family, e5m2), s,
+                                  x[s.values + i], k, i);
+}
+
+/* Every format but fp8: one thread per value. */
+extern "C" __global__ void gc_pipe_decode(int family, int e5m2, const unsigned char *wire,
+                                          const gc_u64 *table, float *out)
+{
+    gc_seg s = gc_seg_row(table);
+    gc_u64 i = gc_global_id();
+    if (i < s.count)
+        out[s.values + i] = gc_body_value(family, e5m2, wire + s.wire, s.count, s.scales, 0, i);
+}
+
+/* FP8 values [start, end) of scaling block k of piece s, this thread's from
+ * `first` on in steps of `step` (the scale loaded once: gc_body_value's fp8 case). */
+GC_DEV void gc_fp8_decode_run(const unsigned char *wire, const gc_seg &s, int e5m2, gc_u64 k,
+                              gc_u64 first, gc_u64 end, gc_u64 step, float *out)
+{
+    const unsigned char *w = wire + s.wire;
+    float scale = gc_load_f32(w + 4 * k);
+    const unsigned char *codes = w + 4 * s.scales;
+    for (gc_u64 i = first; i < end; i += step)
+        out[s.values + i] = __fmul_rn(gc_fp8_value(e5m2, codes[i]), scale);
+}
+
+/* FP8, team walk: 2^lshift lanes per scaling block. */
+extern "C" __global__ void gc_pipe_fp8_decode_team(const unsigned char *wire, const gc_u64 *table,
+                                                   unsigned int lshift, int e5m2, float *out)
+{
+    const unsigned int width = 1u << lshift;
+    gc_seg s = gc_seg_row(table);
+    gc_u64 g = gc_global_id();
+    gc_u64 k = g >> lshift;
+    if (k >= s.scales)
+        return;
+    gc_u64 start = k * s.block;
+    gc_fp8_decode_run(wire, s, e5m2, k, start + ((unsigned int)g & (width - 1u)),
+                      start + gc_min_u64(s.block, s.count - start), width, out);
+}
+
+/* FP8, tile walk. */
+extern "C" __global__ void gc_pipe_fp8_decode_tiles(const unsigned char *wire,
+                                                    const gc_u64 *table, gc_u64 tile, int e5m2,
+                                                    float *out)
+{
+    gc_seg s = gc_seg_row(table);
+    if (s.count == 0)
+        return;
+    gc_u64 k, start, end;
+    gc_tile_range(s.count, s.block, s.tiles, tile, &k, &start, &end);
+    if (start < end)
+        gc_fp8_decode_run(wire, s, e5m2, k, start + threadIdx.x, end, blockDim.x, out);
+}
