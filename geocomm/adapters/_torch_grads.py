@@ -5,7 +5,7 @@ metadata, and the per-step telemetry.
 A buffer holds ``rows`` rows of ``width`` values; every row lists the same
 tensors in the same order (a DDP bucket: one row of whole parameters; an
 FSDP2 reduce-scatter input: one row per rank, each row that rank's chunk of
-every parameter). :class:`Layout` splits the tensors by :class:`Selection`
+every parameter). :class:`BufferLayout` splits the tensors by :class:`Selection`
 into a compressed and a plain :class:`ColumnGroup`; :class:`GradReducer` runs
 one collective per non-empty group, through a
 :class:`~geocomm.testing.MeteredComm` so every byte is counted.
@@ -87,18 +87,16 @@ class Selection:
 
 
 @dataclass(frozen=True)
-class Entry:
-    """One tensor of a row: ``numel`` values from ``offset`` on, viewed as ``shape``;
-    ``name`` for :class:`Selection`, ``key`` for the codec's per-tensor state."""
+class Entry(Part):
+    """One tensor of a row, a :class:`~geocomm.collectives.Part` (values ``offset``
+    on, viewed as ``shape``; ``key`` for the codec's per-tensor state) with the
+    ``name`` :class:`Selection` matches."""
 
-    name: str
-    key: Any
-    shape: tuple[int, ...]
-    offset: int
+    name: str = ""
 
     @property
     def numel(self) -> int:
-        return math.prod(self.shape)
+        return self.size
 
 
 class ColumnGroup:
@@ -150,7 +148,7 @@ class ColumnGroup:
             at += b - a
 
 
-class Layout:
+class BufferLayout:
     """A buffer of ``rows`` rows of the tensors ``entries`` (in row order), split
     into the ``compressed`` and ``plain`` groups (either may be None)."""
 
@@ -228,35 +226,24 @@ class StepStats:
     step: int
     buckets: list[BucketStats] = field(default_factory=list)
 
-    @property
-    def bytes_sent(self) -> int:
-        return sum(b.bytes_sent for b in self.buckets)
+    def _total(self, name: str) -> Any:
+        return sum(getattr(b, name) for b in self.buckets)
 
-    @property
-    def baseline_bytes(self) -> int:
-        return sum(b.baseline_bytes for b in self.buckets)
+    bytes_sent = property(lambda self: self._total("bytes_sent"))
+    baseline_bytes = property(lambda self: self._total("baseline_bytes"))
+    collectives = property(lambda self: self._total("collectives"))
+    calls = property(lambda self: self._total("calls"))
+    seconds = property(lambda self: self._total("seconds"))
 
     @property
     def ratio(self) -> float:
         return self.baseline_bytes / self.bytes_sent if self.bytes_sent else math.inf
 
     @property
-    def collectives(self) -> int:
-        return sum(b.collectives for b in self.buckets)
-
-    @property
-    def calls(self) -> int:
-        return sum(b.calls for b in self.buckets)
-
-    @property
     def rel_error(self) -> float | None:
         """The largest bucket estimate (None when no bucket has one)."""
         errors = [b.rel_error for b in self.buckets if b.rel_error is not None]
         return max(errors) if errors else None
-
-    @property
-    def seconds(self) -> float:
-        return sum(b.seconds for b in self.buckets)
 
     def as_dict(self) -> dict[str, Any]:
         return {"step": self.step, "bytes_sent": self.bytes_sent,
@@ -391,7 +378,7 @@ def baseline_bytes(kind: str, numel: int, itemsize: int, size: int) -> int:
 
 
 class GradReducer:
-    """Reduces buffers laid out by :class:`Layout`: the compressed group in one
+    """Reduces buffers laid out by :class:`BufferLayout`: the compressed group in one
     collective of ``codec`` (``parts=`` keeps every tensor's key and shape),
     the plain group in one exact collective; metadata compared per
     :func:`check_policy`; a :class:`BucketStats` per reduction into
@@ -411,7 +398,7 @@ class GradReducer:
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self._checked: set[Any] = set()
 
-    def _check(self, kind: str, layout: Layout, dtype: torch.dtype, op: str,
+    def _check(self, kind: str, layout: BufferLayout, dtype: torch.dtype, op: str,
                what: str) -> None:
         key = (kind, id(layout), dtype, op)
         if self.policy == "never" or (self.policy == "first" and key in self._checked):
@@ -426,7 +413,7 @@ class GradReducer:
     def _start(self) -> tuple[float, int, int]:
         return time.perf_counter(), self.comm.sent, self.comm.calls
 
-    def _finish(self, start: tuple[float, int, int], index: int, kind: str, layout: Layout,
+    def _finish(self, start: tuple[float, int, int], index: int, kind: str, layout: BufferLayout,
                 dtype: torch.dtype, collectives: int, rel_error: float | None) -> BucketStats:
         t0, sent0, calls0 = start
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -439,7 +426,7 @@ class GradReducer:
         self.telemetry.record(stats)
         return stats
 
-    def allreduce(self, layout: Layout, buffer: torch.Tensor, index: int = 0,
+    def allreduce(self, layout: BufferLayout, buffer: torch.Tensor, index: int = 0,
                   op: str = "avg", what: str = "bucket") -> BucketStats:
         """Reduce the flat ``buffer`` (one row of ``layout``) in place over the ranks."""
         if buffer.numel() != layout.numel or layout.rows != 1:
@@ -465,7 +452,7 @@ class GradReducer:
         return self._finish(start, index, "allreduce", layout, buffer.dtype, collectives,
                             rel_error)
 
-    def reduce_scatter(self, layout: Layout, source: torch.Tensor, out: torch.Tensor,
+    def reduce_scatter(self, layout: BufferLayout, source: torch.Tensor, out: torch.Tensor,
                        index: int = 0, op: str = "avg", what: str = "module") -> BucketStats:
         """Reduce-scatter ``source`` (``layout.rows`` = ranks rows) into this rank's
         ``out`` (its row of the reduced buffer)."""

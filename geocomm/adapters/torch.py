@@ -50,9 +50,9 @@ import torch.distributed as dist
 
 from geocomm.adapters._torch_grads import (
     BucketStats,
+    BufferLayout,
     Entry,
     GradReducer,
-    Layout,
     Selection,
     StepStats,
     Telemetry,
@@ -185,7 +185,7 @@ class GeocommHookState:
             comm = dedicated_comm(group, self.device.type)
         self.reducer = GradReducer(codec, comm, check, error_sample, chunk_elems,
                                    Telemetry(history, log_every))
-        self._layouts: dict[Any, Layout] = {}
+        self._layouts: dict[Any, BufferLayout] = {}
         self._worker = _Worker("geocomm-ddp")
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
@@ -207,7 +207,7 @@ class GeocommHookState:
         """Bytes, compression ratio and error estimate of the last finished step."""
         return self.telemetry.last_step
 
-    def layout(self, params: Sequence[torch.Tensor], index: int = 0) -> Layout:
+    def layout(self, params: Sequence[torch.Tensor], index: int = 0) -> BufferLayout:
         """The layout of a bucket of ``params`` (in bucket order), cached."""
         cache_key = (index, tuple(id(p) for p in params))
         layout = self._layouts.get(cache_key)
@@ -220,9 +220,9 @@ class GeocommHookState:
                         f"bucket {index}: a parameter of shape {tuple(p.shape)} is not a "
                         "parameter of the module given to GeocommHookState (pass the module "
                         "that DDP wraps)")
-                entries.append(Entry(name, name, tuple(p.shape), offset))
+                entries.append(Entry(offset, tuple(p.shape), name, name))
                 offset += p.numel()
-            layout = self._layouts[cache_key] = Layout(entries, self.selection)
+            layout = self._layouts[cache_key] = BufferLayout(entries, self.selection)
         return layout
 
     def reduce_bucket(self, buffer: torch.Tensor, params: Sequence[torch.Tensor],

@@ -39,6 +39,7 @@ stream, and the bytes travel through a NCCL group).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,14 +48,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from geocomm.adapters._torch_grads import (
-    Entry,
-    GradReducer,
-    Layout,
-    Selection,
-    StepStats,
-    Telemetry,
-)
+from geocomm.adapters import _torch_grads as grads
 from geocomm.adapters.torch import dedicated_comm
 from geocomm.collectives import resolve_codec
 
@@ -92,7 +86,7 @@ class FSDPCompression:
     communicators and the shared :class:`Telemetry`. A step closes once every
     installed reduce-scatter and all-reduce hook has run."""
 
-    def __init__(self, telemetry: Telemetry):
+    def __init__(self, telemetry: grads.Telemetry):
         self.telemetry = telemetry
         self.reduce_scatters: list[GeocommReduceScatter] = []
         self.all_reduce_hooks: list[GeocommAllReduceHook] = []
@@ -100,7 +94,7 @@ class FSDPCompression:
         self._done = 0
 
     @property
-    def last_step(self) -> StepStats | None:
+    def last_step(self) -> grads.StepStats | None:
         return self.telemetry.last_step
 
     def _expect(self, calls: int) -> None:
@@ -120,7 +114,8 @@ class GeocommReduceScatter(_ReduceScatter):
     communicator over the shard ranks.
     """
 
-    def __init__(self, layout: Layout, reducer: GradReducer, index: int, owner: FSDPCompression):
+    def __init__(self, layout: grads.BufferLayout, reducer: grads.GradReducer, index: int,
+                 owner: FSDPCompression):
         self.layout, self.reducer, self.index, self.owner = layout, reducer, index, owner
 
     def allocate(self, size: Sequence[Any], *, dtype: torch.dtype,
@@ -142,7 +137,8 @@ class GeocommAllReduceHook:
     """FSDP2 all-reduce hook (``set_all_reduce_hook``): averages this rank's reduced
     shard over the replicas, in place, with one compressed all-reduce."""
 
-    def __init__(self, layout: Layout, reducer: GradReducer, index: int, owner: FSDPCompression):
+    def __init__(self, layout: grads.BufferLayout, reducer: grads.GradReducer, index: int,
+                 owner: FSDPCompression):
         self.layout, self.reducer, self.index, self.owner = layout, reducer, index, owner
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
@@ -221,8 +217,8 @@ def compress_fsdp(model: nn.Module, codec: Any = "fp8", *, replicate_group: Any 
     """
     codec = resolve_codec(codec)  # a bad codec fails here, before any collective
     names = {id(p): n for n, p in model.named_parameters()}
-    selection = Selection.of(exclude, min_numel)
-    telemetry = Telemetry(history, log_every)
+    selection = grads.Selection.of(exclude, min_numel)
+    telemetry = grads.Telemetry(history, log_every)
     owner = FSDPCompression(telemetry)
     shard_reducer = replica_reducer = None
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -236,12 +232,13 @@ def compress_fsdp(model: nn.Module, codec: Any = "fp8", *, replicate_group: Any 
         if shard_reducer is None:
             base = comm if comm is not None else dedicated_comm(mesh.get_group(mesh_dim),
                                                                device.type)
-            shard_reducer = GradReducer(codec, base, check, error_sample, chunk_elems, telemetry)
+            shard_reducer = grads.GradReducer(codec, base, check, error_sample, chunk_elems,
+                                              telemetry)
             if replicate_group is not None or replicate_comm is not None:
                 base = replicate_comm if replicate_comm is not None else dedicated_comm(
                     replicate_group, device.type)
-                replica_reducer = GradReducer(shard_reducer.codec, base, check, error_sample,
-                                              chunk_elems, telemetry)
+                replica_reducer = grads.GradReducer(shard_reducer.codec, base, check,
+                                                    error_sample, chunk_elems, telemetry)
         if size != shard_reducer.comm.size:
             raise ValueError(f"FSDP module {index} shards over {size} ranks, an earlier one over "
                              f"{shard_reducer.comm.size}; compress_fsdp needs one shard mesh")
@@ -251,19 +248,19 @@ def compress_fsdp(model: nn.Module, codec: Any = "fp8", *, replicate_group: Any 
             name = names[id(p)]
             _, _, dim = _shard_dims(p)
             chunk = _chunk_shape(p.shape, dim, size)
-            entries.append(Entry(name, name, chunk, offset))
-            replica_entries.append(Entry(name, (name, "replica", shard_rank), chunk, offset))
-            offset += Entry(name, name, chunk, 0).numel
+            entries.append(grads.Entry(offset, chunk, name, name))
+            replica_entries.append(grads.Entry(offset, chunk, (name, "replica", shard_rank), name))
+            offset += math.prod(chunk)
         if size > 1:
-            rs = GeocommReduceScatter(Layout(entries, selection, rows=size), shard_reducer,
-                                      index, owner)
+            layout = grads.BufferLayout(entries, selection, rows=size)
+            rs = GeocommReduceScatter(layout, shard_reducer, index, owner)
             module.set_custom_reduce_scatter(rs)
             owner.reduce_scatters.append(rs)
             owner._expect(1)
         module.set_reduce_scatter_unused_params(True, recurse=False)
         if replica_reducer is not None:
-            hook = GeocommAllReduceHook(Layout(replica_entries, selection), replica_reducer,
-                                        index, owner)
+            layout = grads.BufferLayout(replica_entries, selection)
+            hook = GeocommAllReduceHook(layout, replica_reducer, index, owner)
             module.set_all_reduce_hook(hook)
             owner.all_reduce_hooks.append(hook)
             owner._expect(1)
