@@ -36,7 +36,7 @@ import numpy as np
 from geocomm import backends
 from geocomm.codecs import Codec
 from geocomm.codecs.formats import NoneCodec
-from geocomm.comm.base import Communicator, Request, wait
+from geocomm.comm.base import Communicator, Request, wait, wait_ordered
 
 #: Values of the whole buffer per pipeline stage (all shards together) on host
 #: backends; devices take :func:`stage_values`.
@@ -395,19 +395,36 @@ def run_pipeline(comm: Communicator, codec: Codec, pieces: Pieces, source: Any, 
 _PLAIN = NoneCodec()
 
 
+#: An exact sum of at most this many values times ranks is one all-gather (every
+#: rank adds all rows); larger ones run the pipeline (the shard owners add).
+SMALL_SUM_VALUES = 1 << 20
+
+
 def exact_sum(comm: Communicator, values: Any) -> Any:
     """Elementwise fp32 sum over ranks, bitwise identical on every rank.
 
-    The owner of each shard adds its own values and the others' in rank order
-    (the pipeline with the lossless codec), so the result never depends on
-    arrival order or on an MPI reduction's tree. ``values``: a 1-D float32
-    NumPy or CuPy array, the same size on every rank.
+    Small sums (``values.size * N <= SMALL_SUM_VALUES``, the side channels of
+    transforming codecs) are one all-gather, every rank adding the rows in rank
+    order 0, 1, ..., N - 1: one collective's latency, not two. Larger ones run
+    the pipeline with the lossless codec, where the owner of each shard adds
+    its own values and then the others' in rank order. Either way the result
+    never depends on arrival order or on an MPI reduction's tree. ``values``:
+    a 1-D float32 NumPy or CuPy array, the same size on every rank.
     """
     xp = array_module(values)
     source = xp.ascontiguousarray(values, dtype=np.float32).reshape(-1)
     total = xp.empty_like(source)
     if comm.size == 1 or source.size == 0:
         total[...] = source
+        return total
+    if source.size * comm.size <= SMALL_SUM_VALUES:
+        rows = xp.empty((comm.size, source.size), dtype=np.float32)
+        counts, displs = _segments([source.nbytes] * comm.size)
+        wait_ordered(comm.allgatherv(source.view(np.uint8), rows.reshape(-1).view(np.uint8),
+                                     counts, displs), "an exact sum", comm.rank)
+        total[...] = rows[0]
+        for row in rows[1:]:
+            total += row
         return total
     pieces = Pieces.plan(source.size, comm.size, max(source.size, DEFAULT_CHUNK_ELEMS))
     run_pipeline(comm, _PLAIN, pieces, source, total, 0, gather=True)

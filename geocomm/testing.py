@@ -39,7 +39,14 @@ import numpy as np
 from array_api_compat import array_namespace
 
 from geocomm.codecs import Codec, TransformingCodec, get_codec
-from geocomm.pipeline import DEFAULT_CHUNK_ELEMS, Pieces, Pipeline, schedule, shard_bounds
+from geocomm.pipeline import (
+    DEFAULT_CHUNK_ELEMS,
+    SMALL_SUM_VALUES,
+    Pieces,
+    Pipeline,
+    schedule,
+    shard_bounds,
+)
 
 __all__ = ["LoopbackComm", "MeteredComm", "Yardstick", "breakdown", "emulated_link",
            "launch_command", "loopback", "parse_size", "ring_bytes", "roundtrip",
@@ -73,11 +80,17 @@ def run_refresh_locally(codec: TransformingCodec, plan: Any, values: Any, side_s
 
 
 def _ordered_sum(values: Sequence[Any]) -> Any:
-    """The collective's exact side sum: owner's values first, then the others in rank
-    order; for a vector split into shards this is the rank-order sum per shard."""
+    """The collectives' exact sum (:func:`geocomm.pipeline.exact_sum`): small ones add
+    every rank's values in rank order; larger ones, per shard, the owner's values
+    first, then the others in rank order."""
     xp = array_namespace(*values)
     size = len(values)
     count = values[0].shape[0]
+    if count * size <= SMALL_SUM_VALUES:
+        total = values[0]
+        for other in values[1:]:
+            total = total + other
+        return total
     bounds = shard_bounds(count, size)
     total = xp.zeros(count, dtype=xp.float32)
     for owner, (lo, hi) in enumerate(itertools.pairwise(int(b) for b in bounds)):
