@@ -544,8 +544,8 @@ def regime_lines(result: dict[str, Any]) -> list[str]:
             f"every step, so the averaged gradient is the full gradient of the mean loss over "
             f"the {result['world'] * cfg['batch']} windows: no sampling noise, the codec's "
             "error is the only perturbation. Train loss is that objective (mean over ranks "
-            "before each update); held-out loss measures how the memorized model generalizes, "
-            "not the objective.", ""]
+            "before each update); held-out loss, on windows the run never sees, measures how "
+            "the fit to the small fixed set generalizes, not the objective.", ""]
 
 
 def legend_lines(result: dict[str, Any]) -> list[str]:
@@ -695,7 +695,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax_err.set(title="all-reduce relative error (mean over seeds)", xlabel="step",
                yscale="log")
     ax_along.axhline(0, color="k", lw=0.6)
-    ax_along.set(title="error along the gradient, (e . g) / ‖g‖² (mean over seeds, smoothed)",
+    ax_along.set(title="error along the gradient, (e . g) / ‖g‖² (seed mean, smoothed)",
                  xlabel="step", ylabel="negative: the codec shrinks the update")
     ax_drift.set(title="parameter drift from the fp32 run (band: seed min..max)",
                  xlabel="step", ylabel="||θ - θ_fp32|| / ||θ_fp32 - θ_0||", yscale="log")
