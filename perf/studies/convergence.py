@@ -32,12 +32,13 @@ Two regimes (``--regime``):
   step: the objective is the mean loss over the ``world * batch`` windows,
   and the exact average of the ranks' gradients *is* its full gradient, step
   after step, with no sampling noise at all. This removes the noise by
-  construction, where the alternative (one batch on every rank with enough
-  accumulation) would only shrink it by the square root of the accumulated
-  count, at that many times the compute; and with one batch everywhere every
-  rank would quantize the same values, so round-to-nearest errors would be
-  identical on all ranks instead of independent, unlike data parallelism.
-  Here each rank still quantizes its own (different) gradient. Default codecs:
+  construction. The alternative, the same batch on every rank made large by
+  accumulation, either draws it afresh each step, which only shrinks the noise
+  by the square root of the accumulated count at that many times the compute,
+  or keeps it fixed, and then every rank quantizes the same values, so its
+  round-to-nearest errors are identical on all ranks instead of independent,
+  unlike data parallelism. Here each rank quantizes its own (different)
+  gradient, as in real training. Default codecs:
   fp32, E4M3, E5M2 with round-to-nearest, stochastic rounding and error
   feedback, NVFP4 likewise, MXFP8, MXFP4, GeoFP8, GeoNVFP4. Stochastic
   rounding draws its bits from the run's seed. The table of the verdicts
