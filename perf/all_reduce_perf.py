@@ -12,14 +12,11 @@ import geocomm
 from geocomm.codecs import bounds
 
 
-def _expected(total, rank, size, op):
-    return total / size if op == "avg" else total
-
-
-def _bound(xs, codec, rank, size, op):
+def _bound(xs, codec, size, op, amaxes, a_prime):
+    """Element bound on slices ``xs`` of the inputs (whole-tensor ``amaxes``, ``a_prime``)."""
     if codec.lossless:
         return 2 * size * bounds.FP32_UNIT * np.sum([np.abs(x) for x in xs], axis=0)
-    b = bounds.allreduce_bound(xs, codec)
+    b = bounds.allreduce_bound(xs, codec, amaxes, a_prime)
     return b / size + 2.0**-23 * b if op == "avg" else b
 
 
@@ -45,7 +42,7 @@ ALL_REDUCE = Collective(
     name="all_reduce",
     run=_run,
     bus_factor=lambda n: 2 * (n - 1) / n,
-    expected=_expected,
+    span=lambda count, rank, size: (0, count),
     bound=_bound,
     norm_bound=_norm_bound,
     gather=True,

@@ -13,22 +13,17 @@ from geocomm.codecs import bounds
 from geocomm.pipeline import shard_bounds
 
 
-def _shard(values, rank, size):
-    offsets = shard_bounds(values.shape[-1], size)
-    return values[..., offsets[rank]: offsets[rank + 1]]
+def _span(count, rank, size):
+    offsets = shard_bounds(count, size)
+    return int(offsets[rank]), int(offsets[rank + 1])
 
 
-def _expected(total, rank, size, op):
-    shard = _shard(total, rank, size)
-    return shard / size if op == "avg" else shard
-
-
-def _bound(xs, codec, rank, size, op):
+def _bound(xs, codec, size, op, amaxes, a_prime):
+    """Element bound on slices ``xs`` of the inputs (whole-tensor ``amaxes``)."""
     if codec.lossless:
         b = 2 * size * bounds.FP32_UNIT * np.sum([np.abs(x) for x in xs], axis=0)
     else:
-        b = bounds.reduce_scatter_bound(xs, codec)
-    b = _shard(b, rank, size)
+        b = bounds.reduce_scatter_bound(xs, codec, amaxes)
     return b / size + 2.0**-23 * b if op == "avg" else b
 
 
@@ -43,7 +38,7 @@ REDUCE_SCATTER = Collective(
     run=lambda x, codec, op, chunk, comm: geocomm.reduce_scatter(
         x, codec=codec, op=op, chunk_elems=chunk, comm=comm),
     bus_factor=lambda n: (n - 1) / n,
-    expected=_expected,
+    span=_span,
     bound=_bound,
     norm_bound=_norm_bound,
     gather=False,

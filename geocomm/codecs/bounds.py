@@ -96,15 +96,21 @@ def error_constants(codec: Codec) -> tuple[float, float, float]:
     return (2 * u, 2 * c, 2 * d) if stochastic else (u, c, d)
 
 
-def single_bound(values: np.ndarray, codec: Codec) -> np.ndarray:
-    """Per-element bound of |Q(v) - v| for one encode/decode of ``values``."""
+def single_bound(values: np.ndarray, codec: Codec, amax: float | None = None) -> np.ndarray:
+    """Per-element bound of |Q(v) - v| for one encode/decode of ``values``.
+
+    ``amax``: max |v| over the whole encoded tensor when ``values`` is only a
+    slice of it (the bound's C A term uses the tensor's largest value).
+    """
     u, c, d = error_constants(codec)
     v = np.abs(np.asarray(values, np.float64))
-    amax = float(v.max()) if v.size else 0.0
+    if amax is None:
+        amax = float(v.max()) if v.size else 0.0
     return u * v + c * amax + (d if v.size else 0.0)
 
 
-def allreduce_bound(inputs: list[np.ndarray], codec: Codec) -> np.ndarray:
+def allreduce_bound(inputs: list[np.ndarray], codec: Codec, amaxes: list[float] | None = None,
+                    a_prime: float | None = None) -> np.ndarray:
     """Per-element bound of |Y - sum_i x_i| for the compressed all-reduce.
 
     Stage 1 errors e1_i obey single_bound(x_i) (the owner's own piece is not
@@ -112,21 +118,39 @@ def allreduce_bound(inputs: list[np.ndarray], codec: Codec) -> np.ndarray:
     know which rank owns an element); the owner's fp32 sum is
     S' = S + sum e1_i, so |S'| <= |S| + E1; stage 2 quantizes S' (bounded
     with |S'| and max |S'|). The fp32 additions of N terms add at most
-    2 N 2^-24 (sum |x_i| + E1).
+    2 N 2^-24 (sum |x_i| + E1). For slices of the tensors (memory-bounded
+    checks) pass the whole tensors' ``amaxes`` (max |x_i|) and ``a_prime``
+    (max over elements of |S| + E1, :func:`stage_two_amax`).
     """
     u, c, d = error_constants(codec)
+    amaxes = amaxes or [None] * len(inputs)
     abs_sum = np.sum([np.abs(np.asarray(x, np.float64)) for x in inputs], axis=0)
-    e1 = np.sum([single_bound(x, codec) for x in inputs], axis=0)
+    e1 = np.sum([single_bound(x, codec, a) for x, a in zip(inputs, amaxes, strict=True)],
+                axis=0)
     s_prime = np.abs(np.sum([np.asarray(x, np.float64) for x in inputs], axis=0)) + e1
-    a_prime = float(s_prime.max()) if s_prime.size else 0.0
+    if a_prime is None:
+        a_prime = float(s_prime.max()) if s_prime.size else 0.0
     fp32 = 2 * len(inputs) * FP32_UNIT * (abs_sum + e1)
     return e1 + u * s_prime + c * a_prime + d + fp32
 
 
-def reduce_scatter_bound(inputs: list[np.ndarray], codec: Codec) -> np.ndarray:
-    """Per-element bound for the reduce-scatter (one quantization, fp32 sum)."""
+def stage_two_amax(inputs: list[np.ndarray], codec: Codec, amaxes: list[float]) -> float:
+    """max over elements of |sum_i x_i| + sum_i single_bound(x_i): the largest value
+    the all-reduce's second quantization can meet (for :func:`allreduce_bound`)."""
+    e1 = np.sum([single_bound(x, codec, a) for x, a in zip(inputs, amaxes, strict=True)],
+                axis=0)
+    s = np.abs(np.sum([np.asarray(x, np.float64) for x in inputs], axis=0)) + e1
+    return float(s.max()) if s.size else 0.0
+
+
+def reduce_scatter_bound(inputs: list[np.ndarray], codec: Codec,
+                         amaxes: list[float] | None = None) -> np.ndarray:
+    """Per-element bound for the reduce-scatter (one quantization, fp32 sum);
+    ``amaxes`` as in :func:`allreduce_bound`."""
+    amaxes = amaxes or [None] * len(inputs)
     abs_sum = np.sum([np.abs(np.asarray(x, np.float64)) for x in inputs], axis=0)
-    e1 = np.sum([single_bound(x, codec) for x in inputs], axis=0)
+    e1 = np.sum([single_bound(x, codec, a) for x, a in zip(inputs, amaxes, strict=True)],
+                axis=0)
     return e1 + 2 * len(inputs) * FP32_UNIT * (abs_sum + e1)
 
 
