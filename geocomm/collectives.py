@@ -12,10 +12,14 @@ protocol with transforming codecs (GeoFP8):
 2. the pipeline reduces the buffer, mapping each piece just before it is
    encoded and mapping it back as soon as its sum is final (both overlap the
    communication of other pieces); the sum runs in place in the result;
-3. ``op="avg"`` divides by ``N``;
-4. plans that refresh run ``codec.refresh`` rounds on this rank's shard of
-   the result: each round's partial sums of all tensors travel in one exact
-   sum. The codec never talks to the communicator.
+3. plans that refresh run ``codec.refresh`` rounds on this rank's shard of
+   the sum: each round's partial sums of all tensors travel in one exact
+   sum. The codec never talks to the communicator;
+4. ``op="avg"`` divides by ``N``.
+
+Error feedback (:class:`~geocomm.codecs.ErrorFeedbackCodec`) adds the call's
+residual to what the pipeline sends and keeps what each quantization lost;
+stochastic rounding gets a stream per call from :func:`_rounding_stream`.
 
 Before each collective the ranks compare a small fingerprint (collective,
 count, dtype, op, codec config, parts and keys, and for transforming codecs a
