@@ -696,7 +696,8 @@ def _torch_bits(t: Any) -> np.ndarray:
     return t.numpy()
 
 
-def check_torch(ctx: Context, n: int = 300_001, chunk: int = 65_536) -> dict[str, Any]:
+def torch_cuda_missing() -> dict[str, Any] | None:
+    """The "skipped" result when torch or its CUDA device is missing, else None."""
     try:
         import torch
     except ImportError as exc:
@@ -704,6 +705,14 @@ def check_torch(ctx: Context, n: int = 300_001, chunk: int = 65_536) -> dict[str
     if not torch.cuda.is_available():
         return {"ok": True, "status": "skipped",
                 "reason": f"torch {torch.__version__} has no CUDA device (a CPU build?)"}
+    return None
+
+
+def check_torch(ctx: Context, n: int = 300_001, chunk: int = 65_536) -> dict[str, Any]:
+    if (missing := torch_cuda_missing()) is not None:
+        return missing
+    import torch
+
     import geocomm
 
     nccl, mpi = ctx.nccl(), ctx.mpi()
@@ -982,14 +991,11 @@ def check_timing(ctx: Context, sizes_mib: tuple[int, ...] = (64, 256),
 
 def check_ddp(ctx: Context, steps: int = 3) -> dict[str, Any]:
     """geocomm_hook in a 1-rank DDP over a NCCL process group: see :func:`ddp_rows`."""
-    try:
-        import torch
-        import torch.distributed as dist
-    except ImportError as exc:
-        return {"ok": True, "status": "skipped", "reason": f"torch is not installed ({exc})"}
-    if not torch.cuda.is_available():
-        return {"ok": True, "status": "skipped",
-                "reason": f"torch {torch.__version__} has no CUDA device (a CPU build?)"}
+    if (missing := torch_cuda_missing()) is not None:
+        return missing
+    import torch
+    import torch.distributed as dist
+
     device = torch.device("cuda", ctx.cp.cuda.Device().id)
     torch.cuda.set_device(device)
     if not dist.is_initialized():
