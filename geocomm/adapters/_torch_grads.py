@@ -39,14 +39,6 @@ LOG = logging.getLogger("geocomm.torch")
 NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
                 torch.bfloat16: np.dtype(ml_dtypes.bfloat16)}
 
-#: Pipeline stage size (values) of the hooks' collectives. A DDP bucket or an
-#: FSDP2 module holds a few million values; with the collectives' default of
-#: 1M a bucket is one or two stages, and the link idles while a stage is
-#: encoded and decoded. 256K values was the fastest stage size measured on the
-#: emulated 1 Gbit/s link (perf/results/pipeline_1gbit_n2.md, 64 MiB) and keeps
-#: 4-24 stages in a bucket of 1-6M values.
-CHUNK_ELEMS = 1 << 18
-
 #: values per sampled run of the error estimate: a multiple of every block length
 #: (fp8 128, NVFP4 16), so a run holds whole blocks
 SAMPLE_RUN = 256
@@ -382,9 +374,10 @@ class GradReducer:
     collective of ``codec`` (``parts=`` keeps every tensor's key and shape),
     the plain group in one exact collective; metadata compared per
     :func:`check_policy`; a :class:`BucketStats` per reduction into
-    ``telemetry``. ``chunk_elems``: pipeline stage size (None:
-    :data:`CHUNK_ELEMS`). Not thread-safe: one thread drives it (collective order
-    must be the same on every rank).
+    ``telemetry``. ``chunk_elems``: pipeline stage size (None: the collectives'
+    choice for the backend, docs/design.md, "Training integration"). Not
+    thread-safe: one thread drives it (collective order must be the same on
+    every rank).
     """
 
     def __init__(self, codec: Any, comm: Any, check: bool | None = None,
@@ -394,7 +387,7 @@ class GradReducer:
         self.comm = comm if isinstance(comm, MeteredComm) else MeteredComm(comm)
         self.policy = check_policy(check)
         self.error_sample = error_sample
-        self.chunk_elems = chunk_elems or CHUNK_ELEMS
+        self.chunk_elems = chunk_elems
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self._checked: set[Any] = set()
 

@@ -164,7 +164,8 @@ class GeocommHookState:
     first call of each bucket layout, every call under ``GEOCOMM_CHECK=1``;
     True: every call; False: never). ``error_sample``: values per bucket for
     the error estimate (0: off). ``chunk_elems``: pipeline stage size
-    (default :data:`~geocomm.adapters._torch_grads.CHUNK_ELEMS`).
+    (default: the collectives' choice for the backend, see docs/design.md,
+    "Training integration").
     ``history``, ``log_every``: see :class:`Telemetry`.
 
     Bucket layouts are the same on every rank whenever DDP calls the hook

@@ -1,6 +1,6 @@
 """Training with geocomm's DDP hook and FSDP2 reduce-scatter: step time, overlap, bytes, agreement.
 
-    python perf/studies/ddp_train.py                # root: both jobs below, ~12 min
+    python perf/studies/ddp_train.py                # root: both jobs below, ~5 min
     python perf/studies/ddp_train.py --steps 4 --warmup 2 --fsdp-steps 4 --fsdp-seeds 1 \\
         --out /tmp/ddp_train                        # a short validation run
 
@@ -525,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
                    help="sgd: SGD with momentum (one pass); adamw: llama.py's AdamW with "
                         "clipping (about 25 ms more per step here, the same for every method)")
-    p.add_argument("--overlap-batch", type=int, default=4,
+    p.add_argument("--overlap-batch", type=int, default=12,
                    help="sequences per rank of the overlap run (0: none)")
     p.add_argument("--alone-repeats", type=int, default=5)
     p.add_argument("--chunk-elems", type=int, default=None,
