@@ -33,6 +33,11 @@ Two MPI jobs, each rank a process with one torch thread, gloo over TCP:
   loss of the last 10 steps against the uncompressed runs' spread, and the
   bytes the compressed reduce-scatter sent (counted at its communicator).
 
+``--load N`` runs N busy-loop processes beside the jobs: each rank then gets
+about a third of a core instead of one, an emulated slow day on which
+compute and codec take longer while the link stays as fast (the yardstick,
+measured under the same load, shows how much slower).
+
 Writes ``OUT.json`` and ``OUT.md`` (default ``perf/results/ddp_train``) with
 the command and a machine yardstick measured in the same run (``np.copyto``
 of 64 MiB). Only geocomm's public API is used.
@@ -381,6 +386,23 @@ def run_fsdp(args: argparse.Namespace) -> dict[str, Any] | None:
 # orchestration and report
 
 
+class BackgroundLoad:
+    """``count`` busy-loop processes for the duration of a ``with`` block."""
+
+    def __init__(self, count: int):
+        self.count, self.procs = count, []
+
+    def __enter__(self) -> BackgroundLoad:
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                      for _ in range(self.count)]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+
 def _job(argv: list[str], launcher: list[str], name: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / f"{name}.json"
@@ -457,6 +479,9 @@ def write_report(result: dict[str, Any], out: Path) -> None:
              f"Command: `{result['command']}`", "",
              f"Yardstick (same run): `np.copyto` of 64 MiB at "
              f"{result['yardstick_copy_GBps']:.2f} GB/s on rank 0.", ""]
+    if result.get("load"):
+        lines += [f"Background load: {result['load']} busy-loop processes ran beside the jobs "
+                  "(an emulated slower machine; the yardstick was measured under it).", ""]
     ddp = result.get("ddp")
     if ddp:
         cfg = ddp["config"]
@@ -534,6 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fsdp-seeds", type=int, default=3)
     p.add_argument("--fsdp-batch", type=int, default=0, help="sequences per rank (0: config's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--load", type=int, default=0,
+                   help="busy-loop processes beside the jobs (an emulated slower machine)")
     p.add_argument("--out", default=str(ROOT / "perf" / "results" / "ddp_train"))
     args = p.parse_args(argv)
     if args.worker:
@@ -542,18 +569,21 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.worker_json).write_text(json.dumps(result))
         return 0
     given = argv if argv is not None else sys.argv[1:]
-    passthrough = _strip(given, ("--out", "--skip", "--rate"))
+    passthrough = _strip(given, ("--out", "--skip", "--rate", "--load"))
     result: dict[str, Any] = {"host": f"{platform.node()}, {os.cpu_count()} cores",
                               "command": shlex.join(["python", "perf/studies/ddp_train.py",
                                                      *given]),
-                              "yardstick_copy_GBps": yardstick_gbps()}
-    if args.skip != "ddp":
-        result["ddp"] = _job(passthrough, [sys.executable, str(ROOT / "perf" / "emulated_link.py"),
-                                           "--rate", args.rate, "-n", "2"], "ddp")
-        result["yardstick_copy_GBps"] = result["ddp"].pop("yardstick_copy_GBps")
-    if args.skip != "fsdp":
-        result["fsdp"] = _job(passthrough, [sys.executable, "-m", "geocomm.launch", "-n", "2"],
-                              "fsdp")
+                              "load": args.load}
+    with BackgroundLoad(args.load):
+        result["yardstick_copy_GBps"] = yardstick_gbps()
+        if args.skip != "ddp":
+            result["ddp"] = _job(passthrough, [sys.executable,
+                                               str(ROOT / "perf" / "emulated_link.py"),
+                                               "--rate", args.rate, "-n", "2"], "ddp")
+            result["yardstick_copy_GBps"] = result["ddp"].pop("yardstick_copy_GBps")
+        if args.skip != "fsdp":
+            result["fsdp"] = _job(passthrough, [sys.executable, "-m", "geocomm.launch", "-n",
+                                                "2"], "fsdp")
     write_report(result, Path(args.out))
     print(Path(args.out).with_suffix(".md").read_text())
     return 0
