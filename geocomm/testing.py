@@ -19,19 +19,21 @@
   :func:`timed` and :func:`slowest` (the slowest rank's time, nccl-tests
   style), :func:`ring_bytes`, :func:`breakdown` (encode, communication and
   decode timed apart against the pipelined call), :func:`emulated_link` and
-  :func:`launch_command` (how the job was started), and
-  :func:`yardstick`: two speeds of this machine measured in the run, printed
-  next to every performance table so a reader can scale its numbers.
+  :func:`launch_command` (how the job was started), :func:`busy_loops` (a
+  slower machine), and :func:`yardstick`: two speeds of this machine measured
+  in the run, printed next to every performance table so readers can scale.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,9 +50,9 @@ from geocomm.pipeline import (
     shard_bounds,
 )
 
-__all__ = ["LoopbackComm", "MeteredComm", "Yardstick", "breakdown", "emulated_link",
-           "launch_command", "loopback", "parse_size", "ring_bytes", "roundtrip",
-           "run_lockstep", "run_refresh_locally", "simulate_allreduce",
+__all__ = ["LoopbackComm", "MeteredComm", "Yardstick", "breakdown", "busy_loops",
+           "emulated_link", "launch_command", "loopback", "parse_size", "ring_bytes",
+           "roundtrip", "run_lockstep", "run_refresh_locally", "simulate_allreduce",
            "simulate_reduce_scatter", "slowest", "timed", "yardstick", "yardstick_line"]
 
 
@@ -417,9 +419,20 @@ def _breakdown_once(comm: Any, codec: Codec, x: np.ndarray, chunk: int | None,
 
 
 def emulated_link() -> str | None:
-    """The link this job runs over when ``perf/emulated_link.py`` started it (its
-    rate, and delay if any); None for an unshaped job (shared memory)."""
+    """The rate (and delay) of ``perf/emulated_link.py``'s link; None when unshaped."""
     return os.environ.get("GEOCOMM_LINK")
+
+
+@contextlib.contextmanager
+def busy_loops(count: int) -> Iterator[None]:
+    """``count`` CPU-spinning processes during the block: an emulated slower machine."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def launch_command(nranks: int) -> str:

@@ -386,23 +386,6 @@ def run_fsdp(args: argparse.Namespace) -> dict[str, Any] | None:
 # orchestration and report
 
 
-class BackgroundLoad:
-    """``count`` busy-loop processes for the duration of a ``with`` block."""
-
-    def __init__(self, count: int):
-        self.count, self.procs = count, []
-
-    def __enter__(self) -> BackgroundLoad:
-        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                      for _ in range(self.count)]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for proc in self.procs:
-            proc.kill()
-            proc.wait()
-
-
 def _job(argv: list[str], launcher: list[str], name: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / f"{name}.json"
@@ -568,13 +551,15 @@ def main(argv: list[str] | None = None) -> int:
         if result is not None:
             Path(args.worker_json).write_text(json.dumps(result))
         return 0
+    from geocomm.testing import busy_loops
+
     given = argv if argv is not None else sys.argv[1:]
     passthrough = _strip(given, ("--out", "--skip", "--rate", "--load"))
     result: dict[str, Any] = {"host": f"{platform.node()}, {os.cpu_count()} cores",
                               "command": shlex.join(["python", "perf/studies/ddp_train.py",
                                                      *given]),
                               "load": args.load}
-    with BackgroundLoad(args.load):
+    with busy_loops(args.load):
         result["yardstick_copy_GBps"] = yardstick_gbps()
         if args.skip != "ddp":
             result["ddp"] = _job(passthrough, [sys.executable,

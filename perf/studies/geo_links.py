@@ -8,7 +8,9 @@ on, and tabulates each codec's time against the plain fp32 all-reduce
 (``--codec none``, Open MPI's own algorithm) of the same run. A last job
 repeats geofp8 at 64 MiB under a plain ``mpiexec`` environment (no thread
 variables set, as mpirun, srun or torchrun users have it) next to the same
-job under geocomm.launch's per-rank thread share. Needs root (namespaces).
+job under geocomm.launch's per-rank thread share (``--plain-repeats 0``:
+none). ``--load N`` runs N busy loops beside the jobs: an emulated slower
+machine. Needs root (namespaces).
 
     python perf/studies/geo_links.py -o perf/results/geo_links
 """
@@ -27,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from geocomm.testing import yardstick
+from geocomm.testing import busy_loops, yardstick
 
 ROOT = Path(__file__).resolve().parents[2]
 #: (warm-up, timed) iterations per codec: enough timed calls for two refresh
@@ -52,7 +54,12 @@ def sweep(link: str, ranks: int, codec: str, sizes: tuple[str, str], plain: bool
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    result: dict[str, Any] = {"command": "python " + " ".join(sys.argv),
+    with busy_loops(args.load):
+        return _sweeps(args)
+
+
+def _sweeps(args: argparse.Namespace) -> dict[str, Any]:
+    result: dict[str, Any] = {"command": "python " + " ".join(sys.argv), "load": args.load,
                               "yardstick_before": asdict(yardstick()), "runs": []}
     for link in args.links.split(","):
         for ranks in (int(r) for r in args.ranks.split(",")):
@@ -90,6 +97,8 @@ def markdown(r: dict[str, Any]) -> str:
         f"Command: `{r['command']}` (root: network namespaces). Yardstick in the same run: "
         f"np.copyto {yb['copy_GBps']:.2f} GB/s before, {ya['copy_GBps']:.2f} after; "
         f"fp8 encode {yb['fp8_encode_GBps']:.2f} / {ya['fp8_encode_GBps']:.2f} GB/s.", "",
+        *([f"Background load: {r['load']} busy-loop processes beside the ranks (an emulated "
+           "slower machine; the yardstick was measured under it).", ""] if r.get("load") else []),
         "Inputs: 4096-column gradient-like matrices (rank-16 signal plus noise), checking on. "
         "Time: mean per call, the slowest rank's. Speed-up: time of plain fp32 MPI "
         "(`--codec none`) over the codec's time, same link, ranks and size.", "",
@@ -139,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max", default="256M")
     p.add_argument("--plain-link", default="10gbit", help="link of the plain-mpiexec check")
     p.add_argument("--plain-repeats", type=int, default=3, help="jobs of each launch")
+    p.add_argument("--load", type=int, default=0,
+                   help="busy-loop processes beside the jobs (an emulated slower machine)")
     p.add_argument("--plain-only", action="store_true",
                    help="redo only the plain-mpiexec check in the existing JSON")
     p.add_argument("-o", "--out", default="perf/results/geo_links")
