@@ -424,11 +424,11 @@ def emulated_link() -> str | None:
 
 
 @contextlib.contextmanager
-def busy_loops(count: int) -> Iterator[None]:
+def busy_loops(count: int) -> Iterator[list[subprocess.Popen]]:
     """``count`` CPU-spinning processes during the block: an emulated slower machine."""
     procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
     try:
-        yield
+        yield procs
     finally:
         for proc in procs:
             proc.kill()

@@ -1,8 +1,11 @@
-"""The perf helpers of geocomm.testing: sizes, ring bytes, timing across ranks, yardstick."""
+"""The perf helpers of geocomm.testing: sizes, ring bytes, timing across ranks, yardstick,
+background load."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 
 import numpy as np
 import pytest
@@ -11,6 +14,7 @@ from geocomm import get_codec
 from geocomm.testing import (
     Yardstick,
     breakdown,
+    busy_loops,
     parse_size,
     ring_bytes,
     slowest,
@@ -23,6 +27,22 @@ from geocomm.testing import (
 def test_parse_size_binary_multiples():
     assert [parse_size(t) for t in ("8", "1K", "1.5k", "128M", "1G")] == [
         8, 1024, 1536, 128 << 20, 1 << 30]
+
+
+def _children_cpu_seconds() -> float:
+    times = os.times()
+    return times.children_user + times.children_system
+
+
+def test_busy_loops_spin_while_open_and_are_reaped_after():
+    before = _children_cpu_seconds()
+    with busy_loops(2) as procs:
+        time.sleep(0.5)
+        assert len(procs) == 2 and all(p.poll() is None for p in procs)
+    assert all(p.returncode is not None for p in procs)  # killed and waited for
+    # children's CPU time counts once they are reaped: two loops spinning for 0.5 s
+    # while this process sleeps get at least one core between them, well over 0.2 s
+    assert _children_cpu_seconds() - before > 0.2
 
 
 def test_ring_bytes_is_two_n_minus_one_over_n():
