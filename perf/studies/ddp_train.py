@@ -34,13 +34,13 @@ Two MPI jobs, each rank a process with one torch thread, gloo over TCP:
   bytes the compressed reduce-scatter sent (counted at its communicator).
 
 ``--load N`` runs N busy-loop processes beside the jobs: each rank then gets
-about a third of a core instead of one, an emulated slow day on which
-compute and codec take longer while the link stays as fast (the yardstick,
-measured under the same load, shows how much slower).
+about half a core instead of one, an emulated slow day on which compute and
+codec take longer while the link stays as fast. (The yardstick does not show
+it: a single thread's copy speed, measured when it runs.)
 
 Writes ``OUT.json`` and ``OUT.md`` (default ``perf/results/ddp_train``) with
-the command and a machine yardstick measured in the same run (``np.copyto``
-of 64 MiB). Only geocomm's public API is used.
+the command and the machine yardstick of :func:`geocomm.testing.yardstick`
+measured in the same run. Only geocomm's public API is used.
 """
 
 from __future__ import annotations
@@ -60,11 +60,13 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from dataclasses import replace  # noqa: E402
+from dataclasses import asdict, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
+
+from geocomm.testing import busy_loops, yardstick, yardstick_line  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -74,18 +76,6 @@ FSDP_CODECS = ("fp8", "geofp8")
 
 # ---------------------------------------------------------------------------
 # helpers used on the ranks
-
-
-def yardstick_gbps(nbytes: int = 64 << 20, repeats: int = 5) -> float:
-    """np.copyto bandwidth (read + write counted once: bytes copied per second)."""
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
-    best = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        best.append(time.perf_counter() - t)
-    return nbytes / float(np.median(best)) / 1e9
 
 
 def params_digest(model: Any) -> str:
@@ -311,7 +301,7 @@ def run_ddp(args: argparse.Namespace) -> dict[str, Any] | None:
     dist.destroy_process_group()
     if rank != 0:
         return None
-    result["yardstick_copy_GBps"] = yardstick_gbps()
+    result["yardstick"] = asdict(yardstick())
     return result
 
 
@@ -460,11 +450,11 @@ def write_report(result: dict[str, Any], out: Path) -> None:
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# Training with geocomm's DDP hook and FSDP2 ({result['host']})", "",
              f"Command: `{result['command']}`", "",
-             f"Yardstick (same run): `np.copyto` of 64 MiB at "
-             f"{result['yardstick_copy_GBps']:.2f} GB/s on rank 0.", ""]
+             yardstick_line(result.get("yardstick")), ""]
     if result.get("load"):
         lines += [f"Background load: {result['load']} busy-loop processes ran beside the jobs "
-                  "(an emulated slower machine; the yardstick was measured under it).", ""]
+                  "(an emulated slower machine: each rank gets about half a core; the yardstick, "
+                  "one thread's speed when it runs, does not show it).", ""]
     ddp = result.get("ddp")
     if ddp:
         cfg = ddp["config"]
@@ -551,8 +541,6 @@ def main(argv: list[str] | None = None) -> int:
         if result is not None:
             Path(args.worker_json).write_text(json.dumps(result))
         return 0
-    from geocomm.testing import busy_loops
-
     given = argv if argv is not None else sys.argv[1:]
     passthrough = _strip(given, ("--out", "--skip", "--rate", "--load"))
     result: dict[str, Any] = {"host": f"{platform.node()}, {os.cpu_count()} cores",
@@ -560,12 +548,12 @@ def main(argv: list[str] | None = None) -> int:
                                                      *given]),
                               "load": args.load}
     with busy_loops(args.load):
-        result["yardstick_copy_GBps"] = yardstick_gbps()
+        result["yardstick"] = asdict(yardstick())
         if args.skip != "ddp":
             result["ddp"] = _job(passthrough, [sys.executable,
                                                str(ROOT / "perf" / "emulated_link.py"),
                                                "--rate", args.rate, "-n", "2"], "ddp")
-            result["yardstick_copy_GBps"] = result["ddp"].pop("yardstick_copy_GBps")
+            result["yardstick"] = result["ddp"].pop("yardstick")  # rank 0's, beside the ranks
         if args.skip != "fsdp":
             result["fsdp"] = _job(passthrough, [sys.executable, "-m", "geocomm.launch", "-n",
                                                 "2"], "fsdp")

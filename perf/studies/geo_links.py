@@ -98,7 +98,8 @@ def markdown(r: dict[str, Any]) -> str:
         f"np.copyto {yb['copy_GBps']:.2f} GB/s before, {ya['copy_GBps']:.2f} after; "
         f"fp8 encode {yb['fp8_encode_GBps']:.2f} / {ya['fp8_encode_GBps']:.2f} GB/s.", "",
         *([f"Background load: {r['load']} busy-loop processes beside the ranks (an emulated "
-           "slower machine; the yardstick was measured under it).", ""] if r.get("load") else []),
+           "slower machine: each rank gets about half a core; the yardstick, one thread's "
+           "speed when it runs, does not show it).", ""] if r.get("load") else []),
         "Inputs: 4096-column gradient-like matrices (rank-16 signal plus noise), checking on. "
         "Time: mean per call, the slowest rank's. Speed-up: time of plain fp32 MPI "
         "(`--codec none`) over the codec's time, same link, ranks and size.", "",
