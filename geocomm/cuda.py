@@ -339,7 +339,7 @@ def encode(fmt: int | str, x: Any, block: int, wire: Any, stream: Any = None, *,
         return
     sr = np.int32(bool(flags & native.STOCHASTIC))
     if sr:
-        from geocomm.codecs._reference import sr_key  # the key of gc_sr_key, computed once
+        from geocomm.codecs.reference import sr_key  # the key of gc_sr_key, computed once
 
         key = sr_key(seed, rng_stream)
     else:

@@ -65,7 +65,7 @@ class WireFormat:
         """The kernels' stochastic-rounding key of a rounding ``stream`` (0: nearest)."""
         if not self.stochastic:
             return 0
-        from geocomm.codecs._reference import sr_key
+        from geocomm.codecs.reference import sr_key
 
         return sr_key(self.seed, stream)
 

@@ -241,7 +241,7 @@ def check_case(cp: Any, fmt: str, block: int, name: str, x: np.ndarray,
                base: np.ndarray, variant: str = "") -> dict[str, Any]:
     """One format/block/input: GPU vs C core (vs reference for small inputs)."""
     from geocomm import cuda, native
-    from geocomm.codecs import _reference as ref
+    from geocomm.codecs import reference as ref
 
     code = native.FORMATS[fmt]
     n = x.size

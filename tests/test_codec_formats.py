@@ -1,7 +1,7 @@
 """Bit-level tests of the fp8 (E4M3FN, E5M2), NVFP4 and BF16 wire bodies.
 
 Three implementations must agree (docs/design.md, "Formats"): the native C core
-(``geocomm.native``), the NumPy reference (``geocomm.codecs._reference``)
+(``geocomm.native``), the NumPy reference (``geocomm.codecs.reference``)
 and ml_dtypes' casts once the documented scaling and clamp are applied. The
 tests below check, in that order: every code decodes like ml_dtypes; native
 and reference give the same bytes for random and edge inputs; the payload is
@@ -21,7 +21,7 @@ import pytest
 
 import geocomm
 from geocomm import native
-from geocomm.codecs import _reference as ref
+from geocomm.codecs import reference as ref
 
 # Non-finite and overflowing inputs are the point of many tests here; NumPy's
 # "invalid value / overflow encountered" warnings about them are expected.

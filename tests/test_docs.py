@@ -1,4 +1,4 @@
-"""Every citation of the design document in the code names one of its headings.
+"""The design document is cited by its headings, and perf/ shows only the public API.
 
 Code cites docs/design.md by heading: ``docs/design.md, "The collective"``
 (the quote may follow on the next comment line). A renamed or removed
@@ -39,3 +39,13 @@ def test_the_founding_brief_is_not_cited():
     stale = [str(p.relative_to(ROOT)) for p in SOURCES
              if re.search(r"DESIGN section|shared/DESIGN", p.read_text())]
     assert not stale, f"cite docs/design.md by heading instead: {stale}"
+
+
+def test_perf_uses_only_public_geocomm_modules():
+    # perf/ is what users run and copy from: it may import geocomm's public modules
+    # (geocomm.testing included), never a private one, so it shows the real API
+    private = re.compile(r"(?:from|import)\s+geocomm(?:\.\w+)*\.(_\w+)|"
+                         r"from\s+geocomm(?:\.\w+)*\s+import\s+[^\n]*\b(_\w+)")
+    found = {str(p.relative_to(ROOT)): m.group(0)
+             for p in ROOT.glob("perf/**/*.py") for m in private.finditer(p.read_text())}
+    assert not found, f"perf files importing private geocomm modules: {found}"

@@ -34,8 +34,8 @@ from hypothesis import strategies as st
 
 import geocomm
 from geocomm import native
-from geocomm.codecs import _reference as ref
 from geocomm.codecs import bounds
+from geocomm.codecs import reference as ref
 
 GOLDEN = pathlib.Path(__file__).resolve().parent / "golden"
 HEAD = struct.Struct("<4sBBBBIQ")

@@ -40,8 +40,8 @@ from test_codec_formats import (
 
 import geocomm
 from geocomm import native
-from geocomm.codecs import _reference as ref
 from geocomm.codecs import bounds
+from geocomm.codecs import reference as ref
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 

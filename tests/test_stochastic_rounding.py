@@ -1,6 +1,6 @@
 """Seeded stochastic rounding (``rounding="stochastic"``) of every lossy format.
 
-The contract (native/gc_scalar.h, geocomm.codecs._reference):
+The contract (native/gc_scalar.h, geocomm.codecs.reference):
 
 * a magnitude r between neighbouring representable values lo <= r < hi rounds
   up iff its 32-bit random word is below t = floor(2^32 (r - lo) / (hi - lo)),
@@ -39,8 +39,8 @@ from test_codec_formats import (
 )
 
 import geocomm
-from geocomm.codecs import _reference as ref
 from geocomm.codecs import bounds
+from geocomm.codecs import reference as ref
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 

@@ -3,7 +3,7 @@
 
 Each codec maps flat float32 data to a wire body laid out as in
 ``native/geocomm.h``; the native C core does the work and
-``geocomm.codecs._reference`` defines the bytes it must produce.
+``geocomm.codecs.reference`` defines the bytes it must produce.
 
 Every lossy format takes ``rounding="nearest"`` (default: round to nearest
 even) or ``"stochastic"`` with a ``seed``: then E[decode(encode(x))] = x up to
