@@ -9,7 +9,9 @@ pytest-timeout (pyproject: ``timeout``) bounds every test as well.
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -52,3 +54,31 @@ def rng_for():
         return np.random.default_rng([rank, tag, 20261129])
 
     return make
+
+
+#: prepended to the scripts of :func:`without_native`: importing geocomm._native fails
+BLOCK_NATIVE = """
+import sys
+
+class BlockNative:
+    def find_spec(self, name, path=None, target=None):
+        if name == "geocomm._native":
+            raise ImportError("geocomm._native blocked by the test")
+        return None
+
+sys.meta_path.insert(0, BlockNative())
+"""
+
+
+@pytest.fixture
+def without_native(tmp_path):
+    """without_native(body): run the script ``body`` in a fresh interpreter in which
+    the compiled core cannot be imported (a missing build); the CompletedProcess."""
+
+    def run(body: str) -> subprocess.CompletedProcess:
+        script = tmp_path / "without_native.py"
+        script.write_text(BLOCK_NATIVE + textwrap.dedent(body))
+        return subprocess.run([sys.executable, "-P", str(script)], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=240, check=False)
+
+    return run

@@ -311,16 +311,6 @@ def test_format_names_and_ids():
 
 
 WITHOUT_NATIVE = """
-import sys
-
-class BlockNative:
-    def find_spec(self, name, path=None, target=None):
-        if name == "geocomm._native":
-            raise ImportError("geocomm._native blocked by the test")
-        return None
-
-sys.meta_path.insert(0, BlockNative())
-
 import numpy as np
 import geocomm
 import geocomm.cuda as gcuda
@@ -347,11 +337,8 @@ print("OK")
 """
 
 
-def test_constants_without_the_native_core(tmp_path: Path):
+def test_constants_without_the_native_core(without_native):
     """Without the build, importing works and reading a constant of the core raises
     NativeBuildMissing (an ImportError saying how to build), never a made-up number."""
-    script = tmp_path / "without_native.py"
-    script.write_text(WITHOUT_NATIVE)
-    proc = subprocess.run([sys.executable, "-P", str(script)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=240, check=False)
+    proc = without_native(WITHOUT_NATIVE)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr

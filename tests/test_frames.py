@@ -21,9 +21,6 @@ import importlib.util
 import json
 import pathlib
 import struct
-import subprocess
-import sys
-import textwrap
 import zlib
 
 import ml_dtypes
@@ -517,17 +514,7 @@ def test_fuzz_structured_headers(magic, version, dtype, shape, config, body, bod
 
 # ---- missing native core ---------------------------------------------------
 
-WITHOUT_NATIVE = textwrap.dedent("""
-    import sys
-
-    class BlockNative:
-        def find_spec(self, name, path=None, target=None):
-            if name == "geocomm._native":
-                raise ImportError("geocomm._native blocked by the test")
-            return None
-
-    sys.meta_path.insert(0, BlockNative())
-
+WITHOUT_NATIVE = """
     import numpy as np
     import geocomm
     from geocomm.native import NativeBuildMissing
@@ -544,14 +531,11 @@ WITHOUT_NATIVE = textwrap.dedent("""
         print("MESSAGE", exc)
     else:
         raise SystemExit("encode worked without the native core")
-""")
+"""
 
 
-def test_missing_native_core_fails_only_when_encoding(tmp_path):
-    script = tmp_path / "without_native.py"
-    script.write_text(WITHOUT_NATIVE)
-    proc = subprocess.run([sys.executable, "-P", str(script)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=240, check=False)
+def test_missing_native_core_fails_only_when_encoding(without_native):
+    proc = without_native(WITHOUT_NATIVE)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     message = proc.stdout.split("MESSAGE", 1)[1]
     assert "pip install" in message and "geocomm._native" in message
