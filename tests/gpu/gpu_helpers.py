@@ -1,0 +1,20 @@
+"""What the GPU tests share (imported after conftest.py has put the twin in place)."""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+#: whether this run is on the CPU twin of CuPy (tests/twin) rather than a GPU
+ON_TWIN = getattr(cupy, "TWIN", False)
+
+
+def inputs(rank: int, n: int, tag: int = 0) -> np.ndarray:
+    """Gradient-like float32 values every rank can rebuild for any rank: a wide
+    dynamic range, a few subnormals and exact zeros."""
+    rng = np.random.default_rng([rank, tag, 20261201])
+    x = (rng.standard_normal(n) * np.exp2(rng.integers(-20, 8, n))).astype(np.float32)
+    if n > 10:
+        x[rng.integers(0, n, 3)] = np.float32(3e-39)  # subnormal
+        x[rng.integers(0, n, 2)] = 0.0
+    return x

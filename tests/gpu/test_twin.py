@@ -1,0 +1,125 @@
+"""The CPU twin of CuPy itself: what it must catch for the GPU tests to have teeth.
+
+Each test states the CUDA/CuPy behaviour the twin models and checks that the
+twin both allows the correct program and refuses the broken one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_helpers import ON_TWIN
+
+pytestmark = pytest.mark.skipif(not ON_TWIN, reason="checks the twin itself (a real GPU "
+                                "does not report these errors: that is why the twin exists)")
+
+
+def test_work_runs_in_stream_order_not_at_call_time(cp):
+    """Queued work runs later, in order: a host read waits for it (get synchronizes)."""
+    x = cp.asarray(np.arange(1000, dtype=np.float32))
+    for _ in range(20):
+        x += 1
+    assert np.array_equal(x.get(), np.arange(1000, dtype=np.float32) + 20)
+
+
+def test_missing_event_wait_is_reported(cp):
+    """Work on stream A reading what stream B wrote needs an event wait (cudaStreamWaitEvent)."""
+    x = cp.zeros(64, cp.float32)
+    side = cp.cuda.Stream(non_blocking=True)
+    side.wait_event(cp.cuda.get_current_stream().record())
+    with side:
+        x += 1  # written on the side stream
+    with pytest.raises(cp.cuda.StreamOrderError, match="no event wait"):
+        x * 2  # the current stream reads it without waiting
+    cp.cuda.get_current_stream().wait_event(side.record())
+    assert float((x * 2)[0]) == 2.0
+
+
+def test_overwrite_before_a_reader_finished_is_reported(cp):
+    """A write on stream A of bytes stream B still reads (write after read) needs a wait too."""
+    x = cp.ones(64, cp.float32)
+    side = cp.cuda.Stream(non_blocking=True)
+    side.wait_event(cp.cuda.get_current_stream().record())
+    with side:
+        y = x * 3  # the side stream reads x
+    with pytest.raises(cp.cuda.StreamOrderError, match="read"):
+        x.fill(0)
+    cp.cuda.get_current_stream().wait_event(side.record())
+    x.fill(0)
+    side.synchronize()
+    del y
+
+
+def test_host_read_of_unordered_memory_raises(cp):
+    """get() is a copy on the current stream: memory another stream wrote must be waited for."""
+    x = cp.zeros(16, cp.float32)
+    side = cp.cuda.Stream(non_blocking=True)
+    side.wait_event(cp.cuda.get_current_stream().record())
+    with side:
+        x += 5
+    with pytest.raises(cp.cuda.StreamOrderError):
+        x.get()
+    side.synchronize()  # the host waited: now any stream may read it
+    assert x.get()[0] == 5
+
+
+def test_implicit_host_conversion_and_numpy_functions_refuse(cp):
+    x = cp.ones(4, cp.float32)
+    with pytest.raises(TypeError, match="Implicit conversion"):
+        np.asarray(x)
+    with pytest.raises(TypeError):
+        np.add(np.ones(4, np.float32), x)
+    with pytest.raises(NotImplementedError, match="twin"):
+        cp.fft.fft(x)
+    with pytest.raises(NotImplementedError, match="basic indexing"):
+        x[cp.asarray(np.array([0, 1]))]
+
+
+def test_float32_arithmetic_flushes_subnormals_like_cupy_kernels(cp):
+    """CuPy's elementwise kernels run with -ftz=true: subnormal inputs and results are 0."""
+    tiny = np.float32(3e-39)
+    x = cp.asarray(np.array([tiny, 1.0, -tiny], np.float32))
+    assert np.array_equal((x * 1).get(), np.array([0.0, 1.0, -0.0], np.float32))
+    assert np.signbit((x + 0).get()[2])
+    y = cp.asarray(np.array([np.float32(2.0**-125)], np.float32))
+    assert (y / 4).get()[0] == 0.0  # 2^-127 is subnormal: flushed
+    assert x.copy().get()[0] == tiny  # a copy keeps bits
+    assert (x.astype(np.float64) * 1).get()[0] == np.float64(tiny)  # fp64 does not flush
+
+
+def test_out_of_bounds_copy_is_refused(cp):
+    a = cp.zeros(8, cp.uint8)
+    b = cp.zeros(8, cp.uint8)
+    runtime = cp.cuda.runtime
+    with pytest.raises(RuntimeError, match="no live device allocation"):
+        runtime.memcpyAsync(a.data.ptr + 4, b.data.ptr, 8, runtime.memcpyDeviceToDevice,
+                            cp.cuda.get_current_stream().ptr)
+
+
+def test_red_zones_catch_a_write_past_the_end(cp):
+    """A kernel writing one element past its array corrupts a red zone: a sticky error."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import cupy, numpy as np
+        src = r'''
+        extern "C" __global__ void past_end(float *out, unsigned long long n)
+        {
+            unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+            if (i <= n) out[i] = 1.0f;   /* <= : one past the end */
+        }
+        '''
+        f = cupy.RawModule(code=src, options=("-std=c++17",)).get_function("past_end")
+        out = cupy.zeros(100, cupy.float32)
+        f((1,), (128,), (out, np.uint64(100)))
+        try:
+            out.get()
+        except RuntimeError as exc:
+            print("ERROR:", exc)
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=240)
+    assert "ERROR:" in run.stdout and "past its end" in run.stdout, run.stdout + run.stderr

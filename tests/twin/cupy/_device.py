@@ -1,0 +1,362 @@
+"""Streams, events and the stream-order checker of the twin.
+
+Execution. Every stream has a worker thread that runs the stream's queued
+operations in order, later than the call that queued them: like a GPU, the
+host returns at once and the work happens behind it. An event is a marker in
+a stream's queue; ``Stream.wait_event`` queues an operation that blocks the
+stream until the event has passed. Kernel launches of all streams take one
+device lock (one launch at a time: blocks run one after another). A failing
+operation (an out-of-bounds write, a bad launch, an NCCL mismatch) makes the
+device error sticky, as CUDA does: every later call into the twin raises
+:class:`CUDARuntimeError` with the first failure's message.
+
+Ordering, checked. The checker is a vector clock per stream and one for the
+host, advanced at call time (so it does not depend on timing): an operation
+queued on stream S may touch bytes last written by an operation on stream T
+(or read by one, if it writes them) only if S's clock covers that operation,
+i.e. S waited on an event recorded on T after it, or the host synchronized
+with T and queued the work on S afterwards. Anything else is a race on a
+real GPU, and the twin raises :class:`StreamOrderError` naming both
+operations. The host's own reads (``get``) and writes (``set``, ``asarray``)
+follow the same rule against its clock, which grows on ``synchronize``.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from cupy import _memory
+
+
+class CUDARuntimeError(RuntimeError):
+    """The twin's device error (sticky, like CUDA's)."""
+
+
+class StreamOrderError(RuntimeError):
+    """Work touches device memory that another stream wrote (or reads) without an
+    event wait, or the host reads memory whose writes it has not waited for."""
+
+
+#: the sticky device error: (message,) once an operation failed
+_failure: list[str] = []
+_failure_lock = threading.Lock()
+#: one kernel launch, copy or transfer at a time (blocks run one after another)
+device_lock = threading.RLock()
+
+
+def fail(message: str) -> None:
+    with _failure_lock:
+        if not _failure:
+            _failure.append(message)
+
+
+def check_failure() -> None:
+    """Raise the sticky device error, if any."""
+    if _failure:
+        raise CUDARuntimeError(f"twin device error (sticky): {_failure[0]}")
+
+
+# ---------------------------------------------------------------------------
+# clocks
+
+
+HOST = -1  # the host's clock index (streams are >= 0: the null stream is 0)
+_clock_lock = threading.RLock()
+_host_clock: dict[int, int] = {}
+
+
+def _covers(clock: dict[int, int], who: int, seq: int) -> bool:
+    return clock.get(who, 0) >= seq
+
+
+def _merge(into: dict[int, int], other: dict[int, int]) -> None:
+    for k, v in other.items():
+        if into.get(k, 0) < v:
+            into[k] = v
+
+
+class Access:
+    """One operation's view of a range of an allocation."""
+
+    __slots__ = ("alloc", "hi", "lo")
+
+    def __init__(self, alloc: _memory.Allocation, lo: int, hi: int):
+        self.alloc, self.lo, self.hi = alloc, lo, hi
+
+
+class _Record:
+    __slots__ = ("hi", "lo", "seq", "what", "who")
+
+    def __init__(self, lo: int, hi: int, who: int, seq: int, what: str):
+        self.lo, self.hi, self.who, self.seq, self.what = lo, hi, who, seq, what
+
+
+def _name(who: int) -> str:
+    return "the host" if who == HOST else f"stream {who:#x}"
+
+
+def _check_and_record(clock: dict[int, int], who: int, seq: int, what: str,
+                      reads: Iterable[Access], writes: Iterable[Access]) -> None:
+    """The checker: raise unless every earlier conflicting access is covered by
+    ``clock``, then remember this access."""
+    reads, writes = list(reads), list(writes)
+    for acc, is_write in [(a, False) for a in reads] + [(a, True) for a in writes]:
+        if acc.hi <= acc.lo:
+            continue
+        conflicts = acc.alloc.writes + (acc.alloc.reads if is_write else [])
+        for rec in conflicts:
+            if rec.lo < acc.hi and acc.lo < rec.hi and rec.who != who \
+                    and not _covers(clock, rec.who, rec.seq):
+                verb = "writes" if is_write else "reads"
+                kind = "wrote" if rec in acc.alloc.writes else "read"
+                raise StreamOrderError(
+                    f"twin: {what} on {_name(who)} {verb} bytes [{max(acc.lo, rec.lo)}, "
+                    f"{min(acc.hi, rec.hi)}) of {acc.alloc!r}, which {rec.what} on "
+                    f"{_name(rec.who)} {kind}, with no event wait (or host synchronization) "
+                    "ordering the two")
+    for acc in reads:
+        if acc.hi > acc.lo:
+            _remember(acc.alloc.reads, acc, who, seq, what)
+    for acc in writes:
+        if acc.hi > acc.lo:
+            # a covered write and the reads before it no longer matter where it overwrote
+            acc.alloc.reads[:] = [r for r in acc.alloc.reads
+                                  if not (acc.lo <= r.lo and r.hi <= acc.hi)]
+            _remember(acc.alloc.writes, acc, who, seq, what)
+
+
+def _remember(records: list, acc: Access, who: int, seq: int, what: str) -> None:
+    records[:] = [r for r in records
+                  if not (acc.lo <= r.lo and r.hi <= acc.hi and r.who == who)]
+    records.append(_Record(acc.lo, acc.hi, who, seq, what))
+
+
+def host_access(what: str, reads: Iterable[Access] = (), writes: Iterable[Access] = ()) -> None:
+    """The host reads/writes device memory now (after synchronizing what it needed)."""
+    check_failure()
+    with _clock_lock:
+        seq = _host_clock.get(HOST, 0) + 1
+        _host_clock[HOST] = seq
+        _check_and_record(_host_clock, HOST, seq, what, reads, writes)
+
+
+# ---------------------------------------------------------------------------
+# streams and events
+
+
+_stream_ids = itertools.count(0x1000, 0x10)
+_streams_by_ptr: dict[int, Any] = {}
+
+
+class Event:
+    """A marker in a stream's queue (``cupy.cuda.Event``)."""
+
+    def __init__(self, block: bool = False, disable_timing: bool = False,
+                 interprocess: bool = False):
+        self._passed = threading.Event()
+        self._passed.set()  # never recorded: complete, as in CUDA
+        self.clock: dict[int, int] = {}
+        self.stream: Stream | None = None
+
+    def record(self, stream: Stream | None = None) -> None:
+        (stream or current_stream()).record(self)
+
+    @property
+    def done(self) -> bool:
+        check_failure()
+        return self._passed.is_set()
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        while not self._passed.wait(0.05):
+            check_failure()
+        check_failure()
+        with _clock_lock:
+            _merge(_host_clock, self.clock)
+
+    @property
+    def ptr(self) -> int:
+        return id(self)
+
+
+class Stream:
+    """A CUDA stream of the twin: a queue run in order by its own worker thread."""
+
+    null: Stream  # set below
+
+    def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False):
+        self.ptr = 0 if null else next(_stream_ids)
+        self.non_blocking = non_blocking
+        self.clock: dict[int, int] = {}
+        self.seq = 0
+        self._queue: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+        self._busy = False
+        self._worker: threading.Thread | None = None
+        _streams_by_ptr[self.ptr] = self
+
+    def __repr__(self) -> str:
+        return f"<twin Stream {self.ptr:#x}>"
+
+    @classmethod
+    def from_external(cls, ptr: int, device_id: int = -1) -> Stream:
+        """The twin stream whose ``ptr`` this is (a twin has no foreign streams)."""
+        return stream_of(ptr)
+
+    # -- queue -----------------------------------------------------------------
+    def _ensure_worker(self) -> None:
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run, name=f"twin-{self.ptr:#x}",
+                                            daemon=True)
+            self._worker.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._busy = False
+                    self._cv.notify_all()
+                    self._cv.wait()
+                self._busy = True
+                op = self._queue[0]
+            try:
+                if not _failure:
+                    op()
+            except BaseException as exc:  # the sticky device error
+                fail(f"{getattr(op, 'what', 'an operation')} on {_name(self.ptr)}: "
+                     f"{type(exc).__name__}: {exc}")
+            finally:
+                with self._cv:
+                    self._queue.popleft()
+
+    def enqueue(self, fn: Callable[[], None], what: str, reads: Iterable[Access] = (),
+                writes: Iterable[Access] = ()) -> None:
+        """Queue ``fn`` (run later by the worker, in order); check its accesses now."""
+        check_failure()
+        with _clock_lock:
+            _merge(self.clock, _host_clock)  # what the host did or waited for comes first
+            self.seq += 1
+            self.clock[self.ptr] = self.seq
+            _check_and_record(self.clock, self.ptr, self.seq, what, reads, writes)
+        fn.what = what  # type: ignore[attr-defined]
+        self._push(fn)
+
+    def _push(self, fn: Callable[[], None]) -> None:
+        with self._cv:
+            self._queue.append(fn)
+            self._busy = True
+            self._ensure_worker()
+            self._cv.notify_all()
+
+    def record(self, event: Event | None = None) -> Event:
+        check_failure()
+        event = event or Event()
+        event._passed = passed = threading.Event()
+        with _clock_lock:
+            _merge(self.clock, _host_clock)
+            event.clock = dict(self.clock)
+            event.clock[self.ptr] = self.seq
+        event.stream = self
+
+        def mark() -> None:
+            passed.set()
+
+        mark.what = "an event"  # type: ignore[attr-defined]
+        self._push(mark)
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        check_failure()
+        with _clock_lock:
+            _merge(self.clock, event.clock)
+        passed = event._passed
+
+        def block() -> None:
+            while not passed.wait(0.05):
+                if _failure:
+                    return
+
+        block.what = "an event wait"  # type: ignore[attr-defined]
+        self._push(block)
+
+    @property
+    def done(self) -> bool:
+        check_failure()
+        with self._cv:
+            return not self._queue
+
+    def synchronize(self) -> None:
+        with self._cv:
+            while self._queue:
+                self._cv.wait(0.05)
+                if _failure:
+                    break
+        check_failure()
+        with _clock_lock:
+            _merge(_host_clock, self.clock)
+            _host_clock[self.ptr] = max(_host_clock.get(self.ptr, 0), self.seq)
+
+    # -- current stream --------------------------------------------------------
+    def use(self) -> Stream:
+        _local().stack[-1:] = [self]
+        return self
+
+    def __enter__(self) -> Stream:
+        _local().stack.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _local().stack.pop()
+
+
+class ExternalStream(Stream):
+    """CuPy 13's wrapper of a foreign stream: deprecated in CuPy 14, as here."""
+
+    def __new__(cls, ptr: int, device_id: int = -1):  # type: ignore[misc]
+        import warnings
+
+        warnings.warn("cupy.cuda.ExternalStream is deprecated; use "
+                      "cupy.cuda.Stream.from_external instead", DeprecationWarning, stacklevel=2)
+        return stream_of(ptr)
+
+
+Stream.null = Stream(null=True)
+
+
+def stream_of(ptr: int) -> Stream:
+    try:
+        return _streams_by_ptr[int(ptr)]
+    except KeyError:
+        raise CUDARuntimeError(f"twin: no stream has handle {int(ptr):#x}") from None
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[Stream] = [Stream.null]
+
+
+_tls = _Local()
+
+
+def _local() -> _Local:
+    return _tls
+
+
+def current_stream() -> Stream:
+    return _tls.stack[-1]
+
+
+def synchronize_all() -> None:
+    for stream in list(_streams_by_ptr.values()):
+        stream.synchronize()
+
+
+def access(array: Any) -> Access:
+    """The byte range an array (or view) covers in its allocation."""
+    return Access(array._alloc, array._lo, array._hi)

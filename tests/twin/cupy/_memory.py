@@ -1,0 +1,103 @@
+"""Device memory of the twin: host buffers with red zones, found by address.
+
+Every allocation is its own NumPy buffer: ``REDZONE`` poisoned bytes, the
+payload, ``REDZONE`` more. The payload starts poisoned too (``cupy.empty`` is
+uninitialised memory; a read of bytes nobody wrote then yields huge values
+rather than plausible zeros). :func:`check_redzones` runs after every kernel
+launch, copy and transfer: a write past either end of an allocation (a bound
+check loosened from ``<`` to ``<=``) changes a red-zone byte and raises
+:class:`OutOfBounds`. Addresses are real host addresses, so kernels compiled
+for the host use them as they are; :func:`find` maps an address back to its
+allocation (NCCL and memcpy take raw pointers).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import weakref
+
+import numpy as np
+
+#: Guard bytes on each side of an allocation.
+REDZONE = 256
+#: The byte every guard and every fresh payload holds: 0x7E7E7E7E is a large finite
+#: float32 (8.4e37), so a stray read changes an amax instead of vanishing as a zero.
+POISON = 0x7E
+
+
+class OutOfBounds(RuntimeError):
+    """A kernel, copy or transfer wrote outside its allocation, or a pointer names no
+    live allocation."""
+
+
+class Allocation:
+    """One device allocation: ``nbytes`` payload bytes at host address ``ptr``."""
+
+    _ids = iter(range(1, 1 << 62))
+
+    def __init__(self, nbytes: int):
+        if nbytes < 0:
+            raise ValueError(f"cannot allocate {nbytes} bytes")
+        self.id = next(Allocation._ids)
+        self.nbytes = int(nbytes)
+        self.raw = np.full(self.nbytes + 2 * REDZONE, POISON, np.uint8)
+        self.ptr = int(self.raw.ctypes.data) + REDZONE
+        self.payload = self.raw[REDZONE: REDZONE + self.nbytes]
+        # per-range access history for the stream-order checker (geocomm twin _device)
+        self.writes: list = []
+        self.reads: list = []
+        _register(self)
+
+    def __repr__(self) -> str:
+        return f"<twin allocation #{self.id} of {self.nbytes} bytes>"
+
+    def redzones_intact(self) -> bool:
+        raw = self.raw
+        return bool((raw[:REDZONE] == POISON).all() and (raw[REDZONE + self.nbytes:] == POISON).all())
+
+
+_lock = threading.Lock()
+_starts: list[int] = []  # sorted payload addresses of live allocations
+_by_start: dict[int, weakref.ref] = {}
+
+
+def _register(alloc: Allocation) -> None:
+    with _lock:
+        bisect.insort(_starts, alloc.ptr)
+        _by_start[alloc.ptr] = weakref.ref(alloc)
+    weakref.finalize(alloc, _unregister, alloc.ptr)
+
+
+def _unregister(ptr: int) -> None:
+    with _lock:
+        i = bisect.bisect_left(_starts, ptr)
+        if i < len(_starts) and _starts[i] == ptr:
+            del _starts[i]
+        _by_start.pop(ptr, None)
+
+
+def find(ptr: int, nbytes: int) -> tuple[Allocation, int]:
+    """(allocation, byte offset) of the ``nbytes`` bytes at ``ptr``; raises
+    :class:`OutOfBounds` unless they lie inside one live allocation."""
+    ptr, nbytes = int(ptr), int(nbytes)
+    with _lock:
+        i = bisect.bisect_right(_starts, ptr) - 1
+        ref = _by_start.get(_starts[i]) if i >= 0 else None
+    alloc = ref() if ref is not None else None
+    if alloc is None or not (alloc.ptr <= ptr and ptr + nbytes <= alloc.ptr + alloc.nbytes):
+        raise OutOfBounds(f"twin: {nbytes} bytes at address {ptr:#x} lie in no live device "
+                          "allocation")
+    return alloc, ptr - alloc.ptr
+
+
+def check_redzones(allocations, what: str) -> None:
+    """Raise :class:`OutOfBounds` naming ``what`` if any allocation's guard bytes changed."""
+    for alloc in allocations:
+        if not alloc.redzones_intact():
+            raw = alloc.raw
+            low = np.flatnonzero(raw[:REDZONE] != POISON)
+            high = np.flatnonzero(raw[REDZONE + alloc.nbytes:] != POISON)
+            where = (f"{REDZONE - int(low[0])} bytes before its start" if low.size else
+                     f"{int(high[0])} bytes past its end ({alloc.nbytes} bytes)")
+            raise OutOfBounds(f"twin: {what} wrote outside {alloc!r}: {where}")

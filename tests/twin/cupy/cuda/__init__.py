@@ -1,0 +1,30 @@
+"""``cupy.cuda`` of the twin: devices, streams, events, NVRTC, modules, NCCL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cupy._core import Device, MemoryPointer
+from cupy._device import CUDARuntimeError, Event, ExternalStream, Stream, StreamOrderError
+from cupy._device import current_stream as _current_stream
+from cupy.cuda import function, nvrtc, runtime
+
+__all__ = ["CUDARuntimeError", "Device", "Event", "ExternalStream", "MemoryPointer", "Stream",
+           "StreamOrderError", "function", "get_current_stream", "get_device_id", "nccl",
+           "nvrtc", "runtime"]
+
+
+def get_current_stream(device_id: int | None = None) -> Stream:
+    return _current_stream()
+
+
+def get_device_id() -> int:
+    return Device().id
+
+
+def __getattr__(name: str) -> Any:
+    if name == "nccl":  # needs mpi4py: imported on first use
+        from cupy.cuda import nccl
+
+        return nccl
+    raise AttributeError(f"module 'cupy.cuda' (twin) has no attribute {name!r}")

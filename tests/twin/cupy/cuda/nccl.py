@@ -1,0 +1,247 @@
+"""``cupy.cuda.nccl`` of the twin: NCCL's communicator over MPI, ordered on streams.
+
+``get_unique_id`` names the root's world rank and a counter; the ranks of
+``NcclCommunicator(nranks, uid, rank)`` find each other through the root
+(point-to-point on ``MPI.COMM_WORLD``) and make an MPI communicator of their
+own (``Create_group``: only the clique takes part). ``send``/``recv`` inside
+``groupStart``/``groupEnd`` (or alone) and ``allReduce`` queue one operation
+on the given stream: when the stream reaches it, it posts the MPI transfers
+and completes them, so a transfer runs after the work queued before it and
+the work queued after it waits, exactly as NCCL orders them. The k-th send
+from A to B matches B's k-th receive from A (MPI's order per pair, as
+NCCL's). Calls that do not match fail clearly instead of hanging: a size
+mismatch is an error at once, a missing peer call an error after
+``GEOCOMM_TIMEOUT`` seconds (default 300) or when the communicator is
+aborted; either becomes the device's sticky error. Needs MPI_THREAD_MULTIPLE
+(mpi4py's default), since streams transfer on their own threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from cupy import _device, _memory
+
+__all__ = ["NCCL_FLOAT32", "NCCL_FLOAT64", "NCCL_MAX", "NCCL_SUM", "NCCL_UINT8",
+           "NcclCommunicator", "NcclError", "available", "get_unique_id", "groupEnd",
+           "groupStart"]
+
+available = True
+NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_UINT32, NCCL_INT64, NCCL_UINT64, NCCL_FLOAT16, \
+    NCCL_FLOAT32, NCCL_FLOAT64 = 0, 1, 2, 3, 4, 5, 6, 7, 8
+NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN = range(4)
+_DTYPES = {NCCL_UINT8: np.uint8, NCCL_FLOAT32: np.float32, NCCL_FLOAT64: np.float64,
+           NCCL_INT32: np.int32, NCCL_INT64: np.int64}
+_BOOT_TAG = 0x6E63
+
+
+class NcclError(RuntimeError):
+    """A twin NCCL call failed (mismatch, timeout, abort, bad argument)."""
+
+
+def _mpi() -> Any:
+    from mpi4py import MPI
+
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise NcclError("the NCCL twin moves bytes on stream threads and needs "
+                        "MPI_THREAD_MULTIPLE (mpi4py's default request)")
+    return MPI
+
+
+_uid_counter = itertools.count()
+
+
+def get_unique_id() -> tuple:
+    mpi = _mpi()
+    return ("geocomm-twin-nccl", mpi.COMM_WORLD.Get_rank(), next(_uid_counter))
+
+
+def _timeout() -> float:
+    text = os.environ.get("GEOCOMM_TIMEOUT", "")
+    value = float(text) if text else 300.0
+    return value if value > 0 else float("inf")
+
+
+class _Group(threading.local):
+    depth = 0
+    ops: list
+
+
+_group = _Group()
+
+
+def groupStart() -> None:  # noqa: N802 - NCCL's names
+    if _group.depth == 0:
+        _group.ops = []
+    _group.depth += 1
+
+
+def groupEnd() -> None:  # noqa: N802
+    if _group.depth == 0:
+        raise NcclError("ncclGroupEnd without ncclGroupStart")
+    _group.depth -= 1
+    if _group.depth == 0:
+        ops, _group.ops = _group.ops, []
+        _launch(ops)
+
+
+def _submit(op: tuple) -> None:
+    if _group.depth:
+        _group.ops.append(op)
+    else:
+        _launch([op])
+
+
+def _launch(ops: list) -> None:
+    """Queue the group's operations, one stream operation per (communicator, stream)."""
+    by_target: dict[tuple[int, int], list] = {}
+    for op in ops:
+        by_target.setdefault((id(op[1]), op[2]), []).append(op)
+    for (_, stream_ptr), group in by_target.items():
+        comm = group[0][1]
+        stream = _device.stream_of(stream_ptr)
+        reads = [acc for op in group for acc in op[4] if op[0] != "recv"]
+        writes = [acc for op in group for acc in op[4] if op[0] == "recv"] + \
+            [acc for op in group if op[0] == "allreduce" for acc in op[5]]
+        stream.enqueue(lambda g=group, c=comm: c._run(g), f"NCCL group on rank {comm.rank}",
+                       reads, writes)
+
+
+def _span(ptr: int, count: int, dtype: int) -> tuple[np.ndarray, _device.Access]:
+    if dtype not in _DTYPES:
+        raise NcclError(f"the NCCL twin has no datatype {dtype}")
+    item = np.dtype(_DTYPES[dtype])
+    nbytes = int(count) * item.itemsize
+    alloc, off = _memory.find(ptr, nbytes)
+    view = alloc.payload[off: off + nbytes].view(item)
+    return view, _device.Access(alloc, off, off + nbytes)
+
+
+class NcclCommunicator:
+    """``NcclCommunicator(nranks, uid, rank)`` over an MPI communicator of the clique."""
+
+    def __init__(self, nranks: int, uid: tuple, rank: int):
+        mpi = _mpi()
+        if not (isinstance(uid, tuple) and len(uid) == 3 and uid[0] == "geocomm-twin-nccl"):
+            raise NcclError(f"not a twin NCCL unique id: {uid!r}")
+        self.nranks, self.rank = int(nranks), int(rank)
+        world = mpi.COMM_WORLD
+        root, counter = int(uid[1]), int(uid[2])
+        tag = _BOOT_TAG + counter % 4096
+        me = world.Get_rank()
+        if self.rank == 0:
+            if me != root:
+                raise NcclError(f"rank 0 of the clique is world rank {me}, the id's root {root}")
+            members = [me] + [None] * (self.nranks - 1)
+            for _ in range(self.nranks - 1):
+                r, w = world.recv(source=mpi.ANY_SOURCE, tag=tag)
+                members[r] = w
+            for w in members[1:]:
+                world.send(members, dest=w, tag=tag)
+        else:
+            world.send((self.rank, me), dest=root, tag=tag)
+            members = world.recv(source=root, tag=tag)
+        self._comm = world.Create_group(world.Get_group().Incl(members), tag)
+        self._mpi = mpi
+        self._aborted = threading.Event()
+        self._destroyed = False
+
+    def _check(self) -> None:
+        _device.check_failure()
+        if self._destroyed:
+            raise NcclError("ncclInvalidUsage: the communicator was destroyed or aborted")
+
+    def _peer(self, peer: int) -> int:
+        if not 0 <= int(peer) < self.nranks:
+            raise NcclError(f"ncclInvalidArgument: peer {peer} of {self.nranks} ranks")
+        return int(peer)
+
+    # -- calls ------------------------------------------------------------------
+    def send(self, ptr: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        self._check()
+        view, acc = _span(ptr, count, datatype)
+        _submit(("send", self, int(stream), self._peer(peer), [acc], view))
+
+    def recv(self, ptr: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        self._check()
+        view, acc = _span(ptr, count, datatype)
+        _submit(("recv", self, int(stream), self._peer(peer), [acc], view))
+
+    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int,  # noqa: N802
+                  op: int, stream: int) -> None:
+        self._check()
+        if op not in (NCCL_SUM, NCCL_MAX):
+            raise NcclError(f"the NCCL twin reduces with sum or max, got op {op}")
+        send, s_acc = _span(sendbuf, count, datatype)
+        recv, r_acc = _span(recvbuf, count, datatype)
+        _submit(("allreduce", self, int(stream), (int(count), datatype, op), [s_acc], [r_acc],
+                 send, recv))
+
+    def abort(self) -> None:
+        """Cancel what is queued: transfers still waiting fail at once."""
+        self._aborted.set()
+        self._destroyed = True
+
+    def destroy(self) -> None:
+        self._destroyed = True
+
+    # -- on the stream ------------------------------------------------------------
+    def _run(self, ops: list) -> None:
+        mpi, comm = self._mpi, self._comm
+        requests, expected = [], []
+        for op in ops:
+            if op[0] == "send":
+                requests.append(comm.Isend(op[5], dest=op[3], tag=1))
+                expected.append(None)
+            elif op[0] == "recv":
+                requests.append(comm.Irecv(op[5], source=op[3], tag=1))
+                expected.append((op[3], op[5].nbytes))
+        self._complete(requests, expected, "send/recv group")
+        for op in ops:
+            if op[0] == "allreduce":
+                self._allreduce(*op[3], op[6], op[7])
+
+    def _complete(self, requests: list, expected: list, what: str) -> None:
+        if not requests:
+            return
+        deadline = time.monotonic() + _timeout()
+        statuses = [self._mpi.Status() for _ in requests]
+        while True:
+            try:
+                done = self._mpi.Request.Testall(requests, statuses)
+            except self._mpi.Exception as exc:
+                raise NcclError(f"rank {self.rank}: {what}: a transfer does not match its peer's "
+                                f"({exc.Get_error_string()})") from None
+            if done:
+                break
+            if self._aborted.is_set() or time.monotonic() > deadline:
+                for request in requests:
+                    if request != self._mpi.REQUEST_NULL:
+                        request.Cancel()
+                why = "the communicator was aborted" if self._aborted.is_set() else \
+                    f"no matching call from a peer within {_timeout():.0f} s"
+                raise NcclError(f"rank {self.rank}: {what} did not complete: {why}")
+            time.sleep(2e-4)
+        for status, want in zip(statuses, expected, strict=True):
+            if want is not None and status.Get_count(self._mpi.BYTE) != want[1]:
+                raise NcclError(
+                    f"rank {self.rank}: {what}: expected {want[1]} bytes from rank {want[0]}, "
+                    f"it sent {status.Get_count(self._mpi.BYTE)} (the calls do not match)")
+
+    def _allreduce(self, count: int, datatype: int, op: int, send: np.ndarray,
+                   recv: np.ndarray) -> None:
+        mpi, comm = self._mpi, self._comm
+        mine = np.array([count, datatype, op], np.int64)
+        rows = np.empty((self.nranks, 3), np.int64)
+        self._complete([comm.Iallgather(mine, rows)], [None], "allReduce descriptor")
+        if (rows != mine).any():
+            raise NcclError(f"rank {self.rank}: allReduce calls differ across ranks "
+                            f"(count, datatype, op per rank: {rows.tolist()})")
+        reduce_op = mpi.SUM if op == NCCL_SUM else mpi.MAX
+        self._complete([comm.Iallreduce(np.array(send), recv, op=reduce_op)], [None], "allReduce")

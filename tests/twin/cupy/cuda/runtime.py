@@ -1,0 +1,48 @@
+"""``cupy.cuda.runtime`` of the twin: device count, asynchronous copies."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cupy import _core, _device, _memory
+from cupy._device import CUDARuntimeError
+
+__all__ = ["CUDARuntimeError", "deviceSynchronize", "getDevice", "getDeviceCount",
+           "memcpyAsync", "memcpyDeviceToDevice"]
+
+memcpyHostToHost, memcpyHostToDevice, memcpyDeviceToHost, memcpyDeviceToDevice, memcpyDefault = \
+    range(5)
+
+
+def getDeviceCount() -> int:  # noqa: N802 - CUDA's names
+    return _core.device_count()
+
+
+def getDevice() -> int:  # noqa: N802
+    return _core._current_device()
+
+
+def deviceSynchronize() -> None:  # noqa: N802
+    _device.synchronize_all()
+
+
+def memcpyAsync(dst: int, src: int, size: int, kind: int, stream: int) -> None:  # noqa: N802
+    """A device-to-device copy of ``size`` bytes between raw addresses, on ``stream``."""
+    _device.check_failure()
+    if kind != memcpyDeviceToDevice:
+        raise NotImplementedError("the CuPy twin copies device-to-device only through memcpyAsync")
+    if size == 0:
+        return
+    d_alloc, d_off = _memory.find(dst, size)
+    s_alloc, s_off = _memory.find(src, size)
+    target = d_alloc.payload[d_off: d_off + size]
+    source = s_alloc.payload[s_off: s_off + size]
+
+    def copy() -> None:
+        with _device.device_lock:
+            np.copyto(target, source)
+
+    _device.stream_of(stream).enqueue(
+        copy, "a device-to-device memcpyAsync",
+        [_device.Access(s_alloc, s_off, s_off + size)],
+        [_device.Access(d_alloc, d_off, d_off + size)])
