@@ -24,7 +24,7 @@ def get_device_id() -> int:
 
 def __getattr__(name: str) -> Any:
     if name == "nccl":  # needs mpi4py: imported on first use
-        from cupy.cuda import nccl
+        import importlib
 
-        return nccl
+        return importlib.import_module("cupy.cuda.nccl")
     raise AttributeError(f"module 'cupy.cuda' (twin) has no attribute {name!r}")

@@ -1,0 +1,75 @@
+"""The twin's NCCL: real transfers over MPI on the streams, and clear errors, never hangs.
+
+Each scenario is a real 2-rank job (geocomm.launch) driving ``cupy.cuda.nccl``
+directly: matching calls move the bytes in stream order; a size mismatch fails
+at once; a peer that never calls fails after GEOCOMM_TIMEOUT.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from gpu_helpers import ON_TWIN
+
+pytestmark = pytest.mark.skipif(not ON_TWIN, reason="the twin's NCCL itself")
+
+JOB = textwrap.dedent("""
+    import sys, numpy as np, cupy
+    from cupy.cuda import nccl
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    rank, scenario = world.Get_rank(), sys.argv[1]
+    uid = world.bcast(nccl.get_unique_id() if rank == 0 else None)
+    comm = nccl.NcclCommunicator(2, uid, rank)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    send = cupy.asarray(np.full(100, rank + 1, np.uint8))
+    recv = cupy.zeros(100, cupy.uint8)
+    stream.wait_event(cupy.cuda.get_current_stream().record())
+    peer = 1 - rank
+    count = 50 if scenario == "mismatch" and rank == 1 else 100
+    if not (scenario == "absent" and rank == 1):
+        nccl.groupStart()
+        comm.send(send.data.ptr, 100, nccl.NCCL_UINT8, peer, stream.ptr)
+        comm.recv(recv.data.ptr, count, nccl.NCCL_UINT8, peer, stream.ptr)
+        nccl.groupEnd()
+    try:
+        stream.synchronize()
+        print(f"rank {rank} got", int(recv.get()[0]), flush=True)
+    except Exception as exc:
+        print(f"rank {rank} ERROR {exc}", flush=True)
+    if scenario == "absent" and rank == 1:
+        import time; time.sleep(4)
+""")
+
+
+def run_job(tmp_path, scenario: str) -> tuple[str, float]:
+    script = tmp_path / "nccl_job.py"
+    script.write_text(JOB)
+    env = {**os.environ, "GEOCOMM_TIMEOUT": "2"}
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "geocomm.launch", "-n", "2", "--timeout", "120",
+                          "--", sys.executable, str(script), scenario],
+                         capture_output=True, text=True, env=env, timeout=180)
+    return run.stdout + run.stderr, time.monotonic() - start
+
+
+def test_matching_calls_move_the_bytes(tmp_path):
+    out, _ = run_job(tmp_path, "ok")
+    assert "rank 0 got 2" in out and "rank 1 got 1" in out, out
+
+
+def test_size_mismatch_is_an_error(tmp_path):
+    out, _ = run_job(tmp_path, "mismatch")
+    assert "rank 1 ERROR" in out and "does not match its peer" in out, out
+
+
+def test_absent_peer_is_an_error_after_the_timeout(tmp_path):
+    out, seconds = run_job(tmp_path, "absent")
+    assert "rank 0 ERROR" in out and "within 2 s" in out, out
+    assert seconds < 60
