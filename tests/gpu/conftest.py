@@ -52,3 +52,13 @@ def cp():
 
     yield cupy
     cupy.cuda.Device().synchronize()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_twin_device():
+    """On the twin, a failed test's sticky device error does not fail the next tests
+    (each test is its own program; on a GPU it would take a new process)."""
+    yield
+    device = sys.modules.get("cupy._device")
+    if device is not None and getattr(device, "_failure", None):
+        device._failure.clear()

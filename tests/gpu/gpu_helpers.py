@@ -18,3 +18,16 @@ def inputs(rank: int, n: int, tag: int = 0) -> np.ndarray:
         x[rng.integers(0, n, 3)] = np.float32(3e-39)  # subnormal
         x[rng.integers(0, n, 2)] = 0.0
     return x
+
+
+def twice(call):
+    """(device result, host result) of ``call(device: bool)`` run as the same call twice:
+    stochastic rounding draws from a stream counted per (config, keys) call, so the
+    host's count is put back before the host call repeats the device's."""
+    from geocomm import collectives
+
+    counts = dict(collectives._calls)
+    device = call(True)
+    collectives._calls.clear()
+    collectives._calls.update(counts)
+    return device, call(False)

@@ -17,7 +17,7 @@ import pytest
 import geocomm
 from geocomm.comm.mpi import MPICommunicator
 
-from gpu_helpers import inputs
+from gpu_helpers import inputs, twice
 
 pytestmark = [pytest.mark.mpi]
 
@@ -93,9 +93,9 @@ def test_allreduce(cp, device_comm, mpi_comm, name, op):
     dev, host = codec_pair(CODECS[name])
     x = inputs(mpi_comm.rank, SIZE)
     for call in range(2):  # error feedback: the second call sends the first's residual
-        got = geocomm.allreduce(cp.asarray(x), codec=dev, op=op, comm=device_comm,
-                                chunk_elems=STAGE)
-        want = geocomm.allreduce(x, codec=host, op=op, comm=mpi_comm, chunk_elems=STAGE)
+        got, want = twice(lambda device: geocomm.allreduce(
+            cp.asarray(x) if device else x, codec=dev if device else host, op=op,
+            comm=device_comm if device else mpi_comm, chunk_elems=STAGE))
         assert_bits(got, want, f"allreduce {name} {op} call {call}")
 
 
@@ -103,8 +103,9 @@ def test_allreduce(cp, device_comm, mpi_comm, name, op):
 def test_reduce_scatter(cp, device_comm, mpi_comm, name):
     dev, host = codec_pair(CODECS[name])
     x = inputs(mpi_comm.rank, SIZE, tag=1)
-    got = geocomm.reduce_scatter(cp.asarray(x), codec=dev, comm=device_comm, chunk_elems=STAGE)
-    want = geocomm.reduce_scatter(x, codec=host, comm=mpi_comm, chunk_elems=STAGE)
+    got, want = twice(lambda device: geocomm.reduce_scatter(
+        cp.asarray(x) if device else x, codec=dev if device else host,
+        comm=device_comm if device else mpi_comm, chunk_elems=STAGE))
     assert_bits(got, want, f"reduce_scatter {name}")
 
 
@@ -112,8 +113,9 @@ def test_reduce_scatter(cp, device_comm, mpi_comm, name):
 def test_allgather(cp, device_comm, mpi_comm, name):
     dev, host = codec_pair(CODECS[name])
     x = inputs(mpi_comm.rank, 3_001, tag=2)
-    got = geocomm.allgather(cp.asarray(x), codec=dev, comm=device_comm)
-    want = geocomm.allgather(x, codec=host, comm=mpi_comm)
+    got, want = twice(lambda device: geocomm.allgather(
+        cp.asarray(x) if device else x, codec=dev if device else host,
+        comm=device_comm if device else mpi_comm))
     assert_bits(got, want, f"allgather {name}")
 
 

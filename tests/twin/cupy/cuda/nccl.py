@@ -244,4 +244,5 @@ class NcclCommunicator:
             raise NcclError(f"rank {self.rank}: allReduce calls differ across ranks "
                             f"(count, datatype, op per rank: {rows.tolist()})")
         reduce_op = mpi.SUM if op == NCCL_SUM else mpi.MAX
-        self._complete([comm.Iallreduce(np.array(send), recv, op=reduce_op)], [None], "allReduce")
+        staged = np.array(send)  # a copy (send may be recv); alive until the transfer ends
+        self._complete([comm.Iallreduce(staged, recv, op=reduce_op)], [None], "allReduce")

@@ -1,0 +1,131 @@
+"""The CUDA kernels' own outputs == the C core's, byte for byte, over ragged sizes.
+
+Both compile the arithmetic of native/gc_scalar.h (and gc_linalg.h), so every
+wire byte and every decoded value must agree (NaN payloads aside: only NaN
+positions must). Arrays are allocated at their exact sizes, so on the twin a
+kernel that writes one element past its data (a bound check loosened from
+``<`` to ``<=``) hits a red zone and fails the test.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from geocomm import cuda, native
+from geocomm.codecs.geo import kernels as geo
+from geocomm import gpu_pipeline as gp
+
+from gpu_helpers import inputs
+
+#: ragged counts: not multiples of any block (16, 32, 128, 256 threads, 4096)
+COUNTS = (1, 2, 15, 17, 33, 127, 255, 257, 1025, 4097, 12_301)
+FORMATS = [("e4m3", b) for b in (0, 1, 16, 33, 128, 1024, 1025, 5000)] + \
+    [("e5m2", b) for b in (0, 128, 4097)] + [("nvfp4", 0), ("bf16", 0), ("mxfp8_e4m3", 0),
+                                             ("mxfp8_e5m2", 0), ("mxfp4", 0)]
+
+
+def special(n: int) -> np.ndarray:
+    x = inputs(n, n, tag=1)
+    edges = np.array([448.0, -465.0, 57344.0, 1e-45, -3e-39, 0.0, -0.0, np.inf, np.nan],
+                     np.float32)
+    x[: min(n, edges.size)] = edges[: min(n, edges.size)] if n > 20 else x[: min(n, edges.size)]
+    return x
+
+
+def same_values(a: np.ndarray, b: np.ndarray) -> bool:
+    nan = np.isnan(a)
+    return bool(np.array_equal(nan, np.isnan(b)) and
+                np.array_equal(a[~nan].view(np.uint32), b[~nan].view(np.uint32)))
+
+
+@pytest.mark.parametrize("fmt,block", FORMATS)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_encode_decode_match_the_c_core(cp, fmt, block, stochastic):
+    flags = native.STOCHASTIC if stochastic else 0
+    for n in COUNTS:
+        x = special(n)
+        size = native.wire_size(fmt, n, block)
+        want = np.zeros(size, np.uint8)
+        native.encode(fmt, x, block, want, flags=flags, seed=9, rng_stream=4, offset=1000)
+        wire = cp.empty(size, cp.uint8)
+        cuda.encode(fmt, cp.asarray(x), block, wire, flags=flags, seed=9, rng_stream=4,
+                    offset=1000)
+        assert np.array_equal(wire.get(), want), f"{fmt}/{block} n={n}: encoded bytes differ"
+        for accumulate in (False, True):
+            start = inputs(n, n, tag=2)
+            ref = start.copy()
+            native.decode(fmt, want, block, ref, accumulate)
+            out = cp.asarray(start)
+            cuda.decode(fmt, cp.asarray(want), block, out, accumulate)
+            assert same_values(out.get(), ref), f"{fmt}/{block} n={n} accumulate={accumulate}"
+
+
+def test_divide_keeps_subnormal_quotients(cp):
+    x = np.array([2.0**-120, 3.0, -2.0**-125, 1e-38], np.float32)
+    out = cp.asarray(x)
+    cuda.divide(out, 3)
+    assert np.array_equal(out.get().view(np.uint32), (x / np.float32(3)).view(np.uint32))
+
+
+CONFIGS = {"fp8-team": {"id": "fp8", "fmt": "e4m3", "block": 128},
+           "fp8-tile": {"id": "fp8", "fmt": "e5m2", "block": 0},
+           "nvfp4": "nvfp4", "bf16": "bf16", "mxfp8": {"id": "mxfp8", "fmt": "e4m3"},
+           "mxfp4": {"id": "mxfp4", "scale_rule": "rceil"}, "none": "none"}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_batched_kernels_match_their_host_contract(cp, name, stochastic):
+    """One launch over ragged pieces (one empty, one shorter than a block, several
+    superblocks) == the same segment table run piece by piece by the C core."""
+    import geocomm
+
+    config = CONFIGS[name]
+    if stochastic and name != "none":
+        config = {**(config if isinstance(config, dict) else {"id": config}),
+                  "rounding": "stochastic", "seed": 3}
+    fmt = gp.wire_format(geocomm.get_codec(config))
+    counts = (5000, 0, 7, 4096 * 3 + 11, 129)
+    pieces, at, wire_at = [], 0, 0
+    for i, n in enumerate(counts):
+        pieces.append(gp.Piece(at, n, wire_at, 10_000 * i + 3))
+        at, wire_at = at + n, wire_at + fmt.wire_size(n)
+    rows, amax_slots = gp.segment_rows(fmt, pieces)
+    x = inputs(7, at, tag=5)
+    host_seg = gp.Segments(rows, rows)
+    dev_seg = gp.Segments(rows, cp.asarray(rows))
+    want = np.zeros(wire_at, np.uint8)
+    gp.HostKernels().encode(fmt, x, host_seg, want, None, stream=11)
+    wire = cp.zeros(wire_at, cp.uint8)
+    kernels = gp.CudaKernels()
+    kernels.encode(fmt, cp.asarray(x), dev_seg, wire, cp.zeros(max(amax_slots, 1), cp.uint32),
+                   stream=11)
+    assert np.array_equal(wire.get(), want), f"{name}: batched encode"
+    ref = inputs(8, at, tag=6)
+    out = cp.asarray(ref)
+    gp.HostKernels().decode(fmt, want, host_seg, ref)
+    kernels.decode(fmt, cp.asarray(want), dev_seg, out)
+    assert same_values(out.get(), ref), f"{name}: batched decode"
+
+
+@pytest.mark.parametrize("lo,length", [(0, 96 * 40), (37, 1000), (40 * 3 - 1, 2), (5, 0)])
+def test_geometry_kernels_match_the_c_core(cp, lo, length):
+    n, k = 40, 5
+    x = inputs(1, length, tag=7)
+    if length > 10:
+        x[3], x[9] = np.inf, np.nan
+    vt = inputs(2, k * n, tag=8).reshape(k, n)
+    coef_h = geo.project(x, lo, n, vt)
+    coef_d = geo.project(cp.asarray(x), lo, n, cp.asarray(vt))
+    assert np.array_equal(coef_d.get().view(np.uint32), np.asarray(coef_h).view(np.uint32))
+    out_h = np.empty_like(x)
+    geo.expand(x, lo, n, coef_h, vt, -1.0, out_h)
+    out_d = cp.empty(x.size, cp.float32)
+    geo.expand(cp.asarray(x), lo, n, cp.asarray(coef_h), cp.asarray(vt), -1.0, out_d)
+    assert same_values(out_d.get(), out_h)
+    acc_h = np.zeros((k, n), np.float32)
+    geo.accumulate(x, lo, n, coef_h, acc_h)
+    acc_d = cp.zeros((k, n), cp.float32)
+    geo.accumulate(cp.asarray(x), lo, n, cp.asarray(coef_h), acc_d)
+    assert same_values(acc_d.get(), acc_h)
