@@ -17,7 +17,7 @@ import numpy as np
 
 from geocomm.codecs import Codec, TransformingCodec
 from geocomm.comm.base import Communicator
-from geocomm.pipeline import array_module, exact_sum
+from geocomm.pipeline import add_into, array_module, exact_sum
 
 
 def plan_parts(codec: TransformingCodec | None, values: Any, parts: list[Any],
@@ -101,15 +101,14 @@ class PartsMap:
             elif plan is None and self.mapped is not self.values:
                 out[a - lo: b - lo] = self.values[a:b]
         if self.residual is not None:
-            out += self.residual[lo:hi]
+            add_into(out, self.residual[lo:hi])
         return out
 
     def encoded(self, lo: int, hi: int, values: Any, wire: Any) -> None:
         if self.residual is not None:
             sent = self.residual[lo:hi]
             self.codec.decode_wire(wire, sent)
-            sent *= -1
-            sent += values  # residual = values - decode(wire)
+            _subtract_from(values, sent)  # residual = values - decode(wire)
 
     def done(self, lo: int, hi: int) -> None:
         for part, plan, side, a, b in self._overlaps(lo, hi):
@@ -123,6 +122,22 @@ class PartsMap:
             if plan is not None and not plan.ranged:
                 plan.inverse(self.result[a - self.offset: b - self.offset], a - part.offset,
                              side)
+
+
+def _subtract_from(values: Any, decoded: Any) -> None:
+    """``decoded = values - decoded`` in place (what a quantization lost), the same bits
+    on every device: IEEE fp32, rounded to nearest, subnormals kept. NumPy computes
+    ``-1 * decoded + values`` as it always has (the IEEE difference; of two NaNs it
+    keeps decoded's, as ``np.subtract`` would not); CuPy arrays go through
+    :func:`geocomm.cuda.subtract` (CuPy's own arithmetic flushes subnormals; GPU NaNs
+    are canonical anyway). C-contiguous float32 arrays of one size and kind, apart."""
+    if array_module(decoded) is np:
+        np.multiply(decoded, -1, out=decoded)
+        np.add(decoded, values, out=decoded)
+    else:
+        from geocomm import cuda
+
+        cuda.subtract(decoded, values, decoded)
 
 
 def side_sums(comm: Communicator, planned: list[tuple[Any, Any]]) -> list[Any]:

@@ -11,7 +11,8 @@ except NaN payloads: GPU arithmetic returns the canonical NaN, so only the
 positions of NaNs are guaranteed to agree. Format ids, flags and layout
 constants are the C core's (``geocomm.native``, from the compiled
 cdef); this module forwards them (``geocomm.cuda.E4M3`` ...). ``divide`` is
-the IEEE division of op="avg" (CuPy's own arithmetic flushes subnormals).
+the IEEE division of op="avg", ``add`` and ``subtract`` the fp32 sums and
+differences of the collectives (CuPy's own arithmetic flushes subnormals).
 
 Importing this module never imports CuPy. ``available`` (computed on first
 access) says whether CuPy imports and sees a CUDA device; every function that
@@ -39,6 +40,7 @@ __all__ = [
     "NVRTC_OPTIONS",
     "CudaUnavailable",
     "Fp8Plan",
+    "add",
     "decode",
     "divide",
     "divide_grid",
@@ -46,6 +48,7 @@ __all__ = [
     "fp8_plan",
     "kernel_source",
     "require",
+    "subtract",
     "wire_size",
 ]
 
@@ -466,3 +469,57 @@ def divide(values: Any, size: int, stream: Any = None) -> None:
     with _launch_context(values.device, stream):
         _kernel(cupy, _DIVIDE_KERNELS[dtype])(
             divide_grid(n), (THREADS,), (values, _u64(n), dtype.type(size)))
+
+
+# ---------------------------------------------------------------------------
+# fp32 sums and differences (exact sums, error-feedback residuals)
+
+
+def _check_operand(cupy: Any, a: Any, name: str, like: Any) -> None:
+    """``a`` is a C-contiguous float32 cupy array of ``like``'s size on its device."""
+    _check_f32(cupy, a, name)
+    if a.size != like.size:
+        raise ValueError(f"{name} holds {a.size} values, expected {like.size}")
+    if a.device != like.device:
+        raise ValueError(f"{name} is on {a.device}, expected {like.device}")
+
+
+def add(acc: Any, values: Any, stream: Any = None) -> None:
+    """``acc += values`` in place on the GPU, as NumPy does it on the CPU.
+
+    ``acc`` and ``values``: C-contiguous float32 cupy arrays of one size on one
+    device; ``values`` may be ``acc`` itself, else it must not overlap it. Every
+    value becomes the IEEE sum ``acc[i] + values[i]``, rounded to nearest, with
+    subnormal operands and results kept (CuPy's ``+=`` is compiled with
+    ``-ftz=true`` and flushes them). Runs on ``stream`` (default: the current
+    stream) of acc's device; returns without synchronizing.
+    """
+    cupy = require()
+    _check_f32(cupy, acc, "acc")
+    _check_operand(cupy, values, "values", acc)
+    n = acc.size
+    if n == 0:
+        return
+    with _launch_context(acc.device, stream):
+        _kernel(cupy, "gc_add_f32")(_grid(n), (THREADS,), (acc, values, _u64(n)))
+
+
+def subtract(out: Any, a: Any, b: Any, stream: Any = None) -> None:
+    """``out = a - b`` on the GPU, as NumPy's ``np.subtract(a, b, out=out)`` does it.
+
+    C-contiguous float32 cupy arrays of one size on one device; ``out`` may be
+    ``a`` or ``b`` itself, else it must not overlap them. Every value becomes
+    ``a[i] + (-b[i])``, which is the IEEE difference, rounded to nearest, with
+    subnormals kept (CuPy's own ``-`` flushes them). Runs on ``stream``
+    (default: the current stream) of out's device; returns without
+    synchronizing.
+    """
+    cupy = require()
+    _check_f32(cupy, out, "out")
+    _check_operand(cupy, a, "a", out)
+    _check_operand(cupy, b, "b", out)
+    n = out.size
+    if n == 0:
+        return
+    with _launch_context(out.device, stream):
+        _kernel(cupy, "gc_sub_f32")(_grid(n), (THREADS,), (out, a, b, _u64(n)))

@@ -395,6 +395,21 @@ def run_pipeline(comm: Communicator, codec: Codec, pieces: Pieces, source: Any, 
 _PLAIN = NoneCodec()
 
 
+def add_into(acc: Any, values: Any) -> None:
+    """``acc += values`` in fp32, the same bits on every device: one IEEE addition per
+    value, rounded to nearest, subnormals kept. NumPy arrays add in place with NumPy;
+    CuPy arrays with :func:`geocomm.cuda.add` (CuPy's own ``+=`` is compiled with
+    ``-ftz=true`` and flushes subnormals, so the GPU would disagree with the CPU).
+    ``acc``, ``values``: C-contiguous float32 arrays of one size and kind; ``values``
+    may be ``acc`` itself, else it must not overlap it."""
+    if array_module(acc) is np:
+        np.add(acc, values, out=acc)
+    else:
+        from geocomm import cuda
+
+        cuda.add(acc, values)
+
+
 #: An exact sum of at most this many values times ranks is one all-gather (every
 #: rank adds all rows); larger ones run the pipeline (the shard owners add).
 SMALL_SUM_VALUES = 1 << 20
@@ -424,7 +439,7 @@ def exact_sum(comm: Communicator, values: Any) -> Any:
                                      counts, displs), "an exact sum", comm.rank)
         total[...] = rows[0]
         for row in rows[1:]:
-            total += row
+            add_into(total, row)
         return total
     pieces = Pieces.plan(source.size, comm.size, max(source.size, DEFAULT_CHUNK_ELEMS))
     run_pipeline(comm, _PLAIN, pieces, source, total, 0, gather=True)

@@ -435,3 +435,25 @@ extern "C" __global__ void gc_divide_f64(double *values, gc_u64 n, double d)
     if (i < n)
         values[i] = __ddiv_rn(values[i], d);
 }
+
+/* ---- fp32 sums and differences of the collectives ------------------------------- */
+
+/* acc[i] += v[i]: one IEEE fp32 addition, rounded to nearest, subnormal operands and
+ * results kept (CuPy's `+=` is compiled with -ftz=true and would flush them), so a
+ * sum of CuPy arrays equals NumPy's (NaN payloads aside). v may be acc itself. */
+extern "C" __global__ void gc_add_f32(float *acc, const float *v, gc_u64 n)
+{
+    gc_u64 i = gc_global_id();
+    if (i < n)
+        acc[i] = __fadd_rn(acc[i], v[i]);
+}
+
+/* out[i] = a[i] - b[i], written as a[i] + (-b[i]): the negation is exact and IEEE
+ * subtraction is that addition, rounded to nearest, subnormals kept. out may be a or
+ * b itself (each thread reads its operands before it writes). */
+extern "C" __global__ void gc_sub_f32(float *out, const float *a, const float *b, gc_u64 n)
+{
+    gc_u64 i = gc_global_id();
+    if (i < n)
+        out[i] = __fadd_rn(a[i], -b[i]);
+}

@@ -17,7 +17,7 @@ Details that are easy to get wrong:
   its metadata check compares float32 on such ranks.
 * torch CUDA tensors: geocomm's CuPy work (conversions, codec kernels, NCCL's
   start event, result copies) runs on torch's current stream of the tensor's
-  device (``cupy.cuda.ExternalStream``), so results and ``out=`` writes are
+  device (:func:`cupy_stream`), so results and ``out=`` writes are
   ordered before anything the caller queues on that stream afterwards. A
   consumer on another torch stream must wait for the current stream, as for
   any torch operation.
@@ -165,11 +165,35 @@ def _torch_stream(*tensors: Any) -> contextlib.AbstractContextManager:
             index = t.device.index if t.device.index is not None else \
                 torch.cuda.current_device()
             stack = contextlib.ExitStack()
-            stack.enter_context(cupy.cuda.Device(index))
-            stack.enter_context(cupy.cuda.ExternalStream(
-                torch.cuda.current_stream(index).cuda_stream, index))
+            stack.enter_context(cupy.cuda.Device(index))  # current before the stream is wrapped
+            stack.enter_context(cupy_stream(cupy, torch.cuda.current_stream(index).cuda_stream,
+                                            index))
             return stack
     return contextlib.nullcontext()
+
+
+class _StreamHandle:
+    """A CUDA stream pointer as the CUDA stream protocol presents it (``__cuda_stream__``)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = int(ptr)
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+def cupy_stream(cupy: Any, ptr: int, device_id: int) -> Any:
+    """A CuPy stream object for the CUDA stream ``ptr`` of device ``device_id``, which
+    must be CuPy's current device: ``cupy.cuda.Stream.from_external`` where CuPy has it
+    (CuPy 14: it takes an object of the CUDA stream protocol and the current device),
+    else ``cupy.cuda.ExternalStream(ptr, device_id)`` (CuPy 13; deprecated in 14,
+    where it warns on every call). The stream stays the caller's to keep alive."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_StreamHandle(ptr))
+    return cupy.cuda.ExternalStream(ptr, device_id)
 
 
 # ---------------------------------------------------------------------------

@@ -3,15 +3,38 @@
 It lets the DDP and FSDP2 integrations (:mod:`geocomm.adapters.torch`) send
 geocomm's encoded bytes through a torch process group, whether the job came
 from ``torchrun`` or ``mpirun``. Gloo moves data on its own threads, so
-nonblocking calls overlap with the codec without help. Uneven all-gathers are
-padded to the largest segment (gloo has no all-gather-v).
+nonblocking calls overlap with the codec without help. Every transfer is one
+torch collective on every rank (``all_to_all_single``, an all-gather), so the
+ranks always post matching calls: segments packed in rank order travel in
+place; any other layout (displacements in any order, holes, send and receive
+in one buffer) goes through packed scratch, unpacked once it has arrived.
+Uneven all-gathers are padded to the largest segment (gloo has no
+all-gather-v).
 
-Over a NCCL group the communicator moves CuPy arrays (``backend == "nccl"``,
-so the collectives keep them on the device): they travel as CUDA tensors
-through DLPack, ProcessGroupNCCL orders each transfer after the work queued
-on torch's current stream, and ``wait()`` makes the current stream wait for
-it. The metadata all-gather goes through the device and back (NCCL has no
-host tensors). With more than one rank, an uncaught
+Device mode (``backend == "nccl"``, so the collectives keep CuPy arrays on the
+device and run the batched pipeline of :mod:`geocomm.gpu_pipeline`): the
+default over a NCCL group, or ``device_arrays=True`` for any group that can
+move the device arrays' memory. The arrays reach torch through DLPack, and
+what orders a transfer depends on the tensor torch makes of them:
+
+* CUDA tensors: each collective runs with torch's current stream set to
+  CuPy's current stream (``torch.cuda.ExternalStream``), so ProcessGroupNCCL
+  orders the transfer after the work queued there (the encode that filled
+  the send buffer); a request's ``wait_stream()`` makes CuPy's current stream
+  wait for it the same way (torch's ``Work.wait()`` on a NCCL work only makes
+  torch's current stream wait), without blocking the host, like
+  :class:`geocomm.comm.nccl.NCCLCommunicator`'s requests;
+* host (CPU) tensors, device arrays whose memory torch reads as host memory:
+  the host first waits for CuPy's current stream, since gloo reads the memory
+  at once, and ``wait_stream()`` waits on the host (at most
+  ``GEOCOMM_TIMEOUT``) for the transfer, as there is no stream to order on.
+
+NumPy arrays work in either mode (device mode then waits on the host). A
+request keeps its buffers and scratch alive until it completed (``test()``,
+``wait()``, ``wait_stream()``); on a GPU drop it only once the stream that
+allocated them waits for it (CuPy's pool hands memory out again on that
+stream only). The metadata all-gather goes through the group's device and
+back (NCCL has no host tensors). With more than one rank, an uncaught
 exception ends the job (:mod:`geocomm.comm.abort`): ``MPI_Abort`` when MPI
 runs the ranks (mpirun), else this process exits at once with status 1, which
 torchrun answers by stopping the other ranks.
@@ -19,6 +42,7 @@ torchrun answers by stopping the other ranks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from typing import Any
@@ -26,6 +50,10 @@ from typing import Any
 import numpy as np
 
 from geocomm.comm import abort
+from geocomm.comm.base import wait
+
+#: DLPack device types of CUDA memory (``DLDeviceType``: kDLCUDA, kDLCUDAManaged)
+DLPACK_CUDA = (2, 13)
 
 
 def _array_module(array: Any) -> Any:
@@ -37,48 +65,166 @@ def _array_module(array: Any) -> Any:
     return cupy
 
 
+def _on_cupy_stream(torch: Any, device: Any, stream: Any = None) -> contextlib.ExitStack:
+    """CuPy's ``stream`` (default: its current one) current, and torch's current stream
+    of ``device`` set to it: torch work queued inside is ordered with CuPy's."""
+    import cupy
+
+    stack = contextlib.ExitStack()
+    if stream is not None:
+        stack.enter_context(stream)
+    ptr = cupy.cuda.get_current_stream().ptr
+    stack.enter_context(torch.cuda.stream(torch.cuda.ExternalStream(ptr, device=device)))
+    return stack
+
+
 class _Work:
-    """A torch ``Work`` plus an optional step to run once it has completed.
+    """A torch ``Work`` (None: nothing to move) plus a step to run once it completed.
 
     ``wait_for`` sleeps until the work's future completes (the backend's own
     thread sets an event), so :func:`geocomm.comm.base.wait` does not poll.
+    ``keep``: arrays the transfer reads or writes, held until it completed.
     """
 
-    __slots__ = ("_done", "_finish", "_work")
+    __slots__ = ("_done", "_finish", "_keep", "_work")
 
-    def __init__(self, work: Any, finish: Any = None):
-        self._work, self._finish = work, finish
+    def __init__(self, work: Any, finish: Any = None, keep: tuple = ()):
+        self._work, self._finish, self._keep = work, finish, keep
         self._done = threading.Event()
-        work.get_future().add_done_callback(lambda _: self._done.set())
+        if work is None:
+            self._done.set()
+        else:
+            work.get_future().add_done_callback(lambda _: self._done.set())
 
     def wait_for(self, seconds: float) -> bool:
         """Block at most ``seconds`` (GIL released) for completion; True when done."""
         return self._done.wait(seconds)
 
     def _complete(self) -> None:
+        """torch's ``Work.wait()``, then the finish step; once."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
         if self._finish is not None:
             self._finish()
             self._finish = None
+        self._keep = ()
 
     def test(self) -> bool:
         # the future completes before gloo marks its work completed: trust either
-        if self._done.is_set() or self._work.is_completed():
-            self._work.wait()
+        if self._work is None or self._done.is_set() or self._work.is_completed():
             self._complete()
             return True
         return False
 
     def wait(self) -> None:
-        self._work.wait()
         self._complete()
 
 
+class _DeviceWork(_Work):
+    """A request of a device-mode communicator: a :class:`_Work` that also offers
+    ``wait_stream()``. ``device``: the CUDA device of its tensors, None for host
+    tensors; ``rank`` names this rank in a timeout."""
+
+    __slots__ = ("_device", "_rank")
+
+    def __init__(self, work: Any, finish: Any, keep: tuple, device: Any, rank: int):
+        super().__init__(work, finish, keep)
+        self._device, self._rank = device, rank
+
+    def _complete(self, stream: Any = None) -> None:
+        if self._device is None:
+            super()._complete()
+            return
+        # torch's Work.wait() orders torch's current stream: make that CuPy's (or
+        # ``stream``), where the finish step's copies then run too
+        with _on_cupy_stream(_torch(), self._device, stream):
+            super()._complete()
+
+    def wait_stream(self, stream: Any = None) -> None:
+        """Order ``stream`` (a CuPy stream; default: the current one) after the transfer.
+
+        CUDA tensors: a stream wait, no host block (as
+        :meth:`geocomm.comm.nccl._NCCLRequest.wait_stream`); the finish step
+        (unpacking) is queued on ``stream`` after it. Host tensors: no stream to
+        order on, so the host waits for the transfer (at most ``GEOCOMM_TIMEOUT``,
+        then :class:`~geocomm.comm.base.CollectiveTimeout`) and runs the finish step.
+        """
+        if self._device is None:
+            wait(self, "a torch.distributed transfer", self._rank)
+        else:
+            self._complete(stream)
+
+    def wait(self) -> None:
+        """Block the host until the transfer (and the finish step) completed."""
+        if self._device is None:
+            super().wait()
+            return
+        self.wait_stream()
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _packed_base(counts: np.ndarray, displs: np.ndarray) -> int | None:
+    """The offset from which the non-empty segments lie packed in rank order (segment j
+    at base + sum(counts[:j])), or None when they do not."""
+    starts = np.cumsum(counts) - counts
+    full = counts > 0
+    if not full.any():
+        return 0
+    bases = displs[full] - starts[full]
+    return int(bases[0]) if (bases == bases[0]).all() else None
+
+
+def _copies(dst: Any, dst_at: np.ndarray, src: Any, src_at: np.ndarray,
+            counts: np.ndarray) -> None:
+    """dst[dst_at[j]: + counts[j]] = src[src_at[j]: + counts[j]] for every non-empty j,
+    merging segments contiguous in both into one copy, and segments that all read
+    the same bytes into one broadcast."""
+    full = np.flatnonzero(counts > 0)
+    if full.size == 0:
+        return
+    c, d, s = counts[full], dst_at[full], src_at[full]
+    if full.size > 1 and (c == c[0]).all() and (s == s[0]).all() and \
+            (np.diff(d) == c[0]).all():  # one source segment to consecutive places
+        n, at, start = int(c[0]), int(d[0]), int(s[0])
+        dst[at: at + full.size * n].reshape(full.size, n)[...] = src[start: start + n]
+        return
+    run = 0  # copy runs [run, k) contiguous in both
+    for k in range(1, full.size + 1):
+        if k < full.size and d[k] == d[k - 1] + c[k - 1] and s[k] == s[k - 1] + c[k - 1]:
+            continue
+        n = int(d[k - 1] + c[k - 1] - d[run])
+        dst[int(d[run]): int(d[run]) + n] = src[int(s[run]): int(s[run]) + n]
+        run = k
+
+
+def _may_overlap(a: Any, b: Any) -> bool:
+    """Whether two arrays of one kind (NumPy, or CuPy) may share memory."""
+    if isinstance(a, np.ndarray) != isinstance(b, np.ndarray):
+        return False
+    return bool(_array_module(a).may_share_memory(a, b))
+
+
 class TorchDistCommunicator:
-    """:class:`geocomm.comm.Communicator` over a torch.distributed group."""
+    """:class:`geocomm.comm.Communicator` over a torch.distributed group.
+
+    ``device_arrays``: whether the collectives keep CuPy arrays on the device
+    (``backend`` "nccl"; see the module docstring): None (default) means
+    exactly when the group's backend is NCCL; True for any group that can move
+    the device arrays' memory; False needs a group that moves host memory.
+    """
 
     backend = "torch"
 
-    def __init__(self, group: Any = None):
+    def __init__(self, group: Any = None, *, device_arrays: bool | None = None):
         import torch
         import torch.distributed as dist
 
@@ -90,11 +236,21 @@ class TorchDistCommunicator:
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self.rank: int = dist.get_rank(group)
         self.size: int = dist.get_world_size(group)
+        nccl = dist.get_backend(group) == "nccl"
+        if device_arrays is None:
+            device_arrays = nccl
+        elif not device_arrays and nccl:
+            raise ValueError("device_arrays=False needs a group that moves host memory (gloo); "
+                             "a NCCL group moves device arrays only")
+        self.device_arrays = bool(device_arrays)
         # "nccl" tells the collectives to keep CuPy arrays on the device
-        self.backend = "nccl" if dist.get_backend(group) == "nccl" else "torch"
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if self.backend == "nccl" else torch.device("cpu")
+        self.backend = "nccl" if self.device_arrays else "torch"
+        # where the metadata all-gather's tensors live
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl \
+            else torch.device("cpu")
         abort.register(self)
+
+    # -- helpers ---------------------------------------------------------------
 
     def _t(self, array: Any) -> Any:
         """The array as a torch tensor sharing its memory (CuPy through DLPack)."""
@@ -102,43 +258,143 @@ class TorchDistCommunicator:
             return self._torch.from_numpy(array)
         return self._torch.from_dlpack(array)
 
+    def _check_bytes(self, a: Any, name: str) -> None:
+        if getattr(a, "dtype", None) != np.uint8 or a.ndim != 1 or not a.flags.c_contiguous:
+            got = f"{type(a).__name__} of dtype {getattr(a, 'dtype', None)}"
+            raise TypeError(f"{name} must be a 1-D C-contiguous uint8 array, got {got}")
+
+    def _segments(self, buf: Any, counts: Any, displs: Any,
+                  name: str) -> tuple[np.ndarray, np.ndarray]:
+        """Per-rank byte counts and displacements, checked against the buffer size."""
+        counts = np.asarray(counts, np.int64).ravel()
+        displs = np.asarray(displs, np.int64).ravel()
+        if counts.size != self.size or displs.size != self.size:
+            raise ValueError(f"{name}: counts and displacements need {self.size} entries, "
+                             f"got {counts.size} and {displs.size}")
+        if (counts < 0).any() or (displs < 0).any() or (counts + displs > buf.nbytes).any():
+            raise ValueError(f"{name}: a segment lies outside the {buf.nbytes}-byte buffer "
+                             f"(counts {counts.tolist()}, displacements {displs.tolist()})")
+        return counts, displs
+
+    def _host_wait(self, array: Any) -> None:
+        """Before torch gets ``array``: when its tensor will be a host (CPU) tensor of a
+        device array (memory torch reads as host memory), the host waits for CuPy's
+        current stream, since gloo reads (and writes) the memory at once. CUDA
+        tensors are ordered on the stream instead (:meth:`_ordered`); NumPy arrays
+        have nothing to wait for. The tensor's device type is the array's DLPack
+        device type, read before the export."""
+        if isinstance(array, np.ndarray) or array.__dlpack_device__()[0] in DLPACK_CUDA:
+            return
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+
+    def _ordered(self, tensor: Any) -> contextlib.AbstractContextManager:
+        """Where torch queues a transfer of ``tensor`` so that it reads what the caller
+        queued before: CUDA tensors on CuPy's current stream (torch's current stream
+        set to it, which ProcessGroupNCCL's stream then waits for); host tensors
+        (after :meth:`_host_wait`) need nothing."""
+        if tensor.device.type == "cuda":
+            return _on_cupy_stream(self._torch, tensor.device)
+        return contextlib.nullcontext()
+
+    def _request(self, work: Any, tensor: Any, finish: Any = None, keep: tuple = ()) -> _Work:
+        if not self.device_arrays:
+            return _Work(work, finish, keep)
+        device = tensor.device if tensor is not None and tensor.device.type == "cuda" else None
+        return _DeviceWork(work, finish, keep, device, self.rank)
+
+    # -- Communicator protocol -------------------------------------------------
+
     def alltoallv(self, send, send_counts, send_displs, recv, recv_counts, recv_displs):
-        # segments are packed in rank order (displacements are running sums)
-        work = self._dist.all_to_all_single(
-            self._t(recv[: int(np.sum(recv_counts))]), self._t(send[: int(np.sum(send_counts))]),
-            output_split_sizes=[int(c) for c in recv_counts],
-            input_split_sizes=[int(c) for c in send_counts],
-            group=self.group, async_op=True)
-        return _Work(work)
+        """Start an all-to-all of uint8 segments (counts and displacements in bytes).
+
+        ``send_counts[j]`` bytes of ``send`` from ``send_displs[j]`` go to rank j,
+        which puts them at its ``recv_displs[rank]``; any displacements, holes and
+        zero counts, the own segment included (its counts must agree). ``send``
+        and ``recv`` may share memory, even be one buffer: every segment is sent as
+        it was at the call and received segments are written after the transfer.
+        One ``all_to_all_single`` on every rank: segments packed in rank order,
+        in buffers apart, travel in place, others through packed scratch."""
+        self._check_bytes(send, "send")
+        self._check_bytes(recv, "recv")
+        s_counts, s_displs = self._segments(send, send_counts, send_displs, "send")
+        r_counts, r_displs = self._segments(recv, recv_counts, recv_displs, "recv")
+        me = self.rank
+        if s_counts[me] != r_counts[me]:
+            raise ValueError(f"rank {me} sends {s_counts[me]} bytes to itself but expects "
+                             f"{r_counts[me]}")
+        xp = _array_module(send)
+        s_total, r_total = int(s_counts.sum()), int(r_counts.sum())
+        s_base, r_base = _packed_base(s_counts, s_displs), _packed_base(r_counts, r_displs)
+        if s_base is None:  # pack the segments in rank order
+            source = xp.empty(s_total, np.uint8)
+            _copies(source, np.cumsum(s_counts) - s_counts, send, s_displs, s_counts)
+        else:
+            source = send[s_base: s_base + s_total]
+        finish = None
+        if r_base is None or _may_overlap(send, recv):
+            target = xp.empty(r_total, np.uint8)
+
+            def finish() -> None:  # unpack what arrived
+                _copies(recv, r_displs, target, np.cumsum(r_counts) - r_counts, r_counts)
+        else:
+            target = recv[r_base: r_base + r_total]
+        self._host_wait(source)
+        src, dst = self._t(source), self._t(target)
+        with self._ordered(src):
+            work = self._dist.all_to_all_single(
+                dst, src, output_split_sizes=r_counts.tolist(),
+                input_split_sizes=s_counts.tolist(), group=self.group, async_op=True)
+        return self._request(work, src, finish, (send, recv, source, target))
 
     def allgatherv(self, send, recv, counts, displs):
-        xp = _array_module(send)
-        width = int(np.max(counts)) if len(counts) else 0
+        """Start an all-gather: ``counts[rank]`` bytes of ``send`` land at ``displs[rank]``
+        of every rank's ``recv``. Equal segments packed in rank order go straight into
+        ``recv``; others are padded to the largest and unpacked once they arrived."""
+        self._check_bytes(send, "send")
+        self._check_bytes(recv, "recv")
+        counts, displs = self._segments(recv, counts, displs, "recv")
         mine = int(counts[self.rank])
-        if np.all(counts == width) and np.array_equal(displs, np.arange(self.size) * width) \
-                and recv.flags.c_contiguous and send.flags.c_contiguous:
+        if mine > send.nbytes:
+            raise ValueError(f"send holds {send.nbytes} bytes, counts[{self.rank}] is {mine}")
+        width = int(counts.max()) if counts.size else 0
+        if width == 0:  # the counts are every rank's: nothing moves anywhere
+            return self._request(None, None)
+        xp = _array_module(send)
+        if (counts == width).all() and np.array_equal(displs, np.arange(self.size) * width) \
+                and not _may_overlap(send, recv):
             # equal segments packed in rank order (the pipeline's usual stage): no padding
-            work = self._all_gather(
-                self._t(recv[: self.size * width]), self._t(send[:width]), group=self.group,
-                async_op=True)
-            return _Work(work)
+            self._host_wait(send)
+            src, dst = self._t(send[:width]), self._t(recv[: self.size * width])
+            with self._ordered(src):
+                work = self._all_gather(dst, src, group=self.group, async_op=True)
+            return self._request(work, src, keep=(send, recv))
         padded = xp.zeros(width, np.uint8)
         padded[:mine] = send[:mine]
         gathered = xp.empty(self.size * width, np.uint8)
-        work = self._all_gather(self._t(gathered), self._t(padded),
-                                                 group=self.group, async_op=True)
+        self._host_wait(padded)
+        src, dst = self._t(padded), self._t(gathered)
+        with self._ordered(src):
+            work = self._all_gather(dst, src, group=self.group, async_op=True)
 
         def unpad() -> None:
-            for j in range(self.size):
-                c, d = int(counts[j]), int(displs[j])
-                recv[d: d + c] = gathered[j * width: j * width + c]
+            _copies(recv, displs, gathered, np.arange(self.size) * width, counts)
 
-        return _Work(work, unpad)
+        return self._request(work, src, unpad, (send, recv, padded, gathered))
 
-    def allreduce(self, send: np.ndarray, recv: np.ndarray, op: str) -> None:
+    def allreduce(self, send: Any, recv: Any, op: str) -> None:
+        """Blocking all-reduce (``op`` "sum" or "max") of float32/float64 arrays; device
+        arrays are ordered like the other transfers (CUDA: on CuPy's current stream)."""
+        ops = {"sum": self._dist.ReduceOp.SUM, "max": self._dist.ReduceOp.MAX}
+        if op not in ops:
+            raise ValueError(f"op must be one of {sorted(ops)}, got {op!r}")
         recv[...] = send
-        reduce_op = {"sum": self._dist.ReduceOp.SUM, "max": self._dist.ReduceOp.MAX}[op]
-        self._dist.all_reduce(self._t(recv.reshape(-1)), op=reduce_op, group=self.group)
+        flat = recv.reshape(-1)
+        self._host_wait(flat)
+        tensor = self._t(flat)
+        with self._ordered(tensor):
+            self._dist.all_reduce(tensor, op=ops[op], group=self.group)
 
     def allgather_int64(self, values: np.ndarray) -> np.ndarray:
         values = np.ascontiguousarray(values, np.int64)
