@@ -205,9 +205,13 @@ class Stream:
         return f"<twin Stream {self.ptr:#x}>"
 
     @classmethod
-    def from_external(cls, ptr: int, device_id: int = -1) -> Stream:
-        """The twin stream whose ``ptr`` this is (a twin has no foreign streams)."""
-        return stream_of(ptr)
+    def from_external(cls, obj: Any) -> Stream:
+        """CuPy 14's wrapper of a foreign stream: ``obj.__cuda_stream__()`` gives
+        (version, handle); the twin knows only its own streams' handles."""
+        protocol = getattr(obj, "__cuda_stream__", None)
+        if protocol is None:
+            raise TypeError(f"{type(obj).__name__} has no __cuda_stream__ protocol")
+        return stream_of(protocol()[1])
 
     # -- queue -----------------------------------------------------------------
     def _ensure_worker(self) -> None:
