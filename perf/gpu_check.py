@@ -1,16 +1,50 @@
 """The one GPU check: CuPy kernels and collectives == the CPU path, bit for bit; speed.
 
     python perf/gpu_check.py --out perf/results/gpu_check.json
+    python -m geocomm.launch -n 2 -- python perf/gpu_check.py --out /tmp/gc2.json
+    python perf/gpu_check.py --twin --out /tmp/gc.json      # no GPU: the CuPy twin
 
-Writes the JSON and a markdown summary beside it (.md); prints the summary.
-Exit status 0: every section passed; 1: a mismatch or a failure (each is
-printed as a ``FAIL`` line to stderr); 2: nothing to check (no CuPy, no CUDA
-device, or no native C core). Sections are independent: one that fails or
-raises is reported and the others still run. ``--budget-s`` (default 420 s)
-skips the sections that would start after it, so the run stays under 8
+Writes the JSON and a markdown summary beside it (.md; rank 0 only); prints the
+summary. Exit status (the same on every rank: the ranks all-reduce it) 0: every
+section that ran passed; 1: a mismatch or a failure (each is printed as a
+``FAIL`` line to stderr); 2: nothing to check (no CuPy, no CUDA device, or no
+native C core). Sections are independent: one that fails or raises is reported
+and the others still run. ``--budget-s`` (default 420 s) skips the sections
+that would start after it (rank 0 decides for all), so the run stays under 8
 minutes.
 
-Sections (1 process, 1 GPU; the CPU side uses MPI.COMM_WORLD of 1 rank):
+Ranks: one process per GPU, on any number of ranks (``geocomm.launch -n N``).
+The CPU side is NumPy over MPI.COMM_WORLD, the GPU side CuPy over an
+NCCLCommunicator of COMM_WORLD; inputs are seeded per rank. ``nccl``,
+``collectives`` (bar its loopback part) and ``geofp8``'s collective run on every
+rank with the same calls in the same order: each rank compares its own result
+with its MPI result, and the ranks compare checksums of their all-reduce and
+all-gather results (identical everywhere). The single-process checks (``bytes``,
+the loopback pipeline, the geometry kernels) run on rank 0 while the others
+wait; ``errors`` runs on every rank. A section's result is every rank's: it
+passes when it passed on all of them, and its failures name the rank.
+
+``--twin``: no GPU needed. tests/twin (a CPU twin of CuPy: device arrays in host
+memory, streams on worker threads with a stream-order checker, red-zoned
+memory, the project's .cu kernels compiled for the host, cupy.cuda.nccl over
+MPI) goes first on sys.path before anything imports cupy; ``timing``, ``torch``
+and ``ddp`` are reported as skipped (the twin runs no torch CUDA tensors and
+measures no device time), and the sizes shrink where only the count was large,
+so a run takes about 30 s at 1-3 ranks on two cores (GEOCOMM_TIMEOUT defaults
+to 120 s there). Sizes (values) of the two profiles, gpu / twin:
+
+    bytes: wide input            1,000,003 / 200,003
+           edge values              65,537 / 65,537
+           random bit patterns     262,147 / 65,539
+           subnormal ("tiny")      100,003 / 30,011
+           big input             5,000,017 / 500,009
+           ragged sizes 0 .. 12,299, every format, fp8 block, batched codec
+           and walk: the same in both
+    collectives: per rank          100,003 / 60,013  (stages of 4096 values)
+                 loopback ranks     60,007 / 20,011
+    geofp8: matrix            2048 x 4096 / 512 x 1024, 6 steps in both
+
+Sections:
 
 bytes       GPU encode == C core encode (== NumPy reference for small inputs)
             byte for byte, and GPU decode / decode+accumulate of the C core's
@@ -20,26 +54,28 @@ bytes       GPU encode == C core encode (== NumPy reference for small inputs)
             switch), 3000, 4096/4097 and 12293/50000 (several tiles per block),
             nvfp4 and bf16; inputs: wide range, edge values, random bit
             patterns (NaN/inf), subnormal and all-zero blocks, odd sizes from 0
-            up, 5M values, a wire at an odd offset, an explicit stream.
+            up, a big input, a wire at an odd offset, an explicit stream.
             Then the batched pipeline kernels (native/gc_pipeline.cu) == their
             contract run by the C core (gpu_pipeline.HostKernels) for every
             format and walk, both roundings: one launch over seven pieces at
             odd offsets (one empty), the multi-piece decode, and the owner's
             sum of its piece and three received bodies, encoded and as fp32.
-errors      geocomm.cuda's argument checks raise like the C core's.
-nccl        NCCLCommunicator on 1 rank: alltoallv/allgatherv byte round trips,
-            allreduce sum/max, allgather_int64, barrier, and a raw grouped
-            ncclSend/ncclRecv to self, ordered after the fills by an event.
+errors      geocomm.cuda's argument checks raise like the C core's (an
+            unknown format id: one past the largest of the C core's ids).
+nccl        NCCLCommunicator over the ranks: alltoallv/allgatherv byte round
+            trips, allreduce sum/max, allgather_int64, barrier, and a raw
+            grouped ncclSend/ncclRecv around the ring (to self on one rank),
+            ordered after the fills by an event.
 collectives geocomm.allreduce / reduce_scatter / allgather on CuPy over NCCL
             (the batched pipeline) == on NumPy over MPI, bit for bit: fp32, fp16
             and bf16 (bits widened on the device, as the torch adapter does),
             codecs none, bf16, fp8 e4m3/128, e5m2/0 and e4m3/4097 (team and
             tile walks), nvfp4, mxfp8 (floor, rceil), mxfp4, stochastic fp8,
             nvfp4 and mxfp4, fp8 with error feedback (a map), in place, and
-            many pipeline stages (chunk_elems 4096 on 100,003 values). Then
-            the batched pipeline on 3 ranks of this process (loopback copies
-            for NCCL) == the host-driven pipeline on the CPU, every codec,
-            all-reduce and reduce-scatter: received pieces, multi-piece sends.
+            many pipeline stages. Then the batched pipeline on 3 ranks of
+            rank 0's process (loopback copies for NCCL) == the host-driven
+            pipeline on the CPU, every codec, all-reduce and reduce-scatter:
+            received pieces, multi-piece sends.
 torch       torch CUDA tensors (fp32/fp16/bf16, new result and out= in place)
             whose input is produced behind a long kernel on torch's current
             stream and whose result is consumed on a side stream that waits
@@ -54,15 +90,15 @@ timing      the batched fp8 pipeline vs plain NCCL all-reduce vs a CuPy copy
             throughput against the copy's, which must reach 0.5 (issue #14);
             the cost of a pipeline stage against the backend model's; the
             single-body codec kernels alone.
-ddp         geocomm's DDP hook on CUDA gradients over a NCCL process group
-            (fp32, fp16, bf16 models): every bucket it reduced on its worker
-            stream == geocomm.allreduce of the same bucket on the CPU over MPI.
+ddp         geocomm's DDP hook on CUDA gradients over a 1-rank NCCL process
+            group (fp32, fp16, bf16 models): every bucket it reduced on its
+            worker stream == geocomm.allreduce of the same bucket on the CPU
+            over MPI (skipped on more than one rank).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import platform
@@ -73,33 +109,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+HERE = Path(__file__).resolve().parent
+#: the CuPy twin's package folder (perf/../tests/twin)
+TWIN_PATH = HERE.parent / "tests" / "twin"
+if str(HERE) not in sys.path:  # the sections' modules beside this file (python -P too)
+    sys.path.insert(0, str(HERE))
 
-F32 = np.float32
-#: team kernel up to TEAM_MAX = 1024 values per block, tile kernel above;
-#: tiles of TILE = 4096 values, so blocks > 4096 span several tiles
-FP8_BLOCKS = (0, 1, 16, 31, 32, 33, 128, 1000, 1024, 1025, 3000, 4096, 4097, 3 * 4096 + 5,
-              50_000)
-ODD_SIZES = (0, 1, 2, 15, 16, 17, 31, 33, 127, 129, 1000, 1023, 1024, 1025, 4095, 4097, 8193,
-             12_299)
-#: inputs up to this size are also compared with the (slow) NumPy reference
-REFERENCE_MAX_N = 70_000
-EDGES = np.array([0.0, -0.0, 448.0, -448.0, 464.0, 465.0, -465.0, 480.0, 57344.0, 61440.0,
-                  -61441.0, 6.0, 5.0, 0.25, 1e-45, -3e-39, 1e-40, 2.0**-100, 2.0**-126,
-                  2.0**-149, 3.4e38, -3.4e38, np.inf, -np.inf, np.nan, -np.nan], F32)
-#: The collectives' codecs: every format, both fp8 walks, stochastic rounding and
-#: error feedback (whose map takes the pipeline's unfused path).
-COLLECTIVE_CODECS = {"none": "none", "bf16": "bf16", "fp8-e4m3-128": "fp8",
-                     "fp8-e5m2-0": {"id": "fp8", "fmt": "e5m2", "block": 0},
-                     "fp8-e4m3-4097": {"id": "fp8", "fmt": "e4m3", "block": 4097},
-                     "nvfp4": "nvfp4", "mxfp8": "mxfp8",
-                     "mxfp8-e5m2-rceil": {"id": "mxfp8", "fmt": "e5m2", "scale_rule": "rceil"},
-                     "mxfp4": "mxfp4",
-                     "fp8 stochastic": {"id": "fp8", "rounding": "stochastic", "seed": 3},
-                     "nvfp4 stochastic": {"id": "nvfp4", "rounding": "stochastic", "seed": 3},
-                     "mxfp4 stochastic": {"id": "mxfp4", "rounding": "stochastic", "seed": 3},
-                     "fp8 error feedback": {"id": "fp8", "error_feedback": True}}
-DTYPES = ("float32", "float16", "bfloat16")
+import numpy as np  # noqa: E402
+from gpu_check_bytes import check_bytes, check_errors  # noqa: E402
+from gpu_check_collectives import check_collectives, check_nccl  # noqa: E402
+from gpu_check_common import PROFILES, REFERENCE_MAX_N, Sizes  # noqa: E402
+from gpu_check_device import MUST_SHOW_VS_COPY, check_ddp, check_timing, check_torch  # noqa: E402
+from gpu_check_geofp8 import check_geofp8  # noqa: E402
+
+#: sections the twin cannot run, and why (reported as skipped under --twin)
+NEEDS_GPU = ("timing", "torch", "ddp")
+TWIN_SKIP_REASON = ("needs a real GPU (the twin runs no torch CUDA tensors and measures no "
+                    "device time)")
 
 
 def fail_exit(message: str, code: int) -> None:
@@ -107,80 +133,15 @@ def fail_exit(message: str, code: int) -> None:
     sys.exit(code)
 
 
-# ---------------------------------------------------------------------------
-# inputs
-
-
-def wide(rng: np.random.Generator, n: int, lo: int = -60, hi: int = 60) -> np.ndarray:
-    """Random signs and mantissas over 2^lo .. 2^hi."""
-    mant = rng.uniform(1.0, 2.0, n)
-    sign = rng.choice([-1.0, 1.0], n)
-    return (sign * mant * np.exp2(rng.integers(lo, hi, n))).astype(F32)
-
-
-def cases(rng: np.random.Generator, big: int = 5_000_017) -> list[tuple[str, np.ndarray]]:
-    """(name, float32 input) for the bytes section."""
-    out = [("wide", wide(rng, 1_000_003))]
-    scale = rng.choice(np.array([1.0, 2.0**-20, 2.0**-130], F32), 65_537)
-    out.append(("edges", (rng.choice(EDGES, 65_537) * scale).astype(F32)))
-    out.append(("bits", rng.integers(0, 2**32, 262_147, dtype=np.uint64).astype(np.uint32)
-                .view(F32)))
-    tiny = wide(rng, 100_003, -149, -120)
-    tiny[(np.arange(tiny.size) // 40) % 3 == 0] = 0.0  # all-zero blocks among subnormal ones
-    out.append(("tiny", tiny))
-    out += [(f"n={n}", wide(rng, n)) for n in ODD_SIZES]
-    if big:
-        out.append(("big", wide(rng, big, -20, 20)))
-    return out
-
-
-def configs() -> list[tuple[str, int]]:
-    return ([(f, b) for f in ("e4m3", "e5m2") for b in FP8_BLOCKS]
-            + [("nvfp4", 0), ("bf16", 0)])
-
-
-def gradient(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    """Gradient-like float32 values: a rank-4 signal plus noise (anisotropic, as
-    GeoFP8 expects), scaled to typical gradient magnitudes."""
-    m = shape[0]
-    n = int(np.prod(shape[1:])) if len(shape) > 1 else 1
-    signal = rng.standard_normal((m, 4)) @ rng.standard_normal((4, n)) * 3.0
-    return ((signal + rng.standard_normal((m, n))) * 1e-3).astype(F32).reshape(shape)
-
-
-# ---------------------------------------------------------------------------
-# comparisons
-
-
-def byte_diff(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
-    """Byte equality of two uint8 arrays."""
-    if a.shape != b.shape:
-        return {"equal": False, "why": f"shapes {a.shape} != {b.shape}"}
-    bad = np.flatnonzero(a != b)
-    return {"equal": bad.size == 0, "mismatches": int(bad.size),
-            **({"first": int(bad[0]), "got": int(a.flat[bad[0]]), "want": int(b.flat[bad[0]])}
-               if bad.size else {})}
-
-
-def value_diff(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
-    """Bit equality of two float arrays of one dtype (float32, float16 or
-    ml_dtypes bfloat16), any NaN equal to any NaN (GPU arithmetic returns the
-    canonical NaN, the C core may keep a payload)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return {"equal": False, "why": f"{a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}"}
-    uint = np.dtype(f"u{a.dtype.itemsize}")
-    wa, wb = a.astype(F32).ravel(), b.astype(F32).ravel()  # exact for all three dtypes
-    both_nan = np.isnan(wa) & np.isnan(wb)
-    bad = np.flatnonzero((a.view(uint).ravel() != b.view(uint).ravel()) & ~both_nan)
-    return {"equal": bad.size == 0, "mismatches": int(bad.size),
-            **({"first": int(bad[0]), "got": float(wa[bad[0]]), "want": float(wb[bad[0]])}
-               if bad.size else {})}
-
-
-def all_equal(row: dict[str, Any]) -> bool:
-    """Every comparison in ``row`` (values that are dicts with "equal") holds."""
-    diffs = [v for v in row.values() if isinstance(v, dict) and "equal" in v]
-    return bool(diffs) and all(d["equal"] for d in diffs)
+def use_twin() -> None:
+    """Put the CuPy twin first on sys.path; refuse if a real CuPy was imported already."""
+    loaded = sys.modules.get("cupy")
+    if loaded is not None and not getattr(loaded, "TWIN", False):
+        fail_exit("--twin: a real CuPy was imported before the twin could be put first", 2)
+    if not (TWIN_PATH / "cupy" / "__init__.py").exists():
+        fail_exit(f"--twin: no CuPy twin at {TWIN_PATH}", 2)
+    sys.path.insert(0, str(TWIN_PATH))
+    os.environ.setdefault("GEOCOMM_TIMEOUT", "120")
 
 
 # ---------------------------------------------------------------------------
@@ -188,14 +149,24 @@ def all_equal(row: dict[str, Any]) -> bool:
 
 
 class Context:
-    """CuPy, the arguments, and the communicators (built on first use; a
-    failed NCCL set-up is re-raised by every section that needs it)."""
+    """CuPy, the arguments, the size profile, the ranks (``world``: mpi4py's
+    COMM_WORLD, or None for one process) and the communicators (built on first
+    use; a failed NCCL set-up is re-raised by every section that needs it)."""
 
-    def __init__(self, cp: Any, args: argparse.Namespace):
-        self.cp, self.args = cp, args
+    def __init__(self, cp: Any, args: argparse.Namespace, world: Any = None,
+                 sizes: Sizes | None = None):
+        self.cp, self.args, self.world = cp, args, world
+        self.twin = bool(getattr(args, "twin", False))
+        self.sizes = sizes or PROFILES["twin" if self.twin else "gpu"]
+        self.rank = world.Get_rank() if world is not None else 0
+        self.size = world.Get_size() if world is not None else 1
         self._nccl: Any = None
         self._nccl_error: BaseException | None = None
         self._mpi: Any = None
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
 
     def nccl(self) -> Any:
         if self._nccl_error is not None:
@@ -204,7 +175,7 @@ class Context:
             try:
                 from geocomm.comm.nccl import NCCLCommunicator
 
-                self._nccl = NCCLCommunicator()
+                self._nccl = NCCLCommunicator(self.world)
             except BaseException as exc:
                 self._nccl_error = exc
                 raise
@@ -214,7 +185,7 @@ class Context:
         if self._mpi is None:
             from geocomm.comm.mpi import MPICommunicator
 
-            self._mpi = MPICommunicator()
+            self._mpi = MPICommunicator(self.world)
         return self._mpi
 
     def sync(self) -> None:
@@ -224,848 +195,49 @@ class Context:
         if self._nccl is not None:
             self._nccl.close()
 
+    # -- ranks -------------------------------------------------------------------
+    def quiet_barrier(self) -> None:
+        """A barrier that sleeps while it waits: ranks waiting for rank 0's
+        single-process work leave it the cores (MPI's blocking calls spin)."""
+        if self.size > 1:
+            request = self.world.Ibarrier()
+            while not request.Test():
+                time.sleep(0.005)
 
-# ---------------------------------------------------------------------------
-# bytes
-
-
-def after_current(cp: Any, stream: Any) -> None:
-    """Order ``stream`` after the work queued on the current stream (the
-    copies that filled its inputs): a non-blocking stream does not wait for
-    the legacy default stream by itself."""
-    if stream is not None:
-        stream.wait_event(cp.cuda.get_current_stream().record())
-
-
-def check_case(cp: Any, fmt: str, block: int, name: str, x: np.ndarray,
-               base: np.ndarray, variant: str = "") -> dict[str, Any]:
-    """One format/block/input: GPU vs C core (vs reference for small inputs)."""
-    from geocomm import cuda, native
-    from geocomm.codecs import reference as ref
-
-    code = native.FORMATS[fmt]
-    n = x.size
-    size = native.wire_size(code, n, block)
-    use_ref = n <= REFERENCE_MAX_N
-    row: dict[str, Any] = {"fmt": fmt, "block": block, "case": name + variant, "n": n,
-                           "wire_size": {"equal": cuda.wire_size(fmt, n, block) == size}}
-    cpu_wire = np.zeros(size, np.uint8)
-    native.encode(code, x, block, cpu_wire)
-    stream = cp.cuda.Stream(non_blocking=True) if variant == " stream" else None
-    offset = 1 if variant == " offset" else 0
-    x_dev = cp.asarray(x)
-    store = cp.full(size + offset, 0xA5, dtype=cp.uint8)  # poison: unwritten bytes show
-    after_current(cp, stream)
-    cuda.encode(fmt, x_dev, block, store[offset:], stream=stream)
-    if stream is not None:
-        stream.synchronize()
-    gpu_wire = cp.asnumpy(store[offset:])
-    row["encode_vs_native"] = byte_diff(gpu_wire, cpu_wire)
-    if use_ref:
-        with np.errstate(all="ignore"):  # the reference casts NaN/inf on purpose
-            row["encode_vs_reference"] = byte_diff(gpu_wire, ref.encode(fmt, x, block))
-
-    wire_dev = cp.full(size + offset, 0xA5, dtype=cp.uint8)
-    wire_dev[offset:] = cp.asarray(cpu_wire)
-    for acc in (False, True):
-        want = base.copy() if acc else np.zeros(n, F32)
-        native.decode(code, cpu_wire, block, want, accumulate=acc)
-        out_dev = cp.asarray(base) if acc else cp.full(n, np.nan, dtype=cp.float32)
-        after_current(cp, stream)
-        cuda.decode(fmt, wire_dev[offset:], block, out_dev, accumulate=acc, stream=stream)
-        if stream is not None:
-            stream.synchronize()
-        got = cp.asnumpy(out_dev)
-        key = "accumulate" if acc else "decode"
-        row[f"{key}_vs_native"] = value_diff(got, want)
-        if use_ref:
-            with np.errstate(all="ignore"):
-                ref_vals = ref.decode(fmt, cpu_wire, n, block)
-                row[f"{key}_vs_reference"] = value_diff(got, (base + ref_vals) if acc
-                                                        else ref_vals)
-    row["ok"] = all_equal(row)
-    return row
-
-
-#: Codecs the batched kernels (native/gc_pipeline.cu) are checked with: every format,
-#: both sides of every walk switch (fp8 teams up to 1024 values, tiles above and for
-#: block 0), both scale rules; each also with stochastic rounding (bar "none").
-BATCHED_CODECS: dict[str, Any] = {
-    "none": "none", "bf16": "bf16", "nvfp4": "nvfp4",
-    **{f"fp8-{f}-{b}": {"id": "fp8", "fmt": f, "block": b} for f in ("e4m3", "e5m2")
-       for b in (0, 1, 16, 33, 128, 1000, 1024, 1025, 4096, 5000)},
-    "mxfp8-e4m3": {"id": "mxfp8", "fmt": "e4m3"},
-    "mxfp8-e5m2-rceil": {"id": "mxfp8", "fmt": "e5m2", "scale_rule": "rceil"},
-    "mxfp4": "mxfp4", "mxfp4-rceil": {"id": "mxfp4", "scale_rule": "rceil"},
-}
-STOCHASTIC = {"rounding": "stochastic", "seed": 11}
-#: Pieces of one batched launch: odd sizes, an empty piece, a superblock and more.
-BATCHED_COUNTS = (5000, 0, 4097, 1, 12_299, 3 * 4096 + 5, 33)
-
-
-def batched_configs() -> list[tuple[str, Any]]:
-    """(name, codec config) of every batched check, nearest and stochastic."""
-    out = []
-    for name, config in BATCHED_CODECS.items():
-        config = {"id": config} if isinstance(config, str) else config
-        out.append((name, config))
-        if name != "none":
-            out.append((name + " stochastic", {**config, **STOCHASTIC}))
-    return out
-
-
-def batched_pieces(fmt: Any, counts: tuple[int, ...]) -> tuple[list[Any], int, int]:
-    """Pieces at odd value and byte offsets with a large rounding index; (pieces,
-    values needed, wire bytes needed)."""
-    from geocomm.gpu_pipeline import Piece
-
-    pieces, at, byte = [], 3, 1
-    for n in counts:
-        pieces.append(Piece(at, n, byte, 10**12 + 7 * at))
-        at, byte = at + n + 7, byte + fmt.wire_size(n)
-    return pieces, at, byte
-
-
-def check_batched(cp: Any, name: str, config: Any, x: np.ndarray, others: list[np.ndarray]
-                  ) -> dict[str, Any]:
-    """The batched kernels (CudaKernels) == their contract run by the C core
-    (HostKernels), bit for bit: a multi-piece encode (bytes), a multi-piece decode,
-    the owner's encode of its piece plus the bodies of ``others`` (the fused sum;
-    compared decoded) and the same sum as fp32 (NaN payloads exempt throughout)."""
-    import geocomm
-    from geocomm import gpu_pipeline as gp
-
-    fmt = gp.wire_format(geocomm.get_codec(config))
-    host, device = gp.HostKernels(), gp.CudaKernels()
-    pieces, nvalues, nbytes = batched_pieces(fmt, BATCHED_COUNTS)
-    rows, amax = gp.segment_rows(fmt, pieces)
-    on_host, on_device = gp.Segments(rows, rows), gp.Segments(rows, cp.asarray(rows))
-    values = np.resize(x, nvalues)
-    row: dict[str, Any] = {"codec": name, "pieces": len(pieces)}
-
-    def both(run_host: Callable, run_device: Callable, empty: Callable) -> tuple:
-        want, got = empty(np), empty(cp)
-        run_host(want)
-        run_device(got)
-        return cp.asnumpy(got), want
-
-    def wire(xp: Any) -> Any:
-        return xp.full(nbytes, 0xA5, dtype=np.uint8)  # poison: unwritten bytes show
-
-    scratch = cp.zeros(max(amax, 1), cp.uint32)
-    got, want = both(lambda w: host.encode(fmt, values, on_host, w, None, stream=5),
-                     lambda w: device.encode(fmt, cp.asarray(values), on_device, w, scratch,
-                                             stream=5), wire)
-    row["encode"] = byte_diff(got, want)
-    encoded = want
-    got, want = both(lambda o: host.decode(fmt, encoded, on_host, o),
-                     lambda o: device.decode(fmt, cp.asarray(encoded), on_device, o),
-                     lambda xp: xp.full(nvalues, np.nan, dtype=np.float32))
-    row["decode"] = value_diff(got, want)
-
-    # the owner: its piece plus the others' bodies of the same piece, in order
-    n = 3 * 4096 + 5
-    own_rows, own_amax = gp.segment_rows(fmt, [gp.Piece(0, n, 0, 12_345)])
-    own_host, own_device = gp.Segments(own_rows, own_rows), gp.Segments(own_rows,
-                                                                         cp.asarray(own_rows))
-    stride = fmt.wire_size(n)
-    bodies = np.zeros(len(others) * stride, np.uint8)
-    for r, other in enumerate(others):
-        host.encode(fmt, np.resize(other, n), own_host, bodies[r * stride:], None, stream=r)
-    incoming_host = gp.Incoming(bodies, len(others), stride)
-    incoming_device = gp.Incoming(cp.asarray(bodies), len(others), stride)
-    own = np.resize(x[::-1], n)
-    scratch = cp.zeros(max(own_amax, 1), cp.uint32)
-    got, want = both(
-        lambda w: host.encode(fmt, own, own_host, w, None, incoming_host, stream=9),
-        lambda w: device.encode(fmt, cp.asarray(own), own_device, w, scratch, incoming_device,
-                                stream=9),
-        lambda xp: xp.full(stride, 0xA5, dtype=np.uint8))
-    # compared decoded: a sum that is NaN is the canonical NaN on the GPU and keeps an
-    # operand's sign on the CPU, which an fp8 code keeps (only NaN positions must agree)
-    decoded = [np.empty(n, np.float32) for _ in range(2)]
-    for body, out in zip((got, want), decoded, strict=True):
-        host.decode(fmt, body, own_host, out)
-    row["sum_encode"] = value_diff(*decoded)
-    got, want = both(lambda o: host.reduce(fmt, own, own_host, incoming_host, o),
-                     lambda o: device.reduce(fmt, cp.asarray(own), own_device, incoming_device,
-                                             o),
-                     lambda xp: xp.full(n, np.nan, dtype=np.float32))
-    row["sum"] = value_diff(got, want)
-    row["ok"] = all_equal(row)
-    return row
-
-
-def check_bytes(ctx: Context, config_list: list | None = None,
-                inputs: list | None = None) -> dict[str, Any]:
-    rows = []
-    inputs = cases(np.random.default_rng(ctx.args.seed)) if inputs is None else inputs
-    by_name = dict(inputs)
-    # what decode+accumulate adds onto, one per input
-    bases = {name: wide(np.random.default_rng(x.size), x.size, -10, 10) for name, x in inputs}
-    variants = [(name, x, "") for name, x in inputs]
-    variants += [(name, by_name[name], v) for name, v in (("wide", " offset"),
-                                                         ("edges", " stream")) if name in by_name]
-    for fmt, block in configs() if config_list is None else config_list:
-        for name, x, variant in variants:
-            try:
-                row = check_case(ctx.cp, fmt, block, name, x, bases[name], variant)
-            except Exception:
-                row = {"fmt": fmt, "block": block, "case": name + variant, "n": x.size,
-                       "ok": False, "error": traceback.format_exc()}
-            rows.append(row)
-    batched = []
-    rng = np.random.default_rng([ctx.args.seed, 14])
-    source = by_name.get("edges", wide(rng, 65_537))
-    others = [by_name.get("wide", wide(rng, 70_000))[r::3] for r in range(3)]
-    for name, config in batched_configs() if config_list is None else []:
+    def on_root(self, fn: Callable[[], Any]) -> Any:
+        """fn() on rank 0 (None elsewhere); every rank returns once it is done."""
         try:
-            batched.append(check_batched(ctx.cp, name, config, source, others))
-        except Exception:
-            batched.append({"codec": name, "ok": False, "error": traceback.format_exc()})
-    failing = [r for r in rows if not r["ok"]]
-    return {"ok": not failing and all(r["ok"] for r in batched), "rows": rows,
-            "batched": batched,
-            "failures": [f"{r['fmt']} block={r['block']} {r['case']}: "
-                         f"{ {k: v for k, v in r.items() if k not in ('fmt', 'block', 'case')} }"
-                         for r in failing]
-            + [f"batched {r['codec']}: { {k: v for k, v in r.items() if k != 'codec'} }"
-               for r in batched if not r["ok"]]}
-
-
-def check_errors(ctx: Context) -> dict[str, Any]:
-    """The argument checks of geocomm.cuda raise like geocomm.native."""
-    from geocomm import cuda
-
-    cp = ctx.cp
-    x = cp.zeros(100, cp.float32)
-    wire = cp.zeros(cuda.wire_size("e4m3", 100, 16), cp.uint8)
-    calls = {
-        "float64 x -> TypeError": (TypeError, lambda: cuda.encode("e4m3", x.astype(cp.float64),
-                                                                  16, wire)),
-        "strided x -> TypeError": (TypeError, lambda: cuda.encode("e4m3", x[::2], 16, wire)),
-        "numpy x -> TypeError": (TypeError, lambda: cuda.encode("e4m3", cp.asnumpy(x), 16,
-                                                                wire)),
-        "int8 wire -> TypeError": (TypeError, lambda: cuda.encode("e4m3", x, 16,
-                                                                  wire.view(cp.int8))),
-        "short wire -> ValueError": (ValueError, lambda: cuda.encode("e4m3", x, 16, wire[:-1])),
-        "short wire decode -> ValueError": (ValueError, lambda: cuda.decode("e4m3", wire[:-1],
-                                                                            16, x)),
-        "unknown format -> ValueError": (ValueError, lambda: cuda.encode(7, x, 16, wire)),
-        "negative block -> ValueError": (ValueError, lambda: cuda.encode("e4m3", x, -1, wire)),
-    }
-    rows = []
-    for name, (exc, call) in calls.items():
-        try:
-            call()
-            rows.append({"check": name, "ok": False, "why": "no exception"})
-        except exc:
-            rows.append({"check": name, "ok": True})
-        except Exception as other:
-            rows.append({"check": name, "ok": False, "why": repr(other)})
-    return {"ok": all(r["ok"] for r in rows), "rows": rows,
-            "failures": [f"{r['check']}: {r['why']}" for r in rows if not r["ok"]]}
-
-
-# ---------------------------------------------------------------------------
-# nccl
-
-
-def pattern(cp: Any, a: int, b: int, length: int) -> Any:
-    return ((cp.arange(length, dtype=cp.int64) + 31 * a + 17 * b) % 251).astype(cp.uint8)
-
-
-def check_nccl(ctx: Context) -> dict[str, Any]:
-    """The NCCL communicator's byte moves and reductions (1 rank: the own segment
-    is a device copy), plus a raw grouped send/recv to self."""
-    cp, comm = ctx.cp, ctx.nccl()
-    r, size = comm.rank, comm.size
-    checks: dict[str, bool] = {}
-
-    def seg(a: int, b: int) -> int:
-        return 100 + 7 * a + 3 * b
-
-    send_counts = np.array([seg(r, p) for p in range(size)])
-    recv_counts = np.array([seg(p, r) for p in range(size)])
-    send_displs = np.concatenate([[0], np.cumsum(send_counts)[:-1]])
-    recv_displs = np.concatenate([[0], np.cumsum(recv_counts)[:-1]])
-    send = cp.concatenate([pattern(cp, r, p, seg(r, p)) for p in range(size)])
-    recv = cp.zeros(int(recv_counts.sum()), cp.uint8)
-    comm.alltoallv(send, send_counts, send_displs, recv, recv_counts, recv_displs).wait()
-    want = cp.concatenate([pattern(cp, p, r, seg(p, r)) for p in range(size)])
-    checks["alltoallv"] = bool((recv == want).all())
-
-    counts = np.array([50 + 13 * p for p in range(size)])
-    displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    gathered = cp.zeros(int(counts.sum()), cp.uint8)
-    comm.allgatherv(pattern(cp, r, 0, int(counts[r])), gathered, counts, displs).wait()
-    want = cp.concatenate([pattern(cp, p, 0, int(counts[p])) for p in range(size)])
-    checks["allgatherv"] = bool((gathered == want).all())
-
-    for dtype in (cp.float32, cp.float64):
-        values = cp.arange(1000, dtype=dtype) * (r + 1)
-        total = cp.empty_like(values)
-        comm.allreduce(values, total, "sum")
-        checks[f"allreduce sum {np.dtype(dtype).name}"] = bool(
-            (total == cp.arange(1000, dtype=dtype) * (size * (size + 1) // 2)).all())
-        comm.allreduce(values, total, "max")
-        checks[f"allreduce max {np.dtype(dtype).name}"] = bool(
-            (total == cp.arange(1000, dtype=dtype) * size).all())
-    rows = comm.allgather_int64(np.array([r, 2 * r]))
-    checks["allgather_int64"] = bool((rows == np.array([[p, 2 * p] for p in range(size)])).all())
-    comm.barrier()
-
-    # grouped ncclSend/ncclRecv to self: the call path alltoallv uses for peers.
-    # The fills run on the current stream, NCCL on the communicator's own
-    # non-blocking stream: order NCCL after the fills with an event, and the
-    # comparison after NCCL by synchronizing its stream.
-    data, back = pattern(cp, r, 9, 4099), cp.zeros(4099, cp.uint8)
-    nccl = comm._nccl
-    after_current(cp, comm.stream)
-    nccl.groupStart()
-    try:
-        comm.nccl_comm.send(data.data.ptr, data.size, nccl.NCCL_UINT8, r, comm.stream.ptr)
-        comm.nccl_comm.recv(back.data.ptr, back.size, nccl.NCCL_UINT8, r, comm.stream.ptr)
-    finally:
-        nccl.groupEnd()
-    comm.stream.synchronize()
-    checks["ncclSend/ncclRecv to self"] = bool((back == data).all())
-    return {"ok": all(checks.values()), "rank": r, "size": size, "checks": checks,
-            "failures": [name for name, good in checks.items() if not good]}
-
-
-# ---------------------------------------------------------------------------
-# collectives: CuPy over NCCL == NumPy over MPI
-
-
-def _host_input(dtype: str, values: np.ndarray) -> np.ndarray:
-    import ml_dtypes
-
-    return values.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
-
-
-def _to_device(cp: Any, host: np.ndarray) -> Any:
-    """The device operand the collective sees: the array itself, or for
-    bfloat16 (no CuPy dtype) its bits widened to float32, as the torch adapter does."""
-    from geocomm.adapters.arrays import bf16_bits_to_float32
-
-    if host.dtype.name == "bfloat16":
-        return bf16_bits_to_float32(cp.asarray(host.view(np.uint16)))
-    return cp.asarray(host)
-
-
-def _to_host(cp: Any, result: Any, dtype: str) -> np.ndarray:
-    """A device result as a host array of ``dtype`` (bfloat16: rounded like the adapter)."""
-    import ml_dtypes
-
-    from geocomm.adapters.arrays import float32_to_bf16_bits
-
-    if dtype == "bfloat16":
-        return cp.asnumpy(float32_to_bf16_bits(result)).view(ml_dtypes.bfloat16)
-    return cp.asnumpy(result)
-
-
-def run_collective(kind: str, x: Any, codec: Any, comm: Any, chunk: int,
-                   in_place: bool) -> Any:
-    """One geocomm collective through the public API (adapters included), as the
-    first call with its codec and key (stochastic rounding counts the calls)."""
-    import geocomm
-    from geocomm import collectives
-
-    collectives._calls.clear()
-    fn = {"allreduce": geocomm.allreduce, "reduce_scatter": geocomm.reduce_scatter,
-          "allgather": geocomm.allgather}[kind]
-    kwargs: dict[str, Any] = {"codec": codec, "comm": comm}
-    if kind != "allgather":
-        kwargs["chunk_elems"] = chunk
-    if in_place:
-        fn(x, out=x, **kwargs)
-        return x
-    return fn(x, **kwargs)
-
-
-def collective_cases() -> list[tuple[str, str, str, bool]]:
-    """(collective, dtype, codec name, in place)."""
-    out = []
-    for kind in ("allreduce", "reduce_scatter", "allgather"):
-        for dtype in DTYPES:
-            for codec in COLLECTIVE_CODECS:
-                for in_place in ((False, True) if kind == "allreduce" else (False,)):
-                    out.append((kind, dtype, codec, in_place))
-    return out
-
-
-def lockstep(cp: Any, codec: Any, xs: list[np.ndarray], chunk: int, gather: bool
-             ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(batched on the device, host-driven on the CPU) results of every rank of one call
-    on len(xs) ranks of this process (geocomm.testing.loopback): the batched kernels
-    with N - 1 incoming pieces and multi-piece tables, which one NCCL rank never has."""
-    from geocomm import gpu_pipeline
-    from geocomm.pipeline import Pieces, Pipeline
-    from geocomm.testing import loopback, run_lockstep
-
-    size, count = len(xs), xs[0].size
-    pieces = Pieces.plan(count, size, chunk)
-    fmt = gpu_pipeline.wire_format(codec)
-    results = []
-    for xp in (cp, np):
-        pipes, outs = [], []
-        for r, comm in enumerate(loopback(size, "nccl")):
-            lo, hi = int(pieces.bounds[r]), int(pieces.bounds[r + 1])
-            out = xp.full(count if gather else hi - lo, np.nan, dtype=np.float32)
-            args = (pieces, xp.asarray(xs[r]), out, 0 if gather else lo, gather)
-            pipes.append(gpu_pipeline.BatchedPipeline(comm, fmt, *args, stream=17) if xp is cp
-                         else Pipeline(comm, codec, *args, stream=17))
-            outs.append(out)
-        run_lockstep(pipes)
-        results.append([cp.asnumpy(o) if xp is cp else o for o in outs])
-    return list(zip(*results, strict=True))
-
-
-def check_lockstep(ctx: Context, n: int = 60_007, size: int = 3) -> list[dict[str, Any]]:
-    """Rows of the batched pipeline on ``size`` loopback ranks == the host-driven one."""
-    import geocomm
-
-    rows = []
-    for codec_name, config in COLLECTIVE_CODECS.items():
-        if "feedback" in codec_name:
-            continue  # a map: covered through the public collectives
-        codec = geocomm.get_codec(config)
-        xs = [gradient(np.random.default_rng([ctx.args.seed, r, 3]), (n,)) for r in range(size)]
-        for gather in (True, False):
-            row: dict[str, Any] = {"collective": f"{'allreduce' if gather else 'reduce_scatter'}"
-                                                 f" x{size} loopback", "dtype": "float32",
-                                   "codec": codec_name, "in_place": False}
-            try:
-                for r, (got, want) in enumerate(lockstep(ctx.cp, codec, xs, 4096 * size,
-                                                         gather)):
-                    row[f"rank{r}"] = value_diff(got, want)
-                row["ok"] = all_equal(row)
-            except Exception:
-                row.update(ok=False, error=traceback.format_exc())
-            rows.append(row)
-    return rows
-
-
-def check_collectives(ctx: Context, n: int = 100_003, chunk: int = 4096) -> dict[str, Any]:
-    """The public collectives on CuPy over NCCL == on NumPy over MPI (one rank, many
-    stages), then the batched pipeline on three loopback ranks (check_lockstep)."""
-    from geocomm import get_codec
-
-    cp, nccl, mpi = ctx.cp, ctx.nccl(), ctx.mpi()
-    rng = np.random.default_rng([ctx.args.seed, nccl.rank])
-    values = gradient(rng, (n,))
-    values[::97] *= 1e4  # a spread of block scales
-    rows = []
-    for kind, dtype, codec_name, in_place in collective_cases():
-        row: dict[str, Any] = {"collective": kind, "dtype": dtype, "codec": codec_name,
-                               "in_place": in_place}
-        codec = COLLECTIVE_CODECS[codec_name]
-        try:
-            host = _host_input(dtype, values)
-            # a fresh codec each: error feedback's residuals start alike
-            want = run_collective(kind, host.copy(), get_codec(codec), mpi, chunk, in_place)
-            got = run_collective(kind, _to_device(cp, host), get_codec(codec), nccl, chunk,
-                                 in_place)
-            row["vs_numpy_mpi"] = value_diff(_to_host(cp, got, dtype), want)
-            row["ok"] = all_equal(row)
-        except Exception:
-            row.update(ok=False, error=traceback.format_exc())
-        rows.append(row)
-    rows += check_lockstep(ctx)
-    return {"ok": all(r["ok"] for r in rows), "n": n, "chunk_elems": chunk, "rows": rows,
-            "failures": [f"{r['collective']} {r['dtype']} {r['codec']} "
-                         f"{'in place ' if r['in_place'] else ''}"
-                         f"{r.get('vs_numpy_mpi', r.get('error'))}"
-                         for r in rows if not r["ok"]]}
-
-
-# ---------------------------------------------------------------------------
-# torch CUDA round trip
-
-
-def _torch_bits(t: Any) -> np.ndarray:
-    """The host values of a torch tensor as a NumPy array of the same dtype
-    (bfloat16 through its int16 bits)."""
-    import ml_dtypes
-    import torch
-
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
-def torch_cuda_missing() -> dict[str, Any] | None:
-    """The "skipped" result when torch or its CUDA device is missing, else None."""
-    try:
-        import torch
-    except ImportError as exc:
-        return {"ok": True, "status": "skipped", "reason": f"torch is not installed ({exc})"}
-    if not torch.cuda.is_available():
-        return {"ok": True, "status": "skipped",
-                "reason": f"torch {torch.__version__} has no CUDA device (a CPU build?)"}
-    return None
-
-
-def check_torch(ctx: Context, n: int = 300_001, chunk: int = 65_536) -> dict[str, Any]:
-    if (missing := torch_cuda_missing()) is not None:
-        return missing
-    import torch
-
-    import geocomm
-
-    nccl, mpi = ctx.nccl(), ctx.mpi()
-    device = torch.device("cuda", ctx.cp.cuda.Device().id)
-    values = torch.from_numpy(gradient(np.random.default_rng([ctx.args.seed, 7]), (n,)))
-    busy = torch.randn(4096, 4096, device=device)
-    rows = []
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for in_place in (False, True):
-            row: dict[str, Any] = {"dtype": str(dtype), "in_place": in_place}
-            try:
-                host = values.to(dtype)
-                want = geocomm.allreduce(host.clone(), codec="fp8", op="avg", comm=mpi,
-                                         chunk_elems=chunk)
-                staged = host.to(device)
-                torch.cuda.synchronize(device)
-                # the input is written behind a long kernel on torch's current
-                # stream: geocomm must read it in that stream's order
-                for _ in range(4):
-                    busy = busy @ busy / 64.0  # entries keep variance ~1
-                x = staged.clone()
-                out = x if in_place else None
-                result = geocomm.allreduce(x, codec="fp8", op="avg", comm=nccl, out=out,
-                                           chunk_elems=chunk)
-                # a consumer on a side stream waits for the current stream only
-                side = torch.cuda.Stream(device)
-                side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):
-                    consumed = result * 1
-                side.synchronize()
-                row["kind"] = {"equal": isinstance(result, torch.Tensor)
-                               and result.dtype == dtype and result.device == device
-                               and result.shape == host.shape}
-                if in_place:
-                    row["same_storage"] = {"equal": result is x}
-                row["vs_cpu_mpi"] = value_diff(_torch_bits(consumed), _torch_bits(want))
-                row["ok"] = all_equal(row)
-            except Exception:
-                row.update(ok=False, error=traceback.format_exc())
-            rows.append(row)
-    return {"ok": all(r["ok"] for r in rows), "status": "ran", "rows": rows,
-            "failures": [f"{r['dtype']} {'in place' if r['in_place'] else 'new result'}: "
-                         f"{ {k: v for k, v in r.items() if k not in ('dtype', 'in_place')} }"
-                         for r in rows if not r["ok"]]}
-
-
-# ---------------------------------------------------------------------------
-# GeoFP8 over NCCL
-
-
-def check_geofp8(ctx: Context, shape: tuple[int, int] = (2048, 4096),
-                 steps: int = 6) -> dict[str, Any]:
-    """GeoFP8's kernels and collective on CuPy == on NumPy, bit for bit.
-
-    The geometry kernels (native/gc_geometry.cu vs native/geometry.c) on flat
-    ranges that start and end inside rows, with inf/NaN inputs; then the same
-    sequence of GeoFP8 all-reduces (state carried across steps by key, the
-    basis refreshed on the way) on CuPy over NCCL and on NumPy over MPI.
-    """
-    import geocomm
-    from geocomm.codecs.geo import kernels
-
-    cp, nccl, mpi = ctx.cp, ctx.nccl(), ctx.mpi()
-    rows: list[dict[str, Any]] = []
-    rng = np.random.default_rng(ctx.args.seed)
-    for m, n, k, lo, length in ((64, 4099, 12, 0, 64 * 4099), (33, 1000, 5, 517, 20_000),
-                                (9, 77, 1, 76, 78)):
-        x = rng.standard_normal(length).astype(np.float32)
-        x[length // 2] = np.nan
-        vt = kernels.orthonormalize(rng.standard_normal((k, n)).astype(np.float32), 1)
-        want_coef = kernels.project(x, lo, n, vt)
-        got_coef = kernels.project(cp.asarray(x), lo, n, cp.asarray(vt))
-        want_out = np.empty_like(x)
-        kernels.expand(x, lo, n, want_coef, vt, -1.0, want_out)
-        got_out = cp.empty(length, cp.float32)
-        kernels.expand(cp.asarray(x), lo, n, cp.asarray(want_coef), cp.asarray(vt), -1.0,
-                       got_out)
-        x[length // 2] = 0.25  # accumulation is defined on finite values
-        want_acc = np.zeros((k, n), np.float32)
-        kernels.accumulate(x, lo, n, want_coef, want_acc)
-        got_acc = cp.zeros((k, n), cp.float32)
-        kernels.accumulate(cp.asarray(x), lo, n, cp.asarray(want_coef), got_acc)
-        row = {"kernels": f"{m}x{n} k={k} range [{lo}, {lo + length})",
-               "project": value_diff(cp.asnumpy(got_coef), want_coef),
-               "expand": value_diff(cp.asnumpy(got_out), want_out),
-               "accumulate": value_diff(cp.asnumpy(got_acc), want_acc)}
-        row["ok"] = all_equal(row)
-        rows.append(row)
-    on_gpu, on_cpu = geocomm.get_codec("geofp8"), geocomm.get_codec("geofp8")
-    for step in range(steps):
-        g = gradient(np.random.default_rng([ctx.args.seed, nccl.rank, step]), shape)
-        want = geocomm.allreduce(g.copy(), codec=on_cpu, key="layer.w", comm=mpi)
-        got = geocomm.allreduce(cp.asarray(g), codec=on_gpu, key="layer.w", comm=nccl)
-        rows.append({"step": step, "vs_numpy_mpi": value_diff(cp.asnumpy(got), want),
-                     "state_equal": on_gpu.state_checksum() == on_cpu.state_checksum()})
-        rows[-1]["ok"] = all_equal(rows[-1]) and rows[-1]["state_equal"]
-    return {"ok": all(r["ok"] for r in rows), "status": "ran", "shape": list(shape),
-            "rows": rows, "failures": [str(r) for r in rows if not r["ok"]]}
-
-
-# ---------------------------------------------------------------------------
-# timing
-
-
-def median_seconds(ctx: Context, op: Callable[[], Any], repeats: int) -> float:
-    """Median wall time of op() between device synchronizations: what a caller that
-    waits for the result sees, host overhead included."""
-    for _ in range(2):
-        op()
-    ctx.sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        op()
-        ctx.sync()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
-#: Holds a stream for a number of clock cycles (gpu_seconds queues work behind it).
-SPIN_SOURCE = r"""
-extern "C" __global__ void gc_spin(long long cycles)
-{
-    long long start = clock64();
-    while (clock64() - start < cycles) {
-    }
-}
-"""
-
-
-def gpu_seconds(ctx: Context, op: Callable[[], Any], repeats: int) -> tuple[float, bool]:
-    """(device seconds per call of op(), whether the host was out of the way).
-
-    The calls are queued behind a kernel that holds the current stream for twice
-    as long as the host takes to queue them, and timed by events on that stream
-    around them: what the device spends on the work itself (kernels, transfers and
-    the gaps between them), not Python's launch overhead. The second value is False
-    if the hold ended before the host had queued every call (then host time leaked
-    in). Work that waits on the host inside a call could not be queued ahead, so
-    this also shows that a call does not.
-    """
-    cp = ctx.cp
-    op()
-    ctx.sync()
-    began = time.perf_counter()
-    for _ in range(repeats):
-        op()
-    enqueue = time.perf_counter() - began
-    ctx.sync()
-    try:
-        clock_hz = 1e3 * cp.cuda.Device().attributes["ClockRate"]  # kHz
-    except Exception:  # an attribute this CUDA no longer reports: assume 2 GHz
-        clock_hz = 2e9
-    spin = cp.RawKernel(SPIN_SOURCE, "gc_spin")
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    spin((1,), (1,), (np.int64((2 * enqueue + 0.02) * clock_hz),))
-    start.record()
-    for _ in range(repeats):
-        op()
-    gated = not start.done
-    end.record()
-    end.synchronize()
-    return cp.cuda.get_elapsed_time(start, end) / 1e3 / repeats, gated
-
-
-#: The must-show of issue #14: the fp8 all-reduce's codec throughput (device time)
-#: reaches this share of the device's copy bandwidth.
-MUST_SHOW_VS_COPY = 0.5
-
-
-def time_pipeline(ctx: Context, size_mib: int, repeats: int) -> list[dict[str, Any]]:
-    """Copy, plain NCCL all-reduce and the batched fp8 pipeline on ``size_mib`` of fp32.
-
-    GB/s is the algorithm bandwidth: tensor bytes / time (for the copy that is
-    half its read + write traffic). ``seconds``/``GBps``: wall time per call,
-    host included; ``gpu_seconds``/``gpu_GBps``: device time per call
-    (:func:`gpu_seconds`); ``vs_copy``: gpu_GBps over the copy's: on one rank the
-    pipeline moves nothing over a link, so this is its codec throughput against
-    the device's copy bandwidth. ``stages``: the pipeline stages the backend's
-    model chose (geocomm.backends).
-    """
-    import geocomm
-    from geocomm.pipeline import Pieces, stage_values
-
-    cp, nccl = ctx.cp, ctx.nccl()
-    n = size_mib * (1 << 20) // 4
-    x = cp.random.default_rng(1).standard_normal(n, dtype=cp.float32)
-    y = cp.empty_like(x)
-    chunk = stage_values(nccl.backend, n, nccl.size)
-    ops = {
-        "cupy copy": (lambda: cp.copyto(y, x), None),
-        "NCCL all-reduce (fp32)": (lambda: nccl.allreduce(x, y, "sum"), None),
-        "geocomm fp8 pipeline": (lambda: geocomm.allreduce(x, codec="fp8", out=y, comm=nccl),
-                                 Pieces.plan(n, nccl.size, chunk).stages),
-    }
-    rows = []
-    for name, (op, stages) in ops.items():
-        seconds = median_seconds(ctx, op, repeats)
-        device, gated = gpu_seconds(ctx, op, repeats)
-        rows.append({"size_MiB": size_mib, "op": name, "stages": stages, "seconds": seconds,
-                     "GBps": x.nbytes / seconds / 1e9, "gpu_seconds": device,
-                     "gpu_GBps": x.nbytes / device / 1e9, "host_out_of_the_way": gated})
-    copy = rows[0]["gpu_GBps"]
-    for row in rows:
-        row["vs_copy"] = row["gpu_GBps"] / copy
-    return rows
-
-
-def time_stage_cost(ctx: Context, size_mib: int = 64, stages: int = 8,
-                    repeats: int = 10) -> dict[str, Any]:
-    """The cost of one pipeline stage, as the backend model assumes it (``stage_s``):
-    the fp8 all-reduce's wall time in ``stages`` stages against one stage."""
-    import geocomm
-    from geocomm import backends
-
-    cp, nccl = ctx.cp, ctx.nccl()
-    n = size_mib * (1 << 20) // 4
-    x = cp.random.default_rng(3).standard_normal(n, dtype=cp.float32)
-    y = cp.empty_like(x)
-    times = [median_seconds(ctx, lambda c=c: geocomm.allreduce(
-        x, codec="fp8", out=y, comm=nccl, chunk_elems=c), repeats) for c in (n, -(-n // stages))]
-    profile = backends.profile(nccl.backend)
-    return {"size_MiB": size_mib, "stages": stages, "one_stage_s": times[0],
-            "many_stages_s": times[1], "stage_s": (times[1] - times[0]) / (stages - 1),
-            "model_stage_s": profile.stage_s if profile else None}
-
-
-def time_kernels(ctx: Context, size_mib: int, repeats: int) -> list[dict[str, Any]]:
-    """Encode, decode and decode+accumulate alone (CUDA events on one stream)."""
-    from geocomm import cuda
-
-    cp = ctx.cp
-    n = size_mib * (1 << 20) // 4
-    x = cp.random.default_rng(2).standard_normal(n, dtype=cp.float32)
-    out = cp.zeros(n, cp.float32)
-    rows = []
-    for fmt, block in (("e4m3", 128), ("e4m3", 0), ("e5m2", 128), ("nvfp4", 0), ("bf16", 0)):
-        wire = cp.empty(cuda.wire_size(fmt, n, block), cp.uint8)
-        ops = {"encode": functools.partial(cuda.encode, fmt, x, block, wire),
-               "decode": functools.partial(cuda.decode, fmt, wire, block, out),
-               "accumulate": functools.partial(cuda.decode, fmt, wire, block, out,
-                                               accumulate=True)}
-        for name, op in ops.items():
-            for _ in range(3):
-                op()
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            start.record()
-            for _ in range(repeats):
-                op()
-            end.record()
-            end.synchronize()
-            seconds = cp.cuda.get_elapsed_time(start, end) / 1e3 / repeats
-            rows.append({"fmt": fmt, "block": block, "op": name, "seconds": seconds,
-                         "fp32_GBps": x.nbytes / seconds / 1e9})
-    return rows
-
-
-def check_timing(ctx: Context, sizes_mib: tuple[int, ...] = (64, 256),
-                 repeats: int = 10) -> dict[str, Any]:
-    """Timings, and the issue's must-show: the fp8 pipeline's codec throughput reaches
-    MUST_SHOW_VS_COPY of the copy bandwidth at every size (a failure otherwise)."""
-    pipeline = [row for size in sizes_mib for row in time_pipeline(ctx, size, repeats)]
-    kernels = time_kernels(ctx, max(sizes_mib), 2 * repeats)
-    stage = time_stage_cost(ctx, min(sizes_mib), repeats=repeats)
-    failures = [f"fp8 pipeline at {r['size_MiB']} MiB: codec throughput {r['vs_copy']:.2f} of "
-                f"the copy bandwidth (must be >= {MUST_SHOW_VS_COPY})"
-                for r in pipeline if r["op"] == "geocomm fp8 pipeline"
-                and r["vs_copy"] < MUST_SHOW_VS_COPY]
-    return {"ok": not failures, "pipeline": pipeline, "kernels": kernels, "stage_cost": stage,
-            "failures": failures}
-
-
-# ---------------------------------------------------------------------------
-# the DDP hook on CUDA gradients
-
-
-def check_ddp(ctx: Context, steps: int = 3) -> dict[str, Any]:
-    """geocomm_hook in a 1-rank DDP over a NCCL process group: see :func:`ddp_rows`."""
-    if (missing := torch_cuda_missing()) is not None:
-        return missing
-    import torch
-    import torch.distributed as dist
-
-    device = torch.device("cuda", ctx.cp.cuda.Device().id)
-    torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    rows = ddp_rows(device, ctx.mpi(), ctx.args.seed, steps)
-    return {"ok": all(r["ok"] for r in rows), "status": "ran", "rows": rows,
-            "failures": [f"{r['dtype']}: { {k: v for k, v in r.items() if k != 'dtype'} }"
-                         for r in rows if not r["ok"]]}
-
-
-def ddp_rows(device: Any, mpi: Any, seed: int, steps: int) -> list[dict[str, Any]]:
-    """For fp32, fp16 and bf16 models on ``device`` (torch.distributed initialised
-    with one rank): each bucket, copied as DDP hands it over (on the gradients'
-    stream, behind a long kernel), is reduced by the hook's worker on its own
-    stream; the gradients DDP writes back must equal geocomm.allreduce of the copy
-    on the CPU over ``mpi``, bit for bit, with one collective per bucket."""
-    import torch
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import geocomm
-    import geocomm.adapters.torch as gt
-
-    rows = []
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        row: dict[str, Any] = {"dtype": str(dtype)}
-        state = None
-        try:
-            torch.manual_seed(seed % 2**31)
-            net = torch.nn.Sequential(
-                torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024),
-                torch.nn.GELU(), torch.nn.Linear(1024, 16)).to(device, dtype)
-            model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None,
-                        bucket_cap_mb=1)
-            state = gt.GeocommHookState(net, codec="fp8")
-            seen: list[tuple[Any, list[Any], int]] = []
-
-            def hook(state, bucket, seen=seen):  # no annotation: DDP checks it
-                seen.append((bucket.buffer().clone(), bucket.parameters(), bucket.index()))
-                return gt.geocomm_hook(state, bucket)
-
-            model.register_comm_hook(state, hook)
-            busy = torch.randn(1024, 1024, device=device)
-            diffs, buckets = [], 0
-            for _ in range(steps):
-                seen.clear()
-                for _ in range(4):  # the gradients come behind a long kernel
-                    busy = busy @ busy / 32.0  # entries keep variance ~1
-                x = torch.randn(256, 512, device=device, dtype=dtype)
-                model(x).float().pow(2).mean().backward()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                for buffer, params, _ in seen:
-                    want = geocomm.allreduce(buffer.cpu(), codec="fp8", op="avg", comm=mpi,
-                                             chunk_elems=state.reducer.chunk_elems)
-                    got = torch.cat([p.grad.reshape(-1) for p in params])
-                    diffs.append(value_diff(_torch_bits(got), _torch_bits(want)))
-                buckets += len(seen)
-                model.zero_grad()
-            row["buckets"] = buckets
-            row["vs_cpu_mpi"] = next((d for d in diffs if not d["equal"]), diffs[0])
-            row["one_collective_per_bucket"] = {"equal": all(
-                b.collectives == 1 for step in state.telemetry.history for b in step.buckets)}
-            row["ok"] = all_equal(row)
-        except Exception:
-            row.update(ok=False, error=traceback.format_exc())
+            return fn() if self.is_root else None
         finally:
-            if state is not None:
-                state.close()
-        rows.append(row)
-    return rows
+            self.quiet_barrier()
+
+    def root_only(self) -> dict[str, Any]:
+        """The result of a rank-0-only section on the other ranks."""
+        return {"ok": True, "status": "ran", "note": "single-process: ran on rank 0",
+                "failures": []}
+
+    def decide(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank."""
+        return self.world.bcast(value, root=0) if self.size > 1 else value
+
+    def combine(self, result: dict[str, Any]) -> dict[str, Any]:
+        """This rank's section result, with ok, seconds and failures of every rank
+        (the same on all ranks)."""
+        if self.size == 1:
+            return result
+        self.quiet_barrier()
+        mine = {"ok": bool(result["ok"]), "status": result["status"],
+                "seconds": result["seconds"], "failures": list(result.get("failures", []))[:50]}
+        ranks = self.world.allgather(mine)
+        merged = dict(result)
+        merged["ok"] = all(r["ok"] for r in ranks)
+        merged["seconds"] = max(r["seconds"] for r in ranks)
+        merged["per_rank"] = [{"rank": r, "ok": s["ok"], "status": s["status"],
+                               "seconds": s["seconds"], "failures": len(s["failures"])}
+                              for r, s in enumerate(ranks)]
+        merged["failures"] = [f"rank {r}: {f}" for r, s in enumerate(ranks)
+                              for f in s["failures"]]
+        return merged
 
 
 # ---------------------------------------------------------------------------
@@ -1080,26 +252,33 @@ SECTIONS: dict[str, Callable[[Context], dict[str, Any]]] = {
 
 
 def run_sections(ctx: Context, names: list[str], budget_s: float) -> dict[str, dict[str, Any]]:
-    """Run each section on its own: an exception fails that section only."""
+    """Run each section on its own: an exception fails that section only. Every
+    rank runs the same sections (rank 0 applies the budget for all)."""
     results: dict[str, dict[str, Any]] = {}
     start = time.monotonic()
     for name in names:
-        if time.monotonic() - start > budget_s:
+        if ctx.decide(time.monotonic() - start > budget_s):
             results[name] = {"ok": False, "status": "skipped",
                              "reason": f"time budget of {budget_s:.0f} s used up", "failures": [
                                  "not run: time budget used up"]}
             continue
         began = time.monotonic()
-        try:
-            result = SECTIONS[name](ctx)
-        except Exception:
-            result = {"ok": False, "status": "failed", "error": traceback.format_exc(),
-                      "failures": [traceback.format_exc(limit=3).strip()]}
+        if ctx.twin and name in NEEDS_GPU:
+            result = {"ok": True, "status": "skipped", "reason": TWIN_SKIP_REASON,
+                      "failures": []}
+        else:
+            try:
+                result = SECTIONS[name](ctx)
+            except Exception:
+                result = {"ok": False, "status": "failed", "error": traceback.format_exc(),
+                          "failures": [traceback.format_exc(limit=3).strip()]}
         result.setdefault("status", "ran")
         result["seconds"] = time.monotonic() - began
+        result = ctx.combine(result)
         results[name] = result
-        print(f"gpu_check: {name}: {summary_word(result)} ({result['seconds']:.1f} s)",
-              flush=True)
+        if ctx.is_root:
+            print(f"gpu_check: {name}: {summary_word(result)} ({result['seconds']:.1f} s)",
+                  flush=True)
     return results
 
 
@@ -1109,9 +288,14 @@ def summary_word(result: dict[str, Any]) -> str:
     return "PASS" if result["ok"] else "FAIL"
 
 
-def environment(cp: Any) -> dict[str, Any]:
+def environment(cp: Any, ctx: Context | None = None) -> dict[str, Any]:
     info: dict[str, Any] = {"python": platform.python_version(), "numpy": np.__version__,
-                            "cupy": getattr(cp, "__version__", "?")}
+                            "cupy": getattr(cp, "__version__", "?"),
+                            "ranks": ctx.size if ctx is not None else 1}
+    if getattr(cp, "TWIN", False):
+        info.update(device=f"CuPy twin ({TWIN_PATH}: host memory, kernels compiled for the "
+                    "CPU)", twin=True, profile="twin")
+        return info
     try:
         props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
         name = props["name"]
@@ -1126,7 +310,8 @@ def environment(cp: Any) -> dict[str, Any]:
 
 def markdown(report: dict[str, Any]) -> str:
     sections = report["sections"]
-    lines = [f"# GPU check ({report['environment'].get('device', '?')})", "",
+    env = report["environment"]
+    lines = [f"# GPU check ({env.get('device', '?')}; {env.get('ranks', 1)} rank(s))", "",
              f"Result: **{'PASS' if report['ok'] else 'FAIL'}** in {report['seconds']:.0f} s", "",
              "| section | result | seconds |", "| --- | --- | --- |"]
     lines += [f"| {name} | {summary_word(r)} | {r.get('seconds', 0):.1f} |"
@@ -1203,11 +388,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="run only these sections")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="start no section after this many seconds (default 420)")
+    p.add_argument("--twin", action="store_true",
+                   help="run on the CPU twin of CuPy (tests/twin): no GPU, smaller sizes, "
+                        "timing/torch/ddp skipped")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.twin:
+        use_twin()
     from geocomm import cuda, native
 
     if not cuda.available:
@@ -1219,11 +409,15 @@ def main(argv: list[str] | None = None) -> int:
         fail_exit("the native C core (geocomm._native) is not built; pip install . first", 2)
     import cupy as cp
 
+    if args.twin and not getattr(cp, "TWIN", False):
+        fail_exit(f"--twin: cupy is {cp.__file__}, not the twin in {TWIN_PATH}", 2)
+    from mpi4py import MPI
+
     t0 = time.monotonic()
-    ctx = Context(cp, args)
+    ctx = Context(cp, args, MPI.COMM_WORLD)
     report: dict[str, Any] = {"args": {k: str(v) if isinstance(v, Path) else v
                                        for k, v in vars(args).items()},
-                              "environment": environment(cp)}
+                              "environment": environment(cp, ctx)}
     try:
         report["sections"] = run_sections(ctx, args.only, args.budget_s)
     finally:
@@ -1231,18 +425,21 @@ def main(argv: list[str] | None = None) -> int:
             ctx.close()
         except Exception as exc:
             print(f"gpu_check: closing the NCCL communicator failed: {exc!r}", file=sys.stderr)
-    report["ok"] = all(r["ok"] for r in report["sections"].values())
+    ok = all(r["ok"] for r in report["sections"].values())
+    if ctx.size > 1:  # one exit status on every rank
+        ok = bool(ctx.world.allreduce(int(ok), op=MPI.MIN))
+    report["ok"] = ok
     report["seconds"] = time.monotonic() - t0
-    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
-    out = args.out if not rank else args.out.with_name(f"{args.out.stem}.rank{rank}.json")
-    write_report(report, out)
-    print(markdown(report))
-    for name, result in report["sections"].items():
-        for failure in result.get("failures", []) if not result["ok"] else []:
-            print(f"FAIL {name}: {failure}", file=sys.stderr)
-    print(f"gpu_check: {'PASS' if report['ok'] else 'FAIL'} in {report['seconds']:.1f} s; "
-          f"wrote {out} and {out.with_suffix('.md')}")
-    return 0 if report["ok"] else 1
+    if ctx.is_root:
+        write_report(report, args.out)
+        print(markdown(report))
+        for name, result in report["sections"].items():
+            for failure in result.get("failures", []) if not result["ok"] else []:
+                print(f"FAIL {name}: {failure}", file=sys.stderr)
+        print(f"gpu_check: {'PASS' if ok else 'FAIL'} in {report['seconds']:.1f} s on "
+              f"{ctx.size} rank(s); wrote {args.out} and {args.out.with_suffix('.md')}",
+              flush=True)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
