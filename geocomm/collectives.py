@@ -1,14 +1,15 @@
 """Compressed all-reduce, reduce-scatter and all-gather (docs/design.md, "The collective").
 
 This is the only module that holds a codec and a communicator at once. The
-staged algorithm itself lives in :mod:`geocomm.pipeline`; here are the
-public functions, argument checks, the cross-rank consistency check, and the
-protocol with transforming codecs (GeoFP8):
+staged algorithm itself lives in :mod:`geocomm.engine`; here are the public
+functions, argument checks, the cross-rank consistency check, the choice of
+the host or the device pipeline (:func:`run_pipeline`), and the protocol with
+transforming codecs (GeoFP8), which :mod:`geocomm.engine.transforming` runs:
 
 1. ``plan = codec.plan(x, shape, key, bounds)`` for every tensor (``parts``)
    of the buffer; ``plan.begin`` computes this rank's side contribution;
    the contributions of all tensors travel in one exact sum
-   (:func:`~geocomm.pipeline.exact_sum`);
+   (:func:`~geocomm.engine.exact.exact_sum`);
 2. the pipeline reduces the buffer, mapping each piece just before it is
    encoded and mapping it back as soon as its sum is final (both overlap the
    communication of other pieces); the sum runs in place in the result;
@@ -31,17 +32,17 @@ instead of hanging or producing garbage. ``check=False`` (or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from geocomm._transforming import PartsMap, plan_parts, refresh, side_sums
 from geocomm.codecs import (
     Codec,
     ErrorFeedbackCodec,
@@ -49,19 +50,23 @@ from geocomm.codecs import (
     TransformingCodec,
     get_codec,
 )
-from geocomm.codecs.base import DTYPE_CODES
+from geocomm.codecs.frames import DTYPE_CODES
 from geocomm.comm.base import Communicator, wait_ordered
-from geocomm.pipeline import (
+from geocomm.engine import device
+from geocomm.engine.exact import divide
+from geocomm.engine.host import Pipeline
+from geocomm.engine.layout import (
     DEFAULT_CHUNK_ELEMS,
     PIECE_ALIGN,
     Pieces,
-    _segments,
     array_module,
     mix64,
-    run_pipeline,
+    segments,
     shard_bounds,
     stage_values,
 )
+from geocomm.engine.protocols import RangeMap
+from geocomm.engine.transforming import PartsMap, plan_parts, refresh, side_sums
 
 OPS = ("sum", "avg")
 
@@ -74,7 +79,9 @@ __all__ = [
     "get_comm",
     "init",
     "reduce_scatter",
+    "reset_call_counts",
     "resolve_codec",
+    "saved_call_counts",
     "shard_bounds",
 ]
 
@@ -242,6 +249,24 @@ def check_consistent(comm: Communicator, kind: str, count: int, dtype: np.dtype,
 _calls: dict[str, int] = {}
 
 
+def reset_call_counts() -> None:
+    """Forget the calls counted per codec and keys: the next one draws a first call's
+    stochastic-rounding stream (every rank must reset alike)."""
+    _calls.clear()
+
+
+@contextlib.contextmanager
+def saved_call_counts() -> Iterator[None]:
+    """Put the call counts back after the body: a call repeated after it draws the same
+    stochastic-rounding streams (two routes of one call in one process)."""
+    saved = dict(_calls)
+    try:
+        yield
+    finally:
+        _calls.clear()
+        _calls.update(saved)
+
+
 def _stateful_parts(codec: Codec, kind: str, parts: list[Part], count: int, xp: Any
                     ) -> tuple[TransformingCodec | None, Any]:
     """(the codec that maps the tensors or None, the error-feedback residual of this
@@ -303,7 +328,7 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
     (GeoFP8); ``parts`` instead names several: a sequence of (key, shape)
     that tiles the flat buffer in order (a DDP bucket), each mapped on its
     own in one pipeline. ``chunk_elems``: values per pipeline stage (default: the
-    backend's, :func:`geocomm.pipeline.stage_values`; the bits do not depend on it).
+    backend's, :func:`geocomm.engine.layout.stage_values`; the bits do not depend on it).
     Results are bitwise identical on every rank.
     """
     x, codec, comm = _prepare(x, op, codec, comm)
@@ -321,27 +346,15 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
         comm.allreduce(work.reshape(-1), total.reshape(-1), "sum")
     else:
         values = _as_float32(x)
-        bounds = shard_bounds(x.size, comm.size)
         # the pipeline only writes ranges it has already encoded, so it may run in place
         total = _direct_result(out, np.float32, values, same_ok=True)
         if total is None:
             total = xp.empty(x.size, np.float32)
-        transform, residual = _stateful_parts(codec, "allreduce", tensors, x.size, xp)
-        planned = plan_parts(transform, values, tensors, bounds)
-        pieces = Pieces.plan(x.size, comm.size, chunk_elems or _stage_values(comm, codec, x.size))
-        stream = _rounding_stream(codec, tensors)
-        if not planned and residual is None:
-            run_pipeline(comm, codec, pieces, values, total, 0, gather=True, stream=stream)
-        else:  # map piece by piece into the result, reduce there in place, map back
-            sums = side_sums(comm, planned)
-            parts_map = PartsMap(values, total, total, 0, tensors, planned, sums, residual, codec)
-            run_pipeline(comm, codec, pieces, total, total, 0, gather=True, mapper=parts_map,
-                         stream=stream)
-            parts_map.finish(0, x.size)
-            lo, hi = int(bounds[comm.rank]), int(bounds[comm.rank + 1])
-            refresh(comm, transform, planned, sums, total[lo:hi], lo, hi)
+        # maps piece by piece into the result and reduces there in place
+        _compressed(comm, codec, "allreduce", values, tensors, total, 0, chunk_elems,
+                    mapped=total)
     if op == "avg":
-        _divide(total, comm.size)
+        divide(total, comm.size)
     result = total.reshape(x.shape)
     if out is None:
         return result.astype(x.dtype, copy=False)
@@ -350,21 +363,54 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
     return out
 
 
+def run_pipeline(comm: Communicator, codec: Codec, pieces: Pieces, source: Any, result: Any,
+                 result_offset: int, gather: bool, mapper: RangeMap | None = None,
+                 stream: int = 0) -> None:
+    """Run one call's pipeline (arguments as :class:`~geocomm.engine.host.Pipeline`'s): the
+    batched :class:`~geocomm.engine.device.BatchedPipeline` where
+    :func:`~geocomm.engine.device.batched_format` allows (work left queued on the current
+    stream), else the host-driven one. Both give the same bits."""
+    fmt = device.batched_format(comm, codec, source)
+    if fmt is not None:
+        device.BatchedPipeline(comm, fmt, pieces, source, result, result_offset, gather,
+                               mapper, stream).run()
+    else:
+        Pipeline(comm, codec, pieces, source, result, result_offset, gather, mapper,
+                 stream).run()
+
+
+def _compressed(comm: Communicator, codec: Codec, kind: str, values: Any,
+                tensors: list[Part], result: Any, offset: int, chunk_elems: int | None,
+                mapped: Any) -> None:
+    """Reduce flat float32 ``values`` through a lossy ``codec`` into ``result`` (index
+    ``offset`` on: the buffer, or this rank's shard for a reduce-scatter), with the
+    transforming and error-feedback protocols; ``mapped``: where the map writes what it
+    sends (the result: reduce in place; None: a scratch per piece)."""
+    count = values.size
+    bounds = shard_bounds(count, comm.size)
+    pieces = Pieces.plan(count, comm.size, chunk_elems or _stage_values(comm, codec, count))
+    transform, residual = _stateful_parts(codec, kind, tensors, count, array_module(values))
+    planned = plan_parts(transform, values, tensors, bounds)
+    stream = _rounding_stream(codec, tensors)
+    gather = kind == "allreduce"
+    if not planned and residual is None:
+        run_pipeline(comm, codec, pieces, values, result, offset, gather, stream=stream)
+        return
+    sums = side_sums(comm, planned)
+    parts_map = PartsMap(values, mapped, result, offset, tensors, planned, sums, residual,
+                         codec)
+    source = values if mapped is None else mapped
+    run_pipeline(comm, codec, pieces, source, result, offset, gather, mapper=parts_map,
+                 stream=stream)
+    parts_map.finish(offset, offset + result.size)
+    lo, hi = int(bounds[comm.rank]), int(bounds[comm.rank + 1])
+    refresh(comm, transform, planned, sums, result[lo - offset: hi - offset], lo, hi)
+
+
 def _stage_values(comm: Communicator, codec: Codec, count: int) -> int:
     """The backend's stage size for ``count`` values (docs/design.md, "The collective")."""
     return stage_values(comm.backend, count, comm.size, codec.wire_size(PIECE_ALIGN) /
                         (4 * PIECE_ALIGN))
-
-
-def _divide(values: Any, size: int) -> None:
-    """values /= size in place, one IEEE division per value on every device (CuPy's
-    own elementwise kernels flush subnormals to zero, so CuPy arrays get ours)."""
-    if array_module(values) is np:
-        values /= values.dtype.type(size)
-    else:
-        from geocomm import cuda
-
-        cuda.divide(values, size)
 
 
 def _direct_result(out: Any, dtype: Any, source: Any, same_ok: bool) -> Any:
@@ -413,24 +459,12 @@ def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", *, key: Any = Non
         comm.allreduce(work.reshape(-1), total.reshape(-1), "sum")
         shard = total.reshape(-1)[lo:hi].copy()
     else:
-        values = _as_float32(x)
         shard = xp.empty(hi - lo, np.float32)
-        pieces = Pieces.plan(x.size, comm.size, chunk_elems or _stage_values(comm, codec, x.size))
-        transform, residual = _stateful_parts(codec, "reduce_scatter", tensors, x.size, xp)
-        planned = plan_parts(transform, values, tensors, bounds)
-        stream = _rounding_stream(codec, tensors)
-        if not planned and residual is None:
-            run_pipeline(comm, codec, pieces, values, shard, lo, gather=False, stream=stream)
-        else:
-            sums = side_sums(comm, planned)
-            # pieces are mapped into a scratch as they go: no full-size buffer
-            parts_map = PartsMap(values, None, shard, lo, tensors, planned, sums, residual, codec)
-            run_pipeline(comm, codec, pieces, values, shard, lo, gather=False, mapper=parts_map,
-                         stream=stream)
-            parts_map.finish(lo, hi)
-            refresh(comm, transform, planned, sums, shard, lo, hi)
+        # pieces are mapped into a scratch as they go: no full-size buffer
+        _compressed(comm, codec, "reduce_scatter", _as_float32(x), tensors, shard, lo,
+                    chunk_elems, mapped=None)
     if op == "avg":
-        _divide(shard, comm.size)
+        divide(shard, comm.size)
     return shard.astype(x.dtype, copy=False)
 
 
@@ -450,14 +484,14 @@ def allgather(x: Any, codec: Any = None, *, comm: Communicator | None = None,
     if x.dtype == np.float64:  # lossless codec only (checked in _prepare)
         send = xp.ascontiguousarray(x, np.float64).reshape(-1).view(np.uint8)
         recv = xp.empty(comm.size * send.size, np.uint8)
-        counts, displs = _segments([send.size] * comm.size)
+        counts, displs = segments([send.size] * comm.size)
         wait_ordered(comm.allgatherv(send, recv, counts, displs), "an all-gather", comm.rank)
         return recv.view(np.float64).reshape((comm.size, *x.shape))
     seg = codec.wire_size(x.size)
     send = xp.empty(seg, np.uint8)
     codec.encode_wire(_as_float32(x), send)
     recv = xp.empty(comm.size * seg, np.uint8)
-    counts, displs = _segments([seg] * comm.size)
+    counts, displs = segments([seg] * comm.size)
     wait_ordered(comm.allgatherv(send, recv, counts, displs), "an all-gather", comm.rank)
     values = xp.empty((comm.size, x.size), np.float32)
     for j in range(comm.size):

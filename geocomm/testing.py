@@ -41,14 +41,10 @@ import numpy as np
 from array_api_compat import array_namespace
 
 from geocomm.codecs import Codec, TransformingCodec, get_codec
-from geocomm.pipeline import (
-    DEFAULT_CHUNK_ELEMS,
-    SMALL_SUM_VALUES,
-    Pieces,
-    Pipeline,
-    schedule,
-    shard_bounds,
-)
+from geocomm.comm.metered import MeteredComm
+from geocomm.engine.exact import SMALL_SUM_VALUES
+from geocomm.engine.host import Pipeline
+from geocomm.engine.layout import DEFAULT_CHUNK_ELEMS, Pieces, schedule, shard_bounds
 
 __all__ = ["LoopbackComm", "MeteredComm", "Yardstick", "breakdown", "busy_loops",
            "emulated_link", "launch_command", "loopback", "parse_size", "ring_bytes",
@@ -82,7 +78,7 @@ def run_refresh_locally(codec: TransformingCodec, plan: Any, values: Any, side_s
 
 
 def _ordered_sum(values: Sequence[Any]) -> Any:
-    """The collectives' exact sum (:func:`geocomm.pipeline.exact_sum`): small ones add
+    """The collectives' exact sum (:func:`geocomm.engine.exact.exact_sum`): small ones add
     every rank's values in rank order; larger ones, per shard, the owner's values
     first, then the others in rank order."""
     xp = array_namespace(*values)
@@ -209,46 +205,6 @@ def simulate_reduce_scatter(codecs: Sequence[Codec], xs: Sequence[Any], key: Any
             plan.inverse(shard, lo, side_sum)
     _refresh(codecs, plans, shards, los, side_sum)
     return shards
-
-
-class MeteredComm:
-    """A communicator that forwards every call to ``comm`` and counts what it sends.
-
-    ``sent``: bytes this rank passed to all-to-alls and all-gathers (its own
-    segments only, as a network would see them), ``calls``: number of
-    collective calls; :meth:`reset` zeroes both.
-    """
-
-    def __init__(self, comm: Any):
-        self.comm = comm
-        self.rank, self.size, self.backend = comm.rank, comm.size, comm.backend
-        self.sent = 0
-        self.calls = 0
-
-    def reset(self) -> None:
-        self.sent = self.calls = 0
-
-    def alltoallv(self, send, send_counts, send_displs, recv, recv_counts, recv_displs):
-        self.calls += 1
-        self.sent += int(np.sum(send_counts)) - int(send_counts[self.rank])
-        return self.comm.alltoallv(send, send_counts, send_displs, recv, recv_counts,
-                                   recv_displs)
-
-    def allgatherv(self, send, recv, counts, displs):
-        self.calls += 1
-        self.sent += int(counts[self.rank]) * (self.size - 1)
-        return self.comm.allgatherv(send, recv, counts, displs)
-
-    def allreduce(self, send, recv, op):
-        self.calls += 1
-        self.sent += 2 * send.nbytes * (self.size - 1) // max(self.size, 1)
-        return self.comm.allreduce(send, recv, op)
-
-    def allgather_int64(self, values):
-        return self.comm.allgather_int64(values)
-
-    def barrier(self):
-        return self.comm.barrier()
 
 
 # ---------------------------------------------------------------------------

@@ -56,7 +56,7 @@ bytes       GPU encode == C core encode (== NumPy reference for small inputs)
             patterns (NaN/inf), subnormal and all-zero blocks, odd sizes from 0
             up, a big input, a wire at an odd offset, an explicit stream.
             Then the batched pipeline kernels (native/gc_pipeline.cu) == their
-            contract run by the C core (gpu_pipeline.HostKernels) for every
+            contract run by the C core (geocomm.engine.device.HostKernels) for every
             format and walk, both roundings: one launch over seven pieces at
             odd offsets (one empty), the multi-piece decode, and the owner's
             sum of its piece and three received bodies, encoded and as fp32.

@@ -102,7 +102,7 @@ def batched_configs() -> list[tuple[str, Any]]:
 def batched_pieces(fmt: Any, counts: tuple[int, ...]) -> tuple[list[Any], int, int]:
     """Pieces at odd value and byte offsets with a large rounding index; (pieces,
     values needed, wire bytes needed)."""
-    from geocomm.gpu_pipeline import Piece
+    from geocomm.engine.device_plan import Piece
 
     pieces, at, byte = [], 3, 1
     for n in counts:
@@ -118,12 +118,13 @@ def check_batched(cp: Any, name: str, config: Any, x: np.ndarray, others: list[n
     the owner's encode of its piece plus the bodies of ``others`` (the fused sum;
     compared decoded) and the same sum as fp32 (NaN payloads exempt throughout)."""
     import geocomm
-    from geocomm import gpu_pipeline as gp
+    from geocomm.engine import device as gp
+    from geocomm.engine import device_plan as gpl
 
-    fmt = gp.wire_format(geocomm.get_codec(config))
+    fmt = gpl.wire_format(geocomm.get_codec(config))
     host, device = gp.HostKernels(), gp.CudaKernels()
     pieces, nvalues, nbytes = batched_pieces(fmt, BATCHED_COUNTS)
-    rows, amax = gp.segment_rows(fmt, pieces)
+    rows, amax = gpl.segment_rows(fmt, pieces)
     on_host, on_device = gp.Segments(rows, rows), gp.Segments(rows, cp.asarray(rows))
     values = np.resize(x, nvalues)
     row: dict[str, Any] = {"codec": name, "pieces": len(pieces)}
@@ -150,7 +151,7 @@ def check_batched(cp: Any, name: str, config: Any, x: np.ndarray, others: list[n
 
     # the owner: its piece plus the others' bodies of the same piece, in order
     n = 3 * 4096 + 5
-    own_rows, own_amax = gp.segment_rows(fmt, [gp.Piece(0, n, 0, 12_345)])
+    own_rows, own_amax = gpl.segment_rows(fmt, [gpl.Piece(0, n, 0, 12_345)])
     own_host, own_device = gp.Segments(own_rows, own_rows), gp.Segments(own_rows,
                                                                          cp.asarray(own_rows))
     stride = fmt.wire_size(n)

@@ -143,12 +143,12 @@ def run_collective(kind: str, x: Any, codec: Any, comm: Any, chunk: int,
                    in_place: bool) -> Any:
     """One geocomm collective through the public API (adapters included), as the
     first call with its codec and key: stochastic rounding numbers the calls with
-    a codec and key in the process (geocomm.collectives._calls, private: the one
-    way to give the MPI call and the NCCL call of one process the same number)."""
+    a codec and key in the process; :func:`geocomm.collectives.reset_call_counts` gives
+    the MPI call and the NCCL call of one process the same number)."""
     import geocomm
     from geocomm import collectives
 
-    collectives._calls.clear()
+    collectives.reset_call_counts()
     fn = {"allreduce": geocomm.allreduce, "reduce_scatter": geocomm.reduce_scatter,
           "allgather": geocomm.allgather}[kind]
     kwargs: dict[str, Any] = {"codec": codec, "comm": comm}
@@ -176,13 +176,15 @@ def lockstep(cp: Any, codec: Any, xs: list[np.ndarray], chunk: int, gather: bool
     """(batched on the device, host-driven on the CPU) results of every rank of one call
     on len(xs) ranks of this process (geocomm.testing.loopback): the batched kernels
     with N - 1 incoming pieces and multi-piece tables, which one NCCL rank never has."""
-    from geocomm import gpu_pipeline
-    from geocomm.pipeline import Pieces, Pipeline
+    from geocomm.engine import device as gpu_pipeline
+    from geocomm.engine import device_plan
+    from geocomm.engine.host import Pipeline
+    from geocomm.engine.layout import Pieces
     from geocomm.testing import loopback, run_lockstep
 
     size, count = len(xs), xs[0].size
     pieces = Pieces.plan(count, size, chunk)
-    fmt = gpu_pipeline.wire_format(codec)
+    fmt = device_plan.wire_format(codec)
     results = []
     for xp in (cp, np):
         pipes, outs = [], []

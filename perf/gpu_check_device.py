@@ -175,10 +175,10 @@ def time_pipeline(ctx: Any, size_mib: int, repeats: int) -> list[dict[str, Any]]
     (:func:`gpu_seconds`); ``vs_copy``: gpu_GBps over the copy's: on one rank the
     pipeline moves nothing over a link, so this is its codec throughput against
     the device's copy bandwidth. ``stages``: the pipeline stages the backend's
-    model chose (geocomm.backends).
+    model chose (geocomm.engine.costs).
     """
     import geocomm
-    from geocomm.pipeline import Pieces, stage_values
+    from geocomm.engine.layout import Pieces, stage_values
 
     cp, nccl = ctx.cp, ctx.nccl()
     n = size_mib * (1 << 20) // 4
@@ -209,7 +209,7 @@ def time_stage_cost(ctx: Any, size_mib: int = 64, stages: int = 8,
     """The cost of one pipeline stage, as the backend model assumes it (``stage_s``):
     the fp8 all-reduce's wall time in ``stages`` stages against one stage."""
     import geocomm
-    from geocomm import backends
+    from geocomm.engine import costs as backends
 
     cp, nccl = ctx.cp, ctx.nccl()
     n = size_mib * (1 << 20) // 4

@@ -10,7 +10,7 @@ from _driver import Collective, main
 
 import geocomm
 from geocomm.codecs import bounds
-from geocomm.pipeline import shard_bounds
+from geocomm.engine.layout import shard_bounds
 
 
 def _span(count, rank, size):

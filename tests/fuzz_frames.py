@@ -14,10 +14,12 @@ import sys
 import atheris
 
 with atheris.instrument_imports():
+    import zlib
+
     import numpy as np
 
     import geocomm
-    from geocomm.codecs import base
+    from geocomm.codecs import frames
 
 
 def seeds() -> list[bytes]:
@@ -43,9 +45,9 @@ def main() -> None:
         rng = np.random.default_rng(seed)
         frame = bytearray(corpus[seed % len(corpus)] if seed % 2 else data)
         mutated = bytearray(atheris.Mutate(bytes(frame), max_size))
-        if rng.random() < 0.5 and len(mutated) > base._CRC.size:
-            body = bytes(mutated[: -base._CRC.size])
-            mutated[-base._CRC.size:] = base._CRC.pack(base.zlib.crc32(body))
+        if rng.random() < 0.5 and len(mutated) > frames.CRC.size:
+            body = bytes(mutated[: -frames.CRC.size])
+            mutated[-frames.CRC.size:] = frames.CRC.pack(zlib.crc32(body))
         return bytes(mutated)
 
     atheris.Setup(sys.argv, test_one_input, custom_mutator=mutate)

@@ -1,4 +1,4 @@
-"""The cost model behind the stage size and auto's crossover (geocomm.backends).
+"""The cost model behind the stage size and auto's crossover (geocomm.engine.costs).
 
 Host backends keep their measured numbers (so the NumPy/MPI path is unchanged);
 the NCCL profile's numbers follow from the model, checked here on its own
@@ -14,9 +14,9 @@ import math
 import pytest
 
 import geocomm
-from geocomm import backends
 from geocomm.codecs.auto import AutoCodec
-from geocomm.pipeline import DEFAULT_CHUNK_ELEMS, Pieces, stage_values
+from geocomm.engine import costs as backends
+from geocomm.engine.layout import DEFAULT_CHUNK_ELEMS, Pieces, stage_values
 
 NCCL = backends.DEVICE["nccl"]
 MIB = 1 << 20

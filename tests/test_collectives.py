@@ -111,7 +111,7 @@ def test_scratch_pool_reuses_and_isolates_threads():
     buffer held by one thread is never handed to another."""
     import threading
 
-    from geocomm.pipeline import _ScratchPool
+    from geocomm.engine.host import _ScratchPool
 
     pool = _ScratchPool()
     a = pool.take(np, 1000)

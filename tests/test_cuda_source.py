@@ -2,7 +2,7 @@
 modules degrade cleanly without CuPy.
 
 ``nvcc`` (no GPU needed) compiles the exact translation units that
-geocomm.cuda and geocomm.gpu_pipeline hand to NVRTC (the codec's kernels,
+geocomm.cuda and geocomm.engine.device hand to NVRTC (the codec's kernels,
 and the batched pipeline's, native/gc_pipeline.cu), with warnings as errors,
 so a CUDA compile error fails CI. A PTX scan then checks the flags that bit-exactness rests on: no
 fused multiply-add, no flush-to-zero, no approximate division. Whether the
@@ -23,7 +23,8 @@ import pytest
 
 import geocomm.comm.nccl as nccl_mod
 import geocomm.cuda as gcuda
-from geocomm import gpu_pipeline, native
+from geocomm import native
+from geocomm.engine import device as gpu_pipeline
 
 
 def _nvcc() -> str | None:
@@ -48,7 +49,7 @@ def _run_nvcc(args: list[str], cwd: Path) -> None:
 
 
 #: The NVRTC units and the entry points each must hold: the codec's kernels
-#: (geocomm.cuda) and the batched pipeline's (geocomm.gpu_pipeline, which
+#: (geocomm.cuda) and the batched pipeline's (geocomm.engine.device, which
 #: includes the codec's helpers).
 UNITS = {
     "codec": (gcuda.kernel_source, {

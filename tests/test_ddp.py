@@ -19,7 +19,7 @@ from geocomm.adapters.torch import (
     init_distributed_from_mpi,
 )
 from geocomm.codecs.bounds import FP32_UNIT, allreduce_bound
-from geocomm.pipeline import DEFAULT_CHUNK_ELEMS, Pieces, wire_bytes
+from geocomm.engine.layout import DEFAULT_CHUNK_ELEMS, Pieces, wire_bytes
 from geocomm.testing import MeteredComm
 
 pytestmark = [pytest.mark.mpi(min_size=2)]

@@ -13,7 +13,7 @@ import geocomm
 from geocomm.adapters.torch import compress_fsdp, init_distributed_from_mpi
 from geocomm.codecs.bounds import FP32_UNIT, allreduce_bound, reduce_scatter_bound
 from geocomm.collectives import CollectiveMismatchError
-from geocomm.pipeline import DEFAULT_CHUNK_ELEMS, Pieces, wire_bytes
+from geocomm.engine.layout import DEFAULT_CHUNK_ELEMS, Pieces, wire_bytes
 
 pytestmark = [pytest.mark.mpi(min_size=2)]
 

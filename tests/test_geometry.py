@@ -357,7 +357,7 @@ def test_frame_rejects_a_corrupt_side_channel():
     bad[info_len + 4: info_len + 8] = np.frombuffer(np.float32(np.nan).tobytes(), np.uint8)
     import zlib
 
-    from geocomm.codecs.base import _CRC  # re-seal the frame: the side channel is checked
+    from geocomm.codecs.frames import CRC as _CRC  # re-seal the frame: the side channel is checked
 
     bad[-4:] = np.frombuffer(_CRC.pack(zlib.crc32(bad[:-4])), np.uint8)
     with pytest.raises(ValueError, match="non-finite"):

@@ -1,9 +1,9 @@
-"""The batched GPU pipeline on a CPU (geocomm.gpu_pipeline).
+"""The batched GPU pipeline on a CPU (geocomm.engine.device).
 
 Its CUDA kernels need a GPU (perf/gpu_check.py compares them with the C core
 byte for byte); everything around them runs here: which codecs it takes,
 the segment tables and launch grids, every stage's exchanges, and the whole
-pipeline with :class:`~geocomm.gpu_pipeline.HostKernels` (the kernels'
+pipeline with :class:`~geocomm.engine.device.HostKernels` (the kernels'
 contract run by the C core, checking every row it is given) on N ranks in
 lockstep, against the host-driven pipeline on the same ranks: the same bits
 for every format, both roundings, in place, many stages, reduce-scatter, and
@@ -19,12 +19,14 @@ import numpy as np
 import pytest
 
 import geocomm
-from geocomm import cuda, gpu_pipeline, native
-from geocomm import gpu_pipeline as gp
-from geocomm._transforming import PartsMap
+from geocomm import cuda, native
 from geocomm.codecs.formats import FP8Codec
 from geocomm.collectives import Part
-from geocomm.pipeline import Pieces, Pipeline
+from geocomm.engine import device as gp
+from geocomm.engine import device_plan as gpl
+from geocomm.engine.host import Pipeline
+from geocomm.engine.layout import Pieces
+from geocomm.engine.transforming import PartsMap
 from geocomm.testing import loopback, run_lockstep
 
 pytestmark = pytest.mark.skipif(not native.available, reason="native core not built")
@@ -66,15 +68,15 @@ def _defines(prefix: str) -> dict[str, int]:
 
 def test_fields_and_families_match_the_kernels():
     seg = _defines("GC_SEG_")
-    assert seg.pop("GC_SEG_FIELDS") == len(gp.FIELDS)
-    assert seg == {f"GC_SEG_{name.upper()}": i for i, name in enumerate(gp.FIELDS)}
+    assert seg.pop("GC_SEG_FIELDS") == len(gpl.FIELDS)
+    assert seg == {f"GC_SEG_{name.upper()}": i for i, name in enumerate(gpl.FIELDS)}
     families = _defines("GC_PIPE_")
-    assert families.pop("GC_PIPE_NVFP4_THREADS") == gp.NVFP4_THREADS
-    assert families == {"GC_PIPE_RAW": gp.RAW, "GC_PIPE_FP8": gp.FP8, "GC_PIPE_NVFP4": gp.NVFP4,
-                        "GC_PIPE_BF16": gp.BF16, "GC_PIPE_MXFP8": gp.MXFP8,
-                        "GC_PIPE_MXFP4": gp.MXFP4}
+    assert families.pop("GC_PIPE_NVFP4_THREADS") == gpl.NVFP4_THREADS
+    assert families == {"GC_PIPE_RAW": gpl.RAW, "GC_PIPE_FP8": gpl.FP8, "GC_PIPE_NVFP4": gpl.NVFP4,
+                        "GC_PIPE_BF16": gpl.BF16, "GC_PIPE_MXFP8": gpl.MXFP8,
+                        "GC_PIPE_MXFP4": gpl.MXFP4}
     # one NVFP4 superblock per thread block, 8 code bytes per thread, within one warp's lanes
-    assert gp.NVFP4_THREADS * 16 == native.NVFP4_SUPERBLOCK and gp.NVFP4_THREADS % 32 == 0
+    assert gpl.NVFP4_THREADS * 16 == native.NVFP4_SUPERBLOCK and gpl.NVFP4_THREADS % 32 == 0
     assert cuda.THREADS % 32 == 0
 
 
@@ -90,22 +92,22 @@ def test_kernel_source_is_one_unit():
 
 
 def test_wire_formats_of_the_codecs():
-    f = gp.wire_format
-    assert f(geocomm.get_codec("none")) == gp.WireFormat(gp.RAW)
+    f = gpl.wire_format
+    assert f(geocomm.get_codec("none")) == gpl.WireFormat(gpl.RAW)
     fp8 = f(codec_of("fp8"))
     assert (fp8.family, fp8.fmt, fp8.block, fp8.e5m2, fp8.stochastic) == (
-        gp.FP8, native.E4M3, 128, False, False)
+        gpl.FP8, native.E4M3, 128, False, False)
     e5 = f(codec_of("fp8-e5m2-block0", stochastic=True))
     assert (e5.fmt, e5.e5m2, e5.block, e5.stochastic, e5.seed) == (native.E5M2, True, 0, True, 7)
     assert e5.flags == native.STOCHASTIC and e5.key(3) != 0 and fp8.key(3) == 0
     mx = f(codec_of("mxfp8-e5m2-rceil"))
     assert (mx.family, mx.fmt, mx.e5m2, mx.rceil, mx.flags) == (
-        gp.MXFP8, native.MXFP8_E5M2, True, True, native.RCEIL)
+        gpl.MXFP8, native.MXFP8_E5M2, True, True, native.RCEIL)
     assert f(codec_of("mxfp4", stochastic=True)).rceil  # stochastic MX needs rceil
-    assert f(codec_of("nvfp4")).family == gp.NVFP4 and f(codec_of("bf16")).family == gp.BF16
+    assert f(codec_of("nvfp4")).family == gpl.NVFP4 and f(codec_of("bf16")).family == gpl.BF16
     # wrappers send their wire codec's bytes
     assert f(geocomm.get_codec("fp8", error_feedback=True)) == fp8
-    assert f(geocomm.get_codec("geofp8")).family == gp.FP8
+    assert f(geocomm.get_codec("geofp8")).family == gpl.FP8
     # bytes of their own: the host-driven pipeline
     assert f(geocomm.get_codec("auto")) is None
 
@@ -126,17 +128,17 @@ SIZES = (0, 1, 2, 15, 16, 17, 31, 32, 33, 127, 128, 129, 1000, 1023, 1024, 1025,
 @pytest.mark.parametrize("name", list(CODECS))
 def test_body_layout_gives_the_wire_size(name):
     """The scales a row names place every part of the body where the C core puts it."""
-    fmt = gp.wire_format(codec_of(name))
+    fmt = gpl.wire_format(codec_of(name))
     for n in SIZES:
-        scales, block, tiles = gp.body_layout(fmt, n)
-        size = {gp.RAW: 4 * n, gp.BF16: 2 * n, gp.FP8: 4 * scales + n,
-                gp.NVFP4: 4 * scales + -(-n // 16) + -(-n // 2), gp.MXFP8: scales + n,
-                gp.MXFP4: scales + -(-n // 2)}[fmt.family]
+        scales, block, tiles = gpl.body_layout(fmt, n)
+        size = {gpl.RAW: 4 * n, gpl.BF16: 2 * n, gpl.FP8: 4 * scales + n,
+                gpl.NVFP4: 4 * scales + -(-n // 16) + -(-n // 2), gpl.MXFP8: scales + n,
+                gpl.MXFP4: scales + -(-n // 2)}[fmt.family]
         assert size == fmt.wire_size(n) == (4 * n if fmt.fmt is None else
                                             native.wire_size(fmt.fmt, n, fmt.block)), n
-        if fmt.family == gp.FP8 and n:
+        if fmt.family == gpl.FP8 and n:
             assert block >= 1 and scales == -(-n // block)
-            assert (tiles == 0) == gp.team_walk(fmt)
+            assert (tiles == 0) == gpl.team_walk(fmt)
             if tiles:  # the block the single-body kernels plan (they may walk it by teams)
                 plan = cuda.fp8_plan(n, fmt.block)
                 assert (scales, block) == (plan.nblocks, plan.block)
@@ -146,45 +148,45 @@ def test_body_layout_gives_the_wire_size(name):
 
 
 def test_segment_rows_and_amax_slots():
-    tiles = gp.wire_format(codec_of("fp8-block5000"))
-    pieces = [gp.Piece(0, 12_000, 0, 0), gp.Piece(12_000, 0, 12_024, 12_000),
-              gp.Piece(20_000, 4_999, 12_024, 20_000)]
-    rows, end = gp.segment_rows(tiles, pieces, amax=5)
-    assert rows.dtype == np.uint64 and rows.shape == (3, len(gp.FIELDS))
-    assert rows[:, gp.AMAX].tolist() == [5, 0, 8] and end == 9  # 3 slots, none, 1 slot
-    assert rows[:, gp.SCALES].tolist() == [3, 0, 1]
-    assert rows[:, gp.BLOCK].tolist() == [5000, 0, 4999]  # capped at n: one tile walk
-    assert rows[:, gp.TILES].tolist() == [2, 0, 2]
-    team = gp.wire_format(codec_of("fp8"))
-    rows, end = gp.segment_rows(team, pieces, amax=5)
-    assert end == 5 and not rows[:, gp.AMAX].any() and not rows[:, gp.TILES].any()
-    assert rows[:, gp.BLOCK].tolist() == [128, 0, 128]
+    tiles = gpl.wire_format(codec_of("fp8-block5000"))
+    pieces = [gpl.Piece(0, 12_000, 0, 0), gpl.Piece(12_000, 0, 12_024, 12_000),
+              gpl.Piece(20_000, 4_999, 12_024, 20_000)]
+    rows, end = gpl.segment_rows(tiles, pieces, amax=5)
+    assert rows.dtype == np.uint64 and rows.shape == (3, len(gpl.FIELDS))
+    assert rows[:, gpl.AMAX].tolist() == [5, 0, 8] and end == 9  # 3 slots, none, 1 slot
+    assert rows[:, gpl.SCALES].tolist() == [3, 0, 1]
+    assert rows[:, gpl.BLOCK].tolist() == [5000, 0, 4999]  # capped at n: one tile walk
+    assert rows[:, gpl.TILES].tolist() == [2, 0, 2]
+    team = gpl.wire_format(codec_of("fp8"))
+    rows, end = gpl.segment_rows(team, pieces, amax=5)
+    assert end == 5 and not rows[:, gpl.AMAX].any() and not rows[:, gpl.TILES].any()
+    assert rows[:, gpl.BLOCK].tolist() == [128, 0, 128]
 
 
 def test_launch_grids():
     def rows_of(fmt, counts):
-        return gp.segment_rows(fmt, [gp.Piece(0, n, 0, 0) for n in counts])[0]
+        return gpl.segment_rows(fmt, [gpl.Piece(0, n, 0, 0) for n in counts])[0]
 
-    value = gp.wire_format(codec_of("bf16"))
-    assert gp.launch_grid("value", rows_of(value, [1000, 257, 0]), value) == (4, 3)
-    assert gp.launch_grid("value", rows_of(value, [0, 0]), value) is None
-    assert gp.launch_grid("value", rows_of(value, []), value) is None
-    mx4 = gp.wire_format(codec_of("mxfp4"))
-    assert gp.launch_grid("pair", rows_of(mx4, [513, 1]), mx4) == (2, 2)
-    team = gp.wire_format(codec_of("fp8"))  # 32 lanes per 128-value block
-    assert gp.launch_grid("team", rows_of(team, [1000, 10]), team) == (1, 2)
-    assert gp.launch_grid("team", rows_of(team, [1025]), team) == (2, 1)
-    nv = gp.wire_format(codec_of("nvfp4"))
-    assert gp.launch_grid("superblock", rows_of(nv, [4097, 4096]), nv) == (2, 2)
-    tiles = gp.wire_format(codec_of("fp8-block5000"))
-    assert gp.launch_grid("tile", rows_of(tiles, [12_000, 3]), tiles) == (6, 2)
-    block0 = gp.wire_format(codec_of("fp8-e5m2-block0"))
-    assert gp.launch_grid("tile", rows_of(block0, [10_000, 5]), block0) == (3, 2)
-    assert gp.encode_walk(block0) == gp.decode_walk(block0) == "tile"
-    assert gp.encode_walk(nv) == "superblock" and gp.decode_walk(nv) == "value"
-    assert gp.encode_walk(gp.wire_format(codec_of("mxfp8"))) == "value"
+    value = gpl.wire_format(codec_of("bf16"))
+    assert gpl.launch_grid("value", rows_of(value, [1000, 257, 0]), value) == (4, 3)
+    assert gpl.launch_grid("value", rows_of(value, [0, 0]), value) is None
+    assert gpl.launch_grid("value", rows_of(value, []), value) is None
+    mx4 = gpl.wire_format(codec_of("mxfp4"))
+    assert gpl.launch_grid("pair", rows_of(mx4, [513, 1]), mx4) == (2, 2)
+    team = gpl.wire_format(codec_of("fp8"))  # 32 lanes per 128-value block
+    assert gpl.launch_grid("team", rows_of(team, [1000, 10]), team) == (1, 2)
+    assert gpl.launch_grid("team", rows_of(team, [1025]), team) == (2, 1)
+    nv = gpl.wire_format(codec_of("nvfp4"))
+    assert gpl.launch_grid("superblock", rows_of(nv, [4097, 4096]), nv) == (2, 2)
+    tiles = gpl.wire_format(codec_of("fp8-block5000"))
+    assert gpl.launch_grid("tile", rows_of(tiles, [12_000, 3]), tiles) == (6, 2)
+    block0 = gpl.wire_format(codec_of("fp8-e5m2-block0"))
+    assert gpl.launch_grid("tile", rows_of(block0, [10_000, 5]), block0) == (3, 2)
+    assert gpl.encode_walk(block0) == gpl.decode_walk(block0) == "tile"
+    assert gpl.encode_walk(nv) == "superblock" and gpl.decode_walk(nv) == "value"
+    assert gpl.encode_walk(gpl.wire_format(codec_of("mxfp8"))) == "value"
     with pytest.raises(ValueError, match="pieces"):
-        gp.launch_grid("value", rows_of(value, [1] * (gp.GRID_Y_MAX + 1)), value)
+        gpl.launch_grid("value", rows_of(value, [1] * (gpl.GRID_Y_MAX + 1)), value)
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5])
@@ -192,9 +194,9 @@ def test_launch_grids():
 def test_call_plans_agree_across_ranks(size, name):
     """What every rank sends each rank is what that rank expects, segments stay inside
     the buffers, send rows are the other shards' pieces and gather rows every piece."""
-    fmt = gp.wire_format(codec_of(name))
+    fmt = gpl.wire_format(codec_of(name))
     pieces = Pieces.plan(100_003, size, 4096 * size)
-    plans = [gp.call_plan(fmt, pieces, r) for r in range(size)]
+    plans = [gpl.call_plan(fmt, pieces, r) for r in range(size)]
     assert pieces.stages > 4
     for s in range(pieces.stages):
         for kind in ("alltoall", "allgather"):
@@ -208,21 +210,21 @@ def test_call_plans_agree_across_ranks(size, name):
             send, own = plan.rows[stage.send], plan.rows[stage.own]
             gather = plan.rows[stage.gather]
             others = [pieces.piece_range(j, s) for j in range(size) if j != r]
-            assert [(int(a), int(a + n)) for a, n in send[:, [gp.VALUES, gp.COUNT]]] == others
-            assert send[:, gp.INDEX].tolist() == [lo for lo, _ in others]
+            assert [(int(a), int(a + n)) for a, n in send[:, [gpl.VALUES, gpl.COUNT]]] == others
+            assert send[:, gpl.INDEX].tolist() == [lo for lo, _ in others]
             lo, hi = pieces.piece_range(r, s)
-            assert own[0, gp.COUNT] == hi - lo and own[0, gp.INDEX] == lo and own[0, 0] == 0
+            assert own[0, gpl.COUNT] == hi - lo and own[0, gpl.INDEX] == lo and own[0, 0] == 0
             assert stage.own_bytes == fmt.wire_size(hi - lo)
-            assert gather.shape[0] == size and gather[r, gp.WIRE] == own[0, gp.WIRE]
-            sizes = [fmt.wire_size(int(n)) for n in send[:, gp.COUNT]]
-            assert all(int(w) + b <= plan.send_bytes for w, b in zip(send[:, gp.WIRE], sizes,
+            assert gather.shape[0] == size and gather[r, gpl.WIRE] == own[0, gpl.WIRE]
+            sizes = [fmt.wire_size(int(n)) for n in send[:, gpl.COUNT]]
+            assert all(int(w) + b <= plan.send_bytes for w, b in zip(send[:, gpl.WIRE], sizes,
                                                                         strict=True))
             assert stage.alltoall.recv_counts.sum() <= plan.recv_bytes
     # the encoders' amax slots (fp8 tile walk) never overlap within a call
     for plan in plans:
-        spans = [(int(r[gp.AMAX]), int(r[gp.AMAX] + r[gp.SCALES]))
+        spans = [(int(r[gpl.AMAX]), int(r[gpl.AMAX] + r[gpl.SCALES]))
                  for st in plan.stages for part in (st.send, st.own) for r in plan.rows[part]
-                 if r[gp.TILES]]
+                 if r[gpl.TILES]]
         assert bool(spans) == (name == "fp8-block5000")
         for (_, end), (start, _) in itertools.pairwise(sorted(spans)):
             assert start >= end
@@ -230,21 +232,21 @@ def test_call_plans_agree_across_ranks(size, name):
 
 
 def test_reduce_scatter_plans_have_no_gather_rows():
-    fmt = gp.wire_format(codec_of("fp8"))
+    fmt = gpl.wire_format(codec_of("fp8"))
     pieces = Pieces.plan(50_000, 3, 3 * 4096)
-    plan = gp.call_plan(fmt, pieces, 2, result_offset=int(pieces.bounds[2]), gather=False)
+    plan = gpl.call_plan(fmt, pieces, 2, result_offset=int(pieces.bounds[2]), gather=False)
     assert all(plan.rows[st.gather].shape[0] == 0 for st in plan.stages)
 
 
 def test_staged_send_rows_pack_the_maps_reads():
-    fmt = gp.wire_format(codec_of("fp8"))
+    fmt = gpl.wire_format(codec_of("fp8"))
     pieces = Pieces.plan(40_000, 4, 4 * 4096)
-    plan = gp.call_plan(fmt, pieces, 1, staged=True)
+    plan = gpl.call_plan(fmt, pieces, 1, staged=True)
     for stage in plan.stages:
         send = plan.rows[stage.send]
-        starts = np.concatenate([[0], np.cumsum(send[:, gp.COUNT])[:-1]])
-        assert send[:, gp.VALUES].tolist() == starts.tolist()
-    assert plan.staged == max(int(plan.rows[st.send][:, gp.COUNT].sum()) for st in plan.stages)
+        starts = np.concatenate([[0], np.cumsum(send[:, gpl.COUNT])[:-1]])
+        assert send[:, gpl.VALUES].tolist() == starts.tolist()
+    assert plan.staged == max(int(plan.rows[st.send][:, gpl.COUNT].sum()) for st in plan.stages)
 
 
 # ---------------------------------------------------------------------------
@@ -266,7 +268,7 @@ def run_both(codec, xs, chunk, gather=True, in_place=False, mapper=None, stream=
     """(host-driven results, batched results) of every rank."""
     size, count = len(xs), xs[0].size
     pieces = Pieces.plan(count, size, chunk)
-    fmt = gp.wire_format(codec)
+    fmt = gpl.wire_format(codec)
     results = []
     for batched in (False, True):
         comms = loopback(size, "nccl")
@@ -401,14 +403,14 @@ def test_run_pipeline_takes_the_host_path_for_numpy():
     comm = loopback(1, "nccl")[0]
     x = rank_inputs(1, 5000)[0]
     out = np.empty_like(x)
-    from geocomm.pipeline import run_pipeline
+    from geocomm.collectives import run_pipeline
 
     run_pipeline(comm, codec_of("fp8"), Pieces.plan(5000, 1, 4096), x, out, 0, True)
     want = np.empty_like(x)
     Pipeline(loopback(1)[0], codec_of("fp8"), Pieces.plan(5000, 1, 4096), x, want, 0,
              True).run()
     assert_bits_equal(out, want)
-    assert gpu_pipeline.wire_format(codec_of("fp8")) is not None
+    assert gpl.wire_format(codec_of("fp8")) is not None
 
 
 # ---------------------------------------------------------------------------
@@ -464,10 +466,10 @@ def launches(monkeypatch):
 @pytest.mark.parametrize("name", list(CODECS))
 def test_cuda_launches_match_the_kernels(launches, name, stochastic):
     kernels, log = launches
-    fmt = gp.wire_format(codec_of(name, stochastic and name != "none"))
-    pieces = [gp.Piece(0, 5000, 0, 0), gp.Piece(5000, 0, fmt.wire_size(5000), 5000),
-              gp.Piece(6000, 4097, fmt.wire_size(5000), 6000)]
-    rows, amax = gp.segment_rows(fmt, pieces)
+    fmt = gpl.wire_format(codec_of(name, stochastic and name != "none"))
+    pieces = [gpl.Piece(0, 5000, 0, 0), gpl.Piece(5000, 0, fmt.wire_size(5000), 5000),
+              gpl.Piece(6000, 4097, fmt.wire_size(5000), 6000)]
+    rows, amax = gpl.segment_rows(fmt, pieces)
     seg = gp.Segments(rows, rows)
     x = np.zeros(20_000, np.float32)
     wire = np.zeros(2 * fmt.wire_size(5000), np.uint8)
@@ -478,20 +480,20 @@ def test_cuda_launches_match_the_kernels(launches, name, stochastic):
     kernels.reduce(fmt, x, seg, gp.Incoming(wire, 1, 7), x)
     kernels.decode(fmt, wire, seg, x)
     names = [entry[0] for entry in log]
-    encoder = {gp.RAW: ["gc_pipe_value_encode"], gp.BF16: ["gc_pipe_value_encode"],
-               gp.NVFP4: ["gc_pipe_nvfp4_encode"], gp.MXFP8: ["gc_pipe_mxfp8_encode"],
-               gp.MXFP4: ["gc_pipe_mxfp4_encode"]}.get(fmt.family)
+    encoder = {gpl.RAW: ["gc_pipe_value_encode"], gpl.BF16: ["gc_pipe_value_encode"],
+               gpl.NVFP4: ["gc_pipe_nvfp4_encode"], gpl.MXFP8: ["gc_pipe_mxfp8_encode"],
+               gpl.MXFP4: ["gc_pipe_mxfp4_encode"]}.get(fmt.family)
     if encoder is None:
-        encoder = ["gc_pipe_fp8_encode_team"] if gp.team_walk(fmt) else \
+        encoder = ["gc_pipe_fp8_encode_team"] if gpl.team_walk(fmt) else \
             ["gc_pipe_amax_tiles", "gc_pipe_fp8_encode_tiles"]
-    decoder = "gc_pipe_decode" if fmt.family != gp.FP8 else \
-        "gc_pipe_fp8_decode_team" if gp.team_walk(fmt) else "gc_pipe_fp8_decode_tiles"
+    decoder = "gc_pipe_decode" if fmt.family != gpl.FP8 else \
+        "gc_pipe_fp8_decode_team" if gpl.team_walk(fmt) else "gc_pipe_fp8_decode_tiles"
     assert names == 2 * encoder + ["gc_pipe_reduce", decoder]
-    for entry, walk in zip(log, [gp.encode_walk(fmt)] * 2 * len(encoder) + ["value", None],
+    for entry, walk in zip(log, [gpl.encode_walk(fmt)] * 2 * len(encoder) + ["value", None],
                            strict=True):
-        want = gp.launch_grid(walk or gp.decode_walk(fmt), rows, fmt)
+        want = gpl.launch_grid(walk or gpl.decode_walk(fmt), rows, fmt)
         assert entry[1] == want and entry[1][1] == 3
-    threads = gp.NVFP4_THREADS if fmt.family == gp.NVFP4 else cuda.THREADS
+    threads = gpl.NVFP4_THREADS if fmt.family == gpl.NVFP4 else cuda.THREADS
     assert log[0][2] == (threads,)
     # the rounding key: this stream's under stochastic rounding, else 0
     keys = [args[-2] for n, _, _, args in log if n in encoder[-1:]]
@@ -505,8 +507,8 @@ def test_cuda_launches_match_the_kernels(launches, name, stochastic):
 
 def test_no_launch_without_values(launches):
     kernels, log = launches
-    fmt = gp.wire_format(codec_of("fp8"))
-    rows, _ = gp.segment_rows(fmt, [gp.Piece(0, 0, 0, 0)])
+    fmt = gpl.wire_format(codec_of("fp8"))
+    rows, _ = gpl.segment_rows(fmt, [gpl.Piece(0, 0, 0, 0)])
     seg = gp.Segments(rows, rows)
     empty = np.zeros(0, np.float32)
     kernels.encode(fmt, empty, seg, np.zeros(0, np.uint8), np.zeros(1, np.uint32))
@@ -549,7 +551,7 @@ def test_batched_pipeline_never_waits_on_the_host(gather):
     size, count = 3, 40_000
     xs = rank_inputs(size, count, seed=6)
     pieces = Pieces.plan(count, size, 4096 * size)
-    fmt = gp.wire_format(codec_of("fp8"))
+    fmt = gpl.wire_format(codec_of("fp8"))
     logs = [[] for _ in range(size)]
     pipes = []
     for r, comm in enumerate(loopback(size, "nccl")):

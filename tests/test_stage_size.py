@@ -22,7 +22,7 @@ import pytest
 
 import geocomm
 from geocomm import collectives
-from geocomm.pipeline import PIECE_ALIGN, Pieces
+from geocomm.engine.layout import PIECE_ALIGN, Pieces
 
 COUNT = 300_007  # shards of odd lengths; 2^15 gives several stages, 2^20 one
 CHUNKS = (1 << 20, 1 << 15)

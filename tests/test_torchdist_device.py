@@ -5,7 +5,7 @@ order, holes, zero counts, send and receive in one buffer) give MPI's bytes;
 the batched pipeline's all-gather, an all-to-all in place on one buffer,
 moves every rank's body to its slot; and with ``device_arrays=True`` (backend
 "nccl", requests with ``wait_stream()``) the whole batched pipeline of
-:mod:`geocomm.gpu_pipeline`, run on NumPy arrays by its host kernels, gives
+:mod:`geocomm.engine.device`, run on NumPy arrays by its host kernels, gives
 :func:`geocomm.allreduce`'s bits over MPI. The unmarked tests check the
 helpers that need no ranks: the copy plans, the fp32 helpers' bits (subnormals
 kept, the residual's bits unchanged) and the new kernels' PTX.
@@ -24,11 +24,13 @@ import pytest
 
 import geocomm
 from geocomm import cuda, get_codec
-from geocomm import gpu_pipeline as gp
-from geocomm._transforming import _subtract_from
 from geocomm.comm import torchdist
 from geocomm.comm.base import wait, wait_ordered
-from geocomm.pipeline import Pieces, Pipeline, add_into
+from geocomm.engine import device as gp
+from geocomm.engine import device_plan as gpl
+from geocomm.engine.exact import add_into, subtract_from
+from geocomm.engine.host import Pipeline
+from geocomm.engine.layout import Pieces
 
 try:
     from mpi4py import MPI
@@ -99,7 +101,7 @@ def test_fp32_helpers_keep_subnormals_and_the_residual_bits():
         assert subnormal.sum() > 1000  # kept, not flushed
 
         decoded = b.copy()
-        _subtract_from(a, decoded)
+        subtract_from(a, decoded)
         old = b.copy()
         old *= -1
         old += a
@@ -239,13 +241,13 @@ def test_alltoallv_in_place_on_one_buffer_as_mpi(torch_comm, mpi_comm, seed):
 @pytest.mark.mpi
 @pytest.mark.parametrize("count", [30_011, 4096 * 3 + 5, 7])
 def test_batched_allgather_pattern_moves_every_body(torch_comm, count):
-    """gpu_plan.call_plan's all-gather (an all-to-all in place on one buffer: the own
+    """device_plan.call_plan's all-gather (an all-to-all in place on one buffer: the own
     body, at its slot, to every other rank; every other body into its slot) leaves
     every rank's body at that rank's slot, for every stage."""
     comm = torch_comm
-    fmt = gp.wire_format(get_codec({"id": "fp8", "fmt": "e4m3", "block": 128}))
+    fmt = gpl.wire_format(get_codec({"id": "fp8", "fmt": "e4m3", "block": 128}))
     pieces = Pieces.plan(count, comm.size, 4096 * comm.size)
-    plans = [gp.call_plan(fmt, pieces, r) for r in range(comm.size)]
+    plans = [gpl.call_plan(fmt, pieces, r) for r in range(comm.size)]
     for s in range(pieces.stages):
         ex = plans[comm.rank].stages[s].allgather
         bodies = [np.random.default_rng([s, j, count]).integers(
@@ -358,7 +360,7 @@ def test_batched_pipeline_over_device_mode_torchdist(group, mpi_comm, name, in_p
                                             chunk_elems=4096 * comm.size), want)
     source = x.copy()
     out = source if in_place else np.full(count, np.nan, np.float32)
-    gp.BatchedPipeline(comm, gp.wire_format(codec), pieces, source, out, 0, True,
+    gp.BatchedPipeline(comm, gpl.wire_format(codec), pieces, source, out, 0, True,
                        kernels=gp.HostKernels()).run()
     assert_bits_equal(out, want)
 

@@ -8,7 +8,7 @@ FSDP2 reduce-scatter input: one row per rank, each row that rank's chunk of
 every parameter). :class:`BufferLayout` splits the tensors by :class:`Selection`
 into a compressed and a plain :class:`ColumnGroup`; :class:`GradReducer` runs
 one collective per non-empty group, through a
-:class:`~geocomm.testing.MeteredComm` so every byte is counted.
+:class:`~geocomm.comm.metered.MeteredComm` so every byte is counted.
 """
 
 from __future__ import annotations
@@ -27,11 +27,14 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from geocomm.adapters import arrays
 from geocomm.codecs import TransformingCodec
+from geocomm.codecs.checks import roundtrip
 from geocomm.collectives import CollectiveMismatchError, Part, check_consistent, resolve_codec
-from geocomm.testing import MeteredComm, roundtrip
+from geocomm.comm.metered import MeteredComm
+from geocomm.comm.torchdist import TorchDistCommunicator
 
 LOG = logging.getLogger("geocomm.torch")
 
@@ -474,3 +477,13 @@ class GradReducer:
             collectives += 1
         return self._finish(start, index, "reduce_scatter", layout, source.dtype, collectives,
                             rel_error)
+
+
+def dedicated_comm(group: Any = None, device: str = "cpu") -> TorchDistCommunicator:
+    """A communicator over a new process group with the ranks of ``group`` (default:
+    the world): gloo for ``device="cpu"``, NCCL for ``"cuda"``. Every rank of
+    ``group`` must call it, in the same order as its other ``new_group`` calls."""
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    return TorchDistCommunicator(dist.new_group(ranks=ranks, backend=backend,
+                                                use_local_synchronization=True))

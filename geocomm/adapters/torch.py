@@ -56,9 +56,9 @@ from geocomm.adapters._torch_grads import (
     Selection,
     StepStats,
     Telemetry,
+    dedicated_comm,
 )
 from geocomm.collectives import resolve_codec
-from geocomm.comm.torchdist import TorchDistCommunicator
 
 __all__ = [
     "BucketStats",
@@ -92,16 +92,6 @@ def init_distributed_from_mpi(backend: str = "gloo", port: int | None = None) ->
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1" if world.size == 1 else host)
     os.environ.setdefault("MASTER_PORT", str(chosen))
     dist.init_process_group(backend, rank=world.rank, world_size=world.size)
-
-
-def dedicated_comm(group: Any = None, device: str = "cpu") -> TorchDistCommunicator:
-    """A communicator over a new process group with the ranks of ``group`` (default:
-    the world): gloo for ``device="cpu"``, NCCL for ``"cuda"``. Every rank of
-    ``group`` must call it, in the same order as its other ``new_group`` calls."""
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-    return TorchDistCommunicator(dist.new_group(ranks=ranks, backend=backend,
-                                                use_local_synchronization=True))
 
 
 class _Worker:

@@ -49,7 +49,6 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from geocomm.adapters import _torch_grads as grads
-from geocomm.adapters.torch import dedicated_comm
 from geocomm.collectives import resolve_codec
 
 try:  # the interface set_custom_reduce_scatter names; FSDP only calls allocate and __call__
@@ -230,12 +229,12 @@ def compress_fsdp(model: nn.Module, codec: Any = "fp8", *, replicate_group: Any 
         size = mesh.size(mesh_dim)
         device = params[0].device
         if shard_reducer is None:
-            base = comm if comm is not None else dedicated_comm(mesh.get_group(mesh_dim),
+            base = comm if comm is not None else grads.dedicated_comm(mesh.get_group(mesh_dim),
                                                                device.type)
             shard_reducer = grads.GradReducer(codec, base, check, error_sample, chunk_elems,
                                               telemetry)
             if replicate_group is not None or replicate_comm is not None:
-                base = replicate_comm if replicate_comm is not None else dedicated_comm(
+                base = replicate_comm if replicate_comm is not None else grads.dedicated_comm(
                     replicate_group, device.type)
                 replica_reducer = grads.GradReducer(shard_reducer.codec, base, check,
                                                     error_sample, chunk_elems, telemetry)

@@ -1,7 +1,8 @@
-"""Codecs: the contract, the registry and the built-in formats."""
+"""Codecs in three roles: the contract (``base``), frames (``frames``) and the registry
+(``registry``); the built-in formats; ``checks`` for codec authors."""
 
 from geocomm.codecs.auto import AutoCodec
-from geocomm.codecs.base import Codec, StatefulCodec, TransformingCodec, parse_frame
+from geocomm.codecs.base import Codec, StatefulCodec, TransformingCodec
 from geocomm.codecs.feedback import ErrorFeedbackCodec
 from geocomm.codecs.formats import (
     BF16Codec,
@@ -11,8 +12,9 @@ from geocomm.codecs.formats import (
     NoneCodec,
     NVFP4Codec,
 )
+from geocomm.codecs.frames import parse_frame
 from geocomm.codecs.geo import GeoFP8Codec, GeoNVFP4Codec, HadamardCodec
-from geocomm.codecs.registry import get_codec, register_codec, registered_ids
+from geocomm.codecs.registry import frame_body_size, get_codec, register_codec, registered_ids
 
 for _cls in (NoneCodec, BF16Codec, FP8Codec, NVFP4Codec, MXFP8Codec, MXFP4Codec, GeoFP8Codec,
              GeoNVFP4Codec, HadamardCodec, AutoCodec):
@@ -21,7 +23,7 @@ for _cls in (NoneCodec, BF16Codec, FP8Codec, NVFP4Codec, MXFP8Codec, MXFP4Codec,
 
 def decode(buf, out=None):
     """Decode any geocomm frame with the codec its header names."""
-    return get_codec(parse_frame(buf).config).decode(buf, out=out)
+    return get_codec(parse_frame(buf, frame_body_size).config).decode(buf, out=out)
 
 
 __all__ = [

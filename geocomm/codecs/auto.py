@@ -6,7 +6,7 @@ what fewer bytes save, so the plain all-reduce is used; at and above it the
 ``codec`` given (default ``fp8``). The choice depends only on the element
 count, the backend and the rank count, which every rank shares, so all ranks
 choose alike. By default (``crossover_bytes=None``) the crossover is the
-backend's (:func:`geocomm.backends.crossover_bytes`): measured for host
+backend's (:func:`geocomm.engine.costs.crossover_bytes`): measured for host
 backends (perf/results/crossover.md), modelled for devices, where a launch
 costs microseconds and the link moves hundreds of GB/s; a number fixes it for
 every backend.
@@ -18,12 +18,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from geocomm import backends
 from geocomm.codecs.base import Codec
 from geocomm.codecs.formats import NoneCodec
+from geocomm.engine import costs
 
-#: The host backends' crossover (measured: see geocomm.backends.HOST_CROSSOVER_BYTES).
-DEFAULT_CROSSOVER_BYTES = backends.HOST_CROSSOVER_BYTES
+#: The host backends' crossover (measured: see geocomm.engine.costs.HOST_CROSSOVER_BYTES).
+DEFAULT_CROSSOVER_BYTES = costs.HOST_CROSSOVER_BYTES
 #: Values whose wire size gives the inner codec's wire bytes per fp32 byte (the model's ratio).
 _RATIO_VALUES = 1 << 20
 
@@ -56,7 +56,7 @@ class AutoCodec(Codec):
         if self.crossover_bytes is not None:
             return self.crossover_bytes
         ratio = self.inner.wire_size(_RATIO_VALUES) / (4 * _RATIO_VALUES)
-        return backends.crossover_bytes(backend, size, ratio)
+        return costs.crossover_bytes(backend, size, ratio)
 
     def for_count(self, count: int, backend: str | None = None, size: int = 2) -> Codec:
         """The codec used for ``count`` values on ``size`` ranks of ``backend``: plain

@@ -1,4 +1,4 @@
-"""The codec contract and the self-describing frame.
+"""The codec contract (the frame it writes and reads: :mod:`geocomm.codecs.frames`).
 
 A :class:`Codec` turns float arrays into bytes and back. It has two faces:
 
@@ -19,43 +19,13 @@ from __future__ import annotations
 
 import json
 import math
-import struct
-import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Sequence
 from typing import Any, ClassVar
 
-import ml_dtypes
 import numpy as np
 
-MAGIC = b"GEOC"
-FRAME_VERSION = 1
-MAX_NDIM = 32
-MAX_COUNT = 2**48  # values per frame; bounds every size computed from a header
-# magic, version, dtype code, ndim, reserved, config length, body length
-_HEAD = struct.Struct("<4sBBBBIQ")
-_CRC = struct.Struct("<I")
-
-# dtype codes of the frame; the float dtypes geocomm accepts everywhere
-DTYPE_CODES: dict[np.dtype, int] = {
-    np.dtype(np.float32): 1,
-    np.dtype(np.float16): 2,
-    np.dtype(ml_dtypes.bfloat16): 3,
-    np.dtype(np.float64): 4,
-}
-_CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
-
-
-def check_float_array(x: Any, name: str = "x") -> np.ndarray:
-    """Return x as a numpy array of a supported float dtype, or raise TypeError."""
-    if not isinstance(x, np.ndarray):
-        raise TypeError(f"{name} must be a numpy array, got {type(x).__name__}")
-    if x.dtype not in DTYPE_CODES:
-        raise TypeError(
-            f"{name} has dtype {x.dtype}; geocomm codecs take float32, float16, bfloat16 "
-            "or float64"
-        )
-    return x
+from geocomm.codecs.frames import check_float_array, parse_frame, write_frame
 
 
 class Codec(ABC):
@@ -133,24 +103,19 @@ class Codec(ABC):
         """Self-describing frame (uint8 array) of x; any shape, a float dtype."""
         x = check_float_array(x)
         values = np.ascontiguousarray(x, np.float32)
-        config = json.dumps(self.get_config(), sort_keys=True, separators=(",", ":")).encode()
-        body_len = self.frame_body_size(x.shape)
-        head_len = _HEAD.size + 8 * x.ndim + len(config)
-        frame = np.empty(head_len + body_len + _CRC.size, np.uint8)
-        head = _HEAD.pack(MAGIC, FRAME_VERSION, DTYPE_CODES[x.dtype], x.ndim, 0,
-                          len(config), body_len)
-        head += struct.pack(f"<{x.ndim}Q", *x.shape) + config
-        frame[:head_len] = np.frombuffer(head, np.uint8)
-        self.encode_frame_body(values, frame[head_len : head_len + body_len])
-        crc = zlib.crc32(frame[: head_len + body_len])
-        frame[head_len + body_len :] = np.frombuffer(_CRC.pack(crc), np.uint8)
-        return frame
+        return write_frame(self.get_config(), x.dtype, x.shape, self.frame_body_size(x.shape),
+                           lambda body: self.encode_frame_body(values, body))
 
     def decode(self, buf: Any, out: np.ndarray | None = None) -> np.ndarray:
         """Array from a frame of this codec; ``out`` (right shape, any float dtype) is filled."""
-        info = parse_frame(buf)
-        if info.config != self.get_config():
-            raise ValueError(f"frame was written by codec {info.config}, not {self.get_config()}")
+        mine = self.get_config()
+
+        def body_size(config: dict[str, Any], shape: tuple[int, ...]) -> int:
+            if config != mine:
+                raise ValueError(f"frame was written by codec {config}, not {mine}")
+            return self.frame_body_size(shape)
+
+        info = parse_frame(buf, body_size)
         if out is not None:
             out = check_float_array(out, "out")
             if out.shape != info.shape:
@@ -233,61 +198,3 @@ class TransformingCodec(StatefulCodec):
     def refresh(self, plan: Any, shard: Any, lo: int, side_sum: Any
                 ) -> Generator[Any, Any, None]:
         """Rounds that update the plan's key from this rank's shard of the result."""
-
-
-class FrameInfo:
-    """Fields of a validated frame."""
-
-    __slots__ = ("body", "config", "dtype", "shape")
-
-    def __init__(self, config: dict, dtype: np.dtype, shape: tuple[int, ...], body: np.ndarray):
-        self.config, self.dtype, self.shape, self.body = config, dtype, shape, body
-
-
-def parse_frame(buf: Any) -> FrameInfo:
-    """Validate a frame completely (sizes, CRC, config, body length); ValueError if bad."""
-    try:
-        data = np.frombuffer(memoryview(buf).cast("B"), np.uint8)
-    except TypeError as exc:
-        raise ValueError(f"a frame must be a bytes-like object: {exc}") from None
-    if data.size < _HEAD.size + _CRC.size:
-        raise ValueError(f"frame of {data.size} bytes is shorter than a frame header")
-    magic, version, dtype_code, ndim, _reserved, config_len, body_len = _HEAD.unpack_from(data)
-    if magic != MAGIC:
-        raise ValueError(f"not a geocomm frame (magic {magic!r})")
-    if version != FRAME_VERSION:
-        raise ValueError(f"unsupported frame version {version} (this is version {FRAME_VERSION})")
-    if dtype_code not in _CODE_DTYPES:
-        raise ValueError(f"unknown dtype code {dtype_code} in frame")
-    if ndim > MAX_NDIM:
-        raise ValueError(f"frame claims {ndim} dimensions (at most {MAX_NDIM})")
-    head_len = _HEAD.size + 8 * ndim + config_len
-    if head_len + body_len + _CRC.size != data.size:
-        raise ValueError(
-            f"frame length {data.size} does not match its header "
-            f"({head_len} + {body_len} + {_CRC.size} bytes)"
-        )
-    (crc,) = _CRC.unpack_from(data, data.size - _CRC.size)
-    if zlib.crc32(data[: data.size - _CRC.size]) != crc:
-        raise ValueError("frame checksum mismatch: the frame is corrupted")
-    shape = struct.unpack_from(f"<{ndim}Q", data, _HEAD.size)
-    try:
-        config = json.loads(bytes(data[_HEAD.size + 8 * ndim : head_len]).decode())
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        # RecursionError: nesting deeper than the parser recurses ("[[[[...")
-        raise ValueError(f"frame codec config is not valid JSON: {exc}") from None
-    if not isinstance(config, dict) or not isinstance(config.get("id"), str):
-        raise ValueError("frame codec config must be an object with a string 'id'")
-    if math.prod(shape) > MAX_COUNT:
-        raise ValueError(f"frame shape {shape} holds more than {MAX_COUNT} values")
-    from geocomm.codecs.registry import get_codec  # the registry imports this module
-
-    try:
-        codec = get_codec(config)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"frame names an unusable codec {config}: {exc}") from None
-    expected = codec.frame_body_size(tuple(shape))
-    if expected != body_len:
-        raise ValueError(f"frame body has {body_len} bytes, shape {shape} needs {expected}")
-    body = data[head_len : head_len + body_len]
-    return FrameInfo(config, _CODE_DTYPES[dtype_code], tuple(int(d) for d in shape), body)

@@ -59,7 +59,7 @@ def _backend(array: Any) -> Any:
 ROUNDINGS = ("nearest", "stochastic")
 
 
-class _NativeFormat(Codec):
+class NativeFormat(Codec):
     """A codec whose body is one native format: subclasses set ``codec_id`` and
     ``_fmt`` (the format's name in ``native.FORMAT_NAMES``; its id comes from the
     compiled core when encoding, so configuring a codec needs no build) and
@@ -99,6 +99,11 @@ class _NativeFormat(Codec):
         flags = native.STOCHASTIC if self.rounding == "stochastic" else 0
         return flags | (native.RCEIL if self.scale_rule == "rceil" else 0)
 
+    def native_wire(self) -> tuple[str, int, int]:
+        """What the wire bytes are, for the batched device pipeline: (the format's name
+        in ``native.FORMAT_NAMES``, its scaling block, the gc_encode_ex flags)."""
+        return self._fmt, self._block, self._flags
+
     def wire_size(self, n: int) -> int:
         return native.wire_size(self._fmt, n, self._block)
 
@@ -111,7 +116,7 @@ class _NativeFormat(Codec):
         _backend(out).decode(self._fmt, wire, self._block, out, accumulate)
 
 
-class BF16Codec(_NativeFormat):
+class BF16Codec(NativeFormat):
     """bfloat16 (nearest even or stochastic rounding): 2 bytes per value, no scales."""
 
     codec_id: ClassVar[str] = "bf16"
@@ -122,7 +127,7 @@ class BF16Codec(_NativeFormat):
 MAX_BLOCK = 2**48
 
 
-class FP8Codec(_NativeFormat):
+class FP8Codec(NativeFormat):
     """FP8 with one fp32 scale per ``block`` values (``block=0``: one per tensor).
 
     ``fmt`` is ``"e4m3"`` (E4M3FN, max 448) or ``"e5m2"`` (max 57344).
@@ -148,7 +153,7 @@ class FP8Codec(_NativeFormat):
                 **self._rounding_config()}
 
 
-class NVFP4Codec(_NativeFormat):
+class NVFP4Codec(NativeFormat):
     """NVFP4: E2M1 values, one E4M3 scale per 16 values, one fp32 scale per
     superblock of 4096 values (so aligned pieces encode as the whole would).
 
@@ -163,7 +168,7 @@ class NVFP4Codec(_NativeFormat):
 SCALE_RULES = ("floor", "rceil")
 
 
-class _MXCodec(_NativeFormat):
+class _MXCodec(NativeFormat):
     """OCP Microscaling: one E8M0 scale 2^X per 32 values (wire layout in native/geocomm.h).
 
     ``scale_rule="floor"`` is the OCP rule X = floor(log2 amax) - EMAX (the

@@ -76,3 +76,13 @@ def get_codec(codec: str | dict[str, Any] | Codec | None, **params: Any) -> Code
 
         return ErrorFeedbackCodec(codec)
     return codec
+
+
+def frame_body_size(config: dict[str, Any], shape: tuple[int, ...]) -> int:
+    """The body length of a frame of the registered codec ``config`` names, for
+    :func:`geocomm.codecs.frames.parse_frame`; ValueError when no codec takes it."""
+    try:
+        codec = get_codec(config)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"frame names an unusable codec {config}: {exc}") from None
+    return codec.frame_body_size(shape)

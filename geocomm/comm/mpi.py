@@ -37,7 +37,7 @@ def require_mpi() -> Any:
     return MPI
 
 
-class _MPIRequest:
+class MPIRequest:
     __slots__ = ("_req",)
 
     def __init__(self, req: Any):
@@ -72,25 +72,25 @@ class MPICommunicator:
             [send, (send_counts, send_displs), MPI.BYTE],
             [recv, (recv_counts, recv_displs), MPI.BYTE],
         )
-        return _MPIRequest(req)
+        return MPIRequest(req)
 
     def allgatherv(self, send, recv, counts, displs):
         req = self.comm.Iallgatherv([send, MPI.BYTE], [recv, (counts, displs), MPI.BYTE])
-        return _MPIRequest(req)
+        return MPIRequest(req)
 
     # the blocking calls post nonblocking ones and wait with the geocomm timeout
     def allreduce(self, send: np.ndarray, recv: np.ndarray, op: str) -> None:
         req = self.comm.Iallreduce(send, recv, getattr(MPI, _OPS[op]))
-        wait(_MPIRequest(req), "an all-reduce", self.rank)
+        wait(MPIRequest(req), "an all-reduce", self.rank)
 
     def allgather_int64(self, values: np.ndarray) -> np.ndarray:
         values = np.ascontiguousarray(values, np.int64)
         rows = np.empty((self.size, values.size), np.int64)
-        wait(_MPIRequest(self.comm.Iallgather(values, rows)), "a metadata all-gather", self.rank)
+        wait(MPIRequest(self.comm.Iallgather(values, rows)), "a metadata all-gather", self.rank)
         return rows
 
     def barrier(self) -> None:
-        wait(_MPIRequest(self.comm.Ibarrier()), "a barrier", self.rank)
+        wait(MPIRequest(self.comm.Ibarrier()), "a barrier", self.rank)
 
     def abort_local(self) -> None:
         """Nothing to release: MPI_Abort takes down this rank's MPI state too."""

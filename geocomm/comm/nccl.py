@@ -11,7 +11,7 @@ first waits for the work already queued on the caller's current stream (the
 encode that produced the send buffer). The returned request records an event
 after the transfer: ``wait_stream()`` makes the caller's current stream wait
 on it without blocking the host (what the collectives do: the batched
-pipeline of :mod:`geocomm.gpu_pipeline` never waits on the host), ``test()``
+pipeline of :mod:`geocomm.engine.device` never waits on the host), ``test()``
 polls it, ``wait()`` also blocks the host until it completed. A request keeps
 its buffers alive until it is dropped; drop it only once the stream that
 allocated them waits for it (CuPy's pool hands memory out again on that
@@ -57,7 +57,7 @@ import numpy as np
 
 from geocomm.comm import abort
 from geocomm.comm.base import CollectiveTimeout, timeout_seconds, wait
-from geocomm.comm.mpi import _MPIRequest, require_mpi
+from geocomm.comm.mpi import MPIRequest, require_mpi
 
 _OPS = {"sum": "NCCL_SUM", "max": "NCCL_MAX"}
 _DTYPES = {np.dtype(np.float32): "NCCL_FLOAT32", np.dtype(np.float64): "NCCL_FLOAT64"}
@@ -296,7 +296,7 @@ class NCCLCommunicator:
         GEOCOMM_TIMEOUT); returns (size, len) rows."""
         values = np.ascontiguousarray(values, np.int64)
         rows = np.empty((self.size, values.size), np.int64)
-        wait(_MPIRequest(self.mpi_comm.Iallgather(values, rows)), "a metadata all-gather",
+        wait(MPIRequest(self.mpi_comm.Iallgather(values, rows)), "a metadata all-gather",
              self.rank)
         return rows
 
@@ -304,7 +304,7 @@ class NCCLCommunicator:
         """Wait for this rank's queued transfers, then for every rank (MPI barrier);
         each wait is bounded by GEOCOMM_TIMEOUT."""
         self.synchronize()
-        wait(_MPIRequest(self.mpi_comm.Ibarrier()), "a barrier", self.rank)
+        wait(MPIRequest(self.mpi_comm.Ibarrier()), "a barrier", self.rank)
 
     def synchronize(self) -> None:
         """Block until this rank's queued transfers completed: at most GEOCOMM_TIMEOUT,

@@ -12,7 +12,7 @@ Uneven all-gathers are padded to the largest segment (gloo has no
 all-gather-v).
 
 Device mode (``backend == "nccl"``, so the collectives keep CuPy arrays on the
-device and run the batched pipeline of :mod:`geocomm.gpu_pipeline`): the
+device and run the batched pipeline of :mod:`geocomm.engine.device`): the
 default over a NCCL group, or ``device_arrays=True`` for any group that can
 move the device arrays' memory. The arrays reach torch through DLPack, and
 what orders a transfer depends on the tensor torch makes of them:

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 import geocomm
-from geocomm.pipeline import DEFAULT_CHUNK_ELEMS
+from geocomm.engine.layout import DEFAULT_CHUNK_ELEMS
 from geocomm.testing import (
     breakdown,
     emulated_link,

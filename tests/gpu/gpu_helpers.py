@@ -26,8 +26,6 @@ def twice(call):
     host's count is put back before the host call repeats the device's."""
     from geocomm import collectives
 
-    counts = dict(collectives._calls)
-    device = call(True)
-    collectives._calls.clear()
-    collectives._calls.update(counts)
+    with collectives.saved_call_counts():
+        device = call(True)
     return device, call(False)

@@ -270,7 +270,8 @@ def fake_cupy() -> types.SimpleNamespace:
 def stand_ins(gc, monkeypatch):
     """A Context on fake CuPy whose 'NCCL' communicator is MPI, and the CUDA codec
     and batched kernels replaced by the C core (what the kernels must equal)."""
-    from geocomm import cuda, gpu_pipeline, native
+    from geocomm import cuda, native
+    from geocomm.engine import device as gpu_pipeline
 
     def fmt_id(fmt):
         return native.FORMATS[fmt] if isinstance(fmt, str) else fmt
@@ -307,7 +308,7 @@ def test_bytes_section_names_a_wrong_byte(stand_ins, monkeypatch):
 
 
 def test_batched_check_names_a_wrong_byte(stand_ins, monkeypatch):
-    from geocomm import gpu_pipeline
+    from geocomm.engine import device as gpu_pipeline
 
     gcb, common = _load("gpu_check_bytes"), _load("gpu_check_common")
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gpu_helpers import inputs
 
 from geocomm import cuda, native
 from geocomm.codecs.geo import kernels as geo
-from geocomm import gpu_pipeline as gp
-
-from gpu_helpers import inputs
+from geocomm.engine import device as gp
+from geocomm.engine import device_plan as gpl
 
 #: ragged counts: not multiples of any block (16, 32, 128, 256 threads, 4096)
 COUNTS = (1, 2, 15, 17, 33, 127, 255, 257, 1025, 4097, 12_301)
@@ -85,13 +85,13 @@ def test_batched_kernels_match_their_host_contract(cp, name, stochastic):
     if stochastic and name != "none":
         config = {**(config if isinstance(config, dict) else {"id": config}),
                   "rounding": "stochastic", "seed": 3}
-    fmt = gp.wire_format(geocomm.get_codec(config))
+    fmt = gpl.wire_format(geocomm.get_codec(config))
     counts = (5000, 0, 7, 4096 * 3 + 11, 129)
     pieces, at, wire_at = [], 0, 0
     for i, n in enumerate(counts):
-        pieces.append(gp.Piece(at, n, wire_at, 10_000 * i + 3))
+        pieces.append(gpl.Piece(at, n, wire_at, 10_000 * i + 3))
         at, wire_at = at + n, wire_at + fmt.wire_size(n)
-    rows, amax_slots = gp.segment_rows(fmt, pieces)
+    rows, amax_slots = gpl.segment_rows(fmt, pieces)
     x = inputs(7, at, tag=5)
     host_seg = gp.Segments(rows, rows)
     dev_seg = gp.Segments(rows, cp.asarray(rows))

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gpu_helpers import inputs, twice
 
 import geocomm
 from geocomm.comm.mpi import MPICommunicator
-from geocomm.pipeline import exact_sum
-
-from gpu_helpers import inputs, twice
+from geocomm.engine.exact import exact_sum
 
 pytestmark = [pytest.mark.mpi]
 

@@ -38,9 +38,10 @@ except ImportError:  # a real CuPy was imported: load the twin's runtime by its 
     _kernels = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_kernels)
 
-from geocomm import cuda, gpu_pipeline, native  # noqa: E402
+from geocomm import cuda, native  # noqa: E402
 from geocomm.codecs import reference  # noqa: E402
 from geocomm.codecs.geo import kernels as geo  # noqa: E402
+from geocomm.engine import device as gpu_pipeline  # noqa: E402
 
 LaunchError, CompileError = _kernels.LaunchError, _kernels.CompileError
 u64, u32, i32 = np.uint64, np.uint32, np.int32

@@ -1,16 +1,16 @@
-"""The pipeline for CuPy arrays over NCCL: batched kernels, waits ordered on
+"""The device pipeline: CuPy arrays over NCCL: batched kernels, waits ordered on
 streams (docs/design.md, "The collective").
 
-The host-driven :class:`~geocomm.pipeline.Pipeline` launches a few kernels per
+The host-driven :class:`~geocomm.engine.host.Pipeline` launches a few kernels per
 piece and waits for every transfer from Python. :class:`BatchedPipeline` runs
 the same algorithm, with the same bits, as one launch per phase and stage:
 
-* **segment tables**: every launch covers the pieces of one table, a row of
-  ``len(FIELDS)`` uint64 per piece (where its values and wire body lie, its
-  stochastic-rounding index, its scale layout; ``native/gc_pipeline.cu``
-  documents the fields). :func:`call_plan` builds the rows of every stage of a
-  call on the host, a pure function of the pieces, the rank and the format;
-  one upload per call.
+* **segment tables** (:mod:`geocomm.engine.device_plan`): every launch covers
+  the pieces of one table, a row of ``len(FIELDS)`` uint64 per piece (where
+  its values and wire body lie, its stochastic-rounding index, its scale
+  layout; ``native/gc_pipeline.cu`` documents the fields). :func:`call_plan`
+  builds the rows of every stage of a call on the host, a pure function of the
+  pieces, the rank and the format; one upload per call.
 * **per stage**: one launch encodes this rank's pieces of the other ``N - 1``
   shards (two for fp8 walked by tiles, block 0 or above TEAM_MAX: amax, then
   codes); one grouped all-to-all; one launch adds the owner's piece and the
@@ -54,108 +54,31 @@ import numpy as np
 
 from geocomm import cuda, native
 from geocomm.comm.base import Communicator
-
-# the host-side plan, re-exported so that one module names the whole GPU pipeline
-from geocomm.gpu_plan import (
-    AMAX as AMAX,
+from geocomm.engine.device_plan import (
+    BF16,
+    BLOCK,
+    COUNT,
+    INDEX,
+    MXFP4,
+    MXFP8,
+    NVFP4,
+    NVFP4_THREADS,
+    RAW,
+    SCALES,
+    TILES,
+    VALUES,
+    WIRE,
+    Exchange,
+    WireFormat,
+    body_layout,
+    call_plan,
+    decode_walk,
+    encode_walk,
+    launch_grid,
+    wire_format,
 )
-from geocomm.gpu_plan import (
-    BF16 as BF16,
-)
-from geocomm.gpu_plan import (
-    BLOCK as BLOCK,
-)
-from geocomm.gpu_plan import (
-    COUNT as COUNT,
-)
-from geocomm.gpu_plan import (
-    FIELDS as FIELDS,
-)
-from geocomm.gpu_plan import (
-    FP8 as FP8,
-)
-from geocomm.gpu_plan import (
-    GRID_X_MAX as GRID_X_MAX,
-)
-from geocomm.gpu_plan import (
-    GRID_Y_MAX as GRID_Y_MAX,
-)
-from geocomm.gpu_plan import (
-    INDEX as INDEX,
-)
-from geocomm.gpu_plan import (
-    MXFP4 as MXFP4,
-)
-from geocomm.gpu_plan import (
-    MXFP8 as MXFP8,
-)
-from geocomm.gpu_plan import (
-    NVFP4 as NVFP4,
-)
-from geocomm.gpu_plan import (
-    NVFP4_THREADS as NVFP4_THREADS,
-)
-from geocomm.gpu_plan import (
-    RAW as RAW,
-)
-from geocomm.gpu_plan import (
-    SCALES as SCALES,
-)
-from geocomm.gpu_plan import (
-    TILES as TILES,
-)
-from geocomm.gpu_plan import (
-    VALUES as VALUES,
-)
-from geocomm.gpu_plan import (
-    WIRE as WIRE,
-)
-from geocomm.gpu_plan import (
-    CallPlan as CallPlan,
-)
-from geocomm.gpu_plan import (
-    Exchange as Exchange,
-)
-from geocomm.gpu_plan import (
-    Piece as Piece,
-)
-from geocomm.gpu_plan import (
-    StagePlan as StagePlan,
-)
-from geocomm.gpu_plan import (
-    WireFormat as WireFormat,
-)
-from geocomm.gpu_plan import (
-    body_layout as body_layout,
-)
-from geocomm.gpu_plan import (
-    call_plan as call_plan,
-)
-from geocomm.gpu_plan import (
-    decode_walk as decode_walk,
-)
-from geocomm.gpu_plan import (
-    encode_walk as encode_walk,
-)
-from geocomm.gpu_plan import (
-    launch_grid as launch_grid,
-)
-from geocomm.gpu_plan import (
-    segment_rows as segment_rows,
-)
-from geocomm.gpu_plan import (
-    team_walk as team_walk,
-)
-from geocomm.gpu_plan import (
-    wire_format as wire_format,
-)
-from geocomm.pipeline import (
-    Pieces,
-    Pipeline,
-    RangeMap,
-    array_module,
-    rounding_stream,
-)
+from geocomm.engine.layout import Pieces, array_module, rounding_stream, run_schedule
+from geocomm.engine.protocols import RangeMap, WireCodec
 
 _SOURCE = "gc_pipeline.cu"
 _INCLUDE_LINE = '#include "gc_cuda.cu"'
@@ -321,12 +244,13 @@ class HostKernels:
 # the pipeline
 
 
-class BatchedPipeline(Pipeline):
-    """The staged algorithm of :class:`~geocomm.pipeline.Pipeline` (same phases, same
-    schedule, same bits) with one launch per phase and stage and no host waits;
-    see the module docstring. ``fmt``: the codec's :func:`wire_format`;
-    ``kernels``: :class:`CudaKernels` for CuPy arrays (default), :class:`HostKernels`
-    for NumPy arrays (tests); ``comm``'s requests must offer ``wait_stream()``.
+class BatchedPipeline:
+    """The staged algorithm of :class:`~geocomm.engine.host.Pipeline` (same phases, same
+    schedule, :func:`~geocomm.engine.layout.run_schedule`; same bits) with one launch
+    per phase and stage and no host waits; see the module docstring. ``fmt``: the
+    codec's :func:`wire_format`; ``kernels``: :class:`CudaKernels` for CuPy arrays
+    (default), :class:`HostKernels` for NumPy arrays (tests); ``comm``'s requests must
+    offer ``wait_stream()``.
     """
 
     def __init__(self, comm: Communicator, fmt: WireFormat, pieces: Pieces, source: Any,
@@ -335,7 +259,7 @@ class BatchedPipeline(Pipeline):
         self.comm, self.fmt, self.pieces = comm, fmt, pieces
         self.source, self.result, self.mapper = source, result, mapper
         self.result_offset, self.gather = result_offset, gather
-        self.me, self.open = comm.rank, []
+        self.me = comm.rank
         self.kernels = CudaKernels() if kernels is None else kernels
         self.streams = (rounding_stream(stream, comm.rank, 1),
                         rounding_stream(stream, comm.rank, 2))
@@ -352,6 +276,17 @@ class BatchedPipeline(Pipeline):
         self.amax = xp.zeros(max(plan.amax, 1), np.uint32)
         self.a2a_req: dict[int, Any] = {}
         self.ag_req: dict[int, Any] = {}
+
+    # -- helpers ------------------------------------------------------------
+    def _local(self, lo: int, hi: int) -> Any:
+        return self.result[lo - self.result_offset: hi - self.result_offset]
+
+    def _read(self, lo: int, hi: int) -> Any:
+        return self.source[lo:hi] if self.mapper is None else self.mapper.read(lo, hi)
+
+    def _done(self, lo: int, hi: int) -> None:
+        if self.mapper is not None and hi > lo:
+            self.mapper.done(lo, hi)
 
     def _segments(self, span: slice) -> Segments:
         return Segments(self.plan.rows[span], self.table[span])
@@ -371,7 +306,7 @@ class BatchedPipeline(Pipeline):
     def _send_pieces(self, s: int) -> list[tuple[int, int]]:
         return [self.pieces.piece_range(j, s) for j in range(self.comm.size) if j != self.me]
 
-    # -- phases (the schedule is Pipeline.run's) ----------------------------------
+    # -- phases ---------------------------------------------------------------
     def encode_stage(self, s: int) -> None:
         stage = self.plan.stages[s]
         seg = self._segments(stage.send)
@@ -441,3 +376,16 @@ class BatchedPipeline(Pipeline):
     def release(self) -> None:
         """Nothing to give back: the buffers return to CuPy's pool with this object,
         on the current stream, which by then waits for every transfer."""
+
+    def run(self) -> None:
+        run_schedule(self)
+
+
+def batched_format(comm: Communicator, codec: WireCodec, source: Any) -> WireFormat | None:
+    """The :class:`WireFormat` to run a call on with :class:`BatchedPipeline`, or None
+    when the host-driven pipeline runs it: the batched one takes CuPy arrays over NCCL
+    whose codec sends a native format's bytes (:func:`wire_format`). Both give the same
+    bits; the caller (the collectives, :func:`geocomm.engine.exact.exact_sum`) decides."""
+    if array_module(source) is np or comm.backend != "nccl":
+        return None
+    return wire_format(codec)

@@ -1,10 +1,10 @@
 """What the batched GPU pipeline does per stage, planned on the host: pure functions.
 
-:func:`call_plan` turns a call's :class:`~geocomm.pipeline.Pieces`, the rank
+:func:`call_plan` turns a call's :class:`~geocomm.engine.layout.Pieces`, the rank
 and the codec's :class:`WireFormat` into the segment tables of every stage
 (one row of ``FIELDS`` per piece) and the byte exchanges of its two grouped
 transfers. Nothing here touches a device, so the tests check every table on
-the CPU; :mod:`geocomm.gpu_pipeline` uploads and launches them.
+the CPU; :mod:`geocomm.engine.device` uploads and launches them.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import numpy as np
 
 from geocomm import cuda, native
 from geocomm.codecs.base import Codec, WireOf
-from geocomm.codecs.formats import NoneCodec, _NativeFormat
-from geocomm.pipeline import Pieces, _segments
+from geocomm.codecs.formats import NativeFormat, NoneCodec
+from geocomm.engine.layout import Pieces, segments
 
 #: The columns of a segment table (native/gc_pipeline.cu: GC_SEG_<NAME>).
 FIELDS = ("values", "count", "wire", "index", "amax", "scales", "block", "tiles")
@@ -77,15 +77,15 @@ def wire_format(codec: Codec) -> WireFormat | None:
         codec = codec.wire_codec
     if type(codec) is NoneCodec:
         return WireFormat(RAW)
-    if not isinstance(codec, _NativeFormat) or not _inherits(
-            codec, _NativeFormat, "encode_wire", "decode_wire", "wire_size"):
+    if not isinstance(codec, NativeFormat) or not _inherits(
+            codec, NativeFormat, "encode_wire", "decode_wire", "wire_size"):
         return None
-    fmt = native.format_id(codec._fmt)
+    name, block, flags = codec.native_wire()
+    fmt = native.format_id(name)
     family = {native.E4M3: FP8, native.E5M2: FP8, native.NVFP4: NVFP4, native.BF16: BF16,
               native.MXFP8_E4M3: MXFP8, native.MXFP8_E5M2: MXFP8, native.MXFP4: MXFP4}[fmt]
-    flags = codec._flags
     return WireFormat(family, fmt, e5m2=fmt in (native.E5M2, native.MXFP8_E5M2),
-                      block=codec._block, rceil=bool(flags & native.RCEIL),
+                      block=block, rceil=bool(flags & native.RCEIL),
                       stochastic=bool(flags & native.STOCHASTIC), seed=codec.seed)
 
 
@@ -241,9 +241,9 @@ def call_plan(fmt: WireFormat, pieces: Pieces, rank: int, result_offset: int = 0
         ranges = [pieces.piece_range(j, s) for j in range(size)]
         sizes = [fmt.wire_size(hi - lo) for lo, hi in ranges]
         mine = sizes[rank]
-        send_counts, send_displs = _segments([0 if j == rank else b for j, b in enumerate(sizes)])
-        recv_counts, recv_displs = _segments([0 if j == rank else mine for j in range(size)])
-        gather_counts, gather_displs = _segments(sizes)
+        send_counts, send_displs = segments([0 if j == rank else b for j, b in enumerate(sizes)])
+        recv_counts, recv_displs = segments([0 if j == rank else mine for j in range(size)])
+        gather_counts, gather_displs = segments(sizes)
         send, packed = [], 0
         for j, (lo, hi) in enumerate(ranges):
             if j != rank:

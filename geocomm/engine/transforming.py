@@ -15,12 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from geocomm.codecs import Codec, TransformingCodec
 from geocomm.comm.base import Communicator
-from geocomm.pipeline import add_into, array_module, exact_sum
+from geocomm.engine.exact import add_into, exact_sum, subtract_from
+from geocomm.engine.layout import array_module
+from geocomm.engine.protocols import WireCodec
 
 
-def plan_parts(codec: TransformingCodec | None, values: Any, parts: list[Any],
+def plan_parts(codec: Any, values: Any, parts: list[Any],
                bounds: np.ndarray) -> list[tuple[Any, Any]]:
     """Plan every part with ``codec`` (None: no part is mapped); return the (part, plan)
     pairs that have a plan.
@@ -44,7 +45,7 @@ def plan_parts(codec: TransformingCodec | None, values: Any, parts: list[Any],
 
 
 class PartsMap:
-    """The pipeline's :class:`~geocomm.pipeline.RangeMap` over a buffer of tensors.
+    """The pipeline's :class:`~geocomm.engine.protocols.RangeMap` over a buffer of tensors.
 
     ``read`` returns the mapped values of a range, written into ``mapped``
     (a buffer like ``values``, which it may be) or, with ``mapped`` None,
@@ -60,7 +61,7 @@ class PartsMap:
 
     def __init__(self, values: Any, mapped: Any, result: Any, offset: int, parts: list[Any],
                  planned: list[tuple[Any, Any]], side_sums: list[Any], residual: Any = None,
-                 codec: Codec | None = None):
+                 codec: WireCodec | None = None):
         self.values, self.mapped, self.result, self.offset = values, mapped, result, offset
         self.residual, self.codec = residual, codec
         plans = {id(part): (plan, side) for (part, plan), side in
@@ -108,7 +109,7 @@ class PartsMap:
         if self.residual is not None:
             sent = self.residual[lo:hi]
             self.codec.decode_wire(wire, sent)
-            _subtract_from(values, sent)  # residual = values - decode(wire)
+            subtract_from(values, sent)  # residual = values - decode(wire)
 
     def done(self, lo: int, hi: int) -> None:
         for part, plan, side, a, b in self._overlaps(lo, hi):
@@ -122,22 +123,6 @@ class PartsMap:
             if plan is not None and not plan.ranged:
                 plan.inverse(self.result[a - self.offset: b - self.offset], a - part.offset,
                              side)
-
-
-def _subtract_from(values: Any, decoded: Any) -> None:
-    """``decoded = values - decoded`` in place (what a quantization lost), the same bits
-    on every device: IEEE fp32, rounded to nearest, subnormals kept. NumPy computes
-    ``-1 * decoded + values`` as it always has (the IEEE difference; of two NaNs it
-    keeps decoded's, as ``np.subtract`` would not); CuPy arrays go through
-    :func:`geocomm.cuda.subtract` (CuPy's own arithmetic flushes subnormals; GPU NaNs
-    are canonical anyway). C-contiguous float32 arrays of one size and kind, apart."""
-    if array_module(decoded) is np:
-        np.multiply(decoded, -1, out=decoded)
-        np.add(decoded, values, out=decoded)
-    else:
-        from geocomm import cuda
-
-        cuda.subtract(decoded, values, decoded)
 
 
 def side_sums(comm: Communicator, planned: list[tuple[Any, Any]]) -> list[Any]:

@@ -1,0 +1,123 @@
+"""The self-describing frame: header, config, body and CRC32 (docs/design.md, "Formats").
+
+A frame carries magic, version, dtype code, shape, the codec's config (JSON),
+the body and a CRC32 of everything before it. This module writes and
+validates frames and knows nothing of codecs: the body's expected length comes
+from the caller (``body_size``: the codec, or the registry, that reads the
+frame). It imports nothing of geocomm.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+MAGIC = b"GEOC"
+FRAME_VERSION = 1
+MAX_NDIM = 32
+MAX_COUNT = 2**48  # values per frame; bounds every size computed from a header
+# magic, version, dtype code, ndim, reserved, config length, body length
+HEAD = struct.Struct("<4sBBBBIQ")
+CRC = struct.Struct("<I")
+
+# dtype codes of the frame; the float dtypes geocomm accepts everywhere
+DTYPE_CODES: dict[np.dtype, int] = {
+    np.dtype(np.float32): 1,
+    np.dtype(np.float16): 2,
+    np.dtype(ml_dtypes.bfloat16): 3,
+    np.dtype(np.float64): 4,
+}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+def check_float_array(x: Any, name: str = "x") -> np.ndarray:
+    """Return x as a numpy array of a supported float dtype, or raise TypeError."""
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array, got {type(x).__name__}")
+    if x.dtype not in DTYPE_CODES:
+        raise TypeError(
+            f"{name} has dtype {x.dtype}; geocomm codecs take float32, float16, bfloat16 "
+            "or float64"
+        )
+    return x
+
+
+
+def write_frame(config: dict[str, Any], dtype: np.dtype, shape: tuple[int, ...], body_len: int,
+                fill_body: Callable[[np.ndarray], None]) -> np.ndarray:
+    """A frame (uint8 array) of an array of ``dtype`` and ``shape`` whose codec has
+    ``config``: ``fill_body`` writes the ``body_len`` bytes of the body it is given."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
+    head_len = HEAD.size + 8 * len(shape) + len(text)
+    frame = np.empty(head_len + body_len + CRC.size, np.uint8)
+    head = HEAD.pack(MAGIC, FRAME_VERSION, DTYPE_CODES[np.dtype(dtype)], len(shape), 0,
+                     len(text), body_len)
+    head += struct.pack(f"<{len(shape)}Q", *shape) + text
+    frame[:head_len] = np.frombuffer(head, np.uint8)
+    fill_body(frame[head_len : head_len + body_len])
+    crc = zlib.crc32(frame[: head_len + body_len])
+    frame[head_len + body_len :] = np.frombuffer(CRC.pack(crc), np.uint8)
+    return frame
+
+
+class FrameInfo:
+    """Fields of a validated frame."""
+
+    __slots__ = ("body", "config", "dtype", "shape")
+
+    def __init__(self, config: dict, dtype: np.dtype, shape: tuple[int, ...], body: np.ndarray):
+        self.config, self.dtype, self.shape, self.body = config, dtype, shape, body
+
+
+def parse_frame(buf: Any, body_size: Callable[[dict[str, Any], tuple[int, ...]], int]
+                ) -> FrameInfo:
+    """Validate a frame completely (sizes, CRC, config, body length); ValueError if bad.
+
+    ``body_size(config, shape)``: the body's length for the codec the frame names
+    (raising ValueError when that codec is unusable or not the reader's)."""
+    try:
+        data = np.frombuffer(memoryview(buf).cast("B"), np.uint8)
+    except TypeError as exc:
+        raise ValueError(f"a frame must be a bytes-like object: {exc}") from None
+    if data.size < HEAD.size + CRC.size:
+        raise ValueError(f"frame of {data.size} bytes is shorter than a frame header")
+    magic, version, dtype_code, ndim, _reserved, config_len, body_len = HEAD.unpack_from(data)
+    if magic != MAGIC:
+        raise ValueError(f"not a geocomm frame (magic {magic!r})")
+    if version != FRAME_VERSION:
+        raise ValueError(f"unsupported frame version {version} (this is version {FRAME_VERSION})")
+    if dtype_code not in CODE_DTYPES:
+        raise ValueError(f"unknown dtype code {dtype_code} in frame")
+    if ndim > MAX_NDIM:
+        raise ValueError(f"frame claims {ndim} dimensions (at most {MAX_NDIM})")
+    head_len = HEAD.size + 8 * ndim + config_len
+    if head_len + body_len + CRC.size != data.size:
+        raise ValueError(
+            f"frame length {data.size} does not match its header "
+            f"({head_len} + {body_len} + {CRC.size} bytes)"
+        )
+    (crc,) = CRC.unpack_from(data, data.size - CRC.size)
+    if zlib.crc32(data[: data.size - CRC.size]) != crc:
+        raise ValueError("frame checksum mismatch: the frame is corrupted")
+    shape = struct.unpack_from(f"<{ndim}Q", data, HEAD.size)
+    try:
+        config = json.loads(bytes(data[HEAD.size + 8 * ndim : head_len]).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        # RecursionError: nesting deeper than the parser recurses ("[[[[...")
+        raise ValueError(f"frame codec config is not valid JSON: {exc}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("id"), str):
+        raise ValueError("frame codec config must be an object with a string 'id'")
+    if math.prod(shape) > MAX_COUNT:
+        raise ValueError(f"frame shape {shape} holds more than {MAX_COUNT} values")
+    expected = body_size(config, tuple(int(d) for d in shape))
+    if expected != body_len:
+        raise ValueError(f"frame body has {body_len} bytes, shape {shape} needs {expected}")
+    body = data[head_len : head_len + body_len]
+    return FrameInfo(config, CODE_DTYPES[dtype_code], tuple(int(d) for d in shape), body)

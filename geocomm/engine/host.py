@@ -1,0 +1,227 @@
+"""The staged compressed algorithm on the host (docs/design.md, "The collective").
+
+All-reduce of ``count`` values on ``N`` ranks, two quantizations:
+
+1. the flat buffer is cut into the ``N`` shards of :func:`shard_bounds`
+   (``np.array_split``); each shard into pieces of :class:`Pieces`, one piece
+   per shard per pipeline stage;
+2. stage ``s``: every rank encodes piece ``s`` of every other rank's shard
+   (each piece on its own, so no header travels) and an all-to-all sends
+   shard ``j``'s piece to rank ``j``;
+3. rank ``j`` takes its own piece as it is (it never travels, so it is never
+   quantized), adds the ``N - 1`` decoded pieces in rank order in fp32
+   (deterministic, and independent of whether the result aliases the source),
+   re-encodes the sum, and an all-gather sends it to everyone, itself
+   included; every rank decodes all pieces from the same bytes, so every rank
+   ends with bitwise identical values.
+
+Three stages are in flight: while stage ``s`` is encoded, stage ``s-1``'s
+all-to-all and stage ``s-2``'s all-gather move, and every codec call is
+followed by a ``test()`` of the open requests so MPI makes progress without a
+progress thread. Reduce-scatter is steps 1-3 without the all-gather; the owner
+keeps its fp32 sum. With the lossless codec the same algorithm is an exact,
+rank-ordered sum (:func:`geocomm.engine.exact.exact_sum`), which the side channels of transforming
+codecs use.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from geocomm.comm.base import Communicator, Request, wait
+from geocomm.engine.layout import Pieces, array_module, rounding_stream, run_schedule, segments
+from geocomm.engine.protocols import RangeMap, WireCodec
+
+
+class _ScratchPool:
+    """Wire buffers kept between calls, per thread, for NumPy pipelines.
+
+    Megabyte-sized buffers freed after every call go back to the kernel
+    (glibc trims the heap), and the next call pays for zeroed pages again: a
+    profile of a 64 MiB fp8 all-reduce showed that page clearing cost as much
+    as encoding. CuPy has its own memory pool, so device buffers skip this.
+    """
+
+    KEEP = 16  # buffers kept per thread (a pipeline uses 8) ...
+    KEEP_BYTES = 64 << 20  # ... and at most this many bytes of them
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+
+    def _free(self) -> list[np.ndarray]:
+        if not hasattr(self.local, "free"):
+            self.local.free = []
+        return self.local.free
+
+    def take(self, xp: Any, nbytes: int) -> Any:
+        """An uninitialized uint8 buffer of ``nbytes`` (a pooled one when it fits)."""
+        if xp is not np:
+            return xp.empty(nbytes, np.uint8)
+        free = self._free()
+        fits = [i for i, b in enumerate(free) if b.size >= nbytes]
+        if not fits:
+            return np.empty(nbytes, np.uint8)
+        best = min(fits, key=lambda i: free[i].size)
+        return free.pop(best)[:nbytes]
+
+    def give_back(self, buffers: list[Any]) -> None:
+        free = self._free()
+        for b in buffers:
+            if isinstance(b, np.ndarray):
+                free.append(b.base if b.base is not None else b)
+        free.sort(key=lambda b: b.size)
+        kept, total = 0, 0
+        while kept < min(len(free), self.KEEP) and total + free[kept].size <= self.KEEP_BYTES:
+            total += free[kept].size
+            kept += 1
+        del free[kept:]
+
+
+_SCRATCH = _ScratchPool()
+
+
+class Pipeline:
+    """The staged algorithm for one call; phases are separate methods so the
+    perf tools can time encode, communication and decode on their own.
+
+    ``source`` holds the values to reduce (or ``mapper`` maps them piece by
+    piece); ``result`` receives the sum from absolute index
+    ``result_offset`` on and may be ``source``.
+    """
+
+    def __init__(self, comm: Communicator, codec: WireCodec, pieces: Pieces,
+                 source: np.ndarray, result: np.ndarray, result_offset: int, gather: bool,
+                 mapper: RangeMap | None = None, stream: int = 0):
+        self.comm, self.codec, self.pieces = comm, codec, pieces
+        # stochastic rounding: every quantization of the call draws from its own
+        # stream (this rank's first one, its second one), counted by element index
+        self.streams = (rounding_stream(stream, comm.rank, 1),
+                        rounding_stream(stream, comm.rank, 2))
+        self.source, self.result, self.mapper = source, result, mapper
+        self.result_offset = result_offset  # absolute index of result[0]
+        self.gather = gather
+        self.open: list[Request] = []
+        n, me = comm.size, comm.rank
+        xp = array_module(source)
+        wire = codec.wire_size
+        mine = wire(pieces.piece)
+        every = [wire(min(pieces.piece, int(b - a))) for a, b in
+                 zip(pieces.bounds[:-1], pieces.bounds[1:], strict=True)]
+        # two stages in flight at most per phase: double buffers
+        self.a2a_send = [_SCRATCH.take(xp, sum(every)) for _ in range(2)]
+        self.a2a_recv = [_SCRATCH.take(xp, n * mine) for _ in range(2)]
+        self.ag_send = [_SCRATCH.take(xp, mine) for _ in range(2)]
+        self.ag_recv = [_SCRATCH.take(xp, sum(every)) for _ in range(2)]
+        self.me = me
+        self.a2a_req: dict[int, Request] = {}
+        self.ag_req: dict[int, Request] = {}
+
+    # -- helpers ------------------------------------------------------------
+    def _progress(self) -> None:
+        self.open = [r for r in self.open if not r.test()]
+
+    def _stage_sizes(self, stage: int) -> list[int]:
+        """Wire bytes of every shard's piece in ``stage``."""
+        ranges = (self.pieces.piece_range(j, stage) for j in range(self.comm.size))
+        return [self.codec.wire_size(hi - lo) for lo, hi in ranges]
+
+    def _local(self, lo: int, hi: int) -> np.ndarray:
+        return self.result[lo - self.result_offset: hi - self.result_offset]
+
+    def _read(self, lo: int, hi: int) -> Any:
+        return self.source[lo:hi] if self.mapper is None else self.mapper.read(lo, hi)
+
+    def _done(self, lo: int, hi: int) -> None:
+        if self.mapper is not None and hi > lo:
+            self.mapper.done(lo, hi)
+            self._progress()
+
+    # -- phases ---------------------------------------------------------------
+    def _a2a_sizes(self, s: int) -> tuple[list[int], list[int]]:
+        """Wire bytes this rank sends to and receives from each rank in stage
+        ``s``'s all-to-all: its piece of every other shard, and every other
+        rank's piece of its own shard; nothing to itself (its own piece enters
+        the sum unquantized)."""
+        sizes = self._stage_sizes(s)
+        mine = sizes[self.me]
+        sizes[self.me] = 0
+        return sizes, [0 if i == self.me else mine for i in range(self.comm.size)]
+
+    def encode_stage(self, s: int) -> None:
+        counts, displs = segments(self._a2a_sizes(s)[0])
+        buf = self.a2a_send[s % 2]
+        for j in range(self.comm.size):
+            if j != self.me:
+                lo, hi = self.pieces.piece_range(j, s)
+                values, wire = self._read(lo, hi), buf[displs[j]: displs[j] + counts[j]]
+                self.codec.encode_wire(values, wire, stream=self.streams[0], offset=lo)
+                if self.mapper is not None:
+                    self.mapper.encoded(lo, hi, values, wire)
+                self._progress()
+
+    def start_alltoall(self, s: int) -> None:
+        send_sizes, recv_sizes = self._a2a_sizes(s)
+        send_counts, send_displs = segments(send_sizes)
+        recv_counts, recv_displs = segments(recv_sizes)
+        req = self.comm.alltoallv(self.a2a_send[s % 2], send_counts, send_displs,
+                                  self.a2a_recv[s % 2], recv_counts, recv_displs)
+        self.a2a_req[s] = req
+        self.open.append(req)
+
+    def reduce_stage(self, s: int) -> None:
+        """My piece of my shard (exact), then the other ranks' decoded pieces in
+        rank order, summed in fp32 into result. Own piece first: out may alias
+        the source, and the order must not depend on that."""
+        wait(self.a2a_req.pop(s), f"the all-to-all of stage {s}", self.me)
+        lo, hi = self.pieces.piece_range(self.me, s)
+        acc = self._local(lo, hi)
+        acc[...] = self._read(lo, hi)
+        seg = self.codec.wire_size(hi - lo)
+        buf = self.a2a_recv[s % 2]
+        offset = 0
+        for i in range(self.comm.size):
+            if i != self.me:
+                self.codec.decode_wire(buf[offset: offset + seg], acc, accumulate=True)
+                offset += seg
+                self._progress()
+        if not self.gather:  # reduce-scatter: the owner's sum is final
+            self._done(lo, hi)
+
+    def reencode_stage(self, s: int) -> None:
+        """Encode my reduced piece for the all-gather (the second quantization)."""
+        lo, hi = self.pieces.piece_range(self.me, s)
+        values = self._local(lo, hi)
+        self.codec.encode_wire(values, self.ag_send[s % 2], stream=self.streams[1], offset=lo)
+        if self.mapper is not None:
+            self.mapper.encoded(lo, hi, values, self.ag_send[s % 2])
+        self._progress()
+
+    def start_allgather(self, s: int) -> None:
+        sizes = self._stage_sizes(s)
+        counts, displs = segments(sizes)
+        send = self.ag_send[s % 2][: sizes[self.me]]
+        req = self.comm.allgatherv(send, self.ag_recv[s % 2], counts, displs)
+        self.ag_req[s] = req
+        self.open.append(req)
+
+    def decode_stage(self, s: int) -> None:
+        wait(self.ag_req.pop(s), f"the all-gather of stage {s}", self.me)
+        counts, displs = segments(self._stage_sizes(s))
+        buf = self.ag_recv[s % 2]
+        for j in range(self.comm.size):
+            lo, hi = self.pieces.piece_range(j, s)
+            self.codec.decode_wire(buf[displs[j]: displs[j] + counts[j]], self._local(lo, hi))
+            self._progress()
+            self._done(lo, hi)
+
+    def run(self) -> None:
+        run_schedule(self)
+
+    def release(self) -> None:
+        """Give the scratch back (every request has completed: each phase waited on its own)."""
+        _SCRATCH.give_back(self.a2a_send + self.a2a_recv + self.ag_send + self.ag_recv)
+
+

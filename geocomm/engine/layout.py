@@ -1,0 +1,151 @@
+"""Where the values of a call go: shards, pieces, the schedule of phases, the
+rounding streams and the stage size (docs/design.md, "The collective").
+
+Pure functions of their arguments: every rank computes the same numbers. The
+bottom of :mod:`geocomm.engine`; it imports only :mod:`geocomm.engine.costs`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from geocomm.engine import costs
+
+#: Values of the whole buffer per pipeline stage (all shards together) on host
+#: backends; devices take :func:`stage_values`.
+DEFAULT_CHUNK_ELEMS = costs.HOST_STAGE_VALUES
+#: Pieces start at multiples of this many values from their shard's start, so no
+#: scaling block is split (fp8's 128, MX's 32, NVFP4's superblocks of 4096 and
+#: blocks of 16), and every scale covers the same values whatever chunk_elems
+#: is: the results' bits do not depend on the stage size.
+PIECE_ALIGN = 4096
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix64(z: int) -> int:
+    """SplitMix64's finalizer: a 64-bit mix with every input bit reaching every output bit."""
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def rounding_stream(call: int, rank: int, quantization: int) -> int:
+    """The stochastic-rounding stream of one quantization of a call: ``call`` identifies
+    the call (tensor key and call number), then the encoding rank and which of the two
+    quantizations; the element index is the counter within the stream."""
+    return mix64(mix64(mix64(call) ^ (rank + 1)) ^ quantization)
+
+
+def shard_bounds(count: int, size: int) -> np.ndarray:
+    """Offsets of the ``np.array_split(range(count), size)`` shards (size + 1 values)."""
+    q, r = divmod(count, size)
+    j = np.arange(size + 1, dtype=np.int64)
+    return j * q + np.minimum(j, r)
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """Where every piece of every stage lies; identical on every rank.
+
+    The flat buffer is cut into the ``size`` shards of :func:`shard_bounds`,
+    each shard into pieces of ``piece`` values; stage ``s`` moves piece ``s``
+    of every shard.
+    """
+
+    count: int
+    size: int
+    bounds: np.ndarray
+    piece: int
+    stages: int
+
+    @classmethod
+    def plan(cls, count: int, size: int, chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> Pieces:
+        if chunk_elems <= 0:
+            raise ValueError(f"chunk_elems must be positive, got {chunk_elems}")
+        bounds = shard_bounds(count, size)
+        per_shard = -(-chunk_elems // size)
+        piece = max(PIECE_ALIGN, -(-per_shard // PIECE_ALIGN) * PIECE_ALIGN)
+        longest = int(np.max(np.diff(bounds))) if count else 0
+        return cls(count, size, bounds, piece, -(-longest // piece))
+
+    def piece_range(self, shard: int, stage: int) -> tuple[int, int]:
+        """Absolute [lo, hi) of shard ``shard``'s piece in stage ``stage`` (may be empty)."""
+        start, end = int(self.bounds[shard]), int(self.bounds[shard + 1])
+        lo = min(start + stage * self.piece, end)
+        return lo, min(lo + self.piece, end)
+
+
+def stage_values(backend: str | None, count: int, size: int,
+                 ratio: float = costs.FP8_RATIO) -> int:
+    """Values per pipeline stage (``chunk_elems``) for ``count`` values on ``size`` ranks
+    of ``backend``: measured for host backends, the cost model's for devices
+    (:func:`geocomm.costs.stage_values`, whose docstring states the model);
+    ``ratio``: the codec's wire bytes per fp32 byte."""
+    return costs.stage_values(backend, count, size, ratio)
+
+
+def wire_bytes(codec: Any, pieces: Pieces, rank: int, gather: bool = True) -> int:
+    """Bytes ``rank`` sends in one compressed all-reduce (``gather=False``:
+    reduce-scatter): its pieces for the other shards, plus its re-encoded
+    reduced pieces, which N - 1 ranks receive. Side channels of stateful
+    codecs are not included (their plans report ``side_bytes``)."""
+    total = 0
+    for s in range(pieces.stages):
+        for j in range(pieces.size):
+            lo, hi = pieces.piece_range(j, s)
+            if j != rank:
+                total += codec.wire_size(hi - lo)
+            elif gather:
+                total += (pieces.size - 1) * codec.wire_size(hi - lo)
+    return total
+
+
+def array_module(array: Any) -> Any:
+    """numpy, or cupy for CuPy arrays (the NCCL backend works on the device)."""
+    if type(array).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
+def segments(sizes: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(counts, displacements) of consecutive segments of ``sizes`` (int64)."""
+    counts = np.asarray(sizes, dtype=np.int64)
+    displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    return counts, displs
+
+
+def schedule(stages: int, gather: bool) -> Iterator[tuple[str, int]]:
+    """The phases of a call in order, as (phase of
+    :class:`~geocomm.engine.protocols.Phases`, stage): three stages in flight, so
+    stage s is encoded while s - 1's all-to-all and s - 2's all-gather move."""
+    for s in range(stages + 2):
+        if s < stages:
+            yield "encode_stage", s
+            yield "start_alltoall", s
+        if 1 <= s <= stages:
+            yield "reduce_stage", s - 1
+            if gather:
+                yield "reencode_stage", s - 1
+                yield "start_allgather", s - 1
+        if gather and s >= 2:
+            yield "decode_stage", s - 2
+
+
+
+
+def run_schedule(pipe: Any) -> None:
+    """Run every phase of ``pipe`` (a :class:`~geocomm.engine.protocols.Phases`) in
+    :func:`schedule`'s order, then ``release`` it: the one schedule the host and the
+    device pipelines share."""
+    for phase, s in schedule(pipe.pieces.stages, pipe.gather):
+        getattr(pipe, phase)(s)
+    pipe.release()

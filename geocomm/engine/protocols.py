@@ -1,0 +1,93 @@
+"""What the engine's parts promise each other, as ``typing.Protocol`` classes
+(docs/design.md, "The collective" and "Transforming codecs").
+
+The pipelines take any codec with the wire API (:class:`WireCodec`), run their
+phases in :func:`geocomm.engine.layout.schedule`'s order (:class:`Phases`) and
+map values through a :class:`RangeMap`; the transforming driver
+(:mod:`geocomm.engine.transforming`) drives the codec's :class:`MapPlan` objects
+and :class:`RefreshRounds`. Nothing here imports the rest of geocomm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any, Protocol
+
+
+class WireCodec(Protocol):
+    """The wire API of a codec (:class:`geocomm.codecs.Codec`'s) the pipelines use."""
+
+    def wire_size(self, n: int) -> int: ...
+
+    def encode_wire(self, x: Any, wire: Any, stream: int = 0, offset: int = 0) -> None: ...
+
+    def decode_wire(self, wire: Any, out: Any, accumulate: bool = False) -> None: ...
+
+
+class Phases(Protocol):
+    """One call's pipeline, phase by phase: what :func:`~geocomm.engine.layout.run_schedule`
+    and ``geocomm.testing.run_lockstep`` drive. Host (:class:`~geocomm.engine.host.Pipeline`)
+    and device (:class:`~geocomm.engine.device.BatchedPipeline`) pipelines both offer it."""
+
+    pieces: Any
+    gather: bool
+
+    def encode_stage(self, s: int) -> None: ...
+
+    def start_alltoall(self, s: int) -> None: ...
+
+    def reduce_stage(self, s: int) -> None: ...
+
+    def reencode_stage(self, s: int) -> None: ...
+
+    def start_allgather(self, s: int) -> None: ...
+
+    def decode_stage(self, s: int) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class RangeMap(Protocol):
+    """Maps the flat ranges of a buffer while it is reduced (transforming codecs).
+
+    ``read(lo, hi)`` returns the values to send for [lo, hi) (the pipeline
+    asks for every piece exactly once, before encoding it or adding it up);
+    ``encoded(lo, hi, values, wire)`` says that ``values`` of [lo, hi) went
+    out as ``wire`` (every quantization this rank makes: its pieces of other
+    shards, then the sum of its own); ``done(lo, hi)`` says that
+    result[lo:hi] (absolute indices) holds its final sum, which the map may
+    then take back in place. Each runs between the pipeline's communication
+    steps, so its work overlaps them.
+    """
+
+    def read(self, lo: int, hi: int) -> Any: ...
+
+    def encoded(self, lo: int, hi: int, values: Any, wire: Any) -> None: ...
+
+    def done(self, lo: int, hi: int) -> None: ...
+
+
+
+class MapPlan(Protocol):
+    """A transforming codec's plan of one tensor (``codec.plan(...)``): ``ranged`` plans
+    map piece by piece (``begin`` once, ``forward_range`` per piece), the others the whole
+    tensor (``forward``); ``inverse`` maps a final range back with the side sum; ``side``
+    is this rank's side contribution (None: none); ``refreshes``: whether refresh rounds
+    follow."""
+
+    ranged: bool
+    refreshes: bool
+    side: Any
+
+    def begin(self, values: Any) -> None: ...
+
+    def forward(self, values: Any, out: Any) -> None: ...
+
+    def forward_range(self, values: Any, start: int, out: Any) -> None: ...
+
+    def inverse(self, result: Any, start: int, side_sum: Any) -> None: ...
+
+
+#: A refresh (``codec.refresh(plan, shard, start, side_sum)``): yields partial sums, is
+#: sent their exact sum over ranks, until it returns.
+RefreshRounds = Generator[Any, Any, None]
