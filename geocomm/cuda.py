@@ -17,24 +17,20 @@ differences of the collectives (CuPy's own arithmetic flushes subnormals).
 Importing this module never imports CuPy. ``available`` (computed on first
 access) says whether CuPy imports and sees a CUDA device; every function that
 needs CuPy raises :class:`CudaUnavailable` (an ImportError) saying what is
-missing. The kernels are compiled once per device with NVRTC, directly:
-CuPy's ``RawModule`` appends ``-ftz=true``, which would flush the subnormal
-values and scales the codec must keep.
+missing. :mod:`geocomm.cuda_build` finds, compiles (NVRTC) and loads the
+kernels.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from geocomm import native
+from geocomm.cuda_build import NVRTC_OPTIONS, CudaUnavailable, kernel, kernel_source, probe, require
 
 __all__ = [
     "NVRTC_OPTIONS",
@@ -59,137 +55,16 @@ THREADS = 256
 TILE = 4096
 #: Largest fp8 block handled by one team (<= one warp) of lanes in a single pass.
 TEAM_MAX = 1024
-#: Bit-exactness needs IEEE fp32: no FMA contraction, no flush to zero, exact division.
-NVRTC_OPTIONS = ("-std=c++17", "-fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")
-
-_SOURCES = ("gc_scalar.h", "gc_cuda.cu")
-_INCLUDE_LINE = '#include "gc_scalar.h"'
 _GRID_MAX = 2**31 - 1
-
-
-class CudaUnavailable(ImportError):
-    """CuPy, a CUDA device or NVRTC is missing."""
-
-
-@functools.cache
-def _probe() -> tuple[Any, str]:
-    """(cupy module, "") when usable, else (None, why not)."""
-    try:
-        import cupy
-    except ImportError as exc:
-        return None, f"CuPy is not installed ({exc})"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # CUDARuntimeError: no driver, no device
-        return None, f"CuPy found no usable CUDA device ({exc})"
-    if count < 1:
-        return None, "CuPy found no CUDA device"
-    return cupy, ""
 
 
 def __getattr__(name: str) -> Any:
     if name == "available":
-        return _probe()[0] is not None
+        return probe()[0] is not None
     if name in (*native.CDEF_NAMES, "FORMATS", "MX_FORMATS"):  # the C core's constants
         return getattr(native, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-
-def require() -> Any:
-    """The cupy module, or :class:`CudaUnavailable` naming what is missing."""
-    cupy, why = _probe()
-    if cupy is None:
-        raise CudaUnavailable(
-            "geocomm's GPU codec needs CuPy and a CUDA device: pip install 'geocomm[cupy]' "
-            f"(cupy-cuda12x) on a machine with an NVIDIA GPU. {why}."
-        )
-    return cupy
-
-
-# ---------------------------------------------------------------------------
-# kernel source and compilation
-
-
-def _source_dir() -> Path:
-    """Where gc_scalar.h and gc_cuda.cu live: installed beside this module, or the source tree."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "_kernels", here.parent / "native"):
-        if all((candidate / name).is_file() for name in _SOURCES):
-            return candidate
-    raise FileNotFoundError(
-        f"geocomm's CUDA kernel sources {_SOURCES} are neither installed in {here / '_kernels'} "
-        f"nor in a source tree at {here.parent / 'native'}; reinstall geocomm"
-    )
-
-
-def kernel_source() -> str:
-    """gc_cuda.cu with gc_scalar.h inlined: one translation unit for NVRTC (or nvcc)."""
-    directory = _source_dir()
-    header = (directory / "gc_scalar.h").read_text()
-    kernels = (directory / "gc_cuda.cu").read_text()
-    if _INCLUDE_LINE not in kernels:
-        raise RuntimeError(f"gc_cuda.cu does not contain the line {_INCLUDE_LINE!r}")
-    return kernels.replace(_INCLUDE_LINE, header, 1)
-
-
-def _nvrtc(cupy: Any) -> Any:
-    try:
-        return cupy.cuda.nvrtc
-    except AttributeError:
-        from cupy_backends.cuda.libs import nvrtc
-
-        return nvrtc
-
-
-def _compile(cupy: Any, source: str) -> bytes:
-    """Cubin for the current device (PTX when NVRTC does not know its architecture)."""
-    nvrtc = _nvrtc(cupy)
-    cc = int(cupy.cuda.Device().compute_capability)
-    archs = nvrtc.getSupportedArchs() if hasattr(nvrtc, "getSupportedArchs") else (cc,)
-    cubin = cc in archs and hasattr(nvrtc, "getCUBIN")
-    if cubin:
-        arch = f"-arch=sm_{cc}"
-    else:
-        older = [a for a in archs if a <= cc]
-        arch = f"-arch=compute_{max(older) if older else cc}"
-    options = (*NVRTC_OPTIONS, arch)
-    prog = nvrtc.createProgram(source, "gc_cuda.cu", (), ())
-    try:
-        try:
-            nvrtc.compileProgram(prog, options)
-        except nvrtc.NVRTCError as exc:
-            raise RuntimeError(
-                f"NVRTC failed to compile geocomm's CUDA kernels with {' '.join(options)}:\n"
-                f"{nvrtc.getProgramLog(prog)}"
-            ) from exc
-        if cubin:
-            return bytes(nvrtc.getCUBIN(prog))
-        ptx = nvrtc.getPTX(prog)
-        return (ptx.encode() if isinstance(ptx, str) else bytes(ptx)) + b"\0"
-    finally:
-        nvrtc.destroyProgram(prog)
-
-
-#: per (device id, source function): (loaded module, its kernel functions by name)
-_modules: dict[tuple[int, Callable[[], str]], tuple[Any, dict[str, Any]]] = {}
-_lock = threading.Lock()
-
-
-def _kernel(cupy: Any, name: str, source: Callable[[], str] = kernel_source) -> Any:
-    """Kernel ``name`` of the module that ``source()`` gives (default: the codec's
-    kernels), compiled with NVRTC_OPTIONS and loaded on the current device on first use."""
-    key = (cupy.cuda.Device().id, source)
-    with _lock:
-        entry = _modules.get(key)
-        if entry is None:
-            module = cupy.cuda.function.Module()
-            module.load(_compile(cupy, source()))
-            entry = _modules[key] = (module, {})
-        module, functions = entry
-        function = functions.get(name)
-        if function is None:
-            function = functions[name] = module.get_function(name)
-    return function
 
 
 # ---------------------------------------------------------------------------
@@ -245,7 +120,7 @@ def _grid(threads: int) -> tuple[int]:
     return (blocks,)
 
 
-def _team_shift(block: int) -> int:
+def team_shift(block: int) -> int:
     """log2 of the team width: the next power of two >= block, at most a warp (32)."""
     return min(5, (block - 1).bit_length())
 
@@ -281,7 +156,7 @@ def fp8_plan(n: int, block: int) -> Fp8Plan:
     block = n if block == 0 or block > n else block
     nblocks = -(-n // block)
     if block <= TEAM_MAX:
-        shift = _team_shift(block)
+        shift = team_shift(block)
         return Fp8Plan(block, nblocks, shift, 0, _grid(nblocks << shift)[0])
     per_block, total = _tiles(n, block)
     return Fp8Plan(block, nblocks, None, per_block, total)
@@ -317,7 +192,7 @@ def _amax_tiles(cupy: Any, x: Any, n: int, block: int) -> Any:
     """Per-scaling-block amax bits (uint32 device array) by the tile kernel; 1 <= block <= n."""
     per_block, total = _tiles(n, block)
     amax = cupy.zeros(-(-n // block), dtype=cupy.uint32)
-    _kernel(cupy, "gc_amax_tiles")(
+    kernel(cupy, "gc_amax_tiles")(
         (total,), (THREADS,), (x, _u64(n), _u64(block), _u64(per_block), _u64(TILE), amax))
     return amax
 
@@ -351,16 +226,16 @@ def encode(fmt: int | str, x: Any, block: int, wire: Any, stream: Any = None, *,
     rceil = np.int32(bool(flags & native.RCEIL))
     with _launch_context(x.device, stream):
         if fmt == native.BF16:
-            _kernel(cupy, "gc_bf16_encode")(_grid(n), (THREADS,), (x, _u64(n), *rounding, wire))
+            kernel(cupy, "gc_bf16_encode")(_grid(n), (THREADS,), (x, _u64(n), *rounding, wire))
         elif fmt == native.NVFP4:  # superblock amaxes, then one thread per code byte
             amax = _amax_tiles(cupy, x, n, min(n, native.NVFP4_SUPERBLOCK))
-            _kernel(cupy, "gc_nvfp4_encode")(
+            kernel(cupy, "gc_nvfp4_encode")(
                 _grid((n + 1) // 2), (THREADS,), (x, _u64(n), amax, *rounding, wire))
         elif fmt == native.MXFP4:
-            _kernel(cupy, "gc_mxfp4_encode")(
+            kernel(cupy, "gc_mxfp4_encode")(
                 _grid((n + 1) // 2), (THREADS,), (x, _u64(n), rceil, *rounding, wire))
         elif fmt in native.MX_FORMATS:
-            _kernel(cupy, "gc_mxfp8_encode")(
+            kernel(cupy, "gc_mxfp8_encode")(
                 _grid(n), (THREADS,),
                 (x, _u64(n), np.int32(fmt == native.MXFP8_E5M2), rceil, *rounding, wire))
         else:
@@ -372,11 +247,11 @@ def _encode_fp8(cupy: Any, fmt: int, x: Any, n: int, plan: Fp8Plan, rounding: tu
     e5m2 = np.int32(fmt == native.E5M2)
     head = (x, _u64(n), _u64(plan.block), _u64(plan.nblocks))
     if plan.team_shift is not None:
-        _kernel(cupy, "gc_fp8_encode_team")(
+        kernel(cupy, "gc_fp8_encode_team")(
             (plan.grid,), (THREADS,), (*head, np.uint32(plan.team_shift), e5m2, *rounding, wire))
         return
     amax = _amax_tiles(cupy, x, n, plan.block)
-    _kernel(cupy, "gc_fp8_encode_tiles")(
+    kernel(cupy, "gc_fp8_encode_tiles")(
         (plan.grid,), (THREADS,),
         (*head, _u64(plan.tiles_per_block), _u64(TILE), amax, e5m2, *rounding, wire))
 
@@ -398,13 +273,13 @@ def decode(fmt: int | str, wire: Any, block: int, out: Any, accumulate: bool = F
     acc = np.int32(bool(accumulate))
     with _launch_context(out.device, stream):
         if fmt == native.BF16:
-            _kernel(cupy, "gc_bf16_decode")(_grid(n), (THREADS,), (wire, _u64(n), acc, out))
+            kernel(cupy, "gc_bf16_decode")(_grid(n), (THREADS,), (wire, _u64(n), acc, out))
         elif fmt in (native.NVFP4, native.MXFP4):
-            _kernel(cupy, "gc_e2m1_decode")(
+            kernel(cupy, "gc_e2m1_decode")(
                 _grid((n + 1) // 2), (THREADS,),
                 (wire, _u64(n), np.int32(fmt == native.MXFP4), acc, out))
         elif fmt in native.MX_FORMATS:
-            _kernel(cupy, "gc_mxfp8_decode")(
+            kernel(cupy, "gc_mxfp8_decode")(
                 _grid(n), (THREADS,),
                 (wire, _u64(n), np.int32(fmt == native.MXFP8_E5M2), acc, out))
         else:
@@ -416,10 +291,10 @@ def _decode_fp8(cupy: Any, fmt: int, wire: Any, n: int, plan: Fp8Plan, acc: np.i
     e5m2 = np.int32(fmt == native.E5M2)
     head = (wire, _u64(n), _u64(plan.block), _u64(plan.nblocks))
     if plan.team_shift is not None:
-        _kernel(cupy, "gc_fp8_decode_team")(
+        kernel(cupy, "gc_fp8_decode_team")(
             (plan.grid,), (THREADS,), (*head, np.uint32(plan.team_shift), e5m2, acc, out))
         return
-    _kernel(cupy, "gc_fp8_decode_tiles")(
+    kernel(cupy, "gc_fp8_decode_tiles")(
         (plan.grid,), (THREADS,),
         (*head, _u64(plan.tiles_per_block), _u64(TILE), e5m2, acc, out))
 
@@ -467,7 +342,7 @@ def divide(values: Any, size: int, stream: Any = None) -> None:
     if n == 0:
         return
     with _launch_context(values.device, stream):
-        _kernel(cupy, _DIVIDE_KERNELS[dtype])(
+        kernel(cupy, _DIVIDE_KERNELS[dtype])(
             divide_grid(n), (THREADS,), (values, _u64(n), dtype.type(size)))
 
 
@@ -501,7 +376,7 @@ def add(acc: Any, values: Any, stream: Any = None) -> None:
     if n == 0:
         return
     with _launch_context(acc.device, stream):
-        _kernel(cupy, "gc_add_f32")(_grid(n), (THREADS,), (acc, values, _u64(n)))
+        kernel(cupy, "gc_add_f32")(_grid(n), (THREADS,), (acc, values, _u64(n)))
 
 
 def subtract(out: Any, a: Any, b: Any, stream: Any = None) -> None:
@@ -522,4 +397,4 @@ def subtract(out: Any, a: Any, b: Any, stream: Any = None) -> None:
     if n == 0:
         return
     with _launch_context(out.device, stream):
-        _kernel(cupy, "gc_sub_f32")(_grid(n), (THREADS,), (out, a, b, _u64(n)))
+        kernel(cupy, "gc_sub_f32")(_grid(n), (THREADS,), (out, a, b, _u64(n)))

@@ -23,7 +23,7 @@ import pytest
 
 import geocomm.comm.nccl as nccl_mod
 import geocomm.cuda as gcuda
-from geocomm import native
+from geocomm import cuda_build, native
 from geocomm.engine import device as gpu_pipeline
 
 
@@ -113,7 +113,7 @@ def test_kernel_ptx_is_ieee(unit, tmp_path: Path):
 @pytest.mark.parametrize("name", ["gc_cuda.cu", "gc_pipeline.cu"])
 def test_kernel_file_compiles_with_include(tmp_path: Path, name: str):
     """The installed kernel files also compile as files that include their headers."""
-    src = gcuda._source_dir()
+    src = cuda_build.source_dir()
     _run_nvcc(["-c", "-arch=sm_80", *NVCC_FLAGS, "-I", str(src), str(src / name),
                "-o", str(tmp_path / "kernels.o")], tmp_path)
 
@@ -146,10 +146,10 @@ def no_cupy(monkeypatch):
     for name in [m for m in sys.modules if m == "cupy" or m.startswith("cupy.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "cupy", None)
-    gcuda._probe.cache_clear()
+    cuda_build.probe.cache_clear()
     nccl_mod._probe.cache_clear()
     yield
-    gcuda._probe.cache_clear()
+    cuda_build.probe.cache_clear()
     nccl_mod._probe.cache_clear()
 
 
@@ -230,7 +230,7 @@ def test_divide_without_cupy(no_cupy):
 
 def test_team_and_tile_plans():
     """Launch geometry: team width is the next power of two up to a warp; tiles cover blocks."""
-    assert [gcuda._team_shift(b) for b in (1, 2, 3, 16, 17, 32, 33, 1024)] == [0, 1, 2, 4, 5, 5,
+    assert [gcuda.team_shift(b) for b in (1, 2, 3, 16, 17, 32, 33, 1024)] == [0, 1, 2, 4, 5, 5,
                                                                                5, 5]
     plan = gcuda.fp8_plan(10_000, 5000)
     assert plan.team_shift is None and plan.nblocks == 2
@@ -298,7 +298,7 @@ def test_constants_come_from_the_compiled_core():
     # the layout constants the kernels and the C loops use (gc_scalar.h) are the API's
     native_dir = Path(__file__).resolve().parent.parent / "native"
     api = _defines(native_dir / "geocomm.h")
-    for header in (native_dir / "gc_scalar.h", gcuda._source_dir() / "gc_scalar.h"):
+    for header in (native_dir / "gc_scalar.h", cuda_build.source_dir() / "gc_scalar.h"):
         scalar = _defines(header)
         for name in ("GC_NVFP4_BLOCK", "GC_NVFP4_SUPERBLOCK", "GC_MX_BLOCK"):
             assert scalar[name] == api[name] == getattr(lib, name), (header, name)
@@ -315,7 +315,7 @@ WITHOUT_NATIVE = """
 import numpy as np
 import geocomm
 import geocomm.cuda as gcuda
-from geocomm import native
+from geocomm import cuda_build, native
 
 assert native.available is False
 for read in (lambda: native.E4M3, lambda: native.FORMATS, lambda: native.STOCHASTIC,

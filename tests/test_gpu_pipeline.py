@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import geocomm
-from geocomm import cuda, native
+from geocomm import cuda, cuda_build, native
 from geocomm.codecs.formats import FP8Codec
 from geocomm.collectives import Part
 from geocomm.engine import device as gp
@@ -62,7 +62,7 @@ def codec_of(name: str, stochastic: bool = False):
 def _defines(prefix: str) -> dict[str, int]:
     import re
 
-    text = (cuda._source_dir() / "gc_pipeline.cu").read_text()
+    text = (cuda_build.source_dir() / "gc_pipeline.cu").read_text()
     return {m[1]: int(m[2]) for m in re.finditer(rf"^#define ({prefix}\w+) (\d+)", text, re.M)}
 
 
@@ -423,7 +423,7 @@ def kernel_signatures() -> dict[str, list[type | None]]:
     """Parameter types of every kernel of gc_pipeline.cu: None for a pointer."""
     import re
 
-    text = (cuda._source_dir() / "gc_pipeline.cu").read_text()
+    text = (cuda_build.source_dir() / "gc_pipeline.cu").read_text()
     out = {}
     for name, params in re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', text):
         types = []
@@ -456,7 +456,7 @@ def launches(monkeypatch):
 
         return launch
 
-    monkeypatch.setattr(cuda, "_kernel", kernel)
+    monkeypatch.setattr(cuda_build, "kernel", kernel)
     kernels = gp.CudaKernels.__new__(gp.CudaKernels)
     kernels.cupy = None
     return kernels, log

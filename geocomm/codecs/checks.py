@@ -34,7 +34,8 @@ from geocomm.codecs.frames import parse_frame
 from geocomm.codecs.registry import frame_body_size, get_codec
 
 
-def _host(values: Any) -> np.ndarray:
+def host_array(values: Any) -> np.ndarray:
+    """A host (NumPy) view or copy of a NumPy, CuPy or DLPack array."""
     if hasattr(values, "get") and not isinstance(values, np.ndarray):
         return values.get()
     return values if isinstance(values, np.ndarray) else np.from_dlpack(values)
@@ -42,7 +43,7 @@ def _host(values: Any) -> np.ndarray:
 
 def roundtrip(codec: Codec, values: Any) -> np.ndarray:
     """decode(encode(values)) through the codec's wire format (flat float32, host)."""
-    flat = np.ascontiguousarray(_host(values), np.float32).reshape(-1)
+    flat = np.ascontiguousarray(host_array(values), np.float32).reshape(-1)
     wire = np.empty(codec.wire_size(flat.size), np.uint8)
     codec.encode_wire(flat, wire)
     out = np.empty(flat.size, np.float32)

@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from geocomm import cuda, native
+from geocomm import cuda, cuda_build, native
 from geocomm.comm.base import Communicator
 from geocomm.engine.device_plan import (
     BF16,
@@ -77,7 +77,13 @@ from geocomm.engine.device_plan import (
     launch_grid,
     wire_format,
 )
-from geocomm.engine.layout import Pieces, array_module, rounding_stream, run_schedule
+from geocomm.engine.layout import (
+    PieceAccess,
+    Pieces,
+    array_module,
+    rounding_stream,
+    run_schedule,
+)
 from geocomm.engine.protocols import RangeMap, WireCodec
 
 _SOURCE = "gc_pipeline.cu"
@@ -107,7 +113,7 @@ class Incoming(NamedTuple):
 @functools.cache
 def kernel_source() -> str:
     """gc_pipeline.cu with gc_cuda.cu (and gc_scalar.h) inlined: one NVRTC unit."""
-    text = (cuda._source_dir() / _SOURCE).read_text()
+    text = (cuda_build.source_dir() / _SOURCE).read_text()
     if _INCLUDE_LINE not in text:
         raise RuntimeError(f"{_SOURCE} does not contain the line {_INCLUDE_LINE!r}")
     return text.replace(_INCLUDE_LINE, cuda.kernel_source(), 1)
@@ -130,7 +136,7 @@ class CudaKernels:
         self.cupy = cuda.require()
 
     def _kernel(self, name: str) -> Any:
-        return cuda._kernel(self.cupy, name, kernel_source)
+        return cuda_build.kernel(self.cupy, name, kernel_source)
 
     def encode(self, fmt: WireFormat, x: Any, seg: Segments, wire: Any, amax: Any,
                incoming: Incoming | None = None, stream: int = 0) -> None:
@@ -154,7 +160,7 @@ class CudaKernels:
             self._kernel("gc_pipe_mxfp8_encode")(grid, threads, (*head, e5m2, rceil, *rounding))
         elif walk == "team":
             self._kernel("gc_pipe_fp8_encode_team")(
-                grid, threads, (*head, np.uint32(cuda._team_shift(fmt.block)), e5m2, *rounding))
+                grid, threads, (*head, np.uint32(cuda.team_shift(fmt.block)), e5m2, *rounding))
         else:
             tile = _u64(cuda.TILE)
             self._kernel("gc_pipe_amax_tiles")(grid, threads, (*head, e5m2, tile, amax))
@@ -182,7 +188,7 @@ class CudaKernels:
         elif walk == "team":
             self._kernel("gc_pipe_fp8_decode_team")(
                 grid, (cuda.THREADS,),
-                (wire, seg.device, np.uint32(cuda._team_shift(fmt.block)), e5m2, out))
+                (wire, seg.device, np.uint32(cuda.team_shift(fmt.block)), e5m2, out))
         else:
             self._kernel("gc_pipe_fp8_decode_tiles")(
                 grid, (cuda.THREADS,), (wire, seg.device, _u64(cuda.TILE), e5m2, out))
@@ -244,7 +250,7 @@ class HostKernels:
 # the pipeline
 
 
-class BatchedPipeline:
+class BatchedPipeline(PieceAccess):
     """The staged algorithm of :class:`~geocomm.engine.host.Pipeline` (same phases, same
     schedule, :func:`~geocomm.engine.layout.run_schedule`; same bits) with one launch
     per phase and stage and no host waits; see the module docstring. ``fmt``: the
@@ -278,16 +284,6 @@ class BatchedPipeline:
         self.ag_req: dict[int, Any] = {}
 
     # -- helpers ------------------------------------------------------------
-    def _local(self, lo: int, hi: int) -> Any:
-        return self.result[lo - self.result_offset: hi - self.result_offset]
-
-    def _read(self, lo: int, hi: int) -> Any:
-        return self.source[lo:hi] if self.mapper is None else self.mapper.read(lo, hi)
-
-    def _done(self, lo: int, hi: int) -> None:
-        if self.mapper is not None and hi > lo:
-            self.mapper.done(lo, hi)
-
     def _segments(self, span: slice) -> Segments:
         return Segments(self.plan.rows[span], self.table[span])
 

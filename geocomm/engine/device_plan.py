@@ -168,7 +168,7 @@ def launch_grid(walk: str, rows: np.ndarray, fmt: WireFormat) -> tuple[int, int]
     elif walk == "pair":
         blocks = -(-((count + 1) // 2) // cuda.THREADS)
     elif walk == "team":
-        blocks = -(-(scales << cuda._team_shift(fmt.block)) // cuda.THREADS)
+        blocks = -(-(scales << cuda.team_shift(fmt.block)) // cuda.THREADS)
     elif walk == "tile":
         blocks = int((rows[:, SCALES] * rows[:, TILES]).max())
     else:  # superblock

@@ -32,7 +32,14 @@ from typing import Any
 import numpy as np
 
 from geocomm.comm.base import Communicator, Request, wait
-from geocomm.engine.layout import Pieces, array_module, rounding_stream, run_schedule, segments
+from geocomm.engine.layout import (
+    PieceAccess,
+    Pieces,
+    array_module,
+    rounding_stream,
+    run_schedule,
+    segments,
+)
 from geocomm.engine.protocols import RangeMap, WireCodec
 
 
@@ -83,7 +90,7 @@ class _ScratchPool:
 _SCRATCH = _ScratchPool()
 
 
-class Pipeline:
+class Pipeline(PieceAccess):
     """The staged algorithm for one call; phases are separate methods so the
     perf tools can time encode, communication and decode on their own.
 
@@ -128,16 +135,11 @@ class Pipeline:
         ranges = (self.pieces.piece_range(j, stage) for j in range(self.comm.size))
         return [self.codec.wire_size(hi - lo) for lo, hi in ranges]
 
-    def _local(self, lo: int, hi: int) -> np.ndarray:
-        return self.result[lo - self.result_offset: hi - self.result_offset]
-
-    def _read(self, lo: int, hi: int) -> Any:
-        return self.source[lo:hi] if self.mapper is None else self.mapper.read(lo, hi)
-
-    def _done(self, lo: int, hi: int) -> None:
-        if self.mapper is not None and hi > lo:
-            self.mapper.done(lo, hi)
-            self._progress()
+    def _done(self, lo: int, hi: int) -> bool:
+        if not super()._done(lo, hi):
+            return False
+        self._progress()
+        return True
 
     # -- phases ---------------------------------------------------------------
     def _a2a_sizes(self, s: int) -> tuple[list[int], list[int]]:

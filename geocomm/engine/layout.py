@@ -149,3 +149,28 @@ def run_schedule(pipe: Any) -> None:
     for phase, s in schedule(pipe.pieces.stages, pipe.gather):
         getattr(pipe, phase)(s)
     pipe.release()
+
+
+class PieceAccess:
+    """Where a pipeline reads a piece's values (``source``, or through the call's
+    range ``mapper``) and where its result lies (``result``, whose first value has
+    index ``result_offset``): what the host and the device pipeline share."""
+
+    source: Any
+    result: Any
+    result_offset: int
+    mapper: Any
+
+    def _local(self, lo: int, hi: int) -> Any:
+        return self.result[lo - self.result_offset: hi - self.result_offset]
+
+    def _read(self, lo: int, hi: int) -> Any:
+        return self.source[lo:hi] if self.mapper is None else self.mapper.read(lo, hi)
+
+    def _done(self, lo: int, hi: int) -> bool:
+        """Hand [lo, hi) of the result, now final, back to the mapper; True if it took it."""
+        if self.mapper is None or hi <= lo:
+            return False
+        self.mapper.done(lo, hi)
+        return True
+

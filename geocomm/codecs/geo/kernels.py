@@ -121,9 +121,9 @@ def orthonormalize(rows_: Any, seed: int) -> Any:
 @functools.cache
 def _source() -> str:
     """gc_geometry.cu with gc_linalg.h and gc_scalar.h inlined (one NVRTC unit)."""
-    from geocomm import cuda
+    from geocomm import cuda_build
 
-    directory = cuda._source_dir()
+    directory = cuda_build.source_dir()
     text = (directory / "gc_geometry.cu").read_text()
     for header in ("gc_linalg.h", "gc_scalar.h"):
         body = (directory / header).read_text()
@@ -132,9 +132,9 @@ def _source() -> str:
 
 
 def _kernel(cupy: Any, name: str) -> Any:
-    from geocomm import cuda
+    from geocomm import cuda_build
 
-    return cuda._kernel(cupy, name, _source)
+    return cuda_build.kernel(cupy, name, _source)
 
 
 def _grid(threads: int) -> tuple[int]:
