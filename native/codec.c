@@ -7,8 +7,12 @@
 #include "geocomm.h"
 #include "gc_scalar.h"
 
+/* flatten: every gc_scalar.h function inlines into the loops (gcc left
+ * gc_e5m2_code out of line in one clone, a call per value). */
 #if defined(GC_USE_CLONES) && defined(__x86_64__) && defined(__GNUC__)
-#define GC_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#define GC_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default"), flatten))
+#elif defined(__GNUC__)
+#define GC_CLONES __attribute__((flatten))
 #else
 #define GC_CLONES
 #endif
@@ -90,6 +94,110 @@ static inline float block_amax(const float *restrict x, size_t len)
     return amax;
 }
 
+/* The packed bytes of the 4-bit codes c[0..2 len): byte i is c[2i] | c[2i+1]
+ * << 4. Read as little-endian 16-bit pairs p = c[2i] | c[2i+1] << 8 (codes
+ * below 16), that is the low byte of p | p >> 4: a loop of shifts and packs. */
+static inline void pack_nibbles(const gc_u8 *restrict c, size_t len, uint8_t *restrict out)
+{
+    for (size_t i = 0; i < len; i++) {
+        gc_u16 p = (gc_u16)(c[2 * i] | (c[2 * i + 1] << 8));
+        out[i] = (uint8_t)(p | (p >> 4));
+    }
+}
+
+/* E2M1 codes (one per byte) of (x[i] * pre[i]) * factor[i]; element i has
+ * the global index `index` + i. With `unit` every pre[i] is 1 (and not
+ * read): x * 1 is x for every finite x, and the codes of non-finite values
+ * are overwritten by the callers. */
+GC_INLINE void e2m1_codes_flat(int sr, int unit, const float *restrict x, size_t len,
+                               const float *restrict pre, const float *restrict factor,
+                               gc_u8 *restrict c, gc_u64 key, gc_u64 index)
+{
+    if (unit)
+        for (size_t i = 0; i < len; i++)
+            c[i] = gc_e2m1_code(x[i] * factor[i], sr, gc_rnd_at(sr, key, index + i));
+    else
+        for (size_t i = 0; i < len; i++)
+            c[i] = gc_e2m1_code((x[i] * pre[i]) * factor[i], sr, gc_rnd_at(sr, key, index + i));
+}
+
+/* Max of the |x| bit patterns of 16 values, non-finite ones included (the
+ * callers redo a block with block_stats when this reaches 0x7f800000). One
+ * literal-length loop: a vector max and one horizontal reduction. */
+GC_INLINE gc_u32 raw_amax_bits(const float *restrict x, size_t len)
+{
+    gc_u32 m = 0;
+    for (size_t i = 0; i < len; i++) {
+        gc_u32 b = gc_bits(x[i]) & 0x7fffffffu;
+        m = m > b ? m : b;
+    }
+    return m;
+}
+
+/* Per-block amax (finite values only) and finiteness of the `count` blocks
+ * of `blen` values at x (the last one `last` values long): first the raw max
+ * of the |x| patterns of every block (no masking, so the loop is a plain
+ * vector max), then, only for the rare block whose raw max is not finite,
+ * block_stats again. Same amax and finite as block_stats on every block. */
+GC_INLINE void blocks_stats(const float *restrict x, size_t count, size_t blen, size_t last,
+                                gc_u32 *restrict amax_bits, int *restrict finite)
+{
+    size_t full = last == blen ? count : count - 1;
+    gc_u32 any_bad = 0;
+    for (size_t j = 0; j < full; j++)
+        amax_bits[j] = raw_amax_bits(x + j * blen, blen);
+    if (full < count)
+        amax_bits[full] = raw_amax_bits(x + full * blen, last);
+    for (size_t j = 0; j < count; j++) {
+        finite[j] = 1;
+        any_bad |= amax_bits[j] >= 0x7f800000u;
+    }
+    if (!any_bad)
+        return;
+    for (size_t j = 0; j < count; j++)
+        if (amax_bits[j] >= 0x7f800000u) {
+            float a;
+            block_stats(x + j * blen, j < full ? blen : last, &a, &finite[j]);
+            amax_bits[j] = gc_bits(a);
+        }
+}
+
+/* d[j * blen + i] = v[j]: per-block factors spread to one per value, so
+ * that the code loops run flat over a group of blocks. */
+GC_INLINE void spread(const float *restrict v, size_t count, size_t blen, float *restrict d)
+{
+    for (size_t j = 0; j < count; j++) {
+        float f = v[j];
+        float *restrict dj = d + j * blen;
+        for (size_t i = 0; i < blen; i++)
+            dj[i] = f;
+    }
+}
+
+/* fp8 codes of (x[i] * pre[i]) * factor[i] (fp8 and MXFP8); element i has
+ * the global index `index` + i. With `unit` every pre[i] is 1 (and not
+ * read): x * 1 is x for every finite x, and a non-finite x's code does not
+ * depend on q. */
+GC_INLINE void fp8_codes_flat(int e5m2, int sr, int unit, const float *restrict x, size_t len,
+                              const float *restrict pre, const float *restrict factor,
+                              uint8_t *restrict c, gc_u64 key, gc_u64 index)
+{
+    if (e5m2 && unit)
+        for (size_t i = 0; i < len; i++)
+            c[i] = gc_e5m2_code(x[i] * factor[i], x[i], sr, gc_rnd_at(sr, key, index + i));
+    else if (e5m2)
+        for (size_t i = 0; i < len; i++)
+            c[i] = gc_e5m2_code((x[i] * pre[i]) * factor[i], x[i], sr,
+                                gc_rnd_at(sr, key, index + i));
+    else if (unit)
+        for (size_t i = 0; i < len; i++)
+            c[i] = gc_e4m3_code(x[i] * factor[i], x[i], sr, gc_rnd_at(sr, key, index + i));
+    else
+        for (size_t i = 0; i < len; i++)
+            c[i] = gc_e4m3_code((x[i] * pre[i]) * factor[i], x[i], sr,
+                                gc_rnd_at(sr, key, index + i));
+}
+
 /* ---- FP8 ---------------------------------------------------------------- */
 
 /* fp8 codes of (x * pre) * factor for one block (fp8 and MXFP8); element i
@@ -120,20 +228,64 @@ static inline void encode_fp8_block(int e5m2, int sr, const float *restrict xb, 
     fp8_block_codes(e5m2, sr, xb, len, pre, factor, cb, key, index);
 }
 
+/* Blocks of 128 values per group of the fp8 encoder. */
+#define GC_FP8_GROUP 16
+
+/* Block 128, group by group: the amaxes of the group's blocks, their scales
+ * and factors (one loop across blocks), then the codes of the whole group in
+ * one flat loop (encode_fp8_block's arithmetic, value by value). */
+GC_INLINE void encode_fp8_128(int e5m2, int sr, const float *restrict x, size_t n,
+                              uint8_t *restrict wire, gc_u64 key, gc_u64 offset)
+{
+    const float fmax = e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
+    const size_t glen_max = GC_FP8_GROUP * 128;
+    size_t nblocks = ceil_div(n, 128);
+    uint8_t *codes = wire + 4 * nblocks;
+    for (size_t g = 0; g < nblocks; g += GC_FP8_GROUP) {
+        size_t count = nblocks - g < GC_FP8_GROUP ? nblocks - g : GC_FP8_GROUP;
+        size_t start = g * 128;
+        size_t glen = n - start < glen_max ? n - start : glen_max;
+        gc_u32 amax[GC_FP8_GROUP];
+        int finite[GC_FP8_GROUP];
+        float pre[GC_FP8_GROUP], factor[GC_FP8_GROUP];
+        float pe[GC_FP8_GROUP * 128], fe[GC_FP8_GROUP * 128];
+        blocks_stats(x + start, count, 128, glen - (count - 1) * 128, amax, finite);
+        int unit = 1;
+        for (size_t j = 0; j < count; j++) {
+            float a = gc_float(amax[j]);
+            store_f32(wire + 4 * (g + j), a / fmax);
+            factor[j] = gc_quant_factor(a, fmax, &pre[j]);
+            unit &= pre[j] == 1.0f;
+        }
+        spread(factor, count, 128, fe);
+        if (!unit)
+            spread(pre, count, 128, pe);
+        if (unit && glen == glen_max)
+            fp8_codes_flat(e5m2, sr, 1, x + start, glen_max, pe, fe, codes + start, key,
+                           offset + start);
+        else if (unit)
+            fp8_codes_flat(e5m2, sr, 1, x + start, glen, pe, fe, codes + start, key,
+                           offset + start);
+        else
+            fp8_codes_flat(e5m2, sr, 0, x + start, glen, pe, fe, codes + start, key,
+                           offset + start);
+    }
+}
+
 GC_INLINE void encode_fp8(int e5m2, int sr, const float *restrict x, size_t n, size_t block,
                               uint8_t *restrict wire, gc_u64 key, gc_u64 offset)
 {
+    if (block == 128) {
+        encode_fp8_128(e5m2, sr, x, n, wire, key, offset);
+        return;
+    }
     size_t nblocks = ceil_div(n, block);
     uint8_t *codes = wire + 4 * nblocks;
     for (size_t k = 0; k < nblocks; k++) {
         size_t start = k * block;
         size_t len = n - start < block ? n - start : block;
-        if (len == 128)
-            encode_fp8_block(e5m2, sr, x + start, 128, wire + 4 * k, codes + start, key,
-                             offset + start);
-        else
-            encode_fp8_block(e5m2, sr, x + start, len, wire + 4 * k, codes + start, key,
-                             offset + start);
+        encode_fp8_block(e5m2, sr, x + start, len, wire + 4 * k, codes + start, key,
+                         offset + start);
     }
 }
 
@@ -204,58 +356,92 @@ static inline void e2m1_block_values(const uint8_t *restrict cb, size_t len, flo
 
 /* ---- NVFP4 -------------------------------------------------------------- */
 
-/* Blocks per pass of the NVFP4 encoder: amaxes first, then the scale codes of
- * all those blocks in one loop (vectorized across blocks, where the scalar
- * scale arithmetic of one 16-value block used to dominate), then the codes.
- * A superblock holds a whole number of groups. */
+/* Blocks per group of the NVFP4 decoder (a group lies inside one superblock). */
 #define GC_NVFP4_GROUP 64
 #if GC_NVFP4_SUPERBLOCK % (GC_NVFP4_GROUP * GC_NVFP4_BLOCK) != 0
 #error "an NVFP4 superblock must hold whole groups of blocks"
 #endif
+#define GC_NVFP4_BLOCKS (GC_NVFP4_SUPERBLOCK / GC_NVFP4_BLOCK)
 
 /* One superblock of len <= GC_NVFP4_SUPERBLOCK values: its fp32 scale at
  * *sscale, its block scales at bscales, its codes at codes; element i has the
- * global index `index` + i. Its amax is read first, then the values again
- * (from cache: a superblock is 16 KiB). */
-GC_INLINE void encode_nvfp4_super(int sr, const float *x, size_t len, uint8_t *sscale,
-                                  uint8_t *bscales, uint8_t *codes, gc_u64 key, gc_u64 index)
+ * global index `index` + i. Passes over the superblock (16 KiB, so all but
+ * the first read it from L1): the amax and finiteness of every block (the
+ * superblock's amax is the max of its blocks' amaxes, the same bits as one
+ * max over all its values); the scale codes and factors of all its blocks,
+ * one vectorized loop across blocks; the codes of every block, one byte
+ * each; their packing into nibbles. */
+GC_INLINE void encode_nvfp4_super(int sr, const float *restrict x, size_t len, uint8_t *sscale,
+                                  uint8_t *restrict bscales, uint8_t *restrict codes, gc_u64 key,
+                                  gc_u64 index)
 {
     const float smax = GC_E2M1_MAX * GC_E4M3_MAX;
     size_t nblocks = ceil_div(len, GC_NVFP4_BLOCK);
-    float samax = block_amax(x, len);
+    size_t last = len - (nblocks - 1) * GC_NVFP4_BLOCK;
+    gc_u32 bamax[GC_NVFP4_BLOCKS];
+    int finite[GC_NVFP4_BLOCKS];
+    float pre[GC_NVFP4_BLOCKS], factor[GC_NVFP4_BLOCKS];
+    gc_u8 c[GC_NVFP4_SUPERBLOCK + 1];
+    blocks_stats(x, nblocks, GC_NVFP4_BLOCK, last, bamax, finite);
+    gc_u32 m = 0;
+    for (size_t j = 0; j < nblocks; j++)
+        m = m > bamax[j] ? m : bamax[j];
+    float samax = gc_float(m);
     float spre;
     float sfactor = gc_quant_factor(samax, smax, &spre);
     float scale = samax / smax;
     store_f32(sscale, scale);
+    for (size_t j = 0; j < nblocks; j++) {
+        gc_u8 sc = gc_nvfp4_scale_code(gc_float(bamax[j]), spre, sfactor, finite[j], sr);
+        bscales[j] = sc;
+        factor[j] = gc_quant_factor(gc_e4m3_value(sc) * scale, 1.0f, &pre[j]);
+    }
+    /* codes in groups of blocks, with pre and factor spread to one per value
+     * so that the code loop runs flat over the group (no per-block
+     * overhead); codes of non-finite blocks are cleared afterwards */
     for (size_t g = 0; g < nblocks; g += GC_NVFP4_GROUP) {
         size_t count = nblocks - g < GC_NVFP4_GROUP ? nblocks - g : GC_NVFP4_GROUP;
-        float bamax[GC_NVFP4_GROUP], pre[GC_NVFP4_GROUP], factor[GC_NVFP4_GROUP];
-        int finite[GC_NVFP4_GROUP];
+        size_t start = g * GC_NVFP4_BLOCK;
+        size_t glen = len - start < GC_NVFP4_GROUP * GC_NVFP4_BLOCK ? len - start
+                                                                     : GC_NVFP4_GROUP * GC_NVFP4_BLOCK;
+        float pe[GC_NVFP4_GROUP * GC_NVFP4_BLOCK], fe[GC_NVFP4_GROUP * GC_NVFP4_BLOCK];
+        int unit = 1; /* every pre 1: x * 1 == x for the finite x that count */
+        for (size_t j = 0; j < count; j++)
+            unit &= pre[g + j] == 1.0f;
         for (size_t j = 0; j < count; j++) {
-            size_t start = (g + j) * GC_NVFP4_BLOCK;
-            size_t blen = len - start < GC_NVFP4_BLOCK ? len - start : GC_NVFP4_BLOCK;
-            if (blen == GC_NVFP4_BLOCK)
-                block_stats(x + start, GC_NVFP4_BLOCK, &bamax[j], &finite[j]);
-            else
-                block_stats(x + start, blen, &bamax[j], &finite[j]);
+            float f = factor[g + j];
+            float *d = fe + j * GC_NVFP4_BLOCK;
+            for (size_t i = 0; i < GC_NVFP4_BLOCK; i++)
+                d[i] = f;
         }
-        for (size_t j = 0; j < count; j++) {
-            gc_u8 sc = gc_nvfp4_scale_code(bamax[j], spre, sfactor, finite[j], sr);
-            bscales[g + j] = sc;
-            factor[j] = gc_quant_factor(gc_e4m3_value(sc) * scale, 1.0f, &pre[j]);
-        }
-        for (size_t j = 0; j < count; j++) {
-            size_t start = (g + j) * GC_NVFP4_BLOCK;
-            size_t blen = len - start < GC_NVFP4_BLOCK ? len - start : GC_NVFP4_BLOCK;
-            uint8_t *cb = codes + start / 2;
-            if (blen == GC_NVFP4_BLOCK)
-                e2m1_block_codes(sr, x + start, GC_NVFP4_BLOCK, pre[j], factor[j], finite[j], cb,
-                                 key, index + start);
-            else
-                e2m1_block_codes(sr, x + start, blen, pre[j], factor[j], finite[j], cb, key,
-                                 index + start);
-        }
+        if (!unit)
+            for (size_t j = 0; j < count; j++) {
+                float p = pre[g + j];
+                float *d = pe + j * GC_NVFP4_BLOCK;
+                for (size_t i = 0; i < GC_NVFP4_BLOCK; i++)
+                    d[i] = p;
+            }
+        if (unit && glen == GC_NVFP4_GROUP * GC_NVFP4_BLOCK)
+            e2m1_codes_flat(sr, 1, x + start, GC_NVFP4_GROUP * GC_NVFP4_BLOCK, pe, fe, c + start,
+                            key, index + start);
+        else if (unit)
+            e2m1_codes_flat(sr, 1, x + start, glen, pe, fe, c + start, key, index + start);
+        else
+            e2m1_codes_flat(sr, 0, x + start, glen, pe, fe, c + start, key, index + start);
     }
+    int all_finite = 1;
+    for (size_t j = 0; j < nblocks; j++)
+        all_finite &= finite[j];
+    if (!all_finite)
+        for (size_t j = 0; j < nblocks; j++)
+            if (!finite[j])
+                memset(c + j * GC_NVFP4_BLOCK, 0,
+                       j + 1 < nblocks ? GC_NVFP4_BLOCK : last);
+    c[len] = 0; /* the high nibble of an odd length's last byte */
+    if (len == GC_NVFP4_SUPERBLOCK)
+        pack_nibbles(c, GC_NVFP4_SUPERBLOCK / 2, codes);
+    else
+        pack_nibbles(c, (len + 1) / 2, codes);
 }
 
 /* Superblock by superblock (geocomm.h: the layout). */
@@ -329,20 +515,60 @@ static inline void encode_mx_block(int fmt, int sr, int rceil, const float *rest
     }
 }
 
+/* Blocks per group of the MX encoders. */
+#define GC_MX_GROUP 32
+
+/* Group by group: the amaxes (and finiteness) of the group's blocks, their
+ * E8M0 scales and factors (one loop across blocks), then the codes of the
+ * whole group in one flat loop: encode_mx_block's arithmetic, value by value
+ * (its pre is 1). MXFP4 codes of non-finite blocks are cleared afterwards. */
 GC_INLINE void encode_mx(int fmt, int sr, int rceil, const float *restrict x, size_t n,
                          uint8_t *restrict wire, gc_u64 key, gc_u64 offset)
 {
+    const int e5m2 = fmt == GC_MXFP8_E5M2;
+    const int emax = fmt == GC_MXFP4 ? 2 : e5m2 ? 15 : 8;
+    const float fmax = fmt == GC_MXFP4 ? GC_E2M1_MAX : e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
+    const size_t glen_max = GC_MX_GROUP * GC_MX_BLOCK;
     size_t nblocks = ceil_div(n, GC_MX_BLOCK);
     uint8_t *codes = wire + nblocks;
-    for (size_t k = 0; k < nblocks; k++) {
-        size_t start = k * GC_MX_BLOCK;
-        size_t len = n - start < GC_MX_BLOCK ? n - start : GC_MX_BLOCK;
-        uint8_t *cb = codes + (fmt == GC_MXFP4 ? start / 2 : start);
-        if (len == GC_MX_BLOCK)
-            encode_mx_block(fmt, sr, rceil, x + start, GC_MX_BLOCK, wire + k, cb, key,
-                            offset + start);
-        else
-            encode_mx_block(fmt, sr, rceil, x + start, len, wire + k, cb, key, offset + start);
+    for (size_t g = 0; g < nblocks; g += GC_MX_GROUP) {
+        size_t count = nblocks - g < GC_MX_GROUP ? nblocks - g : GC_MX_GROUP;
+        size_t start = g * GC_MX_BLOCK;
+        size_t glen = n - start < glen_max ? n - start : glen_max;
+        size_t last = glen - (count - 1) * GC_MX_BLOCK;
+        gc_u32 amax[GC_MX_GROUP];
+        int finite[GC_MX_GROUP], all_finite = 1;
+        float factor[GC_MX_GROUP], fe[GC_MX_GROUP * GC_MX_BLOCK];
+        blocks_stats(x + start, count, GC_MX_BLOCK, last, amax, finite);
+        for (size_t j = 0; j < count; j++) {
+            int e = gc_mx_exponent(gc_float(amax[j]), emax, fmax, rceil);
+            factor[j] = gc_mx_factor(e);
+            wire[g + j] = fmt != GC_MXFP4 || finite[j] ? (uint8_t)(e + 127) : 0xffu;
+            all_finite &= finite[j];
+        }
+        spread(factor, count, GC_MX_BLOCK, fe);
+        if (fmt == GC_MXFP4) {
+            gc_u8 c[GC_MX_GROUP * GC_MX_BLOCK + 1];
+            if (glen == glen_max)
+                e2m1_codes_flat(sr, 1, x + start, glen_max, fe, fe, c, key, offset + start);
+            else
+                e2m1_codes_flat(sr, 1, x + start, glen, fe, fe, c, key, offset + start);
+            if (!all_finite)
+                for (size_t j = 0; j < count; j++)
+                    if (!finite[j])
+                        memset(c + j * GC_MX_BLOCK, 0, j + 1 < count ? GC_MX_BLOCK : last);
+            c[glen] = 0; /* the high nibble of an odd length's last byte */
+            if (glen == glen_max)
+                pack_nibbles(c, glen_max / 2, codes + start / 2);
+            else
+                pack_nibbles(c, (glen + 1) / 2, codes + start / 2);
+        } else if (glen == glen_max) {
+            fp8_codes_flat(e5m2, sr, 1, x + start, glen_max, fe, fe, codes + start, key,
+                           offset + start);
+        } else {
+            fp8_codes_flat(e5m2, sr, 1, x + start, glen, fe, fe, codes + start, key,
+                           offset + start);
+        }
     }
 }
 
