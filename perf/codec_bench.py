@@ -8,7 +8,10 @@ rounding of each (MX with the rceil scale rule it needs); ml_dtypes ``astype(flo
 preallocated array (the memory-bandwidth yardstick). Each case runs twice to
 warm up, then ``--repeats`` times; the median time is reported as GB/s of
 fp32 data (4 bytes per element, 1 GB = 1e9 bytes), whichever direction the
-case converts. All cases run on one thread.
+case converts. All cases run on one thread. Each case is also reported
+against copy and against its memory-traffic limit (8 bytes per value for
+copy over the bytes the case reads and writes per value), with copy's GB/s
+in this run as the yardstick.
 
 Correctness is checked in the same run, nccl-tests style: native wire bodies
 must equal the NumPy reference, decoded values must equal the reference
@@ -156,6 +159,26 @@ def baseline_cases(x: np.ndarray) -> list[Case]:
     return cases
 
 
+#: wire bytes per value of each benchmarked format (scales included)
+WIRE_BYTES = {"e4m3": 1 + 4 / 128, "e5m2": 1 + 4 / 128, "nvfp4": 0.5 + 1 / 16 + 4 / 4096,
+              "bf16": 2.0, "mxfp8_e4m3": 1 + 1 / 32, "mxfp4": 0.5 + 1 / 32}
+
+
+def traffic_bytes(name: str) -> float | None:
+    """Memory traffic per value of a case (bytes read + written), or None.
+
+    copy reads 4 and writes 4; encode reads 4 and writes the wire; decode
+    reads the wire and writes 4; decode+accumulate reads the wire and the
+    output (4) and writes 4. A case's limit relative to copy is 8 / this."""
+    if name == "numpy copyto":
+        return 8.0
+    parts = name.split()
+    if parts[0] != "native":
+        return None
+    wire = WIRE_BYTES[parts[2]]
+    return {"encode": 4 + wire, "decode": wire + 4, "decode+acc": wire + 8}[parts[1]]
+
+
 def gbps(case: Case, nbytes: int) -> float:
     return nbytes / median(case.times) / 1e9
 
@@ -225,23 +248,37 @@ def report(cases: list[Case], nbytes: int, info: dict,
         f"CPU: {info['cpu']}; numpy {info['numpy']}, ml_dtypes {info['ml_dtypes']}, "
         f"torch {info['torch']}; commit {info['git_commit']}; one thread.",
         "GB/s counts fp32 bytes (4 per element) whichever way a case converts.",
+        f"Yardstick: numpy copyto at {base_copy:.2f} GB/s in this run (8 bytes of traffic per "
+        "value: 4 read, 4 written)." if base_copy else "Yardstick: no copy measured.",
+        "Limit: the memory-traffic bound relative to copy, 8 / (bytes read + written per "
+        "value): encode reads 4 and writes the wire, decode reads the wire and writes 4, "
+        "decode+acc also reads the 4 it adds to. \"vs limit\" is vs copy / limit.",
         "",
-        "| case | GB/s | ms | vs ml_dtypes | vs torch | vs copy | check |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        f"Command: `{info['command']}`",
+        "",
+        "| case | GB/s | ms | vs ml_dtypes | vs torch | vs copy | limit | vs limit | check |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for case in cases:
         rate = by_name[case.name]
         check = case.check()
+        traffic = traffic_bytes(case.name)
+        limit = 8.0 / traffic if traffic else None
+        vs_copy = rate / base_copy if base_copy else None
+        vs_limit = vs_copy / limit if vs_copy and limit else None
         rows.append({"case": case.name, "gbps": rate, "median_s": median(case.times),
                      "times_s": case.times, "check": check,
                      "vs_ml_dtypes": rate / base_ml if base_ml else None,
                      "vs_torch": rate / base_torch if base_torch else None,
-                     "vs_copy": rate / base_copy if base_copy else None})
+                     "vs_copy": vs_copy, "traffic_bytes_per_value": traffic,
+                     "limit_vs_copy": limit, "vs_limit": vs_limit})
         lines.append(f"| {case.name} | {rate:.2f} | {1e3 * median(case.times):.1f} | "
                      f"{ratio(rate, base_ml)} | {ratio(rate, base_torch)} | "
-                     f"{ratio(rate, base_copy)} | {check} |")
+                     f"{ratio(rate, base_copy)} | {f'{limit:.2f}' if limit else '-'} | "
+                     f"{f'{vs_limit:.2f}' if vs_limit else '-'} | {check} |")
     result = {"machine": info, "size_mib": args.size_mib, "repeats": args.repeats, "seed": SEED,
-              "unit": "GB/s of fp32 data (1e9 bytes/s)", "results": rows}
+              "unit": "GB/s of fp32 data (1e9 bytes/s)", "copy_gbps": base_copy,
+              "results": rows}
     return result, "\n".join(lines) + "\n"
 
 
