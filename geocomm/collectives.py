@@ -36,6 +36,7 @@ import contextlib
 import json
 import math
 import os
+import warnings
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -52,18 +53,19 @@ from geocomm.codecs import (
 )
 from geocomm.codecs.frames import DTYPE_CODES
 from geocomm.comm.base import Communicator, wait_ordered
+from geocomm.deprecation import renamed_keywords
 from geocomm.engine import device
 from geocomm.engine.exact import divide
 from geocomm.engine.host import Pipeline
 from geocomm.engine.layout import (
-    DEFAULT_CHUNK_ELEMS,
+    DEFAULT_STAGE_SIZE,
     PIECE_ALIGN,
     Pieces,
     array_module,
     mix64,
     segments,
     shard_bounds,
-    stage_values,
+    stage_size,
 )
 from geocomm.engine.protocols import RangeMap
 from geocomm.engine.transforming import PartsMap, plan_parts, refresh, side_sums
@@ -71,7 +73,7 @@ from geocomm.engine.transforming import PartsMap, plan_parts, refresh, side_sums
 OPS = ("sum", "avg")
 
 __all__ = [
-    "DEFAULT_CHUNK_ELEMS",
+    "DEFAULT_STAGE_SIZE",
     "CollectiveMismatchError",
     "Part",
     "allgather",
@@ -95,6 +97,14 @@ class CollectiveMismatchError(ValueError):
 
 
 _default_comm: Communicator | None = None
+def __getattr__(name: str) -> Any:
+    if name == "DEFAULT_CHUNK_ELEMS":  # its old name (CONTRIBUTING.md, "Names")
+        warnings.warn("geocomm.collectives.DEFAULT_CHUNK_ELEMS is deprecated, use "
+                      "DEFAULT_STAGE_SIZE", DeprecationWarning, stacklevel=2)
+        return DEFAULT_STAGE_SIZE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 _codec_cache: dict[str, Codec] = {}
 
 
@@ -273,7 +283,7 @@ def _stateful_parts(codec: Codec, kind: str, parts: list[Part], count: int, xp: 
     call's signature or None)."""
     if isinstance(codec, ErrorFeedbackCodec):
         signature = json.dumps([kind, [(repr(p.key), p.shape) for p in parts]])
-        return codec.transform, codec.residual(signature, count, xp)
+        return codec.mapping_codec, codec.residual(signature, count, xp)
     return (codec if isinstance(codec, TransformingCodec) else None), None
 
 
@@ -315,9 +325,10 @@ def _prepare(x: Any, op: str, codec: Any, comm: Communicator | None) -> tuple[
 # public collectives
 
 
+@renamed_keywords(chunk_elems="stage_size")
 def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
               key: Any = None, parts: Sequence[Any] | None = None,
-              comm: Communicator | None = None, chunk_elems: int | None = None,
+              comm: Communicator | None = None, stage_size: int | None = None,
               check: bool | None = None) -> Any:
     """All-reduce ``x`` over the ranks of ``comm`` through ``codec``.
 
@@ -327,8 +338,8 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
     "sum" or "avg". ``key`` names the tensor for transforming codecs
     (GeoFP8); ``parts`` instead names several: a sequence of (key, shape)
     that tiles the flat buffer in order (a DDP bucket), each mapped on its
-    own in one pipeline. ``chunk_elems``: values per pipeline stage (default: the
-    backend's, :func:`geocomm.engine.layout.stage_values`; the bits do not depend on it).
+    own in one pipeline. ``stage_size``: values per pipeline stage (default: the
+    backend's, :func:`geocomm.engine.layout.stage_size`; the bits do not depend on it).
     Results are bitwise identical on every rank.
     """
     x, codec, comm = _prepare(x, op, codec, comm)
@@ -351,7 +362,7 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
         if total is None:
             total = xp.empty(x.size, np.float32)
         # maps piece by piece into the result and reduces there in place
-        _compressed(comm, codec, "allreduce", values, tensors, total, 0, chunk_elems,
+        _compressed(comm, codec, "allreduce", values, tensors, total, 0, stage_size,
                     mapped=total)
     if op == "avg":
         divide(total, comm.size)
@@ -365,7 +376,7 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
 
 def run_pipeline(comm: Communicator, codec: Codec, pieces: Pieces, source: Any, result: Any,
                  result_offset: int, gather: bool, mapper: RangeMap | None = None,
-                 stream: int = 0) -> None:
+                 rounding_stream: int = 0) -> None:
     """Run one call's pipeline (arguments as :class:`~geocomm.engine.host.Pipeline`'s): the
     batched :class:`~geocomm.engine.device.BatchedPipeline` where
     :func:`~geocomm.engine.device.batched_format` allows (work left queued on the current
@@ -373,14 +384,14 @@ def run_pipeline(comm: Communicator, codec: Codec, pieces: Pieces, source: Any, 
     fmt = device.batched_format(comm, codec, source)
     if fmt is not None:
         device.BatchedPipeline(comm, fmt, pieces, source, result, result_offset, gather,
-                               mapper, stream).run()
+                               mapper, rounding_stream).run()
     else:
         Pipeline(comm, codec, pieces, source, result, result_offset, gather, mapper,
-                 stream).run()
+                 rounding_stream).run()
 
 
 def _compressed(comm: Communicator, codec: Codec, kind: str, values: Any,
-                tensors: list[Part], result: Any, offset: int, chunk_elems: int | None,
+                tensors: list[Part], result: Any, offset: int, stage_size: int | None,
                 mapped: Any) -> None:
     """Reduce flat float32 ``values`` through a lossy ``codec`` into ``result`` (index
     ``offset`` on: the buffer, or this rank's shard for a reduce-scatter), with the
@@ -388,28 +399,29 @@ def _compressed(comm: Communicator, codec: Codec, kind: str, values: Any,
     sends (the result: reduce in place; None: a scratch per piece)."""
     count = values.size
     bounds = shard_bounds(count, comm.size)
-    pieces = Pieces.plan(count, comm.size, chunk_elems or _stage_values(comm, codec, count))
-    transform, residual = _stateful_parts(codec, kind, tensors, count, array_module(values))
-    planned = plan_parts(transform, values, tensors, bounds)
-    stream = _rounding_stream(codec, tensors)
+    pieces = Pieces.cut(count, comm.size, stage_size or _default_stage_size(comm, codec, count))
+    mapping_codec, residual = _stateful_parts(codec, kind, tensors, count, array_module(values))
+    planned = plan_parts(mapping_codec, values, tensors, bounds)
+    rounding_stream = _rounding_stream(codec, tensors)
     gather = kind == "allreduce"
     if not planned and residual is None:
-        run_pipeline(comm, codec, pieces, values, result, offset, gather, stream=stream)
+        run_pipeline(comm, codec, pieces, values, result, offset, gather,
+                     rounding_stream=rounding_stream)
         return
     sums = side_sums(comm, planned)
     parts_map = PartsMap(values, mapped, result, offset, tensors, planned, sums, residual,
                          codec)
     source = values if mapped is None else mapped
     run_pipeline(comm, codec, pieces, source, result, offset, gather, mapper=parts_map,
-                 stream=stream)
+                 rounding_stream=rounding_stream)
     parts_map.finish(offset, offset + result.size)
     lo, hi = int(bounds[comm.rank]), int(bounds[comm.rank + 1])
-    refresh(comm, transform, planned, sums, result[lo - offset: hi - offset], lo, hi)
+    refresh(comm, mapping_codec, planned, sums, result[lo - offset: hi - offset], lo, hi)
 
 
-def _stage_values(comm: Communicator, codec: Codec, count: int) -> int:
+def _default_stage_size(comm: Communicator, codec: Codec, count: int) -> int:
     """The backend's stage size for ``count`` values (docs/design.md, "The collective")."""
-    return stage_values(comm.backend, count, comm.size, codec.wire_size(PIECE_ALIGN) /
+    return stage_size(comm.backend, count, comm.size, codec.wire_size(PIECE_ALIGN) /
                         (4 * PIECE_ALIGN))
 
 
@@ -435,9 +447,10 @@ def _same_memory(a: Any, b: Any) -> bool:
         and a.flags.c_contiguous
 
 
+@renamed_keywords(chunk_elems="stage_size")
 def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", *, key: Any = None,
                    parts: Sequence[Any] | None = None, comm: Communicator | None = None,
-                   chunk_elems: int | None = None, check: bool | None = None) -> Any:
+                   stage_size: int | None = None, check: bool | None = None) -> Any:
     """This rank's shard of the reduced flat ``x`` (``np.array_split`` convention).
 
     Each rank's pieces are quantized once on the way to the owner, who sums
@@ -462,7 +475,7 @@ def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", *, key: Any = Non
         shard = xp.empty(hi - lo, np.float32)
         # pieces are mapped into a scratch as they go: no full-size buffer
         _compressed(comm, codec, "reduce_scatter", _as_float32(x), tensors, shard, lo,
-                    chunk_elems, mapped=None)
+                    stage_size, mapped=None)
     if op == "avg":
         divide(shard, comm.size)
     return shard.astype(x.dtype, copy=False)

@@ -1,12 +1,12 @@
 """CuPy face of the codec: the CUDA kernels of ``native/gc_cuda.cu``.
 
 Mirrors :mod:`geocomm.native` for CuPy arrays: ``wire_size``,
-``encode(fmt, x, block, wire, stream=None, *, flags=0, seed=0, rng_stream=0,
-offset=0)`` and ``decode(fmt, wire, block, out, accumulate=False,
+``encode(fmt, x, block, wire, stream=None, *, flags=0, seed=0,
+rounding_stream=0, offset=0)`` and ``decode(fmt, wire, block, out, accumulate=False,
 stream=None)`` write the same wire bodies (``native/geocomm.h``) as the C
 core, byte for byte, because both run the arithmetic of
 ``native/gc_scalar.h``. ``stream`` is the CUDA stream; the stochastic
-rounding stream is ``rng_stream``. Decoded values are bitwise equal too,
+rounding stream is ``rounding_stream``. Decoded values are bitwise equal too,
 except NaN payloads: GPU arithmetic returns the canonical NaN, so only the
 positions of NaNs are guaranteed to agree. Format ids, flags and layout
 constants are the C core's (``geocomm.native``, from the compiled
@@ -24,6 +24,7 @@ kernels.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,17 +32,18 @@ import numpy as np
 
 from geocomm import native
 from geocomm.cuda_build import NVRTC_OPTIONS, CudaUnavailable, kernel, kernel_source, probe, require
+from geocomm.deprecation import renamed_keywords
 
 __all__ = [
     "NVRTC_OPTIONS",
     "CudaUnavailable",
-    "Fp8Plan",
+    "Fp8Launch",
     "add",
     "decode",
     "divide",
     "divide_grid",
     "encode",
-    "fp8_plan",
+    "fp8_launch",
     "kernel_source",
     "require",
     "subtract",
@@ -56,6 +58,8 @@ TILE = 4096
 #: Largest fp8 block handled by one team (<= one warp) of lanes in a single pass.
 TEAM_MAX = 1024
 _GRID_MAX = 2**31 - 1
+#: Deprecated names and their new ones.
+_RENAMED = {"fp8_plan": "fp8_launch", "Fp8Plan": "Fp8Launch"}
 
 
 def __getattr__(name: str) -> Any:
@@ -63,6 +67,10 @@ def __getattr__(name: str) -> Any:
         return probe()[0] is not None
     if name in (*native.CDEF_NAMES, "FORMATS", "MX_FORMATS"):  # the C core's constants
         return getattr(native, name)
+    if name in _RENAMED:  # old names of the fp8 launch plan (CONTRIBUTING.md, "Names")
+        warnings.warn(f"geocomm.cuda.{name} is deprecated, use {_RENAMED[name]}",
+                      DeprecationWarning, stacklevel=2)
+        return globals()[_RENAMED[name]]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -126,8 +134,8 @@ def team_shift(block: int) -> int:
 
 
 @dataclass(frozen=True)
-class Fp8Plan:
-    """How the fp8 kernels cover n values (see :func:`fp8_plan`).
+class Fp8Launch:
+    """How the fp8 kernels cover n values (see :func:`fp8_launch`).
 
     ``block`` is the effective scaling block (<= n), ``nblocks`` the number
     of scales. Team kernels (``team_shift`` is not None) run 2^team_shift
@@ -143,7 +151,7 @@ class Fp8Plan:
     grid: int
 
 
-def fp8_plan(n: int, block: int) -> Fp8Plan:
+def fp8_launch(n: int, block: int) -> Fp8Launch:
     """The launch plan of the fp8 kernels for n >= 1 values and scaling ``block``.
 
     Block 0 and any block >= n mean one scale for all n values, so the plan
@@ -152,14 +160,14 @@ def fp8_plan(n: int, block: int) -> Fp8Plan:
     scale, and 2^48 overflowed the grid). Raises ValueError past one grid.
     """
     if n < 1 or block < 0:
-        raise ValueError(f"fp8_plan needs n >= 1 and block >= 0, got n={n}, block={block}")
+        raise ValueError(f"fp8_launch needs n >= 1 and block >= 0, got n={n}, block={block}")
     block = n if block == 0 or block > n else block
     nblocks = -(-n // block)
     if block <= TEAM_MAX:
         shift = team_shift(block)
-        return Fp8Plan(block, nblocks, shift, 0, _grid(nblocks << shift)[0])
+        return Fp8Launch(block, nblocks, shift, 0, _grid(nblocks << shift)[0])
     per_block, total = _tiles(n, block)
-    return Fp8Plan(block, nblocks, None, per_block, total)
+    return Fp8Launch(block, nblocks, None, per_block, total)
 
 
 def _tiles(n: int, block: int) -> tuple[int, int]:
@@ -197,18 +205,20 @@ def _amax_tiles(cupy: Any, x: Any, n: int, block: int) -> Any:
     return amax
 
 
+@renamed_keywords(rng_stream="rounding_stream")
 def encode(fmt: int | str, x: Any, block: int, wire: Any, stream: Any = None, *,
-           flags: int = 0, seed: int = 0, rng_stream: int = 0, offset: int = 0) -> None:
+           flags: int = 0, seed: int = 0, rounding_stream: int = 0, offset: int = 0) -> None:
     """Encode the float32 values of cupy array ``x`` into the first bytes of ``wire``.
 
-    ``flags`` (STOCHASTIC, RCEIL), ``seed``, ``rng_stream`` and ``offset`` as
+    ``flags`` (STOCHASTIC, RCEIL), ``seed``, ``rounding_stream`` and ``offset`` as
     in the C gc_encode_ex. Runs on CUDA ``stream`` (default: the current
     stream) of x's device; returns without synchronizing.
     """
     cupy = require()
     fmt, block = native.format_id(fmt), _check_block(block)
     flags = native.check_flags(fmt, flags)
-    seed, rng_stream = native.check_u64(seed, "seed"), native.check_u64(rng_stream, "stream")
+    seed = native.check_u64(seed, "seed")
+    rounding_stream = native.check_u64(rounding_stream, "rounding_stream")
     offset = native.check_u64(offset, "offset")
     _check_f32(cupy, x, "x")
     n = x.size
@@ -219,7 +229,7 @@ def encode(fmt: int | str, x: Any, block: int, wire: Any, stream: Any = None, *,
     if sr:
         from geocomm.codecs.reference import sr_key  # the key of gc_sr_key, computed once
 
-        key = sr_key(seed, rng_stream)
+        key = sr_key(seed, rounding_stream)
     else:
         key = 0
     rounding = (sr, _u64(key), _u64(offset))
@@ -239,10 +249,10 @@ def encode(fmt: int | str, x: Any, block: int, wire: Any, stream: Any = None, *,
                 _grid(n), (THREADS,),
                 (x, _u64(n), np.int32(fmt == native.MXFP8_E5M2), rceil, *rounding, wire))
         else:
-            _encode_fp8(cupy, fmt, x, n, fp8_plan(n, block), rounding, wire)
+            _encode_fp8(cupy, fmt, x, n, fp8_launch(n, block), rounding, wire)
 
 
-def _encode_fp8(cupy: Any, fmt: int, x: Any, n: int, plan: Fp8Plan, rounding: tuple,
+def _encode_fp8(cupy: Any, fmt: int, x: Any, n: int, plan: Fp8Launch, rounding: tuple,
                 wire: Any) -> None:
     e5m2 = np.int32(fmt == native.E5M2)
     head = (x, _u64(n), _u64(plan.block), _u64(plan.nblocks))
@@ -283,10 +293,10 @@ def decode(fmt: int | str, wire: Any, block: int, out: Any, accumulate: bool = F
                 _grid(n), (THREADS,),
                 (wire, _u64(n), np.int32(fmt == native.MXFP8_E5M2), acc, out))
         else:
-            _decode_fp8(cupy, fmt, wire, n, fp8_plan(n, block), acc, out)
+            _decode_fp8(cupy, fmt, wire, n, fp8_launch(n, block), acc, out)
 
 
-def _decode_fp8(cupy: Any, fmt: int, wire: Any, n: int, plan: Fp8Plan, acc: np.int32,
+def _decode_fp8(cupy: Any, fmt: int, wire: Any, n: int, plan: Fp8Launch, acc: np.int32,
                 out: Any) -> None:
     e5m2 = np.int32(fmt == native.E5M2)
     head = (wire, _u64(n), _u64(plan.block), _u64(plan.nblocks))

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from geocomm.deprecation import renamed_keywords
+
 try:
     from geocomm._native import ffi as _ffi
     from geocomm._native import lib as _lib
@@ -119,12 +121,13 @@ def check_flags(fmt: int | str, flags: int) -> int:
     return flags
 
 
+@renamed_keywords(rng_stream="rounding_stream")
 def encode(fmt: int | str, x: np.ndarray, block: int, wire: np.ndarray, *, flags: int = 0,
-           seed: int = 0, rng_stream: int = 0, offset: int = 0) -> None:
+           seed: int = 0, rounding_stream: int = 0, offset: int = 0) -> None:
     """Encode the float32 values of ``x`` into the first bytes of ``wire`` (gc_encode_ex).
 
     ``flags``: STOCHASTIC and/or RCEIL; with STOCHASTIC the random bits of
-    element i come from (seed, rng_stream, offset + i).
+    element i come from (seed, rounding_stream, offset + i).
     """
     fmt = format_id(fmt)
     _check_f32(x, "x")
@@ -132,7 +135,7 @@ def encode(fmt: int | str, x: np.ndarray, block: int, wire: np.ndarray, *, flags
     flags = check_flags(fmt, flags)
     rc = _lib.gc_encode_ex(fmt, _ffi.from_buffer("float[]", x), x.size, block,
                            _ffi.from_buffer("uint8_t[]", wire, require_writable=True), flags,
-                           check_u64(seed, "seed"), check_u64(rng_stream, "stream"),
+                           check_u64(seed, "seed"), check_u64(rounding_stream, "rounding_stream"),
                            check_u64(offset, "offset"))
     if rc:
         raise ValueError(f"the native core refused format {fmt} with flags {flags} ({rc})")

@@ -37,6 +37,7 @@ import numpy as np
 import geocomm
 from geocomm.codecs import TransformingCodec, bounds
 from geocomm.collectives import get_comm, resolve_codec
+from geocomm.deprecation import DeprecatedOption
 from geocomm.testing import (
     MeteredComm,
     breakdown,
@@ -53,7 +54,7 @@ DTYPES = {"float": np.float32, "half": np.float16, "bfloat16": ml_dtypes.bfloat1
 @dataclass
 class Collective:
     name: str
-    #: run(x, codec, op, chunk) -> result
+    #: run(x, codec, op, stage_size) -> result
     run: Callable
     #: busbw = algbw * bus_factor(N)
     bus_factor: Callable[[int], float]
@@ -81,7 +82,10 @@ def parse_args(name: str, argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("-J", "--output_file", default=None, help="write results as JSON")
     p.add_argument("--codec", default="fp8", help="codec id (none, bf16, fp8, nvfp4, geofp8...)")
     p.add_argument("--codec-args", default="{}", help='JSON codec parameters, e.g. {"fmt":"e5m2"}')
-    p.add_argument("--chunk", type=int, default=None, help="pipeline chunk (values per stage)")
+    p.add_argument("--stage-size", type=int, default=None,
+                   help="values per pipeline stage (default: the backend's)")
+    p.add_argument("--chunk", dest="stage_size", type=int, action=DeprecatedOption,
+                   help=argparse.SUPPRESS)  # the old name of --stage-size
     p.add_argument("--breakdown", action="store_true",
                    help="also time encode, communication and decode on their own")
     p.add_argument("--input", choices=["auto", "gaussian", "gradient"], default="auto",
@@ -175,7 +179,7 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
     itemsize = np.dtype(dtype).itemsize
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"# geocomm {coll.name}_perf: {size} ranks, codec {codec.get_config()}, "
-        f"op {args.op}, type {args.datatype}, chunk {args.chunk or 'default'}, "
+        f"op {args.op}, type {args.datatype}, stage size {args.stage_size or 'default'}, "
         f"input {kind}" + (f" ({args.cols} columns)" if kind == "gradient" else ""))
     say("# command: " + launch_command(size))
     ruler = yardstick(comm)
@@ -194,7 +198,7 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
         x = xs[rank] if args.check else xs[0]
 
         def call(x=x, comm=comm) -> np.ndarray:
-            return coll.run(x, codec, args.op, args.chunk, comm)
+            return coll.run(x, codec, args.op, args.stage_size, comm)
 
         for _ in range(args.warmup_iters):
             call()
@@ -218,7 +222,7 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
                 f"{row['time_us']:>10.1f} {algbw:>7.3f} {row['busbw_GBps']:>7.3f} {wrong:>7} "
                 f"{wire:>12} {row['ratio_to_fp32']:>6.3f} {relerr:>9.2e}")
         if args.breakdown and not codec.lossless:
-            parts = breakdown(comm, codec, x, args.chunk, coll.gather)
+            parts = breakdown(comm, codec, x, args.stage_size, coll.gather)
             serial = parts["encode"] + parts["comm"] + parts["decode"]
             row["breakdown_us"] = {k: v * 1e6 for k, v in parts.items()}
             row["overlap_ratio"] = parts["pipelined"] / serial if serial else float("nan")
@@ -243,7 +247,8 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
             "codec": codec.get_config(), "op": args.op, "datatype": args.datatype,
             "link": emulated_link() or "shared memory",
             "input": kind, "cols": args.cols if kind == "gradient" else None,
-            "chunk": args.chunk, "machine": platform.machine(), "python": platform.python_version(),
+            "stage_size": args.stage_size, "machine": platform.machine(),
+            "python": platform.python_version(),
             "geocomm": geocomm.__version__, "rows": rows, "wrong_total": total_wrong,
             "avg_busbw_GBps": avg_busbw, "yardstick": dataclasses.asdict(ruler),
         }

@@ -28,14 +28,14 @@ def _norm_bound(xs, codec, rank, size, op):
 _OUT: dict = {}
 
 
-def _run(x, codec, op, chunk, comm):
+def _run(x, codec, op, stage_size, comm):
     """All-reduce into a receive buffer reused across calls (nccl-tests preallocates
     its buffers too), so neither path pays for faulting in fresh pages each call."""
     out = _OUT.get((x.shape, x.dtype))
     if out is None:
         _OUT.clear()
         out = _OUT[(x.shape, x.dtype)] = np.empty_like(x)
-    return geocomm.allreduce(x, codec=codec, op=op, chunk_elems=chunk, out=out, comm=comm)
+    return geocomm.allreduce(x, codec=codec, op=op, stage_size=stage_size, out=out, comm=comm)
 
 
 ALL_REDUCE = Collective(

@@ -102,7 +102,7 @@ def batched_configs() -> list[tuple[str, Any]]:
 def batched_pieces(fmt: Any, counts: tuple[int, ...]) -> tuple[list[Any], int, int]:
     """Pieces at odd value and byte offsets with a large rounding index; (pieces,
     values needed, wire bytes needed)."""
-    from geocomm.engine.device_plan import Piece
+    from geocomm.engine.device_tables import Piece
 
     pieces, at, byte = [], 3, 1
     for n in counts:
@@ -119,7 +119,7 @@ def check_batched(cp: Any, name: str, config: Any, x: np.ndarray, others: list[n
     compared decoded) and the same sum as fp32 (NaN payloads exempt throughout)."""
     import geocomm
     from geocomm.engine import device as gp
-    from geocomm.engine import device_plan as gpl
+    from geocomm.engine import device_tables as gpl
 
     fmt = gpl.wire_format(geocomm.get_codec(config))
     host, device = gp.HostKernels(), gp.CudaKernels()
@@ -139,9 +139,9 @@ def check_batched(cp: Any, name: str, config: Any, x: np.ndarray, others: list[n
         return xp.full(nbytes, 0xA5, dtype=np.uint8)  # poison: unwritten bytes show
 
     scratch = cp.zeros(max(amax, 1), cp.uint32)
-    got, want = both(lambda w: host.encode(fmt, values, on_host, w, None, stream=5),
+    got, want = both(lambda w: host.encode(fmt, values, on_host, w, None, rounding_stream=5),
                      lambda w: device.encode(fmt, cp.asarray(values), on_device, w, scratch,
-                                             stream=5), wire)
+                                             rounding_stream=5), wire)
     row["encode"] = byte_diff(got, want)
     encoded = want
     got, want = both(lambda o: host.decode(fmt, encoded, on_host, o),
@@ -157,15 +157,16 @@ def check_batched(cp: Any, name: str, config: Any, x: np.ndarray, others: list[n
     stride = fmt.wire_size(n)
     bodies = np.zeros(len(others) * stride, np.uint8)
     for r, other in enumerate(others):
-        host.encode(fmt, np.resize(other, n), own_host, bodies[r * stride:], None, stream=r)
+        host.encode(fmt, np.resize(other, n), own_host, bodies[r * stride:], None,
+                    rounding_stream=r)
     incoming_host = gp.Incoming(bodies, len(others), stride)
     incoming_device = gp.Incoming(cp.asarray(bodies), len(others), stride)
     own = np.resize(x[::-1], n)
     scratch = cp.zeros(max(own_amax, 1), cp.uint32)
     got, want = both(
-        lambda w: host.encode(fmt, own, own_host, w, None, incoming_host, stream=9),
+        lambda w: host.encode(fmt, own, own_host, w, None, incoming_host, rounding_stream=9),
         lambda w: device.encode(fmt, cp.asarray(own), own_device, w, scratch, incoming_device,
-                                stream=9),
+                                rounding_stream=9),
         lambda xp: xp.full(stride, 0xA5, dtype=np.uint8))
     # compared decoded: a sum that is NaN is the canonical NaN on the GPU and keeps an
     # operand's sign on the CPU, which an fp8 code keeps (only NaN positions must agree)

@@ -139,7 +139,7 @@ def _to_host(cp: Any, result: Any, dtype: str) -> np.ndarray:
     return cp.asnumpy(result)
 
 
-def run_collective(kind: str, x: Any, codec: Any, comm: Any, chunk: int,
+def run_collective(kind: str, x: Any, codec: Any, comm: Any, stage_size: int,
                    in_place: bool) -> Any:
     """One geocomm collective through the public API (adapters included), as the
     first call with its codec and key: stochastic rounding numbers the calls with
@@ -153,7 +153,7 @@ def run_collective(kind: str, x: Any, codec: Any, comm: Any, chunk: int,
           "allgather": geocomm.allgather}[kind]
     kwargs: dict[str, Any] = {"codec": codec, "comm": comm}
     if kind != "allgather":
-        kwargs["chunk_elems"] = chunk
+        kwargs["stage_size"] = stage_size
     if in_place:
         fn(x, out=x, **kwargs)
         return x
@@ -171,20 +171,20 @@ def collective_cases() -> list[tuple[str, str, str, bool]]:
     return out
 
 
-def lockstep(cp: Any, codec: Any, xs: list[np.ndarray], chunk: int, gather: bool
+def lockstep(cp: Any, codec: Any, xs: list[np.ndarray], stage_size: int, gather: bool
              ) -> list[tuple[np.ndarray, np.ndarray]]:
     """(batched on the device, host-driven on the CPU) results of every rank of one call
     on len(xs) ranks of this process (geocomm.testing.loopback): the batched kernels
     with N - 1 incoming pieces and multi-piece tables, which one NCCL rank never has."""
     from geocomm.engine import device as gpu_pipeline
-    from geocomm.engine import device_plan
+    from geocomm.engine import device_tables
     from geocomm.engine.host import Pipeline
     from geocomm.engine.layout import Pieces
     from geocomm.testing import loopback, run_lockstep
 
     size, count = len(xs), xs[0].size
-    pieces = Pieces.plan(count, size, chunk)
-    fmt = device_plan.wire_format(codec)
+    pieces = Pieces.cut(count, size, stage_size)
+    fmt = device_tables.wire_format(codec)
     results = []
     for xp in (cp, np):
         pipes, outs = [], []
@@ -192,8 +192,8 @@ def lockstep(cp: Any, codec: Any, xs: list[np.ndarray], chunk: int, gather: bool
             lo, hi = int(pieces.bounds[r]), int(pieces.bounds[r + 1])
             out = xp.full(count if gather else hi - lo, np.nan, dtype=np.float32)
             args = (pieces, xp.asarray(xs[r]), out, 0 if gather else lo, gather)
-            pipes.append(gpu_pipeline.BatchedPipeline(comm, fmt, *args, stream=17) if xp is cp
-                         else Pipeline(comm, codec, *args, stream=17))
+            pipes.append(gpu_pipeline.BatchedPipeline(comm, fmt, *args, rounding_stream=17)
+                         if xp is cp else Pipeline(comm, codec, *args, rounding_stream=17))
             outs.append(out)
         run_lockstep(pipes)
         results.append([cp.asnumpy(o) if xp is cp else o for o in outs])
@@ -227,7 +227,7 @@ def check_lockstep(ctx: Any, n: int | None = None, size: int = 3) -> list[dict[s
 
 
 def collective_row(ctx: Any, kind: str, dtype: str, codec_name: str, in_place: bool,
-                   values: np.ndarray, chunk: int) -> dict[str, Any]:
+                   values: np.ndarray, stage_size: int) -> dict[str, Any]:
     """One case on every rank: this rank's NCCL result == its MPI result, and (all-reduce,
     all-gather) every rank holds the same bits. Every rank makes the same calls, the
     checksum all-gather included, even when a case raised here."""
@@ -241,9 +241,9 @@ def collective_row(ctx: Any, kind: str, dtype: str, codec_name: str, in_place: b
     try:
         host = _host_input(dtype, values)
         # a fresh codec each: error feedback's residuals start alike
-        want = run_collective(kind, host.copy(), get_codec(codec), mpi, chunk, in_place)
+        want = run_collective(kind, host.copy(), get_codec(codec), mpi, stage_size, in_place)
         got = _to_host(cp, run_collective(kind, _to_device(cp, host), get_codec(codec), nccl,
-                                          chunk, in_place), dtype)
+                                          stage_size, in_place), dtype)
         row["vs_numpy_mpi"] = value_diff(got, want)
     except Exception:
         row["error"] = traceback.format_exc()
@@ -255,21 +255,21 @@ def collective_row(ctx: Any, kind: str, dtype: str, codec_name: str, in_place: b
     return row
 
 
-def check_collectives(ctx: Any, n: int | None = None, chunk: int | None = None
+def check_collectives(ctx: Any, n: int | None = None, stage_size: int | None = None
                       ) -> dict[str, Any]:
     """The public collectives on CuPy over NCCL == on NumPy over MPI on every rank (many
     stages), then the batched pipeline on three loopback ranks (check_lockstep, on
     rank 0 only)."""
     n = ctx.sizes.collective_n if n is None else n
-    chunk = ctx.sizes.chunk if chunk is None else chunk
+    stage_size = ctx.sizes.stage_size if stage_size is None else stage_size
     nccl = ctx.nccl()
     rng = np.random.default_rng([ctx.args.seed, nccl.rank])
     values = gradient(rng, (n,))
     values[::97] *= 1e4  # a spread of block scales
-    rows = [collective_row(ctx, kind, dtype, codec_name, in_place, values, chunk)
+    rows = [collective_row(ctx, kind, dtype, codec_name, in_place, values, stage_size)
             for kind, dtype, codec_name, in_place in collective_cases()]
     rows += ctx.on_root(lambda: check_lockstep(ctx)) or []
-    return {"ok": all(r["ok"] for r in rows), "n": n, "chunk_elems": chunk, "rows": rows,
+    return {"ok": all(r["ok"] for r in rows), "n": n, "stage_size": stage_size, "rows": rows,
             "ranks": ctx.size,
             "failures": [f"{r['collective']} {r['dtype']} {r['codec']} "
                          f"{'in place ' if r['in_place'] else ''}"

@@ -37,7 +37,7 @@ class Sizes:
     tiny: int          # bytes: subnormal values with all-zero blocks
     big: int           # bytes: the big input (0: none)
     collective_n: int  # collectives: values per rank
-    chunk: int         # collectives: pipeline stage (values), so many stages
+    stage_size: int         # collectives: pipeline stage (values), so many stages
     lockstep_n: int    # collectives: values per loopback rank
     geo_shape: tuple[int, int]  # geofp8: the matrix of each all-reduce
     geo_steps: int     # geofp8: all-reduces in the sequence (basis refreshed every 4)
@@ -46,12 +46,12 @@ class Sizes:
 PROFILES = {
     # a real GPU: what the sections have always used
     "gpu": Sizes(wide=1_000_003, edges=65_537, bits=262_147, tiny=100_003, big=5_000_017,
-                 collective_n=100_003, chunk=4096, lockstep_n=60_007,
+                 collective_n=100_003, stage_size=4096, lockstep_n=60_007,
                  geo_shape=(2048, 4096), geo_steps=6),
     # the CPU twin of CuPy (tests/twin): the same formats, blocks, walks and ragged
     # sizes; fewer values where only the count was large
     "twin": Sizes(wide=200_003, edges=65_537, bits=65_539, tiny=30_011, big=500_009,
-                  collective_n=60_013, chunk=4096, lockstep_n=20_011,
+                  collective_n=60_013, stage_size=4096, lockstep_n=20_011,
                   geo_shape=(512, 1024), geo_steps=6),
 }
 

@@ -43,7 +43,7 @@ def torch_cuda_missing() -> dict[str, Any] | None:
     return None
 
 
-def check_torch(ctx: Any, n: int = 300_001, chunk: int = 65_536) -> dict[str, Any]:
+def check_torch(ctx: Any, n: int = 300_001, stage_size: int = 65_536) -> dict[str, Any]:
     if (missing := torch_cuda_missing()) is not None:
         return missing
     import torch
@@ -61,7 +61,7 @@ def check_torch(ctx: Any, n: int = 300_001, chunk: int = 65_536) -> dict[str, An
             try:
                 host = values.to(dtype)
                 want = geocomm.allreduce(host.clone(), codec="fp8", op="avg", comm=mpi,
-                                         chunk_elems=chunk)
+                                         stage_size=stage_size)
                 staged = host.to(device)
                 torch.cuda.synchronize(device)
                 # the input is written behind a long kernel on torch's current
@@ -71,7 +71,7 @@ def check_torch(ctx: Any, n: int = 300_001, chunk: int = 65_536) -> dict[str, An
                 x = staged.clone()
                 out = x if in_place else None
                 result = geocomm.allreduce(x, codec="fp8", op="avg", comm=nccl, out=out,
-                                           chunk_elems=chunk)
+                                           stage_size=stage_size)
                 # a consumer on a side stream waits for the current stream only
                 side = torch.cuda.Stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
@@ -178,18 +178,18 @@ def time_pipeline(ctx: Any, size_mib: int, repeats: int) -> list[dict[str, Any]]
     model chose (geocomm.engine.costs).
     """
     import geocomm
-    from geocomm.engine.layout import Pieces, stage_values
+    from geocomm.engine.layout import Pieces, stage_size
 
     cp, nccl = ctx.cp, ctx.nccl()
     n = size_mib * (1 << 20) // 4
     x = cp.random.default_rng(1).standard_normal(n, dtype=cp.float32)
     y = cp.empty_like(x)
-    chunk = stage_values(nccl.backend, n, nccl.size)
+    stage = stage_size(nccl.backend, n, nccl.size)
     ops = {
         "cupy copy": (lambda: cp.copyto(y, x), None),
         "NCCL all-reduce (fp32)": (lambda: nccl.allreduce(x, y, "sum"), None),
         "geocomm fp8 pipeline": (lambda: geocomm.allreduce(x, codec="fp8", out=y, comm=nccl),
-                                 Pieces.plan(n, nccl.size, chunk).stages),
+                                 Pieces.cut(n, nccl.size, stage).stages),
     }
     rows = []
     for name, (op, stages) in ops.items():
@@ -216,7 +216,7 @@ def time_stage_cost(ctx: Any, size_mib: int = 64, stages: int = 8,
     x = cp.random.default_rng(3).standard_normal(n, dtype=cp.float32)
     y = cp.empty_like(x)
     times = [median_seconds(ctx, lambda c=c: geocomm.allreduce(
-        x, codec="fp8", out=y, comm=nccl, chunk_elems=c), repeats) for c in (n, -(-n // stages))]
+        x, codec="fp8", out=y, comm=nccl, stage_size=c), repeats) for c in (n, -(-n // stages))]
     profile = backends.profile(nccl.backend)
     return {"size_MiB": size_mib, "stages": stages, "one_stage_s": times[0],
             "many_stages_s": times[1], "stage_s": (times[1] - times[0]) / (stages - 1),
@@ -335,7 +335,7 @@ def ddp_rows(device: Any, mpi: Any, seed: int, steps: int) -> list[dict[str, Any
                     torch.cuda.synchronize(device)
                 for buffer, params, _ in seen:
                     want = geocomm.allreduce(buffer.cpu(), codec="fp8", op="avg", comm=mpi,
-                                             chunk_elems=state.reducer.chunk_elems)
+                                             stage_size=state.reducer.stage_size)
                     got = torch.cat([p.grad.reshape(-1) for p in params])
                     diffs.append(value_diff(_torch_bits(got), _torch_bits(want)))
                 buckets += len(seen)

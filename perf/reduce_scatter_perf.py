@@ -35,8 +35,8 @@ def _norm_bound(xs, codec, rank, size, op):
 
 REDUCE_SCATTER = Collective(
     name="reduce_scatter",
-    run=lambda x, codec, op, chunk, comm: geocomm.reduce_scatter(
-        x, codec=codec, op=op, chunk_elems=chunk, comm=comm),
+    run=lambda x, codec, op, stage_size, comm: geocomm.reduce_scatter(
+        x, codec=codec, op=op, stage_size=stage_size, comm=comm),
     bus_factor=lambda n: (n - 1) / n,
     span=_span,
     bound=_bound,

@@ -74,9 +74,9 @@ def main() -> int:
              for b in (0, 1, 16, 128, 3000, 2**30, 2**48)]
     cases += [(name, native.FORMATS[name], 0) for name in ("nvfp4", "bf16", "mxfp8_e4m3",
                                                             "mxfp8_e5m2", "mxfp4")]
-    keys = [{"seed": 0, "rng_stream": 0, "offset": 0},
-            {"seed": 2**64 - 1, "rng_stream": 12345, "offset": 2**64 - 7},
-            {"seed": 7, "rng_stream": 3, "offset": 10**9}]
+    keys = [{"seed": 0, "rounding_stream": 0, "offset": 0},
+            {"seed": 2**64 - 1, "rounding_stream": 12345, "offset": 2**64 - 7},
+            {"seed": 7, "rounding_stream": 3, "offset": 10**9}]
     problems, runs = [], 0
     for name, fmt, block in cases:
         rules = (0, native.RCEIL) if fmt in native.MX_FORMATS else (0,)

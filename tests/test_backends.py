@@ -16,7 +16,7 @@ import pytest
 import geocomm
 from geocomm.codecs.auto import AutoCodec
 from geocomm.engine import costs as backends
-from geocomm.engine.layout import DEFAULT_CHUNK_ELEMS, Pieces, stage_values
+from geocomm.engine.layout import DEFAULT_STAGE_SIZE, Pieces, stage_size
 
 NCCL = backends.DEVICE["nccl"]
 MIB = 1 << 20
@@ -26,7 +26,7 @@ def test_host_backends_keep_the_measured_numbers():
     for backend in ("mpi", "torch", "sim", None):
         for count in (0, 1, 10**6, 10**9):
             for size in (1, 2, 8):
-                assert stage_values(backend, count, size) == DEFAULT_CHUNK_ELEMS == 1 << 20
+                assert stage_size(backend, count, size) == DEFAULT_STAGE_SIZE == 1 << 20
         assert backends.crossover_bytes(backend, 2) == backends.HOST_CROSSOVER_BYTES == 2 * MIB
     assert backends.profile("mpi") is None and backends.profile("nccl") is NCCL
 
@@ -56,11 +56,11 @@ def test_model_terms():
 
 def test_device_stages_are_few_and_large():
     """~100 us per stage: one stage up to a few hundred MiB on NVLink, a handful above."""
-    counts = {mib: stage_values("nccl", mib * MIB // 4, 8) for mib in (1, 64, 256, 1024)}
+    counts = {mib: stage_size("nccl", mib * MIB // 4, 8) for mib in (1, 64, 256, 1024)}
     assert counts[1] == MIB // 4 and counts[64] == 16 * MIB  # one stage each
     assert 1 < math.ceil(256 * MIB // 4 / counts[256]) <= 4
     assert 1 < math.ceil(1024 * MIB // 4 / counts[1024]) <= 8
-    assert counts[1024] <= backends.MAX_STAGE_VALUES
+    assert counts[1024] <= backends.MAX_STAGE_SIZE
     # the host's 1M values per stage would cut 256 MiB into 64 stages: 6.4 ms of stage
     # costs, several times the best call
     best = backends.best_stages(NCCL, 256 * MIB, 8, backends.FP8_RATIO)
@@ -71,8 +71,8 @@ def test_device_stages_are_few_and_large():
 
 def test_one_rank_takes_one_stage_and_never_compresses():
     for mib in (1, 64, 256):
-        assert stage_values("nccl", mib * MIB // 4, 1) == mib * MIB // 4
-    assert stage_values("nccl", 4 << 30, 1) == backends.MAX_STAGE_VALUES  # scratch bound
+        assert stage_size("nccl", mib * MIB // 4, 1) == mib * MIB // 4
+    assert stage_size("nccl", 4 << 30, 1) == backends.MAX_STAGE_SIZE  # scratch bound
     assert backends.crossover_bytes("nccl", 1) is None
 
 
@@ -146,9 +146,9 @@ def test_auto_takes_the_backends_crossover():
             AutoCodec(crossover_bytes=bad)
 
 
-def test_stage_values_plan_valid_pieces():
+def test_stage_size_cuts_valid_pieces():
     for count in (1, 4095, 10**6 + 7, 3 * 10**7):
         for size in (1, 2, 8):
-            chunk = stage_values("nccl", count, size)
-            plan = Pieces.plan(count, size, chunk)
+            chunk = stage_size("nccl", count, size)
+            plan = Pieces.cut(count, size, chunk)
             assert plan.stages >= 1 and plan.piece * plan.stages * size >= count

@@ -46,7 +46,7 @@ def native_encode(fmt: str, x: np.ndarray, block: int = 0, **options) -> np.ndar
     """Native wire body of x (flattened, as float32).
 
     ``options`` are those of the reference's ``encode`` (rounding, scale_rule,
-    seed, stream, offset), passed to the C core as gc_encode_ex flags and values.
+    seed, rounding_stream, offset), passed to the C core as gc_encode_ex flags and values.
     """
     flat = np.ascontiguousarray(x, F32).reshape(-1)
     code = native.FORMATS[fmt]
@@ -54,7 +54,8 @@ def native_encode(fmt: str, x: np.ndarray, block: int = 0, **options) -> np.ndar
     flags = (native.STOCHASTIC if options.get("rounding") == "stochastic" else 0) | (
         native.RCEIL if options.get("scale_rule") == "rceil" else 0)
     native.encode(code, flat, block, wire, flags=flags, seed=options.get("seed", 0),
-                  rng_stream=options.get("stream", 0), offset=options.get("offset", 0))
+                  rounding_stream=options.get("rounding_stream", 0),
+                  offset=options.get("offset", 0))
     return wire
 
 
@@ -437,7 +438,8 @@ def test_nvfp4_body_is_the_concatenation_of_aligned_pieces(rounding):
     # starts at a multiple of 4096 values (the collective cuts its shards so,
     # issue #16); stochastic rounding draws by global index (offset = piece start).
     x = random_wide(N_RANDOM + 1234, seed=16)
-    key = {"rounding": rounding, "seed": 5, "stream": 6} if rounding == "stochastic" else {}
+    key = {"rounding": rounding, "seed": 5, "rounding_stream": 6} \
+        if rounding == "stochastic" else {}
     whole = nvfp4_sections(native_encode("nvfp4", x, **key), x.size)
     cuts = [0, 4096, 3 * 4096, 100 * 4096, 101 * 4096, 200 * 4096, x.size]
     pieces = [nvfp4_sections(native_encode("nvfp4", x[a:b], **key, offset=a), b - a)

@@ -56,7 +56,7 @@ def same_on_all_ranks(comm, array: np.ndarray) -> bool:
 @pytest.mark.parametrize("op", ["sum", "avg"])
 def test_allreduce_error_bound_and_identical(comm, name, count, op):
     xs = inputs(count, comm.size, tag=1)
-    y = geocomm.allreduce(xs[comm.rank].copy(), codec=CODECS[name], op=op, chunk_elems=4096)
+    y = geocomm.allreduce(xs[comm.rank].copy(), codec=CODECS[name], op=op, stage_size=4096)
     assert y.dtype == np.float32 and y.shape == (count,)
     assert same_on_all_ranks(comm, y)
     exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
@@ -84,11 +84,11 @@ def test_inplace_out(comm, name, chunk):
     writes ranges the pipeline has already encoded."""
     xs = inputs(5000, comm.size, tag=2)
     x = xs[comm.rank].copy()
-    expected = geocomm.allreduce(x.copy(), codec=CODECS[name], chunk_elems=chunk)
+    expected = geocomm.allreduce(x.copy(), codec=CODECS[name], stage_size=chunk)
     out = np.full_like(x, np.nan)
-    assert geocomm.allreduce(x, codec=CODECS[name], out=out, chunk_elems=chunk) is out
+    assert geocomm.allreduce(x, codec=CODECS[name], out=out, stage_size=chunk) is out
     np.testing.assert_array_equal(out, expected)
-    result = geocomm.allreduce(x, codec=CODECS[name], out=x, chunk_elems=chunk)
+    result = geocomm.allreduce(x, codec=CODECS[name], out=x, stage_size=chunk)
     assert result is x
     np.testing.assert_array_equal(x, expected)
 
@@ -98,11 +98,11 @@ def test_out_overlapping_x_at_an_offset(comm, name):
     """out sharing x's buffer one element further on is not reduced into
     directly (the pipeline would overwrite values it has not read yet)."""
     xs = inputs(3001, comm.size, tag=9)
-    expected = geocomm.allreduce(xs[comm.rank].copy(), codec=CODECS[name], chunk_elems=500)
+    expected = geocomm.allreduce(xs[comm.rank].copy(), codec=CODECS[name], stage_size=500)
     buf = np.empty(3002, np.float32)
     buf[:3001] = xs[comm.rank]
     result = geocomm.allreduce(buf[:3001], codec=CODECS[name], out=buf[1:],
-                               chunk_elems=500)
+                               stage_size=500)
     np.testing.assert_array_equal(result, expected)
 
 
@@ -185,7 +185,7 @@ def test_chunking_does_not_change_bytes(comm, name):
     """Pieces start at multiples of 4096 within a shard, so 128-blocks never
     move with the chunk size: every chunk size gives the same bits."""
     xs = inputs(50_003, comm.size, tag=5)
-    results = [geocomm.allreduce(xs[comm.rank], codec=CODECS[name], chunk_elems=chunk)
+    results = [geocomm.allreduce(xs[comm.rank], codec=CODECS[name], stage_size=chunk)
                for chunk in (256, 4096, 1 << 22)]
     for other in results[1:]:
         np.testing.assert_array_equal(other, results[0])
@@ -195,7 +195,7 @@ def test_chunking_does_not_change_bytes(comm, name):
 @pytest.mark.parametrize("count", [0, 1, 97, 12_345])
 def test_reduce_scatter_shard(comm, name, count):
     xs = inputs(count, comm.size, tag=6)
-    shard = geocomm.reduce_scatter(xs[comm.rank], codec=CODECS[name], op="sum", chunk_elems=2048)
+    shard = geocomm.reduce_scatter(xs[comm.rank], codec=CODECS[name], op="sum", stage_size=2048)
     offsets = shard_bounds(count, comm.size)
     lo, hi = offsets[comm.rank], offsets[comm.rank + 1]
     assert shard.shape == (hi - lo,)

@@ -106,7 +106,7 @@ def test_allreduce(group, name):
     for step in range(STEPS):
         xs = inputs(world_ranks, step)
         got = geocomm.allreduce(xs[comm.rank], codec=mine, key="w", comm=comm,
-                                chunk_elems=chunk)
+                                stage_size=chunk)
         assert got.shape == SHAPE and got.dtype == np.float32
         assert np.array_equal(got, simulate_allreduce(simulated, xs, key="w"))
         if name == "none":
@@ -127,7 +127,7 @@ def test_reduce_scatter(group, name):
     for step in range(STEPS):
         xs = inputs(world_ranks, step)
         shard = geocomm.reduce_scatter(xs[comm.rank], codec=mine, key="w", comm=comm,
-                                       chunk_elems=chunk)
+                                       stage_size=chunk)
         assert shard.shape == mine_of_all.shape
         assert np.array_equal(shard, simulate_reduce_scatter(simulated, xs, key="w")[comm.rank])
         if name == "none":

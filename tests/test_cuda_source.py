@@ -232,7 +232,7 @@ def test_team_and_tile_plans():
     """Launch geometry: team width is the next power of two up to a warp; tiles cover blocks."""
     assert [gcuda.team_shift(b) for b in (1, 2, 3, 16, 17, 32, 33, 1024)] == [0, 1, 2, 4, 5, 5,
                                                                                5, 5]
-    plan = gcuda.fp8_plan(10_000, 5000)
+    plan = gcuda.fp8_launch(10_000, 5000)
     assert plan.team_shift is None and plan.nblocks == 2
     assert plan.tiles_per_block == -(-5000 // gcuda.TILE) and plan.grid == 2 * plan.tiles_per_block
     assert gcuda.THREADS % 32 == 0
@@ -244,7 +244,7 @@ def test_fp8_launch_plan_caps_the_block_at_n(n, block):
     """Block 0 and every block >= n are one scale over n values (as gc_wire_size counts
     them), so the plan's grid depends on n, not on the block's nominal size: no thread
     block may be launched for values that do not exist (issue #14, item 4)."""
-    plan = gcuda.fp8_plan(n, block)
+    plan = gcuda.fp8_launch(n, block)
     one_scale = block == 0 or block >= n
     assert plan.block == (n if one_scale else block)
     assert plan.nblocks == -(-n // plan.block)
@@ -265,11 +265,11 @@ def test_fp8_launch_plan_caps_the_block_at_n(n, block):
 
 def test_fp8_launch_plan_rejects_bad_arguments():
     with pytest.raises(ValueError):
-        gcuda.fp8_plan(0, 128)
+        gcuda.fp8_launch(0, 128)
     with pytest.raises(ValueError):
-        gcuda.fp8_plan(10, -1)
+        gcuda.fp8_launch(10, -1)
     with pytest.raises(ValueError, match="grid"):  # one lane per value, 2^40 values
-        gcuda.fp8_plan(2**40, 1)
+        gcuda.fp8_launch(2**40, 1)
 
 
 # ---------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from geocomm.adapters.torch import (
     init_distributed_from_mpi,
 )
 from geocomm.codecs.bounds import FP32_UNIT, allreduce_bound
-from geocomm.engine.layout import DEFAULT_CHUNK_ELEMS, Pieces, wire_bytes
+from geocomm.engine.layout import DEFAULT_STAGE_SIZE, Pieces, wire_bytes
 from geocomm.testing import MeteredComm
 
 pytestmark = [pytest.mark.mpi(min_size=2)]
@@ -145,8 +145,8 @@ def test_one_collective_per_bucket_counted_at_the_communicator(comm):
         # what the communicator saw is exactly one pipelined all-reduce per bucket:
         # an all-to-all and an all-gather per pipeline stage (the host backends' stage
         # size), and its wire bytes
-        assert state.reducer.chunk_elems is None
-        plans = [Pieces.plan(numel, size, DEFAULT_CHUNK_ELEMS) for _, _, numel in buckets]
+        assert state.reducer.stage_size is None
+        plans = [Pieces.cut(numel, size, DEFAULT_STAGE_SIZE) for _, _, numel in buckets]
         assert state.comm.calls - calls0 == sum(2 * p.stages for p in plans)
         assert state.comm.sent - sent0 == sum(wire_bytes(state.codec, p, rank) for p in plans)
         assert stats.bytes_sent == state.comm.sent - sent0

@@ -182,11 +182,11 @@ def test_encode_wire_takes_stream_and_offset(codec_id):
     x = sample((100,), np.float32)
     a, b = (np.empty(codec.wire_size(100), np.uint8) for _ in range(2))
     codec.encode_wire(x, a)
-    codec.encode_wire(x, b, stream=2**64 - 1, offset=12345)
+    codec.encode_wire(x, b, rounding_stream=2**64 - 1, offset=12345)
     assert np.array_equal(a, b)
     if codec_id not in ("none", "auto"):
         with pytest.raises(ValueError):
-            codec.encode_wire(x, b, stream=-1)
+            codec.encode_wire(x, b, rounding_stream=-1)
         with pytest.raises(ValueError):
             codec.encode_wire(x, b, offset=2**64)
 

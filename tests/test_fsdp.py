@@ -13,7 +13,7 @@ import geocomm
 from geocomm.adapters.torch import compress_fsdp, init_distributed_from_mpi
 from geocomm.codecs.bounds import FP32_UNIT, allreduce_bound, reduce_scatter_bound
 from geocomm.collectives import CollectiveMismatchError
-from geocomm.engine.layout import DEFAULT_CHUNK_ELEMS, Pieces, wire_bytes
+from geocomm.engine.layout import DEFAULT_STAGE_SIZE, Pieces, wire_bytes
 
 pytestmark = [pytest.mark.mpi(min_size=2)]
 
@@ -91,7 +91,7 @@ def test_compressed_reduce_scatter_is_what_runs(comm):
         assert stats.step == step and len(stats.buckets) == 4 == stats.collectives
         # the communicator saw exactly those reduce-scatters: one all-to-all per
         # pipeline stage, carrying the fp8 wire bytes of each module's flat buffer
-        plans = [Pieces.plan(rs.layout.numel, size, DEFAULT_CHUNK_ELEMS)  # the host's stage
+        plans = [Pieces.cut(rs.layout.numel, size, DEFAULT_STAGE_SIZE)  # the host's stage
                  for rs in fsdp.reduce_scatters]
         assert metered.calls - calls0 == sum(p.stages for p in plans)
         expected = sum(wire_bytes(codec, p, rank, gather=False) for p in plans)

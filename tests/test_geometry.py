@@ -384,9 +384,9 @@ def test_collectives_match_the_simulation(comm, codec_id):
     chunks = (999, 512)
     for step in range(6):
         xs = rank_inputs(size, 67, 45, step, noise=0.05)
-        got = geocomm.allreduce(xs[rank], codec=mine, key="w", chunk_elems=chunks[0])
+        got = geocomm.allreduce(xs[rank], codec=mine, key="w", stage_size=chunks[0])
         assert np.array_equal(got, simulate_allreduce(sim, xs, key="w"))
-        shard = geocomm.reduce_scatter(xs[rank], codec=mine_rs, key="w", chunk_elems=chunks[1])
+        shard = geocomm.reduce_scatter(xs[rank], codec=mine_rs, key="w", stage_size=chunks[1])
         assert np.array_equal(shard, simulate_reduce_scatter(sim_rs, xs, "w")[rank])
     assert mine.state_checksum() == sim[0].state_checksum()
 

@@ -23,7 +23,7 @@ from geocomm import cuda, cuda_build, native
 from geocomm.codecs.formats import FP8Codec
 from geocomm.collectives import Part
 from geocomm.engine import device as gp
-from geocomm.engine import device_plan as gpl
+from geocomm.engine import device_tables as gpl
 from geocomm.engine.host import Pipeline
 from geocomm.engine.layout import Pieces
 from geocomm.engine.transforming import PartsMap
@@ -112,8 +112,8 @@ def test_wire_formats_of_the_codecs():
     assert f(geocomm.get_codec("auto")) is None
 
     class Custom(FP8Codec):
-        def encode_wire(self, x, wire, *, stream=0, offset=0):
-            super().encode_wire(x, wire, stream=stream, offset=offset)
+        def encode_wire(self, x, wire, *, rounding_stream=0, offset=0):
+            super().encode_wire(x, wire, rounding_stream=rounding_stream, offset=offset)
 
     assert f(Custom()) is None
 
@@ -140,7 +140,7 @@ def test_body_layout_gives_the_wire_size(name):
             assert block >= 1 and scales == -(-n // block)
             assert (tiles == 0) == gpl.team_walk(fmt)
             if tiles:  # the block the single-body kernels plan (they may walk it by teams)
-                plan = cuda.fp8_plan(n, fmt.block)
+                plan = cuda.fp8_launch(n, fmt.block)
                 assert (scales, block) == (plan.nblocks, plan.block)
                 assert tiles == -(-block // cuda.TILE)
         if not n:
@@ -195,8 +195,8 @@ def test_call_plans_agree_across_ranks(size, name):
     """What every rank sends each rank is what that rank expects, segments stay inside
     the buffers, send rows are the other shards' pieces and gather rows every piece."""
     fmt = gpl.wire_format(codec_of(name))
-    pieces = Pieces.plan(100_003, size, 4096 * size)
-    plans = [gpl.call_plan(fmt, pieces, r) for r in range(size)]
+    pieces = Pieces.cut(100_003, size, 4096 * size)
+    plans = [gpl.call_tables(fmt, pieces, r) for r in range(size)]
     assert pieces.stages > 4
     for s in range(pieces.stages):
         for kind in ("alltoall", "allgather"):
@@ -233,15 +233,15 @@ def test_call_plans_agree_across_ranks(size, name):
 
 def test_reduce_scatter_plans_have_no_gather_rows():
     fmt = gpl.wire_format(codec_of("fp8"))
-    pieces = Pieces.plan(50_000, 3, 3 * 4096)
-    plan = gpl.call_plan(fmt, pieces, 2, result_offset=int(pieces.bounds[2]), gather=False)
+    pieces = Pieces.cut(50_000, 3, 3 * 4096)
+    plan = gpl.call_tables(fmt, pieces, 2, result_offset=int(pieces.bounds[2]), gather=False)
     assert all(plan.rows[st.gather].shape[0] == 0 for st in plan.stages)
 
 
 def test_staged_send_rows_pack_the_maps_reads():
     fmt = gpl.wire_format(codec_of("fp8"))
-    pieces = Pieces.plan(40_000, 4, 4 * 4096)
-    plan = gpl.call_plan(fmt, pieces, 1, staged=True)
+    pieces = Pieces.cut(40_000, 4, 4 * 4096)
+    plan = gpl.call_tables(fmt, pieces, 1, staged=True)
     for stage in plan.stages:
         send = plan.rows[stage.send]
         starts = np.concatenate([[0], np.cumsum(send[:, gpl.COUNT])[:-1]])
@@ -264,10 +264,11 @@ def rank_inputs(size: int, count: int, seed: int = 0) -> list[np.ndarray]:
     return out
 
 
-def run_both(codec, xs, chunk, gather=True, in_place=False, mapper=None, stream=11):
+def run_both(codec, xs, chunk, gather=True, in_place=False, mapper=None,
+             rounding_stream=11):
     """(host-driven results, batched results) of every rank."""
     size, count = len(xs), xs[0].size
-    pieces = Pieces.plan(count, size, chunk)
+    pieces = Pieces.cut(count, size, chunk)
     fmt = gpl.wire_format(codec)
     results = []
     for batched in (False, True):
@@ -283,9 +284,10 @@ def run_both(codec, xs, chunk, gather=True, in_place=False, mapper=None, stream=
             src = out if (m is not None and gather) else source
             if batched:
                 pipes.append(gp.BatchedPipeline(comm, fmt, pieces, src, out, offset, gather, m,
-                                                stream, kernels=gp.HostKernels()))
+                                                rounding_stream, kernels=gp.HostKernels()))
             else:
-                pipes.append(Pipeline(comm, codec, pieces, src, out, offset, gather, m, stream))
+                pipes.append(Pipeline(comm, codec, pieces, src, out, offset, gather, m,
+                                      rounding_stream))
             outs.append((out, m))
         run_lockstep(pipes)
         results.append(outs)
@@ -405,9 +407,9 @@ def test_run_pipeline_takes_the_host_path_for_numpy():
     out = np.empty_like(x)
     from geocomm.collectives import run_pipeline
 
-    run_pipeline(comm, codec_of("fp8"), Pieces.plan(5000, 1, 4096), x, out, 0, True)
+    run_pipeline(comm, codec_of("fp8"), Pieces.cut(5000, 1, 4096), x, out, 0, True)
     want = np.empty_like(x)
-    Pipeline(loopback(1)[0], codec_of("fp8"), Pieces.plan(5000, 1, 4096), x, want, 0,
+    Pipeline(loopback(1)[0], codec_of("fp8"), Pieces.cut(5000, 1, 4096), x, want, 0,
              True).run()
     assert_bits_equal(out, want)
     assert gpl.wire_format(codec_of("fp8")) is not None
@@ -474,9 +476,9 @@ def test_cuda_launches_match_the_kernels(launches, name, stochastic):
     x = np.zeros(20_000, np.float32)
     wire = np.zeros(2 * fmt.wire_size(5000), np.uint8)
     scratch = np.zeros(max(amax, 1), np.uint32)
-    kernels.encode(fmt, x, seg, wire, scratch, stream=5)
+    kernels.encode(fmt, x, seg, wire, scratch, rounding_stream=5)
     kernels.encode(fmt, x, seg, wire, scratch, gp.Incoming(wire, 2, fmt.wire_size(5000)),
-                   stream=6)
+                   rounding_stream=6)
     kernels.reduce(fmt, x, seg, gp.Incoming(wire, 1, 7), x)
     kernels.decode(fmt, wire, seg, x)
     names = [entry[0] for entry in log]
@@ -495,7 +497,7 @@ def test_cuda_launches_match_the_kernels(launches, name, stochastic):
         assert entry[1] == want and entry[1][1] == 3
     threads = gpl.NVFP4_THREADS if fmt.family == gpl.NVFP4 else cuda.THREADS
     assert log[0][2] == (threads,)
-    # the rounding key: this stream's under stochastic rounding, else 0
+    # the rounding key: this rounding stream's under stochastic rounding, else 0
     keys = [args[-2] for n, _, _, args in log if n in encoder[-1:]]
     assert keys == [np.uint64(fmt.key(5)), np.uint64(fmt.key(6))]
     assert (keys[0] != 0) == fmt.stochastic
@@ -550,7 +552,7 @@ def test_batched_pipeline_never_waits_on_the_host(gather):
     stream (wait_stream): no test() polling, no host wait()."""
     size, count = 3, 40_000
     xs = rank_inputs(size, count, seed=6)
-    pieces = Pieces.plan(count, size, 4096 * size)
+    pieces = Pieces.cut(count, size, 4096 * size)
     fmt = gpl.wire_format(codec_of("fp8"))
     logs = [[] for _ in range(size)]
     pipes = []

@@ -78,6 +78,6 @@ def test_yardstick_over_ranks_is_measured_on_rank_zero(comm):
 @pytest.mark.parametrize("gather", [True, False])
 def test_breakdown_times_every_phase(comm, gather):
     x = np.random.default_rng(comm.rank).standard_normal(5000, np.float32)
-    parts = breakdown(comm, get_codec("fp8"), x, chunk=1024, gather=gather, repeats=1)
+    parts = breakdown(comm, get_codec("fp8"), x, stage_size=1024, gather=gather, repeats=1)
     assert set(parts) == {"encode", "comm", "decode", "pipelined"}
     assert all(v >= 0 for v in parts.values()) and parts["pipelined"] > 0

@@ -1,13 +1,13 @@
 """The pipeline's stage size never changes the bits of a result (issue #16).
 
-The collectives cut every shard into pieces of about ``chunk_elems / N``
+The collectives cut every shard into pieces of about ``stage_size / N``
 values and encode each piece as its own wire body. Every scale of every
 format covers a fixed run of values counted from the start of its body (fp8:
 128, MX: 32, NVFP4: 16 under a superblock scale of 4096), and pieces start at
 multiples of ``PIECE_ALIGN`` (4096) from their shard's start, so the same
 values share a scale whatever the piece size; stochastic rounding draws by
 global element index. So ``allreduce`` and ``reduce_scatter`` give identical
-bits for chunk_elems 2^20, 2^15 and 4096 per rank (one aligned unit per
+bits for stage_size 2^20, 2^15 and 4096 per rank (one aligned unit per
 piece: the most stages), with both roundings.
 
 Stochastic rounding's stream also counts the calls made with a codec and key
@@ -50,7 +50,7 @@ def test_pieces_start_at_multiples_of_4096_in_their_shard():
     for count in (1, 4095, 4097, COUNT, 10**6 + 7):
         for size in (1, 2, 3, 5, 8):
             for chunk in (1, 777, 4096, *CHUNKS, 1 << 24):
-                plan = Pieces.plan(count, size, chunk)
+                plan = Pieces.cut(count, size, chunk)
                 assert plan.piece % PIECE_ALIGN == 0
                 for shard in range(size):
                     start = int(plan.bounds[shard])
@@ -61,8 +61,8 @@ def test_pieces_start_at_multiples_of_4096_in_their_shard():
 
 def _run(kind: str, x: np.ndarray, codec: dict, chunk: int) -> np.ndarray:
     if kind == "allreduce":
-        return geocomm.allreduce(x.copy(), codec=codec, chunk_elems=chunk)
-    return geocomm.reduce_scatter(x.copy(), codec=codec, chunk_elems=chunk)
+        return geocomm.allreduce(x.copy(), codec=codec, stage_size=chunk)
+    return geocomm.reduce_scatter(x.copy(), codec=codec, stage_size=chunk)
 
 
 @pytest.mark.mpi
@@ -71,7 +71,7 @@ def _run(kind: str, x: np.ndarray, codec: dict, chunk: int) -> np.ndarray:
 @pytest.mark.parametrize("name", list(CODECS))
 def test_stage_size_does_not_change_the_bits(comm, monkeypatch, kind, rounding, name):
     chunks = (*CHUNKS, PIECE_ALIGN * comm.size)
-    stages = [Pieces.plan(COUNT, comm.size, chunk).stages for chunk in chunks]
+    stages = [Pieces.cut(COUNT, comm.size, chunk).stages for chunk in chunks]
     assert stages[0] == 1 < stages[1] < stages[2]  # the calls really cut differently
     codec = {**CODECS[name], **ROUNDINGS[rounding]}
     x = rank_input(comm.rank)

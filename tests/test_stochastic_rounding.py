@@ -184,7 +184,7 @@ def test_random_inputs_match_reference(fmt, block, options, kind):
     make = random_wide if kind == "wide" else random_bit_patterns
     i = CASE_IDS.index(f"{fmt}-b{block}") + (50 if kind == "bits" else 0)
     x = make(N_RANDOM, seed=1000 + i)
-    check_native_matches_reference(fmt, x, block, **SR, **options, seed=i, stream=3 * i,
+    check_native_matches_reference(fmt, x, block, **SR, **options, seed=i, rounding_stream=3 * i,
                                    offset=2**40 * i)
 
 
@@ -201,7 +201,8 @@ def test_edge_inputs_and_offsets_match_reference(fmt, block, options):
     for i, x in enumerate(tensors):
         for seed, stream, offset in keys:
             check_native_matches_reference(fmt, x.astype(F32), block, onto_seed=i, **SR,
-                                           **options, seed=seed, stream=stream, offset=offset)
+                                           **options, seed=seed, rounding_stream=stream,
+                                           offset=offset)
 
 
 @pytest.mark.parametrize(("fmt", "block", "options"), CASES, ids=CASE_IDS)
@@ -289,7 +290,8 @@ def mean_error_check(fmt: str, block: int, options: dict, rounding: str):
     x, cls = classed_input(fmt, block, options, rng)
     seeds = range(SEEDS) if rounding == "stochastic" else range(2)
     opts = {**options, "rounding": rounding}
-    ys = np.stack([native_decode(fmt, native_encode(fmt, x, block, **opts, seed=s, stream=99),
+    ys = np.stack([native_decode(fmt, native_encode(fmt, x, block, **opts, seed=s,
+                                                    rounding_stream=99),
                                  x.size, block) for s in seeds]).astype(np.float64)
     err = ys - x.astype(np.float64)
     mean = err.mean(axis=0)
@@ -348,7 +350,7 @@ def test_nvfp4_maximum_is_unbiased_where_nearest_saturates():
 
 def pieces_wire(fmt: str, block: int, options: dict, x: np.ndarray, cuts: list[int]) -> list:
     """Encode x[cuts[k]:cuts[k+1]] with offset cuts[k], each piece separately."""
-    return [native_encode(fmt, x[a:b], block, **SR, **options, seed=4, stream=8, offset=a)
+    return [native_encode(fmt, x[a:b], block, **SR, **options, seed=4, rounding_stream=8, offset=a)
             for a, b in itertools.pairwise(cuts)]
 
 
@@ -382,7 +384,7 @@ def test_one_call_and_pieces_give_the_same_bytes(fmt, block, options):
     if fmt == "nvfp4":
         x[0] = 1e30
         x[cuts[1:-1]] = 1e30
-    whole = native_encode(fmt, x, block, **SR, **options, seed=4, stream=8, offset=0)
+    whole = native_encode(fmt, x, block, **SR, **options, seed=4, rounding_stream=8, offset=0)
     scales, codes = split_body(fmt, block, whole, n)
     parts = [split_body(fmt, block, w, b - a) for w, (a, b) in zip(
         pieces_wire(fmt, block, options, x, cuts), itertools.pairwise(cuts), strict=True)]
@@ -404,13 +406,13 @@ def test_seed_stream_and_offset_select_the_bits(fmt, block, options):
     x = np.where(np.isfinite(x), x, 1).astype(F32)
 
     def enc(**key):
-        return native_encode(fmt, x, block, **SR, **options, **{"seed": 1, "stream": 2,
+        return native_encode(fmt, x, block, **SR, **options, **{"seed": 1, "rounding_stream": 2,
                                                                 "offset": 3, **key})
 
     base = enc()
     assert_same_bytes(enc(), base)
     scales = split_body(fmt, block, base, x.size)[0]
-    for key in ({"seed": 2}, {"stream": 3}, {"offset": 4}):
+    for key in ({"seed": 2}, {"rounding_stream": 3}, {"offset": 4}):
         other = enc(**key)
         assert not np.array_equal(other, base), key
         assert_same_bytes(split_body(fmt, block, other, x.size)[0], scales)
@@ -476,15 +478,15 @@ def test_error_bound(fmt, block, options):
 
 
 def test_codec_wire_api_passes_stream_and_offset():
-    # encode_wire(x, wire, stream=, offset=) reaches the core: the codec's bytes
+    # encode_wire(x, wire, rounding_stream=, offset=) reaches the core: the codec's bytes
     # equal the core's for the same (seed, stream, offset), and frames use 0, 0
     x = random_wide(1000, seed=2)
     for fmt, block, options in CASES:
         codec = codec_for(fmt, block, rounding="stochastic", seed=11)
         wire = np.empty(codec.wire_size(x.size), np.uint8)
-        codec.encode_wire(x, wire, stream=5, offset=77)
-        assert_same_bytes(wire, native_encode(fmt, x, block, **SR, **options, seed=11, stream=5,
-                                              offset=77))
+        codec.encode_wire(x, wire, rounding_stream=5, offset=77)
+        assert_same_bytes(wire, native_encode(fmt, x, block, **SR, **options, seed=11,
+                                              rounding_stream=5, offset=77))
         frame = codec.encode(x)
         body = frame[-4 - wire.size : -4]
         assert_same_bytes(body, native_encode(fmt, x, block, **SR, **options, seed=11))

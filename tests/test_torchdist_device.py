@@ -27,7 +27,7 @@ from geocomm import cuda, get_codec
 from geocomm.comm import torchdist
 from geocomm.comm.base import wait, wait_ordered
 from geocomm.engine import device as gp
-from geocomm.engine import device_plan as gpl
+from geocomm.engine import device_tables as gpl
 from geocomm.engine.exact import add_into, subtract_from
 from geocomm.engine.host import Pipeline
 from geocomm.engine.layout import Pieces
@@ -241,13 +241,13 @@ def test_alltoallv_in_place_on_one_buffer_as_mpi(torch_comm, mpi_comm, seed):
 @pytest.mark.mpi
 @pytest.mark.parametrize("count", [30_011, 4096 * 3 + 5, 7])
 def test_batched_allgather_pattern_moves_every_body(torch_comm, count):
-    """device_plan.call_plan's all-gather (an all-to-all in place on one buffer: the own
+    """device_tables.call_tables's all-gather (an all-to-all in place on one buffer: the own
     body, at its slot, to every other rank; every other body into its slot) leaves
     every rank's body at that rank's slot, for every stage."""
     comm = torch_comm
     fmt = gpl.wire_format(get_codec({"id": "fp8", "fmt": "e4m3", "block": 128}))
-    pieces = Pieces.plan(count, comm.size, 4096 * comm.size)
-    plans = [gpl.call_plan(fmt, pieces, r) for r in range(comm.size)]
+    pieces = Pieces.cut(count, comm.size, 4096 * comm.size)
+    plans = [gpl.call_tables(fmt, pieces, r) for r in range(comm.size)]
     for s in range(pieces.stages):
         ex = plans[comm.rank].stages[s].allgather
         bodies = [np.random.default_rng([s, j, count]).integers(
@@ -352,12 +352,12 @@ def test_batched_pipeline_over_device_mode_torchdist(group, mpi_comm, name, in_p
     codec = get_codec(CODECS[name])
     count = 30_011
     x = _inputs(comm.rank, count)
-    pieces = Pieces.plan(count, comm.size, 4096 * comm.size)  # several stages
+    pieces = Pieces.cut(count, comm.size, 4096 * comm.size)  # several stages
     want = np.full(count, np.nan, np.float32)
     Pipeline(mpi_comm, codec, pieces, x, want, 0, True).run()
     if name != "none":
         assert_bits_equal(geocomm.allreduce(x, codec=codec, comm=mpi_comm,
-                                            chunk_elems=4096 * comm.size), want)
+                                            stage_size=4096 * comm.size), want)
     source = x.copy()
     out = source if in_place else np.full(count, np.nan, np.float32)
     gp.BatchedPipeline(comm, gpl.wire_format(codec), pieces, source, out, 0, True,
@@ -381,6 +381,6 @@ def test_collectives_over_device_mode_torchdist(group, mpi_comm, codec):
     for step in range(3):  # multiples of 1/64 below 2^5: the sums of MPI and gloo are exact
         noise = np.random.default_rng([comm.rank, step, 12]).standard_normal((97, 83))
         x = (np.round(noise * 64) / 64).astype(np.float32)
-        got = geocomm.allreduce(x, codec=mine, key="w", comm=comm, chunk_elems=4096)
-        want = geocomm.allreduce(x, codec=reference, key="w", comm=mpi_comm, chunk_elems=4096)
+        got = geocomm.allreduce(x, codec=mine, key="w", comm=comm, stage_size=4096)
+        want = geocomm.allreduce(x, codec=reference, key="w", comm=mpi_comm, stage_size=4096)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), step

@@ -35,6 +35,7 @@ from geocomm.codecs.checks import roundtrip
 from geocomm.collectives import CollectiveMismatchError, Part, check_consistent, resolve_codec
 from geocomm.comm.metered import MeteredComm
 from geocomm.comm.torchdist import TorchDistCommunicator
+from geocomm.deprecation import renamed_keywords
 
 LOG = logging.getLogger("geocomm.torch")
 
@@ -377,20 +378,21 @@ class GradReducer:
     collective of ``codec`` (``parts=`` keeps every tensor's key and shape),
     the plain group in one exact collective; metadata compared per
     :func:`check_policy`; a :class:`BucketStats` per reduction into
-    ``telemetry``. ``chunk_elems``: pipeline stage size (None: the collectives'
+    ``telemetry``. ``stage_size``: pipeline stage size (None: the collectives'
     choice for the backend, docs/design.md, "Training integration"). Not
     thread-safe: one thread drives it (collective order must be the same on
     every rank).
     """
 
+    @renamed_keywords(chunk_elems="stage_size")
     def __init__(self, codec: Any, comm: Any, check: bool | None = None,
-                 error_sample: int = 4096, chunk_elems: int | None = None,
+                 error_sample: int = 4096, stage_size: int | None = None,
                  telemetry: Telemetry | None = None):
         self.codec = resolve_codec(codec)
         self.comm = comm if isinstance(comm, MeteredComm) else MeteredComm(comm)
         self.policy = check_policy(check)
         self.error_sample = error_sample
-        self.chunk_elems = chunk_elems
+        self.stage_size = stage_size
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self._checked: set[Any] = set()
 
@@ -440,7 +442,7 @@ class GradReducer:
                 if group is layout.compressed else None
             arrays.allreduce(values, codec=codec, op=op, out=values,
                              parts=group.parts() if codec is self.codec else None,
-                             comm=self.comm, check=False, chunk_elems=self.chunk_elems)
+                             comm=self.comm, check=False, stage_size=self.stage_size)
             if sample is not None:
                 rel_error = sample.estimate(values, 0, self.comm.size, op == "avg", True)
             group.put(rows, values)
@@ -470,7 +472,7 @@ class GradReducer:
                 if group is layout.compressed else None
             shard = arrays.reduce_scatter(
                 values, codec=codec, op=op, parts=group.parts() if codec is self.codec else None,
-                comm=self.comm, check=False, chunk_elems=self.chunk_elems)
+                comm=self.comm, check=False, stage_size=self.stage_size)
             if sample is not None:
                 rel_error = sample.estimate(shard, lo, size, op == "avg", False)
             group.put(out_rows, shard)

@@ -39,6 +39,7 @@ import ml_dtypes
 import numpy as np
 
 from geocomm import collectives
+from geocomm.deprecation import renamed_keywords
 
 Restore = Callable[[Any], Any]
 
@@ -314,11 +315,13 @@ def _run_cupy(fn: Callable, array: Any, target: _Operand | None, **kwargs: Any) 
     return target.array
 
 
+@renamed_keywords(chunk_elems="stage_size")
 def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, **kwargs: Any) -> Any:
     """:func:`geocomm.collectives.allreduce` for any array kind (see module docstring)."""
     return _run(collectives.allreduce, x, out, codec=codec, op=op, **kwargs)
 
 
+@renamed_keywords(chunk_elems="stage_size")
 def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", **kwargs: Any) -> Any:
     """:func:`geocomm.collectives.reduce_scatter` for any array kind."""
     return _run(collectives.reduce_scatter, x, None, codec=codec, op=op, **kwargs)

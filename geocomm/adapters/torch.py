@@ -59,6 +59,7 @@ from geocomm.adapters._torch_grads import (
     dedicated_comm,
 )
 from geocomm.collectives import resolve_codec
+from geocomm.deprecation import renamed_keywords
 
 __all__ = [
     "BucketStats",
@@ -153,7 +154,7 @@ class GeocommHookState:
     collective). ``check``: metadata comparison across ranks (None: on the
     first call of each bucket layout, every call under ``GEOCOMM_CHECK=1``;
     True: every call; False: never). ``error_sample``: values per bucket for
-    the error estimate (0: off). ``chunk_elems``: pipeline stage size
+    the error estimate (0: off). ``stage_size``: pipeline stage size
     (default: the collectives' choice for the backend, see docs/design.md,
     "Training integration").
     ``history``, ``log_every``: see :class:`Telemetry`.
@@ -163,10 +164,11 @@ class GeocommHookState:
     buckets from rank 0), so every rank decides alike when to check.
     """
 
+    @renamed_keywords(chunk_elems="stage_size")
     def __init__(self, module: torch.nn.Module, codec: Any = "fp8", group: Any = None,
                  check: bool | None = None, *, comm: Any = None,
                  exclude: Sequence[str] = (), min_numel: int = 0, error_sample: int = 4096,
-                 chunk_elems: int | None = None, history: int = 100, log_every: int = 0):
+                 stage_size: int | None = None, history: int = 100, log_every: int = 0):
         codec = resolve_codec(codec)  # a bad codec fails here, before any collective
         self.module = module
         self.names = {id(p): name for name, p in module.named_parameters()}
@@ -174,7 +176,7 @@ class GeocommHookState:
         self.device = _module_device(module)
         if comm is None:
             comm = dedicated_comm(group, self.device.type)
-        self.reducer = GradReducer(codec, comm, check, error_sample, chunk_elems,
+        self.reducer = GradReducer(codec, comm, check, error_sample, stage_size,
                                    Telemetry(history, log_every))
         self._layouts: dict[Any, BufferLayout] = {}
         self._worker = _Worker("geocomm-ddp")

@@ -50,6 +50,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from geocomm.adapters import _torch_grads as grads
 from geocomm.collectives import resolve_codec
+from geocomm.deprecation import renamed_keywords
 
 try:  # the interface set_custom_reduce_scatter names; FSDP only calls allocate and __call__
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatter
@@ -196,10 +197,11 @@ def _chunk_shape(shape: Sequence[int], dim: int, size: int) -> tuple[int, ...]:
     return tuple(chunk)
 
 
+@renamed_keywords(chunk_elems="stage_size")
 def compress_fsdp(model: nn.Module, codec: Any = "fp8", *, replicate_group: Any = None,
                   comm: Any = None, replicate_comm: Any = None, exclude: Sequence[str] = (),
                   min_numel: int = 0, check: bool | None = None, error_sample: int = 4096,
-                  chunk_elems: int | None = None, history: int = 100,
+                  stage_size: int | None = None, history: int = 100,
                   log_every: int = 0) -> FSDPCompression:
     """Make every FSDP2 module of ``model`` reduce its gradients through geocomm.
 
@@ -209,7 +211,7 @@ def compress_fsdp(model: nn.Module, codec: Any = "fp8", *, replicate_group: Any 
     ``replicate_comm``): the ranks holding the same shard, for a compressed
     all-reduce hook after the reduce-scatter. ``exclude``, ``min_numel``: see
     :class:`~geocomm.adapters.torch.Selection` (a module's excluded chunks
-    share one exact collective). ``check``, ``error_sample``, ``chunk_elems``,
+    share one exact collective). ``check``, ``error_sample``, ``stage_size``,
     ``history``, ``log_every``: as for
     :class:`~geocomm.adapters.torch.GeocommHookState`. Returns the
     :class:`FSDPCompression` with the telemetry.
@@ -231,13 +233,13 @@ def compress_fsdp(model: nn.Module, codec: Any = "fp8", *, replicate_group: Any 
         if shard_reducer is None:
             base = comm if comm is not None else grads.dedicated_comm(mesh.get_group(mesh_dim),
                                                                device.type)
-            shard_reducer = grads.GradReducer(codec, base, check, error_sample, chunk_elems,
+            shard_reducer = grads.GradReducer(codec, base, check, error_sample, stage_size,
                                               telemetry)
             if replicate_group is not None or replicate_comm is not None:
                 base = replicate_comm if replicate_comm is not None else grads.dedicated_comm(
                     replicate_group, device.type)
                 replica_reducer = grads.GradReducer(shard_reducer.codec, base, check,
-                                                    error_sample, chunk_elems, telemetry)
+                                                    error_sample, stage_size, telemetry)
         if size != shard_reducer.comm.size:
             raise ValueError(f"FSDP module {index} shards over {size} ranks, an earlier one over "
                              f"{shard_reducer.comm.size}; compress_fsdp needs one shard mesh")

@@ -68,9 +68,9 @@ class AutoCodec(Codec):
     def wire_size(self, n: int) -> int:
         return self.inner.wire_size(n)
 
-    def encode_wire(self, x: np.ndarray, wire: np.ndarray, *, stream: int = 0,
+    def encode_wire(self, x: np.ndarray, wire: np.ndarray, *, rounding_stream: int = 0,
                     offset: int = 0) -> None:
-        self.inner.encode_wire(x, wire, stream=stream, offset=offset)
+        self.inner.encode_wire(x, wire, rounding_stream=rounding_stream, offset=offset)
 
     def decode_wire(self, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
         self.inner.decode_wire(wire, out, accumulate)

@@ -8,8 +8,8 @@ A :class:`Codec` turns float arrays into bytes and back. It has two faces:
   ``ValueError``;
 * the wire API used inside collectives, where no header travels and every
   rank derives the layout from the element count: ``wire_size(n)``,
-  ``encode_wire(x, wire, stream=0, offset=0)``, ``decode_wire(wire, out,
-  accumulate)`` on flat float32 arrays.
+  ``encode_wire(x, wire, rounding_stream=0, offset=0)``, ``decode_wire(wire,
+  out, accumulate)`` on flat float32 arrays.
 
 ``get_config()`` is JSON-able and defines equality:
 ``get_codec(c.get_config()) == c``.
@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from geocomm.codecs.frames import check_float_array, parse_frame, write_frame
+from geocomm.deprecation import renamed_keywords
 
 
 class Codec(ABC):
@@ -34,6 +35,14 @@ class Codec(ABC):
     codec_id: ClassVar[str]
     #: True when decode(encode(x)) == x exactly (then collectives may sum natively)
     lossless: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every implementation of :meth:`encode_wire` still accepts ``stream=``, the
+        old name of ``rounding_stream=``, with a DeprecationWarning."""
+        super().__init_subclass__(**kwargs)
+        method = cls.__dict__.get("encode_wire")
+        if method is not None and not hasattr(method, "__renamed_keywords__"):
+            cls.encode_wire = renamed_keywords(stream="rounding_stream")(method)
 
     # ---- configuration ----------------------------------------------------
     @abstractmethod
@@ -64,12 +73,12 @@ class Codec(ABC):
         """Bytes of the wire body of ``n`` values."""
 
     @abstractmethod
-    def encode_wire(self, x: np.ndarray, wire: np.ndarray, *, stream: int = 0,
+    def encode_wire(self, x: np.ndarray, wire: np.ndarray, *, rounding_stream: int = 0,
                     offset: int = 0) -> None:
         """Encode flat contiguous float32 ``x`` into ``wire[:wire_size(x.size)]``.
 
         Stochastic rounding draws the random bits of ``x[i]`` from (the
-        codec's seed, ``stream``, ``offset + i``), both integers in [0, 2^64):
+        codec's seed, ``rounding_stream``, ``offset + i``), both integers in [0, 2^64):
         ``offset`` is the global index of ``x[0]``, so encoding pieces with
         their offsets gives each element the bits of one whole call. Codecs
         that round to nearest ignore both.
@@ -139,8 +148,9 @@ class WireOf:
     def wire_size(self, n: int) -> int:
         return self.wire_codec.wire_size(n)
 
-    def encode_wire(self, x: Any, wire: Any, *, stream: int = 0, offset: int = 0) -> None:
-        self.wire_codec.encode_wire(x, wire, stream=stream, offset=offset)
+    def encode_wire(self, x: Any, wire: Any, *, rounding_stream: int = 0,
+                    offset: int = 0) -> None:
+        self.wire_codec.encode_wire(x, wire, rounding_stream=rounding_stream, offset=offset)
 
     def decode_wire(self, wire: Any, out: Any, accumulate: bool = False) -> None:
         self.wire_codec.decode_wire(wire, out, accumulate)

@@ -19,6 +19,7 @@ residuals. A signature whose size changes starts from a zero residual.
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from typing import Any
 
@@ -39,9 +40,16 @@ class ErrorFeedbackCodec(WireOf, StatefulCodec):
         self._calls: dict[str, int] = {}
 
     @property
-    def transform(self) -> TransformingCodec | None:
+    def mapping_codec(self) -> TransformingCodec | None:
         """The inner codec when it maps tensors (GeoFP8), else None."""
         return self.inner if isinstance(self.inner, TransformingCodec) else None
+
+    @property
+    def transform(self) -> TransformingCodec | None:
+        """Deprecated: :attr:`mapping_codec` (CONTRIBUTING.md, "Names")."""
+        warnings.warn("ErrorFeedbackCodec.transform is deprecated, use mapping_codec",
+                      DeprecationWarning, stacklevel=2)
+        return self.mapping_codec
 
     def get_config(self) -> dict[str, Any]:
         return {**self.inner.get_config(), "error_feedback": True}
@@ -73,22 +81,22 @@ class ErrorFeedbackCodec(WireOf, StatefulCodec):
         crc = 0
         for signature in sorted(self._calls):
             crc = zlib.crc32(f"{signature}:{self._calls[signature]}".encode(), crc)
-        if self.transform is not None:
-            crc = zlib.crc32(self.transform.state_checksum(key).to_bytes(4, "little"), crc)
+        if self.mapping_codec is not None:
+            crc = zlib.crc32(self.mapping_codec.state_checksum(key).to_bytes(4, "little"), crc)
         return crc
 
     def reset_state(self) -> None:
         self._residuals.clear()
         self._calls.clear()
-        if self.transform is not None:
-            self.transform.reset_state()
+        if self.mapping_codec is not None:
+            self.mapping_codec.reset_state()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's residuals (NumPy) and call counts, and the inner codec's state."""
         return {"version": 1, "config": self.get_config(),
                 "residuals": {k: _to_numpy(v) for k, v in self._residuals.items()},
                 "calls": dict(self._calls),
-                "inner": None if self.transform is None else self.transform.state_dict()}
+                "inner": None if self.mapping_codec is None else self.mapping_codec.state_dict()}
 
     def load_state_dict(self, data: dict[str, Any], xp: Any = np) -> None:
         """Restore :meth:`state_dict` output; residuals go to namespace ``xp``."""
@@ -98,8 +106,8 @@ class ErrorFeedbackCodec(WireOf, StatefulCodec):
         self._residuals = {k: xp.asarray(np.asarray(v, np.float32))
                            for k, v in data["residuals"].items()}
         self._calls = {k: int(v) for k, v in data["calls"].items()}
-        if self.transform is not None and data.get("inner") is not None:
-            self.transform.load_state_dict(data["inner"])
+        if self.mapping_codec is not None and data.get("inner") is not None:
+            self.mapping_codec.load_state_dict(data["inner"])
 
 
 def _to_numpy(a: Any) -> np.ndarray:

@@ -8,8 +8,8 @@ Each codec maps flat float32 data to a wire body laid out as in
 Every lossy format takes ``rounding="nearest"`` (default: round to nearest
 even) or ``"stochastic"`` with a ``seed``: then E[decode(encode(x))] = x up to
 fp32 scale arithmetic, and the random bits of element i are a pure function of
-(seed, stream, offset + i), where ``encode_wire(x, wire, stream=, offset=)``
-gets stream and offset from the caller (``encode`` uses 0 and 0). Nearest
+(seed, rounding stream, offset + i), where ``encode_wire(x, wire,
+rounding_stream=, offset=)`` gets both from the caller (``encode`` uses 0 and 0). Nearest
 rounding ignores them, and its configs (hence frames) do not mention rounding.
 """
 
@@ -35,7 +35,7 @@ class NoneCodec(Codec):
     def wire_size(self, n: int) -> int:
         return 4 * n
 
-    def encode_wire(self, x: np.ndarray, wire: np.ndarray, *, stream: int = 0,
+    def encode_wire(self, x: np.ndarray, wire: np.ndarray, *, rounding_stream: int = 0,
                     offset: int = 0) -> None:
         wire[: 4 * x.size] = x.view(np.uint8)
 
@@ -107,10 +107,10 @@ class NativeFormat(Codec):
     def wire_size(self, n: int) -> int:
         return native.wire_size(self._fmt, n, self._block)
 
-    def encode_wire(self, x: np.ndarray, wire: np.ndarray, *, stream: int = 0,
+    def encode_wire(self, x: np.ndarray, wire: np.ndarray, *, rounding_stream: int = 0,
                     offset: int = 0) -> None:
         _backend(x).encode(self._fmt, x, self._block, wire, flags=self._flags, seed=self.seed,
-                           rng_stream=stream, offset=offset)
+                           rounding_stream=rounding_stream, offset=offset)
 
     def decode_wire(self, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
         _backend(out).decode(self._fmt, wire, self._block, out, accumulate)

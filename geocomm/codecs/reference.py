@@ -22,6 +22,8 @@ import functools
 import ml_dtypes
 import numpy as np
 
+from geocomm.deprecation import renamed_keywords
+
 F32 = np.float32
 FMAX = {"e4m3": F32(448.0), "e5m2": F32(57344.0)}
 FP8_DTYPE = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
@@ -46,19 +48,19 @@ def _mix64(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> _U64(31))
 
 
-def sr_key(seed: int, stream: int) -> int:
-    """key = mix64(mix64(seed) ^ stream): one per (seed, stream)."""
-    z = _mix64(np.array([seed], _U64)) ^ _U64(stream)
+def sr_key(seed: int, rounding_stream: int) -> int:
+    """key = mix64(mix64(seed) ^ rounding_stream): one per (seed, rounding stream)."""
+    z = _mix64(np.array([seed], _U64)) ^ _U64(rounding_stream)
     return int(_mix64(z)[0])
 
 
-def sr_bits(seed: int, stream: int, offset: int, n: int) -> np.ndarray:
+def sr_bits(seed: int, rounding_stream: int, offset: int, n: int) -> np.ndarray:
     """uint32 words of elements offset .. offset + n - 1: mix64(key + (index + 1) gamma) >> 32.
 
     That is the upper half of SplitMix64's output number ``index`` from state ``key``.
     """
     index = np.arange(n, dtype=_U64) + _U64(offset)  # wraps modulo 2^64 like size_t
-    state = _U64(sr_key(seed, stream)) + (index + _U64(1)) * _GAMMA
+    state = _U64(sr_key(seed, rounding_stream)) + (index + _U64(1)) * _GAMMA
     return (_mix64(state) >> _U64(32)).astype(np.uint32)
 
 
@@ -368,12 +370,13 @@ def wire_size(fmt: str, n: int, block: int = 0) -> int:
     return -(-n // MX_BLOCK) + (-(-n // 2) if fmt == "mxfp4" else n)
 
 
+@renamed_keywords(stream="rounding_stream")
 def encode(fmt: str, x: np.ndarray, block: int = 0, *, rounding: str = "nearest",
-           seed: int = 0, stream: int = 0, offset: int = 0,
+           seed: int = 0, rounding_stream: int = 0, offset: int = 0,
            scale_rule: str = "floor") -> np.ndarray:
     """Reference wire body of x (any shape, cast to float32) in ``fmt``.
 
-    ``rounding="stochastic"``: element i rounds with ``sr_bits(seed, stream,
+    ``rounding="stochastic"``: element i rounds with ``sr_bits(seed, rounding_stream,
     offset + i)``. ``scale_rule`` ("floor" or "rceil") applies to MX formats only.
     """
     if rounding not in ROUNDINGS or scale_rule not in SCALE_RULES:
@@ -382,7 +385,7 @@ def encode(fmt: str, x: np.ndarray, block: int = 0, *, rounding: str = "nearest"
         raise ValueError(f"unknown format {fmt!r}")
     if scale_rule != "floor" and fmt not in MX_ELEMENT:
         raise ValueError(f"scale_rule applies to MX formats, not {fmt!r}")
-    rnd = sr_bits(seed, stream, offset, np.size(x)) if rounding == "stochastic" else None
+    rnd = sr_bits(seed, rounding_stream, offset, np.size(x)) if rounding == "stochastic" else None
     if fmt in FMAX:
         return encode_fp8(x, fmt, block, rnd)
     if fmt in MX_ELEMENT:

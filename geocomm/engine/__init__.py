@@ -8,7 +8,7 @@ checks that the import graph has no cycle):
 * :mod:`~geocomm.engine.layout`: shards, pieces, the schedule, rounding streams;
 * :mod:`~geocomm.engine.protocols`: the pipelines' phases, range maps, map plans;
 * :mod:`~geocomm.engine.host`: the host-driven pipeline;
-* :mod:`~geocomm.engine.device_plan`: the batched pipeline's tables, planned on the host;
+* :mod:`~geocomm.engine.device_tables`: the batched pipeline's tables, planned on the host;
 * :mod:`~geocomm.engine.device`: the batched pipeline (kernels, stream-ordered waits);
 * :mod:`~geocomm.engine.exact`: exact sums, IEEE fp32 add/subtract on every device;
 * :mod:`~geocomm.engine.transforming`: how a collective drives a transforming codec.

@@ -3,7 +3,7 @@
 
 Host backends (``mpi``, ``torch`` on CPU tensors, anything not listed in
 :data:`DEVICE`) keep the numbers measured on the machine they were tuned on
-(perf/results/crossover.md): :data:`HOST_STAGE_VALUES` values per pipeline
+(perf/results/crossover.md): :data:`HOST_STAGE_SIZE` values per pipeline
 stage and a crossover of :data:`HOST_CROSSOVER_BYTES`. A device backend
 (``nccl``) is described by a :class:`Profile` and both numbers follow from
 this model of a compressed all-reduce of ``B`` fp32 bytes on ``N`` ranks in
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 #: Host backends: values of the whole buffer per pipeline stage, measured on a
 #: 2-core machine (a stage there costs microseconds; 1M values keep the codec's
 #: loops long and three stages of scratch small).
-HOST_STAGE_VALUES = 1 << 20
+HOST_STAGE_SIZE = 1 << 20
 #: Host backends: measured on an emulated 10 Gbit/s link, 2 ranks
 #: (perf/results/crossover.md): plain wins up to 256 KiB, ties at 1 MiB, fp8 is
 #: 3.8x faster at 4 MiB.
@@ -44,7 +44,7 @@ HOST_CROSSOVER_BYTES = 2 << 20
 FP8_RATIO = (1 + 4 / 128) / 4
 #: At most this many values per stage on a device: a stage's scratch (double-buffered
 #: wire buffers) is about 1.5 times its fp32 bytes.
-MAX_STAGE_VALUES = 1 << 26
+MAX_STAGE_SIZE = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -108,15 +108,15 @@ def best_stages(profile: Profile, nbytes: float, size: int, ratio: float) -> int
                key=lambda k: compressed_seconds(profile, nbytes, size, ratio, k))
 
 
-def stage_values(backend: str | None, count: int, size: int, ratio: float = FP8_RATIO) -> int:
+def stage_size(backend: str | None, count: int, size: int, ratio: float = FP8_RATIO) -> int:
     """Values of the whole buffer per pipeline stage for ``count`` fp32 values on
-    ``size`` ranks (``chunk_elems`` of the collectives): the host constant, or
-    ``count / K`` with the model's best K, at most :data:`MAX_STAGE_VALUES`."""
+    ``size`` ranks (``stage_size`` of the collectives): the host constant, or
+    ``count / K`` with the model's best K, at most :data:`MAX_STAGE_SIZE`."""
     device = profile(backend)
     if device is None or count <= 0:
-        return HOST_STAGE_VALUES
+        return HOST_STAGE_SIZE
     stages = best_stages(device, 4.0 * count, size, ratio)
-    return min(-(-count // stages), MAX_STAGE_VALUES)
+    return min(-(-count // stages), MAX_STAGE_SIZE)
 
 
 def crossover_bytes(backend: str | None, size: int, ratio: float = FP8_RATIO) -> int | None:

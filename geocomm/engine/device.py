@@ -5,10 +5,10 @@ The host-driven :class:`~geocomm.engine.host.Pipeline` launches a few kernels pe
 piece and waits for every transfer from Python. :class:`BatchedPipeline` runs
 the same algorithm, with the same bits, as one launch per phase and stage:
 
-* **segment tables** (:mod:`geocomm.engine.device_plan`): every launch covers
+* **segment tables** (:mod:`geocomm.engine.device_tables`): every launch covers
   the pieces of one table, a row of ``len(FIELDS)`` uint64 per piece (where
   its values and wire body lie, its stochastic-rounding index, its scale
-  layout; ``native/gc_pipeline.cu`` documents the fields). :func:`call_plan`
+  layout; ``native/gc_pipeline.cu`` documents the fields). :func:`call_tables`
   builds the rows of every stage of a call on the host, a pure function of the
   pieces, the rank and the format; one upload per call.
 * **per stage**: one launch encodes this rank's pieces of the other ``N - 1``
@@ -19,8 +19,8 @@ the same algorithm, with the same bits, as one launch per phase and stage:
   reduce-scatter and for calls with a map, which needs the sum); one grouped
   all-gather (an all-to-all whose rank sends its own body, encoded in place
   in the receive buffer, to every other rank); one launch decodes every
-  piece. Stochastic rounding draws as the host path does: this rank's stream
-  1 for its pieces of other shards, stream 2 for its own sum, at each value's
+  piece. Stochastic rounding draws as the host path does: this rank's rounding
+  stream 1 for its pieces of other shards, stream 2 for its own sum, at each value's
   global index.
 * **streams**: kernels run on the caller's current stream, NCCL on the
   communicator's. A grouped NCCL call first makes its stream wait for an
@@ -54,7 +54,7 @@ import numpy as np
 
 from geocomm import cuda, cuda_build, native
 from geocomm.comm.base import Communicator
-from geocomm.engine.device_plan import (
+from geocomm.engine.device_tables import (
     BF16,
     BLOCK,
     COUNT,
@@ -71,7 +71,7 @@ from geocomm.engine.device_plan import (
     Exchange,
     WireFormat,
     body_layout,
-    call_plan,
+    call_tables,
     decode_walk,
     encode_walk,
     launch_grid,
@@ -81,7 +81,7 @@ from geocomm.engine.layout import (
     PieceAccess,
     Pieces,
     array_module,
-    rounding_stream,
+    quantization_stream,
     run_schedule,
 )
 from geocomm.engine.protocols import RangeMap, WireCodec
@@ -127,7 +127,7 @@ class CudaKernels:
     """The launches of native/gc_pipeline.cu on the current stream (CuPy arrays).
 
     ``encode`` encodes every piece of ``seg`` (plus ``incoming``) into ``wire``
-    with rounding stream ``stream``; ``reduce`` writes the sums as fp32 into
+    with rounding stream ``rounding_stream``; ``reduce`` writes the sums as fp32 into
     ``out``; ``decode`` decodes every piece into ``out``. ``amax``: a zeroed
     uint32 scratch with the slots the rows name (fp8 tile walk only).
     """
@@ -139,14 +139,14 @@ class CudaKernels:
         return cuda_build.kernel(self.cupy, name, kernel_source)
 
     def encode(self, fmt: WireFormat, x: Any, seg: Segments, wire: Any, amax: Any,
-               incoming: Incoming | None = None, stream: int = 0) -> None:
+               incoming: Incoming | None = None, rounding_stream: int = 0) -> None:
         walk = encode_walk(fmt)
         grid = launch_grid(walk, seg.rows, fmt)
         if grid is None:
             return
         inc = incoming or Incoming(wire, 0, 0)  # a valid pointer the kernel never reads
         head = (x, seg.device, inc.wire, np.uint32(inc.count), _u64(inc.stride))
-        rounding = (np.int32(fmt.stochastic), _u64(fmt.key(stream)), wire)
+        rounding = (np.int32(fmt.stochastic), _u64(fmt.key(rounding_stream)), wire)
         e5m2, rceil = np.int32(fmt.e5m2), np.int32(fmt.rceil)
         threads = (cuda.THREADS,)
         if fmt.family in (RAW, BF16):
@@ -226,7 +226,7 @@ class HostKernels:
             native.decode(fmt.fmt, body, fmt.block, out, accumulate)
 
     def encode(self, fmt: WireFormat, x: np.ndarray, seg: Segments, wire: np.ndarray,
-               amax: Any, incoming: Incoming | None = None, stream: int = 0) -> None:
+               amax: Any, incoming: Incoming | None = None, rounding_stream: int = 0) -> None:
         for values, n, at, index in self._pieces(fmt, seg):
             total = self._sum(fmt, x[values: values + n], incoming)
             body = wire[at: at + fmt.wire_size(n)]
@@ -234,7 +234,7 @@ class HostKernels:
                 body[...] = total.view(np.uint8)
             else:
                 native.encode(fmt.fmt, total, fmt.block, body, flags=fmt.flags, seed=fmt.seed,
-                              rng_stream=stream, offset=index)
+                              rounding_stream=rounding_stream, offset=index)
 
     def reduce(self, fmt: WireFormat, x: np.ndarray, seg: Segments, incoming: Incoming,
                out: np.ndarray) -> None:
@@ -261,31 +261,31 @@ class BatchedPipeline(PieceAccess):
 
     def __init__(self, comm: Communicator, fmt: WireFormat, pieces: Pieces, source: Any,
                  result: Any, result_offset: int, gather: bool,
-                 mapper: RangeMap | None = None, stream: int = 0, kernels: Any = None):
+                 mapper: RangeMap | None = None, rounding_stream: int = 0, kernels: Any = None):
         self.comm, self.fmt, self.pieces = comm, fmt, pieces
         self.source, self.result, self.mapper = source, result, mapper
         self.result_offset, self.gather = result_offset, gather
         self.me = comm.rank
         self.kernels = CudaKernels() if kernels is None else kernels
-        self.streams = (rounding_stream(stream, comm.rank, 1),
-                        rounding_stream(stream, comm.rank, 2))
+        self.rounding_streams = (quantization_stream(rounding_stream, comm.rank, 1),
+                                 quantization_stream(rounding_stream, comm.rank, 2))
         # the owner's sum goes straight into its encoding unless something needs it as fp32
         self.fused = gather and mapper is None
         xp = array_module(source)
-        plan = self.plan = call_plan(fmt, pieces, comm.rank, result_offset, gather,
-                                     staged=mapper is not None)
-        self.table = xp.asarray(plan.rows)  # one upload for every stage
-        self.a2a_send = [xp.empty(plan.send_bytes, np.uint8) for _ in range(2)]
-        self.a2a_recv = [xp.empty(plan.recv_bytes, np.uint8) for _ in range(2)]
-        self.ag_buf = [xp.empty(plan.gather_bytes, np.uint8) for _ in range(2)]
-        self.staging = xp.empty(plan.staged, np.float32) if plan.staged else None
-        self.amax = xp.zeros(max(plan.amax, 1), np.uint32)
+        tables = self.tables = call_tables(fmt, pieces, comm.rank, result_offset, gather,
+                                           staged=mapper is not None)
+        self.table = xp.asarray(tables.rows)  # one upload for every stage
+        self.a2a_send = [xp.empty(tables.send_bytes, np.uint8) for _ in range(2)]
+        self.a2a_recv = [xp.empty(tables.recv_bytes, np.uint8) for _ in range(2)]
+        self.ag_buf = [xp.empty(tables.gather_bytes, np.uint8) for _ in range(2)]
+        self.staging = xp.empty(tables.staged, np.float32) if tables.staged else None
+        self.amax = xp.zeros(max(tables.amax, 1), np.uint32)
         self.a2a_req: dict[int, Any] = {}
         self.ag_req: dict[int, Any] = {}
 
     # -- helpers ------------------------------------------------------------
     def _segments(self, span: slice) -> Segments:
-        return Segments(self.plan.rows[span], self.table[span])
+        return Segments(self.tables.rows[span], self.table[span])
 
     def _wait(self, requests: dict[int, Any], s: int) -> None:
         """Order the current stream after stage ``s``'s transfer (no host wait)."""
@@ -304,7 +304,7 @@ class BatchedPipeline(PieceAccess):
 
     # -- phases ---------------------------------------------------------------
     def encode_stage(self, s: int) -> None:
-        stage = self.plan.stages[s]
+        stage = self.tables.stages[s]
         seg = self._segments(stage.send)
         x = self.source
         if self.mapper is not None:  # map every piece; a read may reuse its memory: stage it
@@ -313,7 +313,8 @@ class BatchedPipeline(PieceAccess):
                 at = int(row[VALUES])
                 x[at: at + hi - lo] = self.mapper.read(lo, hi)
         wire = self.a2a_send[s % 2]
-        self.kernels.encode(self.fmt, x, seg, wire, self.amax, stream=self.streams[0])
+        self.kernels.encode(self.fmt, x, seg, wire, self.amax,
+                            rounding_stream=self.rounding_streams[0])
         if self.mapper is not None:
             for (lo, hi), row in zip(self._send_pieces(s), seg.rows, strict=True):
                 at, body = int(row[VALUES]), int(row[WIRE])
@@ -321,7 +322,7 @@ class BatchedPipeline(PieceAccess):
                                     wire[body: body + self.fmt.wire_size(hi - lo)])
 
     def start_alltoall(self, s: int) -> None:
-        exchange = self.plan.stages[s].alltoall
+        exchange = self.tables.stages[s].alltoall
         request = self._exchange(self.a2a_send[s % 2], self.a2a_recv[s % 2], exchange)
         if request is not None:
             self.a2a_req[s] = request
@@ -330,14 +331,14 @@ class BatchedPipeline(PieceAccess):
         """The owner's piece (exact) plus the N - 1 received bodies in rank order: encoded
         at once (fused), or stored as fp32 in the result (reduce-scatter, maps)."""
         self._wait(self.a2a_req, s)
-        stage = self.plan.stages[s]
+        stage = self.tables.stages[s]
         lo, hi = self.pieces.piece_range(self.me, s)
         own = self._read(lo, hi)
         incoming = Incoming(self.a2a_recv[s % 2], self.comm.size - 1, stage.own_bytes)
         seg = self._segments(stage.own)
         if self.fused:
             self.kernels.encode(self.fmt, own, seg, self.ag_buf[s % 2], self.amax, incoming,
-                                stream=self.streams[1])
+                                rounding_stream=self.rounding_streams[1])
             return
         self.kernels.reduce(self.fmt, own, seg, incoming, self._local(lo, hi))
         if not self.gather:  # reduce-scatter: the owner's sum is final
@@ -346,11 +347,11 @@ class BatchedPipeline(PieceAccess):
     def reencode_stage(self, s: int) -> None:
         if self.fused:  # done by reduce_stage
             return
-        stage = self.plan.stages[s]
+        stage = self.tables.stages[s]
         lo, hi = self.pieces.piece_range(self.me, s)
         values, seg = self._local(lo, hi), self._segments(stage.own)
         self.kernels.encode(self.fmt, values, seg, self.ag_buf[s % 2], self.amax,
-                            stream=self.streams[1])
+                            rounding_stream=self.rounding_streams[1])
         if self.mapper is not None:
             at = int(seg.rows[0, WIRE])
             self.mapper.encoded(lo, hi, values,
@@ -358,14 +359,14 @@ class BatchedPipeline(PieceAccess):
 
     def start_allgather(self, s: int) -> None:
         buf = self.ag_buf[s % 2]
-        request = self._exchange(buf, buf, self.plan.stages[s].allgather)
+        request = self._exchange(buf, buf, self.tables.stages[s].allgather)
         if request is not None:
             self.ag_req[s] = request
 
     def decode_stage(self, s: int) -> None:
         self._wait(self.ag_req, s)
         self.kernels.decode(self.fmt, self.ag_buf[s % 2], self._segments(
-            self.plan.stages[s].gather), self.result)
+            self.tables.stages[s].gather), self.result)
         for j in range(self.comm.size):
             self._done(*self.pieces.piece_range(j, s))
 

@@ -16,7 +16,7 @@ from geocomm.codecs.formats import NoneCodec
 from geocomm.comm.base import Communicator, wait_ordered
 from geocomm.engine import device
 from geocomm.engine.host import Pipeline
-from geocomm.engine.layout import DEFAULT_CHUNK_ELEMS, Pieces, array_module, segments
+from geocomm.engine.layout import DEFAULT_STAGE_SIZE, Pieces, array_module, segments
 
 _PLAIN = NoneCodec()
 
@@ -67,7 +67,7 @@ def exact_sum(comm: Communicator, values: Any) -> Any:
         for row in rows[1:]:
             add_into(total, row)
         return total
-    pieces = Pieces.plan(source.size, comm.size, max(source.size, DEFAULT_CHUNK_ELEMS))
+    pieces = Pieces.cut(source.size, comm.size, max(source.size, DEFAULT_STAGE_SIZE))
     fmt = device.batched_format(comm, _PLAIN, source)
     if fmt is not None:  # CuPy arrays over NCCL: the batched pipeline
         device.BatchedPipeline(comm, fmt, pieces, source, total, 0, gather=True).run()

@@ -36,7 +36,7 @@ from geocomm.engine.layout import (
     PieceAccess,
     Pieces,
     array_module,
-    rounding_stream,
+    quantization_stream,
     run_schedule,
     segments,
 )
@@ -101,12 +101,12 @@ class Pipeline(PieceAccess):
 
     def __init__(self, comm: Communicator, codec: WireCodec, pieces: Pieces,
                  source: np.ndarray, result: np.ndarray, result_offset: int, gather: bool,
-                 mapper: RangeMap | None = None, stream: int = 0):
+                 mapper: RangeMap | None = None, rounding_stream: int = 0):
         self.comm, self.codec, self.pieces = comm, codec, pieces
         # stochastic rounding: every quantization of the call draws from its own
         # stream (this rank's first one, its second one), counted by element index
-        self.streams = (rounding_stream(stream, comm.rank, 1),
-                        rounding_stream(stream, comm.rank, 2))
+        self.rounding_streams = (quantization_stream(rounding_stream, comm.rank, 1),
+                                 quantization_stream(rounding_stream, comm.rank, 2))
         self.source, self.result, self.mapper = source, result, mapper
         self.result_offset = result_offset  # absolute index of result[0]
         self.gather = gather
@@ -159,7 +159,8 @@ class Pipeline(PieceAccess):
             if j != self.me:
                 lo, hi = self.pieces.piece_range(j, s)
                 values, wire = self._read(lo, hi), buf[displs[j]: displs[j] + counts[j]]
-                self.codec.encode_wire(values, wire, stream=self.streams[0], offset=lo)
+                self.codec.encode_wire(values, wire, rounding_stream=self.rounding_streams[0],
+                                       offset=lo)
                 if self.mapper is not None:
                     self.mapper.encoded(lo, hi, values, wire)
                 self._progress()
@@ -196,7 +197,8 @@ class Pipeline(PieceAccess):
         """Encode my reduced piece for the all-gather (the second quantization)."""
         lo, hi = self.pieces.piece_range(self.me, s)
         values = self._local(lo, hi)
-        self.codec.encode_wire(values, self.ag_send[s % 2], stream=self.streams[1], offset=lo)
+        self.codec.encode_wire(values, self.ag_send[s % 2],
+                               rounding_stream=self.rounding_streams[1], offset=lo)
         if self.mapper is not None:
             self.mapper.encoded(lo, hi, values, self.ag_send[s % 2])
         self._progress()

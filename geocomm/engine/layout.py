@@ -16,11 +16,11 @@ import numpy as np
 from geocomm.engine import costs
 
 #: Values of the whole buffer per pipeline stage (all shards together) on host
-#: backends; devices take :func:`stage_values`.
-DEFAULT_CHUNK_ELEMS = costs.HOST_STAGE_VALUES
+#: backends; devices take :func:`stage_size`.
+DEFAULT_STAGE_SIZE = costs.HOST_STAGE_SIZE
 #: Pieces start at multiples of this many values from their shard's start, so no
 #: scaling block is split (fp8's 128, MX's 32, NVFP4's superblocks of 4096 and
-#: blocks of 16), and every scale covers the same values whatever chunk_elems
+#: blocks of 16), and every scale covers the same values whatever stage_size
 #: is: the results' bits do not depend on the stage size.
 PIECE_ALIGN = 4096
 
@@ -36,7 +36,7 @@ def mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def rounding_stream(call: int, rank: int, quantization: int) -> int:
+def quantization_stream(call: int, rank: int, quantization: int) -> int:
     """The stochastic-rounding stream of one quantization of a call: ``call`` identifies
     the call (tensor key and call number), then the encoding rank and which of the two
     quantizations; the element index is the counter within the stream."""
@@ -66,11 +66,14 @@ class Pieces:
     stages: int
 
     @classmethod
-    def plan(cls, count: int, size: int, chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> Pieces:
-        if chunk_elems <= 0:
-            raise ValueError(f"chunk_elems must be positive, got {chunk_elems}")
+    def cut(cls, count: int, size: int, stage_size: int = DEFAULT_STAGE_SIZE) -> Pieces:
+        """Cut ``count`` values on ``size`` ranks into pieces for stages of about
+        ``stage_size`` values of the whole buffer (each shard's piece rounded up to
+        :data:`PIECE_ALIGN`)."""
+        if stage_size <= 0:
+            raise ValueError(f"stage_size must be positive, got {stage_size}")
         bounds = shard_bounds(count, size)
-        per_shard = -(-chunk_elems // size)
+        per_shard = -(-stage_size // size)
         piece = max(PIECE_ALIGN, -(-per_shard // PIECE_ALIGN) * PIECE_ALIGN)
         longest = int(np.max(np.diff(bounds))) if count else 0
         return cls(count, size, bounds, piece, -(-longest // piece))
@@ -82,13 +85,13 @@ class Pieces:
         return lo, min(lo + self.piece, end)
 
 
-def stage_values(backend: str | None, count: int, size: int,
+def stage_size(backend: str | None, count: int, size: int,
                  ratio: float = costs.FP8_RATIO) -> int:
-    """Values per pipeline stage (``chunk_elems``) for ``count`` values on ``size`` ranks
+    """Values per pipeline stage (``stage_size``) for ``count`` values on ``size`` ranks
     of ``backend``: measured for host backends, the cost model's for devices
-    (:func:`geocomm.costs.stage_values`, whose docstring states the model);
+    (:func:`geocomm.engine.costs.stage_size`, whose docstring states the model);
     ``ratio``: the codec's wire bytes per fp32 byte."""
-    return costs.stage_values(backend, count, size, ratio)
+    return costs.stage_size(backend, count, size, ratio)
 
 
 def wire_bytes(codec: Any, pieces: Pieces, rank: int, gather: bool = True) -> int:

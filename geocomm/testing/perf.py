@@ -24,7 +24,7 @@ import numpy as np
 
 from geocomm.codecs import Codec, get_codec
 from geocomm.engine.host import Pipeline
-from geocomm.engine.layout import DEFAULT_CHUNK_ELEMS, Pieces
+from geocomm.engine.layout import DEFAULT_STAGE_SIZE, Pieces
 
 __all__ = ["Yardstick", "breakdown", "busy_loops", "emulated_link", "launch_command",
            "parse_size", "ring_bytes", "slowest", "timed", "yardstick", "yardstick_line"]
@@ -61,21 +61,21 @@ def timed(comm: Any, fn: Callable[[], Any], iters: int) -> float:
     return slowest(comm, (time.perf_counter() - start) / max(iters, 1))
 
 
-def breakdown(comm: Any, codec: Codec, x: np.ndarray, chunk: int | None, gather: bool,
+def breakdown(comm: Any, codec: Codec, x: np.ndarray, stage_size: int | None, gather: bool,
               repeats: int = 3) -> dict[str, float]:
     """Seconds of one compressed all-reduce (``gather=False``: reduce-scatter) of ``x``
     taken apart: ``encode``, ``comm`` and ``decode`` run one after the other
     (no overlap), and ``pipelined``, the same call with its stages overlapped.
     Each is the best of ``repeats`` runs, the slowest rank's; a plain codec only
     (no geometry map)."""
-    runs = [_breakdown_once(comm, codec, x, chunk, gather) for _ in range(repeats)]
+    runs = [_breakdown_once(comm, codec, x, stage_size, gather) for _ in range(repeats)]
     return {part: min(run[part] for run in runs) for part in runs[0]}
 
 
-def _breakdown_once(comm: Any, codec: Codec, x: np.ndarray, chunk: int | None,
+def _breakdown_once(comm: Any, codec: Codec, x: np.ndarray, stage_size: int | None,
                     gather: bool) -> dict[str, float]:
     source = np.ascontiguousarray(x, np.float32).reshape(-1)
-    pieces = Pieces.plan(source.size, comm.size, chunk or DEFAULT_CHUNK_ELEMS)
+    pieces = Pieces.cut(source.size, comm.size, stage_size or DEFAULT_STAGE_SIZE)
     bounds = pieces.bounds
     offset = 0 if gather else int(bounds[comm.rank])
     length = source.size if gather else int(bounds[comm.rank + 1] - bounds[comm.rank])

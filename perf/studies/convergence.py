@@ -86,7 +86,7 @@ from convergence_report import markdown, merge, tail_mean, write_outputs  # noqa
 
 import geocomm  # noqa: E402
 import geocomm.codecs.geo  # noqa: E402
-from geocomm.engine.layout import DEFAULT_CHUNK_ELEMS, Pieces, wire_bytes  # noqa: E402
+from geocomm.engine.layout import DEFAULT_STAGE_SIZE, Pieces, wire_bytes  # noqa: E402
 from geocomm.testing import MeteredComm, yardstick  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -167,7 +167,7 @@ def payload_bytes(codec: Any, model: torch.nn.Module, comm: Any) -> int:
     """Bytes this rank sends per step for the quantized payload alone (no side
     channels): :func:`geocomm.engine.layout.wire_bytes` of every parameter's pieces."""
     return sum(wire_bytes(codec.for_count(p.numel()),
-                          Pieces.plan(p.numel(), comm.size, DEFAULT_CHUNK_ELEMS), comm.rank)
+                          Pieces.cut(p.numel(), comm.size, DEFAULT_STAGE_SIZE), comm.rank)
                for p in model.parameters())
 
 

@@ -67,6 +67,7 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 from ddp_train_report import write_report  # noqa: E402
 
+from geocomm.deprecation import DeprecatedOption  # noqa: E402
 from geocomm.testing import busy_loops, yardstick  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -168,7 +169,7 @@ def _ddp_model(cfg: Any, args: argparse.Namespace, method: str) -> tuple[Any, ..
     elif method == "nocomm":
         model.register_comm_hook(None, _nocomm_hook)
     elif method != "default":
-        state = gt.GeocommHookState(net, codec=method, chunk_elems=args.chunk_elems)
+        state = gt.GeocommHookState(net, codec=method, stage_size=args.stage_size)
         model.register_comm_hook(state, _counting_hook)
     if args.optimizer == "adamw":  # llama.py's: AdamW, clipping, warm-up
         tc = TrainConfig()
@@ -197,7 +198,7 @@ def _hook_alone(args: argparse.Namespace, net: Any, codec: str, data: Any, rank:
         model(tokens, targets).backward()
     # a codec instance of its own: GeoFP8 state apart from the training run's
     state = gt.GeocommHookState(net, codec=geocomm.get_codec(codec),
-                                chunk_elems=args.chunk_elems)
+                                stage_size=args.stage_size)
     times = []
     for _ in range(args.alone_repeats):
         work = [(b.clone(), p, i) for b, p, i in buckets]
@@ -408,8 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overlap-batch", type=int, default=12,
                    help="sequences per rank of the overlap run (0: none)")
     p.add_argument("--alone-repeats", type=int, default=5)
-    p.add_argument("--chunk-elems", type=int, default=None,
-                   help="pipeline stage size of the hook (default: the hook's)")
+    p.add_argument("--stage-size", type=int, default=None,
+                   help="values per pipeline stage of the hook (default: the hook's)")
+    p.add_argument("--chunk-elems", dest="stage_size", type=int, action=DeprecatedOption,
+                   help=argparse.SUPPRESS)  # the old name of --stage-size
     p.add_argument("--fsdp-steps", type=int, default=100)
     p.add_argument("--fsdp-seeds", type=int, default=3)
     p.add_argument("--fsdp-batch", type=int, default=0, help="sequences per rank (0: config's)")

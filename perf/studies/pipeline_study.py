@@ -1,10 +1,10 @@
 """Chunk-size sweep of the pipelined all-reduce and the overlap it buys.
 
-For one message size (default 64 MiB of fp32) and each chunk size, reports
+For one message size (default 64 MiB of fp32) and each stage size, reports
 the pipelined time per call and, measured in the same run, encode,
 communication and decode run one after the other without overlap. The
 overlap ratio is pipelined / (encode + comm + decode); below 1 the pipeline
-hides work. Picks the chunk with the fastest pipelined time. The machine
+hides work. Picks the stage size with the fastest pipelined time. The machine
 yardstick (:func:`geocomm.testing.yardstick`) is measured first and stated
 with the table.
 
@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 import geocomm
-from geocomm.engine.layout import DEFAULT_CHUNK_ELEMS
+from geocomm.deprecation import DeprecatedOption
+from geocomm.engine.layout import DEFAULT_STAGE_SIZE
 from geocomm.testing import (
     breakdown,
     emulated_link,
@@ -40,7 +41,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=parse_size, default=parse_size("64M"), help="bytes of fp32")
     p.add_argument("--codec", default="fp8")
-    p.add_argument("--chunks", default="65536,262144,1048576,4194304,16777216",
+    p.add_argument("--chunks", dest="stage_sizes", action=DeprecatedOption,
+                   help=argparse.SUPPRESS)  # the old name of --stage-sizes
+    p.add_argument("--stage-sizes", default="65536,262144,1048576,4194304,16777216",
                    help="values per pipeline stage, comma separated")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--out", default="perf/results/pipeline")
@@ -51,20 +54,20 @@ def main() -> int:
     ruler = yardstick(comm)
     x = np.random.default_rng([comm.rank, 7]).standard_normal(count, np.float32)
     rows = []
-    for chunk in [int(c) for c in args.chunks.split(",")]:
-        def call(chunk: int = chunk) -> None:
-            geocomm.allreduce(x, codec=codec, chunk_elems=chunk, comm=comm)
+    for stage_size in [int(c) for c in args.stage_sizes.split(",")]:
+        def call(stage_size: int = stage_size) -> None:
+            geocomm.allreduce(x, codec=codec, stage_size=stage_size, comm=comm)
 
         call()  # warm-up
         seconds = timed(comm, call, args.iters)
-        parts = breakdown(comm, codec, x, chunk, gather=True)
+        parts = breakdown(comm, codec, x, stage_size, gather=True)
         serial = parts["encode"] + parts["comm"] + parts["decode"]
-        rows.append({"chunk_elems": chunk, "allreduce_ms": seconds * 1e3,
+        rows.append({"stage_size": stage_size, "allreduce_ms": seconds * 1e3,
                      **{f"{k}_ms": v * 1e3 for k, v in parts.items()},
                      "serial_ms": serial * 1e3, "overlap_ratio": parts["pipelined"] / serial})
         if comm.rank == 0:
             r = rows[-1]
-            print(f"chunk {chunk:>9}: allreduce {r['allreduce_ms']:8.2f} ms | encode "
+            print(f"stage size {stage_size:>9}: allreduce {r['allreduce_ms']:8.2f} ms | encode "
                   f"{r['encode_ms']:7.2f} comm {r['comm_ms']:7.2f} decode {r['decode_ms']:7.2f} "
                   f"serial {r['serial_ms']:7.2f} pipelined {r['pipelined_ms']:7.2f} "
                   f"ratio {r['overlap_ratio']:.3f}", flush=True)
@@ -75,7 +78,7 @@ def main() -> int:
     report = {"command": launch_command(comm.size), "link": link,
               "yardstick": dataclasses.asdict(ruler),
               "ranks": comm.size, "bytes": count * 4, "codec": codec.get_config(),
-              "default_chunk_elems": DEFAULT_CHUNK_ELEMS, "best_chunk_elems": best["chunk_elems"],
+              "default_stage_size": DEFAULT_STAGE_SIZE, "best_stage_size": best["stage_size"],
               "rows": rows}
     out = Path(f"{args.out}_n{comm.size}")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -83,13 +86,13 @@ def main() -> int:
     lines = [f"# Pipelined all-reduce, {count * 4 >> 20} MiB fp32, {comm.size} ranks, "
              f"codec {codec.get_config()}, link: {link}", "", f"Command: `{report['command']}`",
              "", yardstick_line(report["yardstick"]), "",
-             "| chunk (values) | all-reduce ms | encode ms | comm ms | decode ms | serial ms "
+             "| stage size (values) | all-reduce ms | encode ms | comm ms | decode ms | serial ms "
              "| pipelined ms | pipelined / serial |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['chunk_elems']} | {r['allreduce_ms']:.2f} | {r['encode_ms']:.2f} | "
+    lines += [f"| {r['stage_size']} | {r['allreduce_ms']:.2f} | {r['encode_ms']:.2f} | "
               f"{r['comm_ms']:.2f} | {r['decode_ms']:.2f} | {r['serial_ms']:.2f} | "
               f"{r['pipelined_ms']:.2f} | {r['overlap_ratio']:.3f} |" for r in rows]
-    lines += ["", f"Fastest chunk: {best['chunk_elems']} values (library default "
-              f"{DEFAULT_CHUNK_ELEMS})."]
+    lines += ["", f"Fastest stage size: {best['stage_size']} values (library default "
+              f"{DEFAULT_STAGE_SIZE})."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return 0
 

@@ -195,7 +195,8 @@ def test_block_list_covers_the_kernel_switches():
     assert ("nvfp4", 0) in configs and ("bf16", 0) in configs
     assert {f for f, _ in configs} == {"e4m3", "e5m2", "nvfp4", "bf16"}
     gpu, twin = common.PROFILES["gpu"], common.PROFILES["twin"]
-    assert twin.chunk == gpu.chunk and twin.collective_n > 4 * twin.chunk  # many stages
+    assert twin.stage_size == gpu.stage_size
+    assert twin.collective_n > 4 * twin.stage_size  # many stages
 
 
 def test_value_diff_treats_any_nan_alike_and_names_the_first_mismatch():
@@ -313,8 +314,8 @@ def test_batched_check_names_a_wrong_byte(stand_ins, monkeypatch):
     gcb, common = _load("gpu_check_bytes"), _load("gpu_check_common")
 
     class OffByOne(gpu_pipeline.HostKernels):
-        def encode(self, fmt, x, seg, wire, amax, incoming=None, stream=0):
-            super().encode(fmt, x, seg, wire, amax, incoming, stream)
+        def encode(self, fmt, x, seg, wire, amax, incoming=None, rounding_stream=0):
+            super().encode(fmt, x, seg, wire, amax, incoming, rounding_stream)
             wire[-1] ^= 1
 
     monkeypatch.setattr(gpu_pipeline, "CudaKernels", OffByOne)

@@ -16,7 +16,7 @@ from gpu_helpers import inputs
 from geocomm import cuda, native
 from geocomm.codecs.geo import kernels as geo
 from geocomm.engine import device as gp
-from geocomm.engine import device_plan as gpl
+from geocomm.engine import device_tables as gpl
 
 #: ragged counts: not multiples of any block (16, 32, 128, 256 threads, 4096)
 COUNTS = (1, 2, 15, 17, 33, 127, 255, 257, 1025, 4097, 12_301)
@@ -47,9 +47,9 @@ def test_encode_decode_match_the_c_core(cp, fmt, block, stochastic):
         x = special(n)
         size = native.wire_size(fmt, n, block)
         want = np.zeros(size, np.uint8)
-        native.encode(fmt, x, block, want, flags=flags, seed=9, rng_stream=4, offset=1000)
+        native.encode(fmt, x, block, want, flags=flags, seed=9, rounding_stream=4, offset=1000)
         wire = cp.empty(size, cp.uint8)
-        cuda.encode(fmt, cp.asarray(x), block, wire, flags=flags, seed=9, rng_stream=4,
+        cuda.encode(fmt, cp.asarray(x), block, wire, flags=flags, seed=9, rounding_stream=4,
                     offset=1000)
         assert np.array_equal(wire.get(), want), f"{fmt}/{block} n={n}: encoded bytes differ"
         for accumulate in (False, True):
@@ -96,11 +96,11 @@ def test_batched_kernels_match_their_host_contract(cp, name, stochastic):
     host_seg = gp.Segments(rows, rows)
     dev_seg = gp.Segments(rows, cp.asarray(rows))
     want = np.zeros(wire_at, np.uint8)
-    gp.HostKernels().encode(fmt, x, host_seg, want, None, stream=11)
+    gp.HostKernels().encode(fmt, x, host_seg, want, None, rounding_stream=11)
     wire = cp.zeros(wire_at, cp.uint8)
     kernels = gp.CudaKernels()
     kernels.encode(fmt, cp.asarray(x), dev_seg, wire, cp.zeros(max(amax_slots, 1), cp.uint32),
-                   stream=11)
+                   rounding_stream=11)
     assert np.array_equal(wire.get(), want), f"{name}: batched encode"
     ref = inputs(8, at, tag=6)
     out = cp.asarray(ref)

@@ -116,7 +116,7 @@ def test_allreduce(cp, device_comm, reference_comm, name, op):
     for call in range(2):  # error feedback: the second call sends the first's residual
         got, want = twice(lambda device: geocomm.allreduce(
             cp.asarray(x) if device else x, codec=dev if device else host, op=op,
-            comm=device_comm if device else reference_comm, chunk_elems=STAGE))
+            comm=device_comm if device else reference_comm, stage_size=STAGE))
         assert_bits(got, want, f"allreduce {name} {op} call {call}")
 
 
@@ -126,7 +126,7 @@ def test_reduce_scatter(cp, device_comm, reference_comm, name):
     x = inputs(reference_comm.rank, SIZE, tag=1)
     got, want = twice(lambda device: geocomm.reduce_scatter(
         cp.asarray(x) if device else x, codec=dev if device else host,
-        comm=device_comm if device else reference_comm, chunk_elems=STAGE))
+        comm=device_comm if device else reference_comm, stage_size=STAGE))
     assert_bits(got, want, f"reduce_scatter {name}")
 
 
@@ -144,9 +144,9 @@ def test_allreduce_in_place_and_out(cp, device_comm, mpi_comm):
     dev, host = codec_pair(CODECS["fp8"])
     x = inputs(mpi_comm.rank, SIZE, tag=3)
     y = cp.asarray(x)
-    got = geocomm.allreduce(y, codec=dev, out=y, comm=device_comm, chunk_elems=STAGE)
+    got = geocomm.allreduce(y, codec=dev, out=y, comm=device_comm, stage_size=STAGE)
     assert got is y
-    assert_bits(y, geocomm.allreduce(x, codec=host, comm=mpi_comm, chunk_elems=STAGE),
+    assert_bits(y, geocomm.allreduce(x, codec=host, comm=mpi_comm, stage_size=STAGE),
                 "in place")
 
 
@@ -166,8 +166,8 @@ def test_geofp8_with_refreshes(cp, device_comm, mpi_comm, config):
         x = (rng.standard_normal(4).astype(np.float32) @ basis
              + 0.05 * rng.standard_normal(n).astype(np.float32)).astype(np.float32)
         got = geocomm.allreduce(cp.asarray(x), codec=dev, parts=parts, comm=device_comm,
-                                chunk_elems=2_048)
-        want = geocomm.allreduce(x, codec=host, parts=parts, comm=mpi_comm, chunk_elems=2_048)
+                                stage_size=2_048)
+        want = geocomm.allreduce(x, codec=host, parts=parts, comm=mpi_comm, stage_size=2_048)
         assert_bits(got, want, f"geofp8 call {call}")
         shard = geocomm.reduce_scatter(cp.asarray(x), codec=dev, parts=parts, comm=device_comm)
         assert_bits(shard, geocomm.reduce_scatter(x, codec=host, parts=parts, comm=mpi_comm),

@@ -58,7 +58,7 @@ def test_error_feedback_residuals_keep_subnormals(cp, comms, config):
         x = subnormal_gradient(mpi.rank, 8_191, tag=call)
         got, want = twice(lambda device: geocomm.allreduce(
             cp.asarray(x) if device else x, codec=dev if device else host,
-            comm=nccl if device else mpi, chunk_elems=2_048))
+            comm=nccl if device else mpi, stage_size=2_048))
         assert np.array_equal(got.get().view(np.uint32), want.view(np.uint32)), f"call {call}"
     dev_state, host_state = dev.state_dict(), host.state_dict()
     assert dev.state_checksum() == host.state_checksum(), (dev_state.keys(), host_state.keys())

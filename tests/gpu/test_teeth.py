@@ -49,7 +49,7 @@ JOB = textwrap.dedent('''
     x = np.random.default_rng(comm.rank).standard_normal(20_011).astype(np.float32)
     codec = {"id": "mxfp8", "fmt": "e4m3"} if mutation == "loose-bound" else "fp8"
     try:
-        got = geocomm.allreduce(cupy.asarray(x), codec=codec, comm=comm, chunk_elems=4096)
+        got = geocomm.allreduce(cupy.asarray(x), codec=codec, comm=comm, stage_size=4096)
         print("RESULT", float(np.abs(got.get()).sum()), flush=True)
     except Exception as exc:
         print("CAUGHT", type(exc).__name__, exc, flush=True)

@@ -762,12 +762,12 @@ def amax_tiles(codec, x: np.ndarray, n: int, block: int) -> np.ndarray:
 
 
 def twin_encode(codec, fmt: str, x: np.ndarray, block: int, *, seed: int | None = None,
-                stream: int = 0, offset: int = 0, rceil: bool = False) -> np.ndarray:
+                rounding_stream: int = 0, offset: int = 0, rceil: bool = False) -> np.ndarray:
     """geocomm.cuda.encode's launches, on NumPy buffers (seed: stochastic rounding)."""
     n = x.size
     wire = np.full(reference.wire_size(fmt, n, block), 0xA5, np.uint8)  # unwritten shows
     sr = i32(seed is not None)
-    key = reference.sr_key(seed, stream) if seed is not None else 0
+    key = reference.sr_key(seed, rounding_stream) if seed is not None else 0
     rounding = (sr, u64(key), u64(offset))
     if fmt == "bf16":
         codec.function("gc_bf16_encode").launch(cuda._grid(n), (THREADS,),
@@ -784,7 +784,7 @@ def twin_encode(codec, fmt: str, x: np.ndarray, block: int, *, seed: int | None 
             cuda._grid(n), (THREADS,),
             (x, u64(n), i32(fmt == "mxfp8_e5m2"), i32(rceil), *rounding, wire))
     else:
-        plan = cuda.fp8_plan(n, block)
+        plan = cuda.fp8_launch(n, block)
         head = (x, u64(n), u64(plan.block), u64(plan.nblocks))
         e5m2 = i32(fmt == "e5m2")
         if plan.team_shift is not None:
@@ -813,7 +813,7 @@ def twin_decode(codec, fmt: str, wire: np.ndarray, n: int, block: int,
         codec.function("gc_mxfp8_decode").launch(
             cuda._grid(n), (THREADS,), (wire, u64(n), i32(fmt == "mxfp8_e5m2"), acc, out))
     else:
-        plan = cuda.fp8_plan(n, block)
+        plan = cuda.fp8_launch(n, block)
         head = (wire, u64(n), u64(plan.block), u64(plan.nblocks))
         e5m2 = i32(fmt == "e5m2")
         if plan.team_shift is not None:
@@ -857,8 +857,9 @@ def test_codec_kernels_match_the_c_core(codec, fmt, block, stochastic):
     for n in COUNTS:
         x = values(n, tag=1)
         want = np.zeros(native.wire_size(fmt, n, block), np.uint8)
-        native.encode(fmt, x, block, want, flags=flags, seed=9, rng_stream=4, offset=1000)
-        wire = twin_encode(codec, fmt, x, block, seed=9 if stochastic else None, stream=4,
+        native.encode(fmt, x, block, want, flags=flags, seed=9, rounding_stream=4, offset=1000)
+        wire = twin_encode(codec, fmt, x, block, seed=9 if stochastic else None,
+                           rounding_stream=4,
                            offset=1000)
         assert np.array_equal(wire, want), (fmt, block, n)
         base = values(n, tag=2)
@@ -871,8 +872,8 @@ def test_codec_kernels_match_the_c_core(codec, fmt, block, stochastic):
 def test_mx_rceil_and_stochastic_match_the_reference(codec, fmt):
     for n in (1, 33, 1000):
         x = values(n, tag=3)
-        wire = twin_encode(codec, fmt, x, 0, seed=5, stream=2, offset=7, rceil=True)
-        want = reference.encode(fmt, x, rounding="stochastic", seed=5, stream=2, offset=7,
+        wire = twin_encode(codec, fmt, x, 0, seed=5, rounding_stream=2, offset=7, rceil=True)
+        want = reference.encode(fmt, x, rounding="stochastic", seed=5, rounding_stream=2, offset=7,
                                 scale_rule="rceil")
         assert np.array_equal(wire, want), n
 

@@ -1,6 +1,6 @@
 """What the batched GPU pipeline does per stage, planned on the host: pure functions.
 
-:func:`call_plan` turns a call's :class:`~geocomm.engine.layout.Pieces`, the rank
+:func:`call_tables` turns a call's :class:`~geocomm.engine.layout.Pieces`, the rank
 and the codec's :class:`WireFormat` into the segment tables of every stage
 (one row of ``FIELDS`` per piece) and the byte exchanges of its two grouped
 transfers. Nothing here touches a device, so the tests check every table on
@@ -61,13 +61,13 @@ class WireFormat:
         return ((native.STOCHASTIC if self.stochastic else 0)
                 | (native.RCEIL if self.rceil else 0))
 
-    def key(self, stream: int) -> int:
-        """The kernels' stochastic-rounding key of a rounding ``stream`` (0: nearest)."""
+    def key(self, rounding_stream: int) -> int:
+        """The kernels' stochastic-rounding key of ``rounding_stream`` (0: nearest)."""
         if not self.stochastic:
             return 0
         from geocomm.codecs.reference import sr_key
 
-        return sr_key(self.seed, stream)
+        return sr_key(self.seed, rounding_stream)
 
 
 def wire_format(codec: Codec) -> WireFormat | None:
@@ -106,7 +106,7 @@ def team_walk(fmt: WireFormat) -> bool:
 def body_layout(fmt: WireFormat, n: int) -> tuple[int, int, int]:
     """(scales, block, tiles) of a body of ``n`` values: the GC_SEG_SCALES, GC_SEG_BLOCK
     and GC_SEG_TILES of its row. The fp8 tile walk caps the block at n (block 0 is
-    one scale for the body), as geocomm.cuda.fp8_plan does."""
+    one scale for the body), as geocomm.cuda.fp8_launch does."""
     if n == 0:
         return 0, 0, 0
     if fmt.family == FP8:
@@ -189,7 +189,7 @@ class Exchange:
 
 
 @dataclass(frozen=True)
-class StagePlan:
+class StageTables:
     """One stage: row ranges of the call's table (``send``: this rank's pieces of the
     other shards, in rank order; ``own``: its own piece; ``gather``: every shard's
     piece), the two exchanges, and the byte size of the owner's body (the stride of
@@ -204,14 +204,14 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
-class CallPlan:
+class CallTables:
     """Every stage of a call; ``rows`` is the one table they index (uploaded once).
     Buffer sizes are the largest any stage needs: ``send_bytes``/``recv_bytes`` of the
     all-to-all, ``gather_bytes`` of the all-gather, ``staged`` values of the staging
     buffer (calls with a map), ``amax`` slots of the fp8 tile walk's scratch."""
 
     rows: np.ndarray
-    stages: list[StagePlan] = field(repr=False)
+    stages: list[StageTables] = field(repr=False)
     send_bytes: int
     recv_bytes: int
     gather_bytes: int
@@ -219,8 +219,8 @@ class CallPlan:
     amax: int
 
 
-def call_plan(fmt: WireFormat, pieces: Pieces, rank: int, result_offset: int = 0,
-              gather: bool = True, staged: bool = False) -> CallPlan:
+def call_tables(fmt: WireFormat, pieces: Pieces, rank: int, result_offset: int = 0,
+                gather: bool = True, staged: bool = False) -> CallTables:
     """The tables and exchanges of every stage of a call on ``rank``.
 
     Send rows read values at their absolute index (the source array), or, when
@@ -263,7 +263,7 @@ def call_plan(fmt: WireFormat, pieces: Pieces, rank: int, result_offset: int = 0
             at += table.shape[0]
         others = gather_counts.copy()
         others[rank] = 0
-        stages.append(StagePlan(
+        stages.append(StageTables(
             *spans,
             alltoall=Exchange(send_counts, send_displs, recv_counts, recv_displs),
             allgather=Exchange(np.where(np.arange(size) == rank, 0, mine),
@@ -274,4 +274,4 @@ def call_plan(fmt: WireFormat, pieces: Pieces, rank: int, result_offset: int = 0
         gather_bytes = max(gather_bytes, int(gather_counts.sum()))
         staged_values = max(staged_values, packed if staged else 0)
     table = np.concatenate(rows) if rows else np.zeros((0, len(FIELDS)), np.uint64)
-    return CallPlan(table, stages, send_bytes, recv_bytes, gather_bytes, staged_values, amax)
+    return CallTables(table, stages, send_bytes, recv_bytes, gather_bytes, staged_values, amax)
