@@ -123,7 +123,7 @@ def stochastic_case(x: np.ndarray, fmt: str, block: int) -> Case:
                **({"scale_rule": "rceil"} if mx else {})}
 
     def run() -> None:
-        native.encode(code, x, block, wire, flags=flags, seed=1, rng_stream=2)
+        native.encode(code, x, block, wire, flags=flags, seed=1, rounding_stream=2)
 
     def check() -> str:
         run()

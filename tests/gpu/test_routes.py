@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gpu_helpers import inputs, twice
 
 import geocomm
 from geocomm.comm.mpi import MPICommunicator
-
-from gpu_helpers import inputs, twice
 
 pytestmark = [pytest.mark.mpi]
 

@@ -56,7 +56,7 @@ def test_error_feedback_residuals_keep_subnormals(cp, comms, config):
     dev, host = geocomm.get_codec(config), geocomm.get_codec(config)
     for call in range(3):
         x = subnormal_gradient(mpi.rank, 8_191, tag=call)
-        got, want = twice(lambda device: geocomm.allreduce(
+        got, want = twice(lambda device, x=x: geocomm.allreduce(
             cp.asarray(x) if device else x, codec=dev if device else host,
             comm=nccl if device else mpi, stage_size=2_048))
         assert np.array_equal(got.get().view(np.uint32), want.view(np.uint32)), f"call {call}"

@@ -21,7 +21,6 @@ import sys
 import textwrap
 
 import pytest
-
 from gpu_helpers import ON_TWIN
 
 pytestmark = pytest.mark.skipif(not ON_TWIN, reason="mutations are caught by the twin's checks")

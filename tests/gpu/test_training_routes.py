@@ -17,12 +17,12 @@ import math
 
 import numpy as np
 import pytest
+from gpu_helpers import inputs, twice
+
 import geocomm
 from geocomm.adapters import _torch_grads as grads
 from geocomm.adapters import arrays
 from geocomm.testing import MeteredComm
-
-from gpu_helpers import inputs, twice
 
 pytestmark = [pytest.mark.mpi]
 
@@ -106,7 +106,7 @@ def test_hook_collectives_on_device_arrays(cp, comms, codec, kind):
     dev_codec, host_codec = geocomm.get_codec(codec), geocomm.get_codec(codec)
     for step in range(3):  # GeoFP8's cold start and a refresh; error feedback's residual
         x = inputs(rank, layout.numel, tag=10 + step)
-        got, want = twice(lambda device: reduce_bucket(
+        got, want = twice(lambda device, x=x: reduce_bucket(
             layout, cp.asarray(x) if device else x, dev_codec if device else host_codec,
             device_comm if device else host_comm, kind))
         for g, w in zip(got, want, strict=True):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from gpu_helpers import ON_TWIN
 
 pytestmark = pytest.mark.skipif(not ON_TWIN, reason="checks the twin itself (a real GPU "

@@ -14,7 +14,6 @@ import textwrap
 import time
 
 import pytest
-
 from gpu_helpers import ON_TWIN
 
 pytestmark = pytest.mark.skipif(not ON_TWIN, reason="the twin's NCCL itself")

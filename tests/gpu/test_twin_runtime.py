@@ -547,7 +547,7 @@ def test_bad_configuration(kernels, grid, block, shared, match):
 
 
 def test_wrong_argument_count_and_missing_kernel(kernels):
-    with pytest.raises(LaunchError, match="takes 10 arguments.*got 9"):
+    with pytest.raises(LaunchError, match=r"takes 10 arguments.*got 9"):
         kernels.function("params").launch(1, 32, good_args(np.zeros(1, np.uint8))[:9])
     with pytest.raises(LookupError, match="no extern \"C\" __global__ kernel 'nope'"):
         kernels.function("nope")

@@ -37,8 +37,9 @@ from numpy import (  # CuPy re-exports NumPy's scalar types and dtype
 
 from cupy import cuda, fft, linalg
 from cupy._core import (
-    all,  # noqa: A004
-    any,  # noqa: A004
+    _not_implemented,
+    all,
+    any,
     array,
     asarray,
     ascontiguousarray,
@@ -61,18 +62,54 @@ from cupy._core import (
     zeros,
     zeros_like,
 )
-from cupy._core import _not_implemented
 from cupy.cuda.function import RawKernel, RawModule
 
 __version__ = "14.0.0+twin"
 TWIN = True  # for the tests' own checks; geocomm never looks at it
 
 __all__ = [
-    "RawKernel", "RawModule", "all", "any", "array", "asarray", "ascontiguousarray", "asnumpy",
-    "bool_", "complex64", "fft", "linalg", "complex128", "concatenate", "cuda", "dtype", "empty", "empty_like",
-    "float16", "float32", "float64", "from_dlpack", "full", "get_array_module", "int8", "int16",
-    "int32", "int64", "isfinite", "isnan", "may_share_memory", "ndarray", "ones", "ravel",
-    "reshape", "shares_memory", "uint8", "uint16", "uint32", "uint64", "where", "zeros",
+    "RawKernel",
+    "RawModule",
+    "all",
+    "any",
+    "array",
+    "asarray",
+    "ascontiguousarray",
+    "asnumpy",
+    "bool_",
+    "complex64",
+    "complex128",
+    "concatenate",
+    "cuda",
+    "dtype",
+    "empty",
+    "empty_like",
+    "fft",
+    "float16",
+    "float32",
+    "float64",
+    "from_dlpack",
+    "full",
+    "get_array_module",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "isfinite",
+    "isnan",
+    "linalg",
+    "may_share_memory",
+    "ndarray",
+    "ones",
+    "ravel",
+    "reshape",
+    "shares_memory",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "where",
+    "zeros",
     "zeros_like",
 ]
 

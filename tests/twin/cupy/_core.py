@@ -115,7 +115,7 @@ def _not_implemented(name: str):
     return call
 
 
-class ndarray:  # noqa: N801 - CuPy's name
+class ndarray:
     """A device array of the twin (see the module docstring)."""
 
     __array_ufunc__ = None  # NumPy ufuncs defer to (or refuse) twin arrays
@@ -123,7 +123,8 @@ class ndarray:  # noqa: N801 - CuPy's name
     def __init__(self, shape: Any, dtype: Any = float, memptr: Any = None, strides: Any = None,
                  order: str = "C", *, _alloc: Any = None, _offset: int = 0):
         dtype = np.dtype(dtype)
-        shape = (int(shape),) if isinstance(shape, numbers.Integral) else tuple(int(s) for s in shape)
+        shape = (int(shape),) if isinstance(shape, numbers.Integral) else \
+            tuple(int(s) for s in shape)
         if order != "C" or memptr is not None:
             raise NotImplementedError("the CuPy twin makes C-ordered arrays of their own memory")
         if _alloc is None:
@@ -533,11 +534,11 @@ def _reduction(fn: Any, name: str, x: ndarray, axis: Any = None, dtype: Any = No
     return out
 
 
-def all(a: ndarray, axis: Any = None, out: Any = None, keepdims: bool = False) -> ndarray:  # noqa: A001
+def all(a: ndarray, axis: Any = None, out: Any = None, keepdims: bool = False) -> ndarray:
     return _reduction(np.all, "all", a, axis, np.bool_, keepdims)
 
 
-def any(a: ndarray, axis: Any = None, out: Any = None, keepdims: bool = False) -> ndarray:  # noqa: A001
+def any(a: ndarray, axis: Any = None, out: Any = None, keepdims: bool = False) -> ndarray:
     return _reduction(np.any, "any", a, axis, np.bool_, keepdims)
 
 

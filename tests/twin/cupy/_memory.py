@@ -54,7 +54,8 @@ class Allocation:
 
     def redzones_intact(self) -> bool:
         raw = self.raw
-        return bool((raw[:REDZONE] == POISON).all() and (raw[REDZONE + self.nbytes:] == POISON).all())
+        return bool((raw[:REDZONE] == POISON).all()
+                    and (raw[REDZONE + self.nbytes:] == POISON).all())
 
 
 _lock = threading.Lock()

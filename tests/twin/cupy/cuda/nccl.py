@@ -76,13 +76,13 @@ class _Group(threading.local):
 _group = _Group()
 
 
-def groupStart() -> None:  # noqa: N802 - NCCL's names
+def groupStart() -> None:
     if _group.depth == 0:
         _group.ops = []
     _group.depth += 1
 
 
-def groupEnd() -> None:  # noqa: N802
+def groupEnd() -> None:
     if _group.depth == 0:
         raise NcclError("ncclGroupEnd without ncclGroupStart")
     _group.depth -= 1
@@ -173,7 +173,7 @@ class NcclCommunicator:
         view, acc = _span(ptr, count, datatype)
         _submit(("recv", self, int(stream), self._peer(peer), [acc], view))
 
-    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int,  # noqa: N802
+    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int,
                   op: int, stream: int) -> None:
         self._check()
         if op not in (NCCL_SUM, NCCL_MAX):
@@ -193,7 +193,7 @@ class NcclCommunicator:
 
     # -- on the stream ------------------------------------------------------------
     def _run(self, ops: list) -> None:
-        mpi, comm = self._mpi, self._comm
+        comm = self._comm
         requests, expected = [], []
         for op in ops:
             if op[0] == "send":

@@ -25,14 +25,14 @@ class _Program:
         self.log = ""
 
 
-def createProgram(source: str, name: str, headers: Sequence[str] = (),  # noqa: N802
+def createProgram(source: str, name: str, headers: Sequence[str] = (),
                   include_names: Sequence[str] = ()) -> _Program:
     if headers or include_names:
         raise NotImplementedError("the CuPy twin takes one translation unit, no header list")
     return _Program(source, name)
 
 
-def compileProgram(prog: _Program, options: Sequence[str]) -> None:  # noqa: N802
+def compileProgram(prog: _Program, options: Sequence[str]) -> None:
     from cupy import _kernels
 
     _device.check_failure()
@@ -43,23 +43,23 @@ def compileProgram(prog: _Program, options: Sequence[str]) -> None:  # noqa: N80
         raise NVRTCError(f"NVRTC_ERROR_COMPILATION (twin): {prog.name}") from None
 
 
-def getProgramLog(prog: _Program) -> str:  # noqa: N802
+def getProgramLog(prog: _Program) -> str:
     return prog.log
 
 
-def getCUBIN(prog: _Program) -> bytes:  # noqa: N802
+def getCUBIN(prog: _Program) -> bytes:
     if prog.image is None:
         raise NVRTCError("NVRTC_ERROR_INVALID_PROGRAM: not compiled")
     return prog.image
 
 
-def getPTX(prog: _Program) -> bytes:  # noqa: N802
+def getPTX(prog: _Program) -> bytes:
     return getCUBIN(prog)
 
 
-def getSupportedArchs() -> tuple[int, ...]:  # noqa: N802
+def getSupportedArchs() -> tuple[int, ...]:
     return (80, 90)
 
 
-def destroyProgram(prog: _Program) -> None:  # noqa: N802
+def destroyProgram(prog: _Program) -> None:
     prog.image = None

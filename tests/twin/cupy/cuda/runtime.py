@@ -14,19 +14,19 @@ memcpyHostToHost, memcpyHostToDevice, memcpyDeviceToHost, memcpyDeviceToDevice, 
     range(5)
 
 
-def getDeviceCount() -> int:  # noqa: N802 - CUDA's names
+def getDeviceCount() -> int:
     return _core.device_count()
 
 
-def getDevice() -> int:  # noqa: N802
+def getDevice() -> int:
     return _core._current_device()
 
 
-def deviceSynchronize() -> None:  # noqa: N802
+def deviceSynchronize() -> None:
     _device.synchronize_all()
 
 
-def memcpyAsync(dst: int, src: int, size: int, kind: int, stream: int) -> None:  # noqa: N802
+def memcpyAsync(dst: int, src: int, size: int, kind: int, stream: int) -> None:
     """A device-to-device copy of ``size`` bytes between raw addresses, on ``stream``."""
     _device.check_failure()
     if kind != memcpyDeviceToDevice:
