@@ -13,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 
 try:
@@ -44,16 +43,6 @@ def comm():
     import geocomm
 
     return geocomm.init()
-
-
-@pytest.fixture
-def rng_for():
-    """rng_for(rank, tag): a generator every rank can rebuild for any rank."""
-
-    def make(rank: int, tag: int = 0) -> np.random.Generator:
-        return np.random.default_rng([rank, tag, 20261129])
-
-    return make
 
 
 #: prepended to the scripts of :func:`without_native`: importing geocomm._native fails

@@ -30,8 +30,8 @@ done
 echo "== soak"
 SOAK_OPS=2000; FUZZ_SECONDS=20
 if [ "${GEOCOMM_LONG:-0}" = 1 ]; then SOAK_OPS=10000; FUZZ_SECONDS=600; fi
-"$PY" -m geocomm.launch -n 3 --timeout 1800 -- "$PY" tests/soak.py --ops "$SOAK_OPS"
+"$PY" -m geocomm.launch -n 3 --timeout 1800 -- "$PY" tests/jobs/soak.py --ops "$SOAK_OPS"
 echo "== fuzz (frame decoding, ${FUZZ_SECONDS} s)"
-"$PY" -P tests/fuzz_frames.py -max_total_time="$FUZZ_SECONDS" -print_final_stats=1 2>&1 | tail -n 3
+"$PY" -P tests/jobs/fuzz_frames.py -max_total_time="$FUZZ_SECONDS" -print_final_stats=1 2>&1 | tail -n 3
 echo "== sanitizers"
 bash tests/run_sanitized.sh

@@ -24,6 +24,6 @@ PATH="$VENV/bin:$PATH" "$VENV/bin/meson" test -C build-asan --print-errorlogs
 PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)"
 LD_PRELOAD="$PRELOAD" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
   UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-  "$PY" -P -m pytest -q -p no:cacheprovider -m "not mpi" tests/test_codec_formats.py \
-  tests/test_mx_formats.py tests/test_stochastic_rounding.py tests/test_frames.py \
-  tests/test_geometry.py
+  "$PY" -P -m pytest -q -p no:cacheprovider -m "not mpi" tests/codecs/test_codec_formats.py \
+  tests/codecs/test_mx_formats.py tests/codecs/test_stochastic_rounding.py \
+  tests/codecs/test_frames.py tests/codecs/test_geometry.py

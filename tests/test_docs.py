@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DESIGN = ROOT / "docs" / "design.md"
 SOURCES = [p for pattern in ("geocomm/**/*.py", "native/*.[ch]", "native/*.cu", "perf/**/*.py",
-                             "tests/*.py", "bindings/*.py")
+                             "tests/**/*.py", "bindings/*.py")
            for p in ROOT.glob(pattern) if p.name != "test_docs.py"]
 # "docs/design.md, " then a quoted heading, possibly after a line break and comment marks
 CITATION = re.compile(r'docs/design\.md,\s*(?:[#*/]+\s*)?"([^"]+)"')

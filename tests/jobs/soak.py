@@ -1,7 +1,7 @@
 """Soak: many mixed collectives on every rank, each result checked, memory watched.
 
-    python -m geocomm.launch -n 3 -- python tests/soak.py --ops 2000      # CI default
-    python -m geocomm.launch -n 3 -- python tests/soak.py --ops 10000     # the long soak
+    python -m geocomm.launch -n 3 -- python tests/jobs/soak.py --ops 2000      # CI default
+    python -m geocomm.launch -n 3 -- python tests/jobs/soak.py --ops 10000     # the long soak
 
 Random sizes (0..64K values), codecs, ops and collectives, the same sequence
 on every rank (shared seed); each rank regenerates all inputs, so every

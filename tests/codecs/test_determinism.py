@@ -2,7 +2,7 @@
 
 One rank runs with one OpenBLAS thread, the other with two and another
 OPENBLAS_CORETYPE; 50 geofp8 all-reduces must give bitwise identical results
-on both and never trip the state check (tests/geo_blas_job.py). It holds by
+on both and never trip the state check (tests/jobs/geo_blas_job.py). It holds by
 construction: every number that enters the map or the state comes from the
 fixed-order native kernels, never from a BLAS. Single-process test: it
 launches its own mpiexec (MPMD, one environment per rank).
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from geocomm.launch import mpiexec_command
 
-JOB = Path(__file__).with_name("geo_blas_job.py")
+JOB = Path(__file__).resolve().parents[1] / "jobs" / "geo_blas_job.py"
 
 
 def test_mixed_blas_ranks_agree_bit_for_bit():

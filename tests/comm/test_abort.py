@@ -3,7 +3,7 @@
 Fake communicators record what the hooks do; their ``abort`` raises
 :class:`Aborted` (a BaseException, so it passes the hook's ``except
 Exception``) where a real one would end the process. The real multi-rank
-behaviour is checked by tests/test_faults.py under plain mpiexec.
+behaviour is checked by tests/comm/test_faults.py under plain mpiexec.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Write the golden frames that tests/test_frames.py compares against.
+"""Write the golden frames that tests/codecs/test_frames.py compares against.
 
-Run from anywhere: ``python tests/golden/make_golden.py [NAME ...]``. For
+Run from anywhere: ``python tests/codecs/golden/make_golden.py [NAME ...]``. For
 each named case (without names: each case that has no ``.bin`` yet, so adding
 a case never rewrites the existing ones) it writes, next to this script,
 ``<name>.npy`` (the input), ``<name>.bin`` (the frame

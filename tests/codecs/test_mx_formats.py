@@ -8,7 +8,7 @@ with rceil, the smallest X with A <= FMAX 2^X; clamped below to -127, and -127
 for an all-zero block. Elements are x * 2^-X cast to the element format with
 saturation at FMAX, like ml_dtypes after the clamp.
 
-As for the other formats (tests/test_codec_formats.py, whose helpers this
+As for the other formats (tests/codecs/test_codec_formats.py, whose helpers this
 file uses), three definitions must agree: the C core, the NumPy reference and
 ml_dtypes (float8_e8m0fnu, float8_e4m3fn, float8_e5m2, float4_e2m1fn).
 """

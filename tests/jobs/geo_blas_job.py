@@ -1,6 +1,6 @@
-"""GeoFP8 on ranks whose BLAS differ: a job for tests/test_determinism.py.
+"""GeoFP8 on ranks whose BLAS differ: a job for tests/codecs/test_determinism.py.
 
-    mpiexec -n 1 -x OPENBLAS_NUM_THREADS=1 python tests/geo_blas_job.py : \
+    mpiexec -n 1 -x OPENBLAS_NUM_THREADS=1 python tests/jobs/geo_blas_job.py : \
             -n 1 -x OPENBLAS_NUM_THREADS=2 -x OPENBLAS_CORETYPE=Sandybridge python ...
 
 50 geofp8 all-reduces of a 1024 x 1024 spiked matrix (a fixed rank-4 signal

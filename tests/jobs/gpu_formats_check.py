@@ -1,6 +1,6 @@
 """GPU check of the MX kernels, stochastic rounding and the fp8 launch plan.
 
-    python -P tests/gpu_formats_check.py
+    python -P tests/jobs/gpu_formats_check.py
 
 For every format (fp8 E4M3/E5M2 with team, tile and huge blocks, NVFP4,
 BF16, MXFP8 E4M3/E5M2, MXFP4 with floor and rceil), rounding to nearest and

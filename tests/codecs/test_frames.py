@@ -1,7 +1,7 @@
 """The public codec API and the self-describing frame.
 
 Covers: the registry (ids, configs, equality), encode/decode over dtypes and
-shapes, golden frames committed under tests/golden (a wire-format change
+shapes, golden frames committed under tests/codecs/golden (a wire-format change
 fails here), rejection of malformed frames with ValueError only (targeted
 cases plus hypothesis fuzzing), and a clear error when the native core is
 missing.
@@ -339,7 +339,7 @@ def test_golden_frame_is_reproduced_byte_for_byte(name):
     frame = geocomm.get_codec(config).encode(x).tobytes()
     assert frame == golden, (
         f"the wire format of {config} changed ({first_difference(frame, golden)}); if this is "
-        "deliberate, bump FRAME_VERSION and rerun tests/golden/make_golden.py"
+        "deliberate, bump FRAME_VERSION and rerun tests/codecs/golden/make_golden.py"
     )
 
 

@@ -1,7 +1,7 @@
-"""A small MPI job for tests/test_faults.py: rank 1 misbehaves in one of several ways.
+"""A small MPI job for tests/comm/test_faults.py: rank 1 misbehaves in one of several ways.
 
-    python -m geocomm.launch -n 2 -- python tests/fault_job.py SCENARIO [TAG]
-    mpiexec -n 3 python tests/fault_job.py SCENARIO [TAG]
+    python -m geocomm.launch -n 2 -- python tests/jobs/fault_job.py SCENARIO [TAG]
+    mpiexec -n 3 python tests/jobs/fault_job.py SCENARIO [TAG]
 
 TAG is ignored: it makes the command line unique, so a test can look for
 processes of its own job only.
