@@ -1,6 +1,10 @@
 """Codecs in three roles: the contract (``base``), frames (``frames``) and the registry
 (``registry``); the built-in formats; ``checks`` for codec authors."""
 
+from typing import Any
+
+import numpy as np
+
 from geocomm.codecs.auto import AutoCodec
 from geocomm.codecs.base import Codec, StatefulCodec, TransformingCodec
 from geocomm.codecs.feedback import ErrorFeedbackCodec
@@ -21,7 +25,7 @@ for _cls in (NoneCodec, BF16Codec, FP8Codec, NVFP4Codec, MXFP8Codec, MXFP4Codec,
     register_codec(_cls)
 
 
-def decode(buf, out=None):
+def decode(buf: Any, out: np.ndarray | None = None) -> np.ndarray:
     """Decode any geocomm frame with the codec its header names."""
     return get_codec(parse_frame(buf, frame_body_size).config).decode(buf, out=out)
 

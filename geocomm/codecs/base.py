@@ -42,7 +42,9 @@ class Codec(ABC):
         super().__init_subclass__(**kwargs)
         method = cls.__dict__.get("encode_wire")
         if method is not None and not hasattr(method, "__renamed_keywords__"):
-            cls.encode_wire = renamed_keywords(stream="rounding_stream")(method)
+            # wraps the subclass method itself (the deprecated alias), once per class
+            cls.encode_wire = renamed_keywords(  # type: ignore[method-assign]
+                stream="rounding_stream")(method)
 
     # ---- configuration ----------------------------------------------------
     @abstractmethod
@@ -199,6 +201,9 @@ class TransformingCodec(StatefulCodec):
     The codec never talks to a communicator, and its state changes only from
     summed values, so every rank stays alike; ``state_checksum`` proves it.
     """
+
+    #: the codec that quantizes the mapped values (whose bytes go on the wire)
+    quantizer: Codec
 
     @abstractmethod
     def plan(self, x: Any, shape: Sequence[int], key: Any, bounds: Sequence[int]) -> Any:

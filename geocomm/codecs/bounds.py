@@ -53,6 +53,7 @@ from __future__ import annotations
 import numpy as np
 
 from geocomm.codecs.base import Codec, TransformingCodec
+from geocomm.codecs.geo.codec import GeoCodec
 
 _E4M3 = (2.0**-4, 2.0**-10 / 448 + 2.0**-20, 2.0**-141)
 _E5M2 = (2.0**-3, 2.0**-17 / 57344 + 2.0**-20, 2.0**-134)
@@ -123,15 +124,16 @@ def allreduce_bound(inputs: list[np.ndarray], codec: Codec, amaxes: list[float] 
     (max over elements of |S| + E1, :func:`stage_two_amax`).
     """
     u, c, d = error_constants(codec)
-    amaxes = amaxes or [None] * len(inputs)
+    known: list[float | None] = list(amaxes) if amaxes else [None] * len(inputs)
     abs_sum = np.sum([np.abs(np.asarray(x, np.float64)) for x in inputs], axis=0)
-    e1 = np.sum([single_bound(x, codec, a) for x, a in zip(inputs, amaxes, strict=True)],
+    e1 = np.sum([single_bound(x, codec, a) for x, a in zip(inputs, known, strict=True)],
                 axis=0)
     s_prime = np.abs(np.sum([np.asarray(x, np.float64) for x in inputs], axis=0)) + e1
     if a_prime is None:
         a_prime = float(s_prime.max()) if s_prime.size else 0.0
     fp32 = 2 * len(inputs) * FP32_UNIT * (abs_sum + e1)
-    return e1 + u * s_prime + c * a_prime + d + fp32
+    result: np.ndarray = e1 + u * s_prime + c * a_prime + d + fp32
+    return result
 
 
 def stage_two_amax(inputs: list[np.ndarray], codec: Codec, amaxes: list[float]) -> float:
@@ -147,11 +149,12 @@ def reduce_scatter_bound(inputs: list[np.ndarray], codec: Codec,
                          amaxes: list[float] | None = None) -> np.ndarray:
     """Per-element bound for the reduce-scatter (one quantization, fp32 sum);
     ``amaxes`` as in :func:`allreduce_bound`."""
-    amaxes = amaxes or [None] * len(inputs)
+    known: list[float | None] = list(amaxes) if amaxes else [None] * len(inputs)
     abs_sum = np.sum([np.abs(np.asarray(x, np.float64)) for x in inputs], axis=0)
-    e1 = np.sum([single_bound(x, codec, a) for x, a in zip(inputs, amaxes, strict=True)],
+    e1 = np.sum([single_bound(x, codec, a) for x, a in zip(inputs, known, strict=True)],
                 axis=0)
-    return e1 + 2 * len(inputs) * FP32_UNIT * (abs_sum + e1)
+    result: np.ndarray = e1 + 2 * len(inputs) * FP32_UNIT * (abs_sum + e1)
+    return result
 
 
 def transformed_bound(inputs: list[np.ndarray], codec: Codec, gather: bool = True) -> float:
@@ -192,7 +195,8 @@ def transformed_bound(inputs: list[np.ndarray], codec: Codec, gather: bool = Tru
     e2 = (u * s_norm + (c * (sum(rhos) + e1) + d) * root) if gather else 0.0
     sums = 2 * len(inputs) * FP32_UNIT * s_norm
     n = cols
-    dims = codec.map_shape(shape) if isinstance(codec, TransformingCodec) else None
+    dims = codec.map_shape(shape) if isinstance(codec, GeoCodec) else None
     k = 0 if dims is None else (dims.k or int(np.log2(n)) + 1)
     mapped = 2 * (k + 2) * FP32_UNIT * np.sqrt(n) * sum(norms)
-    return e1 + e2 + sums + mapped
+    result: float = e1 + e2 + sums + mapped
+    return result

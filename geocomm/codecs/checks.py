@@ -37,7 +37,8 @@ from geocomm.codecs.registry import frame_body_size, get_codec
 def host_array(values: Any) -> np.ndarray:
     """A host (NumPy) view or copy of a NumPy, CuPy or DLPack array."""
     if hasattr(values, "get") and not isinstance(values, np.ndarray):
-        return values.get()
+        result: np.ndarray = values.get()
+        return result
     return values if isinstance(values, np.ndarray) else np.from_dlpack(values)
 
 

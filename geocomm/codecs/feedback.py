@@ -35,7 +35,7 @@ class ErrorFeedbackCodec(WireOf, StatefulCodec):
         if inner.lossless or isinstance(inner, ErrorFeedbackCodec):
             raise ValueError(f"error feedback needs a lossy codec, not {inner.get_config()}")
         self.inner = self.wire_codec = inner
-        self.codec_id = inner.codec_id
+        self.codec_id = inner.codec_id  # type: ignore[misc]  # per instance: the inner codec's
         self._residuals: dict[str, Any] = {}
         self._calls: dict[str, int] = {}
 

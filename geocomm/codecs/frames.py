@@ -62,7 +62,7 @@ def write_frame(config: dict[str, Any], dtype: np.dtype, shape: tuple[int, ...],
     head += struct.pack(f"<{len(shape)}Q", *shape) + text
     frame[:head_len] = np.frombuffer(head, np.uint8)
     fill_body(frame[head_len : head_len + body_len])
-    crc = zlib.crc32(frame[: head_len + body_len])
+    crc = zlib.crc32(frame[: head_len + body_len].data)
     frame[head_len + body_len :] = np.frombuffer(CRC.pack(crc), np.uint8)
     return frame
 
@@ -72,7 +72,8 @@ class FrameInfo:
 
     __slots__ = ("body", "config", "dtype", "shape")
 
-    def __init__(self, config: dict, dtype: np.dtype, shape: tuple[int, ...], body: np.ndarray):
+    def __init__(self, config: dict[str, Any], dtype: np.dtype, shape: tuple[int, ...],
+                 body: np.ndarray):
         self.config, self.dtype, self.shape, self.body = config, dtype, shape, body
 
 
@@ -88,7 +89,7 @@ def parse_frame(buf: Any, body_size: Callable[[dict[str, Any], tuple[int, ...]],
         raise ValueError(f"a frame must be a bytes-like object: {exc}") from None
     if data.size < HEAD.size + CRC.size:
         raise ValueError(f"frame of {data.size} bytes is shorter than a frame header")
-    magic, version, dtype_code, ndim, _reserved, config_len, body_len = HEAD.unpack_from(data)
+    magic, version, dtype_code, ndim, _reserved, config_len, body_len = HEAD.unpack_from(data.data)
     if magic != MAGIC:
         raise ValueError(f"not a geocomm frame (magic {magic!r})")
     if version != FRAME_VERSION:
@@ -103,10 +104,10 @@ def parse_frame(buf: Any, body_size: Callable[[dict[str, Any], tuple[int, ...]],
             f"frame length {data.size} does not match its header "
             f"({head_len} + {body_len} + {CRC.size} bytes)"
         )
-    (crc,) = CRC.unpack_from(data, data.size - CRC.size)
-    if zlib.crc32(data[: data.size - CRC.size]) != crc:
+    (crc,) = CRC.unpack_from(data.data, data.size - CRC.size)
+    if zlib.crc32(data[: data.size - CRC.size].data) != crc:
         raise ValueError("frame checksum mismatch: the frame is corrupted")
-    shape = struct.unpack_from(f"<{ndim}Q", data, HEAD.size)
+    shape = struct.unpack_from(f"<{ndim}Q", data.data, HEAD.size)
     try:
         config = json.loads(bytes(data[HEAD.size + 8 * ndim : head_len]).decode())
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:

@@ -45,7 +45,8 @@ def _mix64(z: np.ndarray) -> np.ndarray:
     """SplitMix64's finalizer on uint64 arrays (arithmetic modulo 2^64)."""
     z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
-    return z ^ (z >> _U64(31))
+    result: np.ndarray = z ^ (z >> _U64(31))
+    return result
 
 
 def sr_key(seed: int, rounding_stream: int) -> int:
@@ -61,11 +62,12 @@ def sr_bits(seed: int, rounding_stream: int, offset: int, n: int) -> np.ndarray:
     """
     index = np.arange(n, dtype=_U64) + _U64(offset)  # wraps modulo 2^64 like size_t
     state = _U64(sr_key(seed, rounding_stream)) + (index + _U64(1)) * _GAMMA
-    return (_mix64(state) >> _U64(32)).astype(np.uint32)
+    result: np.ndarray = (_mix64(state) >> _U64(32)).astype(np.uint32)
+    return result
 
 
 @functools.cache
-def _grid(dtype) -> tuple[np.ndarray, np.ndarray]:
+def _grid(dtype: type) -> tuple[np.ndarray, np.ndarray]:
     """(values, codes): the format's non-negative finite values in ascending order.
 
     bfloat16 does not saturate (nor does ml_dtypes' cast): above its largest
@@ -83,7 +85,7 @@ def _grid(dtype) -> tuple[np.ndarray, np.ndarray]:
     return values, codes
 
 
-def _round_stochastic(r: np.ndarray, dtype, rnd: np.ndarray) -> np.ndarray:
+def _round_stochastic(r: np.ndarray, dtype: type, rnd: np.ndarray) -> np.ndarray:
     """Codes of the magnitudes r (0 <= r, at most the top of the grid) rounded stochastically."""
     values, codes = _grid(dtype)
     r = np.asarray(r, np.float64)
@@ -105,7 +107,8 @@ def _blocks(x: np.ndarray, block: int) -> np.ndarray:
 
 def _amax(rows: np.ndarray) -> np.ndarray:
     """Per-row max |x| over finite values (non-finite values count as 0)."""
-    return np.where(np.isfinite(rows), np.abs(rows), F32(0)).max(axis=1)
+    result: np.ndarray = np.where(np.isfinite(rows), np.abs(rows), F32(0)).max(axis=1)
+    return result
 
 
 def _quant_factor(amax: np.ndarray, fmax: np.float32) -> tuple[np.ndarray, np.ndarray]:
@@ -118,10 +121,12 @@ def _quant_factor(amax: np.ndarray, fmax: np.float32) -> tuple[np.ndarray, np.nd
 
 def _scaled(rows: np.ndarray, pre: np.ndarray, factor: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore", over="ignore"):
-        return (rows * pre[:, None]) * factor[:, None]
+        result: np.ndarray = (rows * pre[:, None]) * factor[:, None]
+        return result
 
 
-def _cast_saturated(q: np.ndarray, sign_of: np.ndarray, fmax, dtype,
+def _cast_saturated(q: np.ndarray, sign_of: np.ndarray, fmax: np.float32,
+                    dtype: type,
                     rnd: np.ndarray | None = None) -> np.ndarray:
     """Clamp |q| to fmax (fmin: NaN q gives fmax), take the sign of sign_of, cast.
 
@@ -129,9 +134,13 @@ def _cast_saturated(q: np.ndarray, sign_of: np.ndarray, fmax, dtype,
     """
     magnitude = np.fmin(np.abs(q), fmax)
     if rnd is None:
-        return np.copysign(magnitude, sign_of).astype(F32).astype(dtype).view(np.uint8)
+        nearest = np.copysign(magnitude, sign_of).astype(F32).astype(dtype)
+        result: np.ndarray = nearest.view(np.uint8)
+        return result
     sign = np.signbit(sign_of).astype(np.uint8) << np.uint8(3 if fmax == E2M1_MAX else 7)
-    return _round_stochastic(magnitude, dtype, rnd.reshape(q.shape)).astype(np.uint8) | sign
+    codes = _round_stochastic(magnitude, dtype, rnd.reshape(q.shape)).astype(np.uint8)
+    signed: np.ndarray = codes | sign
+    return signed
 
 
 def _rows_of(rnd: np.ndarray | None, block: int) -> np.ndarray | None:
@@ -159,7 +168,8 @@ def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
     """Two 4-bit codes per byte, element 2i in the low nibble."""
     if codes.size % 2:
         codes = np.append(codes, np.uint8(0))
-    return (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8)
+    result: np.ndarray = (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8)
+    return result
 
 
 def _unpack_nibbles(packed: np.ndarray, n: int) -> np.ndarray:
@@ -197,11 +207,13 @@ def decode_fp8(wire: np.ndarray, n: int, fmt: str, block: int) -> np.ndarray:
     scales = wire[: 4 * nblocks].view("<f4").astype(F32)
     codes = wire[4 * nblocks : 4 * nblocks + n]
     values = codes.view(FP8_DTYPE[fmt]).astype(F32)
-    return values * np.repeat(scales, b)[:n]
+    result: np.ndarray = values * np.repeat(scales, b)[:n]
+    return result
 
 
 def _e4m3_values(codes: np.ndarray) -> np.ndarray:
-    return codes.view(ml_dtypes.float8_e4m3fn).astype(F32)
+    result: np.ndarray = codes.view(ml_dtypes.float8_e4m3fn).astype(F32)
+    return result
 
 
 def _e4m3_ceil(s: np.ndarray, nonzero: np.ndarray) -> np.ndarray:
@@ -261,14 +273,16 @@ def decode_nvfp4(wire: np.ndarray, n: int) -> np.ndarray:
     eff = _e4m3_values(bscales) * sscale[_superblock_of_blocks(nblocks)]
     codes = _unpack_nibbles(wire[4 * nsuper + nblocks : 4 * nsuper + nblocks + -(-n // 2)], n)
     values = codes.view(ml_dtypes.float4_e2m1fn).astype(F32)
-    return values * np.repeat(eff, NVFP4_BLOCK)[:n]
+    result: np.ndarray = values * np.repeat(eff, NVFP4_BLOCK)[:n]
+    return result
 
 
 def encode_bf16(x: np.ndarray, rnd: np.ndarray | None = None) -> np.ndarray:
     """Wire body: one little-endian bfloat16 (round-to-nearest-even) per value."""
     flat = np.ascontiguousarray(x, F32).ravel()
     if rnd is None:
-        return flat.astype(ml_dtypes.bfloat16).view("<u2").view(np.uint8).copy()
+        result: np.ndarray = flat.astype(ml_dtypes.bfloat16).view("<u2").view(np.uint8).copy()
+        return result
     codes = _round_stochastic(np.abs(flat), ml_dtypes.bfloat16, rnd).astype("<u2")
     codes |= np.signbit(flat).astype("<u2") << np.uint16(15)
     nan = np.isnan(flat)
@@ -277,7 +291,8 @@ def encode_bf16(x: np.ndarray, rnd: np.ndarray | None = None) -> np.ndarray:
 
 
 def decode_bf16(wire: np.ndarray, n: int) -> np.ndarray:
-    return wire[: 2 * n].view("<u2").view(ml_dtypes.bfloat16).astype(F32)
+    result: np.ndarray = wire[: 2 * n].view("<u2").view(ml_dtypes.bfloat16).astype(F32)
+    return result
 
 
 # ---- MX (OCP Microscaling v1.0) ------------------------------------------------
@@ -347,7 +362,8 @@ def decode_mx(wire: np.ndarray, n: int, fmt: str) -> np.ndarray:
     else:
         codes = wire[nblocks : nblocks + n]
     with np.errstate(over="ignore", invalid="ignore"):
-        return codes.view(dtype).astype(F32) * np.repeat(scales, MX_BLOCK)[:n]
+        result: np.ndarray = codes.view(dtype).astype(F32) * np.repeat(scales, MX_BLOCK)[:n]
+        return result
 
 
 # ---- dispatch --------------------------------------------------------------------

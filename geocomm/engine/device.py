@@ -106,7 +106,7 @@ class Incoming(NamedTuple):
     (in order) to its piece's values: what the all-to-all brought to the owner."""
 
     wire: Any
-    count: int
+    count: int  # type: ignore[assignment]  # a field, shadowing tuple.count on purpose
     stride: int
 
 
@@ -120,7 +120,8 @@ def kernel_source() -> str:
 
 
 def _u64(v: int) -> np.uint64:
-    return np.uint64(v)
+    result: np.uint64 = np.uint64(v)
+    return result
 
 
 class CudaKernels:
@@ -223,7 +224,7 @@ class HostKernels:
             values = body[: 4 * out.size].view("<f4")
             out[...] = out + values if accumulate else values
         else:
-            native.decode(fmt.fmt, body, fmt.block, out, accumulate)
+            native.decode(fmt.native_id, body, fmt.block, out, accumulate)
 
     def encode(self, fmt: WireFormat, x: np.ndarray, seg: Segments, wire: np.ndarray,
                amax: Any, incoming: Incoming | None = None, rounding_stream: int = 0) -> None:
@@ -233,7 +234,7 @@ class HostKernels:
             if fmt.family == RAW:
                 body[...] = total.view(np.uint8)
             else:
-                native.encode(fmt.fmt, total, fmt.block, body, flags=fmt.flags, seed=fmt.seed,
+                native.encode(fmt.native_id, total, fmt.block, body, flags=fmt.flags, seed=fmt.seed,
                               rounding_stream=rounding_stream, offset=index)
 
     def reduce(self, fmt: WireFormat, x: np.ndarray, seg: Segments, incoming: Incoming,
@@ -278,7 +279,8 @@ class BatchedPipeline(PieceAccess):
         self.a2a_send = [xp.empty(tables.send_bytes, np.uint8) for _ in range(2)]
         self.a2a_recv = [xp.empty(tables.recv_bytes, np.uint8) for _ in range(2)]
         self.ag_buf = [xp.empty(tables.gather_bytes, np.uint8) for _ in range(2)]
-        self.staging = xp.empty(tables.staged, np.float32) if tables.staged else None
+        # staged mapped values (None when no piece is staged: then encode reads none)
+        self.staging: Any = xp.empty(tables.staged, np.float32) if tables.staged else None
         self.amax = xp.zeros(max(tables.amax, 1), np.uint32)
         self.a2a_req: dict[int, Any] = {}
         self.ag_req: dict[int, Any] = {}

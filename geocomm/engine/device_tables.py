@@ -15,9 +15,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from geocomm import cuda, native
-from geocomm.codecs.base import Codec, WireOf
+from geocomm.codecs.base import WireOf
 from geocomm.codecs.formats import NativeFormat, NoneCodec
 from geocomm.engine.layout import Pieces, segments
+from geocomm.engine.protocols import WireCodec
 
 #: The columns of a segment table (native/gc_pipeline.cu: GC_SEG_<NAME>).
 FIELDS = ("values", "count", "wire", "index", "amax", "scales", "block", "tiles")
@@ -52,8 +53,15 @@ class WireFormat:
     stochastic: bool = False
     seed: int = 0
 
+    @property
+    def native_id(self) -> int:
+        """The native format id (``fmt``; the raw fp32 family has none)."""
+        if self.fmt is None:
+            raise ValueError("the raw fp32 wire has no native format id")
+        return self.fmt
+
     def wire_size(self, n: int) -> int:
-        return 4 * n if self.family == RAW else cuda.wire_size(self.fmt, n, self.block)
+        return 4 * n if self.family == RAW else cuda.wire_size(self.native_id, n, self.block)
 
     @property
     def flags(self) -> int:
@@ -70,7 +78,7 @@ class WireFormat:
         return sr_key(self.seed, rounding_stream)
 
 
-def wire_format(codec: Codec) -> WireFormat | None:
+def wire_format(codec: WireCodec) -> WireFormat | None:
     """The native format ``codec`` sends (wrappers send their wire codec's bytes), or
     None when its bytes are its own (then the host-driven pipeline runs it)."""
     while isinstance(codec, WireOf) and _inherits(codec, WireOf, "encode_wire", "decode_wire"):
@@ -126,9 +134,9 @@ class Piece(NamedTuple):
     first wire byte (in its wire buffer), global index of its first value."""
 
     values: int
-    count: int
+    count: int  # type: ignore[assignment]  # a field, shadowing tuple.count on purpose
     wire: int
-    index: int
+    index: int  # type: ignore[assignment]  # a field, shadowing tuple.index on purpose
 
 
 def segment_rows(fmt: WireFormat, pieces: list[Piece], amax: int = 0) -> tuple[np.ndarray, int]:
@@ -263,8 +271,9 @@ def call_tables(fmt: WireFormat, pieces: Pieces, rank: int, result_offset: int =
             at += table.shape[0]
         others = gather_counts.copy()
         others[rank] = 0
+        send_span, own_span, gather_span = spans
         stages.append(StageTables(
-            *spans,
+            send_span, own_span, gather_span,
             alltoall=Exchange(send_counts, send_displs, recv_counts, recv_displs),
             allgather=Exchange(np.where(np.arange(size) == rank, 0, mine),
                                np.full(size, gather_displs[rank]), others, gather_displs),

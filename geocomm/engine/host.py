@@ -61,7 +61,8 @@ class _ScratchPool:
     def _free(self) -> list[np.ndarray]:
         if not hasattr(self.local, "free"):
             self.local.free = []
-        return self.local.free
+        result: list[np.ndarray] = self.local.free
+        return result
 
     def take(self, xp: Any, nbytes: int) -> Any:
         """An uninitialized uint8 buffer of ``nbytes`` (a pooled one when it fits)."""

@@ -30,7 +30,7 @@ def plan_parts(codec: Any, values: Any, parts: list[Any],
     the side channel) now and map piece by piece later (:class:`PartsMap`);
     the others map their whole tensor when the map is built.
     """
-    planned = []
+    planned: list[tuple[Any, Any]] = []
     if codec is None:
         return planned
     for part in parts:
@@ -68,7 +68,7 @@ class PartsMap:
                  zip(planned, side_sums, strict=True)}
         self.parts = [(p, *plans.get(id(p), (None, None))) for p in parts]
         self.starts = [p.offset for p in parts]
-        self.scratch = None
+        self.scratch: Any = None  # an array of the values' module once read needs one
         whole = [(part, plan) for part, plan in planned if not plan.ranged]
         if whole and self.mapped is None:
             self.mapped = array_module(values).empty_like(values)
@@ -107,6 +107,7 @@ class PartsMap:
 
     def encoded(self, lo: int, hi: int, values: Any, wire: Any) -> None:
         if self.residual is not None:
+            assert self.codec is not None, "a residual comes with the codec of its wire"
             sent = self.residual[lo:hi]
             self.codec.decode_wire(wire, sent)
             subtract_from(values, sent)  # residual = values - decode(wire)
@@ -133,7 +134,8 @@ def side_sums(comm: Communicator, planned: list[tuple[Any, Any]]) -> list[Any]:
         return [None] * len(sides)
     xp = array_module(present[0])
     total = exact_sum(comm, xp.concatenate([s.reshape(-1) for s in present]))
-    sums, at = [], 0
+    sums: list[Any] = []
+    at = 0
     for s in sides:
         if s is None:
             sums.append(None)

@@ -278,7 +278,8 @@ def _check_float(name: str, value: Any, low: float, high: float) -> float:
     value = float(value)
     if not low <= value <= high:
         raise ValueError(f"{name} must lie in [{low}, {high}], got {value!r}")
-    return value
+    result: float = value
+    return result
 
 
 class GeoFP8Codec(GeoCodec):

@@ -46,7 +46,8 @@ def _side_bytes(codec: Any, shape: tuple[int, ...]) -> tuple[Any, int]:
 
 def body_size(codec: Any, shape: tuple[int, ...]) -> int:
     """Bytes of the frame body of a tensor of ``shape``."""
-    return _side_bytes(codec, shape)[1] + codec.quantizer.wire_size(math.prod(shape))
+    result: int = _side_bytes(codec, shape)[1] + codec.quantizer.wire_size(math.prod(shape))
+    return result
 
 
 def encode_body(codec: Any, x: np.ndarray, body: np.ndarray) -> None:
