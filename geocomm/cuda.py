@@ -353,7 +353,7 @@ def divide(values: Any, size: int, stream: Any = None) -> None:
         return
     with _launch_context(values.device, stream):
         kernel(cupy, _DIVIDE_KERNELS[dtype])(
-            divide_grid(n), (THREADS,), (values, _u64(n), dtype.type(size)))
+            divide_grid(n), (THREADS,), (values, _u64(n), values.dtype.type(size)))
 
 
 # ---------------------------------------------------------------------------

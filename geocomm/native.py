@@ -80,6 +80,7 @@ def format_id(fmt: int | str) -> int:
     code = FORMATS.get(fmt) if isinstance(fmt, str) else fmt
     if isinstance(code, bool) or code not in FORMATS.values():
         raise ValueError(f"unknown format {fmt!r}")
+    assert code is not None  # checked just above: a known format id
     return int(code)
 
 

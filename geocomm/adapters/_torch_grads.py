@@ -71,7 +71,8 @@ class Selection:
     @classmethod
     def of(cls, exclude: Any, min_numel: int) -> Selection:
         """From user arguments: a lone string is refused, not split into characters."""
-        return cls(exclude if isinstance(exclude, str) else tuple(exclude), min_numel)
+        # a lone string reaches __post_init__, which refuses it
+        return cls(exclude if isinstance(exclude, str) else tuple(exclude), min_numel)  # type: ignore[arg-type]
 
     def compressed(self, name: str, numel: int) -> bool:
         return numel >= self.min_numel and not any(

@@ -233,8 +233,10 @@ class GeocommHookState:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         stack.enter_context(torch.cuda.device(self.device))
-        stack.enter_context(torch.cuda.stream(self._stream))
-        self._stream.wait_event(ready)
+        stream = self._stream
+        assert stream is not None  # made with the state whenever the module is on CUDA
+        stack.enter_context(torch.cuda.stream(stream))
+        stream.wait_event(ready)
         return stack
 
     def submit(self, buffer: torch.Tensor, params: Sequence[torch.Tensor], index: int,

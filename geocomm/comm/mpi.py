@@ -17,7 +17,7 @@ from geocomm.comm.base import wait
 try:
     from mpi4py import MPI
 except ImportError as exc:  # mpi4py or its MPI library is missing
-    MPI = None
+    MPI = None  # type: ignore[assignment]  # absent: require_mpi() says what to install
     _import_error: ImportError | None = exc
 else:
     _import_error = None

@@ -62,7 +62,7 @@ def _ordered_sum(values: Sequence[Any]) -> Any:
 
 
 def _plans(codecs: Sequence[Codec], xs: Sequence[Any], shape: tuple[int, ...], key: Any,
-           bounds: Sequence[int]) -> tuple[list[Any], list[Any]]:
+           bounds: Any) -> tuple[list[Any], list[Any]]:
     """Every rank's plan and mapped flat values (its input when there is no plan)."""
     plans, mapped = [], []
     for codec, x in zip(codecs, xs, strict=True):
@@ -87,7 +87,7 @@ def _side_sum(plans: Sequence[Any]) -> Any:
     return xp.reshape(_ordered_sum([xp.reshape(p.side, (-1,)) for p in plans]), shape)
 
 
-def _refresh(codecs: Sequence[Codec], plans: Sequence[Any], shards: Sequence[Any],
+def _refresh(codecs: Sequence[Any], plans: Sequence[Any], shards: Sequence[Any],
              los: Sequence[int], side_sum: Any) -> None:
     """Drive every rank's refresh rounds in lockstep, summing their yields in order."""
     if plans[0] is None or not plans[0].refreshes:
