@@ -97,15 +97,10 @@ class CollectiveMismatchError(ValueError):
 
 
 _default_comm: Communicator | None = None
-
-
 def __getattr__(name: str) -> Any:
     if name == "DEFAULT_CHUNK_ELEMS":  # its old name (CONTRIBUTING.md, "Names")
-        warnings.warn(
-            "geocomm.collectives.DEFAULT_CHUNK_ELEMS is deprecated, use DEFAULT_STAGE_SIZE",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        warnings.warn("geocomm.collectives.DEFAULT_CHUNK_ELEMS is deprecated, use "
+                      "DEFAULT_STAGE_SIZE", DeprecationWarning, stacklevel=2)
         return DEFAULT_STAGE_SIZE
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -173,7 +168,8 @@ class Part:
         return math.prod(self.shape)
 
 
-def _parts(shape: tuple[int, ...], count: int, key: Any, parts: Sequence[Any] | None) -> list[Part]:
+def _parts(shape: tuple[int, ...], count: int, key: Any, parts: Sequence[Any] | None
+           ) -> list[Part]:
     """The tensors of the buffer: ``parts`` is a sequence of (key, shape) that tiles
     the flat buffer in order; without it the buffer is one tensor of ``shape``.
     A key of None stands for the tensor's shape."""
@@ -190,7 +186,8 @@ def _parts(shape: tuple[int, ...], count: int, key: Any, parts: Sequence[Any] | 
             raise TypeError(f"parts entries must be (key, shape) pairs, got {entry!r}") from None
         if any(d < 0 for d in part_shape):
             raise ValueError(f"part {name!r} has a negative dimension: {part_shape}")
-        result.append(Part(offset, part_shape, ("shape", part_shape) if name is None else name))
+        result.append(Part(offset, part_shape,
+                           ("shape", part_shape) if name is None else name))
         offset += math.prod(part_shape)
     if offset != count:
         raise ValueError(f"parts hold {offset} values, the buffer {count}")
@@ -206,10 +203,8 @@ def _check_array(x: Any, name: str = "x") -> Any:
     if not isinstance(x, np.ndarray) and array_module(x) is np:
         raise TypeError(f"{name} must be a numpy or cupy array, got {type(x).__name__}")
     if x.dtype not in DTYPE_CODES:
-        raise TypeError(
-            f"{name} has dtype {x.dtype}; geocomm collectives take float32, "
-            "float16, bfloat16 or (codec 'none') float64"
-        )
+        raise TypeError(f"{name} has dtype {x.dtype}; geocomm collectives take float32, "
+                        "float16, bfloat16 or (codec 'none') float64")
     return x
 
 
@@ -223,50 +218,31 @@ def _check_out(out: Any, x: Any) -> None:
         return
     shape, dtype = x.shape, x.dtype
     if type(out) is not type(x):
-        raise TypeError(
-            f"out must be an array like x ({type(x).__name__}), got {type(out).__name__}"
-        )
+        raise TypeError(f"out must be an array like x ({type(x).__name__}), "
+                        f"got {type(out).__name__}")
     if out.shape != shape or out.dtype != dtype:
         raise ValueError(f"out is {out.dtype}{list(out.shape)}, expected {dtype}{list(shape)}")
     if not getattr(out.flags, "writeable", True):
         raise ValueError("out is read-only")
 
 
-def _fingerprint(
-    kind: str, count: int, dtype: np.dtype, op: str, codec: Codec, parts: list[Part]
-) -> np.ndarray:
+def _fingerprint(kind: str, count: int, dtype: np.dtype, op: str, codec: Codec,
+                 parts: list[Part]) -> np.ndarray:
     config = json.dumps(codec.get_config(), sort_keys=True).encode()
     signature = json.dumps([(repr(p.key), p.shape) for p in parts]).encode()
     state = 0
     if isinstance(codec, StatefulCodec):
         for p in parts:
             state = zlib.crc32(codec.state_checksum(p.key).to_bytes(4, "little"), state)
-    return np.array(
-        [
-            zlib.crc32(kind.encode()),
-            count,
-            DTYPE_CODES[dtype],
-            OPS.index(op),
-            zlib.crc32(config),
-            zlib.crc32(signature),
-            state,
-        ],
-        dtype=np.int64,
-    )
+    return np.array([zlib.crc32(kind.encode()), count, DTYPE_CODES[dtype], OPS.index(op),
+                     zlib.crc32(config), zlib.crc32(signature), state], dtype=np.int64)
 
 
 _FIELDS = ("collective", "count", "dtype", "op", "codec config", "parts or key", "codec state")
 
 
-def check_consistent(
-    comm: Communicator,
-    kind: str,
-    count: int,
-    dtype: np.dtype,
-    op: str,
-    codec: Codec,
-    parts: list[Part],
-) -> None:
+def check_consistent(comm: Communicator, kind: str, count: int, dtype: np.dtype, op: str,
+                     codec: Codec, parts: list[Part]) -> None:
     """Raise CollectiveMismatchError on every rank if the ranks' calls differ."""
     rows = comm.allgather_int64(_fingerprint(kind, count, dtype, op, codec, parts))
     bad = np.nonzero((rows != rows[0]).any(axis=1))[0]
@@ -301,9 +277,8 @@ def saved_call_counts() -> Iterator[None]:
         _calls.update(saved)
 
 
-def _stateful_parts(
-    codec: Codec, kind: str, parts: list[Part], count: int, xp: Any
-) -> tuple[TransformingCodec | None, Any]:
+def _stateful_parts(codec: Codec, kind: str, parts: list[Part], count: int, xp: Any
+                    ) -> tuple[TransformingCodec | None, Any]:
     """(the codec that maps the tensors or None, the error-feedback residual of this
     call's signature or None)."""
     if isinstance(codec, ErrorFeedbackCodec):
@@ -331,9 +306,8 @@ def _check_enabled(check: bool | None) -> bool:
     return os.environ.get("GEOCOMM_CHECK", "1") not in ("0", "false", "no")
 
 
-def _prepare(
-    x: Any, op: str, codec: Any, comm: Communicator | None
-) -> tuple[Any, Codec, Communicator]:
+def _prepare(x: Any, op: str, codec: Any, comm: Communicator | None) -> tuple[
+        Any, Codec, Communicator]:
     x = _check_array(x)
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
@@ -352,18 +326,10 @@ def _prepare(
 
 
 @renamed_keywords(chunk_elems="stage_size")
-def allreduce(
-    x: Any,
-    codec: Any = None,
-    op: str = "sum",
-    out: Any = None,
-    *,
-    key: Any = None,
-    parts: Sequence[Any] | None = None,
-    comm: Communicator | None = None,
-    stage_size: int | None = None,
-    check: bool | None = None,
-) -> Any:
+def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
+              key: Any = None, parts: Sequence[Any] | None = None,
+              comm: Communicator | None = None, stage_size: int | None = None,
+              check: bool | None = None) -> Any:
     """All-reduce ``x`` over the ranks of ``comm`` through ``codec``.
 
     x: float32, float16, bfloat16 (ml_dtypes) or, with ``codec="none"``,
@@ -396,7 +362,8 @@ def allreduce(
         if total is None:
             total = xp.empty(x.size, np.float32)
         # maps piece by piece into the result and reduces there in place
-        _compressed(comm, codec, "allreduce", values, tensors, total, 0, stage_size, mapped=total)
+        _compressed(comm, codec, "allreduce", values, tensors, total, 0, stage_size,
+                    mapped=total)
     if op == "avg":
         divide(total, comm.size)
     result = total.reshape(x.shape)
@@ -407,43 +374,25 @@ def allreduce(
     return out
 
 
-def run_pipeline(
-    comm: Communicator,
-    codec: Codec,
-    pieces: Pieces,
-    source: Any,
-    result: Any,
-    result_offset: int,
-    gather: bool,
-    mapper: RangeMap | None = None,
-    rounding_stream: int = 0,
-) -> None:
+def run_pipeline(comm: Communicator, codec: Codec, pieces: Pieces, source: Any, result: Any,
+                 result_offset: int, gather: bool, mapper: RangeMap | None = None,
+                 rounding_stream: int = 0) -> None:
     """Run one call's pipeline (arguments as :class:`~geocomm.engine.host.Pipeline`'s): the
     batched :class:`~geocomm.engine.device.BatchedPipeline` where
     :func:`~geocomm.engine.device.batched_format` allows (work left queued on the current
     stream), else the host-driven one. Both give the same bits."""
     fmt = device.batched_format(comm, codec, source)
     if fmt is not None:
-        device.BatchedPipeline(
-            comm, fmt, pieces, source, result, result_offset, gather, mapper, rounding_stream
-        ).run()
+        device.BatchedPipeline(comm, fmt, pieces, source, result, result_offset, gather,
+                               mapper, rounding_stream).run()
     else:
-        Pipeline(
-            comm, codec, pieces, source, result, result_offset, gather, mapper, rounding_stream
-        ).run()
+        Pipeline(comm, codec, pieces, source, result, result_offset, gather, mapper,
+                 rounding_stream).run()
 
 
-def _compressed(
-    comm: Communicator,
-    codec: Codec,
-    kind: str,
-    values: Any,
-    tensors: list[Part],
-    result: Any,
-    offset: int,
-    stage_size: int | None,
-    mapped: Any,
-) -> None:
+def _compressed(comm: Communicator, codec: Codec, kind: str, values: Any,
+                tensors: list[Part], result: Any, offset: int, stage_size: int | None,
+                mapped: Any) -> None:
     """Reduce flat float32 ``values`` through a lossy ``codec`` into ``result`` (index
     ``offset`` on: the buffer, or this rank's shard for a reduce-scatter), with the
     transforming and error-feedback protocols; ``mapped``: where the map writes what it
@@ -456,34 +405,24 @@ def _compressed(
     rounding_stream = _rounding_stream(codec, tensors)
     gather = kind == "allreduce"
     if not planned and residual is None:
-        run_pipeline(
-            comm, codec, pieces, values, result, offset, gather, rounding_stream=rounding_stream
-        )
+        run_pipeline(comm, codec, pieces, values, result, offset, gather,
+                     rounding_stream=rounding_stream)
         return
     sums = side_sums(comm, planned)
-    parts_map = PartsMap(values, mapped, result, offset, tensors, planned, sums, residual, codec)
+    parts_map = PartsMap(values, mapped, result, offset, tensors, planned, sums, residual,
+                         codec)
     source = values if mapped is None else mapped
-    run_pipeline(
-        comm,
-        codec,
-        pieces,
-        source,
-        result,
-        offset,
-        gather,
-        mapper=parts_map,
-        rounding_stream=rounding_stream,
-    )
+    run_pipeline(comm, codec, pieces, source, result, offset, gather, mapper=parts_map,
+                 rounding_stream=rounding_stream)
     parts_map.finish(offset, offset + result.size)
     lo, hi = int(bounds[comm.rank]), int(bounds[comm.rank + 1])
-    refresh(comm, mapping_codec, planned, sums, result[lo - offset : hi - offset], lo, hi)
+    refresh(comm, mapping_codec, planned, sums, result[lo - offset: hi - offset], lo, hi)
 
 
 def _default_stage_size(comm: Communicator, codec: Codec, count: int) -> int:
     """The backend's stage size for ``count`` values (docs/design.md, "The collective")."""
-    return stage_size(
-        comm.backend, count, comm.size, codec.wire_size(PIECE_ALIGN) / (4 * PIECE_ALIGN)
-    )
+    return stage_size(comm.backend, count, comm.size, codec.wire_size(PIECE_ALIGN) /
+                        (4 * PIECE_ALIGN))
 
 
 def _direct_result(out: Any, dtype: Any, source: Any, same_ok: bool) -> Any:
@@ -493,8 +432,7 @@ def _direct_result(out: Any, dtype: Any, source: Any, same_ok: bool) -> Any:
     if out is None or out.dtype != dtype or not out.flags.c_contiguous or out.size == 0:
         return None
     if array_module(out).may_share_memory(out, source) and not (
-        same_ok and _same_memory(out, source)
-    ):
+            same_ok and _same_memory(out, source)):
         return None
     return out.reshape(-1)
 
@@ -503,28 +441,16 @@ def _same_memory(a: Any, b: Any) -> bool:
     """Whether a and b view the same contiguous memory (nothing to copy)."""
     if a.size == 0:
         return True
-    ptr = (
-        (lambda v: v.data.ptr)
-        if type(a).__module__.startswith("cupy")
-        else (lambda v: v.__array_interface__["data"][0])
-    )
-    return (
-        ptr(a) == ptr(b) and a.nbytes == b.nbytes and b.flags.c_contiguous and a.flags.c_contiguous
-    )
+    ptr = (lambda v: v.data.ptr) if type(a).__module__.startswith("cupy") else \
+        (lambda v: v.__array_interface__["data"][0])
+    return ptr(a) == ptr(b) and a.nbytes == b.nbytes and b.flags.c_contiguous \
+        and a.flags.c_contiguous
 
 
 @renamed_keywords(chunk_elems="stage_size")
-def reduce_scatter(
-    x: Any,
-    codec: Any = None,
-    op: str = "sum",
-    *,
-    key: Any = None,
-    parts: Sequence[Any] | None = None,
-    comm: Communicator | None = None,
-    stage_size: int | None = None,
-    check: bool | None = None,
-) -> Any:
+def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", *, key: Any = None,
+                   parts: Sequence[Any] | None = None, comm: Communicator | None = None,
+                   stage_size: int | None = None, check: bool | None = None) -> Any:
     """This rank's shard of the reduced flat ``x`` (``np.array_split`` convention).
 
     Each rank's pieces are quantized once on the way to the owner, who sums
@@ -548,25 +474,15 @@ def reduce_scatter(
     else:
         shard = xp.empty(hi - lo, np.float32)
         # pieces are mapped into a scratch as they go: no full-size buffer
-        _compressed(
-            comm,
-            codec,
-            "reduce_scatter",
-            _as_float32(x),
-            tensors,
-            shard,
-            lo,
-            stage_size,
-            mapped=None,
-        )
+        _compressed(comm, codec, "reduce_scatter", _as_float32(x), tensors, shard, lo,
+                    stage_size, mapped=None)
     if op == "avg":
         divide(shard, comm.size)
     return shard.astype(x.dtype, copy=False)
 
 
-def allgather(
-    x: Any, codec: Any = None, *, comm: Communicator | None = None, check: bool | None = None
-) -> Any:
+def allgather(x: Any, codec: Any = None, *, comm: Communicator | None = None,
+              check: bool | None = None) -> Any:
     """Stack every rank's ``x`` (same shape on all ranks): shape ``(size, *x.shape)``.
 
     Each rank encodes its own array once; every rank decodes all of them from
@@ -575,9 +491,8 @@ def allgather(
     """
     x, codec, comm = _prepare(x, "sum", codec, comm)
     if _check_enabled(check):
-        check_consistent(
-            comm, "allgather", x.size, x.dtype, "sum", codec, _parts(x.shape, x.size, None, None)
-        )
+        check_consistent(comm, "allgather", x.size, x.dtype, "sum", codec,
+                         _parts(x.shape, x.size, None, None))
     xp = array_module(x)
     if x.dtype == np.float64:  # lossless codec only (checked in _prepare)
         send = xp.ascontiguousarray(x, np.float64).reshape(-1).view(np.uint8)
@@ -593,5 +508,5 @@ def allgather(
     wait_ordered(comm.allgatherv(send, recv, counts, displs), "an all-gather", comm.rank)
     values = xp.empty((comm.size, x.size), np.float32)
     for j in range(comm.size):
-        codec.decode_wire(recv[j * seg : (j + 1) * seg], values[j])
+        codec.decode_wire(recv[j * seg: (j + 1) * seg], values[j])
     return values.reshape((comm.size, *x.shape)).astype(x.dtype, copy=False)

@@ -45,7 +45,8 @@ from geocomm import native
 from geocomm.codecs import reference as ref
 
 SEED = 20261129
-FORMATS = [("e4m3", 128), ("e5m2", 128), ("nvfp4", 0), ("bf16", 0), ("mxfp8_e4m3", 0), ("mxfp4", 0)]
+FORMATS = [("e4m3", 128), ("e5m2", 128), ("nvfp4", 0), ("bf16", 0), ("mxfp8_e4m3", 0),
+           ("mxfp4", 0)]
 
 
 @dataclass
@@ -77,10 +78,8 @@ def median(values: list[float]) -> float:
 def same_values(a: np.ndarray, b: np.ndarray) -> bool:
     """Equal bit patterns, NaN matching NaN."""
     nan = np.isnan(b)
-    return bool(
-        np.array_equal(np.isnan(a), nan)
-        and np.array_equal(a.view(np.uint32)[~nan], b.view(np.uint32)[~nan])
-    )
+    return bool(np.array_equal(np.isnan(a), nan)
+                and np.array_equal(a.view(np.uint32)[~nan], b.view(np.uint32)[~nan]))
 
 
 def native_cases(x: np.ndarray, fmt: str, block: int) -> list[Case]:
@@ -107,12 +106,10 @@ def native_cases(x: np.ndarray, fmt: str, block: int) -> list[Case]:
 
     return [
         Case(f"native encode {label}", lambda: native.encode(code, x, block, wire), check_encode),
-        Case(f"native decode {label}", lambda: native.decode(code, wire, block, out), check_decode),
-        Case(
-            f"native decode+acc {label}",
-            lambda: native.decode(code, wire, block, acc, accumulate=True),
-            check_accumulate,
-        ),
+        Case(f"native decode {label}", lambda: native.decode(code, wire, block, out),
+             check_decode),
+        Case(f"native decode+acc {label}",
+             lambda: native.decode(code, wire, block, acc, accumulate=True), check_accumulate),
     ]
 
 
@@ -122,23 +119,16 @@ def stochastic_case(x: np.ndarray, fmt: str, block: int) -> Case:
     wire = np.empty(native.wire_size(code, x.size, block), np.uint8)
     mx = fmt.startswith("mx")
     flags = native.STOCHASTIC | (native.RCEIL if mx else 0)
-    options = {
-        "rounding": "stochastic",
-        "seed": 1,
-        "stream": 2,
-        **({"scale_rule": "rceil"} if mx else {}),
-    }
+    options = {"rounding": "stochastic", "seed": 1, "stream": 2,
+               **({"scale_rule": "rceil"} if mx else {})}
 
     def run() -> None:
         native.encode(code, x, block, wire, flags=flags, seed=1, rounding_stream=2)
 
     def check() -> str:
         run()
-        return (
-            "ok"
-            if np.array_equal(wire, ref.encode(fmt, x, block, **options))
-            else ("WIRE MISMATCH")
-        )
+        return "ok" if np.array_equal(wire, ref.encode(fmt, x, block, **options)) else (
+            "WIRE MISMATCH")
 
     label = f"{fmt}" + (f" block {block}" if block else "")
     return Case(f"native encode {label} stochastic", run, check)
@@ -149,11 +139,8 @@ def baseline_cases(x: np.ndarray) -> list[Case]:
     dst = np.empty_like(x)
     cases = [
         Case("ml_dtypes astype e4m3fn", lambda: x.astype(ml_dtypes.float8_e4m3fn)),
-        Case(
-            "numpy copyto",
-            lambda: np.copyto(dst, x),
-            lambda: "ok" if np.array_equal(dst, x) else "MISMATCH",
-        ),
+        Case("numpy copyto", lambda: np.copyto(dst, x),
+             lambda: "ok" if np.array_equal(dst, x) else "MISMATCH"),
     ]
     try:
         import torch
@@ -167,21 +154,14 @@ def baseline_cases(x: np.ndarray) -> list[Case]:
         theirs = x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
         return "ok (== ml_dtypes)" if np.array_equal(mine, theirs) else "differs from ml_dtypes"
 
-    cases.insert(
-        1, Case("torch .to(float8_e4m3fn) 1 thread", lambda: t.to(torch.float8_e4m3fn), check_torch)
-    )
+    cases.insert(1, Case("torch .to(float8_e4m3fn) 1 thread",
+                         lambda: t.to(torch.float8_e4m3fn), check_torch))
     return cases
 
 
 #: wire bytes per value of each benchmarked format (scales included)
-WIRE_BYTES = {
-    "e4m3": 1 + 4 / 128,
-    "e5m2": 1 + 4 / 128,
-    "nvfp4": 0.5 + 1 / 16 + 4 / 4096,
-    "bf16": 2.0,
-    "mxfp8_e4m3": 1 + 1 / 32,
-    "mxfp4": 0.5 + 1 / 32,
-}
+WIRE_BYTES = {"e4m3": 1 + 4 / 128, "e5m2": 1 + 4 / 128, "nvfp4": 0.5 + 1 / 16 + 4 / 4096,
+              "bf16": 2.0, "mxfp8_e4m3": 1 + 1 / 32, "mxfp4": 0.5 + 1 / 32}
 
 
 def traffic_bytes(name: str) -> float | None:
@@ -215,9 +195,8 @@ def cpu_model() -> str:
 
 def git(*args: str) -> str:
     try:
-        return subprocess.run(
-            ["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent, check=True
-        ).stdout.strip()
+        return subprocess.run(["git", *args], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -255,9 +234,8 @@ def ratio(value: float, base: float | None) -> str:
     return f"{value / base:.2f}" if base else "-"
 
 
-def report(
-    cases: list[Case], nbytes: int, info: dict, args: argparse.Namespace
-) -> tuple[dict, str]:
+def report(cases: list[Case], nbytes: int, info: dict,
+           args: argparse.Namespace) -> tuple[dict, str]:
     """The JSON document and the markdown table; runs each case's check."""
     by_name = {c.name: gbps(c, nbytes) for c in cases}
     base_ml = by_name.get("ml_dtypes astype e4m3fn")
@@ -271,12 +249,10 @@ def report(
         f"torch {info['torch']}; commit {info['git_commit']}; one thread.",
         "GB/s counts fp32 bytes (4 per element) whichever way a case converts.",
         f"Yardstick: numpy copyto at {base_copy:.2f} GB/s in this run (8 bytes of traffic per "
-        "value: 4 read, 4 written)."
-        if base_copy
-        else "Yardstick: no copy measured.",
+        "value: 4 read, 4 written)." if base_copy else "Yardstick: no copy measured.",
         "Limit: the memory-traffic bound relative to copy, 8 / (bytes read + written per "
         "value): encode reads 4 and writes the wire, decode reads the wire and writes 4, "
-        'decode+acc also reads the 4 it adds to. "vs limit" is vs copy / limit.',
+        "decode+acc also reads the 4 it adds to. \"vs limit\" is vs copy / limit.",
         "",
         f"Command: `{info['command']}`",
         "",
@@ -290,36 +266,19 @@ def report(
         limit = 8.0 / traffic if traffic else None
         vs_copy = rate / base_copy if base_copy else None
         vs_limit = vs_copy / limit if vs_copy and limit else None
-        rows.append(
-            {
-                "case": case.name,
-                "gbps": rate,
-                "median_s": median(case.times),
-                "times_s": case.times,
-                "check": check,
-                "vs_ml_dtypes": rate / base_ml if base_ml else None,
-                "vs_torch": rate / base_torch if base_torch else None,
-                "vs_copy": vs_copy,
-                "traffic_bytes_per_value": traffic,
-                "limit_vs_copy": limit,
-                "vs_limit": vs_limit,
-            }
-        )
-        lines.append(
-            f"| {case.name} | {rate:.2f} | {1e3 * median(case.times):.1f} | "
-            f"{ratio(rate, base_ml)} | {ratio(rate, base_torch)} | "
-            f"{ratio(rate, base_copy)} | {f'{limit:.2f}' if limit else '-'} | "
-            f"{f'{vs_limit:.2f}' if vs_limit else '-'} | {check} |"
-        )
-    result = {
-        "machine": info,
-        "size_mib": args.size_mib,
-        "repeats": args.repeats,
-        "seed": SEED,
-        "unit": "GB/s of fp32 data (1e9 bytes/s)",
-        "copy_gbps": base_copy,
-        "results": rows,
-    }
+        rows.append({"case": case.name, "gbps": rate, "median_s": median(case.times),
+                     "times_s": case.times, "check": check,
+                     "vs_ml_dtypes": rate / base_ml if base_ml else None,
+                     "vs_torch": rate / base_torch if base_torch else None,
+                     "vs_copy": vs_copy, "traffic_bytes_per_value": traffic,
+                     "limit_vs_copy": limit, "vs_limit": vs_limit})
+        lines.append(f"| {case.name} | {rate:.2f} | {1e3 * median(case.times):.1f} | "
+                     f"{ratio(rate, base_ml)} | {ratio(rate, base_torch)} | "
+                     f"{ratio(rate, base_copy)} | {f'{limit:.2f}' if limit else '-'} | "
+                     f"{f'{vs_limit:.2f}' if vs_limit else '-'} | {check} |")
+    result = {"machine": info, "size_mib": args.size_mib, "repeats": args.repeats, "seed": SEED,
+              "unit": "GB/s of fp32 data (1e9 bytes/s)", "copy_gbps": base_copy,
+              "results": rows}
     return result, "\n".join(lines) + "\n"
 
 

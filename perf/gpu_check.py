@@ -124,9 +124,8 @@ from gpu_check_geofp8 import check_geofp8  # noqa: E402
 
 #: sections the twin cannot run, and why (reported as skipped under --twin)
 NEEDS_GPU = ("timing", "torch", "ddp")
-TWIN_SKIP_REASON = (
-    "needs a real GPU (the twin runs no torch CUDA tensors and measures no device time)"
-)
+TWIN_SKIP_REASON = ("needs a real GPU (the twin runs no torch CUDA tensors and measures no "
+                    "device time)")
 
 
 def fail_exit(message: str, code: int) -> None:
@@ -154,9 +153,8 @@ class Context:
     COMM_WORLD, or None for one process) and the communicators (built on first
     use; a failed NCCL set-up is re-raised by every section that needs it)."""
 
-    def __init__(
-        self, cp: Any, args: argparse.Namespace, world: Any = None, sizes: Sizes | None = None
-    ):
+    def __init__(self, cp: Any, args: argparse.Namespace, world: Any = None,
+                 sizes: Sizes | None = None):
         self.cp, self.args, self.world = cp, args, world
         self.twin = bool(getattr(args, "twin", False))
         self.sizes = sizes or PROFILES["twin" if self.twin else "gpu"]
@@ -215,12 +213,8 @@ class Context:
 
     def root_only(self) -> dict[str, Any]:
         """The result of a rank-0-only section on the other ranks."""
-        return {
-            "ok": True,
-            "status": "ran",
-            "note": "single-process: ran on rank 0",
-            "failures": [],
-        }
+        return {"ok": True, "status": "ran", "note": "single-process: ran on rank 0",
+                "failures": []}
 
     def decide(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank."""
@@ -232,27 +226,17 @@ class Context:
         if self.size == 1:
             return result
         self.quiet_barrier()
-        mine = {
-            "ok": bool(result["ok"]),
-            "status": result["status"],
-            "seconds": result["seconds"],
-            "failures": list(result.get("failures", []))[:50],
-        }
+        mine = {"ok": bool(result["ok"]), "status": result["status"],
+                "seconds": result["seconds"], "failures": list(result.get("failures", []))[:50]}
         ranks = self.world.allgather(mine)
         merged = dict(result)
         merged["ok"] = all(r["ok"] for r in ranks)
         merged["seconds"] = max(r["seconds"] for r in ranks)
-        merged["per_rank"] = [
-            {
-                "rank": r,
-                "ok": s["ok"],
-                "status": s["status"],
-                "seconds": s["seconds"],
-                "failures": len(s["failures"]),
-            }
-            for r, s in enumerate(ranks)
-        ]
-        merged["failures"] = [f"rank {r}: {f}" for r, s in enumerate(ranks) for f in s["failures"]]
+        merged["per_rank"] = [{"rank": r, "ok": s["ok"], "status": s["status"],
+                               "seconds": s["seconds"], "failures": len(s["failures"])}
+                              for r, s in enumerate(ranks)]
+        merged["failures"] = [f"rank {r}: {f}" for r, s in enumerate(ranks)
+                              for f in s["failures"]]
         return merged
 
 
@@ -261,14 +245,9 @@ class Context:
 
 
 SECTIONS: dict[str, Callable[[Context], dict[str, Any]]] = {
-    "bytes": check_bytes,
-    "errors": check_errors,
-    "nccl": check_nccl,
-    "collectives": check_collectives,
-    "torch": check_torch,
-    "geofp8": check_geofp8,
-    "timing": check_timing,
-    "ddp": check_ddp,
+    "bytes": check_bytes, "errors": check_errors, "nccl": check_nccl,
+    "collectives": check_collectives, "torch": check_torch, "geofp8": check_geofp8,
+    "timing": check_timing, "ddp": check_ddp,
 }
 
 
@@ -279,34 +258,27 @@ def run_sections(ctx: Context, names: list[str], budget_s: float) -> dict[str, d
     start = time.monotonic()
     for name in names:
         if ctx.decide(time.monotonic() - start > budget_s):
-            results[name] = {
-                "ok": False,
-                "status": "skipped",
-                "reason": f"time budget of {budget_s:.0f} s used up",
-                "failures": ["not run: time budget used up"],
-            }
+            results[name] = {"ok": False, "status": "skipped",
+                             "reason": f"time budget of {budget_s:.0f} s used up", "failures": [
+                                 "not run: time budget used up"]}
             continue
         began = time.monotonic()
         if ctx.twin and name in NEEDS_GPU:
-            result = {"ok": True, "status": "skipped", "reason": TWIN_SKIP_REASON, "failures": []}
+            result = {"ok": True, "status": "skipped", "reason": TWIN_SKIP_REASON,
+                      "failures": []}
         else:
             try:
                 result = SECTIONS[name](ctx)
             except Exception:
-                result = {
-                    "ok": False,
-                    "status": "failed",
-                    "error": traceback.format_exc(),
-                    "failures": [traceback.format_exc(limit=3).strip()],
-                }
+                result = {"ok": False, "status": "failed", "error": traceback.format_exc(),
+                          "failures": [traceback.format_exc(limit=3).strip()]}
         result.setdefault("status", "ran")
         result["seconds"] = time.monotonic() - began
         result = ctx.combine(result)
         results[name] = result
         if ctx.is_root:
-            print(
-                f"gpu_check: {name}: {summary_word(result)} ({result['seconds']:.1f} s)", flush=True
-            )
+            print(f"gpu_check: {name}: {summary_word(result)} ({result['seconds']:.1f} s)",
+                  flush=True)
     return results
 
 
@@ -317,28 +289,20 @@ def summary_word(result: dict[str, Any]) -> str:
 
 
 def environment(cp: Any, ctx: Context | None = None) -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "cupy": getattr(cp, "__version__", "?"),
-        "ranks": ctx.size if ctx is not None else 1,
-    }
+    info: dict[str, Any] = {"python": platform.python_version(), "numpy": np.__version__,
+                            "cupy": getattr(cp, "__version__", "?"),
+                            "ranks": ctx.size if ctx is not None else 1}
     if getattr(cp, "TWIN", False):
-        info.update(
-            device=f"CuPy twin ({TWIN_PATH}: host memory, kernels compiled for the CPU)",
-            twin=True,
-            profile="twin",
-        )
+        info.update(device=f"CuPy twin ({TWIN_PATH}: host memory, kernels compiled for the "
+                    "CPU)", twin=True, profile="twin")
         return info
     try:
         props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
         name = props["name"]
-        info.update(
-            device=name.decode() if isinstance(name, bytes) else name,
-            compute_capability=cp.cuda.Device().compute_capability,
-            driver=cp.cuda.runtime.driverGetVersion(),
-            runtime=cp.cuda.runtime.runtimeGetVersion(),
-        )
+        info.update(device=name.decode() if isinstance(name, bytes) else name,
+                    compute_capability=cp.cuda.Device().compute_capability,
+                    driver=cp.cuda.runtime.driverGetVersion(),
+                    runtime=cp.cuda.runtime.runtimeGetVersion())
     except Exception as exc:  # report, do not fail: the checks say what matters
         info["device_error"] = repr(exc)
     return info
@@ -347,111 +311,64 @@ def environment(cp: Any, ctx: Context | None = None) -> dict[str, Any]:
 def markdown(report: dict[str, Any]) -> str:
     sections = report["sections"]
     env = report["environment"]
-    lines = [
-        f"# GPU check ({env.get('device', '?')}; {env.get('ranks', 1)} rank(s))",
-        "",
-        f"Result: **{'PASS' if report['ok'] else 'FAIL'}** in {report['seconds']:.0f} s",
-        "",
-        "| section | result | seconds |",
-        "| --- | --- | --- |",
-    ]
-    lines += [
-        f"| {name} | {summary_word(r)} | {r.get('seconds', 0):.1f} |"
-        for name, r in sections.items()
-    ]
+    lines = [f"# GPU check ({env.get('device', '?')}; {env.get('ranks', 1)} rank(s))", "",
+             f"Result: **{'PASS' if report['ok'] else 'FAIL'}** in {report['seconds']:.0f} s", "",
+             "| section | result | seconds |", "| --- | --- | --- |"]
+    lines += [f"| {name} | {summary_word(r)} | {r.get('seconds', 0):.1f} |"
+              for name, r in sections.items()]
     failing = [(name, f) for name, r in sections.items() for f in r.get("failures", [])]
     if failing:
         lines += ["", "## Failures", ""] + [f"- {name}: `{f[:400]}`" for name, f in failing]
     rows = sections.get("bytes", {}).get("rows")
     if rows:
-        lines += [
-            "",
-            f"## Bytes (GPU vs C core; vs NumPy reference up to {REFERENCE_MAX_N} values)",
-            "",
-            "| format | block | cases | all equal |",
-            "| --- | --- | --- | --- |",
-        ]
+        lines += ["", "## Bytes (GPU vs C core; vs NumPy reference up to "
+                  f"{REFERENCE_MAX_N} values)", "",
+                  "| format | block | cases | all equal |", "| --- | --- | --- | --- |"]
         by_config: dict[tuple[str, int], list[dict]] = {}
         for row in rows:
             by_config.setdefault((row["fmt"], row["block"]), []).append(row)
-        lines += [
-            f"| {fmt} | {block} | {len(group)} | {'yes' if all(r['ok'] for r in group) else 'NO'} |"
-            for (fmt, block), group in by_config.items()
-        ]
+        lines += [f"| {fmt} | {block} | {len(group)} | "
+                  f"{'yes' if all(r['ok'] for r in group) else 'NO'} |"
+                  for (fmt, block), group in by_config.items()]
     batched = sections.get("bytes", {}).get("batched")
     if batched:
-        lines += [
-            "",
-            "## Batched kernels (native/gc_pipeline.cu vs the C core, bitwise)",
-            "",
-            "| codec | encode | decode | sum + encode | sum |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        lines += [
-            f"| {r['codec']} | "
-            + " | ".join(
-                "yes" if r.get(k, {}).get("equal") else "NO"
-                for k in ("encode", "decode", "sum_encode", "sum")
-            )
-            + " |"
-            for r in batched
-        ]
+        lines += ["", "## Batched kernels (native/gc_pipeline.cu vs the C core, bitwise)", "",
+                  "| codec | encode | decode | sum + encode | sum |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['codec']} | " + " | ".join(
+            "yes" if r.get(k, {}).get("equal") else "NO"
+            for k in ("encode", "decode", "sum_encode", "sum")) + " |" for r in batched]
     rows = sections.get("collectives", {}).get("rows")
     if rows:
-        lines += [
-            "",
-            "## Collectives (CuPy over NCCL vs NumPy over MPI, bitwise)",
-            "",
-            "| collective | dtype | codec | in place | equal |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        lines += [
-            f"| {r['collective']} | {r['dtype']} | {r['codec']} | "
-            f"{'yes' if r['in_place'] else 'no'} | {'yes' if r['ok'] else 'NO'} |"
-            for r in rows
-        ]
+        lines += ["", "## Collectives (CuPy over NCCL vs NumPy over MPI, bitwise)", "",
+                  "| collective | dtype | codec | in place | equal |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['collective']} | {r['dtype']} | {r['codec']} | "
+                  f"{'yes' if r['in_place'] else 'no'} | {'yes' if r['ok'] else 'NO'} |"
+                  for r in rows]
     timing = sections.get("timing", {})
     if timing.get("pipeline"):
-        lines += [
-            "",
-            "## Timing (1 rank; GB/s = fp32 tensor bytes / time)",
-            "",
-            "Wall: per call, host included. Device: per call queued ahead of the device "
-            "(gpu_check.gpu_seconds); vs copy: device GB/s over the copy's, the codec "
-            f"throughput (must reach {MUST_SHOW_VS_COPY} for fp8).",
-            "",
-            "| MiB | operation | stages | wall ms | wall GB/s | device ms | device GB/s "
-            "| vs copy |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        lines += [
-            f"| {r['size_MiB']} | {r['op']} | {r['stages'] or ''} | "
-            f"{r['seconds'] * 1e3:.3f} | {r['GBps']:.0f} | {r['gpu_seconds'] * 1e3:.3f} | "
-            f"{r['gpu_GBps']:.0f} | {r['vs_copy']:.2f}"
-            f"{'' if r['host_out_of_the_way'] else ' (host-bound)'} |"
-            for r in timing["pipeline"]
-        ]
+        lines += ["", "## Timing (1 rank; GB/s = fp32 tensor bytes / time)", "",
+                  "Wall: per call, host included. Device: per call queued ahead of the device "
+                  "(gpu_check.gpu_seconds); vs copy: device GB/s over the copy's, the codec "
+                  f"throughput (must reach {MUST_SHOW_VS_COPY} for fp8).", "",
+                  "| MiB | operation | stages | wall ms | wall GB/s | device ms | device GB/s "
+                  "| vs copy |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['size_MiB']} | {r['op']} | {r['stages'] or ''} | "
+                  f"{r['seconds'] * 1e3:.3f} | {r['GBps']:.0f} | {r['gpu_seconds'] * 1e3:.3f} | "
+                  f"{r['gpu_GBps']:.0f} | {r['vs_copy']:.2f}"
+                  f"{'' if r['host_out_of_the_way'] else ' (host-bound)'} |"
+                  for r in timing["pipeline"]]
         stage = timing.get("stage_cost")
         if stage:
             model = stage["model_stage_s"]
-            lines += [
-                "",
-                f"Stage cost: {stage['stage_s'] * 1e6:.0f} us per stage "
-                f"({stage['size_MiB']} MiB in 1 and {stage['stages']} stages); "
-                f"the backend model assumes {model * 1e6:.0f} us."
-                if model
-                else "",
-            ]
-        lines += [
-            "",
-            "| format | block | kernel | ms | fp32 GB/s |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        lines += [
-            f"| {r['fmt']} | {r['block']} | {r['op']} | {r['seconds'] * 1e3:.3f} | "
-            f"{r['fp32_GBps']:.0f} |"
-            for r in timing["kernels"]
-        ]
+            lines += ["", f"Stage cost: {stage['stage_s'] * 1e6:.0f} us per stage "
+                      f"({stage['size_MiB']} MiB in 1 and {stage['stages']} stages); "
+                      f"the backend model assumes {model * 1e6:.0f} us." if model else ""]
+        lines += ["", "| format | block | kernel | ms | fp32 GB/s |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['fmt']} | {r['block']} | {r['op']} | {r['seconds'] * 1e3:.3f} | "
+                  f"{r['fp32_GBps']:.0f} |" for r in timing["kernels"]]
     return "\n".join(lines) + "\n"
 
 
@@ -462,35 +379,18 @@ def write_report(report: dict[str, Any], out: Path) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], epilog="Sections: " + ", ".join(SECTIONS)
-    )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=Path("perf/results/gpu_check.json"),
-        help="JSON report; the markdown summary goes beside it (.md)",
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="Sections: " + ", ".join(SECTIONS))
+    p.add_argument("--out", type=Path, default=Path("perf/results/gpu_check.json"),
+                   help="JSON report; the markdown summary goes beside it (.md)")
     p.add_argument("--seed", type=int, default=20261129)
-    p.add_argument(
-        "--only",
-        nargs="+",
-        choices=list(SECTIONS),
-        default=list(SECTIONS),
-        help="run only these sections",
-    )
-    p.add_argument(
-        "--budget-s",
-        type=float,
-        default=420.0,
-        help="start no section after this many seconds (default 420)",
-    )
-    p.add_argument(
-        "--twin",
-        action="store_true",
-        help="run on the CPU twin of CuPy (tests/twin): no GPU, smaller sizes, "
-        "timing/torch/ddp skipped",
-    )
+    p.add_argument("--only", nargs="+", choices=list(SECTIONS), default=list(SECTIONS),
+                   help="run only these sections")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="start no section after this many seconds (default 420)")
+    p.add_argument("--twin", action="store_true",
+                   help="run on the CPU twin of CuPy (tests/twin): no GPU, smaller sizes, "
+                        "timing/torch/ddp skipped")
     return p.parse_args(argv)
 
 
@@ -515,10 +415,9 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.monotonic()
     ctx = Context(cp, args, MPI.COMM_WORLD)
-    report: dict[str, Any] = {
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "environment": environment(cp, ctx),
-    }
+    report: dict[str, Any] = {"args": {k: str(v) if isinstance(v, Path) else v
+                                       for k, v in vars(args).items()},
+                              "environment": environment(cp, ctx)}
     try:
         report["sections"] = run_sections(ctx, args.only, args.budget_s)
     finally:
@@ -537,11 +436,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, result in report["sections"].items():
             for failure in result.get("failures", []) if not result["ok"] else []:
                 print(f"FAIL {name}: {failure}", file=sys.stderr)
-        print(
-            f"gpu_check: {'PASS' if ok else 'FAIL'} in {report['seconds']:.1f} s on "
-            f"{ctx.size} rank(s); wrote {args.out} and {args.out.with_suffix('.md')}",
-            flush=True,
-        )
+        print(f"gpu_check: {'PASS' if ok else 'FAIL'} in {report['seconds']:.1f} s on "
+              f"{ctx.size} rank(s); wrote {args.out} and {args.out.with_suffix('.md')}",
+              flush=True)
     return 0 if ok else 1
 
 
