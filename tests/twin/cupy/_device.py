@@ -197,7 +197,6 @@ class Stream:
         self.seq = 0
         self._queue: collections.deque = collections.deque()
         self._cv = threading.Condition()
-        self._busy = False
         self._worker: threading.Thread | None = None
         _streams_by_ptr[self.ptr] = self
 
@@ -224,10 +223,8 @@ class Stream:
         while True:
             with self._cv:
                 while not self._queue:
-                    self._busy = False
                     self._cv.notify_all()
                     self._cv.wait()
-                self._busy = True
                 op = self._queue[0]
             try:
                 if not _failure:
@@ -254,7 +251,6 @@ class Stream:
     def _push(self, fn: Callable[[], None]) -> None:
         with self._cv:
             self._queue.append(fn)
-            self._busy = True
             self._ensure_worker()
             self._cv.notify_all()
 

@@ -33,11 +33,9 @@ class Function:
                  stream: Any = None) -> None:
         kernel = self.kernel
         grid, block, args = _dims(grid, "grid"), _dims(block, "block"), tuple(args)
-        if hasattr(kernel, "check"):  # argument errors at call time, as CuPy raises them
-            kernel.check(grid, block, args, shared_mem)
+        kernel.check(grid, block, args, shared_mem)  # argument errors at call time, as CuPy's
         reads, writes = [], []
-        params = getattr(kernel, "params", ())
-        for param, arg in zip(params, args, strict=False):
+        for param, arg in zip(kernel.params, args, strict=True):
             if isinstance(arg, _core.ndarray):
                 (reads if param.const else writes).append(arg)
         allocs = {a._alloc for a in reads + writes}
