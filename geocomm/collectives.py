@@ -20,7 +20,7 @@ transforming codecs (GeoFP8), which :mod:`geocomm.engine.transforming` runs:
 
 Error feedback (:class:`~geocomm.codecs.ErrorFeedbackCodec`) adds the call's
 residual to what the pipeline sends and keeps what each quantization lost;
-stochastic rounding gets a stream per call from :func:`_rounding_stream`.
+stochastic rounding gets a stream per call from :func:`~geocomm.calls.rounding_stream`.
 
 Before each collective the ranks compare a small fingerprint (collective,
 count, dtype, op, codec config, parts and keys, and for transforming codecs a
@@ -32,26 +32,29 @@ instead of hanging or producing garbage. ``check=False`` (or
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
-import os
 import warnings
-import zlib
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from geocomm.codecs import (
-    Codec,
-    ErrorFeedbackCodec,
-    StatefulCodec,
-    TransformingCodec,
-    get_codec,
+from geocomm import calls
+from geocomm.calls import (
+    OPS,
+    CollectiveMismatchError,
+    Part,
+    as_float32,
+    check_array,
+    check_consistent,
+    check_enabled,
+    check_out,
+    parts_of,
+    reset_call_counts,
+    saved_call_counts,
+    stateful_parts,
 )
-from geocomm.codecs.frames import DTYPE_CODES
+from geocomm.codecs import Codec, get_codec
 from geocomm.comm.base import Communicator, wait_ordered
 from geocomm.deprecation import renamed_keywords
 from geocomm.engine import device
@@ -62,15 +65,12 @@ from geocomm.engine.layout import (
     PIECE_ALIGN,
     Pieces,
     array_module,
-    mix64,
     segments,
     shard_bounds,
     stage_size,
 )
 from geocomm.engine.protocols import RangeMap
 from geocomm.engine.transforming import PartsMap, plan_parts, refresh, side_sums
-
-OPS = ("sum", "avg")
 
 __all__ = [
     "DEFAULT_STAGE_SIZE",
@@ -86,10 +86,6 @@ __all__ = [
     "saved_call_counts",
     "shard_bounds",
 ]
-
-
-class CollectiveMismatchError(ValueError):
-    """Ranks called a collective with different arguments."""
 
 
 # ---------------------------------------------------------------------------
@@ -150,165 +146,9 @@ def resolve_codec(codec: Any) -> Codec:
     return _codec_cache[name]
 
 
-# ---------------------------------------------------------------------------
-# tensors of a buffer
-
-
-@dataclass(frozen=True)
-class Part:
-    """One tensor of a flat buffer: values [offset, offset + size) viewed as ``shape``,
-    named ``key`` for transforming codecs (the key's state is keyed by it)."""
-
-    offset: int
-    shape: tuple[int, ...]
-    key: Any
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-
-def _parts(shape: tuple[int, ...], count: int, key: Any, parts: Sequence[Any] | None
-           ) -> list[Part]:
-    """The tensors of the buffer: ``parts`` is a sequence of (key, shape) that tiles
-    the flat buffer in order; without it the buffer is one tensor of ``shape``.
-    A key of None stands for the tensor's shape."""
-    if parts is None:
-        return [Part(0, tuple(shape), ("shape", tuple(shape)) if key is None else key)]
-    if key is not None:
-        raise TypeError("pass either key= or parts=, not both")
-    result, offset = [], 0
-    for entry in parts:
-        try:
-            name, part_shape = entry
-            part_shape = tuple(int(d) for d in part_shape)
-        except (TypeError, ValueError):
-            raise TypeError(f"parts entries must be (key, shape) pairs, got {entry!r}") from None
-        if any(d < 0 for d in part_shape):
-            raise ValueError(f"part {name!r} has a negative dimension: {part_shape}")
-        result.append(Part(offset, part_shape,
-                           ("shape", part_shape) if name is None else name))
-        offset += math.prod(part_shape)
-    if offset != count:
-        raise ValueError(f"parts hold {offset} values, the buffer {count}")
-    return result
-
-
-# ---------------------------------------------------------------------------
-# argument handling
-
-
-def _check_array(x: Any, name: str = "x") -> Any:
-    """x if it is a NumPy or CuPy array of a supported float dtype, else TypeError."""
-    if not isinstance(x, np.ndarray) and array_module(x) is np:
-        raise TypeError(f"{name} must be a numpy or cupy array, got {type(x).__name__}")
-    if x.dtype not in DTYPE_CODES:
-        raise TypeError(f"{name} has dtype {x.dtype}; geocomm collectives take float32, "
-                        "float16, bfloat16 or (codec 'none') float64")
-    return x
-
-
-def _as_float32(x: Any) -> Any:
-    """Flat contiguous float32 values of x (a copy unless x already is one)."""
-    return array_module(x).ascontiguousarray(x, dtype=np.float32).reshape(-1)
-
-
-def _check_out(out: Any, x: Any) -> None:
-    if out is None:
-        return
-    shape, dtype = x.shape, x.dtype
-    if type(out) is not type(x):
-        raise TypeError(f"out must be an array like x ({type(x).__name__}), "
-                        f"got {type(out).__name__}")
-    if out.shape != shape or out.dtype != dtype:
-        raise ValueError(f"out is {out.dtype}{list(out.shape)}, expected {dtype}{list(shape)}")
-    if not getattr(out.flags, "writeable", True):
-        raise ValueError("out is read-only")
-
-
-def _fingerprint(kind: str, count: int, dtype: np.dtype, op: str, codec: Codec,
-                 parts: list[Part]) -> np.ndarray:
-    config = json.dumps(codec.get_config(), sort_keys=True).encode()
-    signature = json.dumps([(repr(p.key), p.shape) for p in parts]).encode()
-    state = 0
-    if isinstance(codec, StatefulCodec):
-        for p in parts:
-            state = zlib.crc32(codec.state_checksum(p.key).to_bytes(4, "little"), state)
-    return np.array([zlib.crc32(kind.encode()), count, DTYPE_CODES[dtype], OPS.index(op),
-                     zlib.crc32(config), zlib.crc32(signature), state], dtype=np.int64)
-
-
-_FIELDS = ("collective", "count", "dtype", "op", "codec config", "parts or key", "codec state")
-
-
-def check_consistent(comm: Communicator, kind: str, count: int, dtype: np.dtype, op: str,
-                     codec: Codec, parts: list[Part]) -> None:
-    """Raise CollectiveMismatchError on every rank if the ranks' calls differ."""
-    rows = comm.allgather_int64(_fingerprint(kind, count, dtype, op, codec, parts))
-    bad = np.nonzero((rows != rows[0]).any(axis=1))[0]
-    if bad.size:
-        diffs = [_FIELDS[f] for f in np.nonzero(rows[bad[0]] != rows[0])[0]]
-        detail = ", ".join(f"rank {r}: count={rows[r, 1]}" for r in range(comm.size))
-        raise CollectiveMismatchError(
-            f"geocomm.{kind}: ranks {bad.tolist()} differ from rank 0 in {', '.join(diffs)} "
-            f"({detail}); every rank must pass the same count, dtype, op, codec and keys, and "
-            "transforming codecs must hold the same state"
-        )
-
-
-_calls: dict[str, int] = {}
-
-
-def reset_call_counts() -> None:
-    """Forget the calls counted per codec and keys: the next one draws a first call's
-    stochastic-rounding stream (every rank must reset alike)."""
-    _calls.clear()
-
-
-@contextlib.contextmanager
-def saved_call_counts() -> Iterator[None]:
-    """Put the call counts back after the body: a call repeated after it draws the same
-    stochastic-rounding streams (two routes of one call in one process)."""
-    saved = dict(_calls)
-    try:
-        yield
-    finally:
-        _calls.clear()
-        _calls.update(saved)
-
-
-def _stateful_parts(codec: Codec, kind: str, parts: list[Part], count: int, xp: Any
-                    ) -> tuple[TransformingCodec | None, Any]:
-    """(the codec that maps the tensors or None, the error-feedback residual of this
-    call's signature or None)."""
-    if isinstance(codec, ErrorFeedbackCodec):
-        signature = json.dumps([kind, [(repr(p.key), p.shape) for p in parts]])
-        return codec.mapping_codec, codec.residual(signature, count, xp)
-    return (codec if isinstance(codec, TransformingCodec) else None), None
-
-
-def _rounding_stream(codec: Codec, parts: list[Part]) -> int:
-    """The call's stochastic-rounding stream (0 when the codec rounds to nearest):
-    a hash of the codec config and the tensors' keys, and the number of calls made
-    so far with them, which every rank counts alike."""
-    config = codec.get_config()
-    if config.get("rounding") != "stochastic":
-        return 0
-    name = json.dumps([config, [repr(p.key) for p in parts]], sort_keys=True)
-    count = _calls.get(name, 0)
-    _calls[name] = count + 1
-    return mix64(zlib.crc32(name.encode()) ^ (count << 32))
-
-
-def _check_enabled(check: bool | None) -> bool:
-    if check is not None:
-        return check
-    return os.environ.get("GEOCOMM_CHECK", "1") not in ("0", "false", "no")
-
-
 def _prepare(x: Any, op: str, codec: Any, comm: Communicator | None) -> tuple[
         Any, Codec, Communicator]:
-    x = _check_array(x)
+    x = check_array(x)
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     codec = resolve_codec(codec)
@@ -343,10 +183,10 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
     Results are bitwise identical on every rank.
     """
     x, codec, comm = _prepare(x, op, codec, comm)
-    _check_out(out, x)
-    tensors = _parts(x.shape, x.size, key, parts)
+    check_out(out, x)
+    tensors = parts_of(x.shape, x.size, key, parts)
     xp = array_module(x)
-    if _check_enabled(check):
+    if check_enabled(check):
         check_consistent(comm, "allreduce", x.size, x.dtype, op, codec, tensors)
     if codec.lossless:
         work = xp.ascontiguousarray(x, np.float64 if x.dtype == np.float64 else np.float32)
@@ -356,7 +196,7 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
             total = xp.empty_like(work)
         comm.allreduce(work.reshape(-1), total.reshape(-1), "sum")
     else:
-        values = _as_float32(x)
+        values = as_float32(x)
         # the pipeline only writes ranges it has already encoded, so it may run in place
         total = _direct_result(out, np.float32, values, same_ok=True)
         if total is None:
@@ -400,9 +240,9 @@ def _compressed(comm: Communicator, codec: Codec, kind: str, values: Any,
     count = values.size
     bounds = shard_bounds(count, comm.size)
     pieces = Pieces.cut(count, comm.size, stage_size or _default_stage_size(comm, codec, count))
-    mapping_codec, residual = _stateful_parts(codec, kind, tensors, count, array_module(values))
+    mapping_codec, residual = stateful_parts(codec, kind, tensors, count, array_module(values))
     planned = plan_parts(mapping_codec, values, tensors, bounds)
-    rounding_stream = _rounding_stream(codec, tensors)
+    rounding_stream = calls.rounding_stream(codec, tensors)
     gather = kind == "allreduce"
     if not planned and residual is None:
         run_pipeline(comm, codec, pieces, values, result, offset, gather,
@@ -460,8 +300,8 @@ def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", *, key: Any = Non
     array of x's dtype.
     """
     x, codec, comm = _prepare(x, op, codec, comm)
-    tensors = _parts(x.shape, x.size, key, parts)
-    if _check_enabled(check):
+    tensors = parts_of(x.shape, x.size, key, parts)
+    if check_enabled(check):
         check_consistent(comm, "reduce_scatter", x.size, x.dtype, op, codec, tensors)
     bounds = shard_bounds(x.size, comm.size)
     lo, hi = int(bounds[comm.rank]), int(bounds[comm.rank + 1])
@@ -474,7 +314,7 @@ def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", *, key: Any = Non
     else:
         shard = xp.empty(hi - lo, np.float32)
         # pieces are mapped into a scratch as they go: no full-size buffer
-        _compressed(comm, codec, "reduce_scatter", _as_float32(x), tensors, shard, lo,
+        _compressed(comm, codec, "reduce_scatter", as_float32(x), tensors, shard, lo,
                     stage_size, mapped=None)
     if op == "avg":
         divide(shard, comm.size)
@@ -490,9 +330,9 @@ def allgather(x: Any, codec: Any = None, *, comm: Communicator | None = None,
     codecs send their quantizer's bytes (no map: there is no sum to share).
     """
     x, codec, comm = _prepare(x, "sum", codec, comm)
-    if _check_enabled(check):
+    if check_enabled(check):
         check_consistent(comm, "allgather", x.size, x.dtype, "sum", codec,
-                         _parts(x.shape, x.size, None, None))
+                         parts_of(x.shape, x.size, None, None))
     xp = array_module(x)
     if x.dtype == np.float64:  # lossless codec only (checked in _prepare)
         send = xp.ascontiguousarray(x, np.float64).reshape(-1).view(np.uint8)
@@ -502,7 +342,7 @@ def allgather(x: Any, codec: Any = None, *, comm: Communicator | None = None,
         return recv.view(np.float64).reshape((comm.size, *x.shape))
     seg = codec.wire_size(x.size)
     send = xp.empty(seg, np.uint8)
-    codec.encode_wire(_as_float32(x), send)
+    codec.encode_wire(as_float32(x), send)
     recv = xp.empty(comm.size * seg, np.uint8)
     counts, displs = segments([seg] * comm.size)
     wait_ordered(comm.allgatherv(send, recv, counts, displs), "an all-gather", comm.rank)

@@ -11,7 +11,7 @@ bits for stage_size 2^20, 2^15 and 4096 per rank (one aligned unit per
 piece: the most stages), with both roundings.
 
 Stochastic rounding's stream also counts the calls made with a codec and key
-(``geocomm.collectives._calls``): the two calls compared start from a fresh
+(``geocomm.calls`` counts them): the two calls compared start from a fresh
 count, as two runs of a training job would.
 """
 

@@ -1,0 +1,187 @@
+"""What identifies a collective call on every rank (docs/design.md, "The collective").
+
+The tensors of a buffer (:class:`Part`), the argument checks the public
+collectives share, the cross-rank fingerprint check that raises
+:class:`CollectiveMismatchError`, and the per-codec call counts that draw each
+call's stochastic-rounding stream. Nothing here holds a communicator beyond the
+one tiny all-gather of :func:`check_consistent`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from geocomm.codecs import Codec, ErrorFeedbackCodec, StatefulCodec, TransformingCodec
+from geocomm.codecs.frames import DTYPE_CODES
+from geocomm.comm.base import Communicator
+from geocomm.engine.layout import array_module, mix64
+
+OPS = ("sum", "avg")
+
+class CollectiveMismatchError(ValueError):
+    """Ranks called a collective with different arguments."""
+
+
+# ---------------------------------------------------------------------------
+# tensors of a buffer
+
+
+@dataclass(frozen=True)
+class Part:
+    """One tensor of a flat buffer: values [offset, offset + size) viewed as ``shape``,
+    named ``key`` for transforming codecs (the key's state is keyed by it)."""
+
+    offset: int
+    shape: tuple[int, ...]
+    key: Any
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def parts_of(shape: tuple[int, ...], count: int, key: Any, parts: Sequence[Any] | None
+           ) -> list[Part]:
+    """The tensors of the buffer: ``parts`` is a sequence of (key, shape) that tiles
+    the flat buffer in order; without it the buffer is one tensor of ``shape``.
+    A key of None stands for the tensor's shape."""
+    if parts is None:
+        return [Part(0, tuple(shape), ("shape", tuple(shape)) if key is None else key)]
+    if key is not None:
+        raise TypeError("pass either key= or parts=, not both")
+    result, offset = [], 0
+    for entry in parts:
+        try:
+            name, part_shape = entry
+            part_shape = tuple(int(d) for d in part_shape)
+        except (TypeError, ValueError):
+            raise TypeError(f"parts entries must be (key, shape) pairs, got {entry!r}") from None
+        if any(d < 0 for d in part_shape):
+            raise ValueError(f"part {name!r} has a negative dimension: {part_shape}")
+        result.append(Part(offset, part_shape,
+                           ("shape", part_shape) if name is None else name))
+        offset += math.prod(part_shape)
+    if offset != count:
+        raise ValueError(f"parts hold {offset} values, the buffer {count}")
+    return result
+
+
+# ---------------------------------------------------------------------------
+# argument handling
+
+
+def check_array(x: Any, name: str = "x") -> Any:
+    """x if it is a NumPy or CuPy array of a supported float dtype, else TypeError."""
+    if not isinstance(x, np.ndarray) and array_module(x) is np:
+        raise TypeError(f"{name} must be a numpy or cupy array, got {type(x).__name__}")
+    if x.dtype not in DTYPE_CODES:
+        raise TypeError(f"{name} has dtype {x.dtype}; geocomm collectives take float32, "
+                        "float16, bfloat16 or (codec 'none') float64")
+    return x
+
+
+def as_float32(x: Any) -> Any:
+    """Flat contiguous float32 values of x (a copy unless x already is one)."""
+    return array_module(x).ascontiguousarray(x, dtype=np.float32).reshape(-1)
+
+
+def check_out(out: Any, x: Any) -> None:
+    if out is None:
+        return
+    shape, dtype = x.shape, x.dtype
+    if type(out) is not type(x):
+        raise TypeError(f"out must be an array like x ({type(x).__name__}), "
+                        f"got {type(out).__name__}")
+    if out.shape != shape or out.dtype != dtype:
+        raise ValueError(f"out is {out.dtype}{list(out.shape)}, expected {dtype}{list(shape)}")
+    if not getattr(out.flags, "writeable", True):
+        raise ValueError("out is read-only")
+
+
+def _fingerprint(kind: str, count: int, dtype: np.dtype, op: str, codec: Codec,
+                 parts: list[Part]) -> np.ndarray:
+    config = json.dumps(codec.get_config(), sort_keys=True).encode()
+    signature = json.dumps([(repr(p.key), p.shape) for p in parts]).encode()
+    state = 0
+    if isinstance(codec, StatefulCodec):
+        for p in parts:
+            state = zlib.crc32(codec.state_checksum(p.key).to_bytes(4, "little"), state)
+    return np.array([zlib.crc32(kind.encode()), count, DTYPE_CODES[dtype], OPS.index(op),
+                     zlib.crc32(config), zlib.crc32(signature), state], dtype=np.int64)
+
+
+_FIELDS = ("collective", "count", "dtype", "op", "codec config", "parts or key", "codec state")
+
+
+def check_consistent(comm: Communicator, kind: str, count: int, dtype: np.dtype, op: str,
+                     codec: Codec, parts: list[Part]) -> None:
+    """Raise CollectiveMismatchError on every rank if the ranks' calls differ."""
+    rows = comm.allgather_int64(_fingerprint(kind, count, dtype, op, codec, parts))
+    bad = np.nonzero((rows != rows[0]).any(axis=1))[0]
+    if bad.size:
+        diffs = [_FIELDS[f] for f in np.nonzero(rows[bad[0]] != rows[0])[0]]
+        detail = ", ".join(f"rank {r}: count={rows[r, 1]}" for r in range(comm.size))
+        raise CollectiveMismatchError(
+            f"geocomm.{kind}: ranks {bad.tolist()} differ from rank 0 in {', '.join(diffs)} "
+            f"({detail}); every rank must pass the same count, dtype, op, codec and keys, and "
+            "transforming codecs must hold the same state"
+        )
+
+
+_calls: dict[str, int] = {}
+
+
+def reset_call_counts() -> None:
+    """Forget the calls counted per codec and keys: the next one draws a first call's
+    stochastic-rounding stream (every rank must reset alike)."""
+    _calls.clear()
+
+
+@contextlib.contextmanager
+def saved_call_counts() -> Iterator[None]:
+    """Put the call counts back after the body: a call repeated after it draws the same
+    stochastic-rounding streams (two routes of one call in one process)."""
+    saved = dict(_calls)
+    try:
+        yield
+    finally:
+        _calls.clear()
+        _calls.update(saved)
+
+
+def stateful_parts(codec: Codec, kind: str, parts: list[Part], count: int, xp: Any
+                    ) -> tuple[TransformingCodec | None, Any]:
+    """(the codec that maps the tensors or None, the error-feedback residual of this
+    call's signature or None)."""
+    if isinstance(codec, ErrorFeedbackCodec):
+        signature = json.dumps([kind, [(repr(p.key), p.shape) for p in parts]])
+        return codec.mapping_codec, codec.residual(signature, count, xp)
+    return (codec if isinstance(codec, TransformingCodec) else None), None
+
+
+def rounding_stream(codec: Codec, parts: list[Part]) -> int:
+    """The call's stochastic-rounding stream (0 when the codec rounds to nearest):
+    a hash of the codec config and the tensors' keys, and the number of calls made
+    so far with them, which every rank counts alike."""
+    config = codec.get_config()
+    if config.get("rounding") != "stochastic":
+        return 0
+    name = json.dumps([config, [repr(p.key) for p in parts]], sort_keys=True)
+    count = _calls.get(name, 0)
+    _calls[name] = count + 1
+    return mix64(zlib.crc32(name.encode()) ^ (count << 32))
+
+
+def check_enabled(check: bool | None) -> bool:
+    if check is not None:
+        return check
+    return os.environ.get("GEOCOMM_CHECK", "1") not in ("0", "false", "no")
