@@ -49,15 +49,13 @@ import torch
 import torch.distributed as dist
 
 from geocomm.adapters._torch_grads import (
-    BucketStats,
     BufferLayout,
     Entry,
     GradReducer,
     Selection,
-    StepStats,
-    Telemetry,
     dedicated_comm,
 )
+from geocomm.adapters.telemetry import BucketStats, StepStats, Telemetry
 from geocomm.collectives import resolve_codec
 from geocomm.deprecation import renamed_keywords
 

@@ -68,7 +68,6 @@ import shlex
 import subprocess
 import sys
 import time
-import zlib
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -82,162 +81,25 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import llama  # noqa: E402  (perf/studies/llama.py: model, data, optimizer)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from convergence_measures import (  # noqa: E402
+    comm_errors,
+    cosine,
+    flat_grads,
+    flat_params,
+    heldout,
+    mean_over_ranks,
+    params_crc,
+    payload_bytes,
+    sampling_spread,
+)
 from convergence_report import markdown, merge, tail_mean, write_outputs  # noqa: E402
+from convergence_setup import CODECS, DEFAULT_MODEL, NAMES, REGIMES, codec_config, codec_labels  # noqa: E402
 
 import geocomm  # noqa: E402
 import geocomm.codecs.geo  # noqa: E402
-from geocomm.engine.layout import DEFAULT_STAGE_SIZE, Pieces, wire_bytes  # noqa: E402
 from geocomm.testing import MeteredComm, yardstick  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-
-#: label -> codec config; the order is the order of the tables
-CODECS: dict[str, Any] = {
-    "none": {"id": "none"},
-    "bf16": {"id": "bf16"},
-    "fp8": {"id": "fp8", "fmt": "e4m3"},
-    "fp8_e5m2": {"id": "fp8", "fmt": "e5m2"},
-    "nvfp4": {"id": "nvfp4"},
-    "geofp8": {"id": "geofp8"},
-    "geonvfp4": {"id": "geonvfp4"},
-    # variants of the noise-free regime; stochastic rounding takes the run's seed
-    "fp8_e5m2_sr": {"id": "fp8", "fmt": "e5m2", "rounding": "stochastic"},
-    "fp8_e5m2_ef": {"id": "fp8", "fmt": "e5m2", "error_feedback": True},
-    "nvfp4_sr": {"id": "nvfp4", "rounding": "stochastic"},
-    "nvfp4_ef": {"id": "nvfp4", "error_feedback": True},
-    "mxfp8": {"id": "mxfp8", "fmt": "e4m3"},
-    "mxfp4": {"id": "mxfp4"},
-}
-
-#: label -> what the row is, for the legend under the tables
-NAMES: dict[str, str] = {
-    "none": "fp32 (exact average)", "bf16": "bfloat16, RNE", "fp8": "fp8 E4M3, RNE",
-    "fp8_e5m2": "fp8 E5M2, RNE", "fp8_e5m2_sr": "fp8 E5M2, stochastic rounding",
-    "fp8_e5m2_ef": "fp8 E5M2, RNE + error feedback", "nvfp4": "NVFP4, RNE",
-    "nvfp4_sr": "NVFP4, stochastic rounding", "nvfp4_ef": "NVFP4, RNE + error feedback",
-    "mxfp8": "MXFP8 (E4M3 elements, E8M0 scale per 32), RNE",
-    "mxfp4": "MXFP4 (E2M1 elements, E8M0 scale per 32), RNE",
-    "geofp8": "GeoFP8 (E4M3 residual), RNE", "geonvfp4": "GeoNVFP4 (NVFP4 residual), RNE",
-}
-
-#: the regimes (see the module docstring) and the defaults each one gives the
-#: arguments left unset.
-#:
-#: Noise-free defaults, from short runs on 2 ranks (seeds 0 and 1; E5M2, NVFP4 and
-#: their variants; 16 windows per rank at lr 2e-4 and 5e-4, 32 at lr 1e-4):
-#: the full-batch fp32 run falls smoothly from 5.6 to about 2.5, and there every
-#: codec's paired gap to fp32 grows steadily and is the same in both seeds (lr
-#: 1e-4, 32 windows, mean of steps 58-63: E5M2 +0.0015 and +0.0015, NVFP4 +0.0069
-#: and +0.0070, NVFP4 with stochastic rounding +0.0165 and +0.0165; fp32 at 2.86
-#: and 2.87). Below about 2.5 (from step ~70 here, ~48 at lr 2e-4 with 16 windows)
-#: the training crosses a fast transition whose timing any perturbation shifts:
-#: the gaps jump to ±0.1 and change sign between seeds (mean of steps 72-79: E5M2
-#: +0.002 and -0.004, NVFP4 +0.009 and -0.001), and after memorization (loss
-#: ~0.02, weight decay's floor, from step ~100 at lr 5e-4) single loss spikes
-#: decide the tail. So the run stops at step 64, where fp32 has roughly halved
-#: its loss (5.6 to 2.86) and two seeds agree to about 1% on every gap. 32 windows
-#: of 65 bytes per rank (4160 bytes in all) cost about 0.3 s a step per rank on the
-#: 2-core machine: 12 codecs x 3 seeds x 64 steps take about 15-20 minutes.
-#: ``--steps 160`` shows the later phase (plot), not a verdict.
-REGIMES: dict[str, dict[str, Any]] = {
-    "sampled": {
-        "codecs": ["none", "bf16", "fp8", "fp8_e5m2", "nvfp4", "geofp8", "geonvfp4"],
-        "seeds": "0,1,2", "steps": 200, "lr": llama.TrainConfig.lr, "batch": 8,
-        "out": "perf/results/convergence",
-    },
-    "noise-free": {
-        "codecs": ["none", "fp8", "fp8_e5m2", "fp8_e5m2_sr", "fp8_e5m2_ef", "nvfp4",
-                   "nvfp4_sr", "nvfp4_ef", "mxfp8", "mxfp4", "geofp8", "geonvfp4"],
-        "seeds": "0,1,2", "steps": 64, "lr": 1e-4, "batch": 32,
-        "out": "perf/results/convergence_noisefree",
-    },
-}
-
-#: the default model: llama.py's "small" shapes (256 x 256 and 688 x 256 matrices,
-#: so GeoFP8 has the same matrices as in docs/design.md, "GeoFP8") with 2 layers and
-#: 64-byte windows, so that 7 codecs x 3 seeds fit in 30 minutes on 2 cores
-DEFAULT_MODEL = replace(llama.CONFIGS["small"], n_layers=2, seq_len=64)
-
-
-# ---------------------------------------------------------------------------
-# byte counting
-
-
-def payload_bytes(codec: Any, model: torch.nn.Module, comm: Any) -> int:
-    """Bytes this rank sends per step for the quantized payload alone (no side
-    channels): :func:`geocomm.engine.layout.wire_bytes` of every parameter's pieces."""
-    return sum(wire_bytes(codec.for_count(p.numel()),
-                          Pieces.cut(p.numel(), comm.size, DEFAULT_STAGE_SIZE), comm.rank)
-               for p in model.parameters())
-
-
-# ---------------------------------------------------------------------------
-# training
-
-
-def mean_over_ranks(comm: Any, values: list[float]) -> np.ndarray:
-    """Exact float64 average of a few scalars over the ranks."""
-    x = np.asarray(values, np.float64)
-    return geocomm.allreduce(x, codec="none", op="avg", comm=comm)
-
-
-def codec_config(label: str, seed: int) -> dict[str, Any]:
-    """The config of ``label`` for a run of ``seed``: stochastic rounding without
-    an explicit seed draws its bits from the run's seed."""
-    config = dict(CODECS[label])
-    if config.get("rounding") == "stochastic":
-        config.setdefault("seed", seed)
-    return config
-
-
-def flat_grads(model: torch.nn.Module) -> list[np.ndarray]:
-    return [p.grad.detach().numpy().reshape(-1).copy() for p in model.parameters()]
-
-
-def comm_errors(exact: list[np.ndarray], got: list[np.ndarray]) -> tuple[float, float]:
-    """(relative error over all gradients at once, median per-tensor relative error)."""
-    num = [float(np.sum((g.astype(np.float64) - e) ** 2)) for e, g in zip(exact, got, strict=True)]
-    den = [float(np.sum(e.astype(np.float64) ** 2)) for e in exact]
-    per = [np.sqrt(n / d) for n, d in zip(num, den, strict=True) if d > 0]
-    total = np.sqrt(sum(num) / sum(den)) if sum(den) > 0 else 0.0
-    return float(total), float(np.median(per)) if per else 0.0
-
-
-def sampling_spread(comm: Any, exact: list[np.ndarray], local: list[np.ndarray]) -> float:
-    """How far the ranks' own gradients lie from their average, as the noise of the
-    average: sqrt(mean_r ||g_r - avg||^2 / (N - 1)) / ||avg||. For independent
-    batches this estimates the sampling noise ||avg - E[g]|| / ||avg|| of the
-    averaged gradient, the noise floor the communication error is compared with."""
-    if comm.size < 2:
-        return float("nan")
-    dev = sum(float(np.sum((g.astype(np.float64) - e) ** 2)) for e, g in zip(exact, local,
-                                                                             strict=True))
-    norm = sum(float(np.sum(e.astype(np.float64) ** 2)) for e in exact)
-    mean_dev = float(mean_over_ranks(comm, [dev])[0])
-    return float(np.sqrt(mean_dev / (comm.size - 1) / norm)) if norm > 0 else float("nan")
-
-
-def cosine(a: np.ndarray, b: np.ndarray) -> float:
-    den = float(np.linalg.norm(a) * np.linalg.norm(b))
-    return float(a @ b) / den if den > 0 else 0.0
-
-
-def params_crc(model: torch.nn.Module) -> int:
-    crc = 0
-    for p in model.parameters():
-        crc = zlib.crc32(p.detach().numpy().tobytes(), crc)
-    return crc
-
-
-def heldout(model: llama.Llama, data: llama.TextData, comm: Any, batches: int) -> float:
-    return float(mean_over_ranks(comm, [llama.heldout_loss(model, data, batches, comm.rank,
-                                                           comm.size)])[0])
-
-
-def flat_params(model: torch.nn.Module) -> np.ndarray:
-    return np.concatenate([p.detach().numpy().reshape(-1) for p in model.parameters()]
-                          ).astype(np.float64)
-
 
 def train_run(label: str, seed: int, args: argparse.Namespace, mcfg: llama.LlamaConfig,
               tc: llama.TrainConfig, comm: Any,
@@ -401,18 +263,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, ",".join(value) if name == "codecs" else value)
     return args
-
-
-def codec_labels(spec: str) -> list[str]:
-    labels = []
-    for item in spec.split(","):
-        label, sep, config = item.partition("=")
-        if sep:
-            CODECS[label] = json.loads(config)
-        elif label not in CODECS:
-            raise SystemExit(f"unknown codec label {label!r}; known: {', '.join(CODECS)}")
-        labels.append(label)
-    return labels
 
 
 def main(argv: list[str] | None = None) -> int:
