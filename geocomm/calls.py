@@ -27,6 +27,7 @@ from geocomm.engine.layout import array_module, mix64
 
 OPS = ("sum", "avg")
 
+
 class CollectiveMismatchError(ValueError):
     """Ranks called a collective with different arguments."""
 
@@ -49,8 +50,9 @@ class Part:
         return math.prod(self.shape)
 
 
-def parts_of(shape: tuple[int, ...], count: int, key: Any, parts: Sequence[Any] | None
-           ) -> list[Part]:
+def parts_of(
+    shape: tuple[int, ...], count: int, key: Any, parts: Sequence[Any] | None
+) -> list[Part]:
     """The tensors of the buffer: ``parts`` is a sequence of (key, shape) that tiles
     the flat buffer in order; without it the buffer is one tensor of ``shape``.
     A key of None stands for the tensor's shape."""
@@ -67,8 +69,7 @@ def parts_of(shape: tuple[int, ...], count: int, key: Any, parts: Sequence[Any] 
             raise TypeError(f"parts entries must be (key, shape) pairs, got {entry!r}") from None
         if any(d < 0 for d in part_shape):
             raise ValueError(f"part {name!r} has a negative dimension: {part_shape}")
-        result.append(Part(offset, part_shape,
-                           ("shape", part_shape) if name is None else name))
+        result.append(Part(offset, part_shape, ("shape", part_shape) if name is None else name))
         offset += math.prod(part_shape)
     if offset != count:
         raise ValueError(f"parts hold {offset} values, the buffer {count}")
@@ -84,8 +85,10 @@ def check_array(x: Any, name: str = "x") -> Any:
     if not isinstance(x, np.ndarray) and array_module(x) is np:
         raise TypeError(f"{name} must be a numpy or cupy array, got {type(x).__name__}")
     if x.dtype not in DTYPE_CODES:
-        raise TypeError(f"{name} has dtype {x.dtype}; geocomm collectives take float32, "
-                        "float16, bfloat16 or (codec 'none') float64")
+        raise TypeError(
+            f"{name} has dtype {x.dtype}; geocomm collectives take float32, "
+            "float16, bfloat16 or (codec 'none') float64"
+        )
     return x
 
 
@@ -99,31 +102,50 @@ def check_out(out: Any, x: Any) -> None:
         return
     shape, dtype = x.shape, x.dtype
     if type(out) is not type(x):
-        raise TypeError(f"out must be an array like x ({type(x).__name__}), "
-                        f"got {type(out).__name__}")
+        raise TypeError(
+            f"out must be an array like x ({type(x).__name__}), got {type(out).__name__}"
+        )
     if out.shape != shape or out.dtype != dtype:
         raise ValueError(f"out is {out.dtype}{list(out.shape)}, expected {dtype}{list(shape)}")
     if not getattr(out.flags, "writeable", True):
         raise ValueError("out is read-only")
 
 
-def _fingerprint(kind: str, count: int, dtype: np.dtype, op: str, codec: Codec,
-                 parts: list[Part]) -> np.ndarray:
+def _fingerprint(
+    kind: str, count: int, dtype: np.dtype, op: str, codec: Codec, parts: list[Part]
+) -> np.ndarray:
     config = json.dumps(codec.get_config(), sort_keys=True).encode()
     signature = json.dumps([(repr(p.key), p.shape) for p in parts]).encode()
     state = 0
     if isinstance(codec, StatefulCodec):
         for p in parts:
             state = zlib.crc32(codec.state_checksum(p.key).to_bytes(4, "little"), state)
-    return np.array([zlib.crc32(kind.encode()), count, DTYPE_CODES[dtype], OPS.index(op),
-                     zlib.crc32(config), zlib.crc32(signature), state], dtype=np.int64)
+    return np.array(
+        [
+            zlib.crc32(kind.encode()),
+            count,
+            DTYPE_CODES[dtype],
+            OPS.index(op),
+            zlib.crc32(config),
+            zlib.crc32(signature),
+            state,
+        ],
+        dtype=np.int64,
+    )
 
 
 _FIELDS = ("collective", "count", "dtype", "op", "codec config", "parts or key", "codec state")
 
 
-def check_consistent(comm: Communicator, kind: str, count: int, dtype: np.dtype, op: str,
-                     codec: Codec, parts: list[Part]) -> None:
+def check_consistent(
+    comm: Communicator,
+    kind: str,
+    count: int,
+    dtype: np.dtype,
+    op: str,
+    codec: Codec,
+    parts: list[Part],
+) -> None:
     """Raise CollectiveMismatchError on every rank if the ranks' calls differ."""
     rows = comm.allgather_int64(_fingerprint(kind, count, dtype, op, codec, parts))
     bad = np.nonzero((rows != rows[0]).any(axis=1))[0]
@@ -158,8 +180,9 @@ def saved_call_counts() -> Iterator[None]:
         _calls.update(saved)
 
 
-def stateful_parts(codec: Codec, kind: str, parts: list[Part], count: int, xp: Any
-                    ) -> tuple[TransformingCodec | None, Any]:
+def stateful_parts(
+    codec: Codec, kind: str, parts: list[Part], count: int, xp: Any
+) -> tuple[TransformingCodec | None, Any]:
     """(the codec that maps the tensors or None, the error-feedback residual of this
     call's signature or None)."""
     if isinstance(codec, ErrorFeedbackCodec):

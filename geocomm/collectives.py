@@ -69,7 +69,6 @@ from geocomm.engine.layout import (
     shard_bounds,
     stage_size,
 )
-from geocomm.engine.protocols import RangeMap
 from geocomm.engine.transforming import PartsMap, plan_parts, refresh, side_sums
 
 __all__ = [
@@ -93,10 +92,15 @@ __all__ = [
 
 
 _default_comm: Communicator | None = None
+
+
 def __getattr__(name: str) -> Any:
     if name == "DEFAULT_CHUNK_ELEMS":  # its old name (CONTRIBUTING.md, "Names")
-        warnings.warn("geocomm.collectives.DEFAULT_CHUNK_ELEMS is deprecated, use "
-                      "DEFAULT_STAGE_SIZE", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "geocomm.collectives.DEFAULT_CHUNK_ELEMS is deprecated, use DEFAULT_STAGE_SIZE",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return DEFAULT_STAGE_SIZE
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -146,8 +150,9 @@ def resolve_codec(codec: Any) -> Codec:
     return _codec_cache[name]
 
 
-def _prepare(x: Any, op: str, codec: Any, comm: Communicator | None) -> tuple[
-        Any, Codec, Communicator]:
+def _prepare(
+    x: Any, op: str, codec: Any, comm: Communicator | None
+) -> tuple[Any, Codec, Communicator]:
     x = check_array(x)
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
@@ -169,7 +174,7 @@ def _prepare(x: Any, op: str, codec: Any, comm: Communicator | None) -> tuple[
 def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
               key: Any = None, parts: Sequence[Any] | None = None,
               comm: Communicator | None = None, stage_size: int | None = None,
-              check: bool | None = None) -> Any:
+              check: bool | None = None) -> Any:  # fmt: skip
     """All-reduce ``x`` over the ranks of ``comm`` through ``codec``.
 
     x: float32, float16, bfloat16 (ml_dtypes) or, with ``codec="none"``,
@@ -202,8 +207,7 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
         if total is None:
             total = xp.empty(x.size, np.float32)
         # maps piece by piece into the result and reduces there in place
-        _compressed(comm, codec, "allreduce", values, tensors, total, 0, stage_size,
-                    mapped=total)
+        _compressed(comm, codec, "allreduce", values, tensors, total, 0, stage_size, mapped=total)
     if op == "avg":
         divide(total, comm.size)
     result = total.reshape(x.shape)
@@ -214,25 +218,32 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
     return out
 
 
-def run_pipeline(comm: Communicator, codec: Codec, pieces: Pieces, source: Any, result: Any,
-                 result_offset: int, gather: bool, mapper: RangeMap | None = None,
-                 rounding_stream: int = 0) -> None:
-    """Run one call's pipeline (arguments as :class:`~geocomm.engine.host.Pipeline`'s): the
-    batched :class:`~geocomm.engine.device.BatchedPipeline` where
-    :func:`~geocomm.engine.device.batched_format` allows (work left queued on the current
-    stream), else the host-driven one. Both give the same bits."""
+def run_pipeline(
+    comm: Communicator, codec: Codec, pieces: Pieces, source: Any, *args: Any, **options: Any
+) -> None:
+    """Run one call's pipeline: the batched :class:`~geocomm.engine.device.BatchedPipeline`
+    where :func:`~geocomm.engine.device.batched_format` allows (work left queued on the
+    current stream), else the host-driven :class:`~geocomm.engine.host.Pipeline`. The
+    arguments after ``source`` go to either as given (result, result_offset, gather,
+    mapper, rounding_stream); both give the same bits."""
     fmt = device.batched_format(comm, codec, source)
     if fmt is not None:
-        device.BatchedPipeline(comm, fmt, pieces, source, result, result_offset, gather,
-                               mapper, rounding_stream).run()
+        device.BatchedPipeline(comm, fmt, pieces, source, *args, **options).run()
     else:
-        Pipeline(comm, codec, pieces, source, result, result_offset, gather, mapper,
-                 rounding_stream).run()
+        Pipeline(comm, codec, pieces, source, *args, **options).run()
 
 
-def _compressed(comm: Communicator, codec: Codec, kind: str, values: Any,
-                tensors: list[Part], result: Any, offset: int, stage_size: int | None,
-                mapped: Any) -> None:
+def _compressed(
+    comm: Communicator,
+    codec: Codec,
+    kind: str,
+    values: Any,
+    tensors: list[Part],
+    result: Any,
+    offset: int,
+    stage_size: int | None,
+    mapped: Any,
+) -> None:
     """Reduce flat float32 ``values`` through a lossy ``codec`` into ``result`` (index
     ``offset`` on: the buffer, or this rank's shard for a reduce-scatter), with the
     transforming and error-feedback protocols; ``mapped``: where the map writes what it
@@ -245,24 +256,34 @@ def _compressed(comm: Communicator, codec: Codec, kind: str, values: Any,
     rounding_stream = calls.rounding_stream(codec, tensors)
     gather = kind == "allreduce"
     if not planned and residual is None:
-        run_pipeline(comm, codec, pieces, values, result, offset, gather,
-                     rounding_stream=rounding_stream)
+        run_pipeline(
+            comm, codec, pieces, values, result, offset, gather, rounding_stream=rounding_stream
+        )
         return
     sums = side_sums(comm, planned)
-    parts_map = PartsMap(values, mapped, result, offset, tensors, planned, sums, residual,
-                         codec)
+    parts_map = PartsMap(values, mapped, result, offset, tensors, planned, sums, residual, codec)
     source = values if mapped is None else mapped
-    run_pipeline(comm, codec, pieces, source, result, offset, gather, mapper=parts_map,
-                 rounding_stream=rounding_stream)
+    run_pipeline(
+        comm,
+        codec,
+        pieces,
+        source,
+        result,
+        offset,
+        gather,
+        mapper=parts_map,
+        rounding_stream=rounding_stream,
+    )
     parts_map.finish(offset, offset + result.size)
     lo, hi = int(bounds[comm.rank]), int(bounds[comm.rank + 1])
-    refresh(comm, mapping_codec, planned, sums, result[lo - offset: hi - offset], lo, hi)
+    refresh(comm, mapping_codec, planned, sums, result[lo - offset : hi - offset], lo, hi)
 
 
 def _default_stage_size(comm: Communicator, codec: Codec, count: int) -> int:
     """The backend's stage size for ``count`` values (docs/design.md, "The collective")."""
-    return stage_size(comm.backend, count, comm.size, codec.wire_size(PIECE_ALIGN) /
-                        (4 * PIECE_ALIGN))
+    return stage_size(
+        comm.backend, count, comm.size, codec.wire_size(PIECE_ALIGN) / (4 * PIECE_ALIGN)
+    )
 
 
 def _direct_result(out: Any, dtype: Any, source: Any, same_ok: bool) -> Any:
@@ -272,7 +293,8 @@ def _direct_result(out: Any, dtype: Any, source: Any, same_ok: bool) -> Any:
     if out is None or out.dtype != dtype or not out.flags.c_contiguous or out.size == 0:
         return None
     if array_module(out).may_share_memory(out, source) and not (
-            same_ok and _same_memory(out, source)):
+        same_ok and _same_memory(out, source)
+    ):
         return None
     return out.reshape(-1)
 
@@ -281,16 +303,21 @@ def _same_memory(a: Any, b: Any) -> bool:
     """Whether a and b view the same contiguous memory (nothing to copy)."""
     if a.size == 0:
         return True
-    ptr = (lambda v: v.data.ptr) if type(a).__module__.startswith("cupy") else \
-        (lambda v: v.__array_interface__["data"][0])
-    return ptr(a) == ptr(b) and a.nbytes == b.nbytes and b.flags.c_contiguous \
-        and a.flags.c_contiguous
+    ptr = (
+        (lambda v: v.data.ptr)
+        if type(a).__module__.startswith("cupy")
+        else (lambda v: v.__array_interface__["data"][0])
+    )
+    return (
+        ptr(a) == ptr(b) and a.nbytes == b.nbytes and b.flags.c_contiguous and a.flags.c_contiguous
+    )
 
 
 @renamed_keywords(chunk_elems="stage_size")
-def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", *, key: Any = None,
-                   parts: Sequence[Any] | None = None, comm: Communicator | None = None,
-                   stage_size: int | None = None, check: bool | None = None) -> Any:
+def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", *,
+                   key: Any = None, parts: Sequence[Any] | None = None,
+                   comm: Communicator | None = None, stage_size: int | None = None,
+                   check: bool | None = None) -> Any:  # fmt: skip
     """This rank's shard of the reduced flat ``x`` (``np.array_split`` convention).
 
     Each rank's pieces are quantized once on the way to the owner, who sums
@@ -314,15 +341,25 @@ def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", *, key: Any = Non
     else:
         shard = xp.empty(hi - lo, np.float32)
         # pieces are mapped into a scratch as they go: no full-size buffer
-        _compressed(comm, codec, "reduce_scatter", as_float32(x), tensors, shard, lo,
-                    stage_size, mapped=None)
+        _compressed(
+            comm,
+            codec,
+            "reduce_scatter",
+            as_float32(x),
+            tensors,
+            shard,
+            lo,
+            stage_size,
+            mapped=None,
+        )
     if op == "avg":
         divide(shard, comm.size)
     return shard.astype(x.dtype, copy=False)
 
 
-def allgather(x: Any, codec: Any = None, *, comm: Communicator | None = None,
-              check: bool | None = None) -> Any:
+def allgather(
+    x: Any, codec: Any = None, *, comm: Communicator | None = None, check: bool | None = None
+) -> Any:
     """Stack every rank's ``x`` (same shape on all ranks): shape ``(size, *x.shape)``.
 
     Each rank encodes its own array once; every rank decodes all of them from
@@ -331,8 +368,9 @@ def allgather(x: Any, codec: Any = None, *, comm: Communicator | None = None,
     """
     x, codec, comm = _prepare(x, "sum", codec, comm)
     if check_enabled(check):
-        check_consistent(comm, "allgather", x.size, x.dtype, "sum", codec,
-                         parts_of(x.shape, x.size, None, None))
+        check_consistent(
+            comm, "allgather", x.size, x.dtype, "sum", codec, parts_of(x.shape, x.size, None, None)
+        )
     xp = array_module(x)
     if x.dtype == np.float64:  # lossless codec only (checked in _prepare)
         send = xp.ascontiguousarray(x, np.float64).reshape(-1).view(np.uint8)
@@ -348,5 +386,5 @@ def allgather(x: Any, codec: Any = None, *, comm: Communicator | None = None,
     wait_ordered(comm.allgatherv(send, recv, counts, displs), "an all-gather", comm.rank)
     values = xp.empty((comm.size, x.size), np.float32)
     for j in range(comm.size):
-        codec.decode_wire(recv[j * seg: (j + 1) * seg], values[j])
+        codec.decode_wire(recv[j * seg : (j + 1) * seg], values[j])
     return values.reshape((comm.size, *x.shape)).astype(x.dtype, copy=False)

@@ -68,11 +68,13 @@ def __getattr__(name: str) -> Any:
     if name in (*native.CDEF_NAMES, "FORMATS", "MX_FORMATS"):  # the C core's constants
         return getattr(native, name)
     if name in _RENAMED:  # old names of the fp8 launch plan (CONTRIBUTING.md, "Names")
-        warnings.warn(f"geocomm.cuda.{name} is deprecated, use {_RENAMED[name]}",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"geocomm.cuda.{name} is deprecated, use {_RENAMED[name]}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return globals()[_RENAMED[name]]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 
 # ---------------------------------------------------------------------------
@@ -91,8 +93,7 @@ def wire_size(fmt: int | str, n: int, block: int = 0) -> int:
     if fmt in (native.E4M3, native.E5M2):
         return 4 * -(-n // (block or n)) + n
     if fmt == native.NVFP4:
-        return (4 * -(-n // native.NVFP4_SUPERBLOCK) + -(-n // native.NVFP4_BLOCK)
-                + -(-n // 2))
+        return 4 * -(-n // native.NVFP4_SUPERBLOCK) + -(-n // native.NVFP4_BLOCK) + -(-n // 2)
     if fmt in native.MX_FORMATS:
         return -(-n // native.MX_BLOCK) + (-(-n // 2) if fmt == native.MXFP4 else n)
     return 2 * n
@@ -201,13 +202,24 @@ def _amax_tiles(cupy: Any, x: Any, n: int, block: int) -> Any:
     per_block, total = _tiles(n, block)
     amax = cupy.zeros(-(-n // block), dtype=cupy.uint32)
     kernel(cupy, "gc_amax_tiles")(
-        (total,), (THREADS,), (x, _u64(n), _u64(block), _u64(per_block), _u64(TILE), amax))
+        (total,), (THREADS,), (x, _u64(n), _u64(block), _u64(per_block), _u64(TILE), amax)
+    )
     return amax
 
 
 @renamed_keywords(rng_stream="rounding_stream")
-def encode(fmt: int | str, x: Any, block: int, wire: Any, stream: Any = None, *,
-           flags: int = 0, seed: int = 0, rounding_stream: int = 0, offset: int = 0) -> None:
+def encode(
+    fmt: int | str,
+    x: Any,
+    block: int,
+    wire: Any,
+    stream: Any = None,
+    *,
+    flags: int = 0,
+    seed: int = 0,
+    rounding_stream: int = 0,
+    offset: int = 0,
+) -> None:
     """Encode the float32 values of cupy array ``x`` into the first bytes of ``wire``.
 
     ``flags`` (STOCHASTIC, RCEIL), ``seed``, ``rounding_stream`` and ``offset`` as
@@ -240,34 +252,43 @@ def encode(fmt: int | str, x: Any, block: int, wire: Any, stream: Any = None, *,
         elif fmt == native.NVFP4:  # superblock amaxes, then one thread per code byte
             amax = _amax_tiles(cupy, x, n, min(n, native.NVFP4_SUPERBLOCK))
             kernel(cupy, "gc_nvfp4_encode")(
-                _grid((n + 1) // 2), (THREADS,), (x, _u64(n), amax, *rounding, wire))
+                _grid((n + 1) // 2), (THREADS,), (x, _u64(n), amax, *rounding, wire)
+            )
         elif fmt == native.MXFP4:
             kernel(cupy, "gc_mxfp4_encode")(
-                _grid((n + 1) // 2), (THREADS,), (x, _u64(n), rceil, *rounding, wire))
+                _grid((n + 1) // 2), (THREADS,), (x, _u64(n), rceil, *rounding, wire)
+            )
         elif fmt in native.MX_FORMATS:
             kernel(cupy, "gc_mxfp8_encode")(
-                _grid(n), (THREADS,),
-                (x, _u64(n), np.int32(fmt == native.MXFP8_E5M2), rceil, *rounding, wire))
+                _grid(n),
+                (THREADS,),
+                (x, _u64(n), np.int32(fmt == native.MXFP8_E5M2), rceil, *rounding, wire),
+            )
         else:
             _encode_fp8(cupy, fmt, x, n, fp8_launch(n, block), rounding, wire)
 
 
-def _encode_fp8(cupy: Any, fmt: int, x: Any, n: int, plan: Fp8Launch, rounding: tuple,
-                wire: Any) -> None:
+def _encode_fp8(
+    cupy: Any, fmt: int, x: Any, n: int, plan: Fp8Launch, rounding: tuple, wire: Any
+) -> None:
     e5m2 = np.int32(fmt == native.E5M2)
     head = (x, _u64(n), _u64(plan.block), _u64(plan.nblocks))
     if plan.team_shift is not None:
         kernel(cupy, "gc_fp8_encode_team")(
-            (plan.grid,), (THREADS,), (*head, np.uint32(plan.team_shift), e5m2, *rounding, wire))
+            (plan.grid,), (THREADS,), (*head, np.uint32(plan.team_shift), e5m2, *rounding, wire)
+        )
         return
     amax = _amax_tiles(cupy, x, n, plan.block)
     kernel(cupy, "gc_fp8_encode_tiles")(
-        (plan.grid,), (THREADS,),
-        (*head, _u64(plan.tiles_per_block), _u64(TILE), amax, e5m2, *rounding, wire))
+        (plan.grid,),
+        (THREADS,),
+        (*head, _u64(plan.tiles_per_block), _u64(TILE), amax, e5m2, *rounding, wire),
+    )
 
 
-def decode(fmt: int | str, wire: Any, block: int, out: Any, accumulate: bool = False,
-           stream: Any = None) -> None:
+def decode(
+    fmt: int | str, wire: Any, block: int, out: Any, accumulate: bool = False, stream: Any = None
+) -> None:
     """Decode ``out.size`` values from ``wire`` into (or, accumulating, onto) cupy array ``out``.
 
     Accumulation is one fp32 add per value, as in the C core. Runs on
@@ -286,27 +307,31 @@ def decode(fmt: int | str, wire: Any, block: int, out: Any, accumulate: bool = F
             kernel(cupy, "gc_bf16_decode")(_grid(n), (THREADS,), (wire, _u64(n), acc, out))
         elif fmt in (native.NVFP4, native.MXFP4):
             kernel(cupy, "gc_e2m1_decode")(
-                _grid((n + 1) // 2), (THREADS,),
-                (wire, _u64(n), np.int32(fmt == native.MXFP4), acc, out))
+                _grid((n + 1) // 2),
+                (THREADS,),
+                (wire, _u64(n), np.int32(fmt == native.MXFP4), acc, out),
+            )
         elif fmt in native.MX_FORMATS:
             kernel(cupy, "gc_mxfp8_decode")(
-                _grid(n), (THREADS,),
-                (wire, _u64(n), np.int32(fmt == native.MXFP8_E5M2), acc, out))
+                _grid(n), (THREADS,), (wire, _u64(n), np.int32(fmt == native.MXFP8_E5M2), acc, out)
+            )
         else:
             _decode_fp8(cupy, fmt, wire, n, fp8_launch(n, block), acc, out)
 
 
-def _decode_fp8(cupy: Any, fmt: int, wire: Any, n: int, plan: Fp8Launch, acc: np.int32,
-                out: Any) -> None:
+def _decode_fp8(
+    cupy: Any, fmt: int, wire: Any, n: int, plan: Fp8Launch, acc: np.int32, out: Any
+) -> None:
     e5m2 = np.int32(fmt == native.E5M2)
     head = (wire, _u64(n), _u64(plan.block), _u64(plan.nblocks))
     if plan.team_shift is not None:
         kernel(cupy, "gc_fp8_decode_team")(
-            (plan.grid,), (THREADS,), (*head, np.uint32(plan.team_shift), e5m2, acc, out))
+            (plan.grid,), (THREADS,), (*head, np.uint32(plan.team_shift), e5m2, acc, out)
+        )
         return
     kernel(cupy, "gc_fp8_decode_tiles")(
-        (plan.grid,), (THREADS,),
-        (*head, _u64(plan.tiles_per_block), _u64(TILE), e5m2, acc, out))
+        (plan.grid,), (THREADS,), (*head, _u64(plan.tiles_per_block), _u64(TILE), e5m2, acc, out)
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -344,16 +369,22 @@ def divide(values: Any, size: int, stream: Any = None) -> None:
     cupy = require()
     size = _divisor(size)
     dtype = getattr(values, "dtype", None)
-    if (not isinstance(values, cupy.ndarray) or dtype not in _DIVIDE_KERNELS
-            or not values.flags.c_contiguous):
-        raise TypeError("values must be a C-contiguous float32 or float64 cupy array, got "
-                        f"{type(values).__name__} of dtype {dtype}")
+    if (
+        not isinstance(values, cupy.ndarray)
+        or dtype not in _DIVIDE_KERNELS
+        or not values.flags.c_contiguous
+    ):
+        raise TypeError(
+            "values must be a C-contiguous float32 or float64 cupy array, got "
+            f"{type(values).__name__} of dtype {dtype}"
+        )
     n = values.size
     if n == 0:
         return
     with _launch_context(values.device, stream):
         kernel(cupy, _DIVIDE_KERNELS[dtype])(
-            divide_grid(n), (THREADS,), (values, _u64(n), values.dtype.type(size)))
+            divide_grid(n), (THREADS,), (values, _u64(n), values.dtype.type(size))
+        )
 
 
 # ---------------------------------------------------------------------------

@@ -29,10 +29,14 @@ def renamed_keywords(**renames: str) -> Callable[[F], F]:
             for old, new in renames.items():
                 if old in kwargs:
                     if new in kwargs:
-                        raise TypeError(f"{function.__qualname__}() got both {old}= and "
-                                        f"{new}= (use {new}=)")
-                    warnings.warn(f"{function.__qualname__}(): {old}= is deprecated, use "
-                                  f"{new}=", DeprecationWarning, stacklevel=2)
+                        raise TypeError(
+                            f"{function.__qualname__}() got both {old}= and {new}= (use {new}=)"
+                        )
+                    warnings.warn(
+                        f"{function.__qualname__}(): {old}= is deprecated, use {new}=",
+                        DeprecationWarning,
+                        stacklevel=2,
+                    )
                     kwargs[new] = kwargs.pop(old)
             return function(*args, **kwargs)
 
@@ -47,10 +51,20 @@ class DeprecatedOption(argparse.Action):
     ``help=argparse.SUPPRESS`` and the new option's ``dest``): stores the value and
     warns that the new option replaces it."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        new = next((a.option_strings[0] for a in parser._actions
-                    if a.dest == self.dest and a is not self and a.option_strings), self.dest)
-        warnings.warn(f"{option_string} is deprecated, use {new}", DeprecationWarning,
-                      stacklevel=2)
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        new = next(
+            (
+                a.option_strings[0]
+                for a in parser._actions
+                if a.dest == self.dest and a is not self and a.option_strings
+            ),
+            self.dest,
+        )
+        warnings.warn(f"{option_string} is deprecated, use {new}", DeprecationWarning, stacklevel=2)
         setattr(namespace, self.dest, values)

@@ -41,8 +41,9 @@ def find_mpiexec() -> str:
 
 def _flavour(mpiexec: str) -> str:
     try:
-        text = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
-                              timeout=30).stdout
+        text = subprocess.run(
+            [mpiexec, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     if "Open MPI" in text or "OpenRTE" in text or "PRRTE" in text:
@@ -52,8 +53,9 @@ def _flavour(mpiexec: str) -> str:
     return "unknown"
 
 
-def mpiexec_command(nranks: int, command: list[str], extra: list[str] | None = None) -> tuple[
-        list[str], dict[str, str]]:
+def mpiexec_command(
+    nranks: int, command: list[str], extra: list[str] | None = None
+) -> tuple[list[str], dict[str, str]]:
     """The argv and environment that run ``command`` on ``nranks`` ranks."""
     mpiexec = find_mpiexec()
     env = dict(os.environ)
@@ -69,13 +71,18 @@ def mpiexec_command(nranks: int, command: list[str], extra: list[str] | None = N
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m geocomm.launch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m geocomm.launch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("-n", "--nranks", type=int, default=2, help="number of ranks (2)")
-    parser.add_argument("--timeout", type=float, default=None,
-                        help="seconds after which the whole job is killed")
-    parser.add_argument("--mpi-arg", action="append", default=[],
-                        help="extra argument for mpiexec (repeatable)")
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="seconds after which the whole job is killed"
+    )
+    parser.add_argument(
+        "--mpi-arg", action="append", default=[], help="extra argument for mpiexec (repeatable)"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- command and arguments")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

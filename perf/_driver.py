@@ -82,26 +82,40 @@ def parse_args(name: str, argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("-J", "--output_file", default=None, help="write results as JSON")
     p.add_argument("--codec", default="fp8", help="codec id (none, bf16, fp8, nvfp4, geofp8...)")
     p.add_argument("--codec-args", default="{}", help='JSON codec parameters, e.g. {"fmt":"e5m2"}')
-    p.add_argument("--stage-size", type=int, default=None,
-                   help="values per pipeline stage (default: the backend's)")
-    p.add_argument("--chunk", dest="stage_size", type=int, action=DeprecatedOption,
-                   help=argparse.SUPPRESS)  # the old name of --stage-size
-    p.add_argument("--breakdown", action="store_true",
-                   help="also time encode, communication and decode on their own")
-    p.add_argument("--input", choices=["auto", "gaussian", "gradient"], default="auto",
-                   help="gaussian vectors or gradient-like matrices (auto: gradient for "
-                        "transforming codecs)")
+    p.add_argument(
+        "--stage-size",
+        type=int,
+        default=None,
+        help="values per pipeline stage (default: the backend's)",
+    )
+    p.add_argument(
+        "--chunk", dest="stage_size", type=int, action=DeprecatedOption, help=argparse.SUPPRESS
+    )  # the old name of --stage-size
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time encode, communication and decode on their own",
+    )
+    p.add_argument(
+        "--input",
+        choices=["auto", "gaussian", "gradient"],
+        default="auto",
+        help="gaussian vectors or gradient-like matrices (auto: gradient for transforming codecs)",
+    )
     p.add_argument("--cols", type=int, default=4096, help="columns of gradient-like inputs")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
-def _inputs(count: int, ranks: list[int], seed: int, index: int, dtype, kind: str,
-            cols: int) -> list[np.ndarray]:
+def _inputs(
+    count: int, ranks: list[int], seed: int, index: int, dtype, kind: str, cols: int
+) -> list[np.ndarray]:
     """The inputs of ``ranks`` for sweep point ``index`` (any rank can rebuild any)."""
     if kind == "gaussian" or count < 2 * cols or count % cols:
-        return [np.random.default_rng([seed, index, r]).standard_normal(count, np.float32)
-                .astype(dtype) for r in ranks]
+        return [
+            np.random.default_rng([seed, index, r]).standard_normal(count, np.float32).astype(dtype)
+            for r in ranks
+        ]
     rows, rank_k = count // cols, 16
     shared = np.random.default_rng([seed, index, 1 << 20])
     sigma = 2.0 ** (-np.arange(rank_k) / 4)
@@ -110,8 +124,14 @@ def _inputs(count: int, ranks: list[int], seed: int, index: int, dtype, kind: st
     signal = u @ v
     # noise of 1/3 the signal's rms: the rank-16 signal holds ~90% of the energy
     scale = np.float32(float(np.sqrt(np.mean(signal * signal))) / 3)
-    return [(signal + scale * np.random.default_rng([seed, index, r]).standard_normal(
-        (rows, cols), np.float32)).astype(dtype) for r in ranks]
+    return [
+        (
+            signal
+            + scale
+            * np.random.default_rng([seed, index, r]).standard_normal((rows, cols), np.float32)
+        ).astype(dtype)
+        for r in ranks
+    ]
 
 
 #: Values per slice of the result check: the check holds a few fp64 copies of one
@@ -119,8 +139,15 @@ def _inputs(count: int, ranks: list[int], seed: int, index: int, dtype, kind: st
 CHECK_SLICE = 1 << 22
 
 
-def check(coll: Collective, xs: list[np.ndarray], result: np.ndarray, codec: Any, comm: Any,
-          op: str, dtype: Any) -> tuple[int, float]:
+def check(
+    coll: Collective,
+    xs: list[np.ndarray],
+    result: np.ndarray,
+    codec: Any,
+    comm: Any,
+    op: str,
+    dtype: Any,
+) -> tuple[int, float]:
     """(#wrong over all ranks, this rank's relative error) of ``result`` against the
     fp64 reduction of every rank's input ``xs``, slice by slice.
 
@@ -130,8 +157,9 @@ def check(coll: Collective, xs: list[np.ndarray], result: np.ndarray, codec: Any
     cast's half unit.
     """
     rank, size = comm.rank, comm.size
-    flat = [x.reshape(-1) if x.dtype == np.float32 else x.reshape(-1).astype(np.float32)
-            for x in xs]
+    flat = [
+        x.reshape(-1) if x.dtype == np.float32 else x.reshape(-1).astype(np.float32) for x in xs
+    ]
     lo, hi = coll.span(flat[0].size, rank, size)
     got = result.reshape(-1)
     out_unit = 0.0 if dtype == np.float32 else (2.0**-11 if dtype == np.float16 else 2.0**-8)
@@ -139,8 +167,13 @@ def check(coll: Collective, xs: list[np.ndarray], result: np.ndarray, codec: Any
     amaxes = [float(np.max(np.abs(f))) if f.size else 0.0 for f in flat]
     a_prime = None
     if not transforms and not codec.lossless and coll.gather:
-        a_prime = max((bounds.stage_two_amax([f[a:b] for f in flat], codec, amaxes)
-                       for a, b in _slices(0, flat[0].size)), default=0.0)
+        a_prime = max(
+            (
+                bounds.stage_two_amax([f[a:b] for f in flat], codec, amaxes)
+                for a, b in _slices(0, flat[0].size)
+            ),
+            default=0.0,
+        )
     mine, err2, norm2 = 0, 0.0, 0.0
     for a, b in _slices(lo, hi):
         exact = np.zeros(b - a, np.float64)
@@ -148,7 +181,7 @@ def check(coll: Collective, xs: list[np.ndarray], result: np.ndarray, codec: Any
             exact += f[a:b]
         if op == "avg":
             exact /= size
-        diff = np.abs(got[a - lo: b - lo].astype(np.float64) - exact)
+        diff = np.abs(got[a - lo : b - lo].astype(np.float64) - exact)
         err2 += float(diff @ diff)
         norm2 += float(exact @ exact)
         if not transforms:
@@ -171,21 +204,29 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
     comm = get_comm()
     rank, size = comm.rank, comm.size
     codec = resolve_codec({"id": args.codec, **json.loads(args.codec_args)})
-    big = codec.for_count(args.maxbytes // np.dtype(DTYPES[args.datatype]).itemsize,
-                          comm.backend, size)
-    kind = args.input if args.input != "auto" else (
-        "gradient" if isinstance(big, TransformingCodec) else "gaussian")
+    big = codec.for_count(
+        args.maxbytes // np.dtype(DTYPES[args.datatype]).itemsize, comm.backend, size
+    )
+    kind = (
+        args.input
+        if args.input != "auto"
+        else ("gradient" if isinstance(big, TransformingCodec) else "gaussian")
+    )
     dtype = DTYPES[args.datatype]
     itemsize = np.dtype(dtype).itemsize
     say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"# geocomm {coll.name}_perf: {size} ranks, codec {codec.get_config()}, "
+    say(
+        f"# geocomm {coll.name}_perf: {size} ranks, codec {codec.get_config()}, "
         f"op {args.op}, type {args.datatype}, stage size {args.stage_size or 'default'}, "
-        f"input {kind}" + (f" ({args.cols} columns)" if kind == "gradient" else ""))
+        f"input {kind}" + (f" ({args.cols} columns)" if kind == "gradient" else "")
+    )
     say("# command: " + launch_command(size))
     ruler = yardstick(comm)
     say(f"# yardstick: {ruler}")
-    head = (f"{'size':>12} {'count':>10} {'type':>8} {'redop':>6} {'time(us)':>10} "
-            f"{'algbw':>7} {'busbw':>7} {'#wrong':>7} {'wire(B)':>12} {'ratio':>6} {'relerr':>9}")
+    head = (
+        f"{'size':>12} {'count':>10} {'type':>8} {'redop':>6} {'time(us)':>10} "
+        f"{'algbw':>7} {'busbw':>7} {'#wrong':>7} {'wire(B)':>12} {'ratio':>6} {'relerr':>9}"
+    )
     if args.breakdown:
         head += f" {'enc(us)':>9} {'comm(us)':>9} {'dec(us)':>9} {'pipe(us)':>9} {'overlap':>7}"
     say(head)
@@ -213,22 +254,33 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
         fp32_wire = coll.bus_factor(size) * count * 4
         algbw = count * itemsize / seconds / 1e9
         row = {
-            "size": count * itemsize, "count": count, "type": args.datatype, "redop": args.op,
-            "time_us": seconds * 1e6, "algbw_GBps": algbw,
-            "busbw_GBps": algbw * coll.bus_factor(size), "wrong": wrong, "wire_bytes": wire,
-            "ratio_to_fp32": wire / fp32_wire if fp32_wire else 0.0, "relerr": relerr,
+            "size": count * itemsize,
+            "count": count,
+            "type": args.datatype,
+            "redop": args.op,
+            "time_us": seconds * 1e6,
+            "algbw_GBps": algbw,
+            "busbw_GBps": algbw * coll.bus_factor(size),
+            "wrong": wrong,
+            "wire_bytes": wire,
+            "ratio_to_fp32": wire / fp32_wire if fp32_wire else 0.0,
+            "relerr": relerr,
         }
-        line = (f"{row['size']:>12} {count:>10} {args.datatype:>8} {args.op:>6} "
-                f"{row['time_us']:>10.1f} {algbw:>7.3f} {row['busbw_GBps']:>7.3f} {wrong:>7} "
-                f"{wire:>12} {row['ratio_to_fp32']:>6.3f} {relerr:>9.2e}")
+        line = (
+            f"{row['size']:>12} {count:>10} {args.datatype:>8} {args.op:>6} "
+            f"{row['time_us']:>10.1f} {algbw:>7.3f} {row['busbw_GBps']:>7.3f} {wrong:>7} "
+            f"{wire:>12} {row['ratio_to_fp32']:>6.3f} {relerr:>9.2e}"
+        )
         if args.breakdown and not codec.lossless:
             parts = breakdown(comm, codec, x, args.stage_size, coll.gather)
             serial = parts["encode"] + parts["comm"] + parts["decode"]
             row["breakdown_us"] = {k: v * 1e6 for k, v in parts.items()}
             row["overlap_ratio"] = parts["pipelined"] / serial if serial else float("nan")
-            line += (f" {parts['encode'] * 1e6:>9.1f} {parts['comm'] * 1e6:>9.1f} "
-                     f"{parts['decode'] * 1e6:>9.1f} {parts['pipelined'] * 1e6:>9.1f} "
-                     f"{row['overlap_ratio']:>7.3f}")
+            line += (
+                f" {parts['encode'] * 1e6:>9.1f} {parts['comm'] * 1e6:>9.1f} "
+                f"{parts['decode'] * 1e6:>9.1f} {parts['pipelined'] * 1e6:>9.1f} "
+                f"{row['overlap_ratio']:>7.3f}"
+            )
         say(line)
         rows.append(row)
         nbytes, index = nbytes * args.stepfactor, index + 1
@@ -239,18 +291,29 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
     say(f"# Out of bounds values : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}")
     say(f"# Avg bus bandwidth    : {avg_busbw:.4f} GB/s")
     if rows:
-        say(f"# Largest size busbw   : {rows[-1]['busbw_GBps']:.4f} GB/s "
-            f"at {rows[-1]['size']} bytes")
+        say(
+            f"# Largest size busbw   : {rows[-1]['busbw_GBps']:.4f} GB/s "
+            f"at {rows[-1]['size']} bytes"
+        )
     if rank == 0 and args.output_file:
         report = {
-            "tool": f"{coll.name}_perf", "command": launch_command(size), "ranks": size,
-            "codec": codec.get_config(), "op": args.op, "datatype": args.datatype,
+            "tool": f"{coll.name}_perf",
+            "command": launch_command(size),
+            "ranks": size,
+            "codec": codec.get_config(),
+            "op": args.op,
+            "datatype": args.datatype,
             "link": emulated_link() or "shared memory",
-            "input": kind, "cols": args.cols if kind == "gradient" else None,
-            "stage_size": args.stage_size, "machine": platform.machine(),
+            "input": kind,
+            "cols": args.cols if kind == "gradient" else None,
+            "stage_size": args.stage_size,
+            "machine": platform.machine(),
             "python": platform.python_version(),
-            "geocomm": geocomm.__version__, "rows": rows, "wrong_total": total_wrong,
-            "avg_busbw_GBps": avg_busbw, "yardstick": dataclasses.asdict(ruler),
+            "geocomm": geocomm.__version__,
+            "rows": rows,
+            "wrong_total": total_wrong,
+            "avg_busbw_GBps": avg_busbw,
+            "yardstick": dataclasses.asdict(ruler),
         }
         Path(args.output_file).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_file).write_text(json.dumps(report, indent=1) + "\n")

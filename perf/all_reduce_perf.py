@@ -1,6 +1,6 @@
 """Compressed all-reduce sweep, nccl-tests style.
 
-    python -m geocomm.launch -n 2 -- python perf/all_reduce_perf.py -b 8 -e 128M -f 2 --codec fp8
+python -m geocomm.launch -n 2 -- python perf/all_reduce_perf.py -b 8 -e 128M -f 2 --codec fp8
 """
 
 import sys

@@ -40,8 +40,22 @@ def setup_namespace(name: str, rate: str, delay: str | None, burst: str) -> None
     if delay:
         # netem adds the one-way delay; tbf below it limits the rate
         _run([*tc, "root", "handle", "1:", "netem", "delay", delay])
-        _run([*tc, "parent", "1:1", "handle", "10:", "tbf", "rate", rate, "burst", burst,
-              "latency", "100ms"])
+        _run(
+            [
+                *tc,
+                "parent",
+                "1:1",
+                "handle",
+                "10:",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                burst,
+                "latency",
+                "100ms",
+            ]
+        )
     else:
         _run([*tc, "root", "tbf", "rate", rate, "burst", burst, "latency", "100ms"])
 
@@ -54,13 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rate", default="10gbit", help="link rate in tc units (1gbit, 10gbit...)")
     p.add_argument("--delay", default=None, help="one-way latency in tc units (e.g. 50us)")
-    p.add_argument("--burst", default="128kb",
-                   help="token bucket size (default 128kb: two 64 KiB loopback packets; a "
-                        "larger bucket lets traffic that follows a pause run above the rate)")
+    p.add_argument(
+        "--burst",
+        default="128kb",
+        help="token bucket size (default 128kb: two 64 KiB loopback packets; a "
+        "larger bucket lets traffic that follows a pause run above the rate)",
+    )
     p.add_argument("-n", "--nranks", type=int, default=2)
-    p.add_argument("--plain", action="store_true",
-                   help="leave thread variables alone, as a plain mpirun would (geocomm.launch "
-                        "gives each rank its share of the cores for BLAS/OpenMP threads)")
+    p.add_argument(
+        "--plain",
+        action="store_true",
+        help="leave thread variables alone, as a plain mpirun would (geocomm.launch "
+        "gives each rank its share of the cores for BLAS/OpenMP threads)",
+    )
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
@@ -68,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         p.error("no command given (put it after --)")
     if os.geteuid() != 0:
-        print("emulated_link: needs root for network namespaces and tc; run it as root",
-              file=sys.stderr)
+        print(
+            "emulated_link: needs root for network namespaces and tc; run it as root",
+            file=sys.stderr,
+        )
         return 2
     name = f"geocomm-{uuid.uuid4().hex[:8]}"
     mpi_argv, env = mpiexec_command(args.nranks, command, TCP_ARGS)
@@ -77,8 +99,11 @@ def main(argv: list[str] | None = None) -> int:
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             if var not in os.environ:
                 env.pop(var, None)
-    env["GEOCOMM_LINK"] = (f"{args.rate}" + (f" delay {args.delay}" if args.delay else "")
-                           + (" plain" if args.plain else ""))
+    env["GEOCOMM_LINK"] = (
+        f"{args.rate}"
+        + (f" delay {args.delay}" if args.delay else "")
+        + (" plain" if args.plain else "")
+    )
 
     def cleanup(*_: object) -> None:
         remove_namespace(name)
@@ -87,14 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, cleanup)
     try:
         setup_namespace(name, args.rate, args.delay, args.burst)
-        print(f"# emulated link: {env['GEOCOMM_LINK']} in netns {name}; "
-              f"{shlex.join(mpi_argv)}", flush=True)
-        job = subprocess.run(["ip", "netns", "exec", name, *mpi_argv], env=env,
-                             timeout=args.timeout)
+        print(
+            f"# emulated link: {env['GEOCOMM_LINK']} in netns {name}; {shlex.join(mpi_argv)}",
+            flush=True,
+        )
+        job = subprocess.run(
+            ["ip", "netns", "exec", name, *mpi_argv], env=env, timeout=args.timeout
+        )
         return job.returncode
     except subprocess.CalledProcessError as exc:
-        print(f"emulated_link: {shlex.join(exc.cmd)} failed: {exc.stderr.strip()}",
-              file=sys.stderr)
+        print(f"emulated_link: {shlex.join(exc.cmd)} failed: {exc.stderr.strip()}", file=sys.stderr)
         return 2
     except subprocess.TimeoutExpired:
         print(f"emulated_link: job exceeded {args.timeout} s", file=sys.stderr)

@@ -43,7 +43,8 @@ def gradient_like(m: int, n: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng([seed, m, n])
     sigma = (2.0 ** (-np.arange(16) / 4)).astype(np.float32)
     signal = (rng.standard_normal((m, 16), np.float32) * sigma) @ rng.standard_normal(
-        (16, n), np.float32)
+        (16, n), np.float32
+    )
     noise = rng.standard_normal((m, n), np.float32)
     return signal + np.float32(np.sqrt(np.mean(signal * signal)) / 3) * noise
 
@@ -92,8 +93,7 @@ class Call:
         if plan is not None:
             self._clock("map back", plan.inverse, self.result, 0, plan.side)
             if plan.refreshes:
-                self._clock("refresh", run_refresh_locally, codec, plan, self.result,
-                            plan.side)
+                self._clock("refresh", run_refresh_locally, codec, plan, self.result, plan.side)
 
 
 def steady_state(codec: Any, x: np.ndarray, refresh: int) -> tuple[float, dict[str, float]]:
@@ -132,11 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     default = get_codec("geofp8")
     geo_s, phases = steady_state(default, x, default.refresh_period)
     dims = default.map_shape(x.shape)
-    print(f"# {m} x {n}, one core; np.copyto {flat.nbytes / copy_s / 1e9:.2f} GB/s, "
-          f"fp8 encode+decode {fp8_s * 1e3:.2f} ms ({flat.nbytes / fp8_s / 1e9:.2f} GB/s)")
+    print(
+        f"# {m} x {n}, one core; np.copyto {flat.nbytes / copy_s / 1e9:.2f} GB/s, "
+        f"fp8 encode+decode {fp8_s * 1e3:.2f} ms ({flat.nbytes / fp8_s / 1e9:.2f} GB/s)"
+    )
     print(f"# command: python {' '.join(sys.argv)}")
-    print(f"default geofp8 (k={dims.k}, refresh={default.refresh_period}): "
-          f"{geo_s * 1e3:.2f} ms = {geo_s / fp8_s:.2f}x fp8")
+    print(
+        f"default geofp8 (k={dims.k}, refresh={default.refresh_period}): "
+        f"{geo_s * 1e3:.2f} ms = {geo_s / fp8_s:.2f}x fp8"
+    )
     for phase, sec in phases.items():
         print(f"  {phase:>9}: {sec * 1e3:7.2f} ms  ({sec / geo_s:5.1%})")
     sweep = []
@@ -148,14 +152,23 @@ def main(argv: list[str] | None = None) -> int:
             sweep.append({"k": k, "refresh": r, "seconds": sec, "ratio_to_fp8": sec / fp8_s})
             print(f"{k:>4} {r:>8} {sec * 1e3:>8.2f} {sec / fp8_s:>7.2f}")
     if args.json:
-        result = {"command": "python " + " ".join(sys.argv), "shape": [m, n],
-                  "machine": platform.machine(), "python": platform.python_version(),
-                  "copyto_GBps": flat.nbytes / copy_s / 1e9, "fp8_seconds": fp8_s,
-                  "fp8_GBps": flat.nbytes / fp8_s / 1e9,
-                  "default": {"config": default.get_config(), "k": dims.k,
-                              "seconds": geo_s, "ratio_to_fp8": geo_s / fp8_s,
-                              "phases_seconds": phases},
-                  "sweep": sweep}
+        result = {
+            "command": "python " + " ".join(sys.argv),
+            "shape": [m, n],
+            "machine": platform.machine(),
+            "python": platform.python_version(),
+            "copyto_GBps": flat.nbytes / copy_s / 1e9,
+            "fp8_seconds": fp8_s,
+            "fp8_GBps": flat.nbytes / fp8_s / 1e9,
+            "default": {
+                "config": default.get_config(),
+                "k": dims.k,
+                "seconds": geo_s,
+                "ratio_to_fp8": geo_s / fp8_s,
+                "phases_seconds": phases,
+            },
+            "sweep": sweep,
+        }
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1) + "\n")
@@ -166,21 +179,29 @@ def main(argv: list[str] | None = None) -> int:
 def markdown(r: dict[str, Any]) -> str:
     d = r["default"]
     lines = [
-        "# GeoFP8 cost on one core", "",
-        f"Command: `{r['command']}`", "",
+        "# GeoFP8 cost on one core",
+        "",
+        f"Command: `{r['command']}`",
+        "",
         f"{r['shape'][0]} x {r['shape'][1]} gradient-like matrix, one thread. Yardsticks "
         f"measured in the same run: np.copyto {r['copyto_GBps']:.2f} GB/s, FP8 E4M3 block 128 "
-        f"encode + decode {r['fp8_seconds'] * 1e3:.2f} ms ({r['fp8_GBps']:.2f} GB/s).", "",
+        f"encode + decode {r['fp8_seconds'] * 1e3:.2f} ms ({r['fp8_GBps']:.2f} GB/s).",
+        "",
         f"Default geofp8 (k = {d['k']}, refresh every {d['config']['refresh']} calls): "
         f"{d['seconds'] * 1e3:.2f} ms per call = **{d['ratio_to_fp8']:.2f}x** FP8's time "
-        "(target <= 4x).", "",
-        "| phase | ms per call | share |", "| --- | --- | --- |",
+        "(target <= 4x).",
+        "",
+        "| phase | ms per call | share |",
+        "| --- | --- | --- |",
     ]
-    lines += [f"| {k} | {v * 1e3:.2f} | {v / d['seconds']:.1%} |"
-              for k, v in d["phases_seconds"].items()]
+    lines += [
+        f"| {k} | {v * 1e3:.2f} | {v / d['seconds']:.1%} |" for k, v in d["phases_seconds"].items()
+    ]
     lines += ["", "| k | refresh | ms per call | x FP8 |", "| --- | --- | --- | --- |"]
-    lines += [f"| {s['k']} | {s['refresh']} | {s['seconds'] * 1e3:.2f} | "
-              f"{s['ratio_to_fp8']:.2f} |" for s in r["sweep"]]
+    lines += [
+        f"| {s['k']} | {s['refresh']} | {s['seconds'] * 1e3:.2f} | {s['ratio_to_fp8']:.2f} |"
+        for s in r["sweep"]
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -124,8 +124,9 @@ from gpu_check_report import markdown, summary_word, write_report  # noqa: E402
 
 #: sections the twin cannot run, and why (reported as skipped under --twin)
 NEEDS_GPU = ("timing", "torch", "ddp")
-TWIN_SKIP_REASON = ("needs a real GPU (the twin runs no torch CUDA tensors and measures no "
-                    "device time)")
+TWIN_SKIP_REASON = (
+    "needs a real GPU (the twin runs no torch CUDA tensors and measures no device time)"
+)
 
 
 def fail_exit(message: str, code: int) -> None:
@@ -153,8 +154,9 @@ class Context:
     COMM_WORLD, or None for one process) and the communicators (built on first
     use; a failed NCCL set-up is re-raised by every section that needs it)."""
 
-    def __init__(self, cp: Any, args: argparse.Namespace, world: Any = None,
-                 sizes: Sizes | None = None):
+    def __init__(
+        self, cp: Any, args: argparse.Namespace, world: Any = None, sizes: Sizes | None = None
+    ):
         self.cp, self.args, self.world = cp, args, world
         self.twin = bool(getattr(args, "twin", False))
         self.sizes = sizes or PROFILES["twin" if self.twin else "gpu"]
@@ -213,8 +215,12 @@ class Context:
 
     def root_only(self) -> dict[str, Any]:
         """The result of a rank-0-only section on the other ranks."""
-        return {"ok": True, "status": "ran", "note": "single-process: ran on rank 0",
-                "failures": []}
+        return {
+            "ok": True,
+            "status": "ran",
+            "note": "single-process: ran on rank 0",
+            "failures": [],
+        }
 
     def decide(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank."""
@@ -226,17 +232,27 @@ class Context:
         if self.size == 1:
             return result
         self.quiet_barrier()
-        mine = {"ok": bool(result["ok"]), "status": result["status"],
-                "seconds": result["seconds"], "failures": list(result.get("failures", []))[:50]}
+        mine = {
+            "ok": bool(result["ok"]),
+            "status": result["status"],
+            "seconds": result["seconds"],
+            "failures": list(result.get("failures", []))[:50],
+        }
         ranks = self.world.allgather(mine)
         merged = dict(result)
         merged["ok"] = all(r["ok"] for r in ranks)
         merged["seconds"] = max(r["seconds"] for r in ranks)
-        merged["per_rank"] = [{"rank": r, "ok": s["ok"], "status": s["status"],
-                               "seconds": s["seconds"], "failures": len(s["failures"])}
-                              for r, s in enumerate(ranks)]
-        merged["failures"] = [f"rank {r}: {f}" for r, s in enumerate(ranks)
-                              for f in s["failures"]]
+        merged["per_rank"] = [
+            {
+                "rank": r,
+                "ok": s["ok"],
+                "status": s["status"],
+                "seconds": s["seconds"],
+                "failures": len(s["failures"]),
+            }
+            for r, s in enumerate(ranks)
+        ]
+        merged["failures"] = [f"rank {r}: {f}" for r, s in enumerate(ranks) for f in s["failures"]]
         return merged
 
 
@@ -245,9 +261,14 @@ class Context:
 
 
 SECTIONS: dict[str, Callable[[Context], dict[str, Any]]] = {
-    "bytes": check_bytes, "errors": check_errors, "nccl": check_nccl,
-    "collectives": check_collectives, "torch": check_torch, "geofp8": check_geofp8,
-    "timing": check_timing, "ddp": check_ddp,
+    "bytes": check_bytes,
+    "errors": check_errors,
+    "nccl": check_nccl,
+    "collectives": check_collectives,
+    "torch": check_torch,
+    "geofp8": check_geofp8,
+    "timing": check_timing,
+    "ddp": check_ddp,
 }
 
 
@@ -258,63 +279,95 @@ def run_sections(ctx: Context, names: list[str], budget_s: float) -> dict[str, d
     start = time.monotonic()
     for name in names:
         if ctx.decide(time.monotonic() - start > budget_s):
-            results[name] = {"ok": False, "status": "skipped",
-                             "reason": f"time budget of {budget_s:.0f} s used up", "failures": [
-                                 "not run: time budget used up"]}
+            results[name] = {
+                "ok": False,
+                "status": "skipped",
+                "reason": f"time budget of {budget_s:.0f} s used up",
+                "failures": ["not run: time budget used up"],
+            }
             continue
         began = time.monotonic()
         if ctx.twin and name in NEEDS_GPU:
-            result = {"ok": True, "status": "skipped", "reason": TWIN_SKIP_REASON,
-                      "failures": []}
+            result = {"ok": True, "status": "skipped", "reason": TWIN_SKIP_REASON, "failures": []}
         else:
             try:
                 result = SECTIONS[name](ctx)
             except Exception:
-                result = {"ok": False, "status": "failed", "error": traceback.format_exc(),
-                          "failures": [traceback.format_exc(limit=3).strip()]}
+                result = {
+                    "ok": False,
+                    "status": "failed",
+                    "error": traceback.format_exc(),
+                    "failures": [traceback.format_exc(limit=3).strip()],
+                }
         result.setdefault("status", "ran")
         result["seconds"] = time.monotonic() - began
         result = ctx.combine(result)
         results[name] = result
         if ctx.is_root:
-            print(f"gpu_check: {name}: {summary_word(result)} ({result['seconds']:.1f} s)",
-                  flush=True)
+            print(
+                f"gpu_check: {name}: {summary_word(result)} ({result['seconds']:.1f} s)", flush=True
+            )
     return results
 
 
 def environment(cp: Any, ctx: Context | None = None) -> dict[str, Any]:
-    info: dict[str, Any] = {"python": platform.python_version(), "numpy": np.__version__,
-                            "cupy": getattr(cp, "__version__", "?"),
-                            "ranks": ctx.size if ctx is not None else 1}
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "cupy": getattr(cp, "__version__", "?"),
+        "ranks": ctx.size if ctx is not None else 1,
+    }
     if getattr(cp, "TWIN", False):
-        info.update(device=f"CuPy twin ({TWIN_PATH}: host memory, kernels compiled for the "
-                    "CPU)", twin=True, profile="twin")
+        info.update(
+            device=f"CuPy twin ({TWIN_PATH}: host memory, kernels compiled for the CPU)",
+            twin=True,
+            profile="twin",
+        )
         return info
     try:
         props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
         name = props["name"]
-        info.update(device=name.decode() if isinstance(name, bytes) else name,
-                    compute_capability=cp.cuda.Device().compute_capability,
-                    driver=cp.cuda.runtime.driverGetVersion(),
-                    runtime=cp.cuda.runtime.runtimeGetVersion())
+        info.update(
+            device=name.decode() if isinstance(name, bytes) else name,
+            compute_capability=cp.cuda.Device().compute_capability,
+            driver=cp.cuda.runtime.driverGetVersion(),
+            runtime=cp.cuda.runtime.runtimeGetVersion(),
+        )
     except Exception as exc:  # report, do not fail: the checks say what matters
         info["device_error"] = repr(exc)
     return info
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="Sections: " + ", ".join(SECTIONS))
-    p.add_argument("--out", type=Path, default=Path("perf/results/gpu_check.json"),
-                   help="JSON report; the markdown summary goes beside it (.md)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog="Sections: " + ", ".join(SECTIONS)
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("perf/results/gpu_check.json"),
+        help="JSON report; the markdown summary goes beside it (.md)",
+    )
     p.add_argument("--seed", type=int, default=20261129)
-    p.add_argument("--only", nargs="+", choices=list(SECTIONS), default=list(SECTIONS),
-                   help="run only these sections")
-    p.add_argument("--budget-s", type=float, default=420.0,
-                   help="start no section after this many seconds (default 420)")
-    p.add_argument("--twin", action="store_true",
-                   help="run on the CPU twin of CuPy (tests/twin): no GPU, smaller sizes, "
-                        "timing/torch/ddp skipped")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        choices=list(SECTIONS),
+        default=list(SECTIONS),
+        help="run only these sections",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=420.0,
+        help="start no section after this many seconds (default 420)",
+    )
+    p.add_argument(
+        "--twin",
+        action="store_true",
+        help="run on the CPU twin of CuPy (tests/twin): no GPU, smaller sizes, "
+        "timing/torch/ddp skipped",
+    )
     return p.parse_args(argv)
 
 
@@ -339,9 +392,10 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.monotonic()
     ctx = Context(cp, args, MPI.COMM_WORLD)
-    report: dict[str, Any] = {"args": {k: str(v) if isinstance(v, Path) else v
-                                       for k, v in vars(args).items()},
-                              "environment": environment(cp, ctx)}
+    report: dict[str, Any] = {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "environment": environment(cp, ctx),
+    }
     try:
         report["sections"] = run_sections(ctx, args.only, args.budget_s)
     finally:
@@ -360,9 +414,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, result in report["sections"].items():
             for failure in result.get("failures", []) if not result["ok"] else []:
                 print(f"FAIL {name}: {failure}", file=sys.stderr)
-        print(f"gpu_check: {'PASS' if ok else 'FAIL'} in {report['seconds']:.1f} s on "
-              f"{ctx.size} rank(s); wrote {args.out} and {args.out.with_suffix('.md')}",
-              flush=True)
+        print(
+            f"gpu_check: {'PASS' if ok else 'FAIL'} in {report['seconds']:.1f} s on "
+            f"{ctx.size} rank(s); wrote {args.out} and {args.out.with_suffix('.md')}",
+            flush=True,
+        )
     return 0 if ok else 1
 
 

@@ -22,8 +22,9 @@ from gpu_check_common import (
 )
 
 
-def check_case(cp: Any, fmt: str, block: int, name: str, x: np.ndarray,
-               base: np.ndarray, variant: str = "") -> dict[str, Any]:
+def check_case(
+    cp: Any, fmt: str, block: int, name: str, x: np.ndarray, base: np.ndarray, variant: str = ""
+) -> dict[str, Any]:
     """One format/block/input: GPU vs C core (vs reference for small inputs)."""
     from geocomm import cuda, native
     from geocomm.codecs import reference as ref
@@ -32,8 +33,13 @@ def check_case(cp: Any, fmt: str, block: int, name: str, x: np.ndarray,
     n = x.size
     size = native.wire_size(code, n, block)
     use_ref = n <= REFERENCE_MAX_N
-    row: dict[str, Any] = {"fmt": fmt, "block": block, "case": name + variant, "n": n,
-                           "wire_size": {"equal": cuda.wire_size(fmt, n, block) == size}}
+    row: dict[str, Any] = {
+        "fmt": fmt,
+        "block": block,
+        "case": name + variant,
+        "n": n,
+        "wire_size": {"equal": cuda.wire_size(fmt, n, block) == size},
+    }
     cpu_wire = np.zeros(size, np.uint8)
     native.encode(code, x, block, cpu_wire)
     stream = cp.cuda.Stream(non_blocking=True) if variant == " stream" else None
@@ -66,8 +72,7 @@ def check_case(cp: Any, fmt: str, block: int, name: str, x: np.ndarray,
         if use_ref:
             with np.errstate(all="ignore"):
                 ref_vals = ref.decode(fmt, cpu_wire, n, block)
-                row[f"{key}_vs_reference"] = value_diff(got, (base + ref_vals) if acc
-                                                        else ref_vals)
+                row[f"{key}_vs_reference"] = value_diff(got, (base + ref_vals) if acc else ref_vals)
     row["ok"] = all_equal(row)
     return row
 
@@ -76,12 +81,18 @@ def check_case(cp: Any, fmt: str, block: int, name: str, x: np.ndarray,
 #: both sides of every walk switch (fp8 teams up to 1024 values, tiles above and for
 #: block 0), both scale rules; each also with stochastic rounding (bar "none").
 BATCHED_CODECS: dict[str, Any] = {
-    "none": "none", "bf16": "bf16", "nvfp4": "nvfp4",
-    **{f"fp8-{f}-{b}": {"id": "fp8", "fmt": f, "block": b} for f in ("e4m3", "e5m2")
-       for b in (0, 1, 16, 33, 128, 1000, 1024, 1025, 4096, 5000)},
+    "none": "none",
+    "bf16": "bf16",
+    "nvfp4": "nvfp4",
+    **{
+        f"fp8-{f}-{b}": {"id": "fp8", "fmt": f, "block": b}
+        for f in ("e4m3", "e5m2")
+        for b in (0, 1, 16, 33, 128, 1000, 1024, 1025, 4096, 5000)
+    },
     "mxfp8-e4m3": {"id": "mxfp8", "fmt": "e4m3"},
     "mxfp8-e5m2-rceil": {"id": "mxfp8", "fmt": "e5m2", "scale_rule": "rceil"},
-    "mxfp4": "mxfp4", "mxfp4-rceil": {"id": "mxfp4", "scale_rule": "rceil"},
+    "mxfp4": "mxfp4",
+    "mxfp4-rceil": {"id": "mxfp4", "scale_rule": "rceil"},
 }
 STOCHASTIC = {"rounding": "stochastic", "seed": 11}
 #: Pieces of one batched launch: odd sizes, an empty piece, a superblock and more.
@@ -111,8 +122,9 @@ def batched_pieces(fmt: Any, counts: tuple[int, ...]) -> tuple[list[Any], int, i
     return pieces, at, byte
 
 
-def check_batched(cp: Any, name: str, config: Any, x: np.ndarray, others: list[np.ndarray]
-                  ) -> dict[str, Any]:
+def check_batched(
+    cp: Any, name: str, config: Any, x: np.ndarray, others: list[np.ndarray]
+) -> dict[str, Any]:
     """The batched kernels (CudaKernels) == their contract run by the C core
     (HostKernels), bit for bit: a multi-piece encode (bytes), a multi-piece decode,
     the owner's encode of its piece plus the bodies of ``others`` (the fused sum;
@@ -139,52 +151,63 @@ def check_batched(cp: Any, name: str, config: Any, x: np.ndarray, others: list[n
         return xp.full(nbytes, 0xA5, dtype=np.uint8)  # poison: unwritten bytes show
 
     scratch = cp.zeros(max(amax, 1), cp.uint32)
-    got, want = both(lambda w: host.encode(fmt, values, on_host, w, None, rounding_stream=5),
-                     lambda w: device.encode(fmt, cp.asarray(values), on_device, w, scratch,
-                                             rounding_stream=5), wire)
+    got, want = both(
+        lambda w: host.encode(fmt, values, on_host, w, None, rounding_stream=5),
+        lambda w: device.encode(fmt, cp.asarray(values), on_device, w, scratch, rounding_stream=5),
+        wire,
+    )
     row["encode"] = byte_diff(got, want)
     encoded = want
-    got, want = both(lambda o: host.decode(fmt, encoded, on_host, o),
-                     lambda o: device.decode(fmt, cp.asarray(encoded), on_device, o),
-                     lambda xp: xp.full(nvalues, np.nan, dtype=np.float32))
+    got, want = both(
+        lambda o: host.decode(fmt, encoded, on_host, o),
+        lambda o: device.decode(fmt, cp.asarray(encoded), on_device, o),
+        lambda xp: xp.full(nvalues, np.nan, dtype=np.float32),
+    )
     row["decode"] = value_diff(got, want)
 
     # the owner: its piece plus the others' bodies of the same piece, in order
     n = 3 * 4096 + 5
     own_rows, own_amax = gpl.segment_rows(fmt, [gpl.Piece(0, n, 0, 12_345)])
-    own_host, own_device = gp.Segments(own_rows, own_rows), gp.Segments(own_rows,
-                                                                         cp.asarray(own_rows))
+    own_host, own_device = (
+        gp.Segments(own_rows, own_rows),
+        gp.Segments(own_rows, cp.asarray(own_rows)),
+    )
     stride = fmt.wire_size(n)
     bodies = np.zeros(len(others) * stride, np.uint8)
     for r, other in enumerate(others):
-        host.encode(fmt, np.resize(other, n), own_host, bodies[r * stride:], None,
-                    rounding_stream=r)
+        host.encode(
+            fmt, np.resize(other, n), own_host, bodies[r * stride :], None, rounding_stream=r
+        )
     incoming_host = gp.Incoming(bodies, len(others), stride)
     incoming_device = gp.Incoming(cp.asarray(bodies), len(others), stride)
     own = np.resize(x[::-1], n)
     scratch = cp.zeros(max(own_amax, 1), cp.uint32)
     got, want = both(
         lambda w: host.encode(fmt, own, own_host, w, None, incoming_host, rounding_stream=9),
-        lambda w: device.encode(fmt, cp.asarray(own), own_device, w, scratch, incoming_device,
-                                rounding_stream=9),
-        lambda xp: xp.full(stride, 0xA5, dtype=np.uint8))
+        lambda w: device.encode(
+            fmt, cp.asarray(own), own_device, w, scratch, incoming_device, rounding_stream=9
+        ),
+        lambda xp: xp.full(stride, 0xA5, dtype=np.uint8),
+    )
     # compared decoded: a sum that is NaN is the canonical NaN on the GPU and keeps an
     # operand's sign on the CPU, which an fp8 code keeps (only NaN positions must agree)
     decoded = [np.empty(n, np.float32) for _ in range(2)]
     for body, out in zip((got, want), decoded, strict=True):
         host.decode(fmt, body, own_host, out)
     row["sum_encode"] = value_diff(*decoded)
-    got, want = both(lambda o: host.reduce(fmt, own, own_host, incoming_host, o),
-                     lambda o: device.reduce(fmt, cp.asarray(own), own_device, incoming_device,
-                                             o),
-                     lambda xp: xp.full(n, np.nan, dtype=np.float32))
+    got, want = both(
+        lambda o: host.reduce(fmt, own, own_host, incoming_host, o),
+        lambda o: device.reduce(fmt, cp.asarray(own), own_device, incoming_device, o),
+        lambda xp: xp.full(n, np.nan, dtype=np.float32),
+    )
     row["sum"] = value_diff(got, want)
     row["ok"] = all_equal(row)
     return row
 
 
-def check_bytes(ctx: Any, config_list: list | None = None,
-                inputs: list | None = None) -> dict[str, Any]:
+def check_bytes(
+    ctx: Any, config_list: list | None = None, inputs: list | None = None
+) -> dict[str, Any]:
     """Every format/block on every input (and the odd-offset and explicit-stream
     variants), then every batched config; single-process: rank 0 only."""
     if not ctx.is_root:
@@ -196,15 +219,24 @@ def check_bytes(ctx: Any, config_list: list | None = None,
     # what decode+accumulate adds onto, one per input
     bases = {name: wide(np.random.default_rng(x.size), x.size, -10, 10) for name, x in inputs}
     variants = [(name, x, "") for name, x in inputs]
-    variants += [(name, by_name[name], v) for name, v in (("wide", " offset"),
-                                                         ("edges", " stream")) if name in by_name]
+    variants += [
+        (name, by_name[name], v)
+        for name, v in (("wide", " offset"), ("edges", " stream"))
+        if name in by_name
+    ]
     for fmt, block in configs() if config_list is None else config_list:
         for name, x, variant in variants:
             try:
                 row = check_case(ctx.cp, fmt, block, name, x, bases[name], variant)
             except Exception:
-                row = {"fmt": fmt, "block": block, "case": name + variant, "n": x.size,
-                       "ok": False, "error": traceback.format_exc()}
+                row = {
+                    "fmt": fmt,
+                    "block": block,
+                    "case": name + variant,
+                    "n": x.size,
+                    "ok": False,
+                    "error": traceback.format_exc(),
+                }
             rows.append(row)
     batched = []
     rng = np.random.default_rng([ctx.args.seed, 14])
@@ -216,13 +248,21 @@ def check_bytes(ctx: Any, config_list: list | None = None,
         except Exception:
             batched.append({"codec": name, "ok": False, "error": traceback.format_exc()})
     failing = [r for r in rows if not r["ok"]]
-    return {"ok": not failing and all(r["ok"] for r in batched), "rows": rows,
-            "batched": batched,
-            "failures": [f"{r['fmt']} block={r['block']} {r['case']}: "
-                         f"{ {k: v for k, v in r.items() if k not in ('fmt', 'block', 'case')} }"
-                         for r in failing]
-            + [f"batched {r['codec']}: { {k: v for k, v in r.items() if k != 'codec'} }"
-               for r in batched if not r["ok"]]}
+    return {
+        "ok": not failing and all(r["ok"] for r in batched),
+        "rows": rows,
+        "batched": batched,
+        "failures": [
+            f"{r['fmt']} block={r['block']} {r['case']}: "
+            f"{ {k: v for k, v in r.items() if k not in ('fmt', 'block', 'case')} }"
+            for r in failing
+        ]
+        + [
+            f"batched {r['codec']}: { {k: v for k, v in r.items() if k != 'codec'} }"
+            for r in batched
+            if not r["ok"]
+        ],
+    }
 
 
 def unknown_format_id() -> int:
@@ -242,20 +282,26 @@ def check_errors(ctx: Any) -> dict[str, Any]:
     wire = cp.zeros(cuda.wire_size("e4m3", 100, 16), cp.uint8)
     bad = unknown_format_id()
     calls = {
-        "float64 x -> TypeError": (TypeError, lambda: cuda.encode("e4m3", x.astype(cp.float64),
-                                                                  16, wire)),
+        "float64 x -> TypeError": (
+            TypeError,
+            lambda: cuda.encode("e4m3", x.astype(cp.float64), 16, wire),
+        ),
         "strided x -> TypeError": (TypeError, lambda: cuda.encode("e4m3", x[::2], 16, wire)),
-        "numpy x -> TypeError": (TypeError, lambda: cuda.encode("e4m3", cp.asnumpy(x), 16,
-                                                                wire)),
-        "int8 wire -> TypeError": (TypeError, lambda: cuda.encode("e4m3", x, 16,
-                                                                  wire.view(cp.int8))),
+        "numpy x -> TypeError": (TypeError, lambda: cuda.encode("e4m3", cp.asnumpy(x), 16, wire)),
+        "int8 wire -> TypeError": (
+            TypeError,
+            lambda: cuda.encode("e4m3", x, 16, wire.view(cp.int8)),
+        ),
         "short wire -> ValueError": (ValueError, lambda: cuda.encode("e4m3", x, 16, wire[:-1])),
-        "short wire decode -> ValueError": (ValueError, lambda: cuda.decode("e4m3", wire[:-1],
-                                                                            16, x)),
-        f"unknown format {bad} -> ValueError": (ValueError, lambda: cuda.encode(bad, x, 16,
-                                                                                wire)),
-        f"unknown format {bad} decode -> ValueError": (ValueError, lambda: cuda.decode(
-            bad, wire, 16, x)),
+        "short wire decode -> ValueError": (
+            ValueError,
+            lambda: cuda.decode("e4m3", wire[:-1], 16, x),
+        ),
+        f"unknown format {bad} -> ValueError": (ValueError, lambda: cuda.encode(bad, x, 16, wire)),
+        f"unknown format {bad} decode -> ValueError": (
+            ValueError,
+            lambda: cuda.decode(bad, wire, 16, x),
+        ),
         "negative block -> ValueError": (ValueError, lambda: cuda.encode("e4m3", x, -1, wire)),
     }
     rows = []
@@ -267,5 +313,9 @@ def check_errors(ctx: Any) -> dict[str, Any]:
             rows.append({"check": name, "ok": True})
         except Exception as other:
             rows.append({"check": name, "ok": False, "why": repr(other)})
-    return {"ok": all(r["ok"] for r in rows), "rows": rows, "unknown_format": bad,
-            "failures": [f"{r['check']}: {r['why']}" for r in rows if not r["ok"]]}
+    return {
+        "ok": all(r["ok"] for r in rows),
+        "rows": rows,
+        "unknown_format": bad,
+        "failures": [f"{r['check']}: {r['why']}" for r in rows if not r["ok"]],
+    }

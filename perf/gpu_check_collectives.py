@@ -17,16 +17,21 @@ from gpu_check_common import after_current, all_equal, digest, gradient, value_d
 
 #: The collectives' codecs: every format, both fp8 walks, stochastic rounding and
 #: error feedback (whose map takes the pipeline's unfused path).
-COLLECTIVE_CODECS = {"none": "none", "bf16": "bf16", "fp8-e4m3-128": "fp8",
-                     "fp8-e5m2-0": {"id": "fp8", "fmt": "e5m2", "block": 0},
-                     "fp8-e4m3-4097": {"id": "fp8", "fmt": "e4m3", "block": 4097},
-                     "nvfp4": "nvfp4", "mxfp8": "mxfp8",
-                     "mxfp8-e5m2-rceil": {"id": "mxfp8", "fmt": "e5m2", "scale_rule": "rceil"},
-                     "mxfp4": "mxfp4",
-                     "fp8 stochastic": {"id": "fp8", "rounding": "stochastic", "seed": 3},
-                     "nvfp4 stochastic": {"id": "nvfp4", "rounding": "stochastic", "seed": 3},
-                     "mxfp4 stochastic": {"id": "mxfp4", "rounding": "stochastic", "seed": 3},
-                     "fp8 error feedback": {"id": "fp8", "error_feedback": True}}
+COLLECTIVE_CODECS = {
+    "none": "none",
+    "bf16": "bf16",
+    "fp8-e4m3-128": "fp8",
+    "fp8-e5m2-0": {"id": "fp8", "fmt": "e5m2", "block": 0},
+    "fp8-e4m3-4097": {"id": "fp8", "fmt": "e4m3", "block": 4097},
+    "nvfp4": "nvfp4",
+    "mxfp8": "mxfp8",
+    "mxfp8-e5m2-rceil": {"id": "mxfp8", "fmt": "e5m2", "scale_rule": "rceil"},
+    "mxfp4": "mxfp4",
+    "fp8 stochastic": {"id": "fp8", "rounding": "stochastic", "seed": 3},
+    "nvfp4 stochastic": {"id": "nvfp4", "rounding": "stochastic", "seed": 3},
+    "mxfp4 stochastic": {"id": "mxfp4", "rounding": "stochastic", "seed": 3},
+    "fp8 error feedback": {"id": "fp8", "error_feedback": True},
+}
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -36,8 +41,9 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 def pattern(cp: Any, a: int, b: int, length: int) -> Any:
     """A device array of ``length`` bytes that names (a, b)."""
-    return cp.asarray(((np.arange(length, dtype=np.int64) + 31 * a + 17 * b) % 251)
-                      .astype(np.uint8))
+    return cp.asarray(
+        ((np.arange(length, dtype=np.int64) + 31 * a + 17 * b) % 251).astype(np.uint8)
+    )
 
 
 def _same(cp: Any, got: Any, want: Any) -> bool:
@@ -78,10 +84,12 @@ def check_nccl(ctx: Any) -> dict[str, Any]:
         total = cp.empty_like(values)
         comm.allreduce(values, total, "sum")
         checks[f"allreduce sum {np.dtype(dtype).name}"] = bool(
-            np.array_equal(cp.asnumpy(total), base * (size * (size + 1) // 2)))
+            np.array_equal(cp.asnumpy(total), base * (size * (size + 1) // 2))
+        )
         comm.allreduce(values, total, "max")
         checks[f"allreduce max {np.dtype(dtype).name}"] = bool(
-            np.array_equal(cp.asnumpy(total), base * size))
+            np.array_equal(cp.asnumpy(total), base * size)
+        )
     rows = comm.allgather_int64(np.array([r, 2 * r]))
     checks["allgather_int64"] = bool((rows == np.array([[p, 2 * p] for p in range(size)])).all())
     comm.barrier()
@@ -104,8 +112,13 @@ def check_nccl(ctx: Any) -> dict[str, Any]:
     comm.stream.synchronize()
     name = "ncclSend/ncclRecv to self" if size == 1 else "ncclSend/ncclRecv ring"
     checks[name] = _same(cp, back, pattern(cp, prev, 9, 4099))
-    return {"ok": all(checks.values()), "rank": r, "size": size, "checks": checks,
-            "failures": [name for name, good in checks.items() if not good]}
+    return {
+        "ok": all(checks.values()),
+        "rank": r,
+        "size": size,
+        "checks": checks,
+        "failures": [name for name, good in checks.items() if not good],
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -139,8 +152,9 @@ def _to_host(cp: Any, result: Any, dtype: str) -> np.ndarray:
     return cp.asnumpy(result)
 
 
-def run_collective(kind: str, x: Any, codec: Any, comm: Any, stage_size: int,
-                   in_place: bool) -> Any:
+def run_collective(
+    kind: str, x: Any, codec: Any, comm: Any, stage_size: int, in_place: bool
+) -> Any:
     """One geocomm collective through the public API (adapters included), as the
     first call with its codec and key: stochastic rounding numbers the calls with
     a codec and key in the process; :func:`geocomm.collectives.reset_call_counts` gives
@@ -149,8 +163,11 @@ def run_collective(kind: str, x: Any, codec: Any, comm: Any, stage_size: int,
     from geocomm import collectives
 
     collectives.reset_call_counts()
-    fn = {"allreduce": geocomm.allreduce, "reduce_scatter": geocomm.reduce_scatter,
-          "allgather": geocomm.allgather}[kind]
+    fn = {
+        "allreduce": geocomm.allreduce,
+        "reduce_scatter": geocomm.reduce_scatter,
+        "allgather": geocomm.allgather,
+    }[kind]
     kwargs: dict[str, Any] = {"codec": codec, "comm": comm}
     if kind != "allgather":
         kwargs["stage_size"] = stage_size
@@ -166,13 +183,14 @@ def collective_cases() -> list[tuple[str, str, str, bool]]:
     for kind in ("allreduce", "reduce_scatter", "allgather"):
         for dtype in DTYPES:
             for codec in COLLECTIVE_CODECS:
-                for in_place in ((False, True) if kind == "allreduce" else (False,)):
+                for in_place in (False, True) if kind == "allreduce" else (False,):
                     out.append((kind, dtype, codec, in_place))
     return out
 
 
-def lockstep(cp: Any, codec: Any, xs: list[np.ndarray], stage_size: int, gather: bool
-             ) -> list[tuple[np.ndarray, np.ndarray]]:
+def lockstep(
+    cp: Any, codec: Any, xs: list[np.ndarray], stage_size: int, gather: bool
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """(batched on the device, host-driven on the CPU) results of every rank of one call
     on len(xs) ranks of this process (geocomm.testing.loopback): the batched kernels
     with N - 1 incoming pieces and multi-piece tables, which one NCCL rank never has."""
@@ -192,8 +210,11 @@ def lockstep(cp: Any, codec: Any, xs: list[np.ndarray], stage_size: int, gather:
             lo, hi = int(pieces.bounds[r]), int(pieces.bounds[r + 1])
             out = xp.full(count if gather else hi - lo, np.nan, dtype=np.float32)
             args = (pieces, xp.asarray(xs[r]), out, 0 if gather else lo, gather)
-            pipes.append(gpu_pipeline.BatchedPipeline(comm, fmt, *args, rounding_stream=17)
-                         if xp is cp else Pipeline(comm, codec, *args, rounding_stream=17))
+            pipes.append(
+                gpu_pipeline.BatchedPipeline(comm, fmt, *args, rounding_stream=17)
+                if xp is cp
+                else Pipeline(comm, codec, *args, rounding_stream=17)
+            )
             outs.append(out)
         run_lockstep(pipes)
         results.append([cp.asnumpy(o) if xp is cp else o for o in outs])
@@ -212,12 +233,14 @@ def check_lockstep(ctx: Any, n: int | None = None, size: int = 3) -> list[dict[s
         codec = geocomm.get_codec(config)
         xs = [gradient(np.random.default_rng([ctx.args.seed, r, 3]), (n,)) for r in range(size)]
         for gather in (True, False):
-            row: dict[str, Any] = {"collective": f"{'allreduce' if gather else 'reduce_scatter'}"
-                                                 f" x{size} loopback", "dtype": "float32",
-                                   "codec": codec_name, "in_place": False}
+            row: dict[str, Any] = {
+                "collective": f"{'allreduce' if gather else 'reduce_scatter'} x{size} loopback",
+                "dtype": "float32",
+                "codec": codec_name,
+                "in_place": False,
+            }
             try:
-                for r, (got, want) in enumerate(lockstep(ctx.cp, codec, xs, 4096 * size,
-                                                         gather)):
+                for r, (got, want) in enumerate(lockstep(ctx.cp, codec, xs, 4096 * size, gather)):
                     row[f"rank{r}"] = value_diff(got, want)
                 row["ok"] = all_equal(row)
             except Exception:
@@ -226,37 +249,56 @@ def check_lockstep(ctx: Any, n: int | None = None, size: int = 3) -> list[dict[s
     return rows
 
 
-def collective_row(ctx: Any, kind: str, dtype: str, codec_name: str, in_place: bool,
-                   values: np.ndarray, stage_size: int) -> dict[str, Any]:
+def collective_row(
+    ctx: Any,
+    kind: str,
+    dtype: str,
+    codec_name: str,
+    in_place: bool,
+    values: np.ndarray,
+    stage_size: int,
+) -> dict[str, Any]:
     """One case on every rank: this rank's NCCL result == its MPI result, and (all-reduce,
     all-gather) every rank holds the same bits. Every rank makes the same calls, the
     checksum all-gather included, even when a case raised here."""
     from geocomm import get_codec
 
     cp, nccl, mpi = ctx.cp, ctx.nccl(), ctx.mpi()
-    row: dict[str, Any] = {"collective": kind, "dtype": dtype, "codec": codec_name,
-                           "in_place": in_place}
+    row: dict[str, Any] = {
+        "collective": kind,
+        "dtype": dtype,
+        "codec": codec_name,
+        "in_place": in_place,
+    }
     codec = COLLECTIVE_CODECS[codec_name]
     got = None
     try:
         host = _host_input(dtype, values)
         # a fresh codec each: error feedback's residuals start alike
         want = run_collective(kind, host.copy(), get_codec(codec), mpi, stage_size, in_place)
-        got = _to_host(cp, run_collective(kind, _to_device(cp, host), get_codec(codec), nccl,
-                                          stage_size, in_place), dtype)
+        got = _to_host(
+            cp,
+            run_collective(
+                kind, _to_device(cp, host), get_codec(codec), nccl, stage_size, in_place
+            ),
+            dtype,
+        )
         row["vs_numpy_mpi"] = value_diff(got, want)
     except Exception:
         row["error"] = traceback.format_exc()
     if ctx.size > 1 and kind != "reduce_scatter":  # a shard each: nothing to agree on
         sums = ctx.world.allgather(digest(got))
-        row["ranks_agree"] = {"equal": None not in sums and len(set(sums)) == 1,
-                              **({} if len(set(sums)) == 1 else {"digests": sums})}
+        row["ranks_agree"] = {
+            "equal": None not in sums and len(set(sums)) == 1,
+            **({} if len(set(sums)) == 1 else {"digests": sums}),
+        }
     row["ok"] = "error" not in row and all_equal(row)
     return row
 
 
-def check_collectives(ctx: Any, n: int | None = None, stage_size: int | None = None
-                      ) -> dict[str, Any]:
+def check_collectives(
+    ctx: Any, n: int | None = None, stage_size: int | None = None
+) -> dict[str, Any]:
     """The public collectives on CuPy over NCCL == on NumPy over MPI on every rank (many
     stages), then the batched pipeline on three loopback ranks (check_lockstep, on
     rank 0 only)."""
@@ -266,12 +308,22 @@ def check_collectives(ctx: Any, n: int | None = None, stage_size: int | None = N
     rng = np.random.default_rng([ctx.args.seed, nccl.rank])
     values = gradient(rng, (n,))
     values[::97] *= 1e4  # a spread of block scales
-    rows = [collective_row(ctx, kind, dtype, codec_name, in_place, values, stage_size)
-            for kind, dtype, codec_name, in_place in collective_cases()]
+    rows = [
+        collective_row(ctx, kind, dtype, codec_name, in_place, values, stage_size)
+        for kind, dtype, codec_name, in_place in collective_cases()
+    ]
     rows += ctx.on_root(lambda: check_lockstep(ctx)) or []
-    return {"ok": all(r["ok"] for r in rows), "n": n, "stage_size": stage_size, "rows": rows,
-            "ranks": ctx.size,
-            "failures": [f"{r['collective']} {r['dtype']} {r['codec']} "
-                         f"{'in place ' if r['in_place'] else ''}"
-                         f"{r.get('error') or {k: v for k, v in r.items() if isinstance(v, dict)}}"
-                         for r in rows if not r["ok"]]}
+    return {
+        "ok": all(r["ok"] for r in rows),
+        "n": n,
+        "stage_size": stage_size,
+        "rows": rows,
+        "ranks": ctx.size,
+        "failures": [
+            f"{r['collective']} {r['dtype']} {r['codec']} "
+            f"{'in place ' if r['in_place'] else ''}"
+            f"{r.get('error') or {k: v for k, v in r.items() if isinstance(v, dict)}}"
+            for r in rows
+            if not r["ok"]
+        ],
+    }

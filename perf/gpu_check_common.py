@@ -16,43 +16,106 @@ import numpy as np
 F32 = np.float32
 #: team kernel up to TEAM_MAX = 1024 values per block, tile kernel above;
 #: tiles of TILE = 4096 values, so blocks > 4096 span several tiles
-FP8_BLOCKS = (0, 1, 16, 31, 32, 33, 128, 1000, 1024, 1025, 3000, 4096, 4097, 3 * 4096 + 5,
-              50_000)
-ODD_SIZES = (0, 1, 2, 15, 16, 17, 31, 33, 127, 129, 1000, 1023, 1024, 1025, 4095, 4097, 8193,
-             12_299)
+FP8_BLOCKS = (0, 1, 16, 31, 32, 33, 128, 1000, 1024, 1025, 3000, 4096, 4097, 3 * 4096 + 5, 50_000)
+ODD_SIZES = (
+    0,
+    1,
+    2,
+    15,
+    16,
+    17,
+    31,
+    33,
+    127,
+    129,
+    1000,
+    1023,
+    1024,
+    1025,
+    4095,
+    4097,
+    8193,
+    12_299,
+)
 #: inputs up to this size are also compared with the (slow) NumPy reference
 REFERENCE_MAX_N = 70_000
-EDGES = np.array([0.0, -0.0, 448.0, -448.0, 464.0, 465.0, -465.0, 480.0, 57344.0, 61440.0,
-                  -61441.0, 6.0, 5.0, 0.25, 1e-45, -3e-39, 1e-40, 2.0**-100, 2.0**-126,
-                  2.0**-149, 3.4e38, -3.4e38, np.inf, -np.inf, np.nan, -np.nan], F32)
+EDGES = np.array(
+    [
+        0.0,
+        -0.0,
+        448.0,
+        -448.0,
+        464.0,
+        465.0,
+        -465.0,
+        480.0,
+        57344.0,
+        61440.0,
+        -61441.0,
+        6.0,
+        5.0,
+        0.25,
+        1e-45,
+        -3e-39,
+        1e-40,
+        2.0**-100,
+        2.0**-126,
+        2.0**-149,
+        3.4e38,
+        -3.4e38,
+        np.inf,
+        -np.inf,
+        np.nan,
+        -np.nan,
+    ],
+    F32,
+)
 
 
 @dataclass(frozen=True)
 class Sizes:
     """The sizes of one profile (gpu_check.py's docstring lists both)."""
 
-    wide: int          # bytes: the wide-range input
-    edges: int         # bytes: edge values (also the batched kernels' source)
-    bits: int          # bytes: random bit patterns
-    tiny: int          # bytes: subnormal values with all-zero blocks
-    big: int           # bytes: the big input (0: none)
+    wide: int  # bytes: the wide-range input
+    edges: int  # bytes: edge values (also the batched kernels' source)
+    bits: int  # bytes: random bit patterns
+    tiny: int  # bytes: subnormal values with all-zero blocks
+    big: int  # bytes: the big input (0: none)
     collective_n: int  # collectives: values per rank
-    stage_size: int         # collectives: pipeline stage (values), so many stages
-    lockstep_n: int    # collectives: values per loopback rank
+    stage_size: int  # collectives: pipeline stage (values), so many stages
+    lockstep_n: int  # collectives: values per loopback rank
     geo_shape: tuple[int, int]  # geofp8: the matrix of each all-reduce
-    geo_steps: int     # geofp8: all-reduces in the sequence (basis refreshed every 4)
+    geo_steps: int  # geofp8: all-reduces in the sequence (basis refreshed every 4)
 
 
 PROFILES = {
     # a real GPU: what the sections have always used
-    "gpu": Sizes(wide=1_000_003, edges=65_537, bits=262_147, tiny=100_003, big=5_000_017,
-                 collective_n=100_003, stage_size=4096, lockstep_n=60_007,
-                 geo_shape=(2048, 4096), geo_steps=6),
+    "gpu": Sizes(
+        wide=1_000_003,
+        edges=65_537,
+        bits=262_147,
+        tiny=100_003,
+        big=5_000_017,
+        collective_n=100_003,
+        stage_size=4096,
+        lockstep_n=60_007,
+        geo_shape=(2048, 4096),
+        geo_steps=6,
+    ),
     # the CPU twin of CuPy (tests/twin): the same formats, blocks, walks and ragged
     # sizes; fewer values where only the count was large
-    "twin": Sizes(wide=200_003, edges=65_537, bits=65_539, tiny=30_011, big=500_009,
-                  collective_n=60_013, stage_size=4096, lockstep_n=20_011,
-                  geo_shape=(512, 1024), geo_steps=6),
+    "twin": Sizes(
+        wide=200_003,
+        edges=65_537,
+        bits=65_539,
+        tiny=30_011,
+        big=500_009,
+        collective_n=60_013,
+        stage_size=4096,
+        lockstep_n=20_011,
+        geo_shape=(512, 1024),
+        geo_steps=6,
+    ),
 }
 
 
@@ -67,16 +130,18 @@ def wide(rng: np.random.Generator, n: int, lo: int = -60, hi: int = 60) -> np.nd
     return (sign * mant * np.exp2(rng.integers(lo, hi, n))).astype(F32)
 
 
-def cases(rng: np.random.Generator, sizes: Sizes = PROFILES["gpu"],
-          big: int | None = None) -> list[tuple[str, np.ndarray]]:
+def cases(
+    rng: np.random.Generator, sizes: Sizes = PROFILES["gpu"], big: int | None = None
+) -> list[tuple[str, np.ndarray]]:
     """(name, float32 input) for the bytes section; ``big``: the big input's size
     (default the profile's; 0: none)."""
     big = sizes.big if big is None else big
     out = [("wide", wide(rng, sizes.wide))]
     scale = rng.choice(np.array([1.0, 2.0**-20, 2.0**-130], F32), sizes.edges)
     out.append(("edges", (rng.choice(EDGES, sizes.edges) * scale).astype(F32)))
-    out.append(("bits", rng.integers(0, 2**32, sizes.bits, dtype=np.uint64).astype(np.uint32)
-                .view(F32)))
+    out.append(
+        ("bits", rng.integers(0, 2**32, sizes.bits, dtype=np.uint64).astype(np.uint32).view(F32))
+    )
     tiny = wide(rng, sizes.tiny, -149, -120)
     tiny[(np.arange(tiny.size) // 40) % 3 == 0] = 0.0  # all-zero blocks among subnormal ones
     out.append(("tiny", tiny))
@@ -87,8 +152,7 @@ def cases(rng: np.random.Generator, sizes: Sizes = PROFILES["gpu"],
 
 
 def configs() -> list[tuple[str, int]]:
-    return ([(f, b) for f in ("e4m3", "e5m2") for b in FP8_BLOCKS]
-            + [("nvfp4", 0), ("bf16", 0)])
+    return [(f, b) for f in ("e4m3", "e5m2") for b in FP8_BLOCKS] + [("nvfp4", 0), ("bf16", 0)]
 
 
 def gradient(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
@@ -109,9 +173,15 @@ def byte_diff(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
     if a.shape != b.shape:
         return {"equal": False, "why": f"shapes {a.shape} != {b.shape}"}
     bad = np.flatnonzero(a != b)
-    return {"equal": bad.size == 0, "mismatches": int(bad.size),
-            **({"first": int(bad[0]), "got": int(a.flat[bad[0]]), "want": int(b.flat[bad[0]])}
-               if bad.size else {})}
+    return {
+        "equal": bad.size == 0,
+        "mismatches": int(bad.size),
+        **(
+            {"first": int(bad[0]), "got": int(a.flat[bad[0]]), "want": int(b.flat[bad[0]])}
+            if bad.size
+            else {}
+        ),
+    }
 
 
 def value_diff(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
@@ -124,9 +194,15 @@ def value_diff(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
     wa, wb = a.astype(F32).ravel(), b.astype(F32).ravel()  # exact for all three dtypes
     both_nan = np.isnan(wa) & np.isnan(wb)
     bad = np.flatnonzero((a.view(uint).ravel() != b.view(uint).ravel()) & ~both_nan)
-    return {"equal": bad.size == 0, "mismatches": int(bad.size),
-            **({"first": int(bad[0]), "got": float(wa[bad[0]]), "want": float(wb[bad[0]])}
-               if bad.size else {})}
+    return {
+        "equal": bad.size == 0,
+        "mismatches": int(bad.size),
+        **(
+            {"first": int(bad[0]), "got": float(wa[bad[0]]), "want": float(wb[bad[0]])}
+            if bad.size
+            else {}
+        ),
+    }
 
 
 def all_equal(row: dict[str, Any]) -> bool:
@@ -146,8 +222,9 @@ def digest(a: np.ndarray | None) -> str | None:
         if nan.any():
             a = a.copy()
             a[nan] = np.nan
-    return hashlib.sha256(a.dtype.name.encode() + str(a.shape).encode()
-                          + a.tobytes()).hexdigest()[:16]
+    return hashlib.sha256(a.dtype.name.encode() + str(a.shape).encode() + a.tobytes()).hexdigest()[
+        :16
+    ]
 
 
 def after_current(cp: Any, stream: Any) -> None:

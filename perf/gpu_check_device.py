@@ -38,8 +38,11 @@ def torch_cuda_missing() -> dict[str, Any] | None:
     except ImportError as exc:
         return {"ok": True, "status": "skipped", "reason": f"torch is not installed ({exc})"}
     if not torch.cuda.is_available():
-        return {"ok": True, "status": "skipped",
-                "reason": f"torch {torch.__version__} has no CUDA device (a CPU build?)"}
+        return {
+            "ok": True,
+            "status": "skipped",
+            "reason": f"torch {torch.__version__} has no CUDA device (a CPU build?)",
+        }
     return None
 
 
@@ -60,8 +63,9 @@ def check_torch(ctx: Any, n: int = 300_001, stage_size: int = 65_536) -> dict[st
             row: dict[str, Any] = {"dtype": str(dtype), "in_place": in_place}
             try:
                 host = values.to(dtype)
-                want = geocomm.allreduce(host.clone(), codec="fp8", op="avg", comm=mpi,
-                                         stage_size=stage_size)
+                want = geocomm.allreduce(
+                    host.clone(), codec="fp8", op="avg", comm=mpi, stage_size=stage_size
+                )
                 staged = host.to(device)
                 torch.cuda.synchronize(device)
                 # the input is written behind a long kernel on torch's current
@@ -70,17 +74,21 @@ def check_torch(ctx: Any, n: int = 300_001, stage_size: int = 65_536) -> dict[st
                     busy = busy @ busy / 64.0  # entries keep variance ~1
                 x = staged.clone()
                 out = x if in_place else None
-                result = geocomm.allreduce(x, codec="fp8", op="avg", comm=nccl, out=out,
-                                           stage_size=stage_size)
+                result = geocomm.allreduce(
+                    x, codec="fp8", op="avg", comm=nccl, out=out, stage_size=stage_size
+                )
                 # a consumer on a side stream waits for the current stream only
                 side = torch.cuda.Stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):
                     consumed = result * 1
                 side.synchronize()
-                row["kind"] = {"equal": isinstance(result, torch.Tensor)
-                               and result.dtype == dtype and result.device == device
-                               and result.shape == host.shape}
+                row["kind"] = {
+                    "equal": isinstance(result, torch.Tensor)
+                    and result.dtype == dtype
+                    and result.device == device
+                    and result.shape == host.shape
+                }
                 if in_place:
                     row["same_storage"] = {"equal": result is x}
                 row["vs_cpu_mpi"] = value_diff(_torch_bits(consumed), _torch_bits(want))
@@ -88,10 +96,17 @@ def check_torch(ctx: Any, n: int = 300_001, stage_size: int = 65_536) -> dict[st
             except Exception:
                 row.update(ok=False, error=traceback.format_exc())
             rows.append(row)
-    return {"ok": all(r["ok"] for r in rows), "status": "ran", "rows": rows,
-            "failures": [f"{r['dtype']} {'in place' if r['in_place'] else 'new result'}: "
-                         f"{ {k: v for k, v in r.items() if k not in ('dtype', 'in_place')} }"
-                         for r in rows if not r["ok"]]}
+    return {
+        "ok": all(r["ok"] for r in rows),
+        "status": "ran",
+        "rows": rows,
+        "failures": [
+            f"{r['dtype']} {'in place' if r['in_place'] else 'new result'}: "
+            f"{ {k: v for k, v in r.items() if k not in ('dtype', 'in_place')} }"
+            for r in rows
+            if not r["ok"]
+        ],
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -188,24 +203,36 @@ def time_pipeline(ctx: Any, size_mib: int, repeats: int) -> list[dict[str, Any]]
     ops = {
         "cupy copy": (lambda: cp.copyto(y, x), None),
         "NCCL all-reduce (fp32)": (lambda: nccl.allreduce(x, y, "sum"), None),
-        "geocomm fp8 pipeline": (lambda: geocomm.allreduce(x, codec="fp8", out=y, comm=nccl),
-                                 Pieces.cut(n, nccl.size, stage).stages),
+        "geocomm fp8 pipeline": (
+            lambda: geocomm.allreduce(x, codec="fp8", out=y, comm=nccl),
+            Pieces.cut(n, nccl.size, stage).stages,
+        ),
     }
     rows = []
     for name, (op, stages) in ops.items():
         seconds = median_seconds(ctx, op, repeats)
         device, gated = gpu_seconds(ctx, op, repeats)
-        rows.append({"size_MiB": size_mib, "op": name, "stages": stages, "seconds": seconds,
-                     "GBps": x.nbytes / seconds / 1e9, "gpu_seconds": device,
-                     "gpu_GBps": x.nbytes / device / 1e9, "host_out_of_the_way": gated})
+        rows.append(
+            {
+                "size_MiB": size_mib,
+                "op": name,
+                "stages": stages,
+                "seconds": seconds,
+                "GBps": x.nbytes / seconds / 1e9,
+                "gpu_seconds": device,
+                "gpu_GBps": x.nbytes / device / 1e9,
+                "host_out_of_the_way": gated,
+            }
+        )
     copy = rows[0]["gpu_GBps"]
     for row in rows:
         row["vs_copy"] = row["gpu_GBps"] / copy
     return rows
 
 
-def time_stage_cost(ctx: Any, size_mib: int = 64, stages: int = 8,
-                    repeats: int = 10) -> dict[str, Any]:
+def time_stage_cost(
+    ctx: Any, size_mib: int = 64, stages: int = 8, repeats: int = 10
+) -> dict[str, Any]:
     """The cost of one pipeline stage, as the backend model assumes it (``stage_s``):
     the fp8 all-reduce's wall time in ``stages`` stages against one stage."""
     import geocomm
@@ -215,12 +242,23 @@ def time_stage_cost(ctx: Any, size_mib: int = 64, stages: int = 8,
     n = size_mib * (1 << 20) // 4
     x = cp.random.default_rng(3).standard_normal(n, dtype=cp.float32)
     y = cp.empty_like(x)
-    times = [median_seconds(ctx, lambda c=c: geocomm.allreduce(
-        x, codec="fp8", out=y, comm=nccl, stage_size=c), repeats) for c in (n, -(-n // stages))]
+    times = [
+        median_seconds(
+            ctx,
+            lambda c=c: geocomm.allreduce(x, codec="fp8", out=y, comm=nccl, stage_size=c),
+            repeats,
+        )
+        for c in (n, -(-n // stages))
+    ]
     profile = backends.profile(nccl.backend)
-    return {"size_MiB": size_mib, "stages": stages, "one_stage_s": times[0],
-            "many_stages_s": times[1], "stage_s": (times[1] - times[0]) / (stages - 1),
-            "model_stage_s": profile.stage_s if profile else None}
+    return {
+        "size_MiB": size_mib,
+        "stages": stages,
+        "one_stage_s": times[0],
+        "many_stages_s": times[1],
+        "stage_s": (times[1] - times[0]) / (stages - 1),
+        "model_stage_s": profile.stage_s if profile else None,
+    }
 
 
 def time_kernels(ctx: Any, size_mib: int, repeats: int) -> list[dict[str, Any]]:
@@ -234,10 +272,11 @@ def time_kernels(ctx: Any, size_mib: int, repeats: int) -> list[dict[str, Any]]:
     rows = []
     for fmt, block in (("e4m3", 128), ("e4m3", 0), ("e5m2", 128), ("nvfp4", 0), ("bf16", 0)):
         wire = cp.empty(cuda.wire_size(fmt, n, block), cp.uint8)
-        ops = {"encode": functools.partial(cuda.encode, fmt, x, block, wire),
-               "decode": functools.partial(cuda.decode, fmt, wire, block, out),
-               "accumulate": functools.partial(cuda.decode, fmt, wire, block, out,
-                                               accumulate=True)}
+        ops = {
+            "encode": functools.partial(cuda.encode, fmt, x, block, wire),
+            "decode": functools.partial(cuda.decode, fmt, wire, block, out),
+            "accumulate": functools.partial(cuda.decode, fmt, wire, block, out, accumulate=True),
+        }
         for name, op in ops.items():
             for _ in range(3):
                 op()
@@ -248,24 +287,39 @@ def time_kernels(ctx: Any, size_mib: int, repeats: int) -> list[dict[str, Any]]:
             end.record()
             end.synchronize()
             seconds = cp.cuda.get_elapsed_time(start, end) / 1e3 / repeats
-            rows.append({"fmt": fmt, "block": block, "op": name, "seconds": seconds,
-                         "fp32_GBps": x.nbytes / seconds / 1e9})
+            rows.append(
+                {
+                    "fmt": fmt,
+                    "block": block,
+                    "op": name,
+                    "seconds": seconds,
+                    "fp32_GBps": x.nbytes / seconds / 1e9,
+                }
+            )
     return rows
 
 
-def check_timing(ctx: Any, sizes_mib: tuple[int, ...] = (64, 256),
-                 repeats: int = 10) -> dict[str, Any]:
+def check_timing(
+    ctx: Any, sizes_mib: tuple[int, ...] = (64, 256), repeats: int = 10
+) -> dict[str, Any]:
     """Timings, and the issue's must-show: the fp8 pipeline's codec throughput reaches
     MUST_SHOW_VS_COPY of the copy bandwidth at every size (a failure otherwise)."""
     pipeline = [row for size in sizes_mib for row in time_pipeline(ctx, size, repeats)]
     kernels = time_kernels(ctx, max(sizes_mib), 2 * repeats)
     stage = time_stage_cost(ctx, min(sizes_mib), repeats=repeats)
-    failures = [f"fp8 pipeline at {r['size_MiB']} MiB: codec throughput {r['vs_copy']:.2f} of "
-                f"the copy bandwidth (must be >= {MUST_SHOW_VS_COPY})"
-                for r in pipeline if r["op"] == "geocomm fp8 pipeline"
-                and r["vs_copy"] < MUST_SHOW_VS_COPY]
-    return {"ok": not failures, "pipeline": pipeline, "kernels": kernels, "stage_cost": stage,
-            "failures": failures}
+    failures = [
+        f"fp8 pipeline at {r['size_MiB']} MiB: codec throughput {r['vs_copy']:.2f} of "
+        f"the copy bandwidth (must be >= {MUST_SHOW_VS_COPY})"
+        for r in pipeline
+        if r["op"] == "geocomm fp8 pipeline" and r["vs_copy"] < MUST_SHOW_VS_COPY
+    ]
+    return {
+        "ok": not failures,
+        "pipeline": pipeline,
+        "kernels": kernels,
+        "stage_cost": stage,
+        "failures": failures,
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -277,8 +331,11 @@ def check_ddp(ctx: Any, steps: int = 3) -> dict[str, Any]:
     if (missing := torch_cuda_missing()) is not None:
         return missing
     if ctx.size > 1:
-        return {"ok": True, "status": "skipped",
-                "reason": "a 1-rank DDP: run on one rank (the other sections span the ranks)"}
+        return {
+            "ok": True,
+            "status": "skipped",
+            "reason": "a 1-rank DDP: run on one rank (the other sections span the ranks)",
+        }
     import torch
     import torch.distributed as dist
 
@@ -287,9 +344,16 @@ def check_ddp(ctx: Any, steps: int = 3) -> dict[str, Any]:
     if not dist.is_initialized():
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     rows = ddp_rows(device, ctx.mpi(), ctx.args.seed, steps)
-    return {"ok": all(r["ok"] for r in rows), "status": "ran", "rows": rows,
-            "failures": [f"{r['dtype']}: { {k: v for k, v in r.items() if k != 'dtype'} }"
-                         for r in rows if not r["ok"]]}
+    return {
+        "ok": all(r["ok"] for r in rows),
+        "status": "ran",
+        "rows": rows,
+        "failures": [
+            f"{r['dtype']}: { {k: v for k, v in r.items() if k != 'dtype'} }"
+            for r in rows
+            if not r["ok"]
+        ],
+    }
 
 
 def ddp_rows(device: Any, mpi: Any, seed: int, steps: int) -> list[dict[str, Any]]:
@@ -311,10 +375,15 @@ def ddp_rows(device: Any, mpi: Any, seed: int, steps: int) -> list[dict[str, Any
         try:
             torch.manual_seed(seed % 2**31)
             net = torch.nn.Sequential(
-                torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024),
-                torch.nn.GELU(), torch.nn.Linear(1024, 16)).to(device, dtype)
-            model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None,
-                        bucket_cap_mb=1)
+                torch.nn.Linear(512, 1024),
+                torch.nn.GELU(),
+                torch.nn.Linear(1024, 1024),
+                torch.nn.GELU(),
+                torch.nn.Linear(1024, 16),
+            ).to(device, dtype)
+            model = DDP(
+                net, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=1
+            )
             state = gt.GeocommHookState(net, codec="fp8")
             seen: list[tuple[Any, list[Any], int]] = []
 
@@ -334,16 +403,24 @@ def ddp_rows(device: Any, mpi: Any, seed: int, steps: int) -> list[dict[str, Any
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 for buffer, params, _ in seen:
-                    want = geocomm.allreduce(buffer.cpu(), codec="fp8", op="avg", comm=mpi,
-                                             stage_size=state.reducer.stage_size)
+                    want = geocomm.allreduce(
+                        buffer.cpu(),
+                        codec="fp8",
+                        op="avg",
+                        comm=mpi,
+                        stage_size=state.reducer.stage_size,
+                    )
                     got = torch.cat([p.grad.reshape(-1) for p in params])
                     diffs.append(value_diff(_torch_bits(got), _torch_bits(want)))
                 buckets += len(seen)
                 model.zero_grad()
             row["buckets"] = buckets
             row["vs_cpu_mpi"] = next((d for d in diffs if not d["equal"]), diffs[0])
-            row["one_collective_per_bucket"] = {"equal": all(
-                b.collectives == 1 for step in state.telemetry.history for b in step.buckets)}
+            row["one_collective_per_bucket"] = {
+                "equal": all(
+                    b.collectives == 1 for step in state.telemetry.history for b in step.buckets
+                )
+            }
             row["ok"] = all_equal(row)
         except Exception:
             row.update(ok=False, error=traceback.format_exc())
@@ -352,4 +429,3 @@ def ddp_rows(device: Any, mpi: Any, seed: int, steps: int) -> list[dict[str, Any
                 state.close()
         rows.append(row)
     return rows
-

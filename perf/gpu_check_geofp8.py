@@ -30,24 +30,26 @@ def check_kernels(ctx: Any) -> list[dict[str, Any]]:
         want_out = np.empty_like(x)
         kernels.expand(x, lo, n, want_coef, vt, -1.0, want_out)
         got_out = cp.empty(length, cp.float32)
-        kernels.expand(cp.asarray(x), lo, n, cp.asarray(want_coef), cp.asarray(vt), -1.0,
-                       got_out)
+        kernels.expand(cp.asarray(x), lo, n, cp.asarray(want_coef), cp.asarray(vt), -1.0, got_out)
         x[length // 2] = 0.25  # accumulation is defined on finite values
         want_acc = np.zeros((k, n), np.float32)
         kernels.accumulate(x, lo, n, want_coef, want_acc)
         got_acc = cp.zeros((k, n), cp.float32)
         kernels.accumulate(cp.asarray(x), lo, n, cp.asarray(want_coef), got_acc)
-        row = {"kernels": f"{m}x{n} k={k} range [{lo}, {lo + length})",
-               "project": value_diff(cp.asnumpy(got_coef), want_coef),
-               "expand": value_diff(cp.asnumpy(got_out), want_out),
-               "accumulate": value_diff(cp.asnumpy(got_acc), want_acc)}
+        row = {
+            "kernels": f"{m}x{n} k={k} range [{lo}, {lo + length})",
+            "project": value_diff(cp.asnumpy(got_coef), want_coef),
+            "expand": value_diff(cp.asnumpy(got_out), want_out),
+            "accumulate": value_diff(cp.asnumpy(got_acc), want_acc),
+        }
         row["ok"] = all_equal(row)
         rows.append(row)
     return rows
 
 
-def check_geofp8(ctx: Any, shape: tuple[int, int] | None = None,
-                 steps: int | None = None) -> dict[str, Any]:
+def check_geofp8(
+    ctx: Any, shape: tuple[int, int] | None = None, steps: int | None = None
+) -> dict[str, Any]:
     """GeoFP8's kernels and collective on CuPy == on NumPy, bit for bit.
 
     The geometry kernels on rank 0 (:func:`check_kernels`); then on every rank the
@@ -69,8 +71,9 @@ def check_geofp8(ctx: Any, shape: tuple[int, int] | None = None,
         try:
             g = gradient(np.random.default_rng([ctx.args.seed, nccl.rank, step]), shape)
             want = geocomm.allreduce(g.copy(), codec=on_cpu, key="layer.w", comm=mpi)
-            got = cp.asnumpy(geocomm.allreduce(cp.asarray(g), codec=on_gpu, key="layer.w",
-                                               comm=nccl))
+            got = cp.asnumpy(
+                geocomm.allreduce(cp.asarray(g), codec=on_gpu, key="layer.w", comm=nccl)
+            )
             state = on_gpu.state_checksum()
             row["vs_numpy_mpi"] = value_diff(got, want)
             row["state_equal"] = {"equal": state == on_cpu.state_checksum()}
@@ -78,9 +81,14 @@ def check_geofp8(ctx: Any, shape: tuple[int, int] | None = None,
             row["error"] = traceback.format_exc()
         if ctx.size > 1:  # every rank, even after an error here: the same calls
             sums = ctx.world.allgather((digest(got), state))
-            row["ranks_agree"] = {"equal": all(None not in s for s in sums)
-                                  and len(set(sums)) == 1}
+            row["ranks_agree"] = {"equal": all(None not in s for s in sums) and len(set(sums)) == 1}
         row["ok"] = "error" not in row and all_equal(row)
         rows.append(row)
-    return {"ok": all(r["ok"] for r in rows), "status": "ran", "shape": list(shape),
-            "ranks": ctx.size, "rows": rows, "failures": [str(r) for r in rows if not r["ok"]]}
+    return {
+        "ok": all(r["ok"] for r in rows),
+        "status": "ran",
+        "shape": list(shape),
+        "ranks": ctx.size,
+        "rows": rows,
+        "failures": [str(r) for r in rows if not r["ok"]],
+    }

@@ -41,8 +41,7 @@ def main() -> int:
     for r in reports:
         sizes = [row["size"] for row in r["rows"]]
         bw.plot(sizes, [row["busbw_GBps"] for row in r["rows"]], marker="o", label=label(r))
-        err.plot(sizes, [max(row["relerr"], 1e-9) for row in r["rows"]], marker="o",
-                 label=label(r))
+        err.plot(sizes, [max(row["relerr"], 1e-9) for row in r["rows"]], marker="o", label=label(r))
     for ax, name in ((bw, "bus bandwidth (GB/s)"), (err, "relative error vs fp64")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("message size (bytes)")
@@ -56,11 +55,19 @@ def main() -> int:
 
     names = [label(r) for r in reports]
     lines = [f"# {args.title}", "", "Commands:", ""]
-    lines += [f"- `{r['command']}` ({r['ranks']} ranks). {yardstick_line(r.get('yardstick'))}"
-              for r in reports]
-    lines += ["", "| size (B) | " + " | ".join(f"{n} time (us)" for n in names)
-              + "".join(f" | {n} speed-up vs {names[0]}" for n in names[1:])
-              + " | " + " | ".join(f"{n} wire/fp32" for n in names) + " |"]
+    lines += [
+        f"- `{r['command']}` ({r['ranks']} ranks). {yardstick_line(r.get('yardstick'))}"
+        for r in reports
+    ]
+    lines += [
+        "",
+        "| size (B) | "
+        + " | ".join(f"{n} time (us)" for n in names)
+        + "".join(f" | {n} speed-up vs {names[0]}" for n in names[1:])
+        + " | "
+        + " | ".join(f"{n} wire/fp32" for n in names)
+        + " |",
+    ]
     lines.append("|---:" * (2 * len(names) + len(names) - 1 + 1) + "|")
     by_size = [{row["size"]: row for row in r["rows"]} for r in reports]
     for size in sorted(by_size[0]):

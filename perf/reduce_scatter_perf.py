@@ -1,6 +1,6 @@
 """Compressed reduce-scatter sweep, nccl-tests style (each rank checks its shard).
 
-    python -m geocomm.launch -n 2 -- python perf/reduce_scatter_perf.py -b 8 -e 128M -f 2
+python -m geocomm.launch -n 2 -- python perf/reduce_scatter_perf.py -b 8 -e 128M -f 2
 """
 
 import sys
@@ -36,7 +36,8 @@ def _norm_bound(xs, codec, rank, size, op):
 REDUCE_SCATTER = Collective(
     name="reduce_scatter",
     run=lambda x, codec, op, stage_size, comm: geocomm.reduce_scatter(
-        x, codec=codec, op=op, stage_size=stage_size, comm=comm),
+        x, codec=codec, op=op, stage_size=stage_size, comm=comm
+    ),
     bus_factor=lambda n: (n - 1) / n,
     span=_span,
     bound=_bound,

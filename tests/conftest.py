@@ -31,8 +31,10 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if report.failed and MPI is not None and world_size() > 1:
         rank = MPI.COMM_WORLD.Get_rank()
-        sys.stderr.write(f"\n[rank {rank}] FAILED {item.nodeid} ({report.when})\n"
-                         f"{report.longreprtext}\n[rank {rank}] aborting the MPI job\n")
+        sys.stderr.write(
+            f"\n[rank {rank}] FAILED {item.nodeid} ({report.when})\n"
+            f"{report.longreprtext}\n[rank {rank}] aborting the MPI job\n"
+        )
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
 
@@ -67,7 +69,13 @@ def without_native(tmp_path):
     def run(body: str) -> subprocess.CompletedProcess:
         script = tmp_path / "without_native.py"
         script.write_text(BLOCK_NATIVE + textwrap.dedent(body))
-        return subprocess.run([sys.executable, "-P", str(script)], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=240, check=False)
+        return subprocess.run(
+            [sys.executable, "-P", str(script)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            check=False,
+        )
 
     return run

@@ -12,8 +12,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/setup_venv.sh test
 # -P: import the installed package (with its compiled core), not ./geocomm
-echo "== lint (ruff) and types (mypy; strict on geocomm.codecs and geocomm.engine)"
+echo "== lint and format (ruff) and types (mypy; strict on geocomm.codecs and geocomm.engine)"
 "$VENV/bin/ruff" check geocomm perf tests bindings tools
+"$VENV/bin/ruff" format --check geocomm perf tests bindings tools
 "$VENV/bin/mypy"
 # tests/gpu runs in sessions of its own: its conftest puts the CuPy twin in place
 "$PY" -P -m pytest -q -p no:cacheprovider -m "not mpi" --ignore=tests/gpu tests

@@ -21,8 +21,11 @@ LOSSY = ["bf16", "fp8", "nvfp4", "geofp8"]
 
 
 @pytest.mark.parametrize("entry", list(ENTRY_POINTS))
-@pytest.mark.parametrize("bad", [np.arange(6, dtype=np.int32), np.zeros(6, np.complex64),
-                                 np.zeros(6, bool)], ids=["int32", "complex64", "bool"])
+@pytest.mark.parametrize(
+    "bad",
+    [np.arange(6, dtype=np.int32), np.zeros(6, np.complex64), np.zeros(6, bool)],
+    ids=["int32", "complex64", "bool"],
+)
 def test_non_float_dtypes_raise_type_error(comm, entry, bad):
     with pytest.raises(TypeError, match="dtype"):
         ENTRY_POINTS[entry](bad, "fp8")
@@ -66,8 +69,10 @@ def test_all_zero_stays_zero(comm, codec):
 def test_denormal_only_input(comm, codec):
     """fp32 subnormals only: the tiny-amax pre-scale path keeps the result
     within the derived bound (no NaN, no inf, no garbage)."""
-    xs = [(np.random.default_rng([r, 5]).standard_normal(1000) * 1e-39).astype(np.float32)
-          for r in range(comm.size)]
+    xs = [
+        (np.random.default_rng([r, 5]).standard_normal(1000) * 1e-39).astype(np.float32)
+        for r in range(comm.size)
+    ]
     assert np.all(np.abs(xs[0]) < np.finfo(np.float32).tiny)
     y = geocomm.allreduce(xs[comm.rank], codec=codec)
     exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
@@ -81,8 +86,10 @@ def test_denormal_only_input(comm, codec):
 def test_values_beyond_fp8_range_on_one_rank(comm, codec):
     """1e30 on one rank: scales absorb any finite range; the others' values
     drown in that block's error but nothing overflows."""
-    xs = [np.random.default_rng([r, 6]).standard_normal(4096).astype(np.float32)
-          for r in range(comm.size)]
+    xs = [
+        np.random.default_rng([r, 6]).standard_normal(4096).astype(np.float32)
+        for r in range(comm.size)
+    ]
     xs[-1][100] = 1e30
     y = geocomm.allreduce(xs[comm.rank], codec=codec)
     exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
@@ -104,5 +111,6 @@ def test_dtype_and_op_mismatch_across_ranks(comm):
     with pytest.raises(geocomm.CollectiveMismatchError, match="dtype"):
         geocomm.allreduce(x, codec="fp8")
     with pytest.raises(geocomm.CollectiveMismatchError, match="op"):
-        geocomm.allreduce(np.ones(16, np.float32), codec="fp8",
-                          op="sum" if comm.rank == 0 else "avg")
+        geocomm.allreduce(
+            np.ones(16, np.float32), codec="fp8", op="sum" if comm.rank == 0 else "avg"
+        )

@@ -33,8 +33,10 @@ COUNTS = [0, 1, 2, 97, 1000, 12_345, 300_007]
 
 def inputs(count: int, size: int, tag: int, dtype=np.float32) -> list[np.ndarray]:
     """Every rank's input, rebuildable on any rank."""
-    return [np.random.default_rng([r, count, tag]).standard_normal(count).astype(dtype)
-            for r in range(size)]
+    return [
+        np.random.default_rng([r, count, tag]).standard_normal(count).astype(dtype)
+        for r in range(size)
+    ]
 
 
 def single_bound(values: np.ndarray, name: str) -> np.ndarray:
@@ -101,8 +103,7 @@ def test_out_overlapping_x_at_an_offset(comm, name):
     expected = geocomm.allreduce(xs[comm.rank].copy(), codec=CODECS[name], stage_size=500)
     buf = np.empty(3002, np.float32)
     buf[:3001] = xs[comm.rank]
-    result = geocomm.allreduce(buf[:3001], codec=CODECS[name], out=buf[1:],
-                               stage_size=500)
+    result = geocomm.allreduce(buf[:3001], codec=CODECS[name], out=buf[1:], stage_size=500)
     np.testing.assert_array_equal(result, expected)
 
 
@@ -141,8 +142,9 @@ def test_low_precision_dtypes_keep_dtype_and_shape(comm, dtype, name):
     # input-dtype rounding of the result: relative 2^-8 (bf16) or 2^-11 (fp16)
     out_u = 2.0**-8 if dtype == ml_dtypes.bfloat16 else 2.0**-11
     bound = two_stage_bound([v.astype(np.float32) for v in xs], name).reshape(6, 5, 7)
-    assert np.all(np.abs(y.astype(np.float64) - exact) <= bound * (1 + out_u)
-                  + out_u * np.abs(exact) + 1e-6)
+    assert np.all(
+        np.abs(y.astype(np.float64) - exact) <= bound * (1 + out_u) + out_u * np.abs(exact) + 1e-6
+    )
 
 
 def test_float64_policy(comm):
@@ -185,8 +187,10 @@ def test_chunking_does_not_change_bytes(comm, name):
     """Pieces start at multiples of 4096 within a shard, so 128-blocks never
     move with the chunk size: every chunk size gives the same bits."""
     xs = inputs(50_003, comm.size, tag=5)
-    results = [geocomm.allreduce(xs[comm.rank], codec=CODECS[name], stage_size=chunk)
-               for chunk in (256, 4096, 1 << 22)]
+    results = [
+        geocomm.allreduce(xs[comm.rank], codec=CODECS[name], stage_size=chunk)
+        for chunk in (256, 4096, 1 << 22)
+    ]
     for other in results[1:]:
         np.testing.assert_array_equal(other, results[0])
 
@@ -241,6 +245,7 @@ def test_auto_switches_at_the_crossover(comm):
     assert not np.array_equal(geocomm.allreduce(small, codec="fp8"), exact_small)
     np.testing.assert_array_equal(geocomm.allreduce(small, codec=auto), exact_small)
     large = np.random.default_rng([comm.rank, 99]).standard_normal(1000).astype(np.float32)
-    np.testing.assert_array_equal(geocomm.allreduce(large, codec=auto),
-                                  geocomm.allreduce(large, codec="fp8"))
+    np.testing.assert_array_equal(
+        geocomm.allreduce(large, codec=auto), geocomm.allreduce(large, codec="fp8")
+    )
     assert geocomm.get_codec(geocomm.get_codec(auto).get_config()) == geocomm.get_codec(auto)

@@ -28,8 +28,12 @@ from geocomm.engine import device as gpu_pipeline
 
 
 def _nvcc() -> str | None:
-    for candidate in (os.environ.get("NVCC"), shutil.which("nvcc"), "/usr/local/bin/nvcc",
-                      "/usr/local/cuda/bin/nvcc"):
+    for candidate in (
+        os.environ.get("NVCC"),
+        shutil.which("nvcc"),
+        "/usr/local/bin/nvcc",
+        "/usr/local/cuda/bin/nvcc",
+    ):
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
             return candidate
     return None
@@ -39,8 +43,16 @@ NVCC = _nvcc()
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc (CUDA toolkit) not found")
 
 # The options of geocomm.cuda.NVRTC_OPTIONS, spelled for nvcc.
-NVCC_FLAGS = ["-fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true",
-              "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Wextra"]
+NVCC_FLAGS = [
+    "-fmad=false",
+    "-ftz=false",
+    "-prec-div=true",
+    "-prec-sqrt=true",
+    "-Werror",
+    "all-warnings",
+    "-Xcompiler",
+    "-Wall,-Wextra",
+]
 
 
 def _run_nvcc(args: list[str], cwd: Path) -> None:
@@ -52,16 +64,41 @@ def _run_nvcc(args: list[str], cwd: Path) -> None:
 #: (geocomm.cuda) and the batched pipeline's (geocomm.engine.device, which
 #: includes the codec's helpers).
 UNITS = {
-    "codec": (gcuda.kernel_source, {
-        "gc_amax_tiles", "gc_fp8_encode_team", "gc_fp8_encode_tiles", "gc_fp8_decode_team",
-        "gc_fp8_decode_tiles", "gc_nvfp4_encode", "gc_e2m1_decode", "gc_bf16_encode",
-        "gc_bf16_decode", "gc_mxfp8_encode", "gc_mxfp8_decode", "gc_mxfp4_encode",
-        "gc_divide_f32", "gc_divide_f64"}),
-    "pipeline": (gpu_pipeline.kernel_source, {
-        "gc_pipe_value_encode", "gc_pipe_fp8_encode_team", "gc_pipe_amax_tiles",
-        "gc_pipe_fp8_encode_tiles", "gc_pipe_nvfp4_encode", "gc_pipe_mxfp8_encode",
-        "gc_pipe_mxfp4_encode", "gc_pipe_reduce", "gc_pipe_decode", "gc_pipe_fp8_decode_team",
-        "gc_pipe_fp8_decode_tiles"}),
+    "codec": (
+        gcuda.kernel_source,
+        {
+            "gc_amax_tiles",
+            "gc_fp8_encode_team",
+            "gc_fp8_encode_tiles",
+            "gc_fp8_decode_team",
+            "gc_fp8_decode_tiles",
+            "gc_nvfp4_encode",
+            "gc_e2m1_decode",
+            "gc_bf16_encode",
+            "gc_bf16_decode",
+            "gc_mxfp8_encode",
+            "gc_mxfp8_decode",
+            "gc_mxfp4_encode",
+            "gc_divide_f32",
+            "gc_divide_f64",
+        },
+    ),
+    "pipeline": (
+        gpu_pipeline.kernel_source,
+        {
+            "gc_pipe_value_encode",
+            "gc_pipe_fp8_encode_team",
+            "gc_pipe_amax_tiles",
+            "gc_pipe_fp8_encode_tiles",
+            "gc_pipe_nvfp4_encode",
+            "gc_pipe_mxfp8_encode",
+            "gc_pipe_mxfp4_encode",
+            "gc_pipe_reduce",
+            "gc_pipe_decode",
+            "gc_pipe_fp8_decode_team",
+            "gc_pipe_fp8_decode_tiles",
+        },
+    ),
 }
 
 
@@ -94,18 +131,21 @@ def test_kernels_compile_for_sm90(unit, tmp_path: Path):
 def test_kernel_ptx_is_ieee(unit, tmp_path: Path):
     """sm_80 PTX: every fp32 multiply/add is .rn (ptxas may not fuse it), no .ftz, no approx."""
     ptx_path = tmp_path / "gc_kernels.ptx"
-    _run_nvcc(["-ptx", "-arch=compute_80", *NVCC_FLAGS, str(unit[0]), "-o", str(ptx_path)],
-              tmp_path)
+    _run_nvcc(
+        ["-ptx", "-arch=compute_80", *NVCC_FLAGS, str(unit[0]), "-o", str(ptx_path)], tmp_path
+    )
     ptx = ptx_path.read_text()
     entries = set(re.findall(r"\.entry\s+(\w+)", ptx))
     assert unit[1] <= entries
-    instructions = [line.split()[0] for line in ptx.splitlines()
-                    if line.strip() and not line.lstrip().startswith(("//", ".", "{", "}", "$"))]
+    instructions = [
+        line.split()[0]
+        for line in ptx.splitlines()
+        if line.strip() and not line.lstrip().startswith(("//", ".", "{", "}", "$"))
+    ]
     assert not [i for i in instructions if i.startswith("fma")], "fused multiply-add in PTX"
     assert not [i for i in instructions if ".ftz" in i], "flush-to-zero in PTX"
     assert not [i for i in instructions if ".approx" in i or ".full" in i], "approximate math"
-    loose = [i for i in instructions
-             if re.match(r"(mul|add|sub|div)\.(f32|f64)$", i)]
+    loose = [i for i in instructions if re.match(r"(mul|add|sub|div)\.(f32|f64)$", i)]
     assert not loose, f"fp arithmetic without a rounding mode (ptxas may contract it): {loose}"
 
 
@@ -114,8 +154,19 @@ def test_kernel_ptx_is_ieee(unit, tmp_path: Path):
 def test_kernel_file_compiles_with_include(tmp_path: Path, name: str):
     """The installed kernel files also compile as files that include their headers."""
     src = cuda_build.source_dir()
-    _run_nvcc(["-c", "-arch=sm_80", *NVCC_FLAGS, "-I", str(src), str(src / name),
-               "-o", str(tmp_path / "kernels.o")], tmp_path)
+    _run_nvcc(
+        [
+            "-c",
+            "-arch=sm_80",
+            *NVCC_FLAGS,
+            "-I",
+            str(src),
+            str(src / name),
+            "-o",
+            str(tmp_path / "kernels.o"),
+        ],
+        tmp_path,
+    )
 
 
 @needs_nvcc
@@ -124,9 +175,23 @@ def test_pipeline_kernels_keep_registers_and_no_stack(tmp_path: Path):
     no batched kernel spills: a spill would cost more memory traffic than the data."""
     path = tmp_path / "gc_pipeline.cu"
     path.write_text(gpu_pipeline.kernel_source())
-    proc = subprocess.run([NVCC, "-c", "-arch=sm_90", *NVCC_FLAGS, "-Xptxas", "-v", str(path),
-                           "-o", str(tmp_path / "p.o")], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            NVCC,
+            "-c",
+            "-arch=sm_90",
+            *NVCC_FLAGS,
+            "-Xptxas",
+            "-v",
+            str(path),
+            "-o",
+            str(tmp_path / "p.o"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr
     report = re.split(r"Compiling entry function '(\w+)'", proc.stderr)
     stats = dict(zip(report[1::2], report[2::2], strict=True))
@@ -187,11 +252,12 @@ def test_divide_is_one_ieee_division(kernel_cu: Path, tmp_path: Path):
     """op="avg" on the GPU: the divide kernels divide with round-to-nearest (div.rn), never
     flushing subnormals (no .ftz anywhere, checked above) nor approximating."""
     ptx_path = tmp_path / "gc_kernels.ptx"
-    _run_nvcc(["-ptx", "-arch=compute_80", *NVCC_FLAGS, str(kernel_cu), "-o", str(ptx_path)],
-              tmp_path)
+    _run_nvcc(
+        ["-ptx", "-arch=compute_80", *NVCC_FLAGS, str(kernel_cu), "-o", str(ptx_path)], tmp_path
+    )
     ptx = ptx_path.read_text()
     for name, op in (("gc_divide_f32", "div.rn.f32"), ("gc_divide_f64", "div.rn.f64")):
-        body = ptx[ptx.index(f".entry {name}"):]
+        body = ptx[ptx.index(f".entry {name}") :]
         body = body[: body.index("\n}\n")]
         divisions = re.findall(r"\bdiv\.[\w.]+", body)
         assert divisions == [op], (name, divisions)
@@ -210,8 +276,13 @@ def test_wire_size_rejects_bad_arguments():
 
 def test_divide_launch_geometry_and_arguments():
     """One thread per value, THREADS per thread block; the divisor is a positive integer."""
-    assert [gcuda.divide_grid(n) for n in (1, 255, 256, 257, 10**6)] == [(1,), (1,), (1,), (2,),
-                                                                        (3907,)]
+    assert [gcuda.divide_grid(n) for n in (1, 255, 256, 257, 10**6)] == [
+        (1,),
+        (1,),
+        (1,),
+        (2,),
+        (3907,),
+    ]
     assert gcuda.divide_grid(2**31 * gcuda.THREADS - gcuda.THREADS) == (2**31 - 1,)
     with pytest.raises(ValueError, match="grid"):
         gcuda.divide_grid(2**31 * gcuda.THREADS)
@@ -230,8 +301,16 @@ def test_divide_without_cupy(no_cupy):
 
 def test_team_and_tile_plans():
     """Launch geometry: team width is the next power of two up to a warp; tiles cover blocks."""
-    assert [gcuda.team_shift(b) for b in (1, 2, 3, 16, 17, 32, 33, 1024)] == [0, 1, 2, 4, 5, 5,
-                                                                               5, 5]
+    assert [gcuda.team_shift(b) for b in (1, 2, 3, 16, 17, 32, 33, 1024)] == [
+        0,
+        1,
+        2,
+        4,
+        5,
+        5,
+        5,
+        5,
+    ]
     plan = gcuda.fp8_launch(10_000, 5000)
     assert plan.team_shift is None and plan.nblocks == 2
     assert plan.tiles_per_block == -(-5000 // gcuda.TILE) and plan.grid == 2 * plan.tiles_per_block
@@ -277,8 +356,10 @@ def test_fp8_launch_plan_rejects_bad_arguments():
 
 
 def _defines(path: Path) -> dict[str, int]:
-    return {m[1]: int(m[2]) for m in re.finditer(r"^#define (GC_\w+) (-?\d+)\s*$",
-                                                 path.read_text(), re.MULTILINE)}
+    return {
+        m[1]: int(m[2])
+        for m in re.finditer(r"^#define (GC_\w+) (-?\d+)\s*$", path.read_text(), re.MULTILINE)
+    }
 
 
 @pytest.mark.skipif(not native.available, reason="native core not built")
@@ -294,7 +375,10 @@ def test_constants_come_from_the_compiled_core():
 
     assert set(ref.FORMAT_NAMES) == set(native.FORMAT_NAMES)
     assert (ref.NVFP4_BLOCK, ref.NVFP4_SUPERBLOCK, ref.MX_BLOCK) == (
-        native.NVFP4_BLOCK, native.NVFP4_SUPERBLOCK, native.MX_BLOCK)
+        native.NVFP4_BLOCK,
+        native.NVFP4_SUPERBLOCK,
+        native.MX_BLOCK,
+    )
     # the layout constants the kernels and the C loops use (gc_scalar.h) are the API's
     native_dir = Path(__file__).resolve().parent.parent / "native"
     api = _defines(native_dir / "geocomm.h")

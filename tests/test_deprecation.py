@@ -35,14 +35,14 @@ def test_renamed_keywords_warns_names_the_new_one_and_refuses_both():
         f(old=1, new=2)
 
 
-@pytest.mark.parametrize("collective", [geocomm.allreduce, geocomm.reduce_scatter,
-                                        collectives.allreduce, collectives.reduce_scatter])
+@pytest.mark.parametrize(
+    "collective",
+    [geocomm.allreduce, geocomm.reduce_scatter, collectives.allreduce, collectives.reduce_scatter],
+)
 def test_chunk_elems_is_stage_size(collective):
-    want = collective(X.copy(), codec="fp8", comm=loopback(1)[0], check=False,
-                      stage_size=4096)
+    want = collective(X.copy(), codec="fp8", comm=loopback(1)[0], check=False, stage_size=4096)
     with pytest.warns(DeprecationWarning, match="stage_size="):
-        got = collective(X.copy(), codec="fp8", comm=loopback(1)[0], check=False,
-                         chunk_elems=4096)
+        got = collective(X.copy(), codec="fp8", comm=loopback(1)[0], check=False, chunk_elems=4096)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
@@ -59,8 +59,9 @@ def test_torch_adapters_accept_chunk_elems():
     with pytest.warns(DeprecationWarning, match="stage_size="):
         assert GradReducer("fp8", loopback(1)[0], chunk_elems=8192).stage_size == 8192
     with pytest.warns(DeprecationWarning, match="stage_size="):
-        state = GeocommHookState(torch.nn.Linear(4, 4), comm=loopback(1)[0], check=False,
-                         chunk_elems=4096)
+        state = GeocommHookState(
+            torch.nn.Linear(4, 4), comm=loopback(1)[0], check=False, chunk_elems=4096
+        )
     assert state.reducer.stage_size == 4096
     assert torch_fsdp.compress_fsdp.__renamed_keywords__ == {"chunk_elems": "stage_size"}
 
@@ -122,8 +123,7 @@ def test_perf_option_chunk_is_stage_size(monkeypatch):
 def test_deprecated_option_is_hidden():
     p = argparse.ArgumentParser()
     p.add_argument("--new", type=int)
-    p.add_argument("--old", dest="new", type=int, action=DeprecatedOption,
-                   help=argparse.SUPPRESS)
+    p.add_argument("--old", dest="new", type=int, action=DeprecatedOption, help=argparse.SUPPRESS)
     assert "--old" not in p.format_help()
     with pytest.warns(DeprecationWarning, match="use --new"):
         assert p.parse_args(["--old", "2"]).new == 2

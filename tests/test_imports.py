@@ -50,8 +50,9 @@ def _resolve(module: str, is_package: bool, level: int, target: str | None) -> s
     return ".".join(base + ([target] if target else []))
 
 
-def imports_of(path: pathlib.Path, module: str, known: set[str], prefix: str
-               ) -> list[tuple[str, str | None, int]]:
+def imports_of(
+    path: pathlib.Path, module: str, known: set[str], prefix: str
+) -> list[tuple[str, str | None, int]]:
     """(imported module, imported name or None, line) of every import of ``prefix`` in
     ``path``; ``from pkg import mod`` names the module ``pkg.mod`` when it is one."""
     tree = ast.parse(path.read_text(), str(path))
@@ -83,8 +84,9 @@ def _private_module(module: str) -> bool:
     return any(_private(part) for part in module.split("."))
 
 
-def check_package(root: pathlib.Path, package: str, private_modules: dict[str, str],
-                  production: bool = True) -> list[str]:
+def check_package(
+    root: pathlib.Path, package: str, private_modules: dict[str, str], production: bool = True
+) -> list[str]:
     """Every problem of the package ``root/package`` (an empty list: none)."""
     files = sorted((root / package).rglob("*.py"))
     names = {module_name(f, root): f for f in files}
@@ -96,11 +98,18 @@ def check_package(root: pathlib.Path, package: str, private_modules: dict[str, s
             where = f"{path.relative_to(root)}:{line}"
             if target != module:
                 graph[module].add(target)
-            if production and (target == TESTING or target.startswith(TESTING + ".")) \
-                    and not (module == TESTING or module.startswith(TESTING + ".")):
+            if (
+                production
+                and (target == TESTING or target.startswith(TESTING + "."))
+                and not (module == TESTING or module.startswith(TESTING + "."))
+            ):
                 problems.append(f"{where}: production code imports {target}")
-            if target != module and _private_module(target) and target not in private_modules \
-                    and not target.startswith(module + "."):
+            if (
+                target != module
+                and _private_module(target)
+                and target not in private_modules
+                and not target.startswith(module + ".")
+            ):
                 problems.append(f"{where}: imports the private module {target}")
             if name is not None and _private(name) and target != module:
                 problems.append(f"{where}: imports the private name {target}.{name}")
@@ -155,7 +164,7 @@ def cycles(graph: dict[str, set[str]], known: set[str]) -> list[list[str]]:
             nxt = next(w for w in edges[chain[-1]] if w in members)
             chain.append(nxt)
             if nxt in seen:
-                found.append(chain[chain.index(nxt):])
+                found.append(chain[chain.index(nxt) :])
                 break
             seen.add(nxt)
     return found
@@ -188,28 +197,40 @@ def _plant(tmp_path: pathlib.Path, files: dict[str, str]) -> pathlib.Path:
 
 
 def test_checker_finds_a_planted_cycle(tmp_path):
-    root = _plant(tmp_path, {
-        "geocomm/__init__.py": "",
-        "geocomm/a.py": "from geocomm.b import f\n",
-        "geocomm/b.py": "def f():\n    from . import c\n",  # relative, inside a function
-        "geocomm/c.py": "import geocomm.a\n",
-        "geocomm/d.py": "from geocomm.a import f\n",  # imports the cycle, is not in it
-    })
+    root = _plant(
+        tmp_path,
+        {
+            "geocomm/__init__.py": "",
+            "geocomm/a.py": "from geocomm.b import f\n",
+            "geocomm/b.py": "def f():\n    from . import c\n",  # relative, inside a function
+            "geocomm/c.py": "import geocomm.a\n",
+            "geocomm/d.py": "from geocomm.a import f\n",  # imports the cycle, is not in it
+        },
+    )
     problems = check_package(root, "geocomm", {})
     assert problems == ["import cycle: geocomm.a -> geocomm.b -> geocomm.c -> geocomm.a"]
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("from geocomm.b import _hidden\n", "imports the private name geocomm.b._hidden"),
-    ("from geocomm import _secret\n", "imports the private module geocomm._secret"),
-    ("def f():\n    from geocomm.testing import helper\n", "production code imports"),
-    ("from geocomm.b import __version__\n", None),  # dunders are public
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("from geocomm.b import _hidden\n", "imports the private name geocomm.b._hidden"),
+        ("from geocomm import _secret\n", "imports the private module geocomm._secret"),
+        ("def f():\n    from geocomm.testing import helper\n", "production code imports"),
+        ("from geocomm.b import __version__\n", None),  # dunders are public
+    ],
+)
 def test_checker_finds_private_and_testing_imports(tmp_path, text, expected):
-    root = _plant(tmp_path, {
-        "geocomm/__init__.py": "", "geocomm/b.py": "_hidden = __version__ = 1\n",
-        "geocomm/_secret.py": "", "geocomm/testing.py": "helper = 1\n", "geocomm/a.py": text,
-    })
+    root = _plant(
+        tmp_path,
+        {
+            "geocomm/__init__.py": "",
+            "geocomm/b.py": "_hidden = __version__ = 1\n",
+            "geocomm/_secret.py": "",
+            "geocomm/testing.py": "helper = 1\n",
+            "geocomm/a.py": text,
+        },
+    )
     problems = check_package(root, "geocomm", {})
     if expected is None:
         assert problems == []

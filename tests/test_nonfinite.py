@@ -15,8 +15,15 @@ import geocomm
 
 pytestmark = pytest.mark.mpi
 
-CODECS = ["none", "bf16", "fp8", {"id": "fp8", "fmt": "e5m2", "block": 0}, "nvfp4",
-          "geofp8", "geonvfp4"]
+CODECS = [
+    "none",
+    "bf16",
+    "fp8",
+    {"id": "fp8", "fmt": "e5m2", "block": 0},
+    "nvfp4",
+    "geofp8",
+    "geonvfp4",
+]
 SHAPE = (96, 256)  # large enough for the geometry codecs to transform it
 
 
@@ -42,7 +49,7 @@ def test_nonfinite_positions_propagate(comm, codec):
         spread = _spread(codec)
         allowed = np.zeros_like(bad)
         for p in (nan_at, inf_at):
-            allowed[p // spread * spread: p // spread * spread + spread] = True
+            allowed[p // spread * spread : p // spread * spread + spread] = True
         assert not np.any(bad & ~allowed), f"step {step}: non-finite values elsewhere"
 
 

@@ -26,7 +26,12 @@ from geocomm.testing import (
 
 def test_parse_size_binary_multiples():
     assert [parse_size(t) for t in ("8", "1K", "1.5k", "128M", "1G")] == [
-        8, 1024, 1536, 128 << 20, 1 << 30]
+        8,
+        1024,
+        1536,
+        128 << 20,
+        1 << 30,
+    ]
 
 
 def _children_cpu_seconds() -> float:

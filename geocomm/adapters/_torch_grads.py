@@ -36,9 +36,11 @@ from geocomm.deprecation import renamed_keywords
 LOG = logging.getLogger("geocomm.torch")
 
 #: numpy dtypes of the gradient dtypes geocomm reduces (for the metadata fingerprint)
-NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
-                torch.bfloat16: np.dtype(ml_dtypes.bfloat16)}
-
+NUMPY_DTYPES = {
+    torch.float32: np.dtype(np.float32),
+    torch.float16: np.dtype(np.float16),
+    torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
+}
 
 
 # ---------------------------------------------------------------------------
@@ -69,7 +71,8 @@ class Selection:
 
     def compressed(self, name: str, numel: int) -> bool:
         return numel >= self.min_numel and not any(
-            fnmatch.fnmatchcase(name, p) for p in self.exclude)
+            fnmatch.fnmatchcase(name, p) for p in self.exclude
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -133,8 +136,8 @@ class ColumnGroup:
         at = 0
         for a, b in self.ranges:
             target = rows[:, a:b]
-            if target.data_ptr() != values[:, at: at + b - a].data_ptr():
-                target.copy_(values[:, at: at + b - a])
+            if target.data_ptr() != values[:, at : at + b - a].data_ptr():
+                target.copy_(values[:, at : at + b - a])
             at += b - a
 
 
@@ -168,8 +171,13 @@ class BufferLayout:
         for r in range(self.rows):
             for e in self.entries:
                 key = e.key if self.rows == 1 else (e.key, r)
-                parts.append(Part(r * self.width + e.offset, e.shape,
-                                  ("plain", key) if e.offset in plain else key))
+                parts.append(
+                    Part(
+                        r * self.width + e.offset,
+                        e.shape,
+                        ("plain", key) if e.offset in plain else key,
+                    )
+                )
         return parts
 
 
@@ -207,9 +215,15 @@ class GradReducer:
     """
 
     @renamed_keywords(chunk_elems="stage_size")
-    def __init__(self, codec: Any, comm: Any, check: bool | None = None,
-                 error_sample: int = 4096, stage_size: int | None = None,
-                 telemetry: Telemetry | None = None):
+    def __init__(
+        self,
+        codec: Any,
+        comm: Any,
+        check: bool | None = None,
+        error_sample: int = 4096,
+        stage_size: int | None = None,
+        telemetry: Telemetry | None = None,
+    ):
         self.codec = resolve_codec(codec)
         self.comm = comm if isinstance(comm, MeteredComm) else MeteredComm(comm)
         self.policy = check_policy(check)
@@ -218,14 +232,22 @@ class GradReducer:
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self._checked: set[Any] = set()
 
-    def _check(self, kind: str, layout: BufferLayout, dtype: torch.dtype, op: str,
-               what: str) -> None:
+    def _check(
+        self, kind: str, layout: BufferLayout, dtype: torch.dtype, op: str, what: str
+    ) -> None:
         key = (kind, id(layout), dtype, op)
         if self.policy == "never" or (self.policy == "first" and key in self._checked):
             return
         try:
-            check_consistent(self.comm, kind, layout.numel, NUMPY_DTYPES[dtype], op,
-                             self.codec, layout.fingerprint_parts())
+            check_consistent(
+                self.comm,
+                kind,
+                layout.numel,
+                NUMPY_DTYPES[dtype],
+                op,
+                self.codec,
+                layout.fingerprint_parts(),
+            )
         except CollectiveMismatchError as exc:
             raise CollectiveMismatchError(f"{what}: {exc}") from exc
         self._checked.add(key)
@@ -233,25 +255,59 @@ class GradReducer:
     def _start(self) -> tuple[float, int, int]:
         return time.perf_counter(), self.comm.sent, self.comm.calls
 
-    def _finish(self, start: tuple[float, int, int], index: int, kind: str, layout: BufferLayout,
-                dtype: torch.dtype, collectives: int, rel_error: float | None) -> BucketStats:
+    def _finish(
+        self,
+        start: tuple[float, int, int],
+        index: int,
+        kind: str,
+        layout: BufferLayout,
+        dtype: torch.dtype,
+        collectives: int,
+        rel_error: float | None,
+    ) -> BucketStats:
         t0, sent0, calls0 = start
         itemsize = torch.empty((), dtype=dtype).element_size()
         stats = BucketStats(
-            index, kind, layout.numel,
+            index,
+            kind,
+            layout.numel,
             layout.rows * (layout.compressed.numel if layout.compressed else 0),
-            collectives, self.comm.calls - calls0, self.comm.sent - sent0,
-            baseline_bytes(kind, layout.numel, itemsize, self.comm.size), rel_error,
-            time.perf_counter() - t0)
+            collectives,
+            self.comm.calls - calls0,
+            self.comm.sent - sent0,
+            baseline_bytes(kind, layout.numel, itemsize, self.comm.size),
+            rel_error,
+            time.perf_counter() - t0,
+        )
         self.telemetry.record(stats)
         return stats
 
-    def allreduce(self, layout: BufferLayout, buffer: torch.Tensor, index: int = 0,
-                  op: str = "avg", what: str = "bucket") -> BucketStats:
+    def _options(self, group: ColumnGroup, codec: Any) -> dict[str, Any]:
+        """The keywords of one group's collective: the tensors' keys when it is compressed,
+        no metadata check (the reducer compares whole layouts)."""
+        parts = group.parts() if codec is self.codec else None
+        return {
+            "codec": codec,
+            "parts": parts,
+            "comm": self.comm,
+            "check": False,
+            "stage_size": self.stage_size,
+        }
+
+    def allreduce(
+        self,
+        layout: BufferLayout,
+        buffer: torch.Tensor,
+        index: int = 0,
+        op: str = "avg",
+        what: str = "bucket",
+    ) -> BucketStats:
         """Reduce the flat ``buffer`` (one row of ``layout``) in place over the ranks."""
         if buffer.numel() != layout.numel or layout.rows != 1:
-            raise ValueError(f"{what}: buffer of {buffer.numel()} values, layout of "
-                             f"{layout.numel} in {layout.rows} rows")
+            raise ValueError(
+                f"{what}: buffer of {buffer.numel()} values, layout of "
+                f"{layout.numel} in {layout.rows} rows"
+            )
         start = self._start()
         self._check("allreduce", layout, buffer.dtype, op, what)
         rows = buffer.view(1, -1)
@@ -260,27 +316,35 @@ class GradReducer:
             if group is None:
                 continue
             values = group.take(rows)
-            sample = ErrorSample(self.codec, values, 0, values.numel(), self.error_sample) \
-                if group is layout.compressed else None
-            arrays.allreduce(values, codec=codec, op=op, out=values,
-                             parts=group.parts() if codec is self.codec else None,
-                             comm=self.comm, check=False, stage_size=self.stage_size)
+            sample = (
+                ErrorSample(self.codec, values, 0, values.numel(), self.error_sample)
+                if group is layout.compressed
+                else None
+            )
+            arrays.allreduce(values, op=op, out=values, **self._options(group, codec))
             if sample is not None:
                 rel_error = sample.estimate(values, 0, self.comm.size, op == "avg", True)
             group.put(rows, values)
             collectives += 1
-        return self._finish(start, index, "allreduce", layout, buffer.dtype, collectives,
-                            rel_error)
+        return self._finish(start, index, "allreduce", layout, buffer.dtype, collectives, rel_error)
 
-    def reduce_scatter(self, layout: BufferLayout, source: torch.Tensor, out: torch.Tensor,
-                       index: int = 0, op: str = "avg", what: str = "module") -> BucketStats:
+    def reduce_scatter(
+        self,
+        layout: BufferLayout,
+        source: torch.Tensor,
+        out: torch.Tensor,
+        index: int = 0,
+        op: str = "avg",
+        what: str = "module",
+    ) -> BucketStats:
         """Reduce-scatter ``source`` (``layout.rows`` = ranks rows) into this rank's
         ``out`` (its row of the reduced buffer)."""
         size, rank = self.comm.size, self.comm.rank
         if layout.rows != size or source.numel() != layout.numel or out.numel() != layout.width:
             raise ValueError(
                 f"{what}: reduce-scatter of {source.numel()} values into {out.numel()} on "
-                f"{size} ranks, but the layout has {layout.rows} rows of {layout.width} values")
+                f"{size} ranks, but the layout has {layout.rows} rows of {layout.width} values"
+            )
         start = self._start()
         self._check("reduce_scatter", layout, source.dtype, op, what)
         rows, out_rows = source.view(size, -1), out.view(1, -1)
@@ -290,17 +354,19 @@ class GradReducer:
                 continue
             values = group.take(rows)
             lo, hi = rank * group.numel, (rank + 1) * group.numel
-            sample = ErrorSample(self.codec, values, lo, hi, self.error_sample) \
-                if group is layout.compressed else None
-            shard = arrays.reduce_scatter(
-                values, codec=codec, op=op, parts=group.parts() if codec is self.codec else None,
-                comm=self.comm, check=False, stage_size=self.stage_size)
+            sample = (
+                ErrorSample(self.codec, values, lo, hi, self.error_sample)
+                if group is layout.compressed
+                else None
+            )
+            shard = arrays.reduce_scatter(values, op=op, **self._options(group, codec))
             if sample is not None:
                 rel_error = sample.estimate(shard, lo, size, op == "avg", False)
             group.put(out_rows, shard)
             collectives += 1
-        return self._finish(start, index, "reduce_scatter", layout, source.dtype, collectives,
-                            rel_error)
+        return self._finish(
+            start, index, "reduce_scatter", layout, source.dtype, collectives, rel_error
+        )
 
 
 def dedicated_comm(group: Any = None, device: str = "cpu") -> TorchDistCommunicator:
@@ -309,5 +375,6 @@ def dedicated_comm(group: Any = None, device: str = "cpu") -> TorchDistCommunica
     ``group`` must call it, in the same order as its other ``new_group`` calls."""
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-    return TorchDistCommunicator(dist.new_group(ranks=ranks, backend=backend,
-                                                use_local_synchronization=True))
+    return TorchDistCommunicator(
+        dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=True)
+    )

@@ -113,8 +113,10 @@ def _torch_cpu(t: Any) -> _Operand:
     if t.dtype == torch.bfloat16:
         # numpy has no bfloat16: share the memory through an int16 view
         array = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        return _Operand(array, lambda r: torch.from_numpy(
-            np.ascontiguousarray(r).view(np.int16)).view(torch.bfloat16))
+        return _Operand(
+            array,
+            lambda r: torch.from_numpy(np.ascontiguousarray(r).view(np.int16)).view(torch.bfloat16),
+        )
     return _Operand(t.numpy(), torch.from_numpy)
 
 
@@ -163,12 +165,12 @@ def _torch_stream(*tensors: Any) -> contextlib.AbstractContextManager:
             import torch
 
             cupy = _cupy()
-            index = t.device.index if t.device.index is not None else \
-                torch.cuda.current_device()
+            index = t.device.index if t.device.index is not None else torch.cuda.current_device()
             stack = contextlib.ExitStack()
             stack.enter_context(cupy.cuda.Device(index))  # current before the stream is wrapped
-            stack.enter_context(cupy_stream(cupy, torch.cuda.current_stream(index).cuda_stream,
-                                            index))
+            stack.enter_context(
+                cupy_stream(cupy, torch.cuda.current_stream(index).cuda_stream, index)
+            )
             return stack
     return contextlib.nullcontext()
 
@@ -205,8 +207,10 @@ def _cupy() -> Any:
     try:
         import cupy
     except ImportError as exc:
-        raise ImportError("CUDA arrays need CuPy: pip install 'geocomm[cupy]' (cupy-cuda12x). "
-                          f"Import error: {exc}") from None
+        raise ImportError(
+            "CUDA arrays need CuPy: pip install 'geocomm[cupy]' (cupy-cuda12x). "
+            f"Import error: {exc}"
+        ) from None
     return cupy
 
 
@@ -235,14 +239,17 @@ def _dlpack(x: Any, name: str) -> _Operand:
     if kind in DLPACK_CUDA:
         return _Operand(_cupy().from_dlpack(x), _identity)
     if kind is not None and kind not in DLPACK_HOST:
-        raise TypeError(f"{name} of type {type(x).__name__} lives on DLPack device type {kind}; "
-                        f"geocomm reads {sorted(DLPACK_HOST.values())} memory with NumPy and "
-                        f"{sorted(DLPACK_CUDA.values())} memory with CuPy")
+        raise TypeError(
+            f"{name} of type {type(x).__name__} lives on DLPack device type {kind}; "
+            f"geocomm reads {sorted(DLPACK_HOST.values())} memory with NumPy and "
+            f"{sorted(DLPACK_CUDA.values())} memory with CuPy"
+        )
     try:
         return _Operand(np.from_dlpack(x), _identity)
     except (BufferError, TypeError, RuntimeError) as exc:
-        raise TypeError(f"{name} of type {type(x).__name__} cannot be read through "
-                        f"DLPack on the CPU: {exc}") from None
+        raise TypeError(
+            f"{name} of type {type(x).__name__} cannot be read through DLPack on the CPU: {exc}"
+        ) from None
 
 
 def _operand(x: Any, name: str) -> _Operand:
@@ -257,8 +264,10 @@ def _operand(x: Any, name: str) -> _Operand:
         return _jax(x)
     if hasattr(x, "__dlpack__"):
         return _dlpack(x, name)
-    raise TypeError(f"{name} of type {type(x).__module__}.{type(x).__name__} is not an "
-                    "array geocomm understands (numpy, torch, cupy, jax or any DLPack array)")
+    raise TypeError(
+        f"{name} of type {type(x).__module__}.{type(x).__name__} is not an "
+        "array geocomm understands (numpy, torch, cupy, jax or any DLPack array)"
+    )
 
 
 def as_array(x: Any, name: str = "x") -> tuple[Any, Restore]:
@@ -289,8 +298,11 @@ def _run(fn: Callable, x: Any, out: Any, **kwargs: Any) -> Any:
         if _is_cupy(operand.array):
             result = _run_cupy(fn, operand.array, target, **kwargs)
         else:
-            result = fn(operand.array, **kwargs) if target is None else \
-                fn(operand.array, out=target.array, **kwargs)
+            result = (
+                fn(operand.array, **kwargs)
+                if target is None
+                else fn(operand.array, out=target.array, **kwargs)
+            )
         if target is None:
             return operand.restore(result)
         if target.commit is not None:
@@ -332,5 +344,11 @@ def allgather(x: Any, codec: Any = None, **kwargs: Any) -> Any:
     return _run(collectives.allgather, x, None, codec=codec, **kwargs)
 
 
-__all__ = ["allgather", "allreduce", "as_array", "bf16_bits_to_float32",
-           "float32_to_bf16_bits", "reduce_scatter"]
+__all__ = [
+    "allgather",
+    "allreduce",
+    "as_array",
+    "bf16_bits_to_float32",
+    "float32_to_bf16_bits",
+    "reduce_scatter",
+]

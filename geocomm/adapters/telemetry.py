@@ -82,18 +82,21 @@ class StepStats:
         errors = [b.rel_error for b in self.buckets if b.rel_error is not None]
         return max(errors) if errors else None
 
+    #: the totals :meth:`as_dict` reports beside the buckets
+    FIELDS = ("step", "bytes_sent", "baseline_bytes", "ratio", "collectives", "calls",
+              "rel_error", "seconds")  # fmt: skip
+
     def as_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "bytes_sent": self.bytes_sent,
-                "baseline_bytes": self.baseline_bytes, "ratio": self.ratio,
-                "collectives": self.collectives, "calls": self.calls,
-                "rel_error": self.rel_error, "seconds": self.seconds,
-                "buckets": [b.as_dict() for b in self.buckets]}
+        totals = {name: getattr(self, name) for name in self.FIELDS}
+        return {**totals, "buckets": [b.as_dict() for b in self.buckets]}
 
     def summary(self) -> str:
         err = "n/a" if self.rel_error is None else f"{self.rel_error:.2e}"
-        return (f"step {self.step}: {len(self.buckets)} reductions, {self.collectives} "
-                f"collectives, {self.bytes_sent / 1e6:.3f} MB sent, ratio {self.ratio:.2f}x, "
-                f"est. rel. error {err}, {self.seconds * 1e3:.1f} ms reducing")
+        return (
+            f"step {self.step}: {len(self.buckets)} reductions, {self.collectives} "
+            f"collectives, {self.bytes_sent / 1e6:.3f} MB sent, ratio {self.ratio:.2f}x, "
+            f"est. rel. error {err}, {self.seconds * 1e3:.1f} ms reducing"
+        )
 
 
 class Telemetry:
@@ -164,8 +167,11 @@ class ErrorSample:
         if count <= SAMPLE_RUN:
             index = np.arange(lo, hi)
         else:
-            starts = lo + (np.linspace(0, count - SAMPLE_RUN, runs) // SAMPLE_RUN).astype(
-                np.int64) * SAMPLE_RUN
+            starts = (
+                lo
+                + (np.linspace(0, count - SAMPLE_RUN, runs) // SAMPLE_RUN).astype(np.int64)
+                * SAMPLE_RUN
+            )
             index = (starts[:, None] + np.arange(SAMPLE_RUN)).reshape(-1)
         self.index = torch.from_numpy(index).to(values.device)
         local = values[self.index].float().cpu().numpy()
@@ -176,8 +182,9 @@ class ErrorSample:
         self.g2 = float(np.dot(local.astype(np.float64), local))
         self.eps2 = float(np.dot(err, err)) / self.g2 if self.g2 else 0.0
 
-    def estimate(self, result: torch.Tensor, offset: int, size: int, avg: bool,
-                 gather: bool) -> float | None:
+    def estimate(
+        self, result: torch.Tensor, offset: int, size: int, avg: bool, gather: bool
+    ) -> float | None:
         """The estimate from ``result`` (absolute index i lies at result[i - offset])."""
         if self.index is None:
             return None

@@ -163,10 +163,21 @@ class GeocommHookState:
     """
 
     @renamed_keywords(chunk_elems="stage_size")
-    def __init__(self, module: torch.nn.Module, codec: Any = "fp8", group: Any = None,
-                 check: bool | None = None, *, comm: Any = None,
-                 exclude: Sequence[str] = (), min_numel: int = 0, error_sample: int = 4096,
-                 stage_size: int | None = None, history: int = 100, log_every: int = 0):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        codec: Any = "fp8",
+        group: Any = None,
+        check: bool | None = None,
+        *,
+        comm: Any = None,
+        exclude: Sequence[str] = (),
+        min_numel: int = 0,
+        error_sample: int = 4096,
+        stage_size: int | None = None,
+        history: int = 100,
+        log_every: int = 0,
+    ):
         codec = resolve_codec(codec)  # a bad codec fails here, before any collective
         self.module = module
         self.names = {id(p): name for name, p in module.named_parameters()}
@@ -174,8 +185,9 @@ class GeocommHookState:
         self.device = _module_device(module)
         if comm is None:
             comm = dedicated_comm(group, self.device.type)
-        self.reducer = GradReducer(codec, comm, check, error_sample, stage_size,
-                                   Telemetry(history, log_every))
+        self.reducer = GradReducer(
+            codec, comm, check, error_sample, stage_size, Telemetry(history, log_every)
+        )
         self._layouts: dict[Any, BufferLayout] = {}
         self._worker = _Worker("geocomm-ddp")
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -210,20 +222,23 @@ class GeocommHookState:
                     raise ValueError(
                         f"bucket {index}: a parameter of shape {tuple(p.shape)} is not a "
                         "parameter of the module given to GeocommHookState (pass the module "
-                        "that DDP wraps)")
+                        "that DDP wraps)"
+                    )
                 entries.append(Entry(offset, tuple(p.shape), name, name))
                 offset += p.numel()
             layout = self._layouts[cache_key] = BufferLayout(entries, self.selection)
         return layout
 
-    def reduce_bucket(self, buffer: torch.Tensor, params: Sequence[torch.Tensor],
-                      index: int = 0) -> BucketStats:
+    def reduce_bucket(
+        self, buffer: torch.Tensor, params: Sequence[torch.Tensor], index: int = 0
+    ) -> BucketStats:
         """Average the flat ``buffer`` of ``params``' gradients over the ranks, in
         place, now (what the worker runs for each bucket; also usable to time
         the communication alone). Returns the bucket's statistics."""
         layout = self.layout(params, index)
-        return self.reducer.allreduce(layout, buffer, index, "avg",
-                                      what=f"DDP bucket {index} ({len(params)} parameters)")
+        return self.reducer.allreduce(
+            layout, buffer, index, "avg", what=f"DDP bucket {index} ({len(params)} parameters)"
+        )
 
     def _stream_context(self, ready: Any) -> contextlib.AbstractContextManager:
         """CPU: nothing. CUDA: the worker's stream, after the gradients' stream's ``ready``."""
@@ -237,8 +252,9 @@ class GeocommHookState:
         stream.wait_event(ready)
         return stack
 
-    def submit(self, buffer: torch.Tensor, params: Sequence[torch.Tensor], index: int,
-               last: bool) -> torch.futures.Future:
+    def submit(
+        self, buffer: torch.Tensor, params: Sequence[torch.Tensor], index: int, last: bool
+    ) -> torch.futures.Future:
         """Queue the bucket; the future's value is ``buffer`` once it holds the average."""
         if buffer.is_cuda:
             ready = torch.cuda.current_stream(buffer.device).record_event()
@@ -262,8 +278,9 @@ class GeocommHookState:
         self._worker.close()
 
 
-def geocomm_hook(state: GeocommHookState,
-                 bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def geocomm_hook(
+    state: GeocommHookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the compressed average of ``bucket``, computed asynchronously.
 
     Returns at once; the future completes with the bucket's buffer when it
@@ -276,8 +293,7 @@ def geocomm_hook(state: GeocommHookState,
 def __getattr__(name: str) -> Any:
     # FSDP2 lives in its own module (it imports torch.distributed.fsdp, public in torch >=
     # 2.6); re-exported lazily so the DDP hook works with older torch
-    if name in ("compress_fsdp", "GeocommReduceScatter", "GeocommAllReduceHook",
-                "FSDPCompression"):
+    if name in ("compress_fsdp", "GeocommReduceScatter", "GeocommAllReduceHook", "FSDPCompression"):
         from geocomm.adapters import torch_fsdp
 
         return getattr(torch_fsdp, name)

@@ -49,6 +49,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from geocomm.adapters import _torch_grads as grads
+from geocomm.adapters.telemetry import StepStats, Telemetry
 from geocomm.collectives import resolve_codec
 from geocomm.deprecation import renamed_keywords
 
@@ -66,9 +67,11 @@ def _op_name(op: Any) -> str:
         return "avg"
     if op == dist.ReduceOp.SUM:
         return "sum"
-    raise ValueError(f"geocomm's FSDP2 reduce-scatter supports ReduceOp AVG and SUM, got {op!r} "
-                     "(a custom set_gradient_divide_factor makes FSDP use PREMUL_SUM; use "
-                     "set_force_sum_reduction_for_comms(True) with it)")
+    raise ValueError(
+        f"geocomm's FSDP2 reduce-scatter supports ReduceOp AVG and SUM, got {op!r} "
+        "(a custom set_gradient_divide_factor makes FSDP use PREMUL_SUM; use "
+        "set_force_sum_reduction_for_comms(True) with it)"
+    )
 
 
 class _Completed:
@@ -86,7 +89,7 @@ class FSDPCompression:
     communicators and the shared :class:`Telemetry`. A step closes once every
     installed reduce-scatter and all-reduce hook has run."""
 
-    def __init__(self, telemetry: grads.Telemetry):
+    def __init__(self, telemetry: Telemetry):
         self.telemetry = telemetry
         self.reduce_scatters: list[GeocommReduceScatter] = []
         self.all_reduce_hooks: list[GeocommAllReduceHook] = []
@@ -94,7 +97,7 @@ class FSDPCompression:
         self._done = 0
 
     @property
-    def last_step(self) -> grads.StepStats | None:
+    def last_step(self) -> StepStats | None:
         return self.telemetry.last_step
 
     def _expect(self, calls: int) -> None:
@@ -107,43 +110,69 @@ class FSDPCompression:
             self.telemetry.end_step()
 
 
-class GeocommReduceScatter(_ReduceScatter):
+class _ModuleReduction:
+    """One FSDP2 module's reduction: the layout of its chunks, the reducer (codec and
+    communicator), its index and the :class:`FSDPCompression` told when it ran."""
+
+    def __init__(
+        self,
+        layout: grads.BufferLayout,
+        reducer: grads.GradReducer,
+        index: int,
+        owner: FSDPCompression,
+    ):
+        self.layout, self.reducer, self.index, self.owner = layout, reducer, index, owner
+
+
+class GeocommReduceScatter(_ModuleReduction, _ReduceScatter):
     """FSDP2 custom reduce-scatter (``set_custom_reduce_scatter``) through geocomm.
 
     ``layout``: the module's chunks (one row per rank); ``reducer``: codec and
     communicator over the shard ranks.
     """
 
-    def __init__(self, layout: grads.BufferLayout, reducer: grads.GradReducer, index: int,
-                 owner: FSDPCompression):
-        self.layout, self.reducer, self.index, self.owner = layout, reducer, index, owner
-
-    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
+    def allocate(
+        self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                 group: dist.ProcessGroup, op: Any, async_op: bool = False) -> Any:
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
         if group.size() != self.reducer.comm.size:
-            raise ValueError(f"FSDP reduce-scatter over {group.size()} ranks, geocomm's "
-                             f"communicator has {self.reducer.comm.size}")
-        self.reducer.reduce_scatter(self.layout, input_tensor, output_tensor, self.index,
-                                    _op_name(op), what=f"FSDP module {self.index}")
+            raise ValueError(
+                f"FSDP reduce-scatter over {group.size()} ranks, geocomm's "
+                f"communicator has {self.reducer.comm.size}"
+            )
+        self.reducer.reduce_scatter(
+            self.layout,
+            input_tensor,
+            output_tensor,
+            self.index,
+            _op_name(op),
+            what=f"FSDP module {self.index}",
+        )
         self.owner._ran()
         return _Completed() if async_op else None
 
 
-class GeocommAllReduceHook:
+class GeocommAllReduceHook(_ModuleReduction):
     """FSDP2 all-reduce hook (``set_all_reduce_hook``): averages this rank's reduced
     shard over the replicas, in place, with one compressed all-reduce."""
 
-    def __init__(self, layout: grads.BufferLayout, reducer: grads.GradReducer, index: int,
-                 owner: FSDPCompression):
-        self.layout, self.reducer, self.index, self.owner = layout, reducer, index, owner
-
     def __call__(self, reduce_output: torch.Tensor) -> None:
-        self.reducer.allreduce(self.layout, reduce_output, self.index, "avg",
-                               what=f"FSDP module {self.index} replica all-reduce")
+        self.reducer.allreduce(
+            self.layout,
+            reduce_output,
+            self.index,
+            "avg",
+            what=f"FSDP module {self.index} replica all-reduce",
+        )
         self.owner._ran()
 
 
@@ -185,7 +214,8 @@ def _shard_dims(param: Any) -> tuple[Any, int, int]:
     if mesh.ndim != 1:
         raise ValueError(
             "compress_fsdp needs FSDP over a 1-D mesh of the shard ranks (pass the replicas "
-            "as replicate_group); with a 2-D HSDP mesh FSDP's own all-reduce would run too")
+            "as replicate_group); with a 2-D HSDP mesh FSDP's own all-reduce would run too"
+        )
     return mesh, dims[0][0], dims[0][1]
 
 
@@ -198,11 +228,21 @@ def _chunk_shape(shape: Sequence[int], dim: int, size: int) -> tuple[int, ...]:
 
 
 @renamed_keywords(chunk_elems="stage_size")
-def compress_fsdp(model: nn.Module, codec: Any = "fp8", *, replicate_group: Any = None,
-                  comm: Any = None, replicate_comm: Any = None, exclude: Sequence[str] = (),
-                  min_numel: int = 0, check: bool | None = None, error_sample: int = 4096,
-                  stage_size: int | None = None, history: int = 100,
-                  log_every: int = 0) -> FSDPCompression:
+def compress_fsdp(
+    model: nn.Module,
+    codec: Any = "fp8",
+    *,
+    replicate_group: Any = None,
+    comm: Any = None,
+    replicate_comm: Any = None,
+    exclude: Sequence[str] = (),
+    min_numel: int = 0,
+    check: bool | None = None,
+    error_sample: int = 4096,
+    stage_size: int | None = None,
+    history: int = 100,
+    log_every: int = 0,
+) -> FSDPCompression:
     """Make every FSDP2 module of ``model`` reduce its gradients through geocomm.
 
     Call after ``fully_shard`` on every rank, at the same point. ``codec``:
@@ -219,7 +259,7 @@ def compress_fsdp(model: nn.Module, codec: Any = "fp8", *, replicate_group: Any 
     codec = resolve_codec(codec)  # a bad codec fails here, before any collective
     names = {id(p): n for n, p in model.named_parameters()}
     selection = grads.Selection.of(exclude, min_numel)
-    telemetry = grads.Telemetry(history, log_every)
+    telemetry = Telemetry(history, log_every)
     owner = FSDPCompression(telemetry)
     shard_reducer = replica_reducer = None
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -231,18 +271,28 @@ def compress_fsdp(model: nn.Module, codec: Any = "fp8", *, replicate_group: Any 
         size = mesh.size(mesh_dim)
         device = params[0].device
         if shard_reducer is None:
-            base = comm if comm is not None else grads.dedicated_comm(mesh.get_group(mesh_dim),
-                                                               device.type)
-            shard_reducer = grads.GradReducer(codec, base, check, error_sample, stage_size,
-                                              telemetry)
+            base = (
+                comm
+                if comm is not None
+                else grads.dedicated_comm(mesh.get_group(mesh_dim), device.type)
+            )
+            shard_reducer = grads.GradReducer(
+                codec, base, check, error_sample, stage_size, telemetry
+            )
             if replicate_group is not None or replicate_comm is not None:
-                base = replicate_comm if replicate_comm is not None else grads.dedicated_comm(
-                    replicate_group, device.type)
-                replica_reducer = grads.GradReducer(shard_reducer.codec, base, check,
-                                                    error_sample, stage_size, telemetry)
+                base = (
+                    replicate_comm
+                    if replicate_comm is not None
+                    else grads.dedicated_comm(replicate_group, device.type)
+                )
+                replica_reducer = grads.GradReducer(
+                    shard_reducer.codec, base, check, error_sample, stage_size, telemetry
+                )
         if size != shard_reducer.comm.size:
-            raise ValueError(f"FSDP module {index} shards over {size} ranks, an earlier one over "
-                             f"{shard_reducer.comm.size}; compress_fsdp needs one shard mesh")
+            raise ValueError(
+                f"FSDP module {index} shards over {size} ranks, an earlier one over "
+                f"{shard_reducer.comm.size}; compress_fsdp needs one shard mesh"
+            )
         shard_rank = shard_reducer.comm.rank
         entries, replica_entries, offset = [], [], 0
         for p in params:

@@ -20,8 +20,18 @@ from geocomm.codecs.frames import parse_frame
 from geocomm.codecs.geo import GeoFP8Codec, GeoNVFP4Codec, HadamardCodec
 from geocomm.codecs.registry import frame_body_size, get_codec, register_codec, registered_ids
 
-for _cls in (NoneCodec, BF16Codec, FP8Codec, NVFP4Codec, MXFP8Codec, MXFP4Codec, GeoFP8Codec,
-             GeoNVFP4Codec, HadamardCodec, AutoCodec):
+for _cls in (
+    NoneCodec,
+    BF16Codec,
+    FP8Codec,
+    NVFP4Codec,
+    MXFP8Codec,
+    MXFP4Codec,
+    GeoFP8Codec,
+    GeoNVFP4Codec,
+    HadamardCodec,
+    AutoCodec,
+):
     register_codec(_cls)
 
 

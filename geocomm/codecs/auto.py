@@ -40,15 +40,20 @@ class AutoCodec(Codec):
         if isinstance(self.inner, AutoCodec) or self.inner.lossless:
             raise ValueError("auto needs a compressing codec to switch to")
         if crossover_bytes is not None and (
-                not isinstance(crossover_bytes, (int, np.integer)) or crossover_bytes < 0):
-            raise ValueError(f"crossover_bytes must be None or a non-negative integer, got "
-                             f"{crossover_bytes!r}")
+            not isinstance(crossover_bytes, (int, np.integer)) or crossover_bytes < 0
+        ):
+            raise ValueError(
+                f"crossover_bytes must be None or a non-negative integer, got {crossover_bytes!r}"
+            )
         self.crossover_bytes = None if crossover_bytes is None else int(crossover_bytes)
         self._plain = NoneCodec()
 
     def get_config(self) -> dict[str, Any]:
-        return {"id": self.codec_id, "codec": self.inner.get_config(),
-                "crossover_bytes": self.crossover_bytes}
+        return {
+            "id": self.codec_id,
+            "codec": self.inner.get_config(),
+            "crossover_bytes": self.crossover_bytes,
+        }
 
     def crossover_for(self, backend: str | None = None, size: int = 2) -> int | None:
         """fp32 bytes from which ``count`` values go compressed on ``size`` ranks of
@@ -68,8 +73,9 @@ class AutoCodec(Codec):
     def wire_size(self, n: int) -> int:
         return self.inner.wire_size(n)
 
-    def encode_wire(self, x: np.ndarray, wire: np.ndarray, *, rounding_stream: int = 0,
-                    offset: int = 0) -> None:
+    def encode_wire(
+        self, x: np.ndarray, wire: np.ndarray, *, rounding_stream: int = 0, offset: int = 0
+    ) -> None:
         self.inner.encode_wire(x, wire, rounding_stream=rounding_stream, offset=offset)
 
     def decode_wire(self, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:

@@ -44,7 +44,8 @@ class Codec(ABC):
         if method is not None and not hasattr(method, "__renamed_keywords__"):
             # wraps the subclass method itself (the deprecated alias), once per class
             cls.encode_wire = renamed_keywords(  # type: ignore[method-assign]
-                stream="rounding_stream")(method)
+                stream="rounding_stream"
+            )(method)
 
     # ---- configuration ----------------------------------------------------
     @abstractmethod
@@ -75,8 +76,9 @@ class Codec(ABC):
         """Bytes of the wire body of ``n`` values."""
 
     @abstractmethod
-    def encode_wire(self, x: np.ndarray, wire: np.ndarray, *, rounding_stream: int = 0,
-                    offset: int = 0) -> None:
+    def encode_wire(
+        self, x: np.ndarray, wire: np.ndarray, *, rounding_stream: int = 0, offset: int = 0
+    ) -> None:
         """Encode flat contiguous float32 ``x`` into ``wire[:wire_size(x.size)]``.
 
         Stochastic rounding draws the random bits of ``x[i]`` from (the
@@ -114,8 +116,13 @@ class Codec(ABC):
         """Self-describing frame (uint8 array) of x; any shape, a float dtype."""
         x = check_float_array(x)
         values = np.ascontiguousarray(x, np.float32)
-        return write_frame(self.get_config(), x.dtype, x.shape, self.frame_body_size(x.shape),
-                           lambda body: self.encode_frame_body(values, body))
+        return write_frame(
+            self.get_config(),
+            x.dtype,
+            x.shape,
+            self.frame_body_size(x.shape),
+            lambda body: self.encode_frame_body(values, body),
+        )
 
     def decode(self, buf: Any, out: np.ndarray | None = None) -> np.ndarray:
         """Array from a frame of this codec; ``out`` (right shape, any float dtype) is filled."""
@@ -150,8 +157,7 @@ class WireOf:
     def wire_size(self, n: int) -> int:
         return self.wire_codec.wire_size(n)
 
-    def encode_wire(self, x: Any, wire: Any, *, rounding_stream: int = 0,
-                    offset: int = 0) -> None:
+    def encode_wire(self, x: Any, wire: Any, *, rounding_stream: int = 0, offset: int = 0) -> None:
         self.wire_codec.encode_wire(x, wire, rounding_stream=rounding_stream, offset=offset)
 
     def decode_wire(self, wire: Any, out: Any, accumulate: bool = False) -> None:
@@ -210,6 +216,5 @@ class TransformingCodec(StatefulCodec):
         """This call's plan for flat float32 ``x`` of a tensor of ``shape``, or None."""
 
     @abstractmethod
-    def refresh(self, plan: Any, shard: Any, lo: int, side_sum: Any
-                ) -> Generator[Any, Any, None]:
+    def refresh(self, plan: Any, shard: Any, lo: int, side_sum: Any) -> Generator[Any, Any, None]:
         """Rounds that update the plan's key from this rank's shard of the result."""

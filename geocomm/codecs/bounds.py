@@ -61,8 +61,11 @@ _BF16 = (2.0**-8, 0.0, 2.0**-134)
 _NVFP4 = (2.0**-2, 0.65 / 6 * (1 + 2.0**-4), 2.0**-137)
 _NVFP4_SR = (2.0**-1, 0.1, 2.0**-136)
 # MX: (m mantissa bits, EMAX, FMAX, subnormal quantum q_sub) of the element format
-_MX_ELEMENT = {"e4m3": (3, 8, 448.0, 2.0**-9), "e5m2": (2, 15, 57344.0, 2.0**-16),
-               "e2m1": (1, 2, 6.0, 0.5)}
+_MX_ELEMENT = {
+    "e4m3": (3, 8, 448.0, 2.0**-9),
+    "e5m2": (2, 15, 57344.0, 2.0**-16),
+    "e2m1": (1, 2, 6.0, 0.5),
+}
 FP32_UNIT = 2.0**-24
 
 
@@ -110,8 +113,12 @@ def single_bound(values: np.ndarray, codec: Codec, amax: float | None = None) ->
     return u * v + c * amax + (d if v.size else 0.0)
 
 
-def allreduce_bound(inputs: list[np.ndarray], codec: Codec, amaxes: list[float] | None = None,
-                    a_prime: float | None = None) -> np.ndarray:
+def allreduce_bound(
+    inputs: list[np.ndarray],
+    codec: Codec,
+    amaxes: list[float] | None = None,
+    a_prime: float | None = None,
+) -> np.ndarray:
     """Per-element bound of |Y - sum_i x_i| for the compressed all-reduce.
 
     Stage 1 errors e1_i obey single_bound(x_i) (the owner's own piece is not
@@ -126,8 +133,7 @@ def allreduce_bound(inputs: list[np.ndarray], codec: Codec, amaxes: list[float] 
     u, c, d = error_constants(codec)
     known: list[float | None] = list(amaxes) if amaxes else [None] * len(inputs)
     abs_sum = np.sum([np.abs(np.asarray(x, np.float64)) for x in inputs], axis=0)
-    e1 = np.sum([single_bound(x, codec, a) for x, a in zip(inputs, known, strict=True)],
-                axis=0)
+    e1 = np.sum([single_bound(x, codec, a) for x, a in zip(inputs, known, strict=True)], axis=0)
     s_prime = np.abs(np.sum([np.asarray(x, np.float64) for x in inputs], axis=0)) + e1
     if a_prime is None:
         a_prime = float(s_prime.max()) if s_prime.size else 0.0
@@ -139,20 +145,19 @@ def allreduce_bound(inputs: list[np.ndarray], codec: Codec, amaxes: list[float] 
 def stage_two_amax(inputs: list[np.ndarray], codec: Codec, amaxes: list[float]) -> float:
     """max over elements of |sum_i x_i| + sum_i single_bound(x_i): the largest value
     the all-reduce's second quantization can meet (for :func:`allreduce_bound`)."""
-    e1 = np.sum([single_bound(x, codec, a) for x, a in zip(inputs, amaxes, strict=True)],
-                axis=0)
+    e1 = np.sum([single_bound(x, codec, a) for x, a in zip(inputs, amaxes, strict=True)], axis=0)
     s = np.abs(np.sum([np.asarray(x, np.float64) for x in inputs], axis=0)) + e1
     return float(s.max()) if s.size else 0.0
 
 
-def reduce_scatter_bound(inputs: list[np.ndarray], codec: Codec,
-                         amaxes: list[float] | None = None) -> np.ndarray:
+def reduce_scatter_bound(
+    inputs: list[np.ndarray], codec: Codec, amaxes: list[float] | None = None
+) -> np.ndarray:
     """Per-element bound for the reduce-scatter (one quantization, fp32 sum);
     ``amaxes`` as in :func:`allreduce_bound`."""
     known: list[float | None] = list(amaxes) if amaxes else [None] * len(inputs)
     abs_sum = np.sum([np.abs(np.asarray(x, np.float64)) for x in inputs], axis=0)
-    e1 = np.sum([single_bound(x, codec, a) for x, a in zip(inputs, known, strict=True)],
-                axis=0)
+    e1 = np.sum([single_bound(x, codec, a) for x, a in zip(inputs, known, strict=True)], axis=0)
     result: np.ndarray = e1 + 2 * len(inputs) * FP32_UNIT * (abs_sum + e1)
     return result
 

@@ -55,8 +55,7 @@ def roundtrip(codec: Codec, values: Any) -> np.ndarray:
 Bound = Callable[[np.ndarray], np.ndarray]
 
 
-def check_roundtrip(codec: Codec, values: np.ndarray, bound: Bound | float | None = None
-                    ) -> None:
+def check_roundtrip(codec: Codec, values: np.ndarray, bound: Bound | float | None = None) -> None:
     """Assert that ``codec`` gives back ``values`` within ``bound``.
 
     ``bound``: the largest error allowed per value, as a function of the float32
@@ -66,9 +65,13 @@ def check_roundtrip(codec: Codec, values: np.ndarray, bound: Bound | float | Non
     the wire API's). Non-finite inputs are not checked against the bound."""
     x = np.asarray(values)
     flat = np.ascontiguousarray(x, np.float32).reshape(-1)
-    allowed = (np.zeros_like(flat) if bound is None else
-               np.broadcast_to(np.asarray(bound(flat) if callable(bound) else bound,
-                                          np.float64), flat.shape))
+    allowed = (
+        np.zeros_like(flat)
+        if bound is None
+        else np.broadcast_to(
+            np.asarray(bound(flat) if callable(bound) else bound, np.float64), flat.shape
+        )
+    )
     size = codec.wire_size(flat.size)
     assert isinstance(size, int) and size >= 0, f"wire_size({flat.size}) = {size!r}"
     decoded = roundtrip(codec, flat)
@@ -78,22 +81,27 @@ def check_roundtrip(codec: Codec, values: np.ndarray, bound: Bound | float | Non
     assert not np.any(worst > 0), (
         f"{codec.get_config()}: value {flat[finite][np.argmax(worst)]!r} came back as "
         f"{decoded[finite][np.argmax(worst)]!r}, off by more than the bound "
-        f"({float(np.max(worst))} beyond it)")
+        f"({float(np.max(worst))} beyond it)"
+    )
     wire = np.empty(size, np.uint8)
     codec.encode_wire(flat, wire)
     base = np.linspace(-1, 1, flat.size, dtype=np.float32)
     acc = base.copy()
     codec.decode_wire(wire, acc, accumulate=True)
-    np.testing.assert_array_equal(acc, base + decoded,
-                                  err_msg=f"{codec.get_config()}: accumulate=True")
+    np.testing.assert_array_equal(
+        acc, base + decoded, err_msg=f"{codec.get_config()}: accumulate=True"
+    )
     frame = codec.encode(x)
     back = codec.decode(frame)
     assert back.shape == x.shape and back.dtype == x.dtype, (
         f"{codec.get_config()}: a frame of {x.dtype}{list(x.shape)} decoded as "
-        f"{back.dtype}{list(back.shape)}")
+        f"{back.dtype}{list(back.shape)}"
+    )
     np.testing.assert_array_equal(
-        np.asarray(back, np.float32).reshape(-1), decoded.astype(x.dtype).astype(np.float32),
-        err_msg=f"{codec.get_config()}: the frame and the wire API disagree")
+        np.asarray(back, np.float32).reshape(-1),
+        decoded.astype(x.dtype).astype(np.float32),
+        err_msg=f"{codec.get_config()}: the frame and the wire API disagree",
+    )
 
 
 def check_config(codec: Codec, values: np.ndarray | None = None) -> None:
@@ -102,16 +110,22 @@ def check_config(codec: Codec, values: np.ndarray | None = None) -> None:
     ``codec``'s frames (``geocomm.codecs.decode`` included)."""
     config = codec.get_config()
     assert isinstance(config, dict) and isinstance(config.get("id"), str), (
-        f"get_config() must be a dict with a string 'id', got {config!r}")
+        f"get_config() must be a dict with a string 'id', got {config!r}"
+    )
     text = json.dumps(config, sort_keys=True)
     rebuilt = get_codec(json.loads(text))
     assert type(rebuilt) is type(codec), f"{config} rebuilds a {type(rebuilt).__name__}"
     assert rebuilt == codec and hash(rebuilt) == hash(codec), (
-        f"{config} rebuilds a codec that is not equal: {rebuilt.get_config()}")
+        f"{config} rebuilds a codec that is not equal: {rebuilt.get_config()}"
+    )
     assert rebuilt.get_config() == config, (
-        f"the config does not survive a round trip: {config} -> {rebuilt.get_config()}")
-    x = (np.linspace(-3, 3, 257, dtype=np.float32).reshape(1, 257) if values is None
-         else np.asarray(values))
+        f"the config does not survive a round trip: {config} -> {rebuilt.get_config()}"
+    )
+    x = (
+        np.linspace(-3, 3, 257, dtype=np.float32).reshape(1, 257)
+        if values is None
+        else np.asarray(values)
+    )
     frame = codec.encode(x)
     assert bytes(rebuilt.encode(x)) == bytes(frame), f"{config}: the rebuilt codec's frame differs"
     info = parse_frame(frame, frame_body_size)
@@ -119,8 +133,9 @@ def check_config(codec: Codec, values: np.ndarray | None = None) -> None:
     np.testing.assert_array_equal(rebuilt.decode(frame), codec.decode(frame))
 
 
-def check_golden_frame(codec: Codec, values: np.ndarray, path: str | pathlib.Path,
-                       create: bool = False) -> None:
+def check_golden_frame(
+    codec: Codec, values: np.ndarray, path: str | pathlib.Path, create: bool = False
+) -> None:
     """Assert that the frame of ``values`` is byte for byte the one stored at ``path``
     (a wire-format change fails loudly). ``create``: write it when the file is missing
     (commit it; never rewrite one to make a test pass)."""
@@ -132,9 +147,12 @@ def check_golden_frame(codec: Codec, values: np.ndarray, path: str | pathlib.Pat
         return
     golden = path.read_bytes()
     if frame != golden:
-        at = next((i for i, (a, b) in enumerate(zip(frame, golden, strict=False)) if a != b),
-                  min(len(frame), len(golden)))
+        at = next(
+            (i for i, (a, b) in enumerate(zip(frame, golden, strict=False)) if a != b),
+            min(len(frame), len(golden)),
+        )
         raise AssertionError(
             f"the frame of {codec.get_config()} differs from {path} from byte {at} on "
-            f"({len(frame)} bytes now, {len(golden)} stored)")
+            f"({len(frame)} bytes now, {len(golden)} stored)"
+        )
     np.testing.assert_array_equal(codec.decode(golden), codec.decode(frame))

@@ -47,8 +47,11 @@ class ErrorFeedbackCodec(WireOf, StatefulCodec):
     @property
     def transform(self) -> TransformingCodec | None:
         """Deprecated: :attr:`mapping_codec` (CONTRIBUTING.md, "Names")."""
-        warnings.warn("ErrorFeedbackCodec.transform is deprecated, use mapping_codec",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "ErrorFeedbackCodec.transform is deprecated, use mapping_codec",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return self.mapping_codec
 
     def get_config(self) -> dict[str, Any]:
@@ -93,18 +96,23 @@ class ErrorFeedbackCodec(WireOf, StatefulCodec):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's residuals (NumPy) and call counts, and the inner codec's state."""
-        return {"version": 1, "config": self.get_config(),
-                "residuals": {k: _to_numpy(v) for k, v in self._residuals.items()},
-                "calls": dict(self._calls),
-                "inner": None if self.mapping_codec is None else self.mapping_codec.state_dict()}
+        return {
+            "version": 1,
+            "config": self.get_config(),
+            "residuals": {k: _to_numpy(v) for k, v in self._residuals.items()},
+            "calls": dict(self._calls),
+            "inner": None if self.mapping_codec is None else self.mapping_codec.state_dict(),
+        }
 
     def load_state_dict(self, data: dict[str, Any], xp: Any = np) -> None:
         """Restore :meth:`state_dict` output; residuals go to namespace ``xp``."""
         if data.get("version") != 1 or data.get("config") != self.get_config():
-            raise ValueError(f"state was saved by {data.get('config')}, "
-                             f"this codec is {self.get_config()}")
-        self._residuals = {k: xp.asarray(np.asarray(v, np.float32))
-                           for k, v in data["residuals"].items()}
+            raise ValueError(
+                f"state was saved by {data.get('config')}, this codec is {self.get_config()}"
+            )
+        self._residuals = {
+            k: xp.asarray(np.asarray(v, np.float32)) for k, v in data["residuals"].items()
+        }
         self._calls = {k: int(v) for k, v in data["calls"].items()}
         if self.mapping_codec is not None and data.get("inner") is not None:
             self.mapping_codec.load_state_dict(data["inner"])
@@ -112,4 +120,3 @@ class ErrorFeedbackCodec(WireOf, StatefulCodec):
 
 def _to_numpy(a: Any) -> np.ndarray:
     return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.array(a)
-

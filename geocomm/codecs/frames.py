@@ -43,22 +43,26 @@ def check_float_array(x: Any, name: str = "x") -> np.ndarray:
         raise TypeError(f"{name} must be a numpy array, got {type(x).__name__}")
     if x.dtype not in DTYPE_CODES:
         raise TypeError(
-            f"{name} has dtype {x.dtype}; geocomm codecs take float32, float16, bfloat16 "
-            "or float64"
+            f"{name} has dtype {x.dtype}; geocomm codecs take float32, float16, bfloat16 or float64"
         )
     return x
 
 
-
-def write_frame(config: dict[str, Any], dtype: np.dtype, shape: tuple[int, ...], body_len: int,
-                fill_body: Callable[[np.ndarray], None]) -> np.ndarray:
+def write_frame(
+    config: dict[str, Any],
+    dtype: np.dtype,
+    shape: tuple[int, ...],
+    body_len: int,
+    fill_body: Callable[[np.ndarray], None],
+) -> np.ndarray:
     """A frame (uint8 array) of an array of ``dtype`` and ``shape`` whose codec has
     ``config``: ``fill_body`` writes the ``body_len`` bytes of the body it is given."""
     text = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
     head_len = HEAD.size + 8 * len(shape) + len(text)
     frame = np.empty(head_len + body_len + CRC.size, np.uint8)
-    head = HEAD.pack(MAGIC, FRAME_VERSION, DTYPE_CODES[np.dtype(dtype)], len(shape), 0,
-                     len(text), body_len)
+    head = HEAD.pack(
+        MAGIC, FRAME_VERSION, DTYPE_CODES[np.dtype(dtype)], len(shape), 0, len(text), body_len
+    )
     head += struct.pack(f"<{len(shape)}Q", *shape) + text
     frame[:head_len] = np.frombuffer(head, np.uint8)
     fill_body(frame[head_len : head_len + body_len])
@@ -72,13 +76,13 @@ class FrameInfo:
 
     __slots__ = ("body", "config", "dtype", "shape")
 
-    def __init__(self, config: dict[str, Any], dtype: np.dtype, shape: tuple[int, ...],
-                 body: np.ndarray):
+    def __init__(
+        self, config: dict[str, Any], dtype: np.dtype, shape: tuple[int, ...], body: np.ndarray
+    ):
         self.config, self.dtype, self.shape, self.body = config, dtype, shape, body
 
 
-def parse_frame(buf: Any, body_size: Callable[[dict[str, Any], tuple[int, ...]], int]
-                ) -> FrameInfo:
+def parse_frame(buf: Any, body_size: Callable[[dict[str, Any], tuple[int, ...]], int]) -> FrameInfo:
     """Validate a frame completely (sizes, CRC, config, body length); ValueError if bad.
 
     ``body_size(config, shape)``: the body's length for the codec the frame names

@@ -125,9 +125,9 @@ def _scaled(rows: np.ndarray, pre: np.ndarray, factor: np.ndarray) -> np.ndarray
         return result
 
 
-def _cast_saturated(q: np.ndarray, sign_of: np.ndarray, fmax: np.float32,
-                    dtype: type,
-                    rnd: np.ndarray | None = None) -> np.ndarray:
+def _cast_saturated(
+    q: np.ndarray, sign_of: np.ndarray, fmax: np.float32, dtype: type, rnd: np.ndarray | None = None
+) -> np.ndarray:
     """Clamp |q| to fmax (fmin: NaN q gives fmax), take the sign of sign_of, cast.
 
     ``rnd`` (uint32, shaped like q): round stochastically instead of to nearest.
@@ -179,8 +179,7 @@ def _unpack_nibbles(packed: np.ndarray, n: int) -> np.ndarray:
     return codes[:n]
 
 
-def encode_fp8(x: np.ndarray, fmt: str, block: int,
-               rnd: np.ndarray | None = None) -> np.ndarray:
+def encode_fp8(x: np.ndarray, fmt: str, block: int, rnd: np.ndarray | None = None) -> np.ndarray:
     """Wire body: fp32 scales (amax / FMAX) per block, then one code per value.
 
     ``rnd``: one uint32 random word per value for stochastic rounding (None: nearest).
@@ -322,8 +321,9 @@ def mx_exponents(amax: np.ndarray, element: str, rceil: bool) -> np.ndarray:
     return np.clip(np.where(a > 0, x, -127), -127, 127 - emax)
 
 
-def encode_mx(x: np.ndarray, fmt: str, rceil: bool = False,
-              rnd: np.ndarray | None = None) -> np.ndarray:
+def encode_mx(
+    x: np.ndarray, fmt: str, rceil: bool = False, rnd: np.ndarray | None = None
+) -> np.ndarray:
     """Wire body: E8M0 scale codes X + 127 per 32 values, then the codes of x * 2^-X.
 
     MXFP8 keeps non-finite values per element like fp8; an MXFP4 block with a
@@ -387,9 +387,17 @@ def wire_size(fmt: str, n: int, block: int = 0) -> int:
 
 
 @renamed_keywords(stream="rounding_stream")
-def encode(fmt: str, x: np.ndarray, block: int = 0, *, rounding: str = "nearest",
-           seed: int = 0, rounding_stream: int = 0, offset: int = 0,
-           scale_rule: str = "floor") -> np.ndarray:
+def encode(
+    fmt: str,
+    x: np.ndarray,
+    block: int = 0,
+    *,
+    rounding: str = "nearest",
+    seed: int = 0,
+    rounding_stream: int = 0,
+    offset: int = 0,
+    scale_rule: str = "floor",
+) -> np.ndarray:
     """Reference wire body of x (any shape, cast to float32) in ``fmt``.
 
     ``rounding="stochastic"``: element i rounds with ``sr_bits(seed, rounding_stream,

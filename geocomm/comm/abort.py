@@ -126,8 +126,9 @@ def _wrap_threading(previous: Any) -> Any:
             # threading's own hook ignores SystemExit: a thread may end itself that way
             if not issubclass(args.exc_type, SystemExit):
                 name = getattr(args.thread, "name", "?")
-                _abort_if_enabled(EXIT_STATUS,
-                                  f"uncaught {args.exc_type.__name__} in thread {name!r}")
+                _abort_if_enabled(
+                    EXIT_STATUS, f"uncaught {args.exc_type.__name__} in thread {name!r}"
+                )
 
     return _mark(excepthook)
 
@@ -154,8 +155,10 @@ def abort_job(code: int = EXIT_STATUS, reason: str = "a rank failed") -> None:
         _aborting = True
     targets = live_targets()
     ranks = f"{max(c.size for c in targets)} ranks, " if targets else ""
-    _write(f"geocomm: {reason}; aborting the job ({ranks}exit status {code}; "
-           f"{ENV_VAR}=0 disables this)\n")
+    _write(
+        f"geocomm: {reason}; aborting the job ({ranks}exit status {code}; "
+        f"{ENV_VAR}=0 disables this)\n"
+    )
     for comm in targets:
         try:
             comm.abort_local()

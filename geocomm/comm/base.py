@@ -72,7 +72,8 @@ def wait(request: Request, what: str, rank: int, timeout: float | None = None) -
                 on_timeout()
             raise CollectiveTimeout(
                 f"geocomm: rank {rank} waited {waited:.1f} s for {what}; a peer rank failed, "
-                "exited or never called it (GEOCOMM_TIMEOUT sets the limit)")
+                "exited or never called it (GEOCOMM_TIMEOUT sets the limit)"
+            )
         if block is not None:
             block(min(limit - waited, 0.1) + 1e-3)
         # spin first (latency), then back off to sleeps of at most 1 ms
@@ -101,13 +102,20 @@ class Communicator(Protocol):
     size: int
     backend: str
 
-    def alltoallv(self, send: np.ndarray, send_counts: np.ndarray, send_displs: np.ndarray,
-                  recv: np.ndarray, recv_counts: np.ndarray,
-                  recv_displs: np.ndarray) -> Request:
+    def alltoallv(
+        self,
+        send: np.ndarray,
+        send_counts: np.ndarray,
+        send_displs: np.ndarray,
+        recv: np.ndarray,
+        recv_counts: np.ndarray,
+        recv_displs: np.ndarray,
+    ) -> Request:
         """Start an all-to-all of uint8 segments (counts/displacements in bytes)."""
 
-    def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: np.ndarray,
-                   displs: np.ndarray) -> Request:
+    def allgatherv(
+        self, send: np.ndarray, recv: np.ndarray, counts: np.ndarray, displs: np.ndarray
+    ) -> Request:
         """Start an all-gather of uint8 segments of per-rank byte counts."""
 
     def allreduce(self, send: np.ndarray, recv: np.ndarray, op: str) -> None:

@@ -32,8 +32,7 @@ class MeteredComm:
     def alltoallv(self, send, send_counts, send_displs, recv, recv_counts, recv_displs):
         self.calls += 1
         self.sent += int(np.sum(send_counts)) - int(send_counts[self.rank])
-        return self.comm.alltoallv(send, send_counts, send_displs, recv, recv_counts,
-                                   recv_displs)
+        return self.comm.alltoallv(send, send_counts, send_displs, recv, recv_counts, recv_displs)
 
     def allgatherv(self, send, recv, counts, displs):
         self.calls += 1

@@ -160,7 +160,8 @@ class NCCLCommunicator:
         self.rank: int = self.mpi_comm.Get_rank()
         self.size: int = self.mpi_comm.Get_size()
         self.device = cupy.cuda.Device(
-            _local_rank(mpi, self.mpi_comm) % cupy.cuda.runtime.getDeviceCount())
+            _local_rank(mpi, self.mpi_comm) % cupy.cuda.runtime.getDeviceCount()
+        )
         self.device.use()
         uid = nccl.get_unique_id() if self.rank == 0 else None
         uid = self.mpi_comm.bcast(uid, root=0)
@@ -173,8 +174,7 @@ class NCCLCommunicator:
     # -- helpers ---------------------------------------------------------------
 
     def _check_bytes(self, a: Any, name: str) -> None:
-        if not isinstance(a, self._cupy.ndarray) or a.dtype != np.uint8 \
-                or not a.flags.c_contiguous:
+        if not isinstance(a, self._cupy.ndarray) or a.dtype != np.uint8 or not a.flags.c_contiguous:
             got = f"{type(a).__name__} of dtype {getattr(a, 'dtype', None)}"
             raise TypeError(f"{name} must be a C-contiguous uint8 cupy array, got {got}")
         if a.device != self.device:
@@ -193,8 +193,9 @@ class NCCLCommunicator:
     def _check_usable(self) -> None:
         if self.aborted or self.closed:
             why = "aborted (after a timeout or failure)" if self.aborted else "closed"
-            raise RuntimeError(f"rank {self.rank}: this NCCL communicator was {why}; "
-                               "create a new one")
+            raise RuntimeError(
+                f"rank {self.rank}: this NCCL communicator was {why}; create a new one"
+            )
 
     def _check_overdue(self) -> None:
         """Abort and raise CollectiveTimeout when the oldest transfer still queued was
@@ -209,7 +210,8 @@ class NCCLCommunicator:
             raise CollectiveTimeout(
                 f"geocomm: rank {self.rank}: an NCCL transfer queued {waited:.1f} s ago has "
                 "not completed; a peer rank failed, exited or never called it "
-                "(GEOCOMM_TIMEOUT sets the limit)")
+                "(GEOCOMM_TIMEOUT sets the limit)"
+            )
 
     def _start(self) -> None:
         """Order the communicator stream after the work queued so far on the current stream."""
@@ -220,11 +222,16 @@ class NCCLCommunicator:
     def _copy(self, dst: Any, dst_off: int, src: Any, src_off: int, nbytes: int) -> None:
         if nbytes:
             self._cupy.cuda.runtime.memcpyAsync(
-                dst.data.ptr + dst_off, src.data.ptr + src_off, nbytes,
-                self._cupy.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
+                dst.data.ptr + dst_off,
+                src.data.ptr + src_off,
+                nbytes,
+                self._cupy.cuda.runtime.memcpyDeviceToDevice,
+                self.stream.ptr,
+            )
 
-    def _exchange(self, sends: list[tuple[int, int]], send: Any,
-                  recvs: list[tuple[int, int]], recv: Any) -> _NCCLRequest:
+    def _exchange(
+        self, sends: list[tuple[int, int]], send: Any, recvs: list[tuple[int, int]], recv: Any
+    ) -> _NCCLRequest:
         """Send segment sends[p] of ``send`` to each peer p and receive recvs[p] from it."""
         (s_off, s_cnt), (r_off, r_cnt) = sends[self.rank], recvs[self.rank]
         if s_cnt != r_cnt:
@@ -276,28 +283,37 @@ class NCCLCommunicator:
         self._check_overdue()
         cupy = self._cupy
         for name, a in (("send", send), ("recv", recv)):
-            if not isinstance(a, cupy.ndarray) or a.dtype not in _DTYPES \
-                    or not a.flags.c_contiguous:
+            if (
+                not isinstance(a, cupy.ndarray)
+                or a.dtype not in _DTYPES
+                or not a.flags.c_contiguous
+            ):
                 got = f"{type(a).__name__} of dtype {getattr(a, 'dtype', None)}"
-                raise TypeError(f"{name} must be a C-contiguous float32/float64 cupy array, "
-                                f"got {got}")
+                raise TypeError(
+                    f"{name} must be a C-contiguous float32/float64 cupy array, got {got}"
+                )
         if send.dtype != recv.dtype or send.size != recv.size:
-            raise ValueError(f"send ({send.dtype}, {send.size}) and recv ({recv.dtype}, "
-                             f"{recv.size}) differ")
+            raise ValueError(
+                f"send ({send.dtype}, {send.size}) and recv ({recv.dtype}, {recv.size}) differ"
+            )
         if op not in _OPS:
             raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
         with self.device:
             self.nccl_comm.allReduce(
-                send.data.ptr, recv.data.ptr, send.size, getattr(self._nccl, _DTYPES[send.dtype]),
-                getattr(self._nccl, _OPS[op]), cupy.cuda.get_current_stream().ptr)
+                send.data.ptr,
+                recv.data.ptr,
+                send.size,
+                getattr(self._nccl, _DTYPES[send.dtype]),
+                getattr(self._nccl, _OPS[op]),
+                cupy.cuda.get_current_stream().ptr,
+            )
 
     def allgather_int64(self, values: np.ndarray) -> np.ndarray:
         """All-gather of a small host int64 vector over MPI (waits at most
         GEOCOMM_TIMEOUT); returns (size, len) rows."""
         values = np.ascontiguousarray(values, np.int64)
         rows = np.empty((self.size, values.size), np.int64)
-        wait(MPIRequest(self.mpi_comm.Iallgather(values, rows)), "a metadata all-gather",
-             self.rank)
+        wait(MPIRequest(self.mpi_comm.Iallgather(values, rows)), "a metadata all-gather", self.rank)
         return rows
 
     def barrier(self) -> None:

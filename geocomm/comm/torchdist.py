@@ -183,8 +183,7 @@ def _packed_base(counts: np.ndarray, displs: np.ndarray) -> int | None:
     return int(bases[0]) if (bases == bases[0]).all() else None
 
 
-def _copies(dst: Any, dst_at: np.ndarray, src: Any, src_at: np.ndarray,
-            counts: np.ndarray) -> None:
+def _copies(dst: Any, dst_at: np.ndarray, src: Any, src_at: np.ndarray, counts: np.ndarray) -> None:
     """dst[dst_at[j]: + counts[j]] = src[src_at[j]: + counts[j]] for every non-empty j,
     merging segments contiguous in both into one copy, and segments that all read
     the same bytes into one broadcast."""
@@ -192,17 +191,18 @@ def _copies(dst: Any, dst_at: np.ndarray, src: Any, src_at: np.ndarray,
     if full.size == 0:
         return
     c, d, s = counts[full], dst_at[full], src_at[full]
-    if full.size > 1 and (c == c[0]).all() and (s == s[0]).all() and \
-            (np.diff(d) == c[0]).all():  # one source segment to consecutive places
+    if (
+        full.size > 1 and (c == c[0]).all() and (s == s[0]).all() and (np.diff(d) == c[0]).all()
+    ):  # one source segment to consecutive places
         n, at, start = int(c[0]), int(d[0]), int(s[0])
-        dst[at: at + full.size * n].reshape(full.size, n)[...] = src[start: start + n]
+        dst[at : at + full.size * n].reshape(full.size, n)[...] = src[start : start + n]
         return
     run = 0  # copy runs [run, k) contiguous in both
     for k in range(1, full.size + 1):
         if k < full.size and d[k] == d[k - 1] + c[k - 1] and s[k] == s[k - 1] + c[k - 1]:
             continue
         n = int(d[k - 1] + c[k - 1] - d[run])
-        dst[int(d[run]): int(d[run]) + n] = src[int(s[run]): int(s[run]) + n]
+        dst[int(d[run]) : int(d[run]) + n] = src[int(s[run]) : int(s[run]) + n]
         run = k
 
 
@@ -229,8 +229,10 @@ class TorchDistCommunicator:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised (init_process_group first, "
-                               "or geocomm.adapters.torch.init_distributed_from_mpi())")
+            raise RuntimeError(
+                "torch.distributed is not initialised (init_process_group first, "
+                "or geocomm.adapters.torch.init_distributed_from_mpi())"
+            )
         self._torch, self._dist, self.group = torch, dist, group
         # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -240,14 +242,17 @@ class TorchDistCommunicator:
         if device_arrays is None:
             device_arrays = nccl
         elif not device_arrays and nccl:
-            raise ValueError("device_arrays=False needs a group that moves host memory (gloo); "
-                             "a NCCL group moves device arrays only")
+            raise ValueError(
+                "device_arrays=False needs a group that moves host memory (gloo); "
+                "a NCCL group moves device arrays only"
+            )
         self.device_arrays = bool(device_arrays)
         # "nccl" tells the collectives to keep CuPy arrays on the device
         self.backend = "nccl" if self.device_arrays else "torch"
         # where the metadata all-gather's tensors live
-        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl \
-            else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        )
         abort.register(self)
 
     # -- helpers ---------------------------------------------------------------
@@ -263,17 +268,22 @@ class TorchDistCommunicator:
             got = f"{type(a).__name__} of dtype {getattr(a, 'dtype', None)}"
             raise TypeError(f"{name} must be a 1-D C-contiguous uint8 array, got {got}")
 
-    def _segments(self, buf: Any, counts: Any, displs: Any,
-                  name: str) -> tuple[np.ndarray, np.ndarray]:
+    def _segments(
+        self, buf: Any, counts: Any, displs: Any, name: str
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Per-rank byte counts and displacements, checked against the buffer size."""
         counts = np.asarray(counts, np.int64).ravel()
         displs = np.asarray(displs, np.int64).ravel()
         if counts.size != self.size or displs.size != self.size:
-            raise ValueError(f"{name}: counts and displacements need {self.size} entries, "
-                             f"got {counts.size} and {displs.size}")
+            raise ValueError(
+                f"{name}: counts and displacements need {self.size} entries, "
+                f"got {counts.size} and {displs.size}"
+            )
         if (counts < 0).any() or (displs < 0).any() or (counts + displs > buf.nbytes).any():
-            raise ValueError(f"{name}: a segment lies outside the {buf.nbytes}-byte buffer "
-                             f"(counts {counts.tolist()}, displacements {displs.tolist()})")
+            raise ValueError(
+                f"{name}: a segment lies outside the {buf.nbytes}-byte buffer "
+                f"(counts {counts.tolist()}, displacements {displs.tolist()})"
+            )
         return counts, displs
 
     def _host_wait(self, array: Any) -> None:
@@ -322,8 +332,9 @@ class TorchDistCommunicator:
         r_counts, r_displs = self._segments(recv, recv_counts, recv_displs, "recv")
         me = self.rank
         if s_counts[me] != r_counts[me]:
-            raise ValueError(f"rank {me} sends {s_counts[me]} bytes to itself but expects "
-                             f"{r_counts[me]}")
+            raise ValueError(
+                f"rank {me} sends {s_counts[me]} bytes to itself but expects {r_counts[me]}"
+            )
         xp = _array_module(send)
         s_total, r_total = int(s_counts.sum()), int(r_counts.sum())
         s_base, r_base = _packed_base(s_counts, s_displs), _packed_base(r_counts, r_displs)
@@ -331,7 +342,7 @@ class TorchDistCommunicator:
             source = xp.empty(s_total, np.uint8)
             _copies(source, np.cumsum(s_counts) - s_counts, send, s_displs, s_counts)
         else:
-            source = send[s_base: s_base + s_total]
+            source = send[s_base : s_base + s_total]
         finish = None
         if r_base is None or _may_overlap(send, recv):
             target = xp.empty(r_total, np.uint8)
@@ -339,13 +350,18 @@ class TorchDistCommunicator:
             def finish() -> None:  # unpack what arrived
                 _copies(recv, r_displs, target, np.cumsum(r_counts) - r_counts, r_counts)
         else:
-            target = recv[r_base: r_base + r_total]
+            target = recv[r_base : r_base + r_total]
         self._host_wait(source)
         src, dst = self._t(source), self._t(target)
         with self._ordered(src):
             work = self._dist.all_to_all_single(
-                dst, src, output_split_sizes=r_counts.tolist(),
-                input_split_sizes=s_counts.tolist(), group=self.group, async_op=True)
+                dst,
+                src,
+                output_split_sizes=r_counts.tolist(),
+                input_split_sizes=s_counts.tolist(),
+                group=self.group,
+                async_op=True,
+            )
         return self._request(work, src, finish, (send, recv, source, target))
 
     def allgatherv(self, send, recv, counts, displs):
@@ -362,8 +378,11 @@ class TorchDistCommunicator:
         if width == 0:  # the counts are every rank's: nothing moves anywhere
             return self._request(None, None)
         xp = _array_module(send)
-        if (counts == width).all() and np.array_equal(displs, np.arange(self.size) * width) \
-                and not _may_overlap(send, recv):
+        if (
+            (counts == width).all()
+            and np.array_equal(displs, np.arange(self.size) * width)
+            and not _may_overlap(send, recv)
+        ):
             # equal segments packed in rank order (the pipeline's usual stage): no padding
             self._host_wait(send)
             src, dst = self._t(send[:width]), self._t(recv[: self.size * width])

@@ -80,18 +80,17 @@ def profile(backend: str | None) -> Profile | None:
     return DEVICE.get(backend) if backend is not None else None
 
 
-def _link_codec_s(profile: Profile, nbytes: float, size: int, ratio: float
-                  ) -> tuple[float, float]:
+def _link_codec_s(profile: Profile, nbytes: float, size: int, ratio: float) -> tuple[float, float]:
     link = 2 * (size - 1) / size * ratio * nbytes / profile.link_Bps
     return link, nbytes / profile.codec_Bps
 
 
-def compressed_seconds(profile: Profile, nbytes: float, size: int, ratio: float,
-                       stages: int) -> float:
+def compressed_seconds(
+    profile: Profile, nbytes: float, size: int, ratio: float, stages: int
+) -> float:
     """T(K) of the model: a compressed all-reduce of ``nbytes`` fp32 bytes in ``stages`` stages."""
     link, codec = _link_codec_s(profile, nbytes, size, ratio)
-    return (profile.call_s + stages * profile.stage_s + max(link, codec)
-            + min(link, codec) / stages)
+    return profile.call_s + stages * profile.stage_s + max(link, codec) + min(link, codec) / stages
 
 
 def plain_seconds(profile: Profile, nbytes: float, size: int) -> float:
@@ -104,8 +103,9 @@ def best_stages(profile: Profile, nbytes: float, size: int, ratio: float) -> int
     link, codec = _link_codec_s(profile, nbytes, size, ratio)
     best = math.sqrt(min(link, codec) / profile.stage_s)
     candidates = {max(1, math.floor(best)), max(1, math.ceil(best))}
-    return min(sorted(candidates),
-               key=lambda k: compressed_seconds(profile, nbytes, size, ratio, k))
+    return min(
+        sorted(candidates), key=lambda k: compressed_seconds(profile, nbytes, size, ratio, k)
+    )
 
 
 def stage_size(backend: str | None, count: int, size: int, ratio: float = FP8_RATIO) -> int:
@@ -132,7 +132,8 @@ def crossover_bytes(backend: str | None, size: int, ratio: float = FP8_RATIO) ->
         nbytes = float(1 << shift)
         stages = best_stages(device, nbytes, size, ratio)
         if compressed_seconds(device, nbytes, size, ratio, stages) >= plain_seconds(
-                device, nbytes, size):
+            device, nbytes, size
+        ):
             break
         found = 1 << shift
     return found

@@ -140,7 +140,7 @@ class CudaKernels:
         return cuda_build.kernel(self.cupy, name, kernel_source)
 
     def encode(self, fmt: WireFormat, x: Any, seg: Segments, wire: Any, amax: Any,
-               incoming: Incoming | None = None, rounding_stream: int = 0) -> None:
+               incoming: Incoming | None = None, rounding_stream: int = 0) -> None:  # fmt: skip
         walk = encode_walk(fmt)
         grid = launch_grid(walk, seg.rows, fmt)
         if grid is None:
@@ -151,8 +151,9 @@ class CudaKernels:
         e5m2, rceil = np.int32(fmt.e5m2), np.int32(fmt.rceil)
         threads = (cuda.THREADS,)
         if fmt.family in (RAW, BF16):
-            self._kernel("gc_pipe_value_encode")(grid, threads,
-                                                 (np.int32(fmt.family), *head, *rounding))
+            self._kernel("gc_pipe_value_encode")(
+                grid, threads, (np.int32(fmt.family), *head, *rounding)
+            )
         elif fmt.family == NVFP4:
             self._kernel("gc_pipe_nvfp4_encode")(grid, (NVFP4_THREADS,), (*head, *rounding))
         elif fmt.family == MXFP4:
@@ -161,21 +162,32 @@ class CudaKernels:
             self._kernel("gc_pipe_mxfp8_encode")(grid, threads, (*head, e5m2, rceil, *rounding))
         elif walk == "team":
             self._kernel("gc_pipe_fp8_encode_team")(
-                grid, threads, (*head, np.uint32(cuda.team_shift(fmt.block)), e5m2, *rounding))
+                grid, threads, (*head, np.uint32(cuda.team_shift(fmt.block)), e5m2, *rounding)
+            )
         else:
             tile = _u64(cuda.TILE)
             self._kernel("gc_pipe_amax_tiles")(grid, threads, (*head, e5m2, tile, amax))
-            self._kernel("gc_pipe_fp8_encode_tiles")(grid, threads,
-                                                     (*head, e5m2, tile, amax, *rounding))
+            self._kernel("gc_pipe_fp8_encode_tiles")(
+                grid, threads, (*head, e5m2, tile, amax, *rounding)
+            )
 
-    def reduce(self, fmt: WireFormat, x: Any, seg: Segments, incoming: Incoming,
-               out: Any) -> None:
+    def reduce(self, fmt: WireFormat, x: Any, seg: Segments, incoming: Incoming, out: Any) -> None:
         grid = launch_grid("value", seg.rows, fmt)
         if grid is not None:
             self._kernel("gc_pipe_reduce")(
-                grid, (cuda.THREADS,), (np.int32(fmt.family), np.int32(fmt.e5m2), x, seg.device,
-                                        incoming.wire, np.uint32(incoming.count),
-                                        _u64(incoming.stride), out))
+                grid,
+                (cuda.THREADS,),
+                (
+                    np.int32(fmt.family),
+                    np.int32(fmt.e5m2),
+                    x,
+                    seg.device,
+                    incoming.wire,
+                    np.uint32(incoming.count),
+                    _u64(incoming.stride),
+                    out,
+                ),
+            )
 
     def decode(self, fmt: WireFormat, wire: Any, seg: Segments, out: Any) -> None:
         walk = decode_walk(fmt)
@@ -184,15 +196,19 @@ class CudaKernels:
             return
         e5m2 = np.int32(fmt.e5m2)
         if walk == "value":
-            self._kernel("gc_pipe_decode")(grid, (cuda.THREADS,),
-                                           (np.int32(fmt.family), e5m2, wire, seg.device, out))
+            self._kernel("gc_pipe_decode")(
+                grid, (cuda.THREADS,), (np.int32(fmt.family), e5m2, wire, seg.device, out)
+            )
         elif walk == "team":
             self._kernel("gc_pipe_fp8_decode_team")(
-                grid, (cuda.THREADS,),
-                (wire, seg.device, np.uint32(cuda.team_shift(fmt.block)), e5m2, out))
+                grid,
+                (cuda.THREADS,),
+                (wire, seg.device, np.uint32(cuda.team_shift(fmt.block)), e5m2, out),
+            )
         else:
             self._kernel("gc_pipe_fp8_decode_tiles")(
-                grid, (cuda.THREADS,), (wire, seg.device, _u64(cuda.TILE), e5m2, out))
+                grid, (cuda.THREADS,), (wire, seg.device, _u64(cuda.TILE), e5m2, out)
+            )
 
 
 class HostKernels:
@@ -204,8 +220,10 @@ class HostKernels:
         for row in seg.rows.astype(np.int64):
             n = int(row[COUNT])
             if (int(row[SCALES]), int(row[BLOCK]), int(row[TILES])) != body_layout(fmt, n):
-                raise ValueError(f"segment row {row.tolist()} disagrees with the layout of "
-                                 f"{n} values: {body_layout(fmt, n)}")
+                raise ValueError(
+                    f"segment row {row.tolist()} disagrees with the layout of "
+                    f"{n} values: {body_layout(fmt, n)}"
+                )
             if n:
                 yield int(row[VALUES]), n, int(row[WIRE]), int(row[INDEX])
 
@@ -214,37 +232,55 @@ class HostKernels:
         if incoming is not None:
             size = fmt.wire_size(total.size)
             for r in range(incoming.count):
-                body = incoming.wire[r * incoming.stride: r * incoming.stride + size]
+                body = incoming.wire[r * incoming.stride : r * incoming.stride + size]
                 self._decode_body(fmt, body, total, accumulate=True)
         return total
 
-    def _decode_body(self, fmt: WireFormat, body: np.ndarray, out: np.ndarray,
-                     accumulate: bool = False) -> None:
+    def _decode_body(
+        self, fmt: WireFormat, body: np.ndarray, out: np.ndarray, accumulate: bool = False
+    ) -> None:
         if fmt.family == RAW:
             values = body[: 4 * out.size].view("<f4")
             out[...] = out + values if accumulate else values
         else:
             native.decode(fmt.native_id, body, fmt.block, out, accumulate)
 
-    def encode(self, fmt: WireFormat, x: np.ndarray, seg: Segments, wire: np.ndarray,
-               amax: Any, incoming: Incoming | None = None, rounding_stream: int = 0) -> None:
+    def encode(
+        self,
+        fmt: WireFormat,
+        x: np.ndarray,
+        seg: Segments,
+        wire: np.ndarray,
+        amax: Any,
+        incoming: Incoming | None = None,
+        rounding_stream: int = 0,
+    ) -> None:
         for values, n, at, index in self._pieces(fmt, seg):
-            total = self._sum(fmt, x[values: values + n], incoming)
-            body = wire[at: at + fmt.wire_size(n)]
+            total = self._sum(fmt, x[values : values + n], incoming)
+            body = wire[at : at + fmt.wire_size(n)]
             if fmt.family == RAW:
                 body[...] = total.view(np.uint8)
             else:
-                native.encode(fmt.native_id, total, fmt.block, body, flags=fmt.flags, seed=fmt.seed,
-                              rounding_stream=rounding_stream, offset=index)
+                native.encode(
+                    fmt.native_id,
+                    total,
+                    fmt.block,
+                    body,
+                    flags=fmt.flags,
+                    seed=fmt.seed,
+                    rounding_stream=rounding_stream,
+                    offset=index,
+                )
 
-    def reduce(self, fmt: WireFormat, x: np.ndarray, seg: Segments, incoming: Incoming,
-               out: np.ndarray) -> None:
+    def reduce(
+        self, fmt: WireFormat, x: np.ndarray, seg: Segments, incoming: Incoming, out: np.ndarray
+    ) -> None:
         for values, n, _, _ in self._pieces(fmt, seg):
-            out[values: values + n] = self._sum(fmt, x[values: values + n], incoming)
+            out[values : values + n] = self._sum(fmt, x[values : values + n], incoming)
 
     def decode(self, fmt: WireFormat, wire: np.ndarray, seg: Segments, out: np.ndarray) -> None:
         for values, n, at, _ in self._pieces(fmt, seg):
-            self._decode_body(fmt, wire[at: at + fmt.wire_size(n)], out[values: values + n])
+            self._decode_body(fmt, wire[at : at + fmt.wire_size(n)], out[values : values + n])
 
 
 # ---------------------------------------------------------------------------
@@ -260,21 +296,34 @@ class BatchedPipeline(PieceAccess):
     offer ``wait_stream()``.
     """
 
-    def __init__(self, comm: Communicator, fmt: WireFormat, pieces: Pieces, source: Any,
-                 result: Any, result_offset: int, gather: bool,
-                 mapper: RangeMap | None = None, rounding_stream: int = 0, kernels: Any = None):
+    def __init__(
+        self,
+        comm: Communicator,
+        fmt: WireFormat,
+        pieces: Pieces,
+        source: Any,
+        result: Any,
+        result_offset: int,
+        gather: bool,
+        mapper: RangeMap | None = None,
+        rounding_stream: int = 0,
+        kernels: Any = None,
+    ):
         self.comm, self.fmt, self.pieces = comm, fmt, pieces
         self.source, self.result, self.mapper = source, result, mapper
         self.result_offset, self.gather = result_offset, gather
         self.me = comm.rank
         self.kernels = CudaKernels() if kernels is None else kernels
-        self.rounding_streams = (quantization_stream(rounding_stream, comm.rank, 1),
-                                 quantization_stream(rounding_stream, comm.rank, 2))
+        self.rounding_streams = (
+            quantization_stream(rounding_stream, comm.rank, 1),
+            quantization_stream(rounding_stream, comm.rank, 2),
+        )
         # the owner's sum goes straight into its encoding unless something needs it as fp32
         self.fused = gather and mapper is None
         xp = array_module(source)
-        tables = self.tables = call_tables(fmt, pieces, comm.rank, result_offset, gather,
-                                           staged=mapper is not None)
+        tables = self.tables = call_tables(
+            fmt, pieces, comm.rank, result_offset, gather, staged=mapper is not None
+        )
         self.table = xp.asarray(tables.rows)  # one upload for every stage
         self.a2a_send = [xp.empty(tables.send_bytes, np.uint8) for _ in range(2)]
         self.a2a_recv = [xp.empty(tables.recv_bytes, np.uint8) for _ in range(2)]
@@ -298,8 +347,14 @@ class BatchedPipeline(PieceAccess):
     def _exchange(self, send: Any, recv: Any, exchange: Exchange) -> Any:
         if self.comm.size == 1:  # nothing to move: the own piece never travels
             return None
-        return self.comm.alltoallv(send, exchange.send_counts, exchange.send_displs, recv,
-                                   exchange.recv_counts, exchange.recv_displs)
+        return self.comm.alltoallv(
+            send,
+            exchange.send_counts,
+            exchange.send_displs,
+            recv,
+            exchange.recv_counts,
+            exchange.recv_displs,
+        )
 
     def _send_pieces(self, s: int) -> list[tuple[int, int]]:
         return [self.pieces.piece_range(j, s) for j in range(self.comm.size) if j != self.me]
@@ -313,15 +368,17 @@ class BatchedPipeline(PieceAccess):
             x = self.staging
             for (lo, hi), row in zip(self._send_pieces(s), seg.rows, strict=True):
                 at = int(row[VALUES])
-                x[at: at + hi - lo] = self.mapper.read(lo, hi)
+                x[at : at + hi - lo] = self.mapper.read(lo, hi)
         wire = self.a2a_send[s % 2]
-        self.kernels.encode(self.fmt, x, seg, wire, self.amax,
-                            rounding_stream=self.rounding_streams[0])
+        self.kernels.encode(
+            self.fmt, x, seg, wire, self.amax, rounding_stream=self.rounding_streams[0]
+        )
         if self.mapper is not None:
             for (lo, hi), row in zip(self._send_pieces(s), seg.rows, strict=True):
                 at, body = int(row[VALUES]), int(row[WIRE])
-                self.mapper.encoded(lo, hi, x[at: at + hi - lo],
-                                    wire[body: body + self.fmt.wire_size(hi - lo)])
+                self.mapper.encoded(
+                    lo, hi, x[at : at + hi - lo], wire[body : body + self.fmt.wire_size(hi - lo)]
+                )
 
     def start_alltoall(self, s: int) -> None:
         exchange = self.tables.stages[s].alltoall
@@ -339,8 +396,15 @@ class BatchedPipeline(PieceAccess):
         incoming = Incoming(self.a2a_recv[s % 2], self.comm.size - 1, stage.own_bytes)
         seg = self._segments(stage.own)
         if self.fused:
-            self.kernels.encode(self.fmt, own, seg, self.ag_buf[s % 2], self.amax, incoming,
-                                rounding_stream=self.rounding_streams[1])
+            self.kernels.encode(
+                self.fmt,
+                own,
+                seg,
+                self.ag_buf[s % 2],
+                self.amax,
+                incoming,
+                rounding_stream=self.rounding_streams[1],
+            )
             return
         self.kernels.reduce(self.fmt, own, seg, incoming, self._local(lo, hi))
         if not self.gather:  # reduce-scatter: the owner's sum is final
@@ -352,12 +416,17 @@ class BatchedPipeline(PieceAccess):
         stage = self.tables.stages[s]
         lo, hi = self.pieces.piece_range(self.me, s)
         values, seg = self._local(lo, hi), self._segments(stage.own)
-        self.kernels.encode(self.fmt, values, seg, self.ag_buf[s % 2], self.amax,
-                            rounding_stream=self.rounding_streams[1])
+        self.kernels.encode(
+            self.fmt,
+            values,
+            seg,
+            self.ag_buf[s % 2],
+            self.amax,
+            rounding_stream=self.rounding_streams[1],
+        )
         if self.mapper is not None:
             at = int(seg.rows[0, WIRE])
-            self.mapper.encoded(lo, hi, values,
-                                self.ag_buf[s % 2][at: at + stage.own_bytes])
+            self.mapper.encoded(lo, hi, values, self.ag_buf[s % 2][at : at + stage.own_bytes])
 
     def start_allgather(self, s: int) -> None:
         buf = self.ag_buf[s % 2]
@@ -367,8 +436,9 @@ class BatchedPipeline(PieceAccess):
 
     def decode_stage(self, s: int) -> None:
         self._wait(self.ag_req, s)
-        self.kernels.decode(self.fmt, self.ag_buf[s % 2], self._segments(
-            self.tables.stages[s].gather), self.result)
+        self.kernels.decode(
+            self.fmt, self.ag_buf[s % 2], self._segments(self.tables.stages[s].gather), self.result
+        )
         for j in range(self.comm.size):
             self._done(*self.pieces.piece_range(j, s))
 

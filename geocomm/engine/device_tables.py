@@ -66,8 +66,7 @@ class WireFormat:
     @property
     def flags(self) -> int:
         """gc_encode_ex flags of the C core."""
-        return ((native.STOCHASTIC if self.stochastic else 0)
-                | (native.RCEIL if self.rceil else 0))
+        return (native.STOCHASTIC if self.stochastic else 0) | (native.RCEIL if self.rceil else 0)
 
     def key(self, rounding_stream: int) -> int:
         """The kernels' stochastic-rounding key of ``rounding_stream`` (0: nearest)."""
@@ -86,15 +85,29 @@ def wire_format(codec: WireCodec) -> WireFormat | None:
     if type(codec) is NoneCodec:
         return WireFormat(RAW)
     if not isinstance(codec, NativeFormat) or not _inherits(
-            codec, NativeFormat, "encode_wire", "decode_wire", "wire_size"):
+        codec, NativeFormat, "encode_wire", "decode_wire", "wire_size"
+    ):
         return None
     name, block, flags = codec.native_wire()
     fmt = native.format_id(name)
-    family = {native.E4M3: FP8, native.E5M2: FP8, native.NVFP4: NVFP4, native.BF16: BF16,
-              native.MXFP8_E4M3: MXFP8, native.MXFP8_E5M2: MXFP8, native.MXFP4: MXFP4}[fmt]
-    return WireFormat(family, fmt, e5m2=fmt in (native.E5M2, native.MXFP8_E5M2),
-                      block=block, rceil=bool(flags & native.RCEIL),
-                      stochastic=bool(flags & native.STOCHASTIC), seed=codec.seed)
+    family = {
+        native.E4M3: FP8,
+        native.E5M2: FP8,
+        native.NVFP4: NVFP4,
+        native.BF16: BF16,
+        native.MXFP8_E4M3: MXFP8,
+        native.MXFP8_E5M2: MXFP8,
+        native.MXFP4: MXFP4,
+    }[fmt]
+    return WireFormat(
+        family,
+        fmt,
+        e5m2=fmt in (native.E5M2, native.MXFP8_E5M2),
+        block=block,
+        rceil=bool(flags & native.RCEIL),
+        stochastic=bool(flags & native.STOCHASTIC),
+        seed=codec.seed,
+    )
 
 
 def _inherits(obj: Any, base: type, *names: str) -> bool:
@@ -227,8 +240,14 @@ class CallTables:
     amax: int
 
 
-def call_tables(fmt: WireFormat, pieces: Pieces, rank: int, result_offset: int = 0,
-                gather: bool = True, staged: bool = False) -> CallTables:
+def call_tables(
+    fmt: WireFormat,
+    pieces: Pieces,
+    rank: int,
+    result_offset: int = 0,
+    gather: bool = True,
+    staged: bool = False,
+) -> CallTables:
     """The tables and exchanges of every stage of a call on ``rank``.
 
     Send rows read values at their absolute index (the source array), or, when
@@ -259,8 +278,14 @@ def call_tables(fmt: WireFormat, pieces: Pieces, rank: int, result_offset: int =
                 packed += hi - lo
         lo, hi = ranges[rank]
         own = [Piece(0, hi - lo, int(gather_displs[rank]), lo)]
-        gathered = [Piece(a - result_offset, b - a, int(gather_displs[j]), a)
-                    for j, (a, b) in enumerate(ranges)] if gather else []
+        gathered = (
+            [
+                Piece(a - result_offset, b - a, int(gather_displs[j]), a)
+                for j, (a, b) in enumerate(ranges)
+            ]
+            if gather
+            else []
+        )
         send_rows, amax = segment_rows(fmt, send, amax)
         own_rows, amax = segment_rows(fmt, own, amax)
         gather_rows, _ = segment_rows(fmt, gathered)
@@ -272,12 +297,21 @@ def call_tables(fmt: WireFormat, pieces: Pieces, rank: int, result_offset: int =
         others = gather_counts.copy()
         others[rank] = 0
         send_span, own_span, gather_span = spans
-        stages.append(StageTables(
-            send_span, own_span, gather_span,
-            alltoall=Exchange(send_counts, send_displs, recv_counts, recv_displs),
-            allgather=Exchange(np.where(np.arange(size) == rank, 0, mine),
-                               np.full(size, gather_displs[rank]), others, gather_displs),
-            own_bytes=mine))
+        stages.append(
+            StageTables(
+                send_span,
+                own_span,
+                gather_span,
+                alltoall=Exchange(send_counts, send_displs, recv_counts, recv_displs),
+                allgather=Exchange(
+                    np.where(np.arange(size) == rank, 0, mine),
+                    np.full(size, gather_displs[rank]),
+                    others,
+                    gather_displs,
+                ),
+                own_bytes=mine,
+            )
+        )
         send_bytes = max(send_bytes, int(send_counts.sum()))
         recv_bytes = max(recv_bytes, int(recv_counts.sum()))
         gather_bytes = max(gather_bytes, int(gather_counts.sum()))

@@ -61,8 +61,11 @@ def exact_sum(comm: Communicator, values: Any) -> Any:
     if source.size * comm.size <= SMALL_SUM_VALUES:
         rows = xp.empty((comm.size, source.size), dtype=np.float32)
         counts, displs = segments([source.nbytes] * comm.size)
-        wait_ordered(comm.allgatherv(source.view(np.uint8), rows.reshape(-1).view(np.uint8),
-                                     counts, displs), "an exact sum", comm.rank)
+        wait_ordered(
+            comm.allgatherv(source.view(np.uint8), rows.reshape(-1).view(np.uint8), counts, displs),
+            "an exact sum",
+            comm.rank,
+        )
         total[...] = rows[0]
         for row in rows[1:]:
             add_into(total, row)

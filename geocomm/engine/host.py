@@ -100,14 +100,25 @@ class Pipeline(PieceAccess):
     ``result_offset`` on and may be ``source``.
     """
 
-    def __init__(self, comm: Communicator, codec: WireCodec, pieces: Pieces,
-                 source: np.ndarray, result: np.ndarray, result_offset: int, gather: bool,
-                 mapper: RangeMap | None = None, rounding_stream: int = 0):
+    def __init__(
+        self,
+        comm: Communicator,
+        codec: WireCodec,
+        pieces: Pieces,
+        source: np.ndarray,
+        result: np.ndarray,
+        result_offset: int,
+        gather: bool,
+        mapper: RangeMap | None = None,
+        rounding_stream: int = 0,
+    ):
         self.comm, self.codec, self.pieces = comm, codec, pieces
         # stochastic rounding: every quantization of the call draws from its own
         # stream (this rank's first one, its second one), counted by element index
-        self.rounding_streams = (quantization_stream(rounding_stream, comm.rank, 1),
-                                 quantization_stream(rounding_stream, comm.rank, 2))
+        self.rounding_streams = (
+            quantization_stream(rounding_stream, comm.rank, 1),
+            quantization_stream(rounding_stream, comm.rank, 2),
+        )
         self.source, self.result, self.mapper = source, result, mapper
         self.result_offset = result_offset  # absolute index of result[0]
         self.gather = gather
@@ -116,8 +127,10 @@ class Pipeline(PieceAccess):
         xp = array_module(source)
         wire = codec.wire_size
         mine = wire(pieces.piece)
-        every = [wire(min(pieces.piece, int(b - a))) for a, b in
-                 zip(pieces.bounds[:-1], pieces.bounds[1:], strict=True)]
+        every = [
+            wire(min(pieces.piece, int(b - a)))
+            for a, b in zip(pieces.bounds[:-1], pieces.bounds[1:], strict=True)
+        ]
         # two stages in flight at most per phase: double buffers
         self.a2a_send = [_SCRATCH.take(xp, sum(every)) for _ in range(2)]
         self.a2a_recv = [_SCRATCH.take(xp, n * mine) for _ in range(2)]
@@ -159,9 +172,10 @@ class Pipeline(PieceAccess):
         for j in range(self.comm.size):
             if j != self.me:
                 lo, hi = self.pieces.piece_range(j, s)
-                values, wire = self._read(lo, hi), buf[displs[j]: displs[j] + counts[j]]
-                self.codec.encode_wire(values, wire, rounding_stream=self.rounding_streams[0],
-                                       offset=lo)
+                values, wire = self._read(lo, hi), buf[displs[j] : displs[j] + counts[j]]
+                self.codec.encode_wire(
+                    values, wire, rounding_stream=self.rounding_streams[0], offset=lo
+                )
                 if self.mapper is not None:
                     self.mapper.encoded(lo, hi, values, wire)
                 self._progress()
@@ -170,8 +184,14 @@ class Pipeline(PieceAccess):
         send_sizes, recv_sizes = self._a2a_sizes(s)
         send_counts, send_displs = segments(send_sizes)
         recv_counts, recv_displs = segments(recv_sizes)
-        req = self.comm.alltoallv(self.a2a_send[s % 2], send_counts, send_displs,
-                                  self.a2a_recv[s % 2], recv_counts, recv_displs)
+        req = self.comm.alltoallv(
+            self.a2a_send[s % 2],
+            send_counts,
+            send_displs,
+            self.a2a_recv[s % 2],
+            recv_counts,
+            recv_displs,
+        )
         self.a2a_req[s] = req
         self.open.append(req)
 
@@ -188,7 +208,7 @@ class Pipeline(PieceAccess):
         offset = 0
         for i in range(self.comm.size):
             if i != self.me:
-                self.codec.decode_wire(buf[offset: offset + seg], acc, accumulate=True)
+                self.codec.decode_wire(buf[offset : offset + seg], acc, accumulate=True)
                 offset += seg
                 self._progress()
         if not self.gather:  # reduce-scatter: the owner's sum is final
@@ -198,8 +218,9 @@ class Pipeline(PieceAccess):
         """Encode my reduced piece for the all-gather (the second quantization)."""
         lo, hi = self.pieces.piece_range(self.me, s)
         values = self._local(lo, hi)
-        self.codec.encode_wire(values, self.ag_send[s % 2],
-                               rounding_stream=self.rounding_streams[1], offset=lo)
+        self.codec.encode_wire(
+            values, self.ag_send[s % 2], rounding_stream=self.rounding_streams[1], offset=lo
+        )
         if self.mapper is not None:
             self.mapper.encoded(lo, hi, values, self.ag_send[s % 2])
         self._progress()
@@ -218,7 +239,7 @@ class Pipeline(PieceAccess):
         buf = self.ag_recv[s % 2]
         for j in range(self.comm.size):
             lo, hi = self.pieces.piece_range(j, s)
-            self.codec.decode_wire(buf[displs[j]: displs[j] + counts[j]], self._local(lo, hi))
+            self.codec.decode_wire(buf[displs[j] : displs[j] + counts[j]], self._local(lo, hi))
             self._progress()
             self._done(lo, hi)
 
@@ -228,5 +249,3 @@ class Pipeline(PieceAccess):
     def release(self) -> None:
         """Give the scratch back (every request has completed: each phase waited on its own)."""
         _SCRATCH.give_back(self.a2a_send + self.a2a_recv + self.ag_send + self.ag_recv)
-
-

@@ -85,8 +85,7 @@ class Pieces:
         return lo, min(lo + self.piece, end)
 
 
-def stage_size(backend: str | None, count: int, size: int,
-                 ratio: float = costs.FP8_RATIO) -> int:
+def stage_size(backend: str | None, count: int, size: int, ratio: float = costs.FP8_RATIO) -> int:
     """Values per pipeline stage (``stage_size``) for ``count`` values on ``size`` ranks
     of ``backend``: measured for host backends, the cost model's for devices
     (:func:`geocomm.engine.costs.stage_size`, whose docstring states the model);
@@ -143,8 +142,6 @@ def schedule(stages: int, gather: bool) -> Iterator[tuple[str, int]]:
             yield "decode_stage", s - 2
 
 
-
-
 def run_schedule(pipe: Any) -> None:
     """Run every phase of ``pipe`` (a :class:`~geocomm.engine.protocols.Phases`) in
     :func:`schedule`'s order, then ``release`` it: the one schedule the host and the
@@ -165,7 +162,7 @@ class PieceAccess:
     mapper: Any
 
     def _local(self, lo: int, hi: int) -> Any:
-        return self.result[lo - self.result_offset: hi - self.result_offset]
+        return self.result[lo - self.result_offset : hi - self.result_offset]
 
     def _read(self, lo: int, hi: int) -> Any:
         return self.source[lo:hi] if self.mapper is None else self.mapper.read(lo, hi)
@@ -176,4 +173,3 @@ class PieceAccess:
             return False
         self.mapper.done(lo, hi)
         return True
-

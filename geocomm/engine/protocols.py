@@ -19,8 +19,9 @@ class WireCodec(Protocol):
 
     def wire_size(self, n: int) -> int: ...
 
-    def encode_wire(self, x: Any, wire: Any, *, rounding_stream: int = 0,
-                    offset: int = 0) -> None: ...
+    def encode_wire(
+        self, x: Any, wire: Any, *, rounding_stream: int = 0, offset: int = 0
+    ) -> None: ...
 
     def decode_wire(self, wire: Any, out: Any, accumulate: bool = False) -> None: ...
 
@@ -66,7 +67,6 @@ class RangeMap(Protocol):
     def encoded(self, lo: int, hi: int, values: Any, wire: Any) -> None: ...
 
     def done(self, lo: int, hi: int) -> None: ...
-
 
 
 class MapPlan(Protocol):

@@ -21,8 +21,9 @@ from geocomm.engine.layout import array_module
 from geocomm.engine.protocols import WireCodec
 
 
-def plan_parts(codec: Any, values: Any, parts: list[Any],
-               bounds: np.ndarray) -> list[tuple[Any, Any]]:
+def plan_parts(
+    codec: Any, values: Any, parts: list[Any], bounds: np.ndarray
+) -> list[tuple[Any, Any]]:
     """Plan every part with ``codec`` (None: no part is mapped); return the (part, plan)
     pairs that have a plan.
 
@@ -59,13 +60,23 @@ class PartsMap:
     inverted by :meth:`finish`.
     """
 
-    def __init__(self, values: Any, mapped: Any, result: Any, offset: int, parts: list[Any],
-                 planned: list[tuple[Any, Any]], side_sums: list[Any], residual: Any = None,
-                 codec: WireCodec | None = None):
+    def __init__(
+        self,
+        values: Any,
+        mapped: Any,
+        result: Any,
+        offset: int,
+        parts: list[Any],
+        planned: list[tuple[Any, Any]],
+        side_sums: list[Any],
+        residual: Any = None,
+        codec: WireCodec | None = None,
+    ):
         self.values, self.mapped, self.result, self.offset = values, mapped, result, offset
         self.residual, self.codec = residual, codec
-        plans = {id(part): (plan, side) for (part, plan), side in
-                 zip(planned, side_sums, strict=True)}
+        plans = {
+            id(part): (plan, side) for (part, plan), side in zip(planned, side_sums, strict=True)
+        }
         self.parts = [(p, *plans.get(id(p), (None, None))) for p in parts]
         self.starts = [p.offset for p in parts]
         self.scratch: Any = None  # an array of the values' module once read needs one
@@ -98,9 +109,9 @@ class PartsMap:
         out = self._target(lo, hi)
         for part, plan, _, a, b in self._overlaps(lo, hi):
             if plan is not None and plan.ranged:
-                plan.forward_range(self.values[a:b], a - part.offset, out[a - lo: b - lo])
+                plan.forward_range(self.values[a:b], a - part.offset, out[a - lo : b - lo])
             elif plan is None and self.mapped is not self.values:
-                out[a - lo: b - lo] = self.values[a:b]
+                out[a - lo : b - lo] = self.values[a:b]
         if self.residual is not None:
             add_into(out, self.residual[lo:hi])
         return out
@@ -115,15 +126,13 @@ class PartsMap:
     def done(self, lo: int, hi: int) -> None:
         for part, plan, side, a, b in self._overlaps(lo, hi):
             if plan is not None and plan.ranged:
-                plan.inverse(self.result[a - self.offset: b - self.offset], a - part.offset,
-                             side)
+                plan.inverse(self.result[a - self.offset : b - self.offset], a - part.offset, side)
 
     def finish(self, lo: int, hi: int) -> None:
         """Invert the whole-tensor plans over the result's range [lo, hi)."""
         for part, plan, side, a, b in self._overlaps(lo, hi):
             if plan is not None and not plan.ranged:
-                plan.inverse(self.result[a - self.offset: b - self.offset], a - part.offset,
-                             side)
+                plan.inverse(self.result[a - self.offset : b - self.offset], a - part.offset, side)
 
 
 def side_sums(comm: Communicator, planned: list[tuple[Any, Any]]) -> list[Any]:
@@ -140,13 +149,20 @@ def side_sums(comm: Communicator, planned: list[tuple[Any, Any]]) -> list[Any]:
         if s is None:
             sums.append(None)
             continue
-        sums.append(total[at: at + s.size].reshape(s.shape))
+        sums.append(total[at : at + s.size].reshape(s.shape))
         at += s.size
     return sums
 
 
-def refresh(comm: Communicator, codec: Any, planned: list[tuple[Any, Any]],
-             side_sums: list[Any], result: Any, lo: int, hi: int) -> None:
+def refresh(
+    comm: Communicator,
+    codec: Any,
+    planned: list[tuple[Any, Any]],
+    side_sums: list[Any],
+    result: Any,
+    lo: int,
+    hi: int,
+) -> None:
     """Run the refresh rounds of every plan that asks for one, all tensors' partial
     sums in one exact sum per round. ``result[lo - lo:...]`` is this rank's shard
     [lo, hi) of the summed buffer, in the tensors' own coordinates."""
@@ -156,7 +172,7 @@ def refresh(comm: Communicator, codec: Any, planned: list[tuple[Any, Any]],
             continue
         a = min(max(lo, part.offset), part.offset + part.size)
         b = min(max(hi, part.offset), part.offset + part.size)
-        rounds.append(codec.refresh(plan, result[a - lo: b - lo], a - part.offset, side_sum))
+        rounds.append(codec.refresh(plan, result[a - lo : b - lo], a - part.offset, side_sum))
     pending = [(r, _advance(r, None)) for r in rounds]
     pending = [(r, v) for r, v in pending if v is not None]
     while pending:
@@ -164,7 +180,7 @@ def refresh(comm: Communicator, codec: Any, planned: list[tuple[Any, Any]],
         total = exact_sum(comm, xp.concatenate([v.reshape(-1) for _, v in pending]))
         nxt, at = [], 0
         for r, v in pending:
-            value = _advance(r, total[at: at + v.size].reshape(v.shape))
+            value = _advance(r, total[at : at + v.size].reshape(v.shape))
             at += v.size
             if value is not None:
                 nxt.append((r, value))

@@ -44,7 +44,24 @@ from geocomm.testing.perf import (
     yardstick_line,
 )
 
-__all__ = ["LoopbackComm", "MeteredComm", "Yardstick", "breakdown", "busy_loops",
-           "emulated_link", "launch_command", "loopback", "parse_size", "ring_bytes",
-           "roundtrip", "run_lockstep", "run_refresh_locally", "simulate_allreduce",
-           "simulate_reduce_scatter", "slowest", "timed", "yardstick", "yardstick_line"]
+__all__ = [
+    "LoopbackComm",
+    "MeteredComm",
+    "Yardstick",
+    "breakdown",
+    "busy_loops",
+    "emulated_link",
+    "launch_command",
+    "loopback",
+    "parse_size",
+    "ring_bytes",
+    "roundtrip",
+    "run_lockstep",
+    "run_refresh_locally",
+    "simulate_allreduce",
+    "simulate_reduce_scatter",
+    "slowest",
+    "timed",
+    "yardstick",
+    "yardstick_line",
+]

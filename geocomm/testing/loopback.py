@@ -31,11 +31,13 @@ class _Exchange:
             for p, (send, send_counts, send_displs, *_) in enumerate(self.posts):
                 count = int(send_counts[r])
                 if count != int(recv_counts[p]):
-                    raise ValueError(f"rank {p} sends {count} bytes to rank {r}, "
-                                     f"which expects {int(recv_counts[p])}")
+                    raise ValueError(
+                        f"rank {p} sends {count} bytes to rank {r}, "
+                        f"which expects {int(recv_counts[p])}"
+                    )
                 if count:
                     at, to = int(send_displs[r]), int(recv_displs[p])
-                    recv[to: to + count] = send[at: at + count]
+                    recv[to : to + count] = send[at : at + count]
         self.moved = True
 
 
@@ -72,16 +74,16 @@ class LoopbackComm:
             self.hub.append(_Exchange(self.size))
         exchange = self.hub[self.calls]
         self.calls += 1
-        exchange.posts[self.rank] = (send, send_counts, send_displs, recv, recv_counts,
-                                     recv_displs)
+        exchange.posts[self.rank] = (send, send_counts, send_displs, recv, recv_counts, recv_displs)
         if all(post is not None for post in exchange.posts):
             exchange.move()
         return _LoopbackRequest(exchange)
 
     def allgatherv(self, send, recv, counts, displs):
         mine = int(counts[self.rank])
-        return self.alltoallv(send, np.full(self.size, mine), np.zeros(self.size, np.int64),
-                              recv, counts, displs)
+        return self.alltoallv(
+            send, np.full(self.size, mine), np.zeros(self.size, np.int64), recv, counts, displs
+        )
 
 
 def loopback(size: int, backend: str = "loopback") -> list[LoopbackComm]:

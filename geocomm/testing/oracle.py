@@ -61,15 +61,17 @@ def _ordered_sum(values: Sequence[Any]) -> Any:
     return total
 
 
-def _plans(codecs: Sequence[Codec], xs: Sequence[Any], shape: tuple[int, ...], key: Any,
-           bounds: Any) -> tuple[list[Any], list[Any]]:
+def _plans(
+    codecs: Sequence[Codec], xs: Sequence[Any], shape: tuple[int, ...], key: Any, bounds: Any
+) -> tuple[list[Any], list[Any]]:
     """Every rank's plan and mapped flat values (its input when there is no plan)."""
     plans, mapped = [], []
     for codec, x in zip(codecs, xs, strict=True):
         xp = array_namespace(x)
         flat = xp.reshape(xp.astype(x, xp.float32), (-1,))
-        plan = codec.plan(flat, shape, key, bounds) if isinstance(
-            codec, TransformingCodec) else None
+        plan = (
+            codec.plan(flat, shape, key, bounds) if isinstance(codec, TransformingCodec) else None
+        )
         out = flat
         if plan is not None:
             out = xp.empty_like(flat)
@@ -87,13 +89,20 @@ def _side_sum(plans: Sequence[Any]) -> Any:
     return xp.reshape(_ordered_sum([xp.reshape(p.side, (-1,)) for p in plans]), shape)
 
 
-def _refresh(codecs: Sequence[Any], plans: Sequence[Any], shards: Sequence[Any],
-             los: Sequence[int], side_sum: Any) -> None:
+def _refresh(
+    codecs: Sequence[Any],
+    plans: Sequence[Any],
+    shards: Sequence[Any],
+    los: Sequence[int],
+    side_sum: Any,
+) -> None:
     """Drive every rank's refresh rounds in lockstep, summing their yields in order."""
     if plans[0] is None or not plans[0].refreshes:
         return
-    rounds = [c.refresh(p, s, lo, side_sum)
-              for c, p, s, lo in zip(codecs, plans, shards, los, strict=True)]
+    rounds = [
+        c.refresh(p, s, lo, side_sum)
+        for c, p, s, lo in zip(codecs, plans, shards, los, strict=True)
+    ]
     values = [next(r, None) for r in rounds]
     while values[0] is not None:
         xp = array_namespace(values[0])
@@ -109,8 +118,9 @@ def _send(rounds: Any, total: Any) -> Any:
         return None
 
 
-def _reduce_shards(codecs: Sequence[Codec], mapped: Sequence[Any], bounds: np.ndarray,
-                   gather: bool) -> list[np.ndarray]:
+def _reduce_shards(
+    codecs: Sequence[Codec], mapped: Sequence[Any], bounds: np.ndarray, gather: bool
+) -> list[np.ndarray]:
     """Per owner, its shard of the pipeline's sum: its own piece exact, the others
     quantized once, summed in rank order (and re-quantized when ``gather``)."""
     size = len(mapped)
@@ -144,13 +154,14 @@ def simulate_allreduce(codecs: Sequence[Codec], xs: Sequence[Any], key: Any = No
     side_sum = _side_sum(plans)
     if plans[0] is not None:
         plans[0].inverse(total, 0, side_sum)  # identical on every rank: invert once
-    shards = [total[int(bounds[r]): int(bounds[r + 1])] for r in range(size)]
+    shards = [total[int(bounds[r]) : int(bounds[r + 1])] for r in range(size)]
     _refresh(codecs, plans, shards, [int(bounds[r]) for r in range(size)], side_sum)
     return xp.reshape(total, shape)
 
 
-def simulate_reduce_scatter(codecs: Sequence[Codec], xs: Sequence[Any], key: Any = None
-                            ) -> list[Any]:
+def simulate_reduce_scatter(
+    codecs: Sequence[Codec], xs: Sequence[Any], key: Any = None
+) -> list[Any]:
     """Every rank's shard that :func:`geocomm.reduce_scatter` returns (flat, in rank order)."""
     size = len(xs)
     xp = array_namespace(*xs)

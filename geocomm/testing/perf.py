@@ -26,8 +26,19 @@ from geocomm.codecs import Codec, get_codec
 from geocomm.engine.host import Pipeline
 from geocomm.engine.layout import DEFAULT_STAGE_SIZE, Pieces
 
-__all__ = ["Yardstick", "breakdown", "busy_loops", "emulated_link", "launch_command",
-           "parse_size", "ring_bytes", "slowest", "timed", "yardstick", "yardstick_line"]
+__all__ = [
+    "Yardstick",
+    "breakdown",
+    "busy_loops",
+    "emulated_link",
+    "launch_command",
+    "parse_size",
+    "ring_bytes",
+    "slowest",
+    "timed",
+    "yardstick",
+    "yardstick_line",
+]
 
 
 def parse_size(text: str) -> int:
@@ -61,8 +72,9 @@ def timed(comm: Any, fn: Callable[[], Any], iters: int) -> float:
     return slowest(comm, (time.perf_counter() - start) / max(iters, 1))
 
 
-def breakdown(comm: Any, codec: Codec, x: np.ndarray, stage_size: int | None, gather: bool,
-              repeats: int = 3) -> dict[str, float]:
+def breakdown(
+    comm: Any, codec: Codec, x: np.ndarray, stage_size: int | None, gather: bool, repeats: int = 3
+) -> dict[str, float]:
     """Seconds of one compressed all-reduce (``gather=False``: reduce-scatter) of ``x``
     taken apart: ``encode``, ``comm`` and ``decode`` run one after the other
     (no overlap), and ``pipelined``, the same call with its stages overlapped.
@@ -78,8 +90,9 @@ def _start_and_wait(start: Callable[[int], None], requests: dict[int, Any], s: i
     requests[s].wait()
 
 
-def _breakdown_once(comm: Any, codec: Codec, x: np.ndarray, stage_size: int | None,
-                    gather: bool) -> dict[str, float]:
+def _breakdown_once(
+    comm: Any, codec: Codec, x: np.ndarray, stage_size: int | None, gather: bool
+) -> dict[str, float]:
     source = np.ascontiguousarray(x, np.float32).reshape(-1)
     pieces = Pieces.cut(source.size, comm.size, stage_size or DEFAULT_STAGE_SIZE)
     bounds = pieces.bounds
@@ -132,8 +145,11 @@ def launch_command(nranks: int) -> str:
     """The command line that reproduces this run of ``nranks`` ranks, launcher included."""
     link = emulated_link()
     plain = " --plain" if link and link.endswith(" plain") else ""
-    launcher = (f"python perf/emulated_link.py --rate {link.split()[0]}{plain} -n {nranks}"
-                if link else f"python -m geocomm.launch -n {nranks}")
+    launcher = (
+        f"python perf/emulated_link.py --rate {link.split()[0]}{plain} -n {nranks}"
+        if link
+        else f"python -m geocomm.launch -n {nranks}"
+    )
     return " ".join([launcher, "--", "python", *sys.argv])
 
 
@@ -151,8 +167,10 @@ class Yardstick:
     mib: int = 64
 
     def __str__(self) -> str:
-        return (f"np.copyto {self.copy_GBps:.2f} GB/s, fp8 E4M3 block-128 encode "
-                f"{self.fp8_encode_GBps:.2f} GB/s ({self.mib} MiB of fp32, one thread)")
+        return (
+            f"np.copyto {self.copy_GBps:.2f} GB/s, fp8 E4M3 block-128 encode "
+            f"{self.fp8_encode_GBps:.2f} GB/s ({self.mib} MiB of fp32, one thread)"
+        )
 
 
 def yardstick(comm: Any = None, mib: int = 64, repeats: int = 5) -> Yardstick | None:
@@ -181,8 +199,9 @@ def yardstick(comm: Any = None, mib: int = 64, repeats: int = 5) -> Yardstick | 
             times.append(time.perf_counter() - start)
         return x.nbytes / float(np.median(times)) / 1e9
 
-    return Yardstick(gbps(lambda: np.copyto(copy, x)),
-                     gbps(lambda: codec.encode_wire(x, wire)), mib)
+    return Yardstick(
+        gbps(lambda: np.copyto(copy, x)), gbps(lambda: codec.encode_wire(x, wire)), mib
+    )
 
 
 def yardstick_line(record: dict[str, Any] | None) -> str:

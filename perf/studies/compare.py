@@ -107,7 +107,7 @@ def _signal(rows: int, seed: int) -> np.ndarray:
 
 
 def _noise(rows: int, seed: int, rank: int) -> np.ndarray:
-    rng = np.random.default_rng([seed, rows, rank, 0x4e53])
+    rng = np.random.default_rng([seed, rows, rank, 0x4E53])
     return rng.standard_normal((rows, COLS), np.float32) * np.float32(NOISE)
 
 
@@ -140,8 +140,9 @@ class GeocommMethod:
         self.x, self.out = x, np.empty_like(x)
 
     def __call__(self) -> None:
-        geocomm.allreduce(self.x, codec=self.codec, out=self.out, key="grad",
-                               comm=self.comm, check=False)
+        geocomm.allreduce(
+            self.x, codec=self.codec, out=self.out, key="grad", comm=self.comm, check=False
+        )
 
     def result(self, exact: np.ndarray, size: int) -> tuple[float, int]:
         before = self.comm.sent
@@ -185,14 +186,19 @@ class DDPMethod:
         self.torch, self.spec = torch, spec
         self.g = torch.from_numpy(x)
         self.local = Probe(x.shape)
-        self.ddp = DistributedDataParallel(Probe(x.shape),
-                                           bucket_cap_mb=max(25, x.nbytes / 2**20 + 1))
+        self.ddp = DistributedDataParallel(
+            Probe(x.shape), bucket_cap_mb=max(25, x.nbytes / 2**20 + 1)
+        )
         if spec["hook"] == "fp16":
             self.ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         else:
             state = powerSGD_hook.PowerSGDState(
-                process_group=None, matrix_approximation_rank=spec["rank"],
-                start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
+                process_group=None,
+                matrix_approximation_rank=spec["rank"],
+                start_powerSGD_iter=2,
+                use_error_feedback=True,
+                warm_start=True,
+            )
             self.ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
     def _step(self, module: Any) -> None:
@@ -221,8 +227,9 @@ class DDPMethod:
 # worker (runs under MPI)
 
 
-def _iterations(comm: Any, fn: Callable[[], None], warmup: int, budget_s: float,
-                max_iters: int) -> int:
+def _iterations(
+    comm: Any, fn: Callable[[], None], warmup: int, budget_s: float, max_iters: int
+) -> int:
     """Run ``warmup`` calls; the same iteration count on every rank, so that the
     timed loop takes about ``budget_s``."""
     comm.barrier()
@@ -272,18 +279,30 @@ def worker(args: argparse.Namespace) -> int:
             relerr, wire = method.result(exact, size)
             wire = int(slowest(comm, wire))
             algbw = x.nbytes / seconds / 1e9
-            row = {"link": link, "ranks": size, "method": label, "size": x.nbytes,
-                   "shape": list(x.shape), "iters": iters, "time_us": seconds * 1e6,
-                   "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (size - 1) / size,
-                   "wire_bytes": wire, "wire_ratio": wire / ring_bytes(x.nbytes, size),
-                   "relerr": relerr}
+            row = {
+                "link": link,
+                "ranks": size,
+                "method": label,
+                "size": x.nbytes,
+                "shape": list(x.shape),
+                "iters": iters,
+                "time_us": seconds * 1e6,
+                "algbw_GBps": algbw,
+                "busbw_GBps": algbw * 2 * (size - 1) / size,
+                "wire_bytes": wire,
+                "wire_ratio": wire / ring_bytes(x.nbytes, size),
+                "relerr": relerr,
+            }
             if isinstance(method, DDPMethod):
                 row["local_step_us"] = local * 1e6
             rows_out.append(row)
             if rank == 0:
-                print(f"{link:>7} n={size} {label:>14} {x.nbytes:>10} B {seconds * 1e3:9.2f} ms "
-                      f"busbw {row['busbw_GBps']:6.3f} wire {row['wire_ratio']:.3f} "
-                      f"err {relerr:.2e} ({iters} it)", flush=True)
+                print(
+                    f"{link:>7} n={size} {label:>14} {x.nbytes:>10} B {seconds * 1e3:9.2f} ms "
+                    f"busbw {row['busbw_GBps']:6.3f} wire {row['wire_ratio']:.3f} "
+                    f"err {relerr:.2e} ({iters} it)",
+                    flush=True,
+                )
             del method
         nbytes *= args.stepfactor
     if rank == 0:
@@ -303,20 +322,54 @@ def run_jobs(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     """One MPI job per (link, ranks); returns the merged result."""
     ruler = yardstick()  # before the jobs, on the otherwise idle machine
     rows, jobs = [], []
-    common = ["-b", str(args.minbytes), "-e", str(args.maxbytes), "-f", str(args.stepfactor),
-              "--methods", args.methods, "--warmup", str(args.warmup), "--iters",
-              str(args.iters), "--budget", str(args.budget), "--seed", str(args.seed)]
+    common = [
+        "-b",
+        str(args.minbytes),
+        "-e",
+        str(args.maxbytes),
+        "-f",
+        str(args.stepfactor),
+        "--methods",
+        args.methods,
+        "--warmup",
+        str(args.warmup),
+        "--iters",
+        str(args.iters),
+        "--budget",
+        str(args.budget),
+        "--seed",
+        str(args.seed),
+    ]
     for link in args.links.split(","):
         for n in [int(r) for r in args.ranks.split(",")]:
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
                 out = tmp.name
             inner = [sys.executable, str(Path(__file__).resolve()), "--worker", out, *common]
             if link == "shm":
-                cmd = [sys.executable, "-m", "geocomm.launch", "-n", str(n), "--timeout",
-                       str(args.timeout), "--", *inner]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "geocomm.launch",
+                    "-n",
+                    str(n),
+                    "--timeout",
+                    str(args.timeout),
+                    "--",
+                    *inner,
+                ]
             else:
-                cmd = [sys.executable, str(ROOT / "perf" / "emulated_link.py"), "--rate", link,
-                       "-n", str(n), "--timeout", str(args.timeout), "--", *inner]
+                cmd = [
+                    sys.executable,
+                    str(ROOT / "perf" / "emulated_link.py"),
+                    "--rate",
+                    link,
+                    "-n",
+                    str(n),
+                    "--timeout",
+                    str(args.timeout),
+                    "--",
+                    *inner,
+                ]
             print(f"# {link}, {n} ranks: {shlex.join(cmd)}", flush=True)
             start = time.perf_counter()
             code = subprocess.run(cmd).returncode
@@ -326,20 +379,28 @@ def run_jobs(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             os.unlink(out)
             jobs.append({"link": link, "ranks": n, "wall_s": time.perf_counter() - start})
     return {
-        "command": "python perf/studies/compare.py " + shlex.join(argv), "rows": rows,
-        "jobs": jobs, "yardstick": dataclasses.asdict(ruler),
+        "command": "python perf/studies/compare.py " + shlex.join(argv),
+        "rows": rows,
+        "jobs": jobs,
+        "yardstick": dataclasses.asdict(ruler),
         "methods": {m: METHODS[m] for m in args.methods.split(",")},
-        "inputs": {"cols": COLS, "signal_rank": SIGNAL_RANK, "noise_rms": NOISE,
-                   "seed": args.seed},
-        "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
-                 "python": platform.python_version(), "load_after": os.getloadavg()},
+        "inputs": {"cols": COLS, "signal_rank": SIGNAL_RANK, "noise_rms": NOISE, "seed": args.seed},
+        "host": {
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "python": platform.python_version(),
+            "load_after": os.getloadavg(),
+        },
     }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--links", default=",".join(LINKS),
-                   help="comma-separated: shm and/or tc rates (1gbit, 10gbit, 25gbit)")
+    p.add_argument(
+        "--links",
+        default=",".join(LINKS),
+        help="comma-separated: shm and/or tc rates (1gbit, 10gbit, 25gbit)",
+    )
     p.add_argument("--ranks", default="2,4")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1M"))
@@ -347,8 +408,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("-f", "--stepfactor", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=10, help="most timed calls per point")
-    p.add_argument("--budget", type=float, default=1.5,
-                   help="seconds of timed calls aimed at per point (at least 2 calls)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=1.5,
+        help="seconds of timed calls aimed at per point (at least 2 calls)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per MPI job")
     p.add_argument("--out", default="perf/results/compare", help="output prefix")

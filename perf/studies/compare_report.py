@@ -30,12 +30,20 @@ LINK_GBPS = {"1gbit": 0.125, "10gbit": 1.25, "25gbit": 3.125}  # nominal GB/s
 
 #: the paper's setting and the assumptions of the projection
 PROJECTION = {
-    "params": 600e6, "gpus": 64, "link_GBps": 25.0,
+    "params": 600e6,
+    "gpus": 64,
+    "link_GBps": 25.0,
     # per-GPU compute per step: 6 * params * tokens / (peak * MFU)
-    "tokens_per_gpu": 16384, "peak_TFLOPs": 989.0, "mfu": 0.40,
+    "tokens_per_gpu": 16384,
+    "peak_TFLOPs": 989.0,
+    "mfu": 0.40,
     # GPU codec: memory-bound passes over HBM; geometry: GEMM flops at an fp32 rate
-    "hbm_TBps": 4.0, "codec_passes": 4.0, "geometry_rank": 64, "fp32_TFLOPs": 60.0,
-    "nccl_alpha_us": 30.0, "bucket_MiB": 25.0,
+    "hbm_TBps": 4.0,
+    "codec_passes": 4.0,
+    "geometry_rank": 64,
+    "fp32_TFLOPs": 60.0,
+    "nccl_alpha_us": 30.0,
+    "bucket_MiB": 25.0,
 }
 
 
@@ -67,10 +75,14 @@ def _fit_method(t: np.ndarray, link_t: np.ndarray, s: np.ndarray) -> dict[str, f
         rel = np.abs(pred - t) / t
         score = float(np.sum(rel * rel))
         if best is None or score < best["score"]:
-            best = {"alpha_s": float(alpha), "gamma_p_s_per_byte": float(gamma_p),
-                    "gamma_s_s_per_byte": float(gamma_s), "score": score,
-                    "max_rel_residual": float(rel.max()),
-                    "median_rel_residual": float(np.median(rel))}
+            best = {
+                "alpha_s": float(alpha),
+                "gamma_p_s_per_byte": float(gamma_p),
+                "gamma_s_s_per_byte": float(gamma_s),
+                "score": score,
+                "max_rel_residual": float(rel.max()),
+                "median_rel_residual": float(np.median(rel)),
+            }
     return best
 
 
@@ -79,24 +91,35 @@ def fit_model(rows: list[dict]) -> dict[str, Any]:
     model: dict[str, Any] = {"links": {}, "methods": {}}
     for n in sorted({r["ranks"] for r in rows}):
         for link in sorted({r["link"] for r in rows if r["ranks"] == n}):
-            base = [r for r in rows if r["ranks"] == n and r["link"] == link
-                    and r["method"] == "fp32"]
+            base = [
+                r for r in rows if r["ranks"] == n and r["link"] == link and r["method"] == "fp32"
+            ]
             if base:
                 model["links"][f"{link}/n{n}"] = _fit_link(base)
         for method in dict.fromkeys(r["method"] for r in rows):
             if method == "fp32":
                 continue
-            pts = [r for r in rows if r["ranks"] == n and r["method"] == method
-                   and f"{r['link']}/n{n}" in model["links"]]
+            pts = [
+                r
+                for r in rows
+                if r["ranks"] == n
+                and r["method"] == method
+                and f"{r['link']}/n{n}" in model["links"]
+            ]
             if len(pts) < 3:
                 continue
-            link_t = np.array([r["wire_bytes"] / model["links"][f"{r['link']}/n{n}"]["rate_GBps"]
-                               / 1e9 for r in pts])
+            link_t = np.array(
+                [
+                    r["wire_bytes"] / model["links"][f"{r['link']}/n{n}"]["rate_GBps"] / 1e9
+                    for r in pts
+                ]
+            )
             t = np.array([r["time_us"] * 1e-6 for r in pts])
             s = np.array([r["size"] for r in pts], float)
             model["methods"][f"{method}/n{n}"] = {
                 **_fit_method(t, link_t, s),
-                "wire_ratio": float(np.median([r["wire_ratio"] for r in pts]))}
+                "wire_ratio": float(np.median([r["wire_ratio"] for r in pts])),
+            }
     return model
 
 
@@ -123,10 +146,15 @@ def project(model: dict[str, Any], rows: list[dict]) -> dict[str, Any]:
         link = buckets * p["nccl_alpha_us"] * 1e-6 + wire / (p["link_GBps"] * 1e9)
         fit = model["methods"].get(f"{method}/n2")
         out["methods"][method] = {
-            "comm_s": link + extra, "wire_GB": wire / 1e9,
+            "comm_s": link + extra,
+            "wire_GB": wire / 1e9,
             # the same all-reduce with this CPU's fitted codec costs (one core per rank)
-            "comm_s_cpu_codec": (max(link, fit["gamma_p_s_per_byte"] * payload)
-                                 + fit["gamma_s_s_per_byte"] * payload) if fit else link}
+            "comm_s_cpu_codec": (
+                max(link, fit["gamma_p_s_per_byte"] * payload) + fit["gamma_s_s_per_byte"] * payload
+            )
+            if fit
+            else link,
+        }
     for overlap in (0.0, 0.5):
         for m in out["methods"].values():
             hidden = overlap * compute * 2 / 3  # backward overlaps the all-reduce
@@ -136,8 +164,9 @@ def project(model: dict[str, Any], rows: list[dict]) -> dict[str, Any]:
             if base in out["methods"]:
                 for overlap in (0.0, 0.5):
                     key = f"step_s_overlap{overlap:g}"
-                    m[f"saving_vs_{base}_overlap{overlap:g}"] = \
+                    m[f"saving_vs_{base}_overlap{overlap:g}"] = (
                         1 - m[key] / out["methods"][base][key]
+                    )
     # the compute time per step at which geofp8 saves the paper's 7.6% over bf16 (no overlap)
     if "geofp8" in out["methods"] and "bf16" in out["methods"]:
         diff = out["methods"]["bf16"]["comm_s"] - out["methods"]["geofp8"]["comm_s"]
@@ -160,9 +189,12 @@ def _size(b: int) -> str:
 def speed_table(rows: list[dict], link: str, n: int, methods: list[str]) -> list[str]:
     by = _by(rows, link, n)
     sizes = sorted({s for (_, s) in by})
-    lines = [f"#### {link}, {n} ranks: ms per all-reduce (speed-up over fp32 MPI)", "",
-             "| method | " + " | ".join(_size(s) for s in sizes) + " |",
-             "| --- |" + " ---: |" * len(sizes)]
+    lines = [
+        f"#### {link}, {n} ranks: ms per all-reduce (speed-up over fp32 MPI)",
+        "",
+        "| method | " + " | ".join(_size(s) for s in sizes) + " |",
+        "| --- |" + " ---: |" * len(sizes),
+    ]
     for m in methods:
         cells = []
         for s in sizes:
@@ -181,9 +213,12 @@ def speed_table(rows: list[dict], link: str, n: int, methods: list[str]) -> list
 def quality_table(rows: list[dict], methods: list[str]) -> list[str]:
     """Wire ratio and relative error per method (they do not depend on the link)."""
     sizes = sorted({r["size"] for r in rows})
-    lines = ["| method | wire / fp32 ring | " + " | ".join(f"rel. error {_size(s)}"
-                                                         for s in sizes) + " |",
-             "| --- | ---: |" + " ---: |" * len(sizes)]
+    lines = [
+        "| method | wire / fp32 ring | "
+        + " | ".join(f"rel. error {_size(s)}" for s in sizes)
+        + " |",
+        "| --- | ---: |" + " ---: |" * len(sizes),
+    ]
     for m in methods:
         rs = [r for r in rows if r["method"] == m]
         if not rs:
@@ -192,57 +227,79 @@ def quality_table(rows: list[dict], methods: list[str]) -> list[str]:
         for s in sizes:
             e = [r["relerr"] for r in rs if r["size"] == s]
             errs.append(f"{np.median(e):.2e}" if e else "")
-        lines.append(f"| {m} | {np.median([r['wire_ratio'] for r in rs]):.3f} | "
-                     + " | ".join(errs) + " |")
+        lines.append(
+            f"| {m} | {np.median([r['wire_ratio'] for r in rs]):.3f} | " + " | ".join(errs) + " |"
+        )
     return [*lines, ""]
 
 
 def targets(rows: list[dict]) -> list[str]:
     """The issue's must-show ratios at >= 16 MiB on the shaped links."""
-    lines = ["| link | ranks | size | fp8 vs fp32 (>= 3) | fp8 vs bf16 (>= 1.5) "
-             "| geofp8 vs fp32 (>= 2.5) |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| link | ranks | size | fp8 vs fp32 (>= 3) | fp8 vs bf16 (>= 1.5) "
+        "| geofp8 vs fp32 (>= 2.5) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for link in ("1gbit", "10gbit", "25gbit"):
         for n in sorted({r["ranks"] for r in rows}):
             by = _by(rows, link, n)
             for s in sorted({s for (_, s) in by if s >= 16 * MIB}):
-                t = {m: by[(m, s)]["time_us"] for m in ("fp32", "bf16", "fp8_e4m3", "geofp8")
-                     if (m, s) in by}
+                t = {
+                    m: by[(m, s)]["time_us"]
+                    for m in ("fp32", "bf16", "fp8_e4m3", "geofp8")
+                    if (m, s) in by
+                }
 
                 def ratio(a: str, b: str, goal: float, t=t) -> str:
                     if a not in t or b not in t:
                         return ""
                     x = t[b] / t[a]
                     return f"{x:.2f}" + ("" if x >= goal else " (below)")
-                lines.append(f"| {link} | {n} | {_size(s)} | {ratio('fp8_e4m3', 'fp32', 3)} "
-                             f"| {ratio('fp8_e4m3', 'bf16', 1.5)} "
-                             f"| {ratio('geofp8', 'fp32', 2.5)} |")
+
+                lines.append(
+                    f"| {link} | {n} | {_size(s)} | {ratio('fp8_e4m3', 'fp32', 3)} "
+                    f"| {ratio('fp8_e4m3', 'bf16', 1.5)} "
+                    f"| {ratio('geofp8', 'fp32', 2.5)} |"
+                )
     return [*lines, ""]
 
 
 def model_lines(model: dict[str, Any], proj: dict[str, Any]) -> list[str]:
-    lines = ["Links, from the fp32 rows: t = a + W / B (W: bytes a rank sends). All ranks "
-             "share the one shaped loopback, so N x B is what the link carried.", "",
-             "| link / ranks | fixed cost a (ms) | B: GB/s sent per rank | N x B / nominal |",
-             "| --- | ---: | ---: | ---: |"]
+    lines = [
+        "Links, from the fp32 rows: t = a + W / B (W: bytes a rank sends). All ranks "
+        "share the one shaped loopback, so N x B is what the link carried.",
+        "",
+        "| link / ranks | fixed cost a (ms) | B: GB/s sent per rank | N x B / nominal |",
+        "| --- | ---: | ---: | ---: |",
+    ]
     for key, f in model["links"].items():
         nominal = LINK_GBPS.get(key.split("/")[0])
         n = int(key.split("/n")[1])
         eff = f"{n * f['rate_GBps'] / nominal:.2f}" if nominal else "unshaped"
         lines.append(f"| {key} | {f['a_s'] * 1e3:.2f} | {f['rate_GBps']:.3f} | {eff} |")
-    lines += ["", "Methods, over all links and sizes of a rank count: t = alpha + max(W_m / B, "
-              "gamma_p S) + gamma_s S (S: fp32 bytes; the pipeline hides the shorter of link "
-              "and codec time; gamma_s is work outside the pipeline)."]
-    lines += ["", "| method / ranks | alpha (ms per call) | gamma_p: overlapped (ms per MiB) "
-              "| gamma_s: serial (ms per MiB) | wire ratio | rel. residual (median / max) |",
-              "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [
+        "",
+        "Methods, over all links and sizes of a rank count: t = alpha + max(W_m / B, "
+        "gamma_p S) + gamma_s S (S: fp32 bytes; the pipeline hides the shorter of link "
+        "and codec time; gamma_s is work outside the pipeline).",
+    ]
+    lines += [
+        "",
+        "| method / ranks | alpha (ms per call) | gamma_p: overlapped (ms per MiB) "
+        "| gamma_s: serial (ms per MiB) | wire ratio | rel. residual (median / max) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for key, f in model["methods"].items():
         per_mib = {k: f[k] * MIB * 1e3 for k in ("gamma_p_s_per_byte", "gamma_s_s_per_byte")}
-        lines.append(f"| {key} | {f['alpha_s'] * 1e3:.2f} | {per_mib['gamma_p_s_per_byte']:.3f}"
-                     f" | {per_mib['gamma_s_s_per_byte']:.3f} | {f['wire_ratio']:.3f} "
-                     f"| {f['median_rel_residual']:.2f} / {f['max_rel_residual']:.2f} |")
+        lines.append(
+            f"| {key} | {f['alpha_s'] * 1e3:.2f} | {per_mib['gamma_p_s_per_byte']:.3f}"
+            f" | {per_mib['gamma_s_s_per_byte']:.3f} | {f['wire_ratio']:.3f} "
+            f"| {f['median_rel_residual']:.2f} / {f['max_rel_residual']:.2f} |"
+        )
     p = proj["assumptions"]
     lines += [
-        "", f"Projection: {p['params'] / 1e6:.0f}M parameters, {p['gpus']} GPUs, ring all-reduce "
+        "",
+        f"Projection: {p['params'] / 1e6:.0f}M parameters, {p['gpus']} GPUs, ring all-reduce "
         f"at {p['link_GBps']:.0f} GB/s per GPU, {p['bucket_MiB']:.0f} MiB buckets with "
         f"{p['nccl_alpha_us']:.0f} us fixed cost each. Compute per step "
         f"{proj['compute_s'] * 1e3:.0f} ms = 6 x params x {p['tokens_per_gpu']} tokens per GPU "
@@ -252,46 +309,68 @@ def model_lines(model: dict[str, Any], proj: dict[str, Any]) -> list[str]:
         "ratios are the measured ones. 'overlap 0.5': half of the backward pass (2/3 of "
         "compute) hides all-reduce time. The last column replaces the GPU codec by the "
         "fitted per-byte costs (gamma_p, gamma_s) of the 2-rank CPU runs, one core per rank: "
-        "why the codec has to run on the GPU at this scale.", "",
+        "why the codec has to run on the GPU at this scale.",
+        "",
         "| method | wire GB per GPU | all-reduce ms | step ms (no overlap) | saving vs fp32 "
         "| saving vs bf16 | step ms (overlap 0.5) | saving vs bf16 (overlap 0.5) "
         "| all-reduce ms with this CPU's codec cost |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for method, m in proj["methods"].items():
         lines.append(
             f"| {method} | {m['wire_GB']:.2f} | {m['comm_s'] * 1e3:.1f} | "
             f"{m['step_s_overlap0'] * 1e3:.1f} | {m.get('saving_vs_fp32_overlap0', 0):.1%} | "
             f"{m.get('saving_vs_bf16_overlap0', 0):.1%} | {m['step_s_overlap0.5'] * 1e3:.1f} | "
-            f"{m.get('saving_vs_bf16_overlap0.5', 0):.1%} | {m['comm_s_cpu_codec'] * 1e3:.0f} |")
+            f"{m.get('saving_vs_bf16_overlap0.5', 0):.1%} | {m['comm_s_cpu_codec'] * 1e3:.0f} |"
+        )
     if "compute_s_for_7.6pct_vs_bf16" in proj:
         ms = proj["compute_s_for_7.6pct_vs_bf16"] * 1e3
-        lines += ["", "Under this model geofp8 saves the paper's 7.6% over a bf16 all-reduce "
-                  f"(no overlap) when compute takes {ms:.0f} ms per step."]
+        lines += [
+            "",
+            "Under this model geofp8 saves the paper's 7.6% over a bf16 all-reduce "
+            f"(no overlap) when compute takes {ms:.0f} ms per step.",
+        ]
     return [*lines, ""]
 
 
 def markdown(result: dict[str, Any]) -> str:
     rows = result["rows"]
     methods = list(result["methods"])
-    lines = ["# Compressed all-reduce against the alternatives", "",
-             f"Command: `{result['command']}` (root; shaped links are tbf on a network "
-             "namespace's loopback shared by all ranks, MPI and gloo over TCP). "
-             f"{result['host']['cpus']} cores; inputs: fp32 matrices of "
-             f"{result['inputs']['cols']} columns, rank-{result['inputs']['signal_rank']} "
-             f"common signal + rank-private noise (rms {result['inputs']['noise_rms']}). "
-             "Time is the slowest rank's mean per call; DDP rows are the DDP backward minus "
-             "the same backward without DDP.", "",
-             yardstick_line(result.get("yardstick")), "",
-             "## Must-show ratios (time of the baseline / time of the method)", "",
-             *targets(rows), "## Wire bytes and error", "", *quality_table(rows, methods),
-             "## Time per link and rank count", ""]
+    lines = [
+        "# Compressed all-reduce against the alternatives",
+        "",
+        f"Command: `{result['command']}` (root; shaped links are tbf on a network "
+        "namespace's loopback shared by all ranks, MPI and gloo over TCP). "
+        f"{result['host']['cpus']} cores; inputs: fp32 matrices of "
+        f"{result['inputs']['cols']} columns, rank-{result['inputs']['signal_rank']} "
+        f"common signal + rank-private noise (rms {result['inputs']['noise_rms']}). "
+        "Time is the slowest rank's mean per call; DDP rows are the DDP backward minus "
+        "the same backward without DDP.",
+        "",
+        yardstick_line(result.get("yardstick")),
+        "",
+        "## Must-show ratios (time of the baseline / time of the method)",
+        "",
+        *targets(rows),
+        "## Wire bytes and error",
+        "",
+        *quality_table(rows, methods),
+        "## Time per link and rank count",
+        "",
+    ]
     links = list(dict.fromkeys(r["link"] for r in rows))
     for link in links:
         for n in sorted({r["ranks"] for r in rows if r["link"] == link}):
             lines += speed_table(rows, link, n, methods)
-    lines += ["## Alpha-beta model", "", *model_lines(result["model"], result["projection"]),
-              "![bus bandwidth](" + result.get("png_busbw", "") + ")", "",
-              "![error](" + result.get("png_error", "") + ")", ""]
+    lines += [
+        "## Alpha-beta model",
+        "",
+        *model_lines(result["model"], result["projection"]),
+        "![bus bandwidth](" + result.get("png_busbw", "") + ")",
+        "",
+        "![error](" + result.get("png_error", "") + ")",
+        "",
+    ]
     jobs = ", ".join(f"{j['link']}/n{j['ranks']} {j['wall_s']:.0f} s" for j in result["jobs"])
     lines += [f"Job wall times: {jobs}.", ""]
     return "\n".join(lines)
@@ -307,19 +386,37 @@ def plots(result: dict[str, Any], prefix: Path) -> None:
     methods = list(result["methods"])
     links = list(dict.fromkeys(r["link"] for r in rows))
     ranks = sorted({r["ranks"] for r in rows})
-    fig, axes = plt.subplots(len(ranks), len(links), figsize=(4.2 * len(links), 3.4 * len(ranks)),
-                             squeeze=False, sharex=True)
+    fig, axes = plt.subplots(
+        len(ranks),
+        len(links),
+        figsize=(4.2 * len(links), 3.4 * len(ranks)),
+        squeeze=False,
+        sharex=True,
+    )
     for i, n in enumerate(ranks):
         for j, link in enumerate(links):
             ax = axes[i][j]
             for m in methods:
-                rs = sorted((r for r in rows if r["link"] == link and r["ranks"] == n
-                             and r["method"] == m), key=lambda r: r["size"])
+                rs = sorted(
+                    (r for r in rows if r["link"] == link and r["ranks"] == n and r["method"] == m),
+                    key=lambda r: r["size"],
+                )
                 if rs:
-                    ax.plot([r["size"] / MIB for r in rs], [r["busbw_GBps"] for r in rs],
-                            marker="o", ms=3, label=m, ls="--" if m.startswith("ddp") else "-")
-            ax.set(xscale="log", yscale="log", title=f"{link}, {n} ranks",
-                   xlabel="message (MiB of fp32)", ylabel="busbw (GB/s)")
+                    ax.plot(
+                        [r["size"] / MIB for r in rs],
+                        [r["busbw_GBps"] for r in rs],
+                        marker="o",
+                        ms=3,
+                        label=m,
+                        ls="--" if m.startswith("ddp") else "-",
+                    )
+            ax.set(
+                xscale="log",
+                yscale="log",
+                title=f"{link}, {n} ranks",
+                xlabel="message (MiB of fp32)",
+                ylabel="busbw (GB/s)",
+            )
             ax.grid(True, alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
@@ -328,11 +425,18 @@ def plots(result: dict[str, Any], prefix: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for m in methods:
         sizes = sorted({r["size"] for r in rows if r["method"] == m})
-        errs = [np.median([r["relerr"] for r in rows if r["method"] == m and r["size"] == s])
-                for s in sizes]
+        errs = [
+            np.median([r["relerr"] for r in rows if r["method"] == m and r["size"] == s])
+            for s in sizes
+        ]
         ax.plot([s / MIB for s in sizes], np.maximum(errs, 1e-9), marker="o", ms=3, label=m)
-    ax.set(xscale="log", yscale="log", xlabel="message (MiB of fp32)",
-           ylabel="relative error vs fp64 sum", title="all-reduce error")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="message (MiB of fp32)",
+        ylabel="relative error vs fp64 sum",
+        title="all-reduce error",
+    )
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -101,9 +101,16 @@ from geocomm.testing import MeteredComm, yardstick  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
-def train_run(label: str, seed: int, args: argparse.Namespace, mcfg: llama.LlamaConfig,
-              tc: llama.TrainConfig, comm: Any,
-              reference: list[np.ndarray] | None = None) -> dict[str, Any]:
+
+def train_run(
+    label: str,
+    seed: int,
+    args: argparse.Namespace,
+    mcfg: llama.LlamaConfig,
+    tc: llama.TrainConfig,
+    comm: Any,
+    reference: list[np.ndarray] | None = None,
+) -> dict[str, Any]:
     """One training run of ``args.steps`` steps under codec ``label``; curves on every rank.
 
     Every ``args.drift_every`` steps the parameters are compared with
@@ -124,9 +131,21 @@ def train_run(label: str, seed: int, args: argparse.Namespace, mcfg: llama.Llama
     fixed = data.batches("train", comm.rank, comm.size, 0) if noise_free else None
     named = list(model.named_parameters())
     exact_codec = label == "none"
-    log: dict[str, list] = {k: [] for k in ("loss", "err", "err_tensor", "err_autocorr",
-                                            "err_align", "spread", "bytes", "step_s",
-                                            "comm_s", "drift")}
+    log: dict[str, list] = {
+        k: []
+        for k in (
+            "loss",
+            "err",
+            "err_tensor",
+            "err_autocorr",
+            "err_align",
+            "spread",
+            "bytes",
+            "step_s",
+            "comm_s",
+            "drift",
+        )
+    }
     previous_error: np.ndarray | None = None
     theta0 = flat_params(model)
     snapshots: list[np.ndarray] = []
@@ -145,15 +164,17 @@ def train_run(label: str, seed: int, args: argparse.Namespace, mcfg: llama.Llama
         t2 = time.perf_counter()
         before = metered.sent
         for name, p in named:
-            geocomm.allreduce(p.grad, codec=codec, op="avg", out=p.grad, key=name,
-                              comm=metered, check=False)
+            geocomm.allreduce(
+                p.grad, codec=codec, op="avg", out=p.grad, key=name, comm=metered, check=False
+            )
         t3 = time.perf_counter()
         sent = metered.sent - before
         if measure and not exact_codec:
             got = flat_grads(model)
             err, err_tensor = comm_errors(exact, got)
-            error = np.concatenate([g.astype(np.float64) - e for e, g in zip(exact, got,
-                                                                              strict=True)])
+            error = np.concatenate(
+                [g.astype(np.float64) - e for e, g in zip(exact, got, strict=True)]
+            )
             log["err_align"].append(cosine(error, np.concatenate(exact).astype(np.float64)))
             if previous_error is not None:
                 log["err_autocorr"].append(cosine(error, previous_error))
@@ -168,8 +189,9 @@ def train_run(label: str, seed: int, args: argparse.Namespace, mcfg: llama.Llama
                 snapshots.append(theta)
             elif reference is not None:
                 ref = reference[len(log["drift"])]
-                log["drift"].append(float(np.linalg.norm(theta - ref)
-                                          / np.linalg.norm(ref - theta0)))
+                log["drift"].append(
+                    float(np.linalg.norm(theta - ref) / np.linalg.norm(ref - theta0))
+                )
         log["loss"].append(float(mean_over_ranks(comm, [loss])[0]))
         log["err"].append(err)
         log["err_tensor"].append(err_tensor)
@@ -182,10 +204,16 @@ def train_run(label: str, seed: int, args: argparse.Namespace, mcfg: llama.Llama
     evals.append((args.steps, final))
     crcs = comm.allgather_int64(np.array([params_crc(model)], np.int64))
     return {
-        "codec": label, "seed": seed, **log, "eval": evals, "heldout": final,
+        "codec": label,
+        "seed": seed,
+        **log,
+        "eval": evals,
+        "heldout": final,
         "payload_bytes": payload_bytes(codec, model, comm),
-        "codec_config": codec.get_config(), "ranks_agree": bool(np.all(crcs == crcs[0])),
-        "wall_s": time.perf_counter() - t_run, "loadavg_end": os.getloadavg(),
+        "codec_config": codec.get_config(),
+        "ranks_agree": bool(np.all(crcs == crcs[0])),
+        "wall_s": time.perf_counter() - t_run,
+        "loadavg_end": os.getloadavg(),
         **({"snapshots": snapshots} if exact_codec else {}),
     }
 
@@ -204,60 +232,99 @@ def uptime() -> str:
 def provenance() -> dict[str, Any]:
     """Git commit, whether tracked files differ from it, and the hash of the installed
     GeoFP8 package the codecs ran with (it may carry uncommitted work)."""
+
     def git(*a: str) -> str:
         try:
-            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True,
-                                  text=True).stdout.strip()
+            return subprocess.run(
+                ["git", *a], cwd=ROOT, capture_output=True, text=True
+            ).stdout.strip()
         except OSError:
             return ""
+
     geometry = hashlib.sha256()
     for source in sorted(Path(geocomm.codecs.geo.__file__).parent.glob("*.py")):
         geometry.update(source.read_bytes())
-    return {"commit": git("rev-parse", "HEAD"), "dirty": git("status", "--porcelain",
-                                                             "--untracked-files=no"),
-            "geometry_sha256": geometry.hexdigest()[:16]}
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "dirty": git("status", "--porcelain", "--untracked-files=no"),
+        "geometry_sha256": geometry.hexdigest()[:16],
+    }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--regime", choices=sorted(REGIMES), default="sampled",
-                   help="sampled: fresh batches every step (sampling noise); noise-free: "
-                        "every rank its fixed windows every step (full-batch gradients, the "
-                        "codec error is the only perturbation). Sets the defaults of "
-                        "--codecs, --seeds, --steps, --lr, --batch and --out")
-    p.add_argument("--codecs", default=None,
-                   help="comma-separated labels, or LABEL=JSON for an extra codec config "
-                        f"(known: {', '.join(CODECS)}; default: the regime's)")
+    p.add_argument(
+        "--regime",
+        choices=sorted(REGIMES),
+        default="sampled",
+        help="sampled: fresh batches every step (sampling noise); noise-free: "
+        "every rank its fixed windows every step (full-batch gradients, the "
+        "codec error is the only perturbation). Sets the defaults of "
+        "--codecs, --seeds, --steps, --lr, --batch and --out",
+    )
+    p.add_argument(
+        "--codecs",
+        default=None,
+        help="comma-separated labels, or LABEL=JSON for an extra codec config "
+        f"(known: {', '.join(CODECS)}; default: the regime's)",
+    )
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default: 0,1,2)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="default: 200 (sampled), 64 (noise-free)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="default: 200 (sampled), 64 (noise-free)"
+    )
     p.add_argument("--d-model", type=int, default=DEFAULT_MODEL.d_model)
     p.add_argument("--layers", type=int, default=DEFAULT_MODEL.n_layers)
     p.add_argument("--heads", type=int, default=DEFAULT_MODEL.n_heads)
     p.add_argument("--ff", type=int, default=DEFAULT_MODEL.ff)
     p.add_argument("--seq-len", type=int, default=DEFAULT_MODEL.seq_len)
-    p.add_argument("--batch", type=int, default=None,
-                   help="sequences per rank (default: 8 sampled, 32 noise-free)")
-    p.add_argument("--lr", type=float, default=None,
-                   help=f"default: {llama.TrainConfig.lr} (sampled), "
-                        f"{REGIMES['noise-free']['lr']} (noise-free)")
-    p.add_argument("--err-every", type=int, default=1,
-                   help="measure the comm error every this many steps")
-    p.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps "
-                   "(0: only at the end)")
-    p.add_argument("--drift-every", type=int, default=10,
-                   help="compare the parameters with the fp32 run every N steps (0: never)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="sequences per rank (default: 8 sampled, 32 noise-free)",
+    )
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help=f"default: {llama.TrainConfig.lr} (sampled), "
+        f"{REGIMES['noise-free']['lr']} (noise-free)",
+    )
+    p.add_argument(
+        "--err-every", type=int, default=1, help="measure the comm error every this many steps"
+    )
+    p.add_argument(
+        "--eval-every", type=int, default=0, help="held-out loss every N steps (0: only at the end)"
+    )
+    p.add_argument(
+        "--drift-every",
+        type=int,
+        default=10,
+        help="compare the parameters with the fp32 run every N steps (0: never)",
+    )
     p.add_argument("--eval-batches", type=int, default=2)
     p.add_argument("--final-eval-batches", type=int, default=16)
-    p.add_argument("--tail", type=int, default=0,
-                   help="final train loss = mean of the last TAIL steps (0: steps / 10)")
+    p.add_argument(
+        "--tail",
+        type=int,
+        default=0,
+        help="final train loss = mean of the last TAIL steps (0: steps / 10)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--title", default="")
-    p.add_argument("--out", default=None, help="output prefix (.json, .md, .png; default: "
-                   "perf/results/convergence, or convergence_noisefree for noise-free)")
-    p.add_argument("--report", metavar="JSON", nargs="+",
-                   help="only rewrite .md/.png from result files; several files of the same "
-                        "configuration are merged into one table (written to --out)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output prefix (.json, .md, .png; default: "
+        "perf/results/convergence, or convergence_noisefree for noise-free)",
+    )
+    p.add_argument(
+        "--report",
+        metavar="JSON",
+        nargs="+",
+        help="only rewrite .md/.png from result files; several files of the same "
+        "configuration are merged into one table (written to --out)",
+    )
     args = p.parse_args(argv)
     for name, value in REGIMES[args.regime].items():
         if getattr(args, name) is None:
@@ -278,36 +345,58 @@ def main(argv: list[str] | None = None) -> int:
     comm = geocomm.init()
     labels = codec_labels(args.codecs)
     seeds = [int(s) for s in args.seeds.split(",")]
-    mcfg = replace(DEFAULT_MODEL, d_model=args.d_model, n_layers=args.layers,
-                   n_heads=args.heads, ff=args.ff, seq_len=args.seq_len, batch=args.batch)
+    mcfg = replace(
+        DEFAULT_MODEL,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        ff=args.ff,
+        seq_len=args.seq_len,
+        batch=args.batch,
+    )
     tc = replace(llama.TrainConfig(), lr=args.lr)
     prefix = ROOT / args.out
     ruler = yardstick(comm)
     noise_free = args.regime == "noise-free"
-    title = (f"Convergence without sampling noise: full-batch training on a fixed data set "
-             f"({comm.size} ranks)" if noise_free
-             else f"Convergence under each codec ({comm.size} ranks)")
+    title = (
+        f"Convergence without sampling noise: full-batch training on a fixed data set "
+        f"({comm.size} ranks)"
+        if noise_free
+        else f"Convergence under each codec ({comm.size} ranks)"
+    )
     result: dict[str, Any] = {
-        "title": args.title or title, "regime": args.regime,
+        "title": args.title or title,
+        "regime": args.regime,
         "command": f"python -m geocomm.launch -n {comm.size} --timeout 3600 -- python "
-                   + shlex.join(sys.argv),
-        "world": comm.size, "model": asdict(mcfg), "n_params": mcfg.n_params(),
-        "train": asdict(tc), "steps": args.steps, "seeds": seeds,
-        "tail": args.tail or max(1, args.steps // 10), "err_every": args.err_every,
+        + shlex.join(sys.argv),
+        "world": comm.size,
+        "model": asdict(mcfg),
+        "n_params": mcfg.n_params(),
+        "train": asdict(tc),
+        "steps": args.steps,
+        "seeds": seeds,
+        "tail": args.tail or max(1, args.steps // 10),
+        "err_every": args.err_every,
         "drift_every": args.drift_every,
         "final_eval_batches": args.final_eval_batches,
         "codecs": {label: CODECS[label] for label in labels},
         "names": {label: NAMES[label] for label in labels if label in NAMES},
         "bytes_note": "bytes this rank sends per step: all-to-all/all-gather segments to "
-                      "other ranks, 2(N-1)/N of plain all-reduce buffers (ring), geometry "
-                      "side channels included; payload_bytes: geocomm.engine.layout.wire_bytes, "
-                      "the quantized payload alone",
-        "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                 "torch": torch.__version__, "geocomm": geocomm.__version__,
-                 "threads_per_rank": args.threads,
-                 "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS")},
-        "provenance": provenance(), "load_before": uptime(),
-        "yardstick": dataclasses.asdict(ruler) if ruler else None, "runs": [],
+        "other ranks, 2(N-1)/N of plain all-reduce buffers (ring), geometry "
+        "side channels included; payload_bytes: geocomm.engine.layout.wire_bytes, "
+        "the quantized payload alone",
+        "host": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "geocomm": geocomm.__version__,
+            "threads_per_rank": args.threads,
+            "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
+        },
+        "provenance": provenance(),
+        "load_before": uptime(),
+        "yardstick": dataclasses.asdict(ruler) if ruler else None,
+        "runs": [],
     }
     t0 = time.perf_counter()
     # the exact run first: it is the reference trajectory of the drift
@@ -320,10 +409,13 @@ def main(argv: list[str] | None = None) -> int:
                 reference = run.pop("snapshots")
             result["runs"].append(run)
             if comm.rank == 0:
-                print(f"{label:>10s} seed {seed}: loss {tail_mean(run['loss'], result['tail']):.4f}"
-                      f" heldout {run['heldout']:.4f} err {np.nanmean(run['err']):.4f} "
-                      f"{np.mean(run['bytes']) / 1e6:.3f} MB/step {run['wall_s']:.0f} s "
-                      f"(load {run['loadavg_end'][0]:.2f})", flush=True)
+                print(
+                    f"{label:>10s} seed {seed}: loss {tail_mean(run['loss'], result['tail']):.4f}"
+                    f" heldout {run['heldout']:.4f} err {np.nanmean(run['err']):.4f} "
+                    f"{np.mean(run['bytes']) / 1e6:.3f} MB/step {run['wall_s']:.0f} s "
+                    f"(load {run['loadavg_end'][0]:.2f})",
+                    flush=True,
+                )
                 result["wall_s"] = time.perf_counter() - t0
                 result["load_after"] = uptime()
                 write_outputs(result, prefix)  # after every run: partial results survive

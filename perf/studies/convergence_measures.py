@@ -21,9 +21,14 @@ from geocomm.engine.layout import DEFAULT_STAGE_SIZE, Pieces, wire_bytes
 def payload_bytes(codec: Any, model: torch.nn.Module, comm: Any) -> int:
     """Bytes this rank sends per step for the quantized payload alone (no side
     channels): :func:`geocomm.engine.layout.wire_bytes` of every parameter's pieces."""
-    return sum(wire_bytes(codec.for_count(p.numel()),
-                          Pieces.cut(p.numel(), comm.size, DEFAULT_STAGE_SIZE), comm.rank)
-               for p in model.parameters())
+    return sum(
+        wire_bytes(
+            codec.for_count(p.numel()),
+            Pieces.cut(p.numel(), comm.size, DEFAULT_STAGE_SIZE),
+            comm.rank,
+        )
+        for p in model.parameters()
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -56,8 +61,9 @@ def sampling_spread(comm: Any, exact: list[np.ndarray], local: list[np.ndarray])
     averaged gradient, the noise floor the communication error is compared with."""
     if comm.size < 2:
         return float("nan")
-    dev = sum(float(np.sum((g.astype(np.float64) - e) ** 2)) for e, g in zip(exact, local,
-                                                                             strict=True))
+    dev = sum(
+        float(np.sum((g.astype(np.float64) - e) ** 2)) for e, g in zip(exact, local, strict=True)
+    )
     norm = sum(float(np.sum(e.astype(np.float64) ** 2)) for e in exact)
     mean_dev = float(mean_over_ranks(comm, [dev])[0])
     return float(np.sqrt(mean_dev / (comm.size - 1) / norm)) if norm > 0 else float("nan")
@@ -76,10 +82,12 @@ def params_crc(model: torch.nn.Module) -> int:
 
 
 def heldout(model: llama.Llama, data: llama.TextData, comm: Any, batches: int) -> float:
-    return float(mean_over_ranks(comm, [llama.heldout_loss(model, data, batches, comm.rank,
-                                                           comm.size)])[0])
+    return float(
+        mean_over_ranks(comm, [llama.heldout_loss(model, data, batches, comm.rank, comm.size)])[0]
+    )
 
 
 def flat_params(model: torch.nn.Module) -> np.ndarray:
-    return np.concatenate([p.detach().numpy().reshape(-1) for p in model.parameters()]
-                          ).astype(np.float64)
+    return np.concatenate([p.detach().numpy().reshape(-1) for p in model.parameters()]).astype(
+        np.float64
+    )

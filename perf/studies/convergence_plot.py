@@ -1,5 +1,4 @@
-"""The convergence study's plot: loss curves and each codec's smoothed gap to fp32.
-"""
+"""The convergence study's plot: loss curves and each codec's smoothed gap to fp32."""
 
 from __future__ import annotations
 
@@ -15,16 +14,18 @@ def smooth(y: np.ndarray, w: int) -> np.ndarray:
     return np.convolve(y, np.ones(w) / w, mode="valid")
 
 
-def _gap_panel(ax: Any, by: dict, label: str, seeds: list[int], w: int, color: str,
-               **style: Any) -> None:
+def _gap_panel(
+    ax: Any, by: dict, label: str, seeds: list[int], w: int, color: str, **style: Any
+) -> None:
     """Mean over seeds of the smoothed paired gap to ``none``, band from min to max."""
     paired = [s for s in seeds if (label, s) in by and ("none", s) in by]
     if not paired:
         return
     gaps = np.stack([smooth(by[(label, s)] - by[("none", s)], w) for s in paired])
     x = np.arange(gaps.shape[1]) + w
-    ax.plot(x, gaps.mean(0), label=label, color=color, lw=style.get("lw", 1.3),
-            ls=style.get("ls", "-"))
+    ax.plot(
+        x, gaps.mean(0), label=label, color=color, lw=style.get("lw", 1.3), ls=style.get("ls", "-")
+    )
     ax.fill_between(x, gaps.min(0), gaps.max(0), color=color, alpha=style.get("alpha", 0.15))
 
 
@@ -53,15 +54,26 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     def dashes(label: str) -> str:
         config = result["codecs"][label]
-        return (":" if config.get("error_feedback") else
-                "--" if config.get("rounding") == "stochastic" else "-")
+        return (
+            ":"
+            if config.get("error_feedback")
+            else "--"
+            if config.get("rounding") == "stochastic"
+            else "-"
+        )
 
     for label in labels:
         have = [s for s in seeds if (label, s) in by]
         curves = np.stack([smooth(by[(label, s)], w) for s in have])
         ls = dashes(label)
-        ax_loss.plot(np.arange(curves.shape[1]) + w, curves.mean(0), label=label,
-                     color=colors[label], lw=1.2, ls=ls)
+        ax_loss.plot(
+            np.arange(curves.shape[1]) + w,
+            curves.mean(0),
+            label=label,
+            color=colors[label],
+            lw=1.2,
+            ls=ls,
+        )
         if label == "none":
             continue
         four_bit = "fp4" in str(result["codecs"][label].get("id", ""))
@@ -69,15 +81,23 @@ def plot(result: dict[str, Any], path: Path) -> None:
         mine = [next(r for r in runs if r["codec"] == label and r["seed"] == s) for s in have]
         errs = np.stack([np.asarray(r["err"], float) for r in mine])
         steps = np.flatnonzero(np.isfinite(errs[0]))
-        ax_err.plot(steps, np.nanmean(errs[:, steps], 0), label=label, color=colors[label],
-                    lw=1, ls=ls)
+        ax_err.plot(
+            steps, np.nanmean(errs[:, steps], 0), label=label, color=colors[label], lw=1, ls=ls
+        )
         if all(len(r.get("err_align", [])) == steps.size for r in mine) and steps.size:
             # (e . g) / ||g||^2 = cos(e, g) ||e|| / ||g||, smoothed
-            along = np.stack([np.asarray(r["err_align"]) * errs[i, steps]
-                              for i, r in enumerate(mine)]).mean(0)
+            along = np.stack(
+                [np.asarray(r["err_align"]) * errs[i, steps] for i, r in enumerate(mine)]
+            ).mean(0)
             wa = max(1, steps.size // 20)
-            ax_along.plot(steps[wa - 1:] if wa > 1 and steps.size >= wa else steps,
-                          smooth(along, wa), label=label, color=colors[label], lw=1, ls=ls)
+            ax_along.plot(
+                steps[wa - 1 :] if wa > 1 and steps.size >= wa else steps,
+                smooth(along, wa),
+                label=label,
+                color=colors[label],
+                lw=1,
+                ls=ls,
+            )
         drifts = [r["drift"] for r in mine if r.get("drift")]
         if drifts:
             d = np.stack(drifts)
@@ -86,24 +106,36 @@ def plot(result: dict[str, Any], path: Path) -> None:
             ax_drift.fill_between(at, d.min(0), d.max(0), color=colors[label], alpha=0.15)
     if "bf16" in labels:
         _gap_panel(ax_gap4, by, "bf16", seeds, w, "0.6", lw=0.8, alpha=0.2)
-    lo = min(float(np.mean(by[k][-result["tail"]:])) for k in by)
-    ax_loss.set(title=f"train loss (mean over {len(seeds)} seeds, moving average of {w})",
-                xlabel="step", ylabel="loss (nats/byte)")
+    lo = min(float(np.mean(by[k][-result["tail"] :])) for k in by)
+    ax_loss.set(
+        title=f"train loss (mean over {len(seeds)} seeds, moving average of {w})",
+        xlabel="step",
+        ylabel="loss (nats/byte)",
+    )
     if result.get("regime") == "noise-free":  # memorization: the floor is far below the start
         ax_loss.set_yscale("log")
     else:
         ax_loss.set_ylim(lo - 0.2, lo + 2.0)
     for ax, what in ((ax_gap8, "16/8-bit codecs"), (ax_gap4, "4-bit codecs")):
         ax.axhline(0, color="k", lw=0.6)
-        ax.set(title=f"train-loss gap to fp32, {what} (band: seed min..max)",
-               xlabel="step", ylabel="loss - loss(none)")
-    ax_err.set(title="all-reduce relative error (mean over seeds)", xlabel="step",
-               yscale="log")
+        ax.set(
+            title=f"train-loss gap to fp32, {what} (band: seed min..max)",
+            xlabel="step",
+            ylabel="loss - loss(none)",
+        )
+    ax_err.set(title="all-reduce relative error (mean over seeds)", xlabel="step", yscale="log")
     ax_along.axhline(0, color="k", lw=0.6)
-    ax_along.set(title="error along the gradient, (e . g) / ‖g‖² (seed mean, smoothed)",
-                 xlabel="step", ylabel="negative: the codec shrinks the update")
-    ax_drift.set(title="parameter drift from the fp32 run (band: seed min..max)",
-                 xlabel="step", ylabel="||θ - θ_fp32|| / ||θ_fp32 - θ_0||", yscale="log")
+    ax_along.set(
+        title="error along the gradient, (e . g) / ‖g‖² (seed mean, smoothed)",
+        xlabel="step",
+        ylabel="negative: the codec shrinks the update",
+    )
+    ax_drift.set(
+        title="parameter drift from the fp32 run (band: seed min..max)",
+        xlabel="step",
+        ylabel="||θ - θ_fp32|| / ||θ_fp32 - θ_0||",
+        yscale="log",
+    )
     for ax in axes.flat:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

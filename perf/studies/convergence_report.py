@@ -30,8 +30,13 @@ def tail_mean(curve: list[float], tail: int) -> float:
 
 def stats(values: list[float]) -> dict[str, float]:
     v = np.asarray(values, np.float64)
-    return {"mean": float(v.mean()), "std": float(v.std(ddof=1)) if v.size > 1 else 0.0,
-            "min": float(v.min()), "max": float(v.max()), "n": int(v.size)}
+    return {
+        "mean": float(v.mean()),
+        "std": float(v.std(ddof=1)) if v.size > 1 else 0.0,
+        "min": float(v.min()),
+        "max": float(v.max()),
+        "n": int(v.size),
+    }
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
@@ -56,8 +61,9 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         for what in ("train", "heldout"):
             entry[what] = stats([metric(label, s, what) for s in have])
             if both:
-                entry["gap_" + what] = stats([metric(label, s, what) - metric("none", s, what)
-                                              for s in both])
+                entry["gap_" + what] = stats(
+                    [metric(label, s, what) - metric("none", s, what) for s in both]
+                )
         errs = np.concatenate([np.asarray(r["err"], float) for r in rs])
         tens = np.concatenate([np.asarray(r["err_tensor"], float) for r in rs])
         entry["comm_err"] = float(np.nanmean(errs)) if np.isfinite(errs).any() else None
@@ -67,8 +73,11 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             entry[name] = float(np.mean(values)) if values.size else None
         # (e . g) / ||g||^2 = cos(e, g) * ||e|| / ||g||: the error's component along the
         # gradient, as a fraction of it (negative: a systematic shrink of the update)
-        along = [np.asarray(r["err"], float)[np.isfinite(r["err"])] * np.asarray(r["err_align"])
-                 for r in rs if r.get("err_align")]
+        along = [
+            np.asarray(r["err"], float)[np.isfinite(r["err"])] * np.asarray(r["err_align"])
+            for r in rs
+            if r.get("err_align")
+        ]
         entry["err_along"] = float(np.mean(np.concatenate(along))) if along else None
         drifts = [r["drift"][-1] for r in rs if r.get("drift")]
         entry["drift"] = stats(drifts) if drifts else None
@@ -96,8 +105,9 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def verdicts(runs: dict[tuple[str, int], dict[str, Any]], seeds: list[int],
-             tail: int) -> list[dict[str, Any]]:
+def verdicts(
+    runs: dict[tuple[str, int], dict[str, Any]], seeds: list[int], tail: int
+) -> list[dict[str, Any]]:
     """Per RNE codec of :data:`VERDICTS` and variant (stochastic rounding, error
     feedback): does the variant close at least half of RNE's loss gap to fp32,
     gap(variant) <= 0.5 gap(RNE)? Gaps are paired per seed (codec minus ``none``,
@@ -106,6 +116,7 @@ def verdicts(runs: dict[tuple[str, int], dict[str, Any]], seeds: list[int],
     the paired difference variant minus RNE (negative: the variant is better);
     ``t_rne`` the RNE gap's mean over its standard error (below about 2-4 for 3
     seeds the gap is not resolved and the verdict says little)."""
+
     def loss(label: str, seed: int, what: str) -> float:
         r = runs[(label, seed)]
         return r["heldout"] if what == "heldout" else tail_mean(r["loss"], tail)
@@ -124,15 +135,18 @@ def verdicts(runs: dict[tuple[str, int], dict[str, Any]], seeds: list[int],
                 sem = st_rne["std"] / np.sqrt(len(both)) if len(both) > 1 else float("nan")
                 closes = st_rne["mean"] > 0 and st_var["mean"] <= 0.5 * st_rne["mean"]
                 entry[what] = {
-                    "gap_rne": st_rne, "gap_variant": st_var,
+                    "gap_rne": st_rne,
+                    "gap_variant": st_var,
                     "diff": stats([v - r for v, r in zip(g_var, g_rne, strict=True)]),
-                    "closed_fraction": (1 - st_var["mean"] / st_rne["mean"]
-                                        if st_rne["mean"] != 0 else None),
+                    "closed_fraction": (
+                        1 - st_var["mean"] / st_rne["mean"] if st_rne["mean"] != 0 else None
+                    ),
                     "t_rne": st_rne["mean"] / sem if sem and np.isfinite(sem) else None,
                     "rne_has_gap": st_rne["mean"] > 0,
                     "closes_half": bool(closes),
-                    "seeds_closing": int(sum(v <= 0.5 * r and r > 0
-                                             for v, r in zip(g_var, g_rne, strict=True))),
+                    "seeds_closing": int(
+                        sum(v <= 0.5 * r and r > 0 for v, r in zip(g_var, g_rne, strict=True))
+                    ),
                 }
             out.append(entry)
     return out
@@ -172,9 +186,15 @@ def markdown(result: dict[str, Any]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for label, e in summ["codecs"].items():
-        err = "0" if label == "none" else (
-            f"{e['comm_err']:.4f} / {e['comm_err_tensor']:.4f}" if e["comm_err"] is not None
-            else "")
+        err = (
+            "0"
+            if label == "none"
+            else (
+                f"{e['comm_err']:.4f} / {e['comm_err_tensor']:.4f}"
+                if e["comm_err"] is not None
+                else ""
+            )
+        )
         ratio = f"{e['bytes_per_step'] / base:.3f}" if base else ""
         lines.append(
             f"| {label} | {len(e['seeds'])} | {e['train']['mean']:.4f} ± {e['train']['std']:.4f} "
@@ -182,38 +202,55 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {fmt_stat(e.get('gap_train'))} | {fmt_stat(e.get('gap_heldout'))} "
             f"| {err} | {fmt_stat(e.get('drift'), signed=False)} "
             f"| {e['bytes_per_step'] / 1e6:.3f} MB | {ratio} | {e['step_s']:.3f} "
-            f"| {e['comm_s']:.3f} |")
+            f"| {e['comm_s']:.3f} |"
+        )
     lines += legend_lines(result)
     lines += verdict_lines(summ)
     if summ["pairs"]:
-        lines += ["", "Claim pairs, paired per seed (geometry-aware minus Euclidean; negative "
-                  "favours geometry):", "",
-                  "| pair | train loss diff | held-out diff | parameter drift diff "
-                  "| seeds where geo is lower (train / held-out / drift) |",
-                  "| --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            "Claim pairs, paired per seed (geometry-aware minus Euclidean; negative "
+            "favours geometry):",
+            "",
+            "| pair | train loss diff | held-out diff | parameter drift diff "
+            "| seeds where geo is lower (train / held-out / drift) |",
+            "| --- | --- | --- | --- | --- |",
+        ]
         for name, p in summ["pairs"].items():
             drift = p.get("drift")
-            lines.append(f"| {name} | {fmt_stat(p['train'])} | {fmt_stat(p['heldout'])} "
-                         f"| {fmt_stat(drift)} "
-                         f"| {p['train']['geo_better']}/{p['train']['n']} / "
-                         f"{p['heldout']['geo_better']}/{p['heldout']['n']} / "
-                         f"{drift['geo_better'] if drift else '-'} |")
+            lines.append(
+                f"| {name} | {fmt_stat(p['train'])} | {fmt_stat(p['heldout'])} "
+                f"| {fmt_stat(drift)} "
+                f"| {p['train']['geo_better']}/{p['train']['n']} / "
+                f"{p['heldout']['geo_better']}/{p['heldout']['n']} / "
+                f"{drift['geo_better'] if drift else '-'} |"
+            )
     shaped = {k: e for k, e in summ["codecs"].items() if e.get("err_autocorr") is not None}
     if shaped:
-        lines += ["", "Structure of the communication error e = avg_codec - avg_exact (means "
-                  "over steps and seeds): correlation of consecutive steps' errors (errors "
-                  "that repeat add up in the weights instead of averaging out), its cosine "
-                  "with the exact gradient, and its component along the gradient as a "
-                  "fraction of it (negative: the codec shrinks the update).", "",
-                  "| codec | cos(e_t, e_t-1) | cos(e_t, g_t) | (e . g) / ‖g‖² |",
-                  "| --- | ---: | ---: | ---: |"]
-        lines += [f"| {k} | {e['err_autocorr']:+.4f} | {e['err_align']:+.4f} "
-                  f"| {e['err_along']:+.2e} |" for k, e in shaped.items()]
+        lines += [
+            "",
+            "Structure of the communication error e = avg_codec - avg_exact (means "
+            "over steps and seeds): correlation of consecutive steps' errors (errors "
+            "that repeat add up in the weights instead of averaging out), its cosine "
+            "with the exact gradient, and its component along the gradient as a "
+            "fraction of it (negative: the codec shrinks the update).",
+            "",
+            "| codec | cos(e_t, e_t-1) | cos(e_t, g_t) | (e . g) / ‖g‖² |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        lines += [
+            f"| {k} | {e['err_autocorr']:+.4f} | {e['err_align']:+.4f} | {e['err_along']:+.2e} |"
+            for k, e in shaped.items()
+        ]
     wall = "Wall time (sum of the merged runs)" if "sources" in result else "Wall time"
-    lines += ["", f"Command: `{result['command']}`", "",
-              f"{wall} {result['wall_s'] / 60:.1f} min; load average before "
-              f"{result['load_before']}, after {result['load_after']} "
-              f"({result['host']['cpus']} cores)."]
+    lines += [
+        "",
+        f"Command: `{result['command']}`",
+        "",
+        f"{wall} {result['wall_s'] / 60:.1f} min; load average before "
+        f"{result['load_before']}, after {result['load_after']} "
+        f"({result['host']['cpus']} cores).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -228,24 +265,31 @@ def regime_lines(result: dict[str, Any]) -> list[str]:
     if result.get("regime", "sampled") != "noise-free":
         return []
     cfg = result["model"]
-    return [f"Regime **noise-free**: each rank holds {cfg['batch']} windows of "
-            f"{cfg['seq_len'] + 1} bytes, drawn once per seed, and trains on exactly those at "
-            f"every step, so the averaged gradient is the full gradient of the mean loss over "
-            f"the {result['world'] * cfg['batch']} windows: no sampling noise, the codec's "
-            "error is the only perturbation. Train loss is that objective (mean over ranks "
-            "before each update); held-out loss, on windows the run never sees, measures how "
-            "the fit to the small fixed set generalizes, not the objective.", ""]
+    return [
+        f"Regime **noise-free**: each rank holds {cfg['batch']} windows of "
+        f"{cfg['seq_len'] + 1} bytes, drawn once per seed, and trains on exactly those at "
+        f"every step, so the averaged gradient is the full gradient of the mean loss over "
+        f"the {result['world'] * cfg['batch']} windows: no sampling noise, the codec's "
+        "error is the only perturbation. Train loss is that objective (mean over ranks "
+        "before each update); held-out loss, on windows the run never sees, measures how "
+        "the fit to the small fixed set generalizes, not the objective.",
+        "",
+    ]
 
 
 def legend_lines(result: dict[str, Any]) -> list[str]:
     """Each row's codec config (and what it is, where known)."""
     names = result.get("names", {})
-    items = [f"`{label}` = {names[label] + ' ' if label in names else ''}"
-             f"`{json.dumps(config, separators=(',', ':'))}`"
-             for label, config in result["codecs"].items()]
-    note = (" Stochastic rounding takes the run's seed as its `seed`."
-            if any(c.get("rounding") == "stochastic" for c in result["codecs"].values())
-            else "")
+    items = [
+        f"`{label}` = {names[label] + ' ' if label in names else ''}"
+        f"`{json.dumps(config, separators=(',', ':'))}`"
+        for label, config in result["codecs"].items()
+    ]
+    note = (
+        " Stochastic rounding takes the run's seed as its `seed`."
+        if any(c.get("rounding") == "stochastic" for c in result["codecs"].values())
+        else ""
+    )
     return ["", "Codecs: " + "; ".join(items) + "." + note]
 
 
@@ -254,25 +298,34 @@ def verdict_lines(summ: dict[str, Any]) -> list[str]:
     rows = summ.get("verdicts") or []
     if not rows:
         return []
-    lines = ["", "Does the variant close at least half of RNE's train-loss gap to fp32, "
-             "gap(variant) <= 0.5 gap(RNE)? Gaps are paired per seed (codec minus `none`), "
-             "mean ± std over seeds; paired diff = loss(variant) - loss(RNE) per seed "
-             "(negative: the variant is better); closed = 1 - gap(variant) / gap(RNE); "
-             "t = mean RNE gap / its standard error (below about 3 with 3 seeds the RNE gap "
-             "itself is not resolved).", "",
-             "| RNE | variant | seeds | gap(RNE) | t | gap(variant) | paired diff "
-             "| closed | seeds where it closes half | closes half? |",
-             "| --- | --- | --- | --- | ---: | --- | --- | ---: | --- | --- |"]
+    lines = [
+        "",
+        "Does the variant close at least half of RNE's train-loss gap to fp32, "
+        "gap(variant) <= 0.5 gap(RNE)? Gaps are paired per seed (codec minus `none`), "
+        "mean ± std over seeds; paired diff = loss(variant) - loss(RNE) per seed "
+        "(negative: the variant is better); closed = 1 - gap(variant) / gap(RNE); "
+        "t = mean RNE gap / its standard error (below about 3 with 3 seeds the RNE gap "
+        "itself is not resolved).",
+        "",
+        "| RNE | variant | seeds | gap(RNE) | t | gap(variant) | paired diff "
+        "| closed | seeds where it closes half | closes half? |",
+        "| --- | --- | --- | --- | ---: | --- | --- | ---: | --- | --- |",
+    ]
     for v in rows:
         t = v["train"]
         closed = f"{t['closed_fraction']:.0%}" if t["closed_fraction"] is not None else "-"
         tval = f"{t['t_rne']:.1f}" if t["t_rne"] is not None else "-"
-        answer = ("**yes**" if t["closes_half"] else "no") if t["rne_has_gap"] else \
-            "no gap to close (RNE <= fp32)"
-        lines.append(f"| {v['rne']} | {v['variant']} | {len(v['seeds'])} "
-                     f"| {fmt_stat(t['gap_rne'])} | {tval} | {fmt_stat(t['gap_variant'])} "
-                     f"| {fmt_stat(t['diff'])} | {closed} "
-                     f"| {t['seeds_closing']}/{len(v['seeds'])} | {answer} |")
+        answer = (
+            ("**yes**" if t["closes_half"] else "no")
+            if t["rne_has_gap"]
+            else "no gap to close (RNE <= fp32)"
+        )
+        lines.append(
+            f"| {v['rne']} | {v['variant']} | {len(v['seeds'])} "
+            f"| {fmt_stat(t['gap_rne'])} | {tval} | {fmt_stat(t['gap_variant'])} "
+            f"| {fmt_stat(t['diff'])} | {closed} "
+            f"| {t['seeds_closing']}/{len(v['seeds'])} | {answer} |"
+        )
     return lines
 
 
@@ -282,19 +335,33 @@ def noise_note(summ: dict[str, Any], result: dict[str, Any] | None = None) -> li
     if not spreads:
         return []
     if result is not None and result.get("regime") == "noise-free":
-        return ["Sampling noise of the averaged gradient: none (it is the objective's full "
-                "gradient). The ranks' own gradients differ from their average by "
-                f"{np.mean(spreads):.3f} of its norm (sqrt(mean_r ||g_r - avg||^2 / (N-1)) "
-                "/ ||avg||, mean over steps and runs): the fixed shards differ, and each "
-                "rank quantizes its own gradient.", ""]
-    return [f"Sampling noise of the averaged gradient, estimated from the ranks' spread "
-            f"(sqrt(mean_r ||g_r - avg||^2 / (N-1)) / ||avg||): {np.mean(spreads):.3f} "
-            "(mean over steps and runs), against which the communication errors below "
-            "compete.", ""]
+        return [
+            "Sampling noise of the averaged gradient: none (it is the objective's full "
+            "gradient). The ranks' own gradients differ from their average by "
+            f"{np.mean(spreads):.3f} of its norm (sqrt(mean_r ||g_r - avg||^2 / (N-1)) "
+            "/ ||avg||, mean over steps and runs): the fixed shards differ, and each "
+            "rank quantizes its own gradient.",
+            "",
+        ]
+    return [
+        f"Sampling noise of the averaged gradient, estimated from the ranks' spread "
+        f"(sqrt(mean_r ||g_r - avg||^2 / (N-1)) / ||avg||): {np.mean(spreads):.3f} "
+        "(mean over steps and runs), against which the communication errors below "
+        "compete.",
+        "",
+    ]
 
 
-SAME_SETUP = ("world", "model", "train", "steps", "tail", "err_every", "final_eval_batches",
-              "regime")
+SAME_SETUP = (
+    "world",
+    "model",
+    "train",
+    "steps",
+    "tail",
+    "err_every",
+    "final_eval_batches",
+    "regime",
+)
 
 
 def setup(result: dict[str, Any], key: str) -> Any:
@@ -310,9 +377,13 @@ def merge(results: list[dict[str, Any]], title: str = "") -> dict[str, Any]:
         differ = [k for k in SAME_SETUP if setup(other, k) != setup(first, k)]
         if differ:
             raise SystemExit(f"cannot merge results that differ in {differ}")
-    merged = {**first, "title": title or first["title"] + " (merged)", "runs": [],
-              "codecs": dict(first["codecs"]),
-              "sources": [r["command"] for r in results]}
+    merged = {
+        **first,
+        "title": title or first["title"] + " (merged)",
+        "runs": [],
+        "codecs": dict(first["codecs"]),
+        "sources": [r["command"] for r in results],
+    }
     seen = set()
     for r in results:
         for label, config in r["codecs"].items():

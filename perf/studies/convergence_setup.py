@@ -29,13 +29,19 @@ CODECS: dict[str, Any] = {
 
 #: label -> what the row is, for the legend under the tables
 NAMES: dict[str, str] = {
-    "none": "fp32 (exact average)", "bf16": "bfloat16, RNE", "fp8": "fp8 E4M3, RNE",
-    "fp8_e5m2": "fp8 E5M2, RNE", "fp8_e5m2_sr": "fp8 E5M2, stochastic rounding",
-    "fp8_e5m2_ef": "fp8 E5M2, RNE + error feedback", "nvfp4": "NVFP4, RNE",
-    "nvfp4_sr": "NVFP4, stochastic rounding", "nvfp4_ef": "NVFP4, RNE + error feedback",
+    "none": "fp32 (exact average)",
+    "bf16": "bfloat16, RNE",
+    "fp8": "fp8 E4M3, RNE",
+    "fp8_e5m2": "fp8 E5M2, RNE",
+    "fp8_e5m2_sr": "fp8 E5M2, stochastic rounding",
+    "fp8_e5m2_ef": "fp8 E5M2, RNE + error feedback",
+    "nvfp4": "NVFP4, RNE",
+    "nvfp4_sr": "NVFP4, stochastic rounding",
+    "nvfp4_ef": "NVFP4, RNE + error feedback",
     "mxfp8": "MXFP8 (E4M3 elements, E8M0 scale per 32), RNE",
     "mxfp4": "MXFP4 (E2M1 elements, E8M0 scale per 32), RNE",
-    "geofp8": "GeoFP8 (E4M3 residual), RNE", "geonvfp4": "GeoNVFP4 (NVFP4 residual), RNE",
+    "geofp8": "GeoFP8 (E4M3 residual), RNE",
+    "geonvfp4": "GeoNVFP4 (NVFP4 residual), RNE",
 }
 
 #: the regimes (see the module docstring) and the defaults each one gives the
@@ -60,13 +66,31 @@ NAMES: dict[str, str] = {
 REGIMES: dict[str, dict[str, Any]] = {
     "sampled": {
         "codecs": ["none", "bf16", "fp8", "fp8_e5m2", "nvfp4", "geofp8", "geonvfp4"],
-        "seeds": "0,1,2", "steps": 200, "lr": llama.TrainConfig.lr, "batch": 8,
+        "seeds": "0,1,2",
+        "steps": 200,
+        "lr": llama.TrainConfig.lr,
+        "batch": 8,
         "out": "perf/results/convergence",
     },
     "noise-free": {
-        "codecs": ["none", "fp8", "fp8_e5m2", "fp8_e5m2_sr", "fp8_e5m2_ef", "nvfp4",
-                   "nvfp4_sr", "nvfp4_ef", "mxfp8", "mxfp4", "geofp8", "geonvfp4"],
-        "seeds": "0,1,2", "steps": 64, "lr": 1e-4, "batch": 32,
+        "codecs": [
+            "none",
+            "fp8",
+            "fp8_e5m2",
+            "fp8_e5m2_sr",
+            "fp8_e5m2_ef",
+            "nvfp4",
+            "nvfp4_sr",
+            "nvfp4_ef",
+            "mxfp8",
+            "mxfp4",
+            "geofp8",
+            "geonvfp4",
+        ],
+        "seeds": "0,1,2",
+        "steps": 64,
+        "lr": 1e-4,
+        "batch": 32,
         "out": "perf/results/convergence_noisefree",
     },
 }

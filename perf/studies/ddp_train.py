@@ -107,8 +107,14 @@ def _max_over_ranks(values: list[float], group: Any) -> list[float]:
 def ddp_config(args: argparse.Namespace) -> Any:
     from llama import LlamaConfig
 
-    return LlamaConfig(d_model=args.d_model, n_layers=args.layers, n_heads=8, ff=args.ff,
-                       seq_len=args.seq_len, batch=args.batch)
+    return LlamaConfig(
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=8,
+        ff=args.ff,
+        seq_len=args.seq_len,
+        batch=args.batch,
+    )
 
 
 # DDP rejects a bucket annotation other than dist.GradBucket (a string, with
@@ -166,8 +172,9 @@ def _ddp_model(cfg: Any, args: argparse.Namespace, method: str) -> tuple[Any, ..
     return net, model, state, opt, lambda step: opt.step()
 
 
-def _hook_alone(args: argparse.Namespace, net: Any, codec: str, data: Any, rank: int,
-                size: int, side: Any) -> dict[str, Any]:
+def _hook_alone(
+    args: argparse.Namespace, net: Any, codec: str, data: Any, rank: int, size: int, side: Any
+) -> dict[str, Any]:
     """Seconds to reduce one step's buckets with the hook's reducer alone (median of
     ``args.alone_repeats``, slower rank), with a state and codec of its own."""
     import torch.distributed as dist
@@ -184,8 +191,7 @@ def _hook_alone(args: argparse.Namespace, net: Any, codec: str, data: Any, rank:
         tokens, targets = data.batches("train", rank, size, step)
         model(tokens, targets).backward()
     # a codec instance of its own: GeoFP8 state apart from the training run's
-    state = gt.GeocommHookState(net, codec=geocomm.get_codec(codec),
-                                stage_size=args.stage_size)
+    state = gt.GeocommHookState(net, codec=geocomm.get_codec(codec), stage_size=args.stage_size)
     times = []
     for _ in range(args.alone_repeats):
         work = [(b.clone(), p, i) for b, p, i in buckets]
@@ -195,12 +201,16 @@ def _hook_alone(args: argparse.Namespace, net: Any, codec: str, data: Any, rank:
             state.reduce_bucket(buffer, params, index)
         times.append(time.perf_counter() - t)
     times = _max_over_ranks(times, side)
-    return {"seconds": float(np.median(times)), "buckets": len(buckets),
-            "bucket_numel": [int(b.numel()) for b, _, _ in buckets]}
+    return {
+        "seconds": float(np.median(times)),
+        "buckets": len(buckets),
+        "bucket_numel": [int(b.numel()) for b, _, _ in buckets],
+    }
 
 
-def _run_methods(cfg: Any, methods: list[str], args: argparse.Namespace, rank: int,
-                 size: int, side: Any) -> dict[str, Any]:
+def _run_methods(
+    cfg: Any, methods: list[str], args: argparse.Namespace, rank: int, size: int, side: Any
+) -> dict[str, Any]:
     """Every method on ``cfg``: step times, agreement, telemetry, the hook alone."""
     import torch.distributed as dist
     from llama import TextData
@@ -228,19 +238,24 @@ def _run_methods(cfg: Any, methods: list[str], args: argparse.Namespace, rank: i
                 buckets_per_step.append(HOOK_CALLS[0])
                 losses.append(float(loss.detach()))
         times = _max_over_ranks(times, side)
-        row: dict[str, Any] = {"median_ms": float(np.median(times)) * 1e3,
-                               "step_ms": [t * 1e3 for t in times], "ranks_identical": agree,
-                               "loss_last": losses[-1]}
+        row: dict[str, Any] = {
+            "median_ms": float(np.median(times)) * 1e3,
+            "step_ms": [t * 1e3 for t in times],
+            "ranks_identical": agree,
+            "loss_last": losses[-1],
+        }
         if state is not None:
-            steps = state.telemetry.history[-args.steps:]
-            row.update({
-                "buckets_per_step": buckets_per_step,
-                "collectives_per_step": [s.collectives for s in steps],
-                "bytes_sent_per_step": [s.bytes_sent for s in steps],
-                "ratio": float(np.median([s.ratio for s in steps])),
-                "rel_error_est": float(np.median([s.rel_error for s in steps])),
-                "params": sum(1 for _ in net.parameters()),
-            })
+            steps = state.telemetry.history[-args.steps :]
+            row.update(
+                {
+                    "buckets_per_step": buckets_per_step,
+                    "collectives_per_step": [s.collectives for s in steps],
+                    "bytes_sent_per_step": [s.bytes_sent for s in steps],
+                    "ratio": float(np.median([s.ratio for s in steps])),
+                    "rel_error_est": float(np.median([s.rel_error for s in steps])),
+                    "params": sum(1 for _ in net.parameters()),
+                }
+            )
             state.close()
             alone = _hook_alone(args, net, method, data, rank, size, side)
             row["hook_alone_ms"] = alone["seconds"] * 1e3
@@ -249,17 +264,22 @@ def _run_methods(cfg: Any, methods: list[str], args: argparse.Namespace, rank: i
         if rank == 0:
             extra = ""
             if state is not None:
-                extra = (f" collectives/step {row['collectives_per_step'][-1]} buckets/step "
-                         f"{row['buckets_per_step'][-1]} ratio {row['ratio']:.2f} err "
-                         f"{row['rel_error_est']:.2e} hook alone {row['hook_alone_ms']:.1f} ms")
-            print(f"{method:>8}: median step {row['median_ms']:8.1f} ms identical {agree}"
-                  f"{extra}", flush=True)
+                extra = (
+                    f" collectives/step {row['collectives_per_step'][-1]} buckets/step "
+                    f"{row['buckets_per_step'][-1]} ratio {row['ratio']:.2f} err "
+                    f"{row['rel_error_est']:.2e} hook alone {row['hook_alone_ms']:.1f} ms"
+                )
+            print(
+                f"{method:>8}: median step {row['median_ms']:8.1f} ms identical {agree}{extra}",
+                flush=True,
+            )
         del model
     nocomm = rows.get("nocomm", {}).get("median_ms")
     for row in rows.values():
         if nocomm is not None and "hook_alone_ms" in row:
-            row["hidden_fraction"] = (nocomm + row["hook_alone_ms"] - row["median_ms"]) / \
-                row["hook_alone_ms"]
+            row["hidden_fraction"] = (nocomm + row["hook_alone_ms"] - row["median_ms"]) / row[
+                "hook_alone_ms"
+            ]
     return rows
 
 
@@ -271,13 +291,21 @@ def run_ddp(args: argparse.Namespace) -> dict[str, Any] | None:
     side = dist.new_group(backend="gloo")  # barriers and timing, apart from DDP and geocomm
     cfg = ddp_config(args)
     methods = args.methods.split(",")
-    result: dict[str, Any] = {"config": cfg.__dict__, "ranks": size,
-                              "link": os.environ.get("GEOCOMM_LINK", "unshaped"),
-                              "bucket_mb": args.bucket_mb, "steps": args.steps,
-                              "warmup": args.warmup, "optimizer": args.optimizer}
+    result: dict[str, Any] = {
+        "config": cfg.__dict__,
+        "ranks": size,
+        "link": os.environ.get("GEOCOMM_LINK", "unshaped"),
+        "bucket_mb": args.bucket_mb,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "optimizer": args.optimizer,
+    }
     if rank == 0:
-        print(f"# ddp: {cfg.n_params() / 1e6:.2f}M parameters ({cfg.n_params() * 4 / 1e6:.1f} "
-              f"MB of fp32 gradients), {size} ranks, link {result['link']}", flush=True)
+        print(
+            f"# ddp: {cfg.n_params() / 1e6:.2f}M parameters ({cfg.n_params() * 4 / 1e6:.1f} "
+            f"MB of fp32 gradients), {size} ranks, link {result['link']}",
+            flush=True,
+        )
     result["methods"] = _run_methods(cfg, methods, args, rank, size, side)
     if args.overlap_batch:
         # more tokens per step: a backward long enough to hide the communication behind
@@ -285,8 +313,10 @@ def run_ddp(args: argparse.Namespace) -> dict[str, Any] | None:
         if rank == 0:
             print(f"# overlap: {big.batch} x {big.seq_len} tokens per rank", flush=True)
         chosen = [m for m in ("nocomm", "fp8", "geofp8") if m in methods]
-        result["overlap"] = {"config": big.__dict__,
-                             "methods": _run_methods(big, chosen, args, rank, size, side)}
+        result["overlap"] = {
+            "config": big.__dict__,
+            "methods": _run_methods(big, chosen, args, rank, size, side),
+        }
     dist.destroy_process_group()
     if rank != 0:
         return None
@@ -301,8 +331,17 @@ def run_ddp(args: argparse.Namespace) -> dict[str, Any] | None:
 def _job(argv: list[str], launcher: list[str], name: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / f"{name}.json"
-        cmd = [*launcher, "--", sys.executable, str(Path(__file__)), "--worker", name,
-               "--worker-json", str(out), *argv]
+        cmd = [
+            *launcher,
+            "--",
+            sys.executable,
+            str(Path(__file__)),
+            "--worker",
+            name,
+            "--worker-json",
+            str(out),
+            *argv,
+        ]
         print("#", shlex.join(cmd), flush=True)
         subprocess.run(cmd, check=True)
         return json.loads(out.read_text())
@@ -323,22 +362,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ff", type=int, default=1376)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
-                   help="sgd: SGD with momentum (one pass); adamw: llama.py's AdamW with "
-                        "clipping (about 25 ms more per step here, the same for every method)")
-    p.add_argument("--overlap-batch", type=int, default=12,
-                   help="sequences per rank of the overlap run (0: none)")
+    p.add_argument(
+        "--optimizer",
+        choices=("sgd", "adamw"),
+        default="sgd",
+        help="sgd: SGD with momentum (one pass); adamw: llama.py's AdamW with "
+        "clipping (about 25 ms more per step here, the same for every method)",
+    )
+    p.add_argument(
+        "--overlap-batch",
+        type=int,
+        default=12,
+        help="sequences per rank of the overlap run (0: none)",
+    )
     p.add_argument("--alone-repeats", type=int, default=5)
-    p.add_argument("--stage-size", type=int, default=None,
-                   help="values per pipeline stage of the hook (default: the hook's)")
-    p.add_argument("--chunk-elems", dest="stage_size", type=int, action=DeprecatedOption,
-                   help=argparse.SUPPRESS)  # the old name of --stage-size
+    p.add_argument(
+        "--stage-size",
+        type=int,
+        default=None,
+        help="values per pipeline stage of the hook (default: the hook's)",
+    )
+    p.add_argument(
+        "--chunk-elems",
+        dest="stage_size",
+        type=int,
+        action=DeprecatedOption,
+        help=argparse.SUPPRESS,
+    )  # the old name of --stage-size
     p.add_argument("--fsdp-steps", type=int, default=100)
     p.add_argument("--fsdp-seeds", type=int, default=3)
     p.add_argument("--fsdp-batch", type=int, default=0, help="sequences per rank (0: config's)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--load", type=int, default=0,
-                   help="busy-loop processes beside the jobs (an emulated slower machine)")
+    p.add_argument(
+        "--load",
+        type=int,
+        default=0,
+        help="busy-loop processes beside the jobs (an emulated slower machine)",
+    )
     p.add_argument("--out", default=str(ROOT / "perf" / "results" / "ddp_train"))
     args = p.parse_args(argv)
     if args.worker:
@@ -348,20 +408,31 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     given = argv if argv is not None else sys.argv[1:]
     passthrough = _strip(given, ("--out", "--skip", "--rate", "--load"))
-    result: dict[str, Any] = {"host": f"{platform.node()}, {os.cpu_count()} cores",
-                              "command": shlex.join(["python", "perf/studies/ddp_train.py",
-                                                     *given]),
-                              "load": args.load}
+    result: dict[str, Any] = {
+        "host": f"{platform.node()}, {os.cpu_count()} cores",
+        "command": shlex.join(["python", "perf/studies/ddp_train.py", *given]),
+        "load": args.load,
+    }
     with busy_loops(args.load):
         result["yardstick"] = asdict(yardstick())
         if args.skip != "ddp":
-            result["ddp"] = _job(passthrough, [sys.executable,
-                                               str(ROOT / "perf" / "emulated_link.py"),
-                                               "--rate", args.rate, "-n", "2"], "ddp")
+            result["ddp"] = _job(
+                passthrough,
+                [
+                    sys.executable,
+                    str(ROOT / "perf" / "emulated_link.py"),
+                    "--rate",
+                    args.rate,
+                    "-n",
+                    "2",
+                ],
+                "ddp",
+            )
             result["yardstick"] = result["ddp"].pop("yardstick")  # rank 0's, beside the ranks
         if args.skip != "fsdp":
-            result["fsdp"] = _job(passthrough, [sys.executable, "-m", "geocomm.launch", "-n",
-                                                "2"], "fsdp")
+            result["fsdp"] = _job(
+                passthrough, [sys.executable, "-m", "geocomm.launch", "-n", "2"], "fsdp"
+            )
     write_report(result, Path(args.out))
     print(Path(args.out).with_suffix(".md").read_text())
     return 0

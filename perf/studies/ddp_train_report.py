@@ -25,8 +25,7 @@ def verdicts(ddp: dict[str, Any]) -> list[tuple[str, float, str, bool | None]]:
     def ratio(a: str, b: str, need: float) -> None:
         if a in m and b in m:
             value = m[b]["median_ms"] / m[a]["median_ms"]
-            checks.append((f"{a} vs {b}: step-time speed-up", value, f">= {need}x",
-                           value >= need))
+            checks.append((f"{a} vs {b}: step-time speed-up", value, f">= {need}x", value >= need))
 
     ratio("fp8", "default", 3.0)
     ratio("fp8", "fp16", 1.5)
@@ -35,31 +34,59 @@ def verdicts(ddp: dict[str, Any]) -> list[tuple[str, float, str, bool | None]]:
     for name in ("fp8", "geofp8"):
         if "hidden_fraction" in overlap.get(name, {}):
             v = overlap[name]["hidden_fraction"]
-            checks.append((f"{name}: share of the hook's time hidden behind backward "
-                           f"(overlap run)", v, ">= 0.5", v >= 0.5))
+            checks.append(
+                (
+                    f"{name}: share of the hook's time hidden behind backward (overlap run)",
+                    v,
+                    ">= 0.5",
+                    v >= 0.5,
+                )
+            )
         if "hidden_fraction" in m.get(name, {}):
-            checks.append((f"{name}: share hidden (speed-up run: backward shorter than the "
-                           "communication, so at most backward / hook alone)",
-                           m[name]["hidden_fraction"], "-", None))
+            checks.append(
+                (
+                    f"{name}: share hidden (speed-up run: backward shorter than the "
+                    "communication, so at most backward / hook alone)",
+                    m[name]["hidden_fraction"],
+                    "-",
+                    None,
+                )
+            )
         if name in m:
             same = m[name]["collectives_per_step"] == m[name]["buckets_per_step"]
-            checks.append((f"{name}: collectives per step == DDP buckets per step",
-                           float(np.median(m[name]["collectives_per_step"])), "equal", same))
+            checks.append(
+                (
+                    f"{name}: collectives per step == DDP buckets per step",
+                    float(np.median(m[name]["collectives_per_step"])),
+                    "equal",
+                    same,
+                )
+            )
     # nocomm leaves every rank its own gradient: its parameters must differ
     rows = [*m.items(), *overlap.items()]
     ok = all(r["ranks_identical"] for name, r in rows if name != "nocomm")
-    checks.append(("parameters bitwise identical on all ranks after every step (every method "
-                   "that communicates)", float(ok), "1", ok))
+    checks.append(
+        (
+            "parameters bitwise identical on all ranks after every step (every method "
+            "that communicates)",
+            float(ok),
+            "1",
+            ok,
+        )
+    )
     return checks
 
 
 def ddp_table(methods: dict[str, Any]) -> list[str]:
-    lines = ["| method | median step ms | speed-up vs default | collectives / step | "
-             "DDP buckets / step | MB sent / step | ratio | est. rel. error | hook alone ms "
-             "| hidden | ranks identical |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| method | median step ms | speed-up vs default | collectives / step | "
+        "DDP buckets / step | MB sent / step | ratio | est. rel. error | hook alone ms "
+        "| hidden | ranks identical |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     base = methods.get("default", {}).get("median_ms")
     for name, r in methods.items():
+
         def get(key: str, fmt: str, r: dict[str, Any] = r) -> str:
             v = r.get(key)
             if isinstance(v, list):
@@ -67,70 +94,106 @@ def ddp_table(methods: dict[str, Any]) -> list[str]:
             return "" if v is None else format(v, fmt)
 
         speed = "" if base is None else f"{base / r['median_ms']:.2f}x"
-        sent = "" if "bytes_sent_per_step" not in r else \
-            f"{np.median(r['bytes_sent_per_step']) / 1e6:.2f}"
-        lines.append(f"| {name} | {r['median_ms']:.1f} | {speed} | "
-                     f"{get('collectives_per_step', '.0f')} | {get('buckets_per_step', '.0f')}"
-                     f" | {sent} | {get('ratio', '.2f')} | {get('rel_error_est', '.2e')} | "
-                     f"{get('hook_alone_ms', '.1f')} | {get('hidden_fraction', '.2f')} | "
-                     f"{r['ranks_identical']} |")
+        sent = (
+            ""
+            if "bytes_sent_per_step" not in r
+            else f"{np.median(r['bytes_sent_per_step']) / 1e6:.2f}"
+        )
+        lines.append(
+            f"| {name} | {r['median_ms']:.1f} | {speed} | "
+            f"{get('collectives_per_step', '.0f')} | {get('buckets_per_step', '.0f')}"
+            f" | {sent} | {get('ratio', '.2f')} | {get('rel_error_est', '.2e')} | "
+            f"{get('hook_alone_ms', '.1f')} | {get('hidden_fraction', '.2f')} | "
+            f"{r['ranks_identical']} |"
+        )
     return lines
 
 
 def write_report(result: dict[str, Any], out: Path) -> None:
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = [f"# Training with geocomm's DDP hook and FSDP2 ({result['host']})", "",
-             f"Command: `{result['command']}`", "",
-             yardstick_line(result.get("yardstick")), ""]
+    lines = [
+        f"# Training with geocomm's DDP hook and FSDP2 ({result['host']})",
+        "",
+        f"Command: `{result['command']}`",
+        "",
+        yardstick_line(result.get("yardstick")),
+        "",
+    ]
     if result.get("load"):
-        lines += [f"Background load: {result['load']} busy-loop processes ran beside the jobs "
-                  "(an emulated slower machine: each rank gets about half a core; the yardstick, "
-                  "one thread's speed when it runs, does not show it).", ""]
+        lines += [
+            f"Background load: {result['load']} busy-loop processes ran beside the jobs "
+            "(an emulated slower machine: each rank gets about half a core; the yardstick, "
+            "one thread's speed when it runs, does not show it).",
+            "",
+        ]
     ddp = result.get("ddp")
     if ddp:
         cfg = ddp["config"]
-        lines += [f"## DDP, {ddp['ranks']} ranks, gloo, link {ddp['link']}", "",
-                  f"Llama d_model {cfg['d_model']}, {cfg['n_layers']} layers, ff {cfg['ff']}, "
-                  f"{cfg['batch']} x {cfg['seq_len']} tokens per rank; buckets of "
-                  f"{ddp['bucket_mb']} MB; optimizer {ddp['optimizer']}; median of "
-                  f"{ddp['steps']} steps after {ddp['warmup']} (per step the slower rank).", "",
-                  *ddp_table(ddp["methods"])]
+        lines += [
+            f"## DDP, {ddp['ranks']} ranks, gloo, link {ddp['link']}",
+            "",
+            f"Llama d_model {cfg['d_model']}, {cfg['n_layers']} layers, ff {cfg['ff']}, "
+            f"{cfg['batch']} x {cfg['seq_len']} tokens per rank; buckets of "
+            f"{ddp['bucket_mb']} MB; optimizer {ddp['optimizer']}; median of "
+            f"{ddp['steps']} steps after {ddp['warmup']} (per step the slower rank).",
+            "",
+            *ddp_table(ddp["methods"]),
+        ]
         if "overlap" in ddp:
             big = ddp["overlap"]["config"]
-            lines += ["", f"Overlap run: the same with {big['batch']} x {big['seq_len']} tokens "
-                      "per rank, so that backward is about as long as the communication.", "",
-                      *ddp_table(ddp["overlap"]["methods"])]
+            lines += [
+                "",
+                f"Overlap run: the same with {big['batch']} x {big['seq_len']} tokens "
+                "per rank, so that backward is about as long as the communication.",
+                "",
+                *ddp_table(ddp["overlap"]["methods"]),
+            ]
         lines += ["", "| must show | value | needed | met |", "|---|---:|---|---|"]
         for what, value, need, met in verdicts(ddp):
             shown = "-" if met is None else ("yes" if met else "NO")
             lines.append(f"| {what} | {value:.2f} | {need} | {shown} |")
-        lines += ["", "default: DDP's fp32 all-reduce; fp16: DDP's `fp16_compress_hook`; fp8, "
-                  "geofp8: `geocomm.adapters.torch.geocomm_hook`; nocomm: the step without "
-                  "communication (forward, backward, optimizer). hook alone: one step's buckets "
-                  "reduced one after the other by the hook's reducer with nothing else running. "
-                  "hidden = (nocomm + hook alone - step) / hook alone. Error: the hook's own "
-                  "estimate (quantizer alone; GeoFP8's map lowers the real error).", ""]
+        lines += [
+            "",
+            "default: DDP's fp32 all-reduce; fp16: DDP's `fp16_compress_hook`; fp8, "
+            "geofp8: `geocomm.adapters.torch.geocomm_hook`; nocomm: the step without "
+            "communication (forward, backward, optimizer). hook alone: one step's buckets "
+            "reduced one after the other by the hook's reducer with nothing else running. "
+            "hidden = (nocomm + hook alone - step) / hook alone. Error: the hook's own "
+            "estimate (quantizer alone; GeoFP8's map lowers the real error).",
+            "",
+        ]
     fsdp = result.get("fsdp")
     if fsdp:
         plain = [r["last10"] for r in fsdp["runs"] if r["codec"] == "none"]
         spread = (max(plain) - min(plain)) if len(plain) > 1 else float("nan")
-        lines += [f"## FSDP2, {fsdp['ranks']} ranks, gloo (unshaped), small Llama, "
-                  f"{fsdp['steps']} steps", "",
-                  "| codec | seed | mean loss, last 10 steps | vs uncompressed seed 0 | "
-                  "MB sent / step | baseline MB / step | collectives / step | "
-                  "est. rel. error | s / step |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"## FSDP2, {fsdp['ranks']} ranks, gloo (unshaped), small Llama, {fsdp['steps']} steps",
+            "",
+            "| codec | seed | mean loss, last 10 steps | vs uncompressed seed 0 | "
+            "MB sent / step | baseline MB / step | collectives / step | "
+            "est. rel. error | s / step |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         ref = plain[0]
         for r in fsdp["runs"]:
             cells = ["", "", "", ""]
             if "bytes_sent_per_step" in r:
-                cells = [f"{r['bytes_sent_per_step'] / 1e6:.2f}",
-                         f"{r['baseline_bytes_per_step'] / 1e6:.2f}",
-                         str(r["collectives_per_step"]), f"{r['rel_error_est']:.2e}"]
-            lines.append(f"| {r['codec']} | {r['seed']} | {r['last10']:.4f} | "
-                         f"{r['last10'] - ref:+.4f} | {' | '.join(cells)} | "
-                         f"{r['seconds_per_step']:.2f} |")
-        lines += ["", f"Seed noise (uncompressed, {len(plain)} seeds): the last-10 mean losses "
-                  f"span {spread:.4f}. Compressed runs use seed 0; a difference to uncompressed "
-                  "seed 0 within that span is within seed noise.", ""]
+                cells = [
+                    f"{r['bytes_sent_per_step'] / 1e6:.2f}",
+                    f"{r['baseline_bytes_per_step'] / 1e6:.2f}",
+                    str(r["collectives_per_step"]),
+                    f"{r['rel_error_est']:.2e}",
+                ]
+            lines.append(
+                f"| {r['codec']} | {r['seed']} | {r['last10']:.4f} | "
+                f"{r['last10'] - ref:+.4f} | {' | '.join(cells)} | "
+                f"{r['seconds_per_step']:.2f} |"
+            )
+        lines += [
+            "",
+            f"Seed noise (uncompressed, {len(plain)} seeds): the last-10 mean losses "
+            f"span {spread:.4f}. Compressed runs use seed 0; a difference to uncompressed "
+            "seed 0 within that span is within seed noise.",
+            "",
+        ]
     out.with_suffix(".md").write_text("\n".join(lines))

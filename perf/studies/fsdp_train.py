@@ -29,8 +29,9 @@ def init_dist() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _fsdp_run(cfg: Any, codec: str | None, seed: int, steps: int, rank: int,
-              size: int) -> dict[str, Any]:
+def _fsdp_run(
+    cfg: Any, codec: str | None, seed: int, steps: int, rank: int, size: int
+) -> dict[str, Any]:
     import torch.distributed as dist
     from llama import TextData, TrainConfig, apply_update, build_model, make_optimizer
     from torch.distributed.fsdp import fully_shard
@@ -55,16 +56,24 @@ def _fsdp_run(cfg: Any, codec: str | None, seed: int, steps: int, rank: int,
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(float(total) / size)
-    row: dict[str, Any] = {"codec": codec or "none", "seed": seed, "losses": losses,
-                           "last10": float(np.mean(losses[-10:])),
-                           "seconds_per_step": (time.perf_counter() - t0) / steps}
+    row: dict[str, Any] = {
+        "codec": codec or "none",
+        "seed": seed,
+        "losses": losses,
+        "last10": float(np.mean(losses[-10:])),
+        "seconds_per_step": (time.perf_counter() - t0) / steps,
+    }
     if fsdp is not None:
         hist = fsdp.telemetry.history
-        row.update({"bytes_sent_per_step": float(np.mean([s.bytes_sent for s in hist])),
-                    "baseline_bytes_per_step": float(np.mean([s.baseline_bytes for s in hist])),
-                    "collectives_per_step": hist[-1].collectives,
-                    "reduce_scatters_per_step": len(hist[-1].buckets),
-                    "rel_error_est": float(np.median([s.rel_error for s in hist]))})
+        row.update(
+            {
+                "bytes_sent_per_step": float(np.mean([s.bytes_sent for s in hist])),
+                "baseline_bytes_per_step": float(np.mean([s.baseline_bytes for s in hist])),
+                "collectives_per_step": hist[-1].collectives,
+                "reduce_scatters_per_step": len(hist[-1].buckets),
+                "rel_error_est": float(np.median([s.rel_error for s in hist])),
+            }
+        )
     return row
 
 
@@ -77,15 +86,22 @@ def run_fsdp(args: argparse.Namespace) -> dict[str, Any] | None:
     cfg = CONFIGS["small"]
     if args.fsdp_batch:
         cfg = replace(cfg, batch=args.fsdp_batch)
-    runs = [_fsdp_run(cfg, None, seed, args.fsdp_steps, rank, size)
-            for seed in range(args.fsdp_seeds)]
+    runs = [
+        _fsdp_run(cfg, None, seed, args.fsdp_steps, rank, size) for seed in range(args.fsdp_seeds)
+    ]
     runs += [_fsdp_run(cfg, codec, 0, args.fsdp_steps, rank, size) for codec in FSDP_CODECS]
     if rank == 0:
         for r in runs:
-            sent = f" sent {r['bytes_sent_per_step'] / 1e6:.2f} MB/step" \
-                if "bytes_sent_per_step" in r else ""
-            print(f"fsdp {r['codec']:>6} seed {r['seed']}: last-10 loss {r['last10']:.4f} "
-                  f"{r['seconds_per_step']:.2f} s/step{sent}", flush=True)
+            sent = (
+                f" sent {r['bytes_sent_per_step'] / 1e6:.2f} MB/step"
+                if "bytes_sent_per_step" in r
+                else ""
+            )
+            print(
+                f"fsdp {r['codec']:>6} seed {r['seed']}: last-10 loss {r['last10']:.4f} "
+                f"{r['seconds_per_step']:.2f} s/step{sent}",
+                flush=True,
+            )
     dist.destroy_process_group()
     if rank != 0:
         return None

@@ -37,17 +37,46 @@ ROOT = Path(__file__).resolve().parents[2]
 ITERS = {"none": (1, 3), "fp8": (2, 6), "geofp8": (4, 8)}
 
 
-def sweep(link: str, ranks: int, codec: str, sizes: tuple[str, str], plain: bool = False,
-          timeout: float = 3600) -> dict[str, Any]:
+def sweep(
+    link: str,
+    ranks: int,
+    codec: str,
+    sizes: tuple[str, str],
+    plain: bool = False,
+    timeout: float = 3600,
+) -> dict[str, Any]:
     """One all_reduce_perf job on the emulated link; its JSON report."""
     warm, iters = ITERS[codec]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
-        cmd = [sys.executable, "perf/emulated_link.py", "--rate", link, "-n", str(ranks),
-               *(["--plain"] if plain else []), "--", sys.executable,
-               "perf/all_reduce_perf.py", "-b", sizes[0], "-e", sizes[1], "-f", "4",
-               "-w", str(warm), "-n", str(iters), "--codec", codec, "--input", "gradient",
-               "-J", str(out)]
+        cmd = [
+            sys.executable,
+            "perf/emulated_link.py",
+            "--rate",
+            link,
+            "-n",
+            str(ranks),
+            *(["--plain"] if plain else []),
+            "--",
+            sys.executable,
+            "perf/all_reduce_perf.py",
+            "-b",
+            sizes[0],
+            "-e",
+            sizes[1],
+            "-f",
+            "4",
+            "-w",
+            str(warm),
+            "-n",
+            str(iters),
+            "--codec",
+            codec,
+            "--input",
+            "gradient",
+            "-J",
+            str(out),
+        ]
         print("#", " ".join(cmd), flush=True)
         subprocess.run(cmd, cwd=ROOT, check=True, timeout=timeout)
         return json.loads(out.read_text())
@@ -59,14 +88,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _sweeps(args: argparse.Namespace) -> dict[str, Any]:
-    result: dict[str, Any] = {"command": "python " + " ".join(sys.argv), "load": args.load,
-                              "yardstick_before": asdict(yardstick()), "runs": []}
+    result: dict[str, Any] = {
+        "command": "python " + " ".join(sys.argv),
+        "load": args.load,
+        "yardstick_before": asdict(yardstick()),
+        "runs": [],
+    }
     for link in args.links.split(","):
         for ranks in (int(r) for r in args.ranks.split(",")):
             for codec in ("none", "fp8", "geofp8"):
                 report = sweep(link, ranks, codec, (args.min, args.max))
-                result["runs"].append({"link": link, "ranks": ranks, "codec": codec,
-                                       "launch": "geocomm.launch", "report": report})
+                result["runs"].append(
+                    {
+                        "link": link,
+                        "ranks": ranks,
+                        "codec": codec,
+                        "launch": "geocomm.launch",
+                        "report": report,
+                    }
+                )
     result["runs"] += plain_check(args)
     result["yardstick_after"] = asdict(yardstick())
     return result
@@ -80,9 +120,16 @@ def plain_check(args: argparse.Namespace) -> list[dict[str, Any]]:
     for _ in range(args.plain_repeats):
         for plain in (False, True):
             report = sweep(args.plain_link, 2, "geofp8", ("64M", "64M"), plain=plain)
-            runs.append({"link": args.plain_link, "ranks": 2, "codec": "geofp8",
-                         "launch": "plain mpiexec" if plain else "geocomm.launch",
-                         "report": report, "plain_check": True})
+            runs.append(
+                {
+                    "link": args.plain_link,
+                    "ranks": 2,
+                    "codec": "geofp8",
+                    "launch": "plain mpiexec" if plain else "geocomm.launch",
+                    "report": report,
+                    "plain_check": True,
+                }
+            )
     return runs
 
 
@@ -93,16 +140,26 @@ def _time(run: dict[str, Any], size: int) -> float | None:
 def markdown(r: dict[str, Any]) -> str:
     yb, ya = r["yardstick_before"], r["yardstick_after"]
     lines = [
-        "# GeoFP8 on emulated links", "",
+        "# GeoFP8 on emulated links",
+        "",
         f"Command: `{r['command']}` (root: network namespaces). Yardstick in the same run: "
         f"np.copyto {yb['copy_GBps']:.2f} GB/s before, {ya['copy_GBps']:.2f} after; "
-        f"fp8 encode {yb['fp8_encode_GBps']:.2f} / {ya['fp8_encode_GBps']:.2f} GB/s.", "",
-        *([f"Background load: {r['load']} busy-loop processes beside the ranks (an emulated "
-           "slower machine: each rank gets about half a core; the yardstick, one thread's "
-           "speed when it runs, does not show it).", ""] if r.get("load") else []),
+        f"fp8 encode {yb['fp8_encode_GBps']:.2f} / {ya['fp8_encode_GBps']:.2f} GB/s.",
+        "",
+        *(
+            [
+                f"Background load: {r['load']} busy-loop processes beside the ranks (an emulated "
+                "slower machine: each rank gets about half a core; the yardstick, one thread's "
+                "speed when it runs, does not show it).",
+                "",
+            ]
+            if r.get("load")
+            else []
+        ),
         "Inputs: 4096-column gradient-like matrices (rank-16 signal plus noise), checking on. "
         "Time: mean per call, the slowest rank's. Speed-up: time of plain fp32 MPI "
-        "(`--codec none`) over the codec's time, same link, ranks and size.", "",
+        "(`--codec none`) over the codec's time, same link, ranks and size.",
+        "",
         "| link | ranks | size | fp32 MPI ms | fp8 ms | geofp8 ms | fp8 speed-up | "
         "geofp8 speed-up | geofp8 rel. error | geofp8 #wrong |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -121,23 +178,34 @@ def markdown(r: dict[str, Any]) -> str:
             lines.append(
                 f"| {link} | {ranks} | {size >> 20} MiB | {base / 1e3:.1f} | {fp8 / 1e3:.1f} | "
                 f"{geo / 1e3:.1f} | {base / fp8:.2f}x | {base / geo:.2f}x | "
-                f"{grow['relerr']:.2e} | {grow['wrong']} |")
+                f"{grow['relerr']:.2e} | {grow['wrong']} |"
+            )
     met = sum(v >= t for *_, v, t in verdicts)
-    lines += ["", f"Must-show (geofp8 >= 3x fp32 at 1 Gbit/s, >= 1.5x at 10 Gbit/s): met at "
-              f"{met} of {len(verdicts)} points."]
+    lines += [
+        "",
+        f"Must-show (geofp8 >= 3x fp32 at 1 Gbit/s, >= 1.5x at 10 Gbit/s): met at "
+        f"{met} of {len(verdicts)} points.",
+    ]
     checks = [x for x in r["runs"] if x.get("plain_check")]
     if checks:
-        t = {launch: [_time(x, 64 << 20) / 1e3 for x in checks if x["launch"] == launch]
-             for launch in ("plain mpiexec", "geocomm.launch")}
+        t = {
+            launch: [_time(x, 64 << 20) / 1e3 for x in checks if x["launch"] == launch]
+            for launch in ("plain mpiexec", "geocomm.launch")
+        }
         plain, launch = (float(np.median(t[k])) for k in ("plain mpiexec", "geocomm.launch"))
         redo = f" (rerun by `{r['plain_command']}`)" if "plain_command" in r else ""
-        lines += ["", f"Plain mpiexec (no thread variables) vs geocomm.launch{redo}, "
-                  f"geofp8 64 MiB, "
-                  f"2 ranks, {checks[0]['link']}, {len(t['plain mpiexec'])} alternating jobs "
-                  f"each: median {plain:.1f} ms vs {launch:.1f} ms ({plain / launch:.3f}x; "
-                  "target within 10%); the jobs: plain "
-                  + ", ".join(f"{v:.1f}" for v in t["plain mpiexec"]) + " ms, launch "
-                  + ", ".join(f"{v:.1f}" for v in t["geocomm.launch"]) + " ms."]
+        lines += [
+            "",
+            f"Plain mpiexec (no thread variables) vs geocomm.launch{redo}, "
+            f"geofp8 64 MiB, "
+            f"2 ranks, {checks[0]['link']}, {len(t['plain mpiexec'])} alternating jobs "
+            f"each: median {plain:.1f} ms vs {launch:.1f} ms ({plain / launch:.3f}x; "
+            "target within 10%); the jobs: plain "
+            + ", ".join(f"{v:.1f}" for v in t["plain mpiexec"])
+            + " ms, launch "
+            + ", ".join(f"{v:.1f}" for v in t["geocomm.launch"])
+            + " ms.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -149,10 +217,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max", default="256M")
     p.add_argument("--plain-link", default="10gbit", help="link of the plain-mpiexec check")
     p.add_argument("--plain-repeats", type=int, default=3, help="jobs of each launch")
-    p.add_argument("--load", type=int, default=0,
-                   help="busy-loop processes beside the jobs (an emulated slower machine)")
-    p.add_argument("--plain-only", action="store_true",
-                   help="redo only the plain-mpiexec check in the existing JSON")
+    p.add_argument(
+        "--load",
+        type=int,
+        default=0,
+        help="busy-loop processes beside the jobs (an emulated slower machine)",
+    )
+    p.add_argument(
+        "--plain-only",
+        action="store_true",
+        help="redo only the plain-mpiexec check in the existing JSON",
+    )
     p.add_argument("-o", "--out", default="perf/results/geo_links")
     p.add_argument("--report", action="store_true", help="re-render the md from the JSON")
     args = p.parse_args(argv)

@@ -73,15 +73,30 @@ def variants() -> list[dict[str, Any]]:
         {"label": "fp8 b32", "codec": {**FP8, "block": 32}, "base": "fp8 b128"},
         {"label": "hadamard", "codec": {"id": "hadamard"}, "base": "fp8 b128"},
         # reduce-scatter only (one quantization; the basis refreshed from shards)
-        {"label": "fp8 b128 (reduce-scatter)", "codec": FP8,
-         "base": "fp8 b128 (reduce-scatter)", "collective": "reduce_scatter"},
-        {"label": "geofp8 (default, reduce-scatter)", "codec": {"id": "geofp8"},
-         "base": "fp8 b128 (reduce-scatter)", "collective": "reduce_scatter"},
+        {
+            "label": "fp8 b128 (reduce-scatter)",
+            "codec": FP8,
+            "base": "fp8 b128 (reduce-scatter)",
+            "collective": "reduce_scatter",
+        },
+        {
+            "label": "geofp8 (default, reduce-scatter)",
+            "codec": {"id": "geofp8"},
+            "base": "fp8 b128 (reduce-scatter)",
+            "collective": "reduce_scatter",
+        },
     ]
-    rows += [{"label": f"split k={k} refresh={r}",
-              "codec": {"id": "geofp8", "k": k, "refresh": r, **OPEN},
-              "base": "fp8 b128", "k": k, "refresh": r}
-             for k in SWEEP_K for r in SWEEP_REFRESH]
+    rows += [
+        {
+            "label": f"split k={k} refresh={r}",
+            "codec": {"id": "geofp8", "k": k, "refresh": r, **OPEN},
+            "base": "fp8 b128",
+            "k": k,
+            "refresh": r,
+        }
+        for k in SWEEP_K
+        for r in SWEEP_REFRESH
+    ]
     return rows
 
 
@@ -95,16 +110,20 @@ def top_subspace(g: np.ndarray, k: int = 4) -> tuple[np.ndarray, np.ndarray, flo
     return u[:, :k], vt[:k].T, float(np.sum(s[:k] ** 2))
 
 
-def metrics(q: np.ndarray, g: np.ndarray, sub: tuple[np.ndarray, np.ndarray, float]
-            ) -> dict[str, float]:
+def metrics(
+    q: np.ndarray, g: np.ndarray, sub: tuple[np.ndarray, np.ndarray, float]
+) -> dict[str, float]:
     """Error metrics of q against the exact average g (both float64, same shape)."""
     u, v, top = sub
     e = q - g
     total, err = float(np.sum(g * g)), float(np.sum(e * e))
     inside = float(np.sum((u.T @ e @ v) ** 2))
     cos = float(np.sum(q * g) / math.sqrt(max(float(np.sum(q * q)) * total, 1e-300)))
-    return {"rel": math.sqrt(err / total),
-            "out": math.sqrt(max(err - inside, 0.0) / max(total - top, 1e-300)), "cos": cos}
+    return {
+        "rel": math.sqrt(err / total),
+        "out": math.sqrt(max(err - inside, 0.0) / max(total - top, 1e-300)),
+        "cos": cos,
+    }
 
 
 def side_fraction(codec: Any, shapes: list[tuple[int, ...]]) -> float:
@@ -138,7 +157,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     codecs = {v["label"]: [get_codec(v["codec"]) for _ in range(args.world)] for v in rows}
     measured = list(range(args.start, args.steps, args.every))
     raw: dict[str, dict[str, list[dict[str, float]]]] = {
-        v["label"]: {n: [] for n in matrices} for v in rows}
+        v["label"]: {n: [] for n in matrices} for v in rows
+    }
     losses, start = [], time.perf_counter()
     for step in range(args.steps):
         local, loss = [], 0.0
@@ -159,23 +179,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if measure:
                     exact = sum(g[name].astype(np.float64) for g in local)
                     v_raw = raw[v["label"]][name]
-                    v_raw.append(metrics(result.astype(np.float64) / args.world,
-                                         exact / args.world, _subspace(exact, name, step)))
+                    v_raw.append(
+                        metrics(
+                            result.astype(np.float64) / args.world,
+                            exact / args.world,
+                            _subspace(exact, name, step),
+                        )
+                    )
         if measure:
-            print(f"step {step:4d} loss {losses[-1]:.4f} "
-                  f"{(time.perf_counter() - start) / (step + 1):.2f} s/step", flush=True)
+            print(
+                f"step {step:4d} loss {losses[-1]:.4f} "
+                f"{(time.perf_counter() - start) / (step + 1):.2f} s/step",
+                flush=True,
+            )
     shapes = [tuple(p.shape) for p in params.values()]
     return {
         "command": "python " + " ".join(sys.argv),
-        "world": args.world, "model": args.config, "params": cfg.n_params(),
-        "steps": args.steps, "measured_steps": measured, "loss": losses,
+        "world": args.world,
+        "model": args.config,
+        "params": cfg.n_params(),
+        "steps": args.steps,
+        "measured_steps": measured,
+        "loss": losses,
         "seconds": time.perf_counter() - start,
         "variants": summarize(rows, codecs, raw, shapes, matrices),
     }
 
 
-def reduce(variant: dict[str, Any], codecs: list[Any], xs: list[np.ndarray], key: str
-           ) -> np.ndarray:
+def reduce(
+    variant: dict[str, Any], codecs: list[Any], xs: list[np.ndarray], key: str
+) -> np.ndarray:
     """The variant's collective on simulated ranks: the all-reduce, or every rank's
     reduce-scatter shard put back together."""
     if variant.get("collective") == "reduce_scatter":
@@ -195,9 +228,13 @@ def _subspace(exact: np.ndarray, name: str, step: int) -> Any:
     return _SUBSPACES[key]
 
 
-def summarize(rows: list[dict[str, Any]], codecs: dict[str, list[Any]],
-              raw: dict[str, dict[str, list[dict[str, float]]]],
-              shapes: list[tuple[int, ...]], matrices: list[str]) -> list[dict[str, Any]]:
+def summarize(
+    rows: list[dict[str, Any]],
+    codecs: dict[str, list[Any]],
+    raw: dict[str, dict[str, list[dict[str, float]]]],
+    shapes: list[tuple[int, ...]],
+    matrices: list[str],
+) -> list[dict[str, Any]]:
     out = []
     for v in rows:
         base = raw[v["base"]]
@@ -211,18 +248,23 @@ def summarize(rows: list[dict[str, Any]], codecs: dict[str, list[Any]],
                 if key == "rel":
                     pairs += per_step
         codec = codecs[v["label"]][0]
-        out.append({
-            **{k: v[k] for k in ("label", "codec", "base") if k in v},
-            "k": v.get("k"), "refresh": v.get("refresh"),
-            "rel": float(np.median([np.median([m["rel"] for m in raw[v["label"]][n]])
-                                    for n in matrices])),
-            "rel_ratio": float(np.median(ratios["rel"])),
-            "out_ratio": float(np.median(ratios["out"])),
-            "p90_ratio": float(np.percentile(pairs, 90)), "max_ratio": float(np.max(pairs)),
-            "cos": float(np.median([m["cos"] for n in matrices for m in raw[v["label"]][n]])),
-            "side_model": side_fraction(codec, shapes),
-            "side_4096": side_fraction(codec, [BIG]),
-        })
+        out.append(
+            {
+                **{k: v[k] for k in ("label", "codec", "base") if k in v},
+                "k": v.get("k"),
+                "refresh": v.get("refresh"),
+                "rel": float(
+                    np.median([np.median([m["rel"] for m in raw[v["label"]][n]]) for n in matrices])
+                ),
+                "rel_ratio": float(np.median(ratios["rel"])),
+                "out_ratio": float(np.median(ratios["out"])),
+                "p90_ratio": float(np.percentile(pairs, 90)),
+                "max_ratio": float(np.max(pairs)),
+                "cos": float(np.median([m["cos"] for n in matrices for m in raw[v["label"]][n]])),
+                "side_model": side_fraction(codec, shapes),
+                "side_4096": side_fraction(codec, [BIG]),
+            }
+        )
     return out
 
 
@@ -232,14 +274,17 @@ def summarize(rows: list[dict[str, Any]], codecs: dict[str, list[Any]],
 
 def markdown(r: dict[str, Any]) -> str:
     lines = [
-        "# GeoFP8 on real gradients", "",
-        f"Command: `{r['command']}`", "",
+        "# GeoFP8 on real gradients",
+        "",
+        f"Command: `{r['command']}`",
+        "",
         f"Byte-level Llama `{r['model']}` ({r['params'] / 1e6:.2f}M parameters), "
         f"{r['world']} simulated ranks (the bits of real ones), {r['steps']} AdamW steps on "
         f"the exact average (loss {r['loss'][0]:.3f} -> {r['loss'][-1]:.3f}); metrics on "
         f"{len(r['measured_steps'])} steps, every weight matrix. Ratios: per matrix and step "
         "against the base quantizer, median over steps, then over matrices. `side`: side "
-        "channel over quantized payload (model; one 4096 x 4096 gradient).", "",
+        "channel over quantized payload (model; one 4096 x 4096 gradient).",
+        "",
         "| variant | base | rel | rel ratio | p90 / max | out ratio | cos | side model | "
         "side 4096² |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -248,20 +293,32 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(
             f"| {v['label']} | {v['base']} | {v['rel']:.4f} | {v['rel_ratio']:.3f} | "
             f"{v['p90_ratio']:.2f} / {v['max_ratio']:.2f} | {v['out_ratio']:.3f} | "
-            f"{v['cos']:.5f} | {v['side_model']:+.1%} | {v['side_4096']:+.1%} |")
+            f"{v['cos']:.5f} | {v['side_model']:+.1%} | {v['side_4096']:+.1%} |"
+        )
     default = next(v for v in r["variants"] if v["label"] == "geofp8 (default)")
-    rs = next((v for v in r["variants"] if v["label"] == "geofp8 (default, reduce-scatter)"),
-              None)
-    lines += ["", "## Targets", "",
-              "| codec | target | measured | met |", "| --- | --- | --- | --- |",
-              f"| geofp8 (default) | median error <= 0.5x E4M3 block 128 | "
-              f"{default['rel_ratio']:.3f} | {'yes' if default['rel_ratio'] <= 0.5 else 'no'} |",
-              f"| geofp8 (default) | error outside the top-4 subspace <= 0.5x | "
-              f"{default['out_ratio']:.3f} | {'yes' if default['out_ratio'] <= 0.5 else 'no'} |",
-              *([f"| geofp8 (default), reduce-scatter only | keeps most of the all-reduce "
-                 f"gain | {rs['rel_ratio']:.3f} (all-reduce {default['rel_ratio']:.3f}) | "
-                 f"{'yes' if rs['rel_ratio'] <= 0.5 else 'no'} |"] if rs else []),
-              "", f"Default config: `{json.dumps(default['codec'])}`"]
+    rs = next((v for v in r["variants"] if v["label"] == "geofp8 (default, reduce-scatter)"), None)
+    lines += [
+        "",
+        "## Targets",
+        "",
+        "| codec | target | measured | met |",
+        "| --- | --- | --- | --- |",
+        f"| geofp8 (default) | median error <= 0.5x E4M3 block 128 | "
+        f"{default['rel_ratio']:.3f} | {'yes' if default['rel_ratio'] <= 0.5 else 'no'} |",
+        f"| geofp8 (default) | error outside the top-4 subspace <= 0.5x | "
+        f"{default['out_ratio']:.3f} | {'yes' if default['out_ratio'] <= 0.5 else 'no'} |",
+        *(
+            [
+                f"| geofp8 (default), reduce-scatter only | keeps most of the all-reduce "
+                f"gain | {rs['rel_ratio']:.3f} (all-reduce {default['rel_ratio']:.3f}) | "
+                f"{'yes' if rs['rel_ratio'] <= 0.5 else 'no'} |"
+            ]
+            if rs
+            else []
+        ),
+        "",
+        f"Default config: `{json.dumps(default['codec'])}`",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -276,8 +333,9 @@ def plot(r: dict[str, Any], path: Path) -> None:
         pts = [(v["k"], v["rel_ratio"]) for v in r["variants"] if v.get("refresh") == refresh]
         ax.plot(*zip(*pts, strict=True), marker="o", label=f"refresh every {refresh}")
     default = next(v for v in r["variants"] if v["label"] == "geofp8 (default)")
-    ax.axhline(default["rel_ratio"], color="k", ls=":", lw=1,
-               label=f"default ({default['rel_ratio']:.3f})")
+    ax.axhline(
+        default["rel_ratio"], color="k", ls=":", lw=1, label=f"default ({default['rel_ratio']:.3f})"
+    )
     ax.axhline(0.5, color="r", ls="--", lw=1, label="target 0.5")
     ax.set_xlabel("rank k of the split map")
     ax.set_ylabel("error / E4M3 block 128 error (median)")

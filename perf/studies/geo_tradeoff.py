@@ -25,8 +25,14 @@ def join(study: dict[str, Any], bench: dict[str, Any]) -> list[dict[str, Any]]:
     for v in study["variants"]:
         key = (v.get("k"), v.get("refresh"))
         if key in times:
-            rows.append({"k": key[0], "refresh": key[1], "error_ratio": v["rel_ratio"],
-                         "time_ratio": times[key]})
+            rows.append(
+                {
+                    "k": key[0],
+                    "refresh": key[1],
+                    "error_ratio": v["rel_ratio"],
+                    "time_ratio": times[key],
+                }
+            )
     return rows
 
 
@@ -34,23 +40,30 @@ def markdown(rows: list[dict[str, Any]], study: dict[str, Any], bench: dict[str,
     default = next(v for v in study["variants"] if v["label"] == "geofp8 (default)")
     d = bench["default"]
     lines = [
-        "# GeoFP8: error against time", "",
+        "# GeoFP8: error against time",
+        "",
         f"Error: `{study['command']}` (median over the small Llama's weight matrices, "
         "relative to E4M3 block 128). Time: "
         f"`{bench['command']}` ({bench['shape'][0]} x {bench['shape'][1]}, one core, relative "
         f"to FP8 encode + decode = {bench['fp8_seconds'] * 1e3:.2f} ms; np.copyto "
-        f"{bench['copyto_GBps']:.2f} GB/s in the same run).", "",
+        f"{bench['copyto_GBps']:.2f} GB/s in the same run).",
+        "",
         f"Default (k = {d['k']}, refresh {d['config']['refresh']}): error "
-        f"{default['rel_ratio']:.3f}x, time {d['ratio_to_fp8']:.2f}x.", "",
-        "| k | refresh | error / FP8 | time / FP8 |", "| --- | --- | --- | --- |",
+        f"{default['rel_ratio']:.3f}x, time {d['ratio_to_fp8']:.2f}x.",
+        "",
+        "| k | refresh | error / FP8 | time / FP8 |",
+        "| --- | --- | --- | --- |",
     ]
-    lines += [f"| {r['k']} | {r['refresh']} | {r['error_ratio']:.3f} | {r['time_ratio']:.2f} |"
-              for r in sorted(rows, key=lambda r: (r["refresh"], r["k"]))]
+    lines += [
+        f"| {r['k']} | {r['refresh']} | {r['error_ratio']:.3f} | {r['time_ratio']:.2f} |"
+        for r in sorted(rows, key=lambda r: (r["refresh"], r["k"]))
+    ]
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict[str, Any]], study: dict[str, Any], bench: dict[str, Any],
-         path: Path) -> None:
+def plot(
+    rows: list[dict[str, Any]], study: dict[str, Any], bench: dict[str, Any], path: Path
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,15 +71,18 @@ def plot(rows: list[dict[str, Any]], study: dict[str, Any], bench: dict[str, Any
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for refresh in sorted({r["refresh"] for r in rows}):
-        pts = sorted((r["time_ratio"], r["error_ratio"], r["k"]) for r in rows
-                     if r["refresh"] == refresh)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                label=f"refresh every {refresh}")
+        pts = sorted(
+            (r["time_ratio"], r["error_ratio"], r["k"]) for r in rows if r["refresh"] == refresh
+        )
+        ax.plot(
+            [p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"refresh every {refresh}"
+        )
         for t, e, k in pts:
             ax.annotate(f"k={k}", (t, e), textcoords="offset points", xytext=(4, 3), fontsize=7)
     default = next(v for v in study["variants"] if v["label"] == "geofp8 (default)")
-    ax.plot([bench["default"]["ratio_to_fp8"]], [default["rel_ratio"]], "k*", ms=14,
-            label="default")
+    ax.plot(
+        [bench["default"]["ratio_to_fp8"]], [default["rel_ratio"]], "k*", ms=14, label="default"
+    )
     ax.axhline(0.5, color="r", ls="--", lw=1, label="error target 0.5")
     ax.axvline(4.0, color="r", ls=":", lw=1, label="time target 4x")
     ax.set_xlabel("time of a call / FP8 encode+decode (4096 x 4096, one core)")

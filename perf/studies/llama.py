@@ -57,8 +57,10 @@ class LlamaConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
-            raise ValueError(f"d_model {self.d_model} must split into {self.n_heads} heads "
-                             "of even size (rotary pairs)")
+            raise ValueError(
+                f"d_model {self.d_model} must split into {self.n_heads} heads "
+                "of even size (rotary pairs)"
+            )
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Name -> shape of every parameter, as ``build_model`` names them."""
@@ -244,8 +246,9 @@ class TextData:
             if len(part) <= cfg.seq_len + 1:
                 raise ValueError(f"{name} split of {len(part)} bytes is shorter than a window")
 
-    def batches(self, split: str, rank: int, world: int, step: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def batches(
+        self, split: str, rank: int, world: int, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each (batch, seq_len) int64, of ``rank`` at ``step``."""
         if split not in self.SPLITS:
             raise ValueError(f"split must be one of {self.SPLITS}, got {split!r}")
@@ -260,8 +263,9 @@ class TextData:
 
 
 @torch.no_grad()
-def heldout_loss(model: Llama, data: TextData, batches: int = 4, rank: int = 0,
-                 world: int = 1) -> float:
+def heldout_loss(
+    model: Llama, data: TextData, batches: int = 4, rank: int = 0, world: int = 1
+) -> float:
     """Mean loss over ``batches`` fixed held-out batches of this rank."""
     model.eval()
     losses = [float(model(*data.batches("heldout", rank, world, i))) for i in range(batches)]
@@ -287,8 +291,10 @@ def make_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices only."""
     mats = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": mats, "weight_decay": tc.weight_decay},
-              {"params": rest, "weight_decay": 0.0}]
+    groups = [
+        {"params": mats, "weight_decay": tc.weight_decay},
+        {"params": rest, "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=tc.lr, betas=tc.betas, eps=tc.eps)
 
 
@@ -317,8 +323,9 @@ def average_gradients(model: nn.Module, codec: Any = None, comm: Any = None) -> 
         geocomm.allreduce(g, codec=codec, op="avg", out=g, key=name, comm=comm)
 
 
-def train_step(model: Llama, opt: torch.optim.Optimizer, tokens: torch.Tensor,
-               targets: torch.Tensor) -> float:
+def train_step(
+    model: Llama, opt: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor
+) -> float:
     """Forward and backward on this rank's batch; returns the local loss (no update)."""
     opt.zero_grad(set_to_none=False)
     loss = model(tokens, targets)
@@ -326,8 +333,7 @@ def train_step(model: Llama, opt: torch.optim.Optimizer, tokens: torch.Tensor,
     return float(loss.detach())
 
 
-def apply_update(model: nn.Module, opt: torch.optim.Optimizer, tc: TrainConfig,
-                 step: int) -> None:
+def apply_update(model: nn.Module, opt: torch.optim.Optimizer, tc: TrainConfig, step: int) -> None:
     """Clip the (averaged) gradient, set the learning rate, take the AdamW step."""
     if tc.clip > 0:
         nn.utils.clip_grad_norm_(model.parameters(), tc.clip)
@@ -359,8 +365,11 @@ def main(argv: list[str] | None = None) -> int:
         loss = train_step(model, opt, *data.batches("train", 0, 1, step))
         apply_update(model, opt, tc, step)
         if step % 10 == 0 or step == args.steps - 1:
-            print(f"step {step:4d} loss {loss:.4f} heldout {heldout_loss(model, data):.4f} "
-                  f"{(time.perf_counter() - t0) / (step + 1):.2f} s/step", flush=True)
+            print(
+                f"step {step:4d} loss {loss:.4f} heldout {heldout_loss(model, data):.4f} "
+                f"{(time.perf_counter() - t0) / (step + 1):.2f} s/step",
+                flush=True,
+            )
     return 0
 
 

@@ -41,10 +41,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=parse_size, default=parse_size("64M"), help="bytes of fp32")
     p.add_argument("--codec", default="fp8")
-    p.add_argument("--chunks", dest="stage_sizes", action=DeprecatedOption,
-                   help=argparse.SUPPRESS)  # the old name of --stage-sizes
-    p.add_argument("--stage-sizes", default="65536,262144,1048576,4194304,16777216",
-                   help="values per pipeline stage, comma separated")
+    p.add_argument(
+        "--chunks", dest="stage_sizes", action=DeprecatedOption, help=argparse.SUPPRESS
+    )  # the old name of --stage-sizes
+    p.add_argument(
+        "--stage-sizes",
+        default="65536,262144,1048576,4194304,16777216",
+        help="values per pipeline stage, comma separated",
+    )
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--out", default="perf/results/pipeline")
     args = p.parse_args()
@@ -55,6 +59,7 @@ def main() -> int:
     x = np.random.default_rng([comm.rank, 7]).standard_normal(count, np.float32)
     rows = []
     for stage_size in [int(c) for c in args.stage_sizes.split(",")]:
+
         def call(stage_size: int = stage_size) -> None:
             geocomm.allreduce(x, codec=codec, stage_size=stage_size, comm=comm)
 
@@ -62,37 +67,64 @@ def main() -> int:
         seconds = timed(comm, call, args.iters)
         parts = breakdown(comm, codec, x, stage_size, gather=True)
         serial = parts["encode"] + parts["comm"] + parts["decode"]
-        rows.append({"stage_size": stage_size, "allreduce_ms": seconds * 1e3,
-                     **{f"{k}_ms": v * 1e3 for k, v in parts.items()},
-                     "serial_ms": serial * 1e3, "overlap_ratio": parts["pipelined"] / serial})
+        rows.append(
+            {
+                "stage_size": stage_size,
+                "allreduce_ms": seconds * 1e3,
+                **{f"{k}_ms": v * 1e3 for k, v in parts.items()},
+                "serial_ms": serial * 1e3,
+                "overlap_ratio": parts["pipelined"] / serial,
+            }
+        )
         if comm.rank == 0:
             r = rows[-1]
-            print(f"stage size {stage_size:>9}: allreduce {r['allreduce_ms']:8.2f} ms | encode "
-                  f"{r['encode_ms']:7.2f} comm {r['comm_ms']:7.2f} decode {r['decode_ms']:7.2f} "
-                  f"serial {r['serial_ms']:7.2f} pipelined {r['pipelined_ms']:7.2f} "
-                  f"ratio {r['overlap_ratio']:.3f}", flush=True)
+            print(
+                f"stage size {stage_size:>9}: allreduce {r['allreduce_ms']:8.2f} ms | encode "
+                f"{r['encode_ms']:7.2f} comm {r['comm_ms']:7.2f} decode {r['decode_ms']:7.2f} "
+                f"serial {r['serial_ms']:7.2f} pipelined {r['pipelined_ms']:7.2f} "
+                f"ratio {r['overlap_ratio']:.3f}",
+                flush=True,
+            )
     if comm.rank != 0:
         return 0
     best = min(rows, key=lambda r: r["allreduce_ms"])
     link = emulated_link() or "shared memory"
-    report = {"command": launch_command(comm.size), "link": link,
-              "yardstick": dataclasses.asdict(ruler),
-              "ranks": comm.size, "bytes": count * 4, "codec": codec.get_config(),
-              "default_stage_size": DEFAULT_STAGE_SIZE, "best_stage_size": best["stage_size"],
-              "rows": rows}
+    report = {
+        "command": launch_command(comm.size),
+        "link": link,
+        "yardstick": dataclasses.asdict(ruler),
+        "ranks": comm.size,
+        "bytes": count * 4,
+        "codec": codec.get_config(),
+        "default_stage_size": DEFAULT_STAGE_SIZE,
+        "best_stage_size": best["stage_size"],
+        "rows": rows,
+    }
     out = Path(f"{args.out}_n{comm.size}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    lines = [f"# Pipelined all-reduce, {count * 4 >> 20} MiB fp32, {comm.size} ranks, "
-             f"codec {codec.get_config()}, link: {link}", "", f"Command: `{report['command']}`",
-             "", yardstick_line(report["yardstick"]), "",
-             "| stage size (values) | all-reduce ms | encode ms | comm ms | decode ms | serial ms "
-             "| pipelined ms | pipelined / serial |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['stage_size']} | {r['allreduce_ms']:.2f} | {r['encode_ms']:.2f} | "
-              f"{r['comm_ms']:.2f} | {r['decode_ms']:.2f} | {r['serial_ms']:.2f} | "
-              f"{r['pipelined_ms']:.2f} | {r['overlap_ratio']:.3f} |" for r in rows]
-    lines += ["", f"Fastest stage size: {best['stage_size']} values (library default "
-              f"{DEFAULT_STAGE_SIZE})."]
+    lines = [
+        f"# Pipelined all-reduce, {count * 4 >> 20} MiB fp32, {comm.size} ranks, "
+        f"codec {codec.get_config()}, link: {link}",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        yardstick_line(report["yardstick"]),
+        "",
+        "| stage size (values) | all-reduce ms | encode ms | comm ms | decode ms | serial ms "
+        "| pipelined ms | pipelined / serial |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['stage_size']} | {r['allreduce_ms']:.2f} | {r['encode_ms']:.2f} | "
+        f"{r['comm_ms']:.2f} | {r['decode_ms']:.2f} | {r['serial_ms']:.2f} | "
+        f"{r['pipelined_ms']:.2f} | {r['overlap_ratio']:.3f} |"
+        for r in rows
+    ]
+    lines += [
+        "",
+        f"Fastest stage size: {best['stage_size']} values (library default {DEFAULT_STAGE_SIZE}).",
+    ]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return 0
 

@@ -94,6 +94,7 @@ def test_unknown_type(comm):
 
 def test_jax_roundtrip(comm):
     import jax.numpy as jnp  # in the test extras: a missing jax fails, it does not skip
+
     x = jnp.ones((3, 4), dtype=jnp.float32) * (comm.rank + 1)
     y = geocomm.allreduce(x, codec="fp8")
     assert type(y).__module__.startswith("jax")

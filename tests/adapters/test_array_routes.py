@@ -27,8 +27,9 @@ from geocomm.adapters import arrays
 def special_bits() -> np.ndarray:
     """float32 bit patterns around every rounding and range boundary of bfloat16."""
     rng = np.random.default_rng(7)
-    hi = np.concatenate([np.arange(0x0000, 0x0010), np.arange(0x7F70, 0x7F90),
-                         np.arange(0x3F70, 0x3F90)]).astype(np.uint32)
+    hi = np.concatenate(
+        [np.arange(0x0000, 0x0010), np.arange(0x7F70, 0x7F90), np.arange(0x3F70, 0x3F90)]
+    ).astype(np.uint32)
     lo = np.array([0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF], np.uint32)
     grid = ((hi[:, None] << 16) | lo[None, :]).ravel()
     grid = np.concatenate([grid, grid | np.uint32(0x80000000)])
@@ -155,8 +156,10 @@ def test_bf16_device_route_converts_restores_and_commits():
     result = np.array([[1.00390625, 1.01171875, -3.4e38], [np.nan, -0.0, 2.0**-133]], np.float32)
     restored = operand.restore(result)
     assert restored.dtype == torch.bfloat16 and restored.shape == (2, 3)
-    np.testing.assert_array_equal(restored.view(torch.int16).numpy().view(np.uint16),
-                                  native_bf16(result.ravel()).reshape(2, 3))
+    np.testing.assert_array_equal(
+        restored.view(torch.int16).numpy().view(np.uint16),
+        native_bf16(result.ravel()).reshape(2, 3),
+    )
     # out=: what the collective wrote into operand.array lands in the tensor's memory
     operand.array[...] = result
     operand.commit()

@@ -36,9 +36,14 @@ def _model() -> torch.nn.Module:
 def _mlp() -> torch.nn.Module:
     """Seven parameters of 4..65K values: matrices, biases and a norm."""
     torch.manual_seed(1)
-    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.LayerNorm(256), torch.nn.Tanh(),
-                               torch.nn.Linear(256, 256), torch.nn.Tanh(),
-                               torch.nn.Linear(256, 4, bias=False))
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256),
+        torch.nn.LayerNorm(256),
+        torch.nn.Tanh(),
+        torch.nn.Linear(256, 256),
+        torch.nn.Tanh(),
+        torch.nn.Linear(256, 4, bias=False),
+    )
 
 
 def _batch(rank: int, step: int, features: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,8 +199,11 @@ def test_exclusions_go_plain(comm):
     state = GeocommHookState(net, codec="fp8", exclude=("*.bias", "1.*"), min_numel=2000)
     model, recorder = _ddp_with(net, state)
     _step(model, rank, 0)
-    plain = {n for n, p in net.named_parameters()
-             if n.endswith(".bias") or n.startswith("1.") or p.numel() < 2000}
+    plain = {
+        n
+        for n, p in net.named_parameters()
+        if n.endswith(".bias") or n.startswith("1.") or p.numel() < 2000
+    }
     assert plain == {"0.bias", "1.weight", "1.bias", "3.bias", "5.weight"}
     names = {id(p): n for n, p in net.named_parameters()}
     for (_, params, _), b in zip(recorder.buckets, state.last_step.buckets, strict=True):
@@ -208,12 +216,12 @@ def test_exclusions_go_plain(comm):
     offset = 0
     for name, p in net.named_parameters():
         got = p.grad.reshape(-1).double()
-        want = exact[offset: offset + p.numel()]
+        want = exact[offset : offset + p.numel()]
         if name in plain:
             # the exact collective: an fp32 sum of N terms (N - 1 roundings, each at most
             # 2^-24 of sum |g_i|) divided by N (one more rounding, 2^-24 of |mean|):
             # (N - 1) / N + 1 / N = 1 times 2^-24 sum |g_i|
-            tol = FP32_UNIT * abs_sum[offset: offset + p.numel()]
+            tol = FP32_UNIT * abs_sum[offset : offset + p.numel()]
             assert torch.all((got - want).abs() <= tol), name
         else:
             assert torch.any(got != want), name  # went through fp8
@@ -251,8 +259,9 @@ def test_hook_future_completes_asynchronously(comm):
     net = _mlp()
     params = list(net.parameters())
     state = GeocommHookState(net, codec="fp8")
-    buffer = torch.randn(sum(p.numel() for p in params), generator=torch.Generator().manual_seed(
-        rank))
+    buffer = torch.randn(
+        sum(p.numel() for p in params), generator=torch.Generator().manual_seed(rank)
+    )
     dist.barrier()
     if rank != 0:
         time.sleep(0.5)  # rank 0 submits while the others have not started
@@ -282,8 +291,7 @@ def test_error_estimate_tracks_the_actual_error(comm):
     _step(model, rank, 0)
     exact = inputs.mean(0)
     offsets = np.cumsum([0] + [p.numel() for p in net.parameters()])
-    where = {id(p): (int(offsets[i]), int(offsets[i + 1]))
-             for i, p in enumerate(net.parameters())}
+    where = {id(p): (int(offsets[i]), int(offsets[i + 1])) for i, p in enumerate(net.parameters())}
     for (_, params, _), b in zip(recorder.buckets, state.last_step.buckets, strict=True):
         index = torch.cat([torch.arange(*where[id(p)]) for p in params])
         got = torch.cat([p.grad.reshape(-1) for p in params]).double()
@@ -319,14 +327,19 @@ def test_metadata_checked_once_per_bucket_layout(comm, monkeypatch, setting):
         monkeypatch.setenv("GEOCOMM_CHECK", setting[-1])
     net = _mlp()
     counting = _CountingComm(dedicated_comm())
-    state = GeocommHookState(net, codec="fp8", comm=counting,
-                             check=True if setting == "true" else None)
+    state = GeocommHookState(
+        net, codec="fp8", comm=counting, check=True if setting == "true" else None
+    )
     model, recorder = _ddp_with(net, state)
     for step in range(4):
         _step(model, dist.get_rank(), step)
     layouts = {(i, tuple(id(p) for p in params)) for i, params, _ in recorder.buckets}
-    expected = {"default": len(layouts), "env1": len(recorder.buckets), "env0": 0,
-                "true": len(recorder.buckets)}[setting]
+    expected = {
+        "default": len(layouts),
+        "env1": len(recorder.buckets),
+        "env0": 0,
+        "true": len(recorder.buckets),
+    }[setting]
     # the first step's layout and DDP's rebuilt buckets: fewer checks than calls
     assert len(layouts) < len(recorder.buckets)
     assert counting.checks == expected

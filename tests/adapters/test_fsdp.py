@@ -22,10 +22,15 @@ def _mlp() -> torch.nn.Module:
     """Linear layers of 256 x 64, 256 x 256 (GeoFP8-eligible chunks) and 3 x 256 with
     biases; 3 and 129 rows do not divide by 2 or 4 ranks (FSDP pads dim 0)."""
     torch.manual_seed(2)
-    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(),
-                               torch.nn.Linear(256, 256), torch.nn.Tanh(),
-                               torch.nn.Linear(256, 129), torch.nn.Tanh(),
-                               torch.nn.Linear(129, 3))
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256),
+        torch.nn.Tanh(),
+        torch.nn.Linear(256, 256),
+        torch.nn.Tanh(),
+        torch.nn.Linear(256, 129),
+        torch.nn.Tanh(),
+        torch.nn.Linear(129, 3),
+    )
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +69,7 @@ def _exact_grads(rank: int, step: int) -> tuple[list[np.ndarray], dict[str, np.n
     inputs = [e.double().numpy() for e in every]
     mean, at, exact = np.mean(inputs, axis=0), 0, {}
     for name, p in net.named_parameters():
-        exact[name] = mean[at: at + p.numel()].reshape(p.shape)
+        exact[name] = mean[at : at + p.numel()].reshape(p.shape)
         at += p.numel()
     return inputs, exact
 
@@ -91,8 +96,10 @@ def test_compressed_reduce_scatter_is_what_runs(comm):
         assert stats.step == step and len(stats.buckets) == 4 == stats.collectives
         # the communicator saw exactly those reduce-scatters: one all-to-all per
         # pipeline stage, carrying the fp8 wire bytes of each module's flat buffer
-        plans = [Pieces.cut(rs.layout.numel, size, DEFAULT_STAGE_SIZE)  # the host's stage
-                 for rs in fsdp.reduce_scatters]
+        plans = [
+            Pieces.cut(rs.layout.numel, size, DEFAULT_STAGE_SIZE)  # the host's stage
+            for rs in fsdp.reduce_scatters
+        ]
         assert metered.calls - calls0 == sum(p.stages for p in plans)
         expected = sum(wire_bytes(codec, p, rank, gather=False) for p in plans)
         assert metered.sent - sent0 == expected == stats.bytes_sent
@@ -113,8 +120,9 @@ def test_gradient_within_derived_bound(comm):
     at, differs = 0, False
     for name, p in model.named_parameters():
         want = _my_rows(exact[name], rank, size)
-        bound = _my_rows(full[at: at + p.numel()].reshape(p.shape), rank, size) \
-            + FP32_UNIT * np.abs(want)
+        bound = _my_rows(
+            full[at : at + p.numel()].reshape(p.shape), rank, size
+        ) + FP32_UNIT * np.abs(want)
         got = p.grad.to_local().double().numpy()
         assert got.shape == want.shape
         assert np.all(np.abs(got - want) <= bound), name
@@ -189,7 +197,7 @@ def test_exclusions_go_plain(comm):
         want = _my_rows(exact[name], rank, size)
         if name.endswith(".bias"):
             # exact: an fp32 sum of N terms and one division, at most 2^-24 sum |g_i|
-            tol = FP32_UNIT * _my_rows(abs_sum[at: at + p.numel()].reshape(p.shape), rank, size)
+            tol = FP32_UNIT * _my_rows(abs_sum[at : at + p.numel()].reshape(p.shape), rank, size)
             assert np.all(np.abs(got - want) <= tol), name
         elif got.size:  # a rank past the last chunk of a short matrix holds no rows
             assert np.any(got != want), name
@@ -223,8 +231,9 @@ def test_replica_all_reduce_hook(comm):
     assert len(stats.buckets) == 4 == stats.collectives
     assert all(b.kind == "allreduce" for b in stats.buckets)
     full = allreduce_bound(inputs, geocomm.get_codec("fp8")) / size
-    got = np.concatenate([p.grad.to_local().double().numpy().reshape(-1)
-                          for p in model.parameters()])
+    got = np.concatenate(
+        [p.grad.to_local().double().numpy().reshape(-1) for p in model.parameters()]
+    )
     want = np.concatenate([exact[n].reshape(-1) for n, _ in model.named_parameters()])
     assert np.all(np.abs(got - want) <= full + FP32_UNIT * np.abs(want))
     # every replica holds the same bits

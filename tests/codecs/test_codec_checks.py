@@ -20,15 +20,22 @@ def values(n: int = 1000, seed: int = 0) -> np.ndarray:
     return (rng.standard_normal(n) * np.exp2(rng.integers(-6, 6, n))).astype(np.float32)
 
 
-@pytest.mark.parametrize(("config", "bound", "golden"), [
-    # bf16 keeps 8 significant bits, rounded to nearest: half an ulp
-    ({"id": "bf16"}, lambda x: np.abs(x) * 2.0**-8, "bf16"),
-    # fp8 e4m3, one scale per 128 values: 3 mantissa bits relative to the block's amax
-    ({"id": "fp8", "fmt": "e4m3", "block": 128},
-     lambda x: np.repeat([np.abs(b).max() * 2.0**-3 for b in np.array_split(
-         x, -(-x.size // 128))], [len(b) for b in np.array_split(x, -(-x.size // 128))]),
-     "fp8_e4m3_b128"),
-])
+@pytest.mark.parametrize(
+    ("config", "bound", "golden"),
+    [
+        # bf16 keeps 8 significant bits, rounded to nearest: half an ulp
+        ({"id": "bf16"}, lambda x: np.abs(x) * 2.0**-8, "bf16"),
+        # fp8 e4m3, one scale per 128 values: 3 mantissa bits relative to the block's amax
+        (
+            {"id": "fp8", "fmt": "e4m3", "block": 128},
+            lambda x: np.repeat(
+                [np.abs(b).max() * 2.0**-3 for b in np.array_split(x, -(-x.size // 128))],
+                [len(b) for b in np.array_split(x, -(-x.size // 128))],
+            ),
+            "fp8_e4m3_b128",
+        ),
+    ],
+)
 def test_builtin_codecs_pass_the_checks(config, bound, golden):
     codec = geocomm.get_codec(config)
     x = values(128 * 8)

@@ -52,15 +52,24 @@ def native_encode(fmt: str, x: np.ndarray, block: int = 0, **options) -> np.ndar
     code = native.FORMATS[fmt]
     wire = np.empty(native.wire_size(code, flat.size, block), np.uint8)
     flags = (native.STOCHASTIC if options.get("rounding") == "stochastic" else 0) | (
-        native.RCEIL if options.get("scale_rule") == "rceil" else 0)
-    native.encode(code, flat, block, wire, flags=flags, seed=options.get("seed", 0),
-                  rounding_stream=options.get("rounding_stream", 0),
-                  offset=options.get("offset", 0))
+        native.RCEIL if options.get("scale_rule") == "rceil" else 0
+    )
+    native.encode(
+        code,
+        flat,
+        block,
+        wire,
+        flags=flags,
+        seed=options.get("seed", 0),
+        rounding_stream=options.get("rounding_stream", 0),
+        offset=options.get("offset", 0),
+    )
     return wire
 
 
-def native_decode(fmt: str, wire: np.ndarray, n: int, block: int = 0,
-                  onto: np.ndarray | None = None) -> np.ndarray:
+def native_decode(
+    fmt: str, wire: np.ndarray, n: int, block: int = 0, onto: np.ndarray | None = None
+) -> np.ndarray:
     """Native decode of n values; with ``onto`` they are accumulated onto a copy of it."""
     out = np.empty(n, F32) if onto is None else np.array(onto, F32)
     native.decode(native.FORMATS[fmt], wire, block, out, accumulate=onto is not None)
@@ -93,8 +102,9 @@ def assert_same_bytes(actual: np.ndarray, expected: np.ndarray) -> None:
     )
 
 
-def check_native_matches_reference(fmt: str, x: np.ndarray, block: int, onto_seed: int = 0,
-                                   **options) -> None:
+def check_native_matches_reference(
+    fmt: str, x: np.ndarray, block: int, onto_seed: int = 0, **options
+) -> None:
     """Same bytes from encode (with the reference's encode ``options``); same values
     from decode and from decode-accumulate."""
     x = np.ascontiguousarray(x, F32).reshape(-1)
@@ -176,21 +186,57 @@ def random_bit_patterns(n: int, seed: int) -> np.ndarray:
     """Uniform random 32-bit patterns: every exponent, inf and NaN payloads included."""
     rng = np.random.default_rng(seed)
     x = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
-    x[:: 97] = rng.choice(bits(0x7F800000, 0xFF800000, 0x7FC00000, 0xFF812345,
-                               0x7F800001).view(np.uint32), x[::97].size)
+    x[::97] = rng.choice(
+        bits(0x7F800000, 0xFF800000, 0x7FC00000, 0xFF812345, 0x7F800001).view(np.uint32),
+        x[::97].size,
+    )
     return x.view(F32)
 
 
-FP32_SUBNORMALS = bits(0x00000001, 0x00000002, 0x00000003, 0x00012345, 0x007FFFFF, 0x80000001,
-                       0x807FFFFF)
-SPECIALS = np.concatenate([
-    np.array([0.0, -0.0, np.inf, -np.inf, np.nan], F32),
-    bits(0xFFC00000, 0x7F800001, 0xFFBFFFFF, 0x7FFFFFFF),  # -NaN, signalling and max payloads
-])
+FP32_SUBNORMALS = bits(
+    0x00000001, 0x00000002, 0x00000003, 0x00012345, 0x007FFFFF, 0x80000001, 0x807FFFFF
+)
+SPECIALS = np.concatenate(
+    [
+        np.array([0.0, -0.0, np.inf, -np.inf, np.nan], F32),
+        bits(0xFFC00000, 0x7F800001, 0xFFBFFFFF, 0x7FFFFFFF),  # -NaN, signalling and max payloads
+    ]
+)
 LANDMARKS = np.array(
-    [448, 464, 465, 480, 57344, 61439, 61440, 61441, 65536, 6, 6.5, 7, 5, 2688, 3.4e38,
-     -3.4e38, 2.0**-126, 2.0**-6, 2.0**-9, 2.0**-10, 3 * 2.0**-10, 2.0**-14, 2.0**-16, 2.0**-17,
-     3 * 2.0**-17, 0.25, 0.75, 1.0625, 1.125, 1.1875, 1 + 2.0**-8, 1 + 3 * 2.0**-8],
+    [
+        448,
+        464,
+        465,
+        480,
+        57344,
+        61439,
+        61440,
+        61441,
+        65536,
+        6,
+        6.5,
+        7,
+        5,
+        2688,
+        3.4e38,
+        -3.4e38,
+        2.0**-126,
+        2.0**-6,
+        2.0**-9,
+        2.0**-10,
+        3 * 2.0**-10,
+        2.0**-14,
+        2.0**-16,
+        2.0**-17,
+        3 * 2.0**-17,
+        0.25,
+        0.75,
+        1.0625,
+        1.125,
+        1.1875,
+        1 + 2.0**-8,
+        1 + 3 * 2.0**-8,
+    ],
     F32,
 )
 
@@ -199,9 +245,15 @@ def edge_tensors(fmt: str, block: int) -> list[np.ndarray]:
     """Hand-made inputs where rounding, clamping, scaling or specials decide."""
     rng = np.random.default_rng(7)
     general = np.concatenate([SPECIALS, FP32_SUBNORMALS, LANDMARKS, -LANDMARKS])
-    tensors = [general, np.zeros(300, F32), np.full(33, -0.0, F32), FP32_SUBNORMALS,
-               np.concatenate([np.zeros(130, F32), FP32_SUBNORMALS, np.zeros(140, F32)]),
-               np.array([np.nan] * 20 + [np.inf] * 20, F32), np.array([np.nan], F32)]
+    tensors = [
+        general,
+        np.zeros(300, F32),
+        np.full(33, -0.0, F32),
+        FP32_SUBNORMALS,
+        np.concatenate([np.zeros(130, F32), FP32_SUBNORMALS, np.zeros(140, F32)]),
+        np.array([np.nan] * 20 + [np.inf] * 20, F32),
+        np.array([np.nan], F32),
+    ]
     # the specials in every block position
     tensors.extend(rng.permutation(np.tile(general, 5)) for _ in range(4))
     if fmt in FP8_DTYPES:
@@ -221,8 +273,9 @@ def nvfp4_head_blocks(blocks: np.ndarray) -> np.ndarray:
     head = np.zeros(16, F32)
     head[0] = NVFP4_SUPER_MAX
     per = NVFP4_SUPERBLOCK - head.size
-    return np.concatenate([np.concatenate([head, blocks[i : i + per]])
-                           for i in range(0, blocks.size, per)]).astype(F32)
+    return np.concatenate(
+        [np.concatenate([head, blocks[i : i + per]]) for i in range(0, blocks.size, per)]
+    ).astype(F32)
 
 
 def nvfp4_edge_tensors() -> list[np.ndarray]:
@@ -266,8 +319,7 @@ def test_every_fp8_code_decodes_like_ml_dtypes(fmt):
     assert_same_floats(native_decode(fmt, body, 256), expected)
     assert_same_floats(ref.decode(fmt, body, 256), expected)
     # accumulating onto zeros: the same values, except that -0 + 0 is +0
-    assert_same_floats(native_decode(fmt, body, 256, onto=np.zeros(256, F32)),
-                       expected + F32(0))
+    assert_same_floats(native_decode(fmt, body, 256, onto=np.zeros(256, F32)), expected + F32(0))
 
 
 def test_every_e2m1_code_decodes_like_ml_dtypes():
@@ -407,8 +459,13 @@ def test_nvfp4_payload_is_ml_dtypes_cast():
     # amax 6 then has block scale code 1.0, so its nibbles are ml_dtypes' E2M1
     # cast of x. Two superblocks and a partial third: each has its own scale.
     rng = np.random.default_rng(4)
-    values = np.concatenate([rng.uniform(-6, 6, 9000), ties_and_neighbours(
-        ml_dtypes.float4_e2m1fn), rng.choice([-1, 1], 500) * np.exp2(rng.uniform(-4, 2.5, 500))])
+    values = np.concatenate(
+        [
+            rng.uniform(-6, 6, 9000),
+            ties_and_neighbours(ml_dtypes.float4_e2m1fn),
+            rng.choice([-1, 1], 500) * np.exp2(rng.uniform(-4, 2.5, 500)),
+        ]
+    )
     payload = with_block_max(values.astype(F32), 16, E2M1_MAX)
     x = nvfp4_head_blocks(payload)
     nsuper, nblocks = -(-x.size // NVFP4_SUPERBLOCK), x.size // 16
@@ -420,8 +477,7 @@ def test_nvfp4_payload_is_ml_dtypes_cast():
     assert np.all(scales[is_head] == 0x7E) and np.all(scales[~is_head] == 0x38)  # 448 and 1.0
     packed = wire[4 * nsuper + nblocks :]
     nibbles = np.stack([packed & 0xF, packed >> 4], axis=1).reshape(-1, 16)[~is_head]
-    assert_same_bytes(nibbles.reshape(-1),
-                      payload.astype(ml_dtypes.float4_e2m1fn).view(np.uint8))
+    assert_same_bytes(nibbles.reshape(-1), payload.astype(ml_dtypes.float4_e2m1fn).view(np.uint8))
 
 
 def nvfp4_sections(wire: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -438,23 +494,33 @@ def test_nvfp4_body_is_the_concatenation_of_aligned_pieces(rounding):
     # starts at a multiple of 4096 values (the collective cuts its shards so,
     # issue #16); stochastic rounding draws by global index (offset = piece start).
     x = random_wide(N_RANDOM + 1234, seed=16)
-    key = {"rounding": rounding, "seed": 5, "rounding_stream": 6} \
-        if rounding == "stochastic" else {}
+    key = (
+        {"rounding": rounding, "seed": 5, "rounding_stream": 6} if rounding == "stochastic" else {}
+    )
     whole = nvfp4_sections(native_encode("nvfp4", x, **key), x.size)
     cuts = [0, 4096, 3 * 4096, 100 * 4096, 101 * 4096, 200 * 4096, x.size]
-    pieces = [nvfp4_sections(native_encode("nvfp4", x[a:b], **key, offset=a), b - a)
-              for a, b in itertools.pairwise(cuts)]
+    pieces = [
+        nvfp4_sections(native_encode("nvfp4", x[a:b], **key, offset=a), b - a)
+        for a, b in itertools.pairwise(cuts)
+    ]
     for section in range(3):
         assert_same_bytes(np.concatenate([p[section] for p in pieces]), whole[section])
     # and a misaligned cut changes the bytes: the superblocks are what makes them agree
-    split = [native_encode("nvfp4", x[a:b], **key, offset=a)
-             for a, b in ((0, 5000), (5000, x.size))]
+    split = [
+        native_encode("nvfp4", x[a:b], **key, offset=a) for a, b in ((0, 5000), (5000, x.size))
+    ]
     assert not np.array_equal(nvfp4_sections(split[1], x.size - 5000)[2], whole[2][2500:])
 
 
 def test_bf16_codes_are_ml_dtypes_cast():
-    x = np.concatenate([random_bit_patterns(1 << 16, seed=2), SPECIALS, LANDMARKS,
-                        ties_and_neighbours(ml_dtypes.bfloat16)])
+    x = np.concatenate(
+        [
+            random_bit_patterns(1 << 16, seed=2),
+            SPECIALS,
+            LANDMARKS,
+            ties_and_neighbours(ml_dtypes.bfloat16),
+        ]
+    )
     with np.errstate(invalid="ignore", over="ignore"):
         expected = x.astype(ml_dtypes.bfloat16).view(np.uint8)
     assert_same_bytes(native_encode("bf16", x), expected)

@@ -22,9 +22,10 @@ JOB = Path(__file__).resolve().parents[1] / "jobs" / "geo_blas_job.py"
 def test_mixed_blas_ranks_agree_bit_for_bit():
     argv, env = mpiexec_command(1, ["COMMAND"])
     mpiexec, flags = argv[0], argv[3:-1]  # the launcher's flags, without "-n 1" and COMMAND
-    envs = [{"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"},
-            {"OPENBLAS_NUM_THREADS": "2", "OMP_NUM_THREADS": "2",
-             "OPENBLAS_CORETYPE": "Sandybridge"}]
+    envs = [
+        {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"},
+        {"OPENBLAS_NUM_THREADS": "2", "OMP_NUM_THREADS": "2", "OPENBLAS_CORETYPE": "Sandybridge"},
+    ]
     cmd = [mpiexec, *flags]
     for i, extra in enumerate(envs):
         if i:
@@ -33,8 +34,11 @@ def test_mixed_blas_ranks_agree_bit_for_bit():
         for key, value in extra.items():
             cmd += ["-x", f"{key}={value}"]
         cmd += [sys.executable, str(JOB)]
-    env = {k: v for k, v in env.items()
-           if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env = {
+        k: v
+        for k, v in env.items()
+        if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+    }
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out

@@ -34,8 +34,11 @@ pytestmark = pytest.mark.mpi(min_size=1)
 def inputs(size: int, count: int) -> tuple[list[np.ndarray], np.ndarray]:
     """Every rank's gradient (a shared part plus its own noise) and their fp64 sum."""
     base = np.random.default_rng(5).standard_normal(count).astype(np.float32)
-    xs = [base + np.float32(0.5) * np.random.default_rng([7, r]).standard_normal(count)
-          .astype(np.float32) for r in range(size)]
+    xs = [
+        base
+        + np.float32(0.5) * np.random.default_rng([7, r]).standard_normal(count).astype(np.float32)
+        for r in range(size)
+    ]
     return xs, np.sum([x.astype(np.float64) for x in xs], axis=0)
 
 
@@ -91,7 +94,8 @@ def test_error_feedback_state_round_trip(comm, codec_id):
 
     rng = np.random.default_rng([comm.rank, 3])
     x = (rng.standard_normal((96, 64)) + np.outer(np.arange(96), np.ones(64)) / 30).astype(
-        np.float32)
+        np.float32
+    )
     knobs = {"min_dim": 8, "min_numel": 0} if codec_id == "geofp8" else {}
     a = geocomm.get_codec(codec_id, error_feedback=True, **knobs)
     for _ in range(100):
@@ -113,8 +117,10 @@ def test_error_feedback_restarts_on_a_new_size(comm):
     geocomm.allreduce(np.ones(1000, np.float32) * 0.3, codec=codec, key="w")
     small = np.full(10, 0.3, np.float32)
     # a fresh residual: the first call of the new size is plain fp8, bit for bit
-    assert np.array_equal(geocomm.allreduce(small, codec=codec, key="w"),
-                          geocomm.allreduce(small, codec="fp8", key="w"))
+    assert np.array_equal(
+        geocomm.allreduce(small, codec=codec, key="w"),
+        geocomm.allreduce(small, codec="fp8", key="w"),
+    )
 
 
 def test_bad_feedback_flag_is_refused():

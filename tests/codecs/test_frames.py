@@ -55,8 +55,9 @@ CONFIGS = [
 ]
 CONFIG_IDS = ["-".join(str(v) for v in c.values()) for c in CONFIGS]
 # hypothesis: no example database (ranks under mpiexec would share it), bounded work
-FUZZ = settings(max_examples=300, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def sample(shape: tuple[int, ...], dtype, seed: int = 0) -> np.ndarray:
@@ -74,8 +75,12 @@ def split_frame(frame) -> dict:
     shape = struct.unpack_from(f"<{ndim}Q", data, HEAD.size)
     start = HEAD.size + 8 * ndim
     return {
-        "magic": magic, "version": version, "dtype": dtype, "ndim": ndim,
-        "reserved": reserved, "shape": shape,
+        "magic": magic,
+        "version": version,
+        "dtype": dtype,
+        "ndim": ndim,
+        "reserved": reserved,
+        "shape": shape,
         "config": data[start : start + config_len],
         "body": data[start + config_len : start + config_len + body_len],
         "crc": data[start + config_len + body_len :],
@@ -90,9 +95,15 @@ def build_frame(fields: dict, **changes) -> bytes:
     """
     f = {**fields, **changes}
     ndim = changes.get("ndim", len(f["shape"]))
-    head = HEAD.pack(f["magic"], f["version"], f["dtype"], ndim, f["reserved"],
-                     changes.get("config_len", len(f["config"])),
-                     changes.get("body_len", len(f["body"])))
+    head = HEAD.pack(
+        f["magic"],
+        f["version"],
+        f["dtype"],
+        ndim,
+        f["reserved"],
+        changes.get("config_len", len(f["config"])),
+        changes.get("body_len", len(f["body"])),
+    )
     data = head + struct.pack(f"<{len(f['shape'])}Q", *f["shape"]) + f["config"] + f["body"]
     return data + CRC.pack(zlib.crc32(data))
 
@@ -102,7 +113,8 @@ def reference_body(config: dict, x: np.ndarray) -> bytes:
     if config["id"] == "none":
         return x.astype("<f4").tobytes()
     fmt = {"fp8": config.get("fmt"), "mxfp8": f"mxfp8_{config.get('fmt')}"}.get(
-        config["id"], config["id"])
+        config["id"], config["id"]
+    )
     options = {k: config[k] for k in ("rounding", "seed", "scale_rule") if k in config}
     return ref.encode(fmt, x, config.get("block", 0), **options).tobytes()
 
@@ -156,20 +168,37 @@ def test_rounding_and_scale_rule_defaults_and_configs():
         assert sr.get_config() == {**plain.get_config(), "rounding": "stochastic", "seed": 9}
         assert sr != plain and sr != geocomm.get_codec(codec_id, rounding="stochastic")
     # MX: the OCP floor rule by default, rceil with stochastic rounding (which needs it)
-    assert geocomm.get_codec("mxfp8").get_config() == {"id": "mxfp8", "fmt": "e4m3",
-                                                       "scale_rule": "floor"}
+    assert geocomm.get_codec("mxfp8").get_config() == {
+        "id": "mxfp8",
+        "fmt": "e4m3",
+        "scale_rule": "floor",
+    }
     assert geocomm.get_codec("mxfp4", rounding="stochastic").get_config() == {
-        "id": "mxfp4", "scale_rule": "rceil", "rounding": "stochastic", "seed": 0}
+        "id": "mxfp4",
+        "scale_rule": "rceil",
+        "rounding": "stochastic",
+        "seed": 0,
+    }
     assert geocomm.get_codec("mxfp4", scale_rule="rceil").get_config() == {
-        "id": "mxfp4", "scale_rule": "rceil"}
+        "id": "mxfp4",
+        "scale_rule": "rceil",
+    }
 
 
-@pytest.mark.parametrize(("codec_id", "params"), [
-    ("fp8", {"rounding": "up"}), ("fp8", {"rounding": None}), ("bf16", {"seed": -1}),
-    ("nvfp4", {"seed": 2**64}), ("fp8", {"seed": 1.5}), ("fp8", {"seed": True}),
-    ("mxfp8", {"fmt": "e2m1"}), ("mxfp8", {"scale_rule": "ceil"}),
-    ("mxfp4", {"scale_rule": "floor", "rounding": "stochastic"}),
-])
+@pytest.mark.parametrize(
+    ("codec_id", "params"),
+    [
+        ("fp8", {"rounding": "up"}),
+        ("fp8", {"rounding": None}),
+        ("bf16", {"seed": -1}),
+        ("nvfp4", {"seed": 2**64}),
+        ("fp8", {"seed": 1.5}),
+        ("fp8", {"seed": True}),
+        ("mxfp8", {"fmt": "e2m1"}),
+        ("mxfp8", {"scale_rule": "ceil"}),
+        ("mxfp4", {"scale_rule": "floor", "rounding": "stochastic"}),
+    ],
+)
 def test_bad_rounding_and_mx_params_are_value_error(codec_id, params):
     with pytest.raises(ValueError):
         geocomm.get_codec(codec_id, **params)
@@ -209,10 +238,20 @@ def test_unknown_id_is_key_error():
         geocomm.get_codec({"id": "nosuch"})
 
 
-@pytest.mark.parametrize("params", [
-    {"fmt": "e3m4"}, {"fmt": "E4M3"}, {"fmt": None}, {"block": -1}, {"block": 1.5},
-    {"block": "128"}, {"block": True}, {"block": None}, {"block": 2**70},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"fmt": "e3m4"},
+        {"fmt": "E4M3"},
+        {"fmt": None},
+        {"block": -1},
+        {"block": 1.5},
+        {"block": "128"},
+        {"block": True},
+        {"block": None},
+        {"block": 2**70},
+    ],
+)
 def test_bad_fp8_params_are_value_error(params):
     with pytest.raises(ValueError):
         geocomm.get_codec("fp8", **params)
@@ -246,8 +285,9 @@ def test_roundtrip_keeps_dtype_and_shape(config, dtype, shape):
     if config["id"] == "none":
         np.testing.assert_array_equal(y, x32.astype(dtype))
     elif config["id"] == "bf16":
-        np.testing.assert_array_equal(y, x32.astype(ml_dtypes.bfloat16).astype(np.float32)
-                                      .astype(dtype))
+        np.testing.assert_array_equal(
+            y, x32.astype(ml_dtypes.bfloat16).astype(np.float32).astype(dtype)
+        )
     else:
         bound = bounds.single_bound(x32.ravel(), codec).reshape(shape)
         err = np.abs(y.astype(np.float64) - x32)
@@ -279,9 +319,11 @@ def test_decode_into_bad_out():
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
-@pytest.mark.parametrize("bad", [np.arange(6, dtype=np.int32), np.ones(3, np.complex64),
-                                 [1.0, 2.0], np.ones(3, bool)], ids=["int32", "complex64",
-                                                                    "list", "bool"])
+@pytest.mark.parametrize(
+    "bad",
+    [np.arange(6, dtype=np.int32), np.ones(3, np.complex64), [1.0, 2.0], np.ones(3, bool)],
+    ids=["int32", "complex64", "list", "bool"],
+)
 def test_encode_rejects_non_float(config, bad):
     with pytest.raises(TypeError):
         geocomm.get_codec(config).encode(bad)
@@ -290,14 +332,19 @@ def test_encode_rejects_non_float(config, bad):
 def test_encode_accepts_non_contiguous():
     x = sample((8, 9), np.float32)[::2, ::3]
     codec = geocomm.get_codec("fp8", block=4)
-    np.testing.assert_array_equal(codec.decode(codec.encode(x)),
-                                  codec.decode(codec.encode(np.ascontiguousarray(x))))
+    np.testing.assert_array_equal(
+        codec.decode(codec.encode(x)), codec.decode(codec.encode(np.ascontiguousarray(x)))
+    )
 
 
 def test_decode_rejects_frame_of_another_codec():
     frame = geocomm.get_codec("fp8", fmt="e4m3", block=128).encode(sample((300,), np.float32))
-    for other in ({"id": "fp8", "fmt": "e5m2", "block": 128}, {"id": "fp8", "fmt": "e4m3",
-                  "block": 64}, {"id": "nvfp4"}, {"id": "none"}):
+    for other in (
+        {"id": "fp8", "fmt": "e5m2", "block": 128},
+        {"id": "fp8", "fmt": "e4m3", "block": 64},
+        {"id": "nvfp4"},
+        {"id": "none"},
+    ):
         with pytest.raises(ValueError, match="written by"):
             geocomm.get_codec(other).decode(frame)
     # an e5m2 config on an e4m3 body has the right length: a valid frame, but
@@ -382,42 +429,48 @@ def test_every_single_bit_flip_is_rejected(small_frame):
     assert geocomm.decode(bytes(data)).shape == (2, 5)
 
 
-@pytest.mark.parametrize(("changes", "match"), [
-    ({"magic": b"GEOD"}, "magic"),
-    ({"magic": b"\0\0\0\0"}, "magic"),
-    ({"version": 0}, "version"),
-    ({"version": 2}, "version"),
-    ({"dtype": 0}, "dtype"),
-    ({"dtype": 5}, "dtype"),
-    ({"dtype": 255}, "dtype"),
-    ({"ndim": 33}, "dimensions"),
-    ({"ndim": 255}, "dimensions"),
-    ({"ndim": 3}, "length"),  # one dim more than the frame holds
-    ({"ndim": 1}, "length"),
-    ({"config_len": 0}, "length"),
-    ({"body_len": 0}, "length"),
-    ({"shape": (2, 6)}, "body"),
-    ({"shape": (2, 5, 1, 0)}, "body"),
-    ({"shape": (2**40, 2**40)}, "holds more"),
-    ({"shape": (2**64 - 1,)}, "holds more"),
-    ({"body": b""}, "body"),
-    ({"body": b"\0" * 200}, "body"),
-    ({"config": b'{"id":"fp8","fmt":"e4m3","block":4}x'}, "JSON"),
-    ({"config": b"{not json}"}, "JSON"),
-    ({"config": b"\xff\xfe\xfd"}, "JSON"),
-    ({"config": b""}, "JSON"),
-    ({"config": b"[1, 2]"}, "object"),
-    ({"config": b'{"id": 4}'}, "object"),
-    ({"config": b'{"fmt": "e4m3"}'}, "object"),
-    ({"config": b'{"id": "nosuch"}'}, "unusable"),
-    ({"config": b'{"id": "fp8", "fmt": "e9m9", "block": 4}'}, "unusable"),
-    ({"config": b'{"id": "fp8", "fmt": "e4m3", "block": 4, "x": 1}'}, "unusable"),
-    ({"config": b'{"id": "fp8", "fmt": "e4m3", "block": 100000000000000000000000}'}, "unusable"),
-    ({"config": b'{"id": "fp8", "fmt": "e4m3", "block": 1e400}'}, "unusable"),
-    ({"config": b'{"id": "none", "x": 1}'}, "unusable"),
-    ({"config": b'{"id": "bf16"}'}, "body"),  # a fine codec, but the body has fp8 size
-    ({"config": b"[" * 100_000}, "JSON"),  # nesting deeper than the JSON parser recurses
-])
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"magic": b"GEOD"}, "magic"),
+        ({"magic": b"\0\0\0\0"}, "magic"),
+        ({"version": 0}, "version"),
+        ({"version": 2}, "version"),
+        ({"dtype": 0}, "dtype"),
+        ({"dtype": 5}, "dtype"),
+        ({"dtype": 255}, "dtype"),
+        ({"ndim": 33}, "dimensions"),
+        ({"ndim": 255}, "dimensions"),
+        ({"ndim": 3}, "length"),  # one dim more than the frame holds
+        ({"ndim": 1}, "length"),
+        ({"config_len": 0}, "length"),
+        ({"body_len": 0}, "length"),
+        ({"shape": (2, 6)}, "body"),
+        ({"shape": (2, 5, 1, 0)}, "body"),
+        ({"shape": (2**40, 2**40)}, "holds more"),
+        ({"shape": (2**64 - 1,)}, "holds more"),
+        ({"body": b""}, "body"),
+        ({"body": b"\0" * 200}, "body"),
+        ({"config": b'{"id":"fp8","fmt":"e4m3","block":4}x'}, "JSON"),
+        ({"config": b"{not json}"}, "JSON"),
+        ({"config": b"\xff\xfe\xfd"}, "JSON"),
+        ({"config": b""}, "JSON"),
+        ({"config": b"[1, 2]"}, "object"),
+        ({"config": b'{"id": 4}'}, "object"),
+        ({"config": b'{"fmt": "e4m3"}'}, "object"),
+        ({"config": b'{"id": "nosuch"}'}, "unusable"),
+        ({"config": b'{"id": "fp8", "fmt": "e9m9", "block": 4}'}, "unusable"),
+        ({"config": b'{"id": "fp8", "fmt": "e4m3", "block": 4, "x": 1}'}, "unusable"),
+        (
+            {"config": b'{"id": "fp8", "fmt": "e4m3", "block": 100000000000000000000000}'},
+            "unusable",
+        ),
+        ({"config": b'{"id": "fp8", "fmt": "e4m3", "block": 1e400}'}, "unusable"),
+        ({"config": b'{"id": "none", "x": 1}'}, "unusable"),
+        ({"config": b'{"id": "bf16"}'}, "body"),  # a fine codec, but the body has fp8 size
+        ({"config": b"[" * 100_000}, "JSON"),  # nesting deeper than the JSON parser recurses
+    ],
+)
 def test_malformed_header_is_rejected(small_frame, changes, match):
     frame = build_frame(split_frame(small_frame), **changes)  # CRC recomputed: checks behind it
     with pytest.raises(ValueError, match=match):
@@ -443,8 +496,11 @@ def test_non_frames_are_rejected(buf):
 
 def test_frame_may_be_any_buffer(small_frame):
     expected = geocomm.decode(small_frame)
-    for buf in (bytearray(small_frame), memoryview(small_frame),
-                np.frombuffer(small_frame, np.uint8)):
+    for buf in (
+        bytearray(small_frame),
+        memoryview(small_frame),
+        np.frombuffer(small_frame, np.uint8),
+    ):
         np.testing.assert_array_equal(geocomm.decode(buf), expected)
 
 
@@ -452,19 +508,37 @@ def test_frame_may_be_any_buffer(small_frame):
 
 VALID_FRAMES = [
     geocomm.get_codec(c).encode(sample(shape, dt, seed=i)).tobytes()
-    for i, (c, shape, dt) in enumerate([
-        (CONFIGS[0], (3,), np.float32), (CONFIGS[1], (2, 3), np.float16),
-        (CONFIGS[2], (5,), np.float64), (CONFIGS[3], (), np.float32),
-        (CONFIGS[4], (17,), ml_dtypes.bfloat16), (CONFIGS[5], (3, 7), np.float32),
-        (CONFIGS[5], (0,), np.float32), (CONFIGS[6], (40,), np.float32),
-        (CONFIGS[8], (33,), np.float16), (CONFIGS[9], (5, 5), np.float32),
-    ])
+    for i, (c, shape, dt) in enumerate(
+        [
+            (CONFIGS[0], (3,), np.float32),
+            (CONFIGS[1], (2, 3), np.float16),
+            (CONFIGS[2], (5,), np.float64),
+            (CONFIGS[3], (), np.float32),
+            (CONFIGS[4], (17,), ml_dtypes.bfloat16),
+            (CONFIGS[5], (3, 7), np.float32),
+            (CONFIGS[5], (0,), np.float32),
+            (CONFIGS[6], (40,), np.float32),
+            (CONFIGS[8], (33,), np.float16),
+            (CONFIGS[9], (5, 5), np.float32),
+        ]
+    )
 ]
 CONFIG_TEXTS = [json.dumps(c, sort_keys=True, separators=(",", ":")).encode() for c in CONFIGS] + [
-    b"", b"{}", b"null", b'{"id":null}', b'{"id":"fp8","block":-5}', b'{"id":"fp8","block":0.0}',
-    b'{"id":"fp8","fmt":"e5m2","block":18446744073709551616}', b'{"id":"nvfp4","id":"none"}',
-    b'{"id":"fp8","fmt":["e4m3"]}', b'{"id":"fp8","fmt":{"a":1}}', b"[" * 3000, b'"' * 7,
-    b'{"id":"' + b"x" * 300 + b'"}', b'{"id":"none"}\x00', b'{"id":"bf16","\xc3\x28":1}',
+    b"",
+    b"{}",
+    b"null",
+    b'{"id":null}',
+    b'{"id":"fp8","block":-5}',
+    b'{"id":"fp8","block":0.0}',
+    b'{"id":"fp8","fmt":"e5m2","block":18446744073709551616}',
+    b'{"id":"nvfp4","id":"none"}',
+    b'{"id":"fp8","fmt":["e4m3"]}',
+    b'{"id":"fp8","fmt":{"a":1}}',
+    b"[" * 3000,
+    b'"' * 7,
+    b'{"id":"' + b"x" * 300 + b'"}',
+    b'{"id":"none"}\x00',
+    b'{"id":"bf16","\xc3\x28":1}',
 ]
 
 
@@ -476,10 +550,19 @@ def test_fuzz_random_bytes(data):
 
 
 @FUZZ
-@given(frame=st.sampled_from(VALID_FRAMES), edits=st.lists(
-    st.tuples(st.sampled_from(["set", "insert", "delete", "truncate"]),
-              st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=6),
-    reseal=st.booleans())
+@given(
+    frame=st.sampled_from(VALID_FRAMES),
+    edits=st.lists(
+        st.tuples(
+            st.sampled_from(["set", "insert", "delete", "truncate"]),
+            st.integers(0, 10**6),
+            st.integers(0, 255),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    reseal=st.booleans(),
+)
 def test_fuzz_mutated_frames(frame, edits, reseal):
     data = bytearray(frame[: -CRC.size] if reseal else frame)
     for op, where, value in edits:
@@ -498,14 +581,25 @@ def test_fuzz_mutated_frames(frame, edits, reseal):
 
 
 @FUZZ
-@given(magic=st.sampled_from([b"GEOC", b"GEOD"]), version=st.sampled_from([1, 1, 1, 0, 2]),
-       dtype=st.integers(0, 6), shape=st.lists(st.one_of(
-           st.integers(0, 40), st.integers(0, 2**64 - 1)), max_size=5),
-       config=st.sampled_from(CONFIG_TEXTS), body=st.binary(max_size=600),
-       body_len=st.one_of(st.none(), st.integers(0, 2**64 - 1)))
+@given(
+    magic=st.sampled_from([b"GEOC", b"GEOD"]),
+    version=st.sampled_from([1, 1, 1, 0, 2]),
+    dtype=st.integers(0, 6),
+    shape=st.lists(st.one_of(st.integers(0, 40), st.integers(0, 2**64 - 1)), max_size=5),
+    config=st.sampled_from(CONFIG_TEXTS),
+    body=st.binary(max_size=600),
+    body_len=st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+)
 def test_fuzz_structured_headers(magic, version, dtype, shape, config, body, body_len):
-    fields = {"magic": magic, "version": version, "dtype": dtype, "reserved": 0,
-              "shape": tuple(shape), "config": config, "body": body}
+    fields = {
+        "magic": magic,
+        "version": version,
+        "dtype": dtype,
+        "reserved": 0,
+        "shape": tuple(shape),
+        "config": config,
+        "body": body,
+    }
     extra = {} if body_len is None else {"body_len": body_len}
     result = decode_or_reject(build_frame(fields, **extra))
     if result is not None:

@@ -42,8 +42,9 @@ def spiked(m: int, n: int, seed: int, noise: float = 0.01) -> np.ndarray:
     rng = np.random.default_rng([seed, m, n, 7])
     u = np.linalg.qr(rng.standard_normal((m, 4)))[0]
     v = np.linalg.qr(rng.standard_normal((n, 4)))[0]
-    return ((u * [40.0, 20.0, 10.0, 5.0]) @ v.T
-            + noise * rng.standard_normal((m, n))).astype(np.float32)
+    return ((u * [40.0, 20.0, 10.0, 5.0]) @ v.T + noise * rng.standard_normal((m, n))).astype(
+        np.float32
+    )
 
 
 def gaussian(m: int, n: int, seed: int) -> np.ndarray:
@@ -52,8 +53,7 @@ def gaussian(m: int, n: int, seed: int) -> np.ndarray:
 
 def rank_inputs(size: int, m: int, n: int, step: int, noise: float = 0.01) -> list[np.ndarray]:
     """Every rank's gradient at ``step``: a shared spiked matrix plus its own noise."""
-    return [spiked(m, n, seed=1) + noise * gaussian(m, n, seed=100 * step + r)
-            for r in range(size)]
+    return [spiked(m, n, seed=1) + noise * gaussian(m, n, seed=100 * step + r) for r in range(size)]
 
 
 def rel(a, b) -> float:
@@ -81,7 +81,7 @@ def ref_project(x: np.ndarray, lo: int, n: int, vt: np.ndarray) -> np.ndarray:
     for r in range(rows):
         row = lo // n + r
         a, b = max(row * n, lo), min((row + 1) * n, lo + x.size)
-        vals = np.where(np.isfinite(x[a - lo: b - lo]), x[a - lo: b - lo], np.float32(0))
+        vals = np.where(np.isfinite(x[a - lo : b - lo]), x[a - lo : b - lo], np.float32(0))
         lanes = np.zeros((k, 8), np.float32)
         for t in range(b - a):
             lanes[:, t % 8] = lanes[:, t % 8] + vals[t] * vt[:, (a + t) % n]
@@ -110,9 +110,10 @@ def ref_accumulate(x, lo, n, coef, acc):
 
 
 @pytest.mark.parametrize("xp", NAMESPACES)
-@pytest.mark.parametrize(("m", "n", "k", "lo", "length"),
-                         [(5, 19, 3, 0, 95), (6, 23, 4, 7, 100), (4, 40, 5, 45, 30),
-                          (3, 9, 2, 4, 3)])
+@pytest.mark.parametrize(
+    ("m", "n", "k", "lo", "length"),
+    [(5, 19, 3, 0, 95), (6, 23, 4, 7, 100), (4, 40, 5, 45, 30), (3, 9, 2, 4, 3)],
+)
 def test_kernels_follow_the_fixed_order(xp, m, n, k, lo, length):
     rng = np.random.default_rng([m, n, k])
     x = rng.standard_normal(length).astype(np.float32) * 100
@@ -170,19 +171,31 @@ def test_rank_follows_budget_bytes_and_shape():
     assert map_shape((32, 1024), config, fp8_payload(32, 1024)) is None  # min_dim
     assert map_shape((64, 200), config, fp8_payload(64, 200)) is None  # min_numel
     assert map_shape((256, 256), {**config, "budget": 2.0}, fp8_payload(256, 256)) is None
-    assert map_shape((4, 8, 32), {**config, "min_dim": 1, "min_numel": 0},
-                  fp8_payload(4, 256)).n == 256  # N-d: (shape[0], prod(rest))
+    assert (
+        map_shape((4, 8, 32), {**config, "min_dim": 1, "min_numel": 0}, fp8_payload(4, 256)).n
+        == 256
+    )  # N-d: (shape[0], prod(rest))
 
 
 def test_config_round_trip_and_validation():
     codec = get_codec("geofp8", k=16, budget=80.0, refresh=2)
     again = get_codec(json.loads(json.dumps(codec.get_config())))
     assert again == codec and again.get_config()["refresh"] == 2
-    assert get_codec("hadamard").get_config() == {"id": "hadamard", "fmt": "e4m3",
-                                                  "block": 128, "seed": 0, "min_dim": 64,
-                                                  "min_numel": 16384}
-    for bad in ({"transform": "whiten"}, {"k": 0}, {"refresh": 0}, {"budget": -1.0},
-                {"min_share": 2.0}):
+    assert get_codec("hadamard").get_config() == {
+        "id": "hadamard",
+        "fmt": "e4m3",
+        "block": 128,
+        "seed": 0,
+        "min_dim": 64,
+        "min_numel": 16384,
+    }
+    for bad in (
+        {"transform": "whiten"},
+        {"k": 0},
+        {"refresh": 0},
+        {"budget": -1.0},
+        {"min_share": 2.0},
+    ):
         with pytest.raises(ValueError):
             get_codec("geofp8", **bad)
     with pytest.raises(TypeError, match="unknown GeoFP8 parameters"):
@@ -297,8 +310,9 @@ def test_state_dict_round_trip_continues_bit_for_bit():
         dst.load_state_dict(json.loads(json.dumps(src.state_dict(), default=_jsonable)))
     for step in range(5, 8):
         xs = rank_inputs(2, 80, 72, step)
-        assert np.array_equal(simulate_allreduce(a, xs, key="w"),
-                              simulate_allreduce(b, xs, key="w"))
+        assert np.array_equal(
+            simulate_allreduce(a, xs, key="w"), simulate_allreduce(b, xs, key="w")
+        )
     with pytest.raises(ValueError, match="saved by"):
         get_codec("geofp8", k=5).load_state_dict(a[0].state_dict())
 
@@ -315,12 +329,15 @@ def test_shape_change_resets_the_key():
 
 
 def test_geonvfp4_gain():
-    codecs, plain = [get_codec("geonvfp4", min_dim=8, min_numel=0) for _ in range(2)], \
-        [get_codec("nvfp4") for _ in range(2)]
+    codecs, plain = (
+        [get_codec("geonvfp4", min_dim=8, min_numel=0) for _ in range(2)],
+        [get_codec("nvfp4") for _ in range(2)],
+    )
     for step in range(3):
         xs = rank_inputs(2, 256, 192, step)
         ratio = rel(simulate_allreduce(codecs, xs, key="w"), exact_sum(xs)) / rel(
-            simulate_allreduce(plain, xs), exact_sum(xs))
+            simulate_allreduce(plain, xs), exact_sum(xs)
+        )
     assert ratio < 0.2, ratio
 
 
@@ -354,7 +371,7 @@ def test_frame_rejects_a_corrupt_side_channel():
     frame = codec.encode(spiked(64, 64, seed=1))
     info_len = frame.size - codec.frame_body_size((64, 64)) - 4
     bad = frame.copy()
-    bad[info_len + 4: info_len + 8] = np.frombuffer(np.float32(np.nan).tobytes(), np.uint8)
+    bad[info_len + 4 : info_len + 8] = np.frombuffer(np.float32(np.nan).tobytes(), np.uint8)
     import zlib
 
     from geocomm.codecs.frames import CRC as _CRC  # re-seal the frame: the side channel is checked
@@ -400,16 +417,22 @@ def test_parts_map_each_tensor_on_its_own(comm):
     bucket, single = get_codec("geofp8", **knobs), get_codec("geofp8", **knobs)
     parts = [("a", (40, 30)), ("bias", (30,)), ("b", (20, 50))]
     for step in range(5):
-        tensors = [spiked(40, 30, seed=step + rank), np.full(30, rank, np.float32),
-                   spiked(20, 50, seed=7 + step + rank)]
+        tensors = [
+            spiked(40, 30, seed=step + rank),
+            np.full(30, rank, np.float32),
+            spiked(20, 50, seed=7 + step + rank),
+        ]
         flat = np.concatenate([t.reshape(-1) for t in tensors])
         got = geocomm.allreduce(flat, codec=bucket, parts=parts)
         # one tensor at a time through its own key: same map, but other pieces
         # and other block boundaries of the quantizer, so compare errors
         exact = comm_sum(comm, flat)
-        alone = np.concatenate([
-            geocomm.allreduce(t, codec=single, key=name).reshape(-1)
-            for t, (name, _) in zip(tensors, parts, strict=True)])
+        alone = np.concatenate(
+            [
+                geocomm.allreduce(t, codec=single, key=name).reshape(-1)
+                for t, (name, _) in zip(tensors, parts, strict=True)
+            ]
+        )
         assert rel(got, exact) < 1.5 * rel(alone, exact) + 1e-7
     for name in ("a", "b"):  # each tensor of the bucket kept its own state
         info = bucket.state_info(name)

@@ -48,8 +48,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"
 F32 = np.float32
 MX = ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4"]
 RULES = ["floor", "rceil"]
-ELEMENT = {"mxfp8_e4m3": ml_dtypes.float8_e4m3fn, "mxfp8_e5m2": ml_dtypes.float8_e5m2,
-           "mxfp4": ml_dtypes.float4_e2m1fn}
+ELEMENT = {
+    "mxfp8_e4m3": ml_dtypes.float8_e4m3fn,
+    "mxfp8_e5m2": ml_dtypes.float8_e5m2,
+    "mxfp4": ml_dtypes.float4_e2m1fn,
+}
 EMAX = {"mxfp8_e4m3": 8, "mxfp8_e5m2": 15, "mxfp4": 2}
 FMAX = {"mxfp8_e4m3": 448.0, "mxfp8_e5m2": 57344.0, "mxfp4": 6.0}
 BLOCK = 32
@@ -100,8 +103,9 @@ def test_every_scale_and_element_code_decodes_like_ml_dtypes(fmt):
     wire = body(fmt, scales, codes)
     n = codes.size
     with np.errstate(over="ignore", invalid="ignore"):
-        expected = (codes.view(ELEMENT[fmt]).astype(F32)
-                    * np.repeat(scales.view(ml_dtypes.float8_e8m0fnu).astype(F32), BLOCK))
+        expected = codes.view(ELEMENT[fmt]).astype(F32) * np.repeat(
+            scales.view(ml_dtypes.float8_e8m0fnu).astype(F32), BLOCK
+        )
         assert_same_floats(native_decode(fmt, wire, n), expected)
         assert_same_floats(ref.decode(fmt, wire, n), expected)
         # accumulating onto zeros: the same values, except that -0 + 0 is +0
@@ -146,8 +150,24 @@ def test_shared_exponent_at_the_edges(fmt, rule):
     fmax = FMAX[fmt]
     below, above = np.nextafter(F32(fmax), F32(0)), np.nextafter(F32(fmax), F32(np.inf))
     top = np.nextafter(F32(2.0 ** (EMAX[fmt] + 1)), F32(0))
-    amaxes = [0.0, 1.0, 0.75, fmax, below, above, top, 2.0**-149, 2.0**-127, 2.0**-126,
-              2.0 ** (-127 + EMAX[fmt]), 3 * 2.0**-140, 3.4028235e38, 2.0**127, 1e-30, 12345.0]
+    amaxes = [
+        0.0,
+        1.0,
+        0.75,
+        fmax,
+        below,
+        above,
+        top,
+        2.0**-149,
+        2.0**-127,
+        2.0**-126,
+        2.0 ** (-127 + EMAX[fmt]),
+        3 * 2.0**-140,
+        3.4028235e38,
+        2.0**127,
+        1e-30,
+        12345.0,
+    ]
     x = np.zeros(BLOCK * len(amaxes), F32)
     x[::BLOCK] = amaxes
     x[1::BLOCK] = -np.array(amaxes, F32) / 3  # a smaller value of the other sign
@@ -211,10 +231,16 @@ def mx_edge_tensors(fmt: str) -> list[np.ndarray]:
     the element format at exact power-of-two scales."""
     rng = np.random.default_rng(8)
     general = np.concatenate([SPECIALS, FP32_SUBNORMALS, LANDMARKS, -LANDMARKS])
-    tensors = [general, np.zeros(100, F32), np.full(33, -0.0, F32), FP32_SUBNORMALS,
-               np.concatenate([np.zeros(40, F32), FP32_SUBNORMALS, np.zeros(40, F32)]),
-               np.array([np.nan] * 20 + [np.inf] * 40, F32), np.array([np.nan], F32),
-               np.array([3.4028235e38, -3.4028235e38, 1.0, 2.0**-149], F32)]
+    tensors = [
+        general,
+        np.zeros(100, F32),
+        np.full(33, -0.0, F32),
+        FP32_SUBNORMALS,
+        np.concatenate([np.zeros(40, F32), FP32_SUBNORMALS, np.zeros(40, F32)]),
+        np.array([np.nan] * 20 + [np.inf] * 40, F32),
+        np.array([np.nan], F32),
+        np.array([3.4028235e38, -3.4028235e38, 1.0, 2.0**-149], F32),
+    ]
     tensors.extend(rng.permutation(np.tile(general, 5)) for _ in range(4))
     ties = ties_and_neighbours(ELEMENT[fmt])
     ties = ties[np.abs(ties) <= FMAX[fmt]]
@@ -269,7 +295,7 @@ def test_payload_is_ml_dtypes_cast(fmt, k):
     kx = max(k, -127)
     assert np.all(scale_bytes(fmt, wire, x.size) == kx + 127)
     expected = np.clip(np.ldexp(x, -kx), -fmax, fmax).astype(F32).astype(ELEMENT[fmt])
-    codes = wire[-(-x.size // BLOCK):]
+    codes = wire[-(-x.size // BLOCK) :]
     if fmt == "mxfp4":
         codes = np.stack([codes & 0xF, codes >> 4], axis=1).reshape(-1)[: x.size]
     assert_same_bytes(codes, expected.view(np.uint8))

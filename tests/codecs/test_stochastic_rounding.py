@@ -47,17 +47,34 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"
 F32 = np.float32
 SR = {"rounding": "stochastic"}
 # (format, block, extra encode options) of every lossy format
-CASES = [("e4m3", 128, {}), ("e5m2", 128, {}), ("e4m3", 0, {}), ("e5m2", 1, {}),
-         ("nvfp4", 0, {}), ("bf16", 0, {}), ("mxfp8_e4m3", 0, {"scale_rule": "rceil"}),
-         ("mxfp8_e5m2", 0, {"scale_rule": "rceil"}), ("mxfp4", 0, {"scale_rule": "rceil"})]
+CASES = [
+    ("e4m3", 128, {}),
+    ("e5m2", 128, {}),
+    ("e4m3", 0, {}),
+    ("e5m2", 1, {}),
+    ("nvfp4", 0, {}),
+    ("bf16", 0, {}),
+    ("mxfp8_e4m3", 0, {"scale_rule": "rceil"}),
+    ("mxfp8_e5m2", 0, {"scale_rule": "rceil"}),
+    ("mxfp4", 0, {"scale_rule": "rceil"}),
+]
 CASE_IDS = [f"{fmt}-b{block}" for fmt, block, _ in CASES]
-ELEMENT = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2,
-           "nvfp4": ml_dtypes.float4_e2m1fn, "bf16": ml_dtypes.bfloat16,
-           "mxfp8_e4m3": ml_dtypes.float8_e4m3fn, "mxfp8_e5m2": ml_dtypes.float8_e5m2,
-           "mxfp4": ml_dtypes.float4_e2m1fn}
+ELEMENT = {
+    "e4m3": ml_dtypes.float8_e4m3fn,
+    "e5m2": ml_dtypes.float8_e5m2,
+    "nvfp4": ml_dtypes.float4_e2m1fn,
+    "bf16": ml_dtypes.bfloat16,
+    "mxfp8_e4m3": ml_dtypes.float8_e4m3fn,
+    "mxfp8_e5m2": ml_dtypes.float8_e5m2,
+    "mxfp4": ml_dtypes.float4_e2m1fn,
+}
 # the code of 1.0 in each element format (see unit_scales)
-ONE = {ml_dtypes.float8_e4m3fn: 0x38, ml_dtypes.float8_e5m2: 0x3C, ml_dtypes.float4_e2m1fn: 0x2,
-       ml_dtypes.bfloat16: 0x3F80}
+ONE = {
+    ml_dtypes.float8_e4m3fn: 0x38,
+    ml_dtypes.float8_e5m2: 0x3C,
+    ml_dtypes.float4_e2m1fn: 0x2,
+    ml_dtypes.bfloat16: 0x3F80,
+}
 
 
 def codec_for(fmt: str, block: int, **params):
@@ -96,8 +113,12 @@ def test_random_words_are_splitmix64():
     def mix64(z: int) -> int:
         return splitmix64((z - gamma) & MASK, 1)[0]
 
-    for seed, stream, offset in [(0, 0, 0), (1, 2, 3), (2**64 - 1, 12345, 2**64 - 2),
-                                 (42, 2**63, 10**12)]:
+    for seed, stream, offset in [
+        (0, 0, 0),
+        (1, 2, 3),
+        (2**64 - 1, 12345, 2**64 - 2),
+        (42, 2**63, 10**12),
+    ]:
         key = mix64(mix64(seed) ^ stream)
         assert ref.sr_key(seed, stream) == key
         words = splitmix64((key + offset * gamma) & MASK, 5)  # outputs offset .. offset + 4
@@ -133,9 +154,11 @@ def neighbours(r: float, dtype) -> tuple[Fraction, Fraction]:
     return Fraction(values[i]), Fraction(values[min(i + 1, len(values) - 1)])
 
 
-@pytest.mark.parametrize("dtype", [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
-                                   ml_dtypes.float4_e2m1fn, ml_dtypes.bfloat16],
-                         ids=["e4m3", "e5m2", "e2m1", "bf16"])
+@pytest.mark.parametrize(
+    "dtype",
+    [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.float4_e2m1fn, ml_dtypes.bfloat16],
+    ids=["e4m3", "e5m2", "e2m1", "bf16"],
+)
 def test_threshold_is_the_exact_distance(dtype):
     # For magnitudes r across the normal and subnormal ranges and below the
     # smallest subnormal, the reference rounds up for the word t - 1 and down
@@ -147,8 +170,9 @@ def test_threshold_is_the_exact_distance(dtype):
     rng = np.random.default_rng(3)
     top = float(ml_dtypes.finfo(dtype).max)
     tiny = float(ml_dtypes.finfo(dtype).smallest_subnormal)
-    r = np.concatenate([rng.uniform(0, top, 200), np.exp2(rng.uniform(np.log2(tiny) - 40,
-                                                                       np.log2(top), 600))])
+    r = np.concatenate(
+        [rng.uniform(0, top, 200), np.exp2(rng.uniform(np.log2(tiny) - 40, np.log2(top), 600))]
+    )
     r = np.unique(r.astype(F32))
     r = r[r <= top]
     exact = 0
@@ -156,11 +180,18 @@ def test_threshold_is_the_exact_distance(dtype):
         fr = Fraction(float(value))
         lo, hi = neighbours(float(value), dtype)
         t = int((fr - lo) * 2**32 / (hi - lo)) if hi > lo else 0
-        codes = [ref._round_stochastic(np.array([value]), dtype, np.array([w], np.uint32))[0]
-                 for w in (max(t - 1, 0), t) if w < 2**32]
+        codes = [
+            ref._round_stochastic(np.array([value]), dtype, np.array([w], np.uint32))[0]
+            for w in (max(t - 1, 0), t)
+            if w < 2**32
+        ]
         down = ref._round_stochastic(np.array([value]), dtype, np.array([2**32 - 1], np.uint32))
-        lo_value = np.array([down[0]]).view(np.uint16 if dtype == ml_dtypes.bfloat16
-                                           else np.uint8).view(dtype).astype(np.float64)[0]
+        lo_value = (
+            np.array([down[0]])
+            .view(np.uint16 if dtype == ml_dtypes.bfloat16 else np.uint8)
+            .view(dtype)
+            .astype(np.float64)[0]
+        )
         assert Fraction(float(lo_value)) == lo  # the largest word always rounds down
         if t > 0:
             assert codes[0] != down[0], "word t - 1 must round up"
@@ -184,25 +215,40 @@ def test_random_inputs_match_reference(fmt, block, options, kind):
     make = random_wide if kind == "wide" else random_bit_patterns
     i = CASE_IDS.index(f"{fmt}-b{block}") + (50 if kind == "bits" else 0)
     x = make(N_RANDOM, seed=1000 + i)
-    check_native_matches_reference(fmt, x, block, **SR, **options, seed=i, rounding_stream=3 * i,
-                                   offset=2**40 * i)
+    check_native_matches_reference(
+        fmt, x, block, **SR, **options, seed=i, rounding_stream=3 * i, offset=2**40 * i
+    )
 
 
 @pytest.mark.parametrize(("fmt", "block", "options"), CASES, ids=CASE_IDS)
 def test_edge_inputs_and_offsets_match_reference(fmt, block, options):
     # specials, fp32 subnormals, landmarks and the element format's ties; seeds,
     # streams and offsets at the ends of their range (the index wraps modulo 2^64)
-    general = np.concatenate([SPECIALS, FP32_SUBNORMALS, LANDMARKS, -LANDMARKS,
-                              ties_and_neighbours(ELEMENT[fmt])])
+    general = np.concatenate(
+        [SPECIALS, FP32_SUBNORMALS, LANDMARKS, -LANDMARKS, ties_and_neighbours(ELEMENT[fmt])]
+    )
     rng = np.random.default_rng(2)
-    tensors = [general, rng.permutation(np.tile(general, 3)), np.zeros(70, F32),
-               np.ldexp(general, -100), np.ldexp(general, 60)]
+    tensors = [
+        general,
+        rng.permutation(np.tile(general, 3)),
+        np.zeros(70, F32),
+        np.ldexp(general, -100),
+        np.ldexp(general, 60),
+    ]
     keys = [(0, 0, 0), (2**64 - 1, 2**64 - 1, 2**64 - 5), (1, 0, 2**63), (5, 17, 12345)]
     for i, x in enumerate(tensors):
         for seed, stream, offset in keys:
-            check_native_matches_reference(fmt, x.astype(F32), block, onto_seed=i, **SR,
-                                           **options, seed=seed, rounding_stream=stream,
-                                           offset=offset)
+            check_native_matches_reference(
+                fmt,
+                x.astype(F32),
+                block,
+                onto_seed=i,
+                **SR,
+                **options,
+                seed=seed,
+                rounding_stream=stream,
+                offset=offset,
+            )
 
 
 @pytest.mark.parametrize(("fmt", "block", "options"), CASES, ids=CASE_IDS)
@@ -210,8 +256,9 @@ def test_every_small_length_matches_reference(fmt, block, options):
     rng = np.random.default_rng(6)
     for n in [*range(0, 41), 63, 64, 65, 127, 128, 129, 257]:
         x = (rng.standard_normal(n) * 3).astype(F32)
-        check_native_matches_reference(fmt, x, block, onto_seed=n, **SR, **options, seed=n,
-                                       offset=n * n)
+        check_native_matches_reference(
+            fmt, x, block, onto_seed=n, **SR, **options, seed=n, offset=n * n
+        )
 
 
 # ---- unbiased: mean error over 1,000 seeds ---------------------------------------------
@@ -271,8 +318,11 @@ def classed_input(fmt: str, block: int, options: dict, rng) -> tuple[np.ndarray,
     tiny = rng.random(x.size) < 0.4
     cls[(cls == 1) & tiny] = 2
     for j in np.flatnonzero(cls > 0):
-        pool = grid[grid < min_normal] if cls[j] == 2 else grid[(grid >= min_normal)
-                                                               & (grid < grid[-2])]
+        pool = (
+            grid[grid < min_normal]
+            if cls[j] == 2
+            else grid[(grid >= min_normal) & (grid < grid[-2])]
+        )
         lo = rng.choice(pool)
         hi = grid[np.searchsorted(grid, lo) + 1]
         q = lo + rng.uniform(0.1, 0.9) * (hi - lo)
@@ -290,9 +340,14 @@ def mean_error_check(fmt: str, block: int, options: dict, rounding: str):
     x, cls = classed_input(fmt, block, options, rng)
     seeds = range(SEEDS) if rounding == "stochastic" else range(2)
     opts = {**options, "rounding": rounding}
-    ys = np.stack([native_decode(fmt, native_encode(fmt, x, block, **opts, seed=s,
-                                                    rounding_stream=99),
-                                 x.size, block) for s in seeds]).astype(np.float64)
+    ys = np.stack(
+        [
+            native_decode(
+                fmt, native_encode(fmt, x, block, **opts, seed=s, rounding_stream=99), x.size, block
+            )
+            for s in seeds
+        ]
+    ).astype(np.float64)
     err = ys - x.astype(np.float64)
     mean = err.mean(axis=0)
     se = err.std(axis=0, ddof=1) / np.sqrt(len(seeds))
@@ -306,12 +361,16 @@ def mean_error_check(fmt: str, block: int, options: dict, rounding: str):
 def cases_where(keep) -> dict:
     """parametrize arguments for the CASES that ``keep(fmt, block)`` accepts."""
     chosen = [(c, i) for c, i in zip(CASES, CASE_IDS, strict=True) if keep(c[0], c[1])]
-    return {"argnames": ("fmt", "block", "options"), "argvalues": [c for c, _ in chosen],
-            "ids": [i for _, i in chosen]}
+    return {
+        "argnames": ("fmt", "block", "options"),
+        "argvalues": [c for c, _ in chosen],
+        "ids": [i for _, i in chosen],
+    }
 
 
-@pytest.mark.parametrize(**cases_where(lambda fmt, block: block not in (0, 1) or fmt not in (
-    "e4m3", "e5m2")))
+@pytest.mark.parametrize(
+    **cases_where(lambda fmt, block: block not in (0, 1) or fmt not in ("e4m3", "e5m2"))
+)
 def test_mean_error_over_1000_seeds_is_zero(fmt, block, options):
     # Per element and class: |mean over 1000 seeds of Q(x) - x| <= 4 standard
     # errors + the fp32 slack. Under unbiasedness the mean is normal around 0
@@ -326,8 +385,9 @@ def test_mean_error_over_1000_seeds_is_zero(fmt, block, options):
         if not members.any():
             continue
         bad = np.flatnonzero(members & ~ok)
-        assert bad.size == 0, (f"{name}: x={x[bad[:3]]} mean error {mean[bad[:3]]} > 4 se "
-                               f"{4 * se[bad[:3]]}")
+        assert bad.size == 0, (
+            f"{name}: x={x[bad[:3]]} mean error {mean[bad[:3]]} > 4 se {4 * se[bad[:3]]}"
+        )
     assert {1, 2} <= set(cls.tolist())
     x, cls, mean, se, slack = mean_error_check(fmt, block, options, "nearest")
     assert (np.abs(mean) > 4 * se + slack)[cls == 1].mean() > 0.9
@@ -350,8 +410,10 @@ def test_nvfp4_maximum_is_unbiased_where_nearest_saturates():
 
 def pieces_wire(fmt: str, block: int, options: dict, x: np.ndarray, cuts: list[int]) -> list:
     """Encode x[cuts[k]:cuts[k+1]] with offset cuts[k], each piece separately."""
-    return [native_encode(fmt, x[a:b], block, **SR, **options, seed=4, rounding_stream=8, offset=a)
-            for a, b in itertools.pairwise(cuts)]
+    return [
+        native_encode(fmt, x[a:b], block, **SR, **options, seed=4, rounding_stream=8, offset=a)
+        for a, b in itertools.pairwise(cuts)
+    ]
 
 
 def split_body(fmt: str, block: int, wire: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -367,8 +429,9 @@ def split_body(fmt: str, block: int, wire: np.ndarray, n: int) -> tuple[np.ndarr
     return wire[:head], wire[head:]
 
 
-@pytest.mark.parametrize(**cases_where(lambda fmt, block: block != 0 or fmt not in ("e4m3",
-                                                                                     "e5m2")))
+@pytest.mark.parametrize(
+    **cases_where(lambda fmt, block: block != 0 or fmt not in ("e4m3", "e5m2"))
+)
 def test_one_call_and_pieces_give_the_same_bytes(fmt, block, options):
     # Element i draws the word of index offset + i, so encoding pieces with
     # their global offsets gives every element the bits of the one-call encode.
@@ -386,8 +449,12 @@ def test_one_call_and_pieces_give_the_same_bytes(fmt, block, options):
         x[cuts[1:-1]] = 1e30
     whole = native_encode(fmt, x, block, **SR, **options, seed=4, rounding_stream=8, offset=0)
     scales, codes = split_body(fmt, block, whole, n)
-    parts = [split_body(fmt, block, w, b - a) for w, (a, b) in zip(
-        pieces_wire(fmt, block, options, x, cuts), itertools.pairwise(cuts), strict=True)]
+    parts = [
+        split_body(fmt, block, w, b - a)
+        for w, (a, b) in zip(
+            pieces_wire(fmt, block, options, x, cuts), itertools.pairwise(cuts), strict=True
+        )
+    ]
     if fmt == "nvfp4":  # one fp32 superblock scale per piece, then the block scales
         assert all(np.array_equal(p[0][:4], scales[:4]) for p in parts)
         assert_same_bytes(np.concatenate([p[0][4:] for p in parts]), scales[4:])
@@ -406,8 +473,9 @@ def test_seed_stream_and_offset_select_the_bits(fmt, block, options):
     x = np.where(np.isfinite(x), x, 1).astype(F32)
 
     def enc(**key):
-        return native_encode(fmt, x, block, **SR, **options, **{"seed": 1, "rounding_stream": 2,
-                                                                "offset": 3, **key})
+        return native_encode(
+            fmt, x, block, **SR, **options, **{"seed": 1, "rounding_stream": 2, "offset": 3, **key}
+        )
 
     base = enc()
     assert_same_bytes(enc(), base)
@@ -431,10 +499,13 @@ def test_nonfinite_positions_as_with_nearest(fmt, block, options):
     x = random_bit_patterns(1 << 16, seed=12)
     if fmt == "bf16":
         x = np.where(np.abs(x) < 3.38e38, x, np.where(np.isnan(x), x, 0)).astype(F32)
-    y_sr = native_decode(fmt, native_encode(fmt, x, block, **SR, **options, seed=3), x.size,
-                         block)
-    y_rn = native_decode(fmt, native_encode(fmt, x, block, scale_rule=options.get(
-        "scale_rule", "floor")), x.size, block)
+    y_sr = native_decode(fmt, native_encode(fmt, x, block, **SR, **options, seed=3), x.size, block)
+    y_rn = native_decode(
+        fmt,
+        native_encode(fmt, x, block, scale_rule=options.get("scale_rule", "floor")),
+        x.size,
+        block,
+    )
     np.testing.assert_array_equal(np.isfinite(y_sr), np.isfinite(y_rn))
     np.testing.assert_array_equal(np.isnan(y_sr), np.isnan(y_rn))
 
@@ -448,8 +519,9 @@ def test_nvfp4_block_scales_round_up():
     for part in np.array_split(x, 16):
         wire = native_encode("nvfp4", part, **SR)
         e = unit_scales("nvfp4", 0, wire, part.size)
-        bamax = np.repeat(np.abs(np.pad(part, (0, -part.size % 16))).reshape(-1, 16).max(1),
-                          16)[: part.size]
+        bamax = np.repeat(np.abs(np.pad(part, (0, -part.size % 16))).reshape(-1, 16).max(1), 16)[
+            : part.size
+        ]
         assert np.all(bamax <= 6 * e * (1 + 2.0**-21) + 2.0**-140)
         nearest = unit_scales("nvfp4", 0, native_encode("nvfp4", part), part.size)
         assert np.all(e >= nearest)  # never a smaller scale than nearest rounding's
@@ -473,8 +545,9 @@ def test_error_bound(fmt, block, options):
     padded[: x.size] = np.abs(x)
     amax = np.repeat(padded.reshape(-1, b).max(axis=1), b)[: x.size]
     y = native_decode(fmt, native_encode(fmt, x, block, **SR, **options, seed=1), x.size, block)
-    check_bound(x, y, u * np.abs(x.astype(np.float64)) + c * amax + d, tight=fmt != "e5m2"
-                or block != 1)
+    check_bound(
+        x, y, u * np.abs(x.astype(np.float64)) + c * amax + d, tight=fmt != "e5m2" or block != 1
+    )
 
 
 def test_codec_wire_api_passes_stream_and_offset():
@@ -485,8 +558,10 @@ def test_codec_wire_api_passes_stream_and_offset():
         codec = codec_for(fmt, block, rounding="stochastic", seed=11)
         wire = np.empty(codec.wire_size(x.size), np.uint8)
         codec.encode_wire(x, wire, rounding_stream=5, offset=77)
-        assert_same_bytes(wire, native_encode(fmt, x, block, **SR, **options, seed=11,
-                                              rounding_stream=5, offset=77))
+        assert_same_bytes(
+            wire,
+            native_encode(fmt, x, block, **SR, **options, seed=11, rounding_stream=5, offset=77),
+        )
         frame = codec.encode(x)
         body = frame[-4 - wire.size : -4]
         assert_same_bytes(body, native_encode(fmt, x, block, **SR, **options, seed=11))

@@ -46,8 +46,9 @@ def hooks(monkeypatch):
     log: list = []
     monkeypatch.delenv(abort.ENV_VAR, raising=False)
     monkeypatch.setattr(sys, "excepthook", lambda *a: log.append(("previous sys", a[0])))
-    monkeypatch.setattr(threading, "excepthook",
-                        lambda args: log.append(("previous threading", args.exc_type)))
+    monkeypatch.setattr(
+        threading, "excepthook", lambda args: log.append(("previous threading", args.exc_type))
+    )
 
     def fake_exit(code):
         log.append(("os._exit", code))
@@ -83,8 +84,7 @@ def test_main_thread_exception_prints_then_aborts(hooks):
         raise_in_main(RuntimeError("boom"))
     assert info.value.args == (abort.EXIT_STATUS,)
     # the previous hook (Python's prints the traceback) runs before the abort
-    assert hooks == [("previous sys", RuntimeError), ("comm", "abort_local"),
-                     ("comm", "abort", 1)]
+    assert hooks == [("previous sys", RuntimeError), ("comm", "abort_local"), ("comm", "abort", 1)]
 
 
 def test_keyboard_interrupt_exits_like_sigint(hooks):
@@ -102,8 +102,11 @@ def test_thread_exception_aborts_but_system_exit_does_not(hooks):
     assert hooks == [("previous threading", SystemExit)]
     with pytest.raises(Aborted):
         raise_in_thread(ValueError("worker died"))
-    assert hooks[1:] == [("previous threading", ValueError), ("comm", "abort_local"),
-                         ("comm", "abort", 1)]
+    assert hooks[1:] == [
+        ("previous threading", ValueError),
+        ("comm", "abort_local"),
+        ("comm", "abort", 1),
+    ]
 
 
 def test_install_is_idempotent_and_chains_once(hooks):
@@ -118,8 +121,12 @@ def test_install_is_idempotent_and_chains_once(hooks):
         raise_in_main(RuntimeError())
     # one previous-hook call; every communicator releases its side (NCCL), then
     # the newest one ends the job and nothing runs after it
-    assert hooks == [("previous sys", RuntimeError), ("a", "abort_local"), ("b", "abort_local"),
-                     ("b", "abort", 1)]
+    assert hooks == [
+        ("previous sys", RuntimeError),
+        ("a", "abort_local"),
+        ("b", "abort_local"),
+        ("b", "abort", 1),
+    ]
 
 
 def test_hook_installed_over_a_later_hook_does_not_recurse(hooks):

@@ -105,8 +105,7 @@ def test_allreduce(group, name):
     simulated = [get_codec(config) for _ in world_ranks]  # one state per member
     for step in range(STEPS):
         xs = inputs(world_ranks, step)
-        got = geocomm.allreduce(xs[comm.rank], codec=mine, key="w", comm=comm,
-                                stage_size=chunk)
+        got = geocomm.allreduce(xs[comm.rank], codec=mine, key="w", comm=comm, stage_size=chunk)
         assert got.shape == SHAPE and got.dtype == np.float32
         assert np.array_equal(got, simulate_allreduce(simulated, xs, key="w"))
         if name == "none":
@@ -126,8 +125,9 @@ def test_reduce_scatter(group, name):
     mine_of_all = np.array_split(np.arange(SHAPE[0] * SHAPE[1]), comm.size)[comm.rank]
     for step in range(STEPS):
         xs = inputs(world_ranks, step)
-        shard = geocomm.reduce_scatter(xs[comm.rank], codec=mine, key="w", comm=comm,
-                                       stage_size=chunk)
+        shard = geocomm.reduce_scatter(
+            xs[comm.rank], codec=mine, key="w", comm=comm, stage_size=chunk
+        )
         assert shard.shape == mine_of_all.shape
         assert np.array_equal(shard, simulate_reduce_scatter(simulated, xs, key="w")[comm.rank])
         if name == "none":
@@ -159,7 +159,8 @@ def test_init_sets_the_default_to_any_mpi4py_communicator():
         assert (comm.rank, comm.size) == (0, 1)
         x = inputs([MPI.COMM_WORLD.Get_rank()], step=0)[0]
         assert np.array_equal(geocomm.allreduce(x, codec="none"), x)
-        assert np.array_equal(geocomm.allreduce(x, codec="fp8"), roundtrip(get_codec("fp8"), x)
-                              .reshape(SHAPE))
+        assert np.array_equal(
+            geocomm.allreduce(x, codec="fp8"), roundtrip(get_codec("fp8"), x).reshape(SHAPE)
+        )
     finally:
         geocomm.init(previous)

@@ -28,8 +28,14 @@ def run(argv: list[str], env: dict[str, str], limit_s: float) -> tuple[int, str,
     """Run argv in its own session; (exit status, output, seconds). A job still
     running after limit_s is killed with its whole process group and fails the test."""
     start = time.monotonic()
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=limit_s)
     except subprocess.TimeoutExpired:
@@ -42,8 +48,11 @@ def run(argv: list[str], env: dict[str, str], limit_s: float) -> tuple[int, str,
 def job_env(**overrides: str) -> dict[str, str]:
     """This environment with unbuffered output, one BLAS thread per rank and
     ``overrides``; GEOCOMM_TIMEOUT and GEOCOMM_ABORT_ON_ERROR only as given."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("GEOCOMM_TIMEOUT", "GEOCOMM_ABORT_ON_ERROR")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("GEOCOMM_TIMEOUT", "GEOCOMM_ABORT_ON_ERROR")
+    }
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **overrides)
     return env
 
@@ -52,14 +61,29 @@ def run_job(scenario: str, timeout_s: float = 2.0) -> tuple[int, str, float, str
     """2 ranks through geocomm.launch and python -m mpi4py; returns (rc, output, s, tag)."""
     tag = f"tag-{uuid.uuid4().hex}"
     rc, out, elapsed = run(
-        [sys.executable, "-m", "geocomm.launch", "-n", "2", "--timeout", "120", "--",
-         sys.executable, "-m", "mpi4py", str(JOB), scenario, tag],
-        job_env(GEOCOMM_TIMEOUT=str(timeout_s)), limit_s=180)
+        [
+            sys.executable,
+            "-m",
+            "geocomm.launch",
+            "-n",
+            "2",
+            "--timeout",
+            "120",
+            "--",
+            sys.executable,
+            "-m",
+            "mpi4py",
+            str(JOB),
+            scenario,
+            tag,
+        ],
+        job_env(GEOCOMM_TIMEOUT=str(timeout_s)),
+        limit_s=180,
+    )
     return rc, out, elapsed, tag
 
 
-def run_plain_mpiexec(scenario: str, nranks: int = 3,
-                      **env: str) -> tuple[int, str, float, str]:
+def run_plain_mpiexec(scenario: str, nranks: int = 3, **env: str) -> tuple[int, str, float, str]:
     """``mpiexec -n N python fault_job.py SCENARIO``: Open MPI's own launcher,
     neither geocomm.launch nor python -m mpi4py, with the default
     GEOCOMM_TIMEOUT unless ``env`` sets one. Open MPI needs the flags
@@ -68,9 +92,22 @@ def run_plain_mpiexec(scenario: str, nranks: int = 3,
     tag = f"tag-{uuid.uuid4().hex}"
     environment = job_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **env)
     rc, out, elapsed = run(
-        [str(MPIEXEC), "-n", str(nranks), "--oversubscribe", "--bind-to", "none",
-         sys.executable, "-P", str(JOB), scenario, tag],
-        environment, limit_s=120)
+        [
+            str(MPIEXEC),
+            "-n",
+            str(nranks),
+            "--oversubscribe",
+            "--bind-to",
+            "none",
+            sys.executable,
+            "-P",
+            str(JOB),
+            scenario,
+            tag,
+        ],
+        environment,
+        limit_s=120,
+    )
     return rc, out, elapsed, tag
 
 
@@ -139,8 +176,9 @@ def test_plain_mpiexec_failing_rank_aborts_the_job(scenario):
 def test_plain_mpiexec_abort_can_be_turned_off():
     """GEOCOMM_ABORT_ON_ERROR=0 restores the old behaviour: no abort; the
     waiting ranks end by their CollectiveTimeout (2 s here) instead."""
-    rc, out, elapsed, tag = run_plain_mpiexec("raise", GEOCOMM_ABORT_ON_ERROR="0",
-                                              GEOCOMM_TIMEOUT="2")
+    rc, out, elapsed, tag = run_plain_mpiexec(
+        "raise", GEOCOMM_ABORT_ON_ERROR="0", GEOCOMM_TIMEOUT="2"
+    )
     assert rc != 0, out
     assert "aborting the job" not in out, out
     assert "CollectiveTimeout" in out and "injected failure on rank 1" in out, out

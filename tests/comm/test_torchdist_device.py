@@ -66,7 +66,7 @@ def test_copies_follow_every_segment(layout):
     dst = np.full(120, 0xAB, np.uint8)
     want = dst.copy()
     for c, d, s in zip(counts, dst_at, src_at, strict=True):
-        want[d: d + c] = src[s: s + c]
+        want[d : d + c] = src[s : s + c]
     torchdist._copies(dst, dst_at, src, src_at, counts)
     assert np.array_equal(dst, want)
 
@@ -74,10 +74,11 @@ def test_copies_follow_every_segment(layout):
 def _f32_pool(rng: np.random.Generator, n: int) -> np.ndarray:
     """Normal, huge, tiny and subnormal values of both signs, zeros, infinities, NaNs."""
     normal = (rng.standard_normal(n) * np.exp2(rng.integers(-140, 120, n))).astype(np.float32)
-    sub = (rng.integers(1, 1 << 23, n, dtype=np.uint32)
-           | (rng.integers(0, 2, n, dtype=np.uint32) << 31)).view(np.float32)
-    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1e-45, -1e-45],
-                       np.float32)
+    sub = (
+        rng.integers(1, 1 << 23, n, dtype=np.uint32)
+        | (rng.integers(0, 2, n, dtype=np.uint32) << 31)
+    ).view(np.float32)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1e-45, -1e-45], np.float32)
     return rng.choice(np.concatenate([normal, sub, special]), n)
 
 
@@ -134,9 +135,23 @@ def test_add_and_sub_kernels_are_ieee_in_ptx(tmp_path):
     path = tmp_path / "gc_cuda.cu"
     path.write_text(cuda.kernel_source())
     ptx = tmp_path / "gc_cuda.ptx"
-    proc = subprocess.run([_nvcc(), "-ptx", "-arch=compute_80", "-fmad=false", "-ftz=false",
-                           "-prec-div=true", str(path), "-o", str(ptx)], capture_output=True,
-                          text=True, timeout=240, check=False)
+    proc = subprocess.run(
+        [
+            _nvcc(),
+            "-ptx",
+            "-arch=compute_80",
+            "-fmad=false",
+            "-ftz=false",
+            "-prec-div=true",
+            str(path),
+            "-o",
+            str(ptx),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     text = ptx.read_text()
     for name in ("gc_add_f32", "gc_sub_f32"):
@@ -208,11 +223,9 @@ def test_alltoallv_any_displacements_as_mpi(torch_comm, mpi_comm, seed):
     send = rng.integers(0, 256, send_end, dtype=np.uint8)
     recv = np.full(recv_end, 0xAB, np.uint8)
     want = recv.copy()
-    mpi_comm.alltoallv(send, counts[rank], send_displs, want, counts[:, rank],
-                       recv_displs).wait()
+    mpi_comm.alltoallv(send, counts[rank], send_displs, want, counts[:, rank], recv_displs).wait()
     sent = send.copy()
-    request = comm.alltoallv(send, counts[rank], send_displs, recv, counts[:, rank],
-                             recv_displs)
+    request = comm.alltoallv(send, counts[rank], send_displs, recv, counts[:, rank], recv_displs)
     wait(request, "the test's all-to-all", rank)
     assert np.array_equal(recv, want)
     assert np.array_equal(send, sent)
@@ -228,13 +241,17 @@ def test_alltoallv_in_place_on_one_buffer_as_mpi(torch_comm, mpi_comm, seed):
     rng = np.random.default_rng([seed, rank, 8])
     sizes = counts[rank].tolist() + counts[:, rank].tolist()
     displs, end = _layout(rng, sizes)
-    send_displs, recv_displs = displs[: comm.size], displs[comm.size:]
+    send_displs, recv_displs = displs[: comm.size], displs[comm.size :]
     buf = rng.integers(0, 256, end, dtype=np.uint8)
     want = buf.copy()
-    mpi_comm.alltoallv(buf.copy(), counts[rank], send_displs, want, counts[:, rank],
-                       recv_displs).wait()
-    wait(comm.alltoallv(buf, counts[rank], send_displs, buf,
-                                          counts[:, rank], recv_displs), "the test", rank)
+    mpi_comm.alltoallv(
+        buf.copy(), counts[rank], send_displs, want, counts[:, rank], recv_displs
+    ).wait()
+    wait(
+        comm.alltoallv(buf, counts[rank], send_displs, buf, counts[:, rank], recv_displs),
+        "the test",
+        rank,
+    )
     assert np.array_equal(buf, want)
 
 
@@ -250,19 +267,24 @@ def test_batched_allgather_pattern_moves_every_body(torch_comm, count):
     plans = [gpl.call_tables(fmt, pieces, r) for r in range(comm.size)]
     for s in range(pieces.stages):
         ex = plans[comm.rank].stages[s].allgather
-        bodies = [np.random.default_rng([s, j, count]).integers(
-            0, 256, plans[j].stages[s].own_bytes, dtype=np.uint8) for j in range(comm.size)]
+        bodies = [
+            np.random.default_rng([s, j, count]).integers(
+                0, 256, plans[j].stages[s].own_bytes, dtype=np.uint8
+            )
+            for j in range(comm.size)
+        ]
         displs = ex.recv_displs
         buf = np.full(plans[comm.rank].gather_bytes + 3, 0xAB, np.uint8)
         mine = displs[comm.rank]
-        buf[mine: mine + bodies[comm.rank].size] = bodies[comm.rank]
+        buf[mine : mine + bodies[comm.rank].size] = bodies[comm.rank]
         if comm.size > 1:
-            request = comm.alltoallv(buf, ex.send_counts, ex.send_displs, buf, ex.recv_counts,
-                                     ex.recv_displs)
+            request = comm.alltoallv(
+                buf, ex.send_counts, ex.send_displs, buf, ex.recv_counts, ex.recv_displs
+            )
             wait(request, "the test's all-gather", comm.rank)
         for j in range(comm.size):
             at = int(displs[j])
-            assert np.array_equal(buf[at: at + bodies[j].size], bodies[j]), (s, j)
+            assert np.array_equal(buf[at : at + bodies[j].size], bodies[j]), (s, j)
         end = int(displs[-1]) + bodies[-1].size
         assert (buf[end:] == 0xAB).all()
 
@@ -356,12 +378,14 @@ def test_batched_pipeline_over_device_mode_torchdist(group, mpi_comm, name, in_p
     want = np.full(count, np.nan, np.float32)
     Pipeline(mpi_comm, codec, pieces, x, want, 0, True).run()
     if name != "none":
-        assert_bits_equal(geocomm.allreduce(x, codec=codec, comm=mpi_comm,
-                                            stage_size=4096 * comm.size), want)
+        assert_bits_equal(
+            geocomm.allreduce(x, codec=codec, comm=mpi_comm, stage_size=4096 * comm.size), want
+        )
     source = x.copy()
     out = source if in_place else np.full(count, np.nan, np.float32)
-    gp.BatchedPipeline(comm, gpl.wire_format(codec), pieces, source, out, 0, True,
-                       kernels=gp.HostKernels()).run()
+    gp.BatchedPipeline(
+        comm, gpl.wire_format(codec), pieces, source, out, 0, True, kernels=gp.HostKernels()
+    ).run()
     assert_bits_equal(out, want)
 
 
@@ -371,8 +395,7 @@ def assert_bits_equal(got: np.ndarray, want: np.ndarray) -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("codec", ["fp8", "none", {"id": "geofp8", "min_dim": 8,
-                                                   "min_numel": 0}])
+@pytest.mark.parametrize("codec", ["fp8", "none", {"id": "geofp8", "min_dim": 8, "min_numel": 0}])
 def test_collectives_over_device_mode_torchdist(group, mpi_comm, codec):
     """geocomm.allreduce on NumPy arrays over a device-mode torchdist communicator (the
     host pipeline, waits through wait_stream, exact side sums): MPI's bits."""

@@ -36,8 +36,10 @@ def test_host_backends_keep_the_measured_numbers():
 def test_best_stages_minimize_the_modelled_time(size, mib):
     nbytes = mib * MIB
     best = backends.best_stages(NCCL, nbytes, size, backends.FP8_RATIO)
-    times = {k: backends.compressed_seconds(NCCL, nbytes, size, backends.FP8_RATIO, k)
-             for k in range(1, 200)}
+    times = {
+        k: backends.compressed_seconds(NCCL, nbytes, size, backends.FP8_RATIO, k)
+        for k in range(1, 200)
+    }
     assert times[best] == pytest.approx(min(times.values()), rel=1e-12)
 
 
@@ -48,8 +50,9 @@ def test_model_terms():
     one = backends.compressed_seconds(NCCL, 1e9, 8, 0.25, 1)
     assert one == pytest.approx(NCCL.call_s + NCCL.stage_s + link + codec)
     many = backends.compressed_seconds(NCCL, 1e9, 8, 0.25, 1000)
-    assert many == pytest.approx(NCCL.call_s + 1000 * NCCL.stage_s + max(link, codec)
-                                 + min(link, codec) / 1000)
+    assert many == pytest.approx(
+        NCCL.call_s + 1000 * NCCL.stage_s + max(link, codec) + min(link, codec) / 1000
+    )
     assert backends.plain_seconds(NCCL, 1e9, 8) == pytest.approx(2 * 7 / 8 * 1e9 / NCCL.link_Bps)
     assert backends.plain_seconds(NCCL, 1e9, 1) == 0.0
 
@@ -64,8 +67,9 @@ def test_device_stages_are_few_and_large():
     # the host's 1M values per stage would cut 256 MiB into 64 stages: 6.4 ms of stage
     # costs, several times the best call
     best = backends.best_stages(NCCL, 256 * MIB, 8, backends.FP8_RATIO)
-    modelled = [backends.compressed_seconds(NCCL, 256 * MIB, 8, backends.FP8_RATIO, k)
-                for k in (best, 64)]
+    modelled = [
+        backends.compressed_seconds(NCCL, 256 * MIB, 8, backends.FP8_RATIO, k) for k in (best, 64)
+    ]
     assert modelled[1] > 3 * modelled[0]
 
 
@@ -81,11 +85,13 @@ def test_stages_hide_the_smaller_cost_and_slow_links_compress_sooner():
     sqrt of the message size; a slower link leaves the codec the smaller cost."""
     ks = [backends.best_stages(NCCL, mib * MIB, 8, backends.FP8_RATIO) for mib in (256, 4096)]
     assert ks[1] == pytest.approx(4 * ks[0], abs=1)
-    slow = backends.Profile(stage_s=NCCL.stage_s, call_s=NCCL.call_s, link_Bps=25e9,
-                            codec_Bps=NCCL.codec_Bps)
+    slow = backends.Profile(
+        stage_s=NCCL.stage_s, call_s=NCCL.call_s, link_Bps=25e9, codec_Bps=NCCL.codec_Bps
+    )
     codec_s = 256 * MIB / NCCL.codec_Bps
     assert backends.best_stages(slow, 256 * MIB, 8, backends.FP8_RATIO) == round(
-        math.sqrt(codec_s / NCCL.stage_s))
+        math.sqrt(codec_s / NCCL.stage_s)
+    )
     backends.DEVICE["slow"] = slow
     try:
         assert backends.crossover_bytes("slow", 8) < backends.crossover_bytes("nccl", 8)
@@ -101,8 +107,9 @@ def test_device_crossover_is_where_compression_starts_to_win(size):
 
     def wins(nbytes):
         k = backends.best_stages(NCCL, nbytes, size, ratio)
-        return backends.compressed_seconds(NCCL, nbytes, size, ratio, k) < \
-            backends.plain_seconds(NCCL, nbytes, size)
+        return backends.compressed_seconds(NCCL, nbytes, size, ratio, k) < backends.plain_seconds(
+            NCCL, nbytes, size
+        )
 
     assert wins(cross) and all(wins(cross << i) for i in range(1, 8))
     assert not wins(cross // 2)
@@ -113,8 +120,9 @@ def test_device_crossover_is_where_compression_starts_to_win(size):
 
 
 def test_never_when_the_codec_is_slower_than_the_link_it_saves():
-    backends.DEVICE["slowcodec"] = backends.Profile(stage_s=1e-4, call_s=1e-4, link_Bps=300e9,
-                                                    codec_Bps=1e9)
+    backends.DEVICE["slowcodec"] = backends.Profile(
+        stage_s=1e-4, call_s=1e-4, link_Bps=300e9, codec_Bps=1e9
+    )
     try:
         assert backends.crossover_bytes("slowcodec", 8) is None
     finally:
@@ -126,7 +134,8 @@ def test_auto_takes_the_backends_crossover():
     assert auto.get_config()["crossover_bytes"] is None
     assert auto.crossover_for("mpi", 2) == backends.HOST_CROSSOVER_BYTES
     assert auto.crossover_for("nccl", 8) == backends.crossover_bytes(
-        "nccl", 8, auto.inner.wire_size(1 << 20) / (4 << 20))
+        "nccl", 8, auto.inner.wire_size(1 << 20) / (4 << 20)
+    )
     assert auto.crossover_for("nccl", 1) is None
     # one rank on a device: never compress
     assert auto.for_count(10**9, "nccl", 1).lossless

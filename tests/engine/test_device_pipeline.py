@@ -72,9 +72,14 @@ def test_fields_and_families_match_the_kernels():
     assert seg == {f"GC_SEG_{name.upper()}": i for i, name in enumerate(gpl.FIELDS)}
     families = _defines("GC_PIPE_")
     assert families.pop("GC_PIPE_NVFP4_THREADS") == gpl.NVFP4_THREADS
-    assert families == {"GC_PIPE_RAW": gpl.RAW, "GC_PIPE_FP8": gpl.FP8, "GC_PIPE_NVFP4": gpl.NVFP4,
-                        "GC_PIPE_BF16": gpl.BF16, "GC_PIPE_MXFP8": gpl.MXFP8,
-                        "GC_PIPE_MXFP4": gpl.MXFP4}
+    assert families == {
+        "GC_PIPE_RAW": gpl.RAW,
+        "GC_PIPE_FP8": gpl.FP8,
+        "GC_PIPE_NVFP4": gpl.NVFP4,
+        "GC_PIPE_BF16": gpl.BF16,
+        "GC_PIPE_MXFP8": gpl.MXFP8,
+        "GC_PIPE_MXFP4": gpl.MXFP4,
+    }
     # one NVFP4 superblock per thread block, 8 code bytes per thread, within one warp's lanes
     assert gpl.NVFP4_THREADS * 16 == native.NVFP4_SUPERBLOCK and gpl.NVFP4_THREADS % 32 == 0
     assert cuda.THREADS % 32 == 0
@@ -96,13 +101,23 @@ def test_wire_formats_of_the_codecs():
     assert f(geocomm.get_codec("none")) == gpl.WireFormat(gpl.RAW)
     fp8 = f(codec_of("fp8"))
     assert (fp8.family, fp8.fmt, fp8.block, fp8.e5m2, fp8.stochastic) == (
-        gpl.FP8, native.E4M3, 128, False, False)
+        gpl.FP8,
+        native.E4M3,
+        128,
+        False,
+        False,
+    )
     e5 = f(codec_of("fp8-e5m2-block0", stochastic=True))
     assert (e5.fmt, e5.e5m2, e5.block, e5.stochastic, e5.seed) == (native.E5M2, True, 0, True, 7)
     assert e5.flags == native.STOCHASTIC and e5.key(3) != 0 and fp8.key(3) == 0
     mx = f(codec_of("mxfp8-e5m2-rceil"))
     assert (mx.family, mx.fmt, mx.e5m2, mx.rceil, mx.flags) == (
-        gpl.MXFP8, native.MXFP8_E5M2, True, True, native.RCEIL)
+        gpl.MXFP8,
+        native.MXFP8_E5M2,
+        True,
+        True,
+        native.RCEIL,
+    )
     assert f(codec_of("mxfp4", stochastic=True)).rceil  # stochastic MX needs rceil
     assert f(codec_of("nvfp4")).family == gpl.NVFP4 and f(codec_of("bf16")).family == gpl.BF16
     # wrappers send their wire codec's bytes
@@ -121,8 +136,30 @@ def test_wire_formats_of_the_codecs():
 # ---------------------------------------------------------------------------
 # tables and grids
 
-SIZES = (0, 1, 2, 15, 16, 17, 31, 32, 33, 127, 128, 129, 1000, 1023, 1024, 1025, 4095, 4096,
-         4097, 8191, 12_289, 100_003)
+SIZES = (
+    0,
+    1,
+    2,
+    15,
+    16,
+    17,
+    31,
+    32,
+    33,
+    127,
+    128,
+    129,
+    1000,
+    1023,
+    1024,
+    1025,
+    4095,
+    4096,
+    4097,
+    8191,
+    12_289,
+    100_003,
+)
 
 
 @pytest.mark.parametrize("name", list(CODECS))
@@ -131,11 +168,19 @@ def test_body_layout_gives_the_wire_size(name):
     fmt = gpl.wire_format(codec_of(name))
     for n in SIZES:
         scales, block, tiles = gpl.body_layout(fmt, n)
-        size = {gpl.RAW: 4 * n, gpl.BF16: 2 * n, gpl.FP8: 4 * scales + n,
-                gpl.NVFP4: 4 * scales + -(-n // 16) + -(-n // 2), gpl.MXFP8: scales + n,
-                gpl.MXFP4: scales + -(-n // 2)}[fmt.family]
-        assert size == fmt.wire_size(n) == (4 * n if fmt.fmt is None else
-                                            native.wire_size(fmt.fmt, n, fmt.block)), n
+        size = {
+            gpl.RAW: 4 * n,
+            gpl.BF16: 2 * n,
+            gpl.FP8: 4 * scales + n,
+            gpl.NVFP4: 4 * scales + -(-n // 16) + -(-n // 2),
+            gpl.MXFP8: scales + n,
+            gpl.MXFP4: scales + -(-n // 2),
+        }[fmt.family]
+        assert (
+            size
+            == fmt.wire_size(n)
+            == (4 * n if fmt.fmt is None else native.wire_size(fmt.fmt, n, fmt.block))
+        ), n
         if fmt.family == gpl.FP8 and n:
             assert block >= 1 and scales == -(-n // block)
             assert (tiles == 0) == gpl.team_walk(fmt)
@@ -149,8 +194,11 @@ def test_body_layout_gives_the_wire_size(name):
 
 def test_segment_rows_and_amax_slots():
     tiles = gpl.wire_format(codec_of("fp8-block5000"))
-    pieces = [gpl.Piece(0, 12_000, 0, 0), gpl.Piece(12_000, 0, 12_024, 12_000),
-              gpl.Piece(20_000, 4_999, 12_024, 20_000)]
+    pieces = [
+        gpl.Piece(0, 12_000, 0, 0),
+        gpl.Piece(12_000, 0, 12_024, 12_000),
+        gpl.Piece(20_000, 4_999, 12_024, 20_000),
+    ]
     rows, end = gpl.segment_rows(tiles, pieces, amax=5)
     assert rows.dtype == np.uint64 and rows.shape == (3, len(gpl.FIELDS))
     assert rows[:, gpl.AMAX].tolist() == [5, 0, 8] and end == 9  # 3 slots, none, 1 slot
@@ -217,14 +265,19 @@ def test_call_plans_agree_across_ranks(size, name):
             assert stage.own_bytes == fmt.wire_size(hi - lo)
             assert gather.shape[0] == size and gather[r, gpl.WIRE] == own[0, gpl.WIRE]
             sizes = [fmt.wire_size(int(n)) for n in send[:, gpl.COUNT]]
-            assert all(int(w) + b <= plan.send_bytes for w, b in zip(send[:, gpl.WIRE], sizes,
-                                                                        strict=True))
+            assert all(
+                int(w) + b <= plan.send_bytes for w, b in zip(send[:, gpl.WIRE], sizes, strict=True)
+            )
             assert stage.alltoall.recv_counts.sum() <= plan.recv_bytes
     # the encoders' amax slots (fp8 tile walk) never overlap within a call
     for plan in plans:
-        spans = [(int(r[gpl.AMAX]), int(r[gpl.AMAX] + r[gpl.SCALES]))
-                 for st in plan.stages for part in (st.send, st.own) for r in plan.rows[part]
-                 if r[gpl.TILES]]
+        spans = [
+            (int(r[gpl.AMAX]), int(r[gpl.AMAX] + r[gpl.SCALES]))
+            for st in plan.stages
+            for part in (st.send, st.own)
+            for r in plan.rows[part]
+            if r[gpl.TILES]
+        ]
         assert bool(spans) == (name == "fp8-block5000")
         for (_, end), (start, _) in itertools.pairwise(sorted(spans)):
             assert start >= end
@@ -264,8 +317,7 @@ def rank_inputs(size: int, count: int, seed: int = 0) -> list[np.ndarray]:
     return out
 
 
-def run_both(codec, xs, chunk, gather=True, in_place=False, mapper=None,
-             rounding_stream=11):
+def run_both(codec, xs, chunk, gather=True, in_place=False, mapper=None, rounding_stream=11):
     """(host-driven results, batched results) of every rank."""
     size, count = len(xs), xs[0].size
     pieces = Pieces.cut(count, size, chunk)
@@ -277,17 +329,33 @@ def run_both(codec, xs, chunk, gather=True, in_place=False, mapper=None,
         for r, comm in enumerate(comms):
             lo, hi = int(pieces.bounds[r]), int(pieces.bounds[r + 1])
             source = xs[r].copy()
-            out = (source if in_place else np.full(count, np.nan, np.float32)) if gather \
+            out = (
+                (source if in_place else np.full(count, np.nan, np.float32))
+                if gather
                 else np.full(hi - lo, np.nan, np.float32)
+            )
             offset = 0 if gather else lo
             m = mapper(r, source, out, offset) if mapper else None
             src = out if (m is not None and gather) else source
             if batched:
-                pipes.append(gp.BatchedPipeline(comm, fmt, pieces, src, out, offset, gather, m,
-                                                rounding_stream, kernels=gp.HostKernels()))
+                pipes.append(
+                    gp.BatchedPipeline(
+                        comm,
+                        fmt,
+                        pieces,
+                        src,
+                        out,
+                        offset,
+                        gather,
+                        m,
+                        rounding_stream,
+                        kernels=gp.HostKernels(),
+                    )
+                )
             else:
-                pipes.append(Pipeline(comm, codec, pieces, src, out, offset, gather, m,
-                                      rounding_stream))
+                pipes.append(
+                    Pipeline(comm, codec, pieces, src, out, offset, gather, m, rounding_stream)
+                )
             outs.append((out, m))
         run_lockstep(pipes)
         results.append(outs)
@@ -304,7 +372,7 @@ def assert_bits_equal(a, b):
 @pytest.mark.parametrize("name", list(CODECS))
 def test_batched_equals_host_driven_allreduce(size, name):
     xs = rank_inputs(size, 30_011)
-    for stochastic in ((False, True) if name != "none" else (False,)):
+    for stochastic in (False, True) if name != "none" else (False,):
         codec = codec_of(name, stochastic)
         host, batched = run_both(codec, xs, chunk=4096 * size)  # 2-8 stages
         for (want, _), (got, _) in zip(host, batched, strict=True):
@@ -357,7 +425,7 @@ class RecordingMap:
 
     def done(self, lo, hi):
         self.calls.append(("done", lo, hi))
-        self.result[lo - self.offset: hi - self.offset] *= np.float32(0.5)
+        self.result[lo - self.offset : hi - self.offset] *= np.float32(0.5)
 
 
 @pytest.mark.parametrize("gather", [True, False])
@@ -372,8 +440,9 @@ def test_maps_are_called_per_piece_in_order(gather):
     for (want, want_map), (got, got_map) in zip(host, batched, strict=True):
         assert_bits_equal(got, want)
         for kind in ("read", "encoded", "done"):
-            assert [c for c in got_map.calls if c[0] == kind] == \
-                [c for c in want_map.calls if c[0] == kind]
+            assert [c for c in got_map.calls if c[0] == kind] == [
+                c for c in want_map.calls if c[0] == kind
+            ]
         for i, call in enumerate(got_map.calls):
             if call[0] == "encoded":
                 assert ("read", *call[1:3]) in got_map.calls[:i]
@@ -390,8 +459,7 @@ def test_error_feedback_residuals_match():
     parts = [Part(0, (count,), "w")]
 
     def mapper(rank, source, result, offset):
-        residual = np.random.default_rng([5, rank]).standard_normal(count).astype(
-            np.float32) * 1e-3
+        residual = np.random.default_rng([5, rank]).standard_normal(count).astype(np.float32) * 1e-3
         return PartsMap(source, result, result, offset, parts, [], [], residual, codec)
 
     host, batched = run_both(codec, xs, chunk=3 * 4096, mapper=mapper)
@@ -409,8 +477,7 @@ def test_run_pipeline_takes_the_host_path_for_numpy():
 
     run_pipeline(comm, codec_of("fp8"), Pieces.cut(5000, 1, 4096), x, out, 0, True)
     want = np.empty_like(x)
-    Pipeline(loopback(1)[0], codec_of("fp8"), Pieces.cut(5000, 1, 4096), x, want, 0,
-             True).run()
+    Pipeline(loopback(1)[0], codec_of("fp8"), Pieces.cut(5000, 1, 4096), x, want, 0, True).run()
     assert_bits_equal(out, want)
     assert gpl.wire_format(codec_of("fp8")) is not None
 
@@ -469,30 +536,47 @@ def launches(monkeypatch):
 def test_cuda_launches_match_the_kernels(launches, name, stochastic):
     kernels, log = launches
     fmt = gpl.wire_format(codec_of(name, stochastic and name != "none"))
-    pieces = [gpl.Piece(0, 5000, 0, 0), gpl.Piece(5000, 0, fmt.wire_size(5000), 5000),
-              gpl.Piece(6000, 4097, fmt.wire_size(5000), 6000)]
+    pieces = [
+        gpl.Piece(0, 5000, 0, 0),
+        gpl.Piece(5000, 0, fmt.wire_size(5000), 5000),
+        gpl.Piece(6000, 4097, fmt.wire_size(5000), 6000),
+    ]
     rows, amax = gpl.segment_rows(fmt, pieces)
     seg = gp.Segments(rows, rows)
     x = np.zeros(20_000, np.float32)
     wire = np.zeros(2 * fmt.wire_size(5000), np.uint8)
     scratch = np.zeros(max(amax, 1), np.uint32)
     kernels.encode(fmt, x, seg, wire, scratch, rounding_stream=5)
-    kernels.encode(fmt, x, seg, wire, scratch, gp.Incoming(wire, 2, fmt.wire_size(5000)),
-                   rounding_stream=6)
+    kernels.encode(
+        fmt, x, seg, wire, scratch, gp.Incoming(wire, 2, fmt.wire_size(5000)), rounding_stream=6
+    )
     kernels.reduce(fmt, x, seg, gp.Incoming(wire, 1, 7), x)
     kernels.decode(fmt, wire, seg, x)
     names = [entry[0] for entry in log]
-    encoder = {gpl.RAW: ["gc_pipe_value_encode"], gpl.BF16: ["gc_pipe_value_encode"],
-               gpl.NVFP4: ["gc_pipe_nvfp4_encode"], gpl.MXFP8: ["gc_pipe_mxfp8_encode"],
-               gpl.MXFP4: ["gc_pipe_mxfp4_encode"]}.get(fmt.family)
+    encoder = {
+        gpl.RAW: ["gc_pipe_value_encode"],
+        gpl.BF16: ["gc_pipe_value_encode"],
+        gpl.NVFP4: ["gc_pipe_nvfp4_encode"],
+        gpl.MXFP8: ["gc_pipe_mxfp8_encode"],
+        gpl.MXFP4: ["gc_pipe_mxfp4_encode"],
+    }.get(fmt.family)
     if encoder is None:
-        encoder = ["gc_pipe_fp8_encode_team"] if gpl.team_walk(fmt) else \
-            ["gc_pipe_amax_tiles", "gc_pipe_fp8_encode_tiles"]
-    decoder = "gc_pipe_decode" if fmt.family != gpl.FP8 else \
-        "gc_pipe_fp8_decode_team" if gpl.team_walk(fmt) else "gc_pipe_fp8_decode_tiles"
+        encoder = (
+            ["gc_pipe_fp8_encode_team"]
+            if gpl.team_walk(fmt)
+            else ["gc_pipe_amax_tiles", "gc_pipe_fp8_encode_tiles"]
+        )
+    decoder = (
+        "gc_pipe_decode"
+        if fmt.family != gpl.FP8
+        else "gc_pipe_fp8_decode_team"
+        if gpl.team_walk(fmt)
+        else "gc_pipe_fp8_decode_tiles"
+    )
     assert names == 2 * encoder + ["gc_pipe_reduce", decoder]
-    for entry, walk in zip(log, [gpl.encode_walk(fmt)] * 2 * len(encoder) + ["value", None],
-                           strict=True):
+    for entry, walk in zip(
+        log, [gpl.encode_walk(fmt)] * 2 * len(encoder) + ["value", None], strict=True
+    ):
         want = gpl.launch_grid(walk or gpl.decode_walk(fmt), rows, fmt)
         assert entry[1] == want and entry[1][1] == 3
     threads = gpl.NVFP4_THREADS if fmt.family == gpl.NVFP4 else cuda.THREADS
@@ -559,9 +643,18 @@ def test_batched_pipeline_never_waits_on_the_host(gather):
     for r, comm in enumerate(loopback(size, "nccl")):
         lo, hi = int(pieces.bounds[r]), int(pieces.bounds[r + 1])
         out = np.empty(count if gather else hi - lo, np.float32)
-        pipes.append(gp.BatchedPipeline(CountingComm(comm, logs[r]), fmt, pieces, xs[r], out,
-                                        0 if gather else lo, gather,
-                                        kernels=gp.HostKernels()))
+        pipes.append(
+            gp.BatchedPipeline(
+                CountingComm(comm, logs[r]),
+                fmt,
+                pieces,
+                xs[r],
+                out,
+                0 if gather else lo,
+                gather,
+                kernels=gp.HostKernels(),
+            )
+        )
     run_lockstep(pipes)
     calls = pieces.stages * (2 if gather else 1)
     for log in logs:

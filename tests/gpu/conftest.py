@@ -34,8 +34,8 @@ if not _real_gpu():
     sys.path.insert(0, str(TWIN))
     os.environ["GEOCOMM_TWIN"] = "1"  # subprocesses of the tests take the twin too
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(TWIN), *filter(None, [os.environ.get("PYTHONPATH")])])
-
+        [str(TWIN), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
 
 
 def pytest_collection_modifyitems(items):

@@ -63,11 +63,22 @@ def run(request, tmp_path_factory) -> Run:
     out = folder / "gpu_check.json"
     command = [sys.executable, "-P", str(SCRIPT), "--twin", "--out", str(out)]
     if n > 1:
-        command = [sys.executable, "-P", "-m", "geocomm.launch", "-n", str(n), "--timeout",
-                   str(RUN_TIMEOUT_S), "--", *command]
+        command = [
+            sys.executable,
+            "-P",
+            "-m",
+            "geocomm.launch",
+            "-n",
+            str(n),
+            "--timeout",
+            str(RUN_TIMEOUT_S),
+            "--",
+            *command,
+        ]
     began = time.monotonic()
-    proc = subprocess.run(command, cwd=folder, capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S + 60, check=False)
+    proc = subprocess.run(
+        command, cwd=folder, capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 60, check=False
+    )
     seconds = time.monotonic() - began
     report = json.loads(out.read_text()) if out.exists() else None
     print(f"gpu_check --twin on {n} rank(s): exit {proc.returncode} in {seconds:.1f} s")
@@ -79,8 +90,11 @@ def test_section_passes(run, section):
     result = run.section(section)
     failures = result.get("failures", [])
     assert result["status"] == "ran", result
-    assert result["ok"], f"{section} on {run.ranks} rank(s): {len(failures)} failures:\n" + \
-        "\n".join(str(f)[:600] for f in failures[:20]) + f"\n{result.get('error', '')}"
+    assert result["ok"], (
+        f"{section} on {run.ranks} rank(s): {len(failures)} failures:\n"
+        + "\n".join(str(f)[:600] for f in failures[:20])
+        + f"\n{result.get('error', '')}"
+    )
     if run.ranks > 1:  # every rank reported, and passed
         assert [r["rank"] for r in result["per_rank"]] == list(range(run.ranks))
         assert all(r["ok"] for r in result["per_rank"]), result["per_rank"]
@@ -90,8 +104,9 @@ def test_skipped_sections_say_why(run):
     for name in SKIPPED:
         result = run.section(name)
         assert result["status"] == "skipped" and result["ok"], result
-        assert result["reason"] == ("needs a real GPU (the twin runs no torch CUDA tensors "
-                                    "and measures no device time)")
+        assert result["reason"] == (
+            "needs a real GPU (the twin runs no torch CUDA tensors and measures no device time)"
+        )
 
 
 def test_one_exit_status_and_one_report(run):
@@ -101,8 +116,7 @@ def test_one_exit_status_and_one_report(run):
     assert run.report["ok"] == all(s["ok"] for s in run.report["sections"].values())
     assert run.report["environment"]["ranks"] == run.ranks
     assert run.report["environment"].get("twin") is True
-    assert sorted(p.name for p in run.out.parent.iterdir()) == ["gpu_check.json",
-                                                               "gpu_check.md"]
+    assert sorted(p.name for p in run.out.parent.iterdir()) == ["gpu_check.json", "gpu_check.md"]
     assert f"{run.ranks} rank(s)" in run.out.with_suffix(".md").read_text()
 
 
@@ -164,8 +178,13 @@ def test_perf_files_stay_small():
 
 
 def test_help_works_without_cupy():
-    proc = subprocess.run([sys.executable, "-P", str(SCRIPT), "--help"], capture_output=True,
-                          text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-P", str(SCRIPT), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "--out" in proc.stdout and "--twin" in proc.stdout and "collectives" in proc.stdout
 
@@ -175,8 +194,15 @@ def test_without_twin_and_gpu_exits_2(tmp_path):
         pytest.skip("a real GPU may be present")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "GEOCOMM_TWIN")}
     out = tmp_path / "gpu_check.json"
-    proc = subprocess.run([sys.executable, "-P", str(SCRIPT), "--out", str(out)], env=env,
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-P", str(SCRIPT), "--out", str(out)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     if proc.returncode != 2 and "no GPU path" not in proc.stderr:
         pytest.skip("CuPy with a GPU is installed")
     assert proc.returncode == 2 and "no GPU path to check" in proc.stderr, proc.stderr
@@ -254,17 +280,34 @@ class FakeDevice:
 def fake_cupy() -> types.SimpleNamespace:
     """NumPy in CuPy's clothes: what the timing and plumbing tests run on."""
     cuda_ns = types.SimpleNamespace(
-        Stream=FakeStream, Event=FakeEvent, Device=lambda *a: FakeDevice(),
-        get_current_stream=FakeStream, get_elapsed_time=lambda start, end: 1.0,
-        runtime=types.SimpleNamespace())
+        Stream=FakeStream,
+        Event=FakeEvent,
+        Device=lambda *a: FakeDevice(),
+        get_current_stream=FakeStream,
+        get_elapsed_time=lambda start, end: 1.0,
+        runtime=types.SimpleNamespace(),
+    )
     return types.SimpleNamespace(
-        __version__="fake", asarray=lambda a, dtype=None: np.array(a, dtype=dtype),
-        asnumpy=lambda a: np.array(a), full=np.full, zeros=np.zeros, empty=np.empty,
-        empty_like=np.empty_like, concatenate=np.concatenate, arange=np.arange,
-        copyto=np.copyto, uint8=np.uint8, int8=np.int8, int64=np.int64, uint32=np.uint32,
-        float32=np.float32, float64=np.float64,
-        random=types.SimpleNamespace(default_rng=np.random.default_rng), cuda=cuda_ns,
-        RawKernel=lambda source, name: (lambda grid, block, args: None))
+        __version__="fake",
+        asarray=lambda a, dtype=None: np.array(a, dtype=dtype),
+        asnumpy=lambda a: np.array(a),
+        full=np.full,
+        zeros=np.zeros,
+        empty=np.empty,
+        empty_like=np.empty_like,
+        concatenate=np.concatenate,
+        arange=np.arange,
+        copyto=np.copyto,
+        uint8=np.uint8,
+        int8=np.int8,
+        int64=np.int64,
+        uint32=np.uint32,
+        float32=np.float32,
+        float64=np.float64,
+        random=types.SimpleNamespace(default_rng=np.random.default_rng),
+        cuda=cuda_ns,
+        RawKernel=lambda source, name: lambda grid, block, args: None,
+    )
 
 
 @pytest.fixture
@@ -277,10 +320,18 @@ def stand_ins(gc, monkeypatch):
     def fmt_id(fmt):
         return native.FORMATS[fmt] if isinstance(fmt, str) else fmt
 
-    monkeypatch.setattr(cuda, "encode", lambda fmt, x, block, wire, stream=None:
-                        native.encode(fmt_id(fmt), x, block, wire))
-    monkeypatch.setattr(cuda, "decode", lambda fmt, wire, block, out, accumulate=False,
-                        stream=None: native.decode(fmt_id(fmt), wire, block, out, accumulate))
+    monkeypatch.setattr(
+        cuda,
+        "encode",
+        lambda fmt, x, block, wire, stream=None: native.encode(fmt_id(fmt), x, block, wire),
+    )
+    monkeypatch.setattr(
+        cuda,
+        "decode",
+        lambda fmt, wire, block, out, accumulate=False, stream=None: native.decode(
+            fmt_id(fmt), wire, block, out, accumulate
+        ),
+    )
     monkeypatch.setattr(gpu_pipeline, "CudaKernels", gpu_pipeline.HostKernels)
 
     class StandInContext(gc.Context):
@@ -301,8 +352,9 @@ def test_bytes_section_names_a_wrong_byte(stand_ins, monkeypatch):
             wire[-1] ^= 1
 
     monkeypatch.setattr(cuda, "encode", off_by_one)
-    result = gcb.check_bytes(stand_ins, [("e4m3", 128)], [("n=17", common.wide(
-        np.random.default_rng(1), 17))])
+    result = gcb.check_bytes(
+        stand_ins, [("e4m3", 128)], [("n=17", common.wide(np.random.default_rng(1), 17))]
+    )
     assert not result["ok"]
     assert "e4m3 block=128 n=17" in result["failures"][0]
     assert result["rows"][0]["encode_vs_native"]["first"] == native.wire_size(1, 17, 128) - 1
@@ -320,8 +372,9 @@ def test_batched_check_names_a_wrong_byte(stand_ins, monkeypatch):
 
     monkeypatch.setattr(gpu_pipeline, "CudaKernels", OffByOne)
     rng = np.random.default_rng(5)
-    row = gcb.check_batched(stand_ins.cp, "fp8", {"id": "fp8"}, common.wide(rng, 30_000),
-                            [common.wide(rng, 20_000)])
+    row = gcb.check_batched(
+        stand_ins.cp, "fp8", {"id": "fp8"}, common.wide(rng, 30_000), [common.wide(rng, 20_000)]
+    )
     assert not row["ok"] and not row["encode"]["equal"] and row["decode"]["equal"]
 
 
@@ -337,12 +390,18 @@ def test_timing_section_reports_every_operation(gc, stand_ins):
     assert result["ok"] and result["pipeline"][2]["vs_copy"] >= device.MUST_SHOW_VS_COPY
     stage = result["stage_cost"]
     assert stage["stages"] == 8 and stage["model_stage_s"] is None  # MPI: a host backend
-    report = {"ok": True, "seconds": 1.0, "environment": {"device": "fake"},
-              "sections": {"timing": {**result, "status": "ran", "seconds": 1.0}}}
+    report = {
+        "ok": True,
+        "seconds": 1.0,
+        "environment": {"device": "fake"},
+        "sections": {"timing": {**result, "status": "ran", "seconds": 1.0}},
+    }
     md = gc.markdown(report)
     assert "| 1 | geocomm fp8 pipeline | 1 |" in md and "device GB/s" in md
-    assert {(r["fmt"], r["op"]) for r in result["kernels"]} >= {("e4m3", "encode"),
-                                                                ("nvfp4", "accumulate")}
+    assert {(r["fmt"], r["op"]) for r in result["kernels"]} >= {
+        ("e4m3", "encode"),
+        ("nvfp4", "accumulate"),
+    }
 
 
 def test_a_raising_section_does_not_stop_the_others(gc, stand_ins, monkeypatch, tmp_path):
@@ -350,16 +409,14 @@ def test_a_raising_section_does_not_stop_the_others(gc, stand_ins, monkeypatch, 
         raise RuntimeError("planted")
 
     monkeypatch.setitem(gc.SECTIONS, "errors", broken)
-    monkeypatch.setitem(gc.SECTIONS, "bytes", lambda ctx: {"ok": True, "rows": [],
-                                                          "failures": []})
+    monkeypatch.setitem(gc.SECTIONS, "bytes", lambda ctx: {"ok": True, "rows": [], "failures": []})
     results = gc.run_sections(stand_ins, ["errors", "bytes", "torch"], budget_s=600)
     assert results["errors"]["status"] == "failed" and not results["errors"]["ok"]
     assert "planted" in results["errors"]["error"]
     assert results["bytes"]["ok"]
     # torch without CUDA (the CPU build here) skips with a reason, and passes
     assert results["torch"]["ok"] and results["torch"]["status"] in ("skipped", "ran")
-    report = {"ok": False, "seconds": 1.0, "environment": {"device": "fake"},
-              "sections": results}
+    report = {"ok": False, "seconds": 1.0, "environment": {"device": "fake"}, "sections": results}
     gc.write_report(report, tmp_path / "r.json")
     md = (tmp_path / "r.md").read_text()
     assert "| errors | FAIL |" in md and "planted" in md

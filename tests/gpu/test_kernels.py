@@ -20,23 +20,26 @@ from geocomm.engine import device_tables as gpl
 
 #: ragged counts: not multiples of any block (16, 32, 128, 256 threads, 4096)
 COUNTS = (1, 2, 15, 17, 33, 127, 255, 257, 1025, 4097, 12_301)
-FORMATS = [("e4m3", b) for b in (0, 1, 16, 33, 128, 1024, 1025, 5000)] + \
-    [("e5m2", b) for b in (0, 128, 4097)] + [("nvfp4", 0), ("bf16", 0), ("mxfp8_e4m3", 0),
-                                             ("mxfp8_e5m2", 0), ("mxfp4", 0)]
+FORMATS = (
+    [("e4m3", b) for b in (0, 1, 16, 33, 128, 1024, 1025, 5000)]
+    + [("e5m2", b) for b in (0, 128, 4097)]
+    + [("nvfp4", 0), ("bf16", 0), ("mxfp8_e4m3", 0), ("mxfp8_e5m2", 0), ("mxfp4", 0)]
+)
 
 
 def special(n: int) -> np.ndarray:
     x = inputs(n, n, tag=1)
-    edges = np.array([448.0, -465.0, 57344.0, 1e-45, -3e-39, 0.0, -0.0, np.inf, np.nan],
-                     np.float32)
+    edges = np.array([448.0, -465.0, 57344.0, 1e-45, -3e-39, 0.0, -0.0, np.inf, np.nan], np.float32)
     x[: min(n, edges.size)] = edges[: min(n, edges.size)] if n > 20 else x[: min(n, edges.size)]
     return x
 
 
 def same_values(a: np.ndarray, b: np.ndarray) -> bool:
     nan = np.isnan(a)
-    return bool(np.array_equal(nan, np.isnan(b)) and
-                np.array_equal(a[~nan].view(np.uint32), b[~nan].view(np.uint32)))
+    return bool(
+        np.array_equal(nan, np.isnan(b))
+        and np.array_equal(a[~nan].view(np.uint32), b[~nan].view(np.uint32))
+    )
 
 
 @pytest.mark.parametrize("fmt,block", FORMATS)
@@ -49,8 +52,9 @@ def test_encode_decode_match_the_c_core(cp, fmt, block, stochastic):
         want = np.zeros(size, np.uint8)
         native.encode(fmt, x, block, want, flags=flags, seed=9, rounding_stream=4, offset=1000)
         wire = cp.empty(size, cp.uint8)
-        cuda.encode(fmt, cp.asarray(x), block, wire, flags=flags, seed=9, rounding_stream=4,
-                    offset=1000)
+        cuda.encode(
+            fmt, cp.asarray(x), block, wire, flags=flags, seed=9, rounding_stream=4, offset=1000
+        )
         assert np.array_equal(wire.get(), want), f"{fmt}/{block} n={n}: encoded bytes differ"
         for accumulate in (False, True):
             start = inputs(n, n, tag=2)
@@ -62,16 +66,21 @@ def test_encode_decode_match_the_c_core(cp, fmt, block, stochastic):
 
 
 def test_divide_keeps_subnormal_quotients(cp):
-    x = np.array([2.0**-120, 3.0, -2.0**-125, 1e-38], np.float32)
+    x = np.array([2.0**-120, 3.0, -(2.0**-125), 1e-38], np.float32)
     out = cp.asarray(x)
     cuda.divide(out, 3)
     assert np.array_equal(out.get().view(np.uint32), (x / np.float32(3)).view(np.uint32))
 
 
-CONFIGS = {"fp8-team": {"id": "fp8", "fmt": "e4m3", "block": 128},
-           "fp8-tile": {"id": "fp8", "fmt": "e5m2", "block": 0},
-           "nvfp4": "nvfp4", "bf16": "bf16", "mxfp8": {"id": "mxfp8", "fmt": "e4m3"},
-           "mxfp4": {"id": "mxfp4", "scale_rule": "rceil"}, "none": "none"}
+CONFIGS = {
+    "fp8-team": {"id": "fp8", "fmt": "e4m3", "block": 128},
+    "fp8-tile": {"id": "fp8", "fmt": "e5m2", "block": 0},
+    "nvfp4": "nvfp4",
+    "bf16": "bf16",
+    "mxfp8": {"id": "mxfp8", "fmt": "e4m3"},
+    "mxfp4": {"id": "mxfp4", "scale_rule": "rceil"},
+    "none": "none",
+}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -83,8 +92,11 @@ def test_batched_kernels_match_their_host_contract(cp, name, stochastic):
 
     config = CONFIGS[name]
     if stochastic and name != "none":
-        config = {**(config if isinstance(config, dict) else {"id": config}),
-                  "rounding": "stochastic", "seed": 3}
+        config = {
+            **(config if isinstance(config, dict) else {"id": config}),
+            "rounding": "stochastic",
+            "seed": 3,
+        }
     fmt = gpl.wire_format(geocomm.get_codec(config))
     counts = (5000, 0, 7, 4096 * 3 + 11, 129)
     pieces, at, wire_at = [], 0, 0
@@ -99,8 +111,14 @@ def test_batched_kernels_match_their_host_contract(cp, name, stochastic):
     gp.HostKernels().encode(fmt, x, host_seg, want, None, rounding_stream=11)
     wire = cp.zeros(wire_at, cp.uint8)
     kernels = gp.CudaKernels()
-    kernels.encode(fmt, cp.asarray(x), dev_seg, wire, cp.zeros(max(amax_slots, 1), cp.uint32),
-                   rounding_stream=11)
+    kernels.encode(
+        fmt,
+        cp.asarray(x),
+        dev_seg,
+        wire,
+        cp.zeros(max(amax_slots, 1), cp.uint32),
+        rounding_stream=11,
+    )
     assert np.array_equal(wire.get(), want), f"{name}: batched encode"
     ref = inputs(8, at, tag=6)
     out = cp.asarray(ref)

@@ -103,8 +103,9 @@ def assert_bits(device_result, host_result, what: str) -> None:
     got = device_result.get() if hasattr(device_result, "get") else device_result
     want = np.asarray(host_result)
     assert got.dtype == want.dtype and got.shape == want.shape, what
-    assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), \
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (
         f"{what}: {np.count_nonzero(got != want)} values differ from NumPy over MPI"
+    )
 
 
 @pytest.mark.parametrize("name", list(CODECS))
@@ -113,9 +114,15 @@ def test_allreduce(cp, device_comm, reference_comm, name, op):
     dev, host = codec_pair(CODECS[name])
     x = inputs(reference_comm.rank, SIZE)
     for call in range(2):  # error feedback: the second call sends the first's residual
-        got, want = twice(lambda device: geocomm.allreduce(
-            cp.asarray(x) if device else x, codec=dev if device else host, op=op,
-            comm=device_comm if device else reference_comm, stage_size=STAGE))
+        got, want = twice(
+            lambda device: geocomm.allreduce(
+                cp.asarray(x) if device else x,
+                codec=dev if device else host,
+                op=op,
+                comm=device_comm if device else reference_comm,
+                stage_size=STAGE,
+            )
+        )
         assert_bits(got, want, f"allreduce {name} {op} call {call}")
 
 
@@ -123,9 +130,14 @@ def test_allreduce(cp, device_comm, reference_comm, name, op):
 def test_reduce_scatter(cp, device_comm, reference_comm, name):
     dev, host = codec_pair(CODECS[name])
     x = inputs(reference_comm.rank, SIZE, tag=1)
-    got, want = twice(lambda device: geocomm.reduce_scatter(
-        cp.asarray(x) if device else x, codec=dev if device else host,
-        comm=device_comm if device else reference_comm, stage_size=STAGE))
+    got, want = twice(
+        lambda device: geocomm.reduce_scatter(
+            cp.asarray(x) if device else x,
+            codec=dev if device else host,
+            comm=device_comm if device else reference_comm,
+            stage_size=STAGE,
+        )
+    )
     assert_bits(got, want, f"reduce_scatter {name}")
 
 
@@ -133,9 +145,13 @@ def test_reduce_scatter(cp, device_comm, reference_comm, name):
 def test_allgather(cp, device_comm, mpi_comm, name):
     dev, host = codec_pair(CODECS[name])
     x = inputs(mpi_comm.rank, 3_001, tag=2)
-    got, want = twice(lambda device: geocomm.allgather(
-        cp.asarray(x) if device else x, codec=dev if device else host,
-        comm=device_comm if device else mpi_comm))
+    got, want = twice(
+        lambda device: geocomm.allgather(
+            cp.asarray(x) if device else x,
+            codec=dev if device else host,
+            comm=device_comm if device else mpi_comm,
+        )
+    )
     assert_bits(got, want, f"allgather {name}")
 
 
@@ -145,14 +161,16 @@ def test_allreduce_in_place_and_out(cp, device_comm, mpi_comm):
     y = cp.asarray(x)
     got = geocomm.allreduce(y, codec=dev, out=y, comm=device_comm, stage_size=STAGE)
     assert got is y
-    assert_bits(y, geocomm.allreduce(x, codec=host, comm=mpi_comm, stage_size=STAGE),
-                "in place")
+    assert_bits(y, geocomm.allreduce(x, codec=host, comm=mpi_comm, stage_size=STAGE), "in place")
 
 
-@pytest.mark.parametrize("config", [
-    {"id": "geofp8", "min_dim": 8, "min_numel": 0, "refresh": 2},
-    {"id": "geofp8", "min_dim": 8, "min_numel": 0, "refresh": 2, "error_feedback": True},
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"id": "geofp8", "min_dim": 8, "min_numel": 0, "refresh": 2},
+        {"id": "geofp8", "min_dim": 8, "min_numel": 0, "refresh": 2, "error_feedback": True},
+    ],
+)
 def test_geofp8_with_refreshes(cp, device_comm, mpi_comm, config):
     """Five calls per key (cold start, then refreshes every 2 calls), two keys in one
     buffer (as a DDP bucket) and a reduce-scatter: results and state checksums agree."""
@@ -162,13 +180,19 @@ def test_geofp8_with_refreshes(cp, device_comm, mpi_comm, config):
     for call in range(5):
         rng = np.random.default_rng([mpi_comm.rank, call])
         basis = np.random.default_rng(call // 3).standard_normal((4, n)).astype(np.float32)
-        x = (rng.standard_normal(4).astype(np.float32) @ basis
-             + 0.05 * rng.standard_normal(n).astype(np.float32)).astype(np.float32)
-        got = geocomm.allreduce(cp.asarray(x), codec=dev, parts=parts, comm=device_comm,
-                                stage_size=2_048)
+        x = (
+            rng.standard_normal(4).astype(np.float32) @ basis
+            + 0.05 * rng.standard_normal(n).astype(np.float32)
+        ).astype(np.float32)
+        got = geocomm.allreduce(
+            cp.asarray(x), codec=dev, parts=parts, comm=device_comm, stage_size=2_048
+        )
         want = geocomm.allreduce(x, codec=host, parts=parts, comm=mpi_comm, stage_size=2_048)
         assert_bits(got, want, f"geofp8 call {call}")
         shard = geocomm.reduce_scatter(cp.asarray(x), codec=dev, parts=parts, comm=device_comm)
-        assert_bits(shard, geocomm.reduce_scatter(x, codec=host, parts=parts, comm=mpi_comm),
-                    f"geofp8 reduce_scatter call {call}")
+        assert_bits(
+            shard,
+            geocomm.reduce_scatter(x, codec=host, parts=parts, comm=mpi_comm),
+            f"geofp8 reduce_scatter call {call}",
+        )
     assert dev.state_checksum() == host.state_checksum()

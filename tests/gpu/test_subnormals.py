@@ -39,26 +39,33 @@ def subnormal_gradient(rank: int, n: int, tag: int) -> np.ndarray:
 
 def test_exact_sum_of_subnormals(cp, comms):
     nccl, mpi = comms
-    values = (np.random.default_rng(mpi.rank).standard_normal(5000) * 2.0**-135).astype(
-        np.float32)
+    values = (np.random.default_rng(mpi.rank).standard_normal(5000) * 2.0**-135).astype(np.float32)
     got = exact_sum(nccl, cp.asarray(values)).get()
     want = exact_sum(mpi, values)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert np.count_nonzero(want) > 4000  # the sums are subnormal, not zero
 
 
-@pytest.mark.parametrize("config", [
-    {"id": "fp8", "fmt": "e4m3", "block": 32, "error_feedback": True},
-    {"id": "nvfp4", "error_feedback": True},
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"id": "fp8", "fmt": "e4m3", "block": 32, "error_feedback": True},
+        {"id": "nvfp4", "error_feedback": True},
+    ],
+)
 def test_error_feedback_residuals_keep_subnormals(cp, comms, config):
     nccl, mpi = comms
     dev, host = geocomm.get_codec(config), geocomm.get_codec(config)
     for call in range(3):
         x = subnormal_gradient(mpi.rank, 8_191, tag=call)
-        got, want = twice(lambda device, x=x: geocomm.allreduce(
-            cp.asarray(x) if device else x, codec=dev if device else host,
-            comm=nccl if device else mpi, stage_size=2_048))
+        got, want = twice(
+            lambda device, x=x: geocomm.allreduce(
+                cp.asarray(x) if device else x,
+                codec=dev if device else host,
+                comm=nccl if device else mpi,
+                stage_size=2_048,
+            )
+        )
         assert np.array_equal(got.get().view(np.uint32), want.view(np.uint32)), f"call {call}"
     dev_state, host_state = dev.state_dict(), host.state_dict()
     assert dev.state_checksum() == host.state_checksum(), (dev_state.keys(), host_state.keys())

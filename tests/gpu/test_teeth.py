@@ -25,7 +25,7 @@ from gpu_helpers import ON_TWIN
 
 pytestmark = pytest.mark.skipif(not ON_TWIN, reason="mutations are caught by the twin's checks")
 
-JOB = textwrap.dedent('''
+JOB = textwrap.dedent("""
     import sys
     import numpy as np
     import cupy
@@ -52,15 +52,31 @@ JOB = textwrap.dedent('''
         print("RESULT", float(np.abs(got.get()).sum()), flush=True)
     except Exception as exc:
         print("CAUGHT", type(exc).__name__, exc, flush=True)
-''')
+""")
 
 
 def run(tmp_path, mutation: str) -> str:
     script = tmp_path / "mutated_job.py"
     script.write_text(JOB)
-    done = subprocess.run([sys.executable, "-m", "geocomm.launch", "-n", "2", "--timeout",
-                           "240", "--", sys.executable, "-P", str(script), mutation],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "geocomm.launch",
+            "-n",
+            "2",
+            "--timeout",
+            "240",
+            "--",
+            sys.executable,
+            "-P",
+            str(script),
+            mutation,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return done.stdout + done.stderr
 
 
@@ -69,11 +85,14 @@ def test_the_unmutated_job_passes(tmp_path):
     assert out.count("RESULT") == 2 and "CAUGHT" not in out, out
 
 
-@pytest.mark.parametrize("mutation,expected", [
-    ("no-wait-recv", "StreamOrderError"),
-    ("no-wait-send", "StreamOrderError"),
-    ("loose-bound", "past its end"),
-])
+@pytest.mark.parametrize(
+    "mutation,expected",
+    [
+        ("no-wait-recv", "StreamOrderError"),
+        ("no-wait-send", "StreamOrderError"),
+        ("loose-bound", "past its end"),
+    ],
+)
 def test_a_mutation_is_caught(tmp_path, mutation, expected):
     out = run(tmp_path, mutation)
     assert "CAUGHT" in out and expected in out, out

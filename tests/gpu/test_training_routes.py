@@ -27,8 +27,14 @@ from geocomm.testing import MeteredComm
 pytestmark = [pytest.mark.mpi]
 
 #: (name, shape) of the model's parameters, in DDP's bucket order
-PARAMS = [("embed.weight", (50, 64)), ("l1.weight", (96, 64)), ("l1.bias", (96,)),
-          ("norm.weight", (96,)), ("l2.weight", (72, 96)), ("l2.bias", (72,))]
+PARAMS = [
+    ("embed.weight", (50, 64)),
+    ("l1.weight", (96, 64)),
+    ("l1.bias", (96,)),
+    ("norm.weight", (96,)),
+    ("l2.weight", (72, 96)),
+    ("l2.bias", (72,)),
+]
 SELECTION = grads.Selection.of(["*norm*", "embed.*"], 100)
 
 
@@ -71,33 +77,52 @@ def reduce_bucket(layout, values, codec, comm, kind):
     exactly; returns the reduced groups' flat results."""
     results = []
     for group, group_codec in ((layout.compressed, codec), (layout.plain, "none")):
-        flat = values[group.ranges[0][0]: group.ranges[0][0] + group.numel * group.rows] \
-            if group.rows == 1 and len(group.ranges) == 1 else None
+        flat = (
+            values[group.ranges[0][0] : group.ranges[0][0] + group.numel * group.rows]
+            if group.rows == 1 and len(group.ranges) == 1
+            else None
+        )
         if flat is None:  # gather the group's columns, as ColumnGroup.take does
             rows = values.reshape(group.rows, -1)
             pieces = [rows[:, a:b] for a, b in group.ranges]
-            flat = np.concatenate(pieces, axis=1).reshape(-1) if isinstance(values, np.ndarray) \
+            flat = (
+                np.concatenate(pieces, axis=1).reshape(-1)
+                if isinstance(values, np.ndarray)
                 else _device_concat(pieces)
+            )
         parts = group.parts() if group_codec is codec else None
         if kind == "allreduce":
-            results.append(arrays.allreduce(flat, codec=group_codec, op="avg", out=flat,
-                                            parts=parts, comm=comm, check=False))
+            results.append(
+                arrays.allreduce(
+                    flat, codec=group_codec, op="avg", out=flat, parts=parts, comm=comm, check=False
+                )
+            )
         else:
-            results.append(arrays.reduce_scatter(flat, codec=group_codec, op="avg",
-                                                 parts=parts, comm=comm, check=False))
+            results.append(
+                arrays.reduce_scatter(
+                    flat, codec=group_codec, op="avg", parts=parts, comm=comm, check=False
+                )
+            )
     return results
 
 
 def _device_concat(pieces):
     import cupy
 
-    return cupy.ascontiguousarray(cupy.concatenate(
-        [cupy.ascontiguousarray(p) for p in pieces], axis=1)).reshape(-1)
+    return cupy.ascontiguousarray(
+        cupy.concatenate([cupy.ascontiguousarray(p) for p in pieces], axis=1)
+    ).reshape(-1)
 
 
-@pytest.mark.parametrize("codec", ["fp8", "nvfp4", {"id": "geofp8", "min_dim": 8,
-                                                     "min_numel": 0, "refresh": 2},
-                                   {"id": "fp8", "error_feedback": True}])
+@pytest.mark.parametrize(
+    "codec",
+    [
+        "fp8",
+        "nvfp4",
+        {"id": "geofp8", "min_dim": 8, "min_numel": 0, "refresh": 2},
+        {"id": "fp8", "error_feedback": True},
+    ],
+)
 @pytest.mark.parametrize("kind", ["allreduce", "reduce_scatter"])
 def test_hook_collectives_on_device_arrays(cp, comms, codec, kind):
     device_comm, host_comm = comms
@@ -106,12 +131,18 @@ def test_hook_collectives_on_device_arrays(cp, comms, codec, kind):
     dev_codec, host_codec = geocomm.get_codec(codec), geocomm.get_codec(codec)
     for step in range(3):  # GeoFP8's cold start and a refresh; error feedback's residual
         x = inputs(rank, layout.numel, tag=10 + step)
-        got, want = twice(lambda device, x=x: reduce_bucket(
-            layout, cp.asarray(x) if device else x, dev_codec if device else host_codec,
-            device_comm if device else host_comm, kind))
+        got, want = twice(
+            lambda device, x=x: reduce_bucket(
+                layout,
+                cp.asarray(x) if device else x,
+                dev_codec if device else host_codec,
+                device_comm if device else host_comm,
+                kind,
+            )
+        )
         for g, w in zip(got, want, strict=True):
             g = g.get()
-            assert np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), \
+            assert np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), (
                 f"{kind} {codec} step {step}: {np.count_nonzero(g != w)} values differ"
+            )
     assert device_comm.sent == host_comm.sent  # the same bytes moved
-

@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 from gpu_helpers import ON_TWIN
 
-pytestmark = pytest.mark.skipif(not ON_TWIN, reason="checks the twin itself (a real GPU "
-                                "does not report these errors: that is why the twin exists)")
+pytestmark = pytest.mark.skipif(
+    not ON_TWIN,
+    reason="checks the twin itself (a real GPU "
+    "does not report these errors: that is why the twin exists)",
+)
 
 
 def test_work_runs_in_stream_order_not_at_call_time(cp):
@@ -93,8 +96,13 @@ def test_out_of_bounds_copy_is_refused(cp):
     b = cp.zeros(8, cp.uint8)
     runtime = cp.cuda.runtime
     with pytest.raises(RuntimeError, match="no live device allocation"):
-        runtime.memcpyAsync(a.data.ptr + 4, b.data.ptr, 8, runtime.memcpyDeviceToDevice,
-                            cp.cuda.get_current_stream().ptr)
+        runtime.memcpyAsync(
+            a.data.ptr + 4,
+            b.data.ptr,
+            8,
+            runtime.memcpyDeviceToDevice,
+            cp.cuda.get_current_stream().ptr,
+        )
 
 
 def test_red_zones_catch_a_write_past_the_end(cp):
@@ -120,6 +128,7 @@ def test_red_zones_catch_a_write_past_the_end(cp):
         except RuntimeError as exc:
             print("ERROR:", exc)
     """)
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=240)
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240
+    )
     assert "ERROR:" in run.stdout and "past its end" in run.stdout, run.stdout + run.stderr

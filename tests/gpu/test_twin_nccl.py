@@ -52,9 +52,25 @@ def run_job(tmp_path, scenario: str) -> tuple[str, float]:
     script.write_text(JOB)
     env = {**os.environ, "GEOCOMM_TIMEOUT": "2"}
     start = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "geocomm.launch", "-n", "2", "--timeout", "120",
-                          "--", sys.executable, str(script), scenario],
-                         capture_output=True, text=True, env=env, timeout=180)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "geocomm.launch",
+            "-n",
+            "2",
+            "--timeout",
+            "120",
+            "--",
+            sys.executable,
+            str(script),
+            scenario,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
     return run.stdout + run.stderr, time.monotonic() - start
 
 

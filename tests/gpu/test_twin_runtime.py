@@ -33,8 +33,9 @@ if str(TWIN) not in sys.path:  # conftest.py puts it first unless a real GPU is 
 try:
     from cupy import _kernels
 except ImportError:  # a real CuPy was imported: load the twin's runtime by its path
-    _spec = importlib.util.spec_from_file_location("geocomm_twin_kernels",
-                                                   TWIN / "cupy" / "_kernels.py")
+    _spec = importlib.util.spec_from_file_location(
+        "geocomm_twin_kernels", TWIN / "cupy" / "_kernels.py"
+    )
     _kernels = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_kernels)
 
@@ -45,8 +46,9 @@ from geocomm.engine import device as gpu_pipeline  # noqa: E402
 
 LaunchError, CompileError = _kernels.LaunchError, _kernels.CompileError
 u64, u32, i32 = np.uint64, np.uint32, np.int32
-needs_core = pytest.mark.skipif(not native.available,
-                                reason="native core not built (run with python -P)")
+needs_core = pytest.mark.skipif(
+    not native.available, reason="native core not built (run with python -P)"
+)
 FULL = 0xFFFFFFFF
 
 
@@ -271,8 +273,7 @@ def test_indices_over_3d_grids(kernels):
     per, blocks = 24, 12
     out = np.zeros((blocks * per, 12), np.uint32)
     kernels.function("indices").launch(grid, block, (out,))
-    bz, by, bx, tz, ty, tx = np.meshgrid(*(np.arange(d) for d in (2, 2, 3, 2, 3, 4)),
-                                         indexing="ij")
+    bz, by, bx, tz, ty, tx = np.meshgrid(*(np.arange(d) for d in (2, 2, 3, 2, 3, 4)), indexing="ij")
     want = np.stack([tx, ty, tz, bx, by, bz], axis=-1).reshape(-1, 6)
     assert np.array_equal(out[:, :6], want)
     assert (out[:, 6:9] == block).all() and (out[:, 9:] == grid).all()
@@ -287,8 +288,9 @@ def test_blocks_in_grid_order_threads_in_descending_order(kernels):
     kernels.function("sequence").launch(grid, block, (counter, seq))
     per_block = seq.reshape(6, 32)
     assert np.array_equal(per_block.min(axis=1), np.arange(6) * 32)
-    assert np.array_equal(per_block - per_block.min(axis=1, keepdims=True),
-                          np.tile(np.arange(31, -1, -1), (6, 1)))
+    assert np.array_equal(
+        per_block - per_block.min(axis=1, keepdims=True), np.tile(np.arange(31, -1, -1), (6, 1))
+    )
     counter[:] = 0
     kernels.function("sequence").launch(grid, block, (counter, seq), order="ascending")
     assert np.array_equal(seq, np.arange(6 * 32))
@@ -358,8 +360,7 @@ def test_shuffles_match_the_cuda_definition(kernels, op, width):
     rng = np.random.default_rng([width, len(op)])
     n = 4 * 64
     x = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
-    for arg in (rng.integers(0, 32, n), np.full(n, 1), np.full(n, width // 2),
-                np.full(n, 0)):
+    for arg in (rng.integers(0, 32, n), np.full(n, 1), np.full(n, width // 2), np.full(n, 0)):
         arg = arg.astype(np.int32)
         out = np.zeros(n, np.uint32)
         code = ["idx", "up", "down", "xor"].index(op)
@@ -418,8 +419,11 @@ def test_big_frames_fit_the_fiber_stacks(kernels):
 
 
 def test_divergence_exit_before_syncthreads(kernels):
-    with pytest.raises(LaunchError, match=r"exit_before_sync.*barrier divergence.*exited.*"
-                                          r"thread \(5,0,0\)"):
+    with pytest.raises(
+        LaunchError,
+        match=r"exit_before_sync.*barrier divergence.*exited.*"
+        r"thread \(5,0,0\)",
+    ):
         kernels.function("exit_before_sync").launch(1, 64, (np.zeros(64, np.int32),))
 
 
@@ -431,8 +435,9 @@ def test_divergence_two_syncthreads_sites(kernels):
 @pytest.mark.parametrize("order", ["descending", "ascending"])
 def test_shuffle_after_early_return_of_a_masked_lane(kernels, order):
     with pytest.raises(LaunchError, match=r"exit_before_shuffle.*names lane 3.*exited"):
-        kernels.function("exit_before_shuffle").launch(1, 32, (np.zeros(32, np.uint32),),
-                                                       order=order)
+        kernels.function("exit_before_shuffle").launch(
+            1, 32, (np.zeros(32, np.uint32),), order=order
+        )
 
 
 def test_bad_shuffle_masks(kernels):
@@ -441,12 +446,14 @@ def test_bad_shuffle_masks(kernels):
         kernels.function("mask_without_caller").launch(1, 32, (out,))
     with pytest.raises(LaunchError, match="not in the block"):  # 48 threads: warp 1 has 16
         kernels.function("full_mask").launch(1, 48, (out,))
-    with pytest.raises(LaunchError,
-                       match=r"reads lane (0|16), which its mask 0x(ffff0000|0000ffff) does "):
+    with pytest.raises(
+        LaunchError, match=r"reads lane (0|16), which its mask 0x(ffff0000|0000ffff) does "
+    ):
         kernels.function("half_masks").launch(1, 32, (i32(16), out))
     with pytest.raises(LaunchError, match="width 3"):
-        kernels.function("shuffle").launch(1, 32, (out, np.zeros(32, np.int32), i32(3),
-                                                   i32(3), out))
+        kernels.function("shuffle").launch(
+            1, 32, (out, np.zeros(32, np.int32), i32(3), i32(3), out)
+        )
 
 
 def test_deadlock_shuffle_against_syncthreads(kernels):
@@ -475,18 +482,35 @@ class DeviceArray:
 
 
 def good_args(w: np.ndarray) -> list:
-    return [np.zeros(4, np.float32), u64(1), i32(2), u32(3), np.float32(4.0), 5.0, 6, True, w,
-            np.zeros(1, np.int16)]
+    return [
+        np.zeros(4, np.float32),
+        u64(1),
+        i32(2),
+        u32(3),
+        np.float32(4.0),
+        5.0,
+        6,
+        True,
+        w,
+        np.zeros(1, np.int16),
+    ]
 
 
 def test_params_are_parsed_from_the_source(kernels):
     k = kernels.function("params")
     P = _kernels.Param
-    assert k.params == [P("x", "float", True, True), P("n", "gc_u64", False, False),
-                        P("k", "int", False, False), P("u", "unsigned int", False, False),
-                        P("f", "float", False, False), P("d", "double", False, False),
-                        P("ll", "long long", False, False), P("b", "bool", False, False),
-                        P("w", "unsigned char", True, False), P("any", "void", True, True)]
+    assert k.params == [
+        P("x", "float", True, True),
+        P("n", "gc_u64", False, False),
+        P("k", "int", False, False),
+        P("u", "unsigned int", False, False),
+        P("f", "float", False, False),
+        P("d", "double", False, False),
+        P("ll", "long long", False, False),
+        P("b", "bool", False, False),
+        P("w", "unsigned char", True, False),
+        P("any", "void", True, True),
+    ]
     assert k.resolved[1] == "unsigned long long" and k.name == "params"
     assert kernels.function("amax").params[2] == P("m", "gc_u32", True, False)
 
@@ -503,22 +527,25 @@ def test_good_arguments(kernels):
     assert w[0] == 24
 
 
-@pytest.mark.parametrize("index,value,match", [
-    (0, np.zeros(4, np.float64), r"parameter 0 \(const float \*x\).*float32.*float64"),
-    (1, 1, r"parameter 1 \(gc_u64 n\).*uint64.*Python int"),
-    (1, np.int64(1), r"gc_u64 n.*got a numpy.int64 scalar"),
-    (2, 2, r"int k.*Python int"),
-    (2, np.int64(2), r"int k.*int64"),
-    (3, np.int32(3), r"unsigned int u.*int32"),
-    (4, 4.0, r"float f.*Python float"),
-    (4, np.float64(4.0), r"float f.*float64"),
-    (5, np.float32(5.0), r"double d.*float32"),
-    (6, 2**63, r"does not fit"),
-    (7, 1, r"bool b.*Python int"),
-    (8, np.zeros(1, np.int8), r"unsigned char \*w.*uint8.*int8"),
-    (8, 0, r"takes an array"),
-    (8, np.frombuffer(b"\0", np.uint8), "read-only"),
-])
+@pytest.mark.parametrize(
+    "index,value,match",
+    [
+        (0, np.zeros(4, np.float64), r"parameter 0 \(const float \*x\).*float32.*float64"),
+        (1, 1, r"parameter 1 \(gc_u64 n\).*uint64.*Python int"),
+        (1, np.int64(1), r"gc_u64 n.*got a numpy.int64 scalar"),
+        (2, 2, r"int k.*Python int"),
+        (2, np.int64(2), r"int k.*int64"),
+        (3, np.int32(3), r"unsigned int u.*int32"),
+        (4, 4.0, r"float f.*Python float"),
+        (4, np.float64(4.0), r"float f.*float64"),
+        (5, np.float32(5.0), r"double d.*float32"),
+        (6, 2**63, r"does not fit"),
+        (7, 1, r"bool b.*Python int"),
+        (8, np.zeros(1, np.int8), r"unsigned char \*w.*uint8.*int8"),
+        (8, 0, r"takes an array"),
+        (8, np.frombuffer(b"\0", np.uint8), "read-only"),
+    ],
+)
 def test_bad_arguments(kernels, index, value, match):
     args = good_args(np.zeros(1, np.uint8))
     args[index] = value
@@ -529,21 +556,23 @@ def test_bad_arguments(kernels, index, value, match):
         k.launch(1, 32, args)
 
 
-@pytest.mark.parametrize("grid,block,shared,match", [
-    (1, 1025, 0, "outside"),
-    (1, (32, 32, 2), 0, "2048 threads"),
-    (1, (1, 1, 65), 0, "block.z = 65"),
-    (0, 32, 0, "grid.x = 0"),
-    ((1, 65536), 32, 0, "grid.y = 65536"),
-    (2**31, 32, 0, "grid.x"),
-    ((1, 1, 1, 1), 32, 0, "1 to 3"),
-    (1.0, 32, 0, "1 to 3"),
-    (1, 32, 16, "shared_mem=16"),
-])
+@pytest.mark.parametrize(
+    "grid,block,shared,match",
+    [
+        (1, 1025, 0, "outside"),
+        (1, (32, 32, 2), 0, "2048 threads"),
+        (1, (1, 1, 65), 0, "block.z = 65"),
+        (0, 32, 0, "grid.x = 0"),
+        ((1, 65536), 32, 0, "grid.y = 65536"),
+        (2**31, 32, 0, "grid.x"),
+        ((1, 1, 1, 1), 32, 0, "1 to 3"),
+        (1.0, 32, 0, "1 to 3"),
+        (1, 32, 16, "shared_mem=16"),
+    ],
+)
 def test_bad_configuration(kernels, grid, block, shared, match):
     with pytest.raises(LaunchError, match=match):
-        kernels.function("params").launch(grid, block, good_args(np.zeros(1, np.uint8)),
-                                          shared)
+        kernels.function("params").launch(grid, block, good_args(np.zeros(1, np.uint8)), shared)
 
 
 def test_wrong_argument_count_and_missing_kernel(kernels):
@@ -601,8 +630,15 @@ def test_fmad_maps_to_contraction():
     assert "-ffp-contract=fast" in _kernels.host_flags([])  # NVRTC's default
     assert "-ffp-contract=fast" in _kernels.host_flags(["-use_fast_math"])
     flags = _kernels.host_flags(["-std=c++14", "-DX=1", "-UY", "-Iinc", "-arch=sm_90"])
-    assert {"-std=c++14", "-DX=1", "-UY", f"-I{os.path.abspath('inc')}", "-O2", "-fPIC",
-            "-fno-fast-math"} <= set(flags)
+    assert {
+        "-std=c++14",
+        "-DX=1",
+        "-UY",
+        f"-I{os.path.abspath('inc')}",
+        "-O2",
+        "-fPIC",
+        "-fno-fast-math",
+    } <= set(flags)
 
 
 @pytest.mark.parametrize("fmad", [False, True])
@@ -634,15 +670,18 @@ def test_arch_and_macros_reach_the_source():
     }
     """
     out = np.zeros(4, np.int32)
-    build(src, "-arch=sm_90", "--define-macro=VALUE=7", "-DGONE", "-UGONE").function(
-        "info").launch(1, 1, (out,))
+    build(src, "-arch=sm_90", "--define-macro=VALUE=7", "-DGONE", "-UGONE").function("info").launch(
+        1, 1, (out,)
+    )
     assert out.tolist() == [900, 7, 1, 0]
 
 
 def test_compile_errors():
     with pytest.raises(CompileError, match=r"broken\.cu:3.*error"):
-        build('extern "C" __global__ void k(int *p)\n{\n    p[0] = undefined_name;\n}\n',
-              name="broken.cu")
+        build(
+            'extern "C" __global__ void k(int *p)\n{\n    p[0] = undefined_name;\n}\n',
+            name="broken.cu",
+        )
     for bad in ("-funroll-loops", "-ftz=yes", "-std=c++99", "-arch=ampere", "-DX Y", "-I"):
         with pytest.raises(CompileError, match="invalid option"):
             _kernels.compile_source("", "x.cu", [bad])
@@ -679,11 +718,18 @@ sys.stdout.buffer.write(image)
 def test_concurrent_compiles_are_safe(tmp_path):
     """4 processes (ranks) compiling one unit into an empty cache: one library, all load it."""
     script = tmp_path / "compile.py"
-    script.write_text(CONCURRENT.format(path=str(TWIN / "cupy" / "_kernels.py"),
-                                        source=KERNELS + "\n// concurrent\n"))
+    script.write_text(
+        CONCURRENT.format(
+            path=str(TWIN / "cupy" / "_kernels.py"), source=KERNELS + "\n// concurrent\n"
+        )
+    )
     env = {**os.environ, "GEOCOMM_TWIN_CACHE": str(tmp_path / "cache")}
-    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, env=env) for _ in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        )
+        for _ in range(4)
+    ]
     results = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0] * 4, [r[1].decode()[-2000:] for r in results]
     assert len({r[0] for r in results}) == 1
@@ -709,9 +755,10 @@ def test_ucontext_fallback():
 
 def test_stack_overflow_faults_instead_of_corrupting(tmp_path):
     script = tmp_path / "overflow.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import importlib.util, sys, numpy as np
-        spec = importlib.util.spec_from_file_location("k", {str(TWIN / 'cupy' / '_kernels.py')!r})
+        spec = importlib.util.spec_from_file_location("k", {str(TWIN / "cupy" / "_kernels.py")!r})
         k = sys.modules["k"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(k)
         src = '''extern "C" __global__ void deep(unsigned int *out)
@@ -723,9 +770,11 @@ def test_stack_overflow_faults_instead_of_corrupting(tmp_path):
         out = np.zeros(32, np.uint32)
         k.load(k.compile_source(src, "deep.cu", [])).function("deep").launch(1, 32, (out,))
         print("no fault")
-    """))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=240, check=False)
+    """)
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, check=False
+    )
     assert proc.returncode == -signal.SIGSEGV, (proc.returncode, proc.stdout, proc.stderr)
 
 
@@ -737,8 +786,9 @@ THREADS = cuda.THREADS
 
 @pytest.fixture(scope="module")
 def codec() -> _kernels.Image:
-    return _kernels.load(_kernels.compile_source(cuda.kernel_source(), "gc_cuda.cu",
-                                                 cuda.NVRTC_OPTIONS))
+    return _kernels.load(
+        _kernels.compile_source(cuda.kernel_source(), "gc_cuda.cu", cuda.NVRTC_OPTIONS)
+    )
 
 
 def values(n: int, tag: int = 0) -> np.ndarray:
@@ -757,12 +807,22 @@ def amax_tiles(codec, x: np.ndarray, n: int, block: int) -> np.ndarray:
     per_block, total = cuda._tiles(n, block)
     amax = np.zeros(-(-n // block), np.uint32)
     codec.function("gc_amax_tiles").launch(
-        (total,), (THREADS,), (x, u64(n), u64(block), u64(per_block), u64(cuda.TILE), amax))
+        (total,), (THREADS,), (x, u64(n), u64(block), u64(per_block), u64(cuda.TILE), amax)
+    )
     return amax
 
 
-def twin_encode(codec, fmt: str, x: np.ndarray, block: int, *, seed: int | None = None,
-                rounding_stream: int = 0, offset: int = 0, rceil: bool = False) -> np.ndarray:
+def twin_encode(
+    codec,
+    fmt: str,
+    x: np.ndarray,
+    block: int,
+    *,
+    seed: int | None = None,
+    rounding_stream: int = 0,
+    offset: int = 0,
+    rceil: bool = False,
+) -> np.ndarray:
     """geocomm.cuda.encode's launches, on NumPy buffers (seed: stochastic rounding)."""
     n = x.size
     wire = np.full(reference.wire_size(fmt, n, block), 0xA5, np.uint8)  # unwritten shows
@@ -770,73 +830,91 @@ def twin_encode(codec, fmt: str, x: np.ndarray, block: int, *, seed: int | None 
     key = reference.sr_key(seed, rounding_stream) if seed is not None else 0
     rounding = (sr, u64(key), u64(offset))
     if fmt == "bf16":
-        codec.function("gc_bf16_encode").launch(cuda._grid(n), (THREADS,),
-                                                (x, u64(n), *rounding, wire))
+        codec.function("gc_bf16_encode").launch(
+            cuda._grid(n), (THREADS,), (x, u64(n), *rounding, wire)
+        )
     elif fmt == "nvfp4":
         amax = amax_tiles(codec, x, n, min(n, reference.NVFP4_SUPERBLOCK))
-        codec.function("gc_nvfp4_encode").launch(cuda._grid((n + 1) // 2), (THREADS,),
-                                                 (x, u64(n), amax, *rounding, wire))
+        codec.function("gc_nvfp4_encode").launch(
+            cuda._grid((n + 1) // 2), (THREADS,), (x, u64(n), amax, *rounding, wire)
+        )
     elif fmt == "mxfp4":
-        codec.function("gc_mxfp4_encode").launch(cuda._grid((n + 1) // 2), (THREADS,),
-                                                 (x, u64(n), i32(rceil), *rounding, wire))
+        codec.function("gc_mxfp4_encode").launch(
+            cuda._grid((n + 1) // 2), (THREADS,), (x, u64(n), i32(rceil), *rounding, wire)
+        )
     elif fmt.startswith("mxfp8"):
         codec.function("gc_mxfp8_encode").launch(
-            cuda._grid(n), (THREADS,),
-            (x, u64(n), i32(fmt == "mxfp8_e5m2"), i32(rceil), *rounding, wire))
+            cuda._grid(n),
+            (THREADS,),
+            (x, u64(n), i32(fmt == "mxfp8_e5m2"), i32(rceil), *rounding, wire),
+        )
     else:
         plan = cuda.fp8_launch(n, block)
         head = (x, u64(n), u64(plan.block), u64(plan.nblocks))
         e5m2 = i32(fmt == "e5m2")
         if plan.team_shift is not None:
             codec.function("gc_fp8_encode_team").launch(
-                (plan.grid,), (THREADS,), (*head, u32(plan.team_shift), e5m2, *rounding, wire))
+                (plan.grid,), (THREADS,), (*head, u32(plan.team_shift), e5m2, *rounding, wire)
+            )
         else:
             amax = amax_tiles(codec, x, n, plan.block)
             codec.function("gc_fp8_encode_tiles").launch(
-                (plan.grid,), (THREADS,),
-                (*head, u64(plan.tiles_per_block), u64(cuda.TILE), amax, e5m2, *rounding, wire))
+                (plan.grid,),
+                (THREADS,),
+                (*head, u64(plan.tiles_per_block), u64(cuda.TILE), amax, e5m2, *rounding, wire),
+            )
     return wire
 
 
-def twin_decode(codec, fmt: str, wire: np.ndarray, n: int, block: int,
-                out: np.ndarray | None = None) -> np.ndarray:
+def twin_decode(
+    codec, fmt: str, wire: np.ndarray, n: int, block: int, out: np.ndarray | None = None
+) -> np.ndarray:
     """geocomm.cuda.decode's launches (accumulating onto ``out`` when given)."""
     acc = i32(out is not None)
     out = np.full(n, np.nan, np.float32) if out is None else out
     if fmt == "bf16":
-        codec.function("gc_bf16_decode").launch(cuda._grid(n), (THREADS,),
-                                                (wire, u64(n), acc, out))
+        codec.function("gc_bf16_decode").launch(cuda._grid(n), (THREADS,), (wire, u64(n), acc, out))
     elif fmt in ("nvfp4", "mxfp4"):
         codec.function("gc_e2m1_decode").launch(
-            cuda._grid((n + 1) // 2), (THREADS,), (wire, u64(n), i32(fmt == "mxfp4"), acc, out))
+            cuda._grid((n + 1) // 2), (THREADS,), (wire, u64(n), i32(fmt == "mxfp4"), acc, out)
+        )
     elif fmt.startswith("mxfp8"):
         codec.function("gc_mxfp8_decode").launch(
-            cuda._grid(n), (THREADS,), (wire, u64(n), i32(fmt == "mxfp8_e5m2"), acc, out))
+            cuda._grid(n), (THREADS,), (wire, u64(n), i32(fmt == "mxfp8_e5m2"), acc, out)
+        )
     else:
         plan = cuda.fp8_launch(n, block)
         head = (wire, u64(n), u64(plan.block), u64(plan.nblocks))
         e5m2 = i32(fmt == "e5m2")
         if plan.team_shift is not None:
             codec.function("gc_fp8_decode_team").launch(
-                (plan.grid,), (THREADS,), (*head, u32(plan.team_shift), e5m2, acc, out))
+                (plan.grid,), (THREADS,), (*head, u32(plan.team_shift), e5m2, acc, out)
+            )
         else:
             codec.function("gc_fp8_decode_tiles").launch(
-                (plan.grid,), (THREADS,),
-                (*head, u64(plan.tiles_per_block), u64(cuda.TILE), e5m2, acc, out))
+                (plan.grid,),
+                (THREADS,),
+                (*head, u64(plan.tiles_per_block), u64(cuda.TILE), e5m2, acc, out),
+            )
     return out
 
 
 def same_values(a: np.ndarray, b: np.ndarray) -> bool:
     nan = np.isnan(a)
-    return bool(np.array_equal(nan, np.isnan(b)) and np.array_equal(bits(a[~nan]),
-                                                                    bits(b[~nan])))
+    return bool(np.array_equal(nan, np.isnan(b)) and np.array_equal(bits(a[~nan]), bits(b[~nan])))
 
 
 #: ragged sizes: n = 1, n < a block, not multiples of 32, 256 or 4096
 COUNTS = (1, 2, 17, 255, 257, 1000, 4097, 9001)
-FORMATS = [("e4m3", b) for b in (0, 1, 7, 32, 100, 1024, 1025, 5000)] + \
-    [("e5m2", 0), ("e5m2", 128), ("bf16", 0), ("nvfp4", 0), ("mxfp8_e4m3", 0),
-     ("mxfp8_e5m2", 0), ("mxfp4", 0)]
+FORMATS = [("e4m3", b) for b in (0, 1, 7, 32, 100, 1024, 1025, 5000)] + [
+    ("e5m2", 0),
+    ("e5m2", 128),
+    ("bf16", 0),
+    ("nvfp4", 0),
+    ("mxfp8_e4m3", 0),
+    ("mxfp8_e5m2", 0),
+    ("mxfp4", 0),
+]
 
 
 @pytest.mark.parametrize("fmt,block", FORMATS)
@@ -858,9 +936,9 @@ def test_codec_kernels_match_the_c_core(codec, fmt, block, stochastic):
         x = values(n, tag=1)
         want = np.zeros(native.wire_size(fmt, n, block), np.uint8)
         native.encode(fmt, x, block, want, flags=flags, seed=9, rounding_stream=4, offset=1000)
-        wire = twin_encode(codec, fmt, x, block, seed=9 if stochastic else None,
-                           rounding_stream=4,
-                           offset=1000)
+        wire = twin_encode(
+            codec, fmt, x, block, seed=9 if stochastic else None, rounding_stream=4, offset=1000
+        )
         assert np.array_equal(wire, want), (fmt, block, n)
         base = values(n, tag=2)
         want_sum = base.copy()
@@ -873,8 +951,9 @@ def test_mx_rceil_and_stochastic_match_the_reference(codec, fmt):
     for n in (1, 33, 1000):
         x = values(n, tag=3)
         wire = twin_encode(codec, fmt, x, 0, seed=5, rounding_stream=2, offset=7, rceil=True)
-        want = reference.encode(fmt, x, rounding="stochastic", seed=5, rounding_stream=2, offset=7,
-                                scale_rule="rceil")
+        want = reference.encode(
+            fmt, x, rounding="stochastic", seed=5, rounding_stream=2, offset=7, scale_rule="rceil"
+        )
         assert np.array_equal(wire, want), n
 
 
@@ -884,25 +963,31 @@ def test_divide_keeps_subnormal_quotients(codec, n):
     x[: min(n, 4)] = np.float32(3e-38)  # / 3: subnormal results
     for size in (1, 3, 4):
         got = x.copy()
-        codec.function("gc_divide_f32").launch(cuda.divide_grid(n), (THREADS,),
-                                               (got, u64(n), np.float32(size)))
+        codec.function("gc_divide_f32").launch(
+            cuda.divide_grid(n), (THREADS,), (got, u64(n), np.float32(size))
+        )
         assert same_values(got, x / np.float32(size))
         assert got[0] != 0
         doubles = x.astype(np.float64) * 1e-290  # subnormal fp64 quotients too
         want = doubles / np.float64(size)
-        codec.function("gc_divide_f64").launch(cuda.divide_grid(n), (THREADS,),
-                                               (doubles, u64(n), np.float64(size)))
+        codec.function("gc_divide_f64").launch(
+            cuda.divide_grid(n), (THREADS,), (doubles, u64(n), np.float64(size))
+        )
         assert same_values(doubles, want)
 
 
 def test_divide_flushes_when_built_like_rawmodule():
     """The same source built with CuPy RawModule's appended -ftz=true flushes what
     geocomm's -ftz=false build keeps: why geocomm compiles with NVRTC itself."""
-    image = _kernels.load(_kernels.compile_source(
-        cuda.kernel_source(), "gc_cuda.cu", (*cuda.NVRTC_OPTIONS, "-ftz=true")))
+    image = _kernels.load(
+        _kernels.compile_source(
+            cuda.kernel_source(), "gc_cuda.cu", (*cuda.NVRTC_OPTIONS, "-ftz=true")
+        )
+    )
     x = np.full(300, 3e-38, np.float32)
-    image.function("gc_divide_f32").launch(cuda.divide_grid(300), (THREADS,),
-                                           (x, u64(300), np.float32(3)))
+    image.function("gc_divide_f32").launch(
+        cuda.divide_grid(300), (THREADS,), (x, u64(300), np.float32(3))
+    )
     assert (x == 0).all()
 
 
@@ -920,8 +1005,10 @@ def test_fp8_team_encode_timing(codec):
 
 def test_pipeline_and_geometry_units_build():
     """Every kernel of the pipeline and geometry units resolves its signature."""
-    for source, name in ((gpu_pipeline.kernel_source(), "gc_pipeline.cu"),
-                         (geo._source(), "gc_geometry.cu")):
+    for source, name in (
+        (gpu_pipeline.kernel_source(), "gc_pipeline.cu"),
+        (geo._source(), "gc_geometry.cu"),
+    ):
         image = _kernels.load(_kernels.compile_source(source, name, cuda.NVRTC_OPTIONS))
         assert image.kernels
         for kernel in image.kernels:
@@ -930,11 +1017,13 @@ def test_pipeline_and_geometry_units_build():
 
 
 @needs_core
-@pytest.mark.parametrize("lo,length,n,k", [(0, 1, 1, 1), (5, 1000, 37, 3), (100, 64, 64, 8),
-                                           (7, 12_345, 300, 4)])
+@pytest.mark.parametrize(
+    "lo,length,n,k", [(0, 1, 1, 1), (5, 1000, 37, 3), (100, 64, 64, 8), (7, 12_345, 300, 4)]
+)
 def test_geometry_kernels_match_the_c_core(lo, length, n, k):
-    image = _kernels.load(_kernels.compile_source(geo._source(), "gc_geometry.cu",
-                                                  cuda.NVRTC_OPTIONS))
+    image = _kernels.load(
+        _kernels.compile_source(geo._source(), "gc_geometry.cu", cuda.NVRTC_OPTIONS)
+    )
     rng = np.random.default_rng([lo, length, n, k])
     x = values(length, tag=6)
     vt = rng.standard_normal((k, n)).astype(np.float32)
@@ -942,18 +1031,24 @@ def test_geometry_kernels_match_the_c_core(lo, length, n, k):
     count = geo.rows(lo, length, n) * k
     coef = np.zeros(want.shape, np.float32)
     image.function("gc_geo_project").launch(
-        geo._grid(count * geo._LANES), (geo._THREADS,),
-        (x, u64(lo), u64(length), u64(n), vt, u64(k), u64(count), coef))
+        geo._grid(count * geo._LANES),
+        (geo._THREADS,),
+        (x, u64(lo), u64(length), u64(n), vt, u64(k), u64(count), coef),
+    )
     assert np.array_equal(bits(coef), bits(want))
     out, want_out = np.zeros_like(x), np.zeros_like(x)
     native.geo_expand(x, lo, n, want, vt, -1.0, want_out)
     image.function("gc_geo_expand").launch(
-        geo._grid(length), (geo._THREADS,),
-        (x, u64(lo), u64(length), u64(n), coef, vt, u64(k), np.float32(-1.0), out))
+        geo._grid(length),
+        (geo._THREADS,),
+        (x, u64(lo), u64(length), u64(n), coef, vt, u64(k), np.float32(-1.0), out),
+    )
     assert same_values(out, want_out)
     acc, want_acc = np.ones((k, n), np.float32), np.ones((k, n), np.float32)
     native.geo_accumulate(x, lo, n, want, want_acc)
     image.function("gc_geo_accumulate").launch(
-        geo._grid(k * n), (geo._THREADS,),
-        (x, u64(lo), u64(length), u64(n), coef, u64(k), u64(geo.rows(lo, length, n)), acc))
+        geo._grid(k * n),
+        (geo._THREADS,),
+        (x, u64(lo), u64(length), u64(n), coef, u64(k), u64(geo.rows(lo, length, n)), acc),
+    )
     assert same_values(acc, want_acc)

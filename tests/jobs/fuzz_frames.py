@@ -24,8 +24,15 @@ with atheris.instrument_imports():
 
 def seeds() -> list[bytes]:
     x = np.linspace(-3, 3, 300, dtype=np.float32).reshape(12, 25)
-    codecs = ["none", "bf16", "fp8", {"id": "fp8", "fmt": "e5m2", "block": 0}, "nvfp4",
-              "geofp8", "hadamard"]
+    codecs = [
+        "none",
+        "bf16",
+        "fp8",
+        {"id": "fp8", "fmt": "e5m2", "block": 0},
+        "nvfp4",
+        "geofp8",
+        "hadamard",
+    ]
     return [geocomm.get_codec(c).encode(x).tobytes() for c in codecs]
 
 
@@ -47,7 +54,7 @@ def main() -> None:
         mutated = bytearray(atheris.Mutate(bytes(frame), max_size))
         if rng.random() < 0.5 and len(mutated) > frames.CRC.size:
             body = bytes(mutated[: -frames.CRC.size])
-            mutated[-frames.CRC.size:] = frames.CRC.pack(zlib.crc32(body))
+            mutated[-frames.CRC.size :] = frames.CRC.pack(zlib.crc32(body))
         return bytes(mutated)
 
     atheris.Setup(sys.argv, test_one_input, custom_mutator=mutate)

@@ -35,8 +35,10 @@ def inputs(n: int, rng: np.random.Generator) -> np.ndarray:
 
 def same_values(a: np.ndarray, b: np.ndarray) -> bool:
     nan = np.isnan(b)
-    return bool(np.array_equal(np.isnan(a), nan)
-                and np.array_equal(a.view(np.uint32)[~nan], b.view(np.uint32)[~nan]))
+    return bool(
+        np.array_equal(np.isnan(a), nan)
+        and np.array_equal(a.view(np.uint32)[~nan], b.view(np.uint32)[~nan])
+    )
 
 
 def check(cp, name: str, fmt: int, block: int, x: np.ndarray, options: dict) -> list[str]:
@@ -70,13 +72,20 @@ def main() -> int:
         return 2
     cp = cuda.require()
     rng = np.random.default_rng(20261129)
-    cases = [(f"{name} b{b}", native.FORMATS[name], b) for name in ("e4m3", "e5m2")
-             for b in (0, 1, 16, 128, 3000, 2**30, 2**48)]
-    cases += [(name, native.FORMATS[name], 0) for name in ("nvfp4", "bf16", "mxfp8_e4m3",
-                                                            "mxfp8_e5m2", "mxfp4")]
-    keys = [{"seed": 0, "rounding_stream": 0, "offset": 0},
-            {"seed": 2**64 - 1, "rounding_stream": 12345, "offset": 2**64 - 7},
-            {"seed": 7, "rounding_stream": 3, "offset": 10**9}]
+    cases = [
+        (f"{name} b{b}", native.FORMATS[name], b)
+        for name in ("e4m3", "e5m2")
+        for b in (0, 1, 16, 128, 3000, 2**30, 2**48)
+    ]
+    cases += [
+        (name, native.FORMATS[name], 0)
+        for name in ("nvfp4", "bf16", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4")
+    ]
+    keys = [
+        {"seed": 0, "rounding_stream": 0, "offset": 0},
+        {"seed": 2**64 - 1, "rounding_stream": 12345, "offset": 2**64 - 7},
+        {"seed": 7, "rounding_stream": 3, "offset": 10**9},
+    ]
     problems, runs = [], 0
     for name, fmt, block in cases:
         rules = (0, native.RCEIL) if fmt in native.MX_FORMATS else (0,)
@@ -85,8 +94,9 @@ def main() -> int:
             for rule in rules:
                 problems += check(cp, name, fmt, block, x, {"flags": rule})
                 for key in keys:
-                    problems += check(cp, name, fmt, block, x,
-                                      {"flags": rule | native.STOCHASTIC, **key})
+                    problems += check(
+                        cp, name, fmt, block, x, {"flags": rule | native.STOCHASTIC, **key}
+                    )
                 runs += 1 + len(keys)
     for line in problems[:50]:
         print(line)

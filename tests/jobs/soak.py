@@ -31,8 +31,9 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def check(kind: str, op: str, codec, xs: list[np.ndarray], result: np.ndarray, rank: int,
-          size: int) -> bool:
+def check(
+    kind: str, op: str, codec, xs: list[np.ndarray], result: np.ndarray, rank: int, size: int
+) -> bool:
     exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
     if codec.lossless:
         bound = 2 * size * bounds.FP32_UNIT * np.sum([np.abs(x) for x in xs], axis=0)
@@ -42,7 +43,7 @@ def check(kind: str, op: str, codec, xs: list[np.ndarray], result: np.ndarray, r
         bound = bounds.reduce_scatter_bound(xs, codec)
     if kind == "reduce_scatter":
         offsets = shard_bounds(exact.size, size)
-        exact, bound = (a[offsets[rank]: offsets[rank + 1]] for a in (exact, bound))
+        exact, bound = (a[offsets[rank] : offsets[rank + 1]] for a in (exact, bound))
     if op == "avg":
         exact, bound = exact / size, bound / size + 2.0**-23 * bound
     return bool(np.all(np.abs(result - exact) <= bound))
@@ -65,8 +66,10 @@ def main() -> int:
         codec = resolve_codec(CODECS[int(plan.integers(len(CODECS)))])
         op = "sum" if plan.random() < 0.5 else "avg"
         kind = "allreduce" if plan.random() < 0.7 else "reduce_scatter"
-        xs = [np.random.default_rng([args.seed, i, r]).standard_normal(count, np.float32)
-              for r in range(size)]
+        xs = [
+            np.random.default_rng([args.seed, i, r]).standard_normal(count, np.float32)
+            for r in range(size)
+        ]
         fn = geocomm.allreduce if kind == "allreduce" else geocomm.reduce_scatter
         result = fn(xs[rank], codec=codec, op=op)
         ok = check(kind, op, codec, xs, result.astype(np.float64), rank, size)
@@ -79,15 +82,20 @@ def main() -> int:
         else:
             failed += 1
             if rank == 0:
-                print(f"op {i}: {kind} {op} {codec.get_config()} count {count} failed on ranks "
-                      f"{np.nonzero(verdict.ravel() == 0)[0].tolist()}", flush=True)
+                print(
+                    f"op {i}: {kind} {op} {codec.get_config()} count {count} failed on ranks "
+                    f"{np.nonzero(verdict.ravel() == 0)[0].tolist()}",
+                    flush=True,
+                )
     growth = rss_bytes() - (baseline or rss_bytes())
     limit = max(0.05 * (baseline or 0), 8 << 20)
     growths = comm.allgather_int64(np.array([growth]))
     leak = bool((growths > limit).any())
     if rank == 0:
-        print(f"soak: {args.ops} collectives on {size} ranks; RSS growth after warm-up per rank "
-              f"(bytes): {growths.ravel().tolist()}, limit {int(limit)}")
+        print(
+            f"soak: {args.ops} collectives on {size} ranks; RSS growth after warm-up per rank "
+            f"(bytes): {growths.ravel().tolist()}, limit {int(limit)}"
+        )
         print(f"{passed + (not leak)} passed, {failed + leak} failed")
     return 1 if failed or leak else 0
 

@@ -10,5 +10,4 @@ rounds), :mod:`.frames` (standalone frames).
 from geocomm.codecs.geo.codec import GeoCodec, GeoFP8Codec, GeoNVFP4Codec, HadamardCodec
 from geocomm.codecs.geo.policy import DEFAULTS, matrix_shape
 
-__all__ = ["DEFAULTS", "GeoCodec", "GeoFP8Codec", "GeoNVFP4Codec", "HadamardCodec",
-           "matrix_shape"]
+__all__ = ["DEFAULTS", "GeoCodec", "GeoFP8Codec", "GeoNVFP4Codec", "HadamardCodec", "matrix_shape"]

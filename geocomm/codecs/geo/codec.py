@@ -74,12 +74,12 @@ class GeoCodec(WireOf, TransformingCodec):
     def __init__(self, quantizer: Codec, **knobs: Any):
         unknown = set(knobs) - set(DEFAULTS)
         if unknown:
-            raise TypeError(f"unknown GeoFP8 parameters {sorted(unknown)}; "
-                            f"known: {sorted(DEFAULTS)}")
+            raise TypeError(
+                f"unknown GeoFP8 parameters {sorted(unknown)}; known: {sorted(DEFAULTS)}"
+            )
         config = {**DEFAULTS, **knobs}
         if config["transform"] not in TRANSFORMS:
-            raise ValueError(f"transform must be one of {TRANSFORMS}, "
-                             f"got {config['transform']!r}")
+            raise ValueError(f"transform must be one of {TRANSFORMS}, got {config['transform']!r}")
         self.quantizer = self.wire_codec = quantizer  # the bytes are the quantizer's
         self.transform = config["transform"]
         self.k = _check_int("k", config["k"], 1)
@@ -94,10 +94,17 @@ class GeoCodec(WireOf, TransformingCodec):
 
     # ---- configuration --------------------------------------------------------
     def _knobs(self) -> dict[str, Any]:
-        return {"transform": self.transform, "k": self.k, "budget": self.budget,
-                "refresh": self.refresh_period, "max_side": self.max_side,
-                "min_dim": self.min_dim, "min_numel": self.min_numel,
-                "min_share": self.min_share, "seed": self.seed}
+        return {
+            "transform": self.transform,
+            "k": self.k,
+            "budget": self.budget,
+            "refresh": self.refresh_period,
+            "max_side": self.max_side,
+            "min_dim": self.min_dim,
+            "min_numel": self.min_numel,
+            "min_share": self.min_share,
+            "seed": self.seed,
+        }
 
     def get_config(self) -> dict[str, Any]:
         """The quantizer's parameters, then the geometry's (one ``seed`` serves both:
@@ -129,8 +136,9 @@ class GeoCodec(WireOf, TransformingCodec):
         st = self._state_for(("shape", tuple(shape)) if key is None else key, dims)
         st.calls += 1
         due = st.vt is None or st.calls - st.refreshed >= self.refresh_period
-        active = st.vt is not None and (st.share is None or anisotropic(st.share, dims,
-                                                                         self.min_share))
+        active = st.vt is not None and (
+            st.share is None or anisotropic(st.share, dims, self.min_share)
+        )
         if active:
             return SplitPlan(dims, st.vt, refreshes=due, state=st)
         return _MeasurePlan(dims, st) if due else None
@@ -152,12 +160,16 @@ class GeoCodec(WireOf, TransformingCodec):
         xp = array_namespace(shard)
         if coef is None:  # measure: power iterations from the basis (or a random one)
             cold = st.vt is None
-            vt = kernels.orthonormalize(xp.zeros((dims.k, dims.n), dtype=xp.float32),
-                                        self.seed) if cold else st.vt
+            vt = (
+                kernels.orthonormalize(xp.zeros((dims.k, dims.n), dtype=xp.float32), self.seed)
+                if cold
+                else st.vt
+            )
             iters = COLD_ITERS if cold else 1
             for it in range(iters):
-                coef = xp.reshape((yield xp.reshape(_projection(shard, lo, vt, dims), (-1,))),
-                                  (dims.m, dims.k))
+                coef = xp.reshape(
+                    (yield xp.reshape(_projection(shard, lo, vt, dims), (-1,))), (dims.m, dims.k)
+                )
                 w, energy = _split_energy((yield _accumulation(shard, lo, coef, dims)), dims)
                 if it + 1 < iters:
                     vt = kernels.orthonormalize(w, self.seed)
@@ -200,16 +212,20 @@ class GeoCodec(WireOf, TransformingCodec):
 
     def state_dict(self) -> dict[str, Any]:
         """Every key's state as NumPy arrays and plain values (for checkpoints)."""
-        return {"version": 1, "config": self.get_config(),
-                "keys": [(k, st.to_dict()) for k, st in self._state.items()]}
+        return {
+            "version": 1,
+            "config": self.get_config(),
+            "keys": [(k, st.to_dict()) for k, st in self._state.items()],
+        }
 
     def load_state_dict(self, data: dict[str, Any], xp: Any = np) -> None:
         """Restore :meth:`state_dict` output; the basis goes to namespace ``xp``."""
         if data.get("version") != 1:
             raise ValueError(f"unknown GeoFP8 state version {data.get('version')!r}")
         if data.get("config") != self.get_config():
-            raise ValueError(f"state was saved by {data.get('config')}, "
-                             f"this codec is {self.get_config()}")
+            raise ValueError(
+                f"state was saved by {data.get('config')}, this codec is {self.get_config()}"
+            )
         self._state = {_key(k): KeyState.from_dict(v, xp) for k, v in data["keys"]}
 
     # ---- standalone frames ----------------------------------------------------------
@@ -287,8 +303,14 @@ class GeoFP8Codec(GeoCodec):
 
     codec_id: ClassVar[str] = "geofp8"
 
-    def __init__(self, fmt: str = "e4m3", block: int = 128, rounding: str = "nearest",
-                 seed: int = DEFAULTS["seed"], **knobs: Any):
+    def __init__(
+        self,
+        fmt: str = "e4m3",
+        block: int = 128,
+        rounding: str = "nearest",
+        seed: int = DEFAULTS["seed"],
+        **knobs: Any,
+    ):
         super().__init__(FP8Codec(fmt, block, rounding, seed), seed=seed, **knobs)
 
 
@@ -307,7 +329,18 @@ class HadamardCodec(GeoCodec):
     codec_id: ClassVar[str] = "hadamard"
     _fields: ClassVar[tuple[str, ...]] = ("seed", "min_dim", "min_numel")
 
-    def __init__(self, fmt: str = "e4m3", block: int = 128, seed: int = 0,
-                 min_dim: int = DEFAULTS["min_dim"], min_numel: int = DEFAULTS["min_numel"]):
-        super().__init__(FP8Codec(fmt, block), transform="hadamard", seed=seed,
-                         min_dim=min_dim, min_numel=min_numel)
+    def __init__(
+        self,
+        fmt: str = "e4m3",
+        block: int = 128,
+        seed: int = 0,
+        min_dim: int = DEFAULTS["min_dim"],
+        min_numel: int = DEFAULTS["min_numel"],
+    ):
+        super().__init__(
+            FP8Codec(fmt, block),
+            transform="hadamard",
+            seed=seed,
+            min_dim=min_dim,
+            min_numel=min_numel,
+        )

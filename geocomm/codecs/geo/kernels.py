@@ -24,8 +24,7 @@ from array_api_compat import array_namespace, is_cupy_array
 
 from geocomm import native
 
-__all__ = ["accumulate", "expand", "orthonormalize", "pack", "project", "residual", "rows",
-           "sumsq"]
+__all__ = ["accumulate", "expand", "orthonormalize", "pack", "project", "residual", "rows", "sumsq"]
 
 _THREADS = 256
 _LANES = 8  # GC_LANES of native/gc_linalg.h: threads per projected coefficient
@@ -61,15 +60,15 @@ def pack(vt: Any) -> Any:
     return None if is_cupy_array(vt) else native.geo_pack(_host(vt))
 
 
-def expand(values: Any, lo: int, n: int, coef: Any, vt: Any, sign: float, out: Any,
-           packed: Any = None) -> None:
+def expand(
+    values: Any, lo: int, n: int, coef: Any, vt: Any, sign: float, out: Any, packed: Any = None
+) -> None:
     """out = values + sign * coef vt over the range; ``out`` may be ``values``;
     ``packed``: :func:`pack` of vt, when the caller expands with it many times."""
     if is_cupy_array(values):
         _cuda_expand(values, lo, n, coef, vt, sign, out)
         return
-    native.geo_expand(_host(values), lo, n, _host(coef), _host(vt), float(sign), _host(out),
-                      packed)
+    native.geo_expand(_host(values), lo, n, _host(coef), _host(vt), float(sign), _host(out), packed)
 
 
 def residual(values: Any, n: int, vt: Any, out: Any) -> Any:
@@ -118,6 +117,7 @@ def orthonormalize(rows_: Any, seed: int) -> Any:
 # ---------------------------------------------------------------------------
 # CUDA (CuPy arrays)
 
+
 @functools.cache
 def _source() -> str:
     """gc_geometry.cu with gc_linalg.h and gc_scalar.h inlined (one NVRTC unit)."""
@@ -141,6 +141,12 @@ def _grid(threads: int) -> tuple[int]:
     return (max(1, -(-threads // _THREADS)),)
 
 
+def _range_args(values: Any, lo: int, n: int) -> tuple[Any, ...]:
+    """The arguments every geometry kernel starts with: the range's values, where the
+    range starts in the matrix, its length and the row length."""
+    return (values, np.uint64(lo), np.uint64(values.size), np.uint64(n))
+
+
 def _cuda_project(values: Any, lo: int, n: int, vt: Any) -> Any:
     import cupy
 
@@ -149,21 +155,22 @@ def _cuda_project(values: Any, lo: int, n: int, vt: Any) -> Any:
     coef = cupy.empty((count // k if k else 0, k), cupy.float32)
     if count:
         _kernel(cupy, "gc_geo_project")(
-            _grid(count * _LANES), (_THREADS,),
-            (values, np.uint64(lo), np.uint64(values.size), np.uint64(n), vt, np.uint64(k),
-             np.uint64(count), coef))
+            _grid(count * _LANES),
+            (_THREADS,),
+            (*_range_args(values, lo, n), vt, np.uint64(k), np.uint64(count), coef),
+        )
     return coef
 
 
-def _cuda_expand(values: Any, lo: int, n: int, coef: Any, vt: Any, sign: float,
-                 out: Any) -> None:
+def _cuda_expand(values: Any, lo: int, n: int, coef: Any, vt: Any, sign: float, out: Any) -> None:
     import cupy
 
     if values.size:
         _kernel(cupy, "gc_geo_expand")(
-            _grid(values.size), (_THREADS,),
-            (values, np.uint64(lo), np.uint64(values.size), np.uint64(n), coef, vt,
-             np.uint64(vt.shape[0]), np.float32(sign), out))
+            _grid(values.size),
+            (_THREADS,),
+            (*_range_args(values, lo, n), coef, vt, np.uint64(vt.shape[0]), np.float32(sign), out),
+        )
 
 
 def _cuda_accumulate(values: Any, lo: int, n: int, coef: Any, acc: Any) -> None:
@@ -172,6 +179,13 @@ def _cuda_accumulate(values: Any, lo: int, n: int, coef: Any, acc: Any) -> None:
     k = acc.shape[0]
     if values.size:
         _kernel(cupy, "gc_geo_accumulate")(
-            _grid(k * n), (_THREADS,),
-            (values, np.uint64(lo), np.uint64(values.size), np.uint64(n), coef, np.uint64(k),
-             np.uint64(rows(lo, values.size, n)), acc))
+            _grid(k * n),
+            (_THREADS,),
+            (
+                *_range_args(values, lo, n),
+                coef,
+                np.uint64(k),
+                np.uint64(rows(lo, values.size, n)),
+                acc,
+            ),
+        )

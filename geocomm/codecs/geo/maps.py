@@ -94,8 +94,7 @@ class HadamardPlan:
         self.p = 1 << (n.bit_length() - 1)
         rng = np.random.default_rng([seed, n, 0x4841])
         count = 1 if self.p == n else 2
-        self._signs = [rng.choice(np.array([-1.0, 1.0], np.float32), self.p)
-                       for _ in range(count)]
+        self._signs = [rng.choice(np.array([-1.0, 1.0], np.float32), self.p) for _ in range(count)]
         self.bounds = [int(b) for b in bounds]
 
     def _rows(self, lo: int, hi: int) -> tuple[int, int]:
@@ -106,8 +105,9 @@ class HadamardPlan:
         return (rows[0], rows[-1] + 1) if rows else (0, 0)
 
     def _inside_shard(self, a: int, b: int) -> bool:
-        return any(s <= a and b <= e for s, e in zip(self.bounds[:-1], self.bounds[1:],
-                                                       strict=True))
+        return any(
+            s <= a and b <= e for s, e in zip(self.bounds[:-1], self.bounds[1:], strict=True)
+        )
 
     def _rotate(self, block: Any, inverse: bool) -> None:
         """Rotate the rows of ``block`` (r, n) in place."""
@@ -115,7 +115,7 @@ class HadamardPlan:
         n, p = self.map_shape.n, self.p
         parts = list(zip((0, n - p), self._signs, strict=False))
         scale = xp.asarray(1.0 / math.sqrt(p), dtype=xp.float32)
-        for start, signs in (reversed(parts) if inverse else parts):
+        for start, signs in reversed(parts) if inverse else parts:
             s = xp.asarray(signs)
             cols = block[:, start : start + p]
             if not inverse:

@@ -64,8 +64,9 @@ def rank_for_budget(budget: float, refresh: int) -> int:
     return int(budget // (3 + 1 / refresh))
 
 
-def map_shape(shape: Sequence[int], config: dict[str, Any], payload_bytes: int,
-           framed: bool = False) -> MapShape | None:
+def map_shape(
+    shape: Sequence[int], config: dict[str, Any], payload_bytes: int, framed: bool = False
+) -> MapShape | None:
     """The map of a tensor of ``shape`` under ``config``, or None (plain quantization).
 
     ``payload_bytes``: the quantized body of the whole tensor. ``framed``: a

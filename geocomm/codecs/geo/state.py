@@ -49,8 +49,16 @@ class KeyState:
     def crc(self) -> int:
         """CRC32 of the whole state (the basis is hashed once, when it changes)."""
         dims = self.map_shape
-        head = struct.pack("<5q?d", dims.m, dims.n, dims.k, self.calls, self.refreshed,
-                           self.share is not None, self.share or 0.0)
+        head = struct.pack(
+            "<5q?d",
+            dims.m,
+            dims.n,
+            dims.k,
+            self.calls,
+            self.refreshed,
+            self.share is not None,
+            self.share or 0.0,
+        )
         return zlib.crc32(head, self._basis_crc)
 
     def commit(self, vt: Any, share: float) -> None:
@@ -61,10 +69,16 @@ class KeyState:
     def to_dict(self) -> dict[str, Any]:
         """A JSON- and NumPy-only snapshot (for checkpoints)."""
         dims = self.map_shape
-        return {"shape": (dims.m, dims.n), "k": dims.k, "calls": self.calls,
-                "refreshed": self.refreshed, "share": self.share,
-                "vt": None if self.vt is None else np.frombuffer(
-                    _host_bytes(self.vt), "<f4").reshape(dims.k, dims.n).copy()}
+        return {
+            "shape": (dims.m, dims.n),
+            "k": dims.k,
+            "calls": self.calls,
+            "refreshed": self.refreshed,
+            "share": self.share,
+            "vt": None
+            if self.vt is None
+            else np.frombuffer(_host_bytes(self.vt), "<f4").reshape(dims.k, dims.n).copy(),
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], xp: Any) -> KeyState:

@@ -29,16 +29,21 @@ CASES: dict[str, tuple[dict, str, tuple[int, ...]]] = {
     "fp8_e5m2_b0": ({"id": "fp8", "fmt": "e5m2", "block": 0}, "float64", (2, 3, 29)),
     "nvfp4": ({"id": "nvfp4"}, "float32", (7, 21)),
     "mxfp8_e4m3": ({"id": "mxfp8", "fmt": "e4m3", "scale_rule": "floor"}, "float32", (3, 45)),
-    "mxfp8_e5m2_rceil": ({"id": "mxfp8", "fmt": "e5m2", "scale_rule": "rceil"}, "float16",
-                         (70,)),
+    "mxfp8_e5m2_rceil": ({"id": "mxfp8", "fmt": "e5m2", "scale_rule": "rceil"}, "float16", (70,)),
     "mxfp4": ({"id": "mxfp4", "scale_rule": "floor"}, "float32", (5, 27)),
     # stochastic rounding: these pin the random bits (seed, stream 0, offset 0) as well
-    "fp8_e4m3_b128_sr": ({"id": "fp8", "fmt": "e4m3", "block": 128, "rounding": "stochastic",
-                          "seed": 42}, "float32", (5, 67)),
+    "fp8_e4m3_b128_sr": (
+        {"id": "fp8", "fmt": "e4m3", "block": 128, "rounding": "stochastic", "seed": 42},
+        "float32",
+        (5, 67),
+    ),
     "nvfp4_sr": ({"id": "nvfp4", "rounding": "stochastic", "seed": 7}, "float32", (7, 21)),
     "bf16_sr": ({"id": "bf16", "rounding": "stochastic", "seed": 2**64 - 1}, "float32", (130,)),
-    "mxfp4_sr": ({"id": "mxfp4", "scale_rule": "rceil", "rounding": "stochastic", "seed": 3},
-                 "float32", (5, 27)),
+    "mxfp4_sr": (
+        {"id": "mxfp4", "scale_rule": "rceil", "rounding": "stochastic", "seed": 3},
+        "float32",
+        (5, 27),
+    ),
 }
 
 

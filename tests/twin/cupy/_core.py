@@ -43,8 +43,9 @@ class Device:
     def __init__(self, device: int | None = None):
         self.id = _current_device() if device is None else int(device)
         if not 0 <= self.id < device_count():
-            raise _device.CUDARuntimeError(f"cudaErrorInvalidDevice: device {self.id} "
-                                           f"(the twin has {device_count()})")
+            raise _device.CUDARuntimeError(
+                f"cudaErrorInvalidDevice: device {self.id} (the twin has {device_count()})"
+            )
 
     compute_capability = "90"
 
@@ -103,8 +104,11 @@ class _Flags:
         self.owndata = False
 
     def __getitem__(self, name: str) -> bool:
-        return {"C_CONTIGUOUS": self.c_contiguous, "F_CONTIGUOUS": self.f_contiguous,
-                "OWNDATA": self.owndata}[name]
+        return {
+            "C_CONTIGUOUS": self.c_contiguous,
+            "F_CONTIGUOUS": self.f_contiguous,
+            "OWNDATA": self.owndata,
+        }[name]
 
 
 def _not_implemented(name: str):
@@ -120,11 +124,21 @@ class ndarray:
 
     __array_ufunc__ = None  # NumPy ufuncs defer to (or refuse) twin arrays
 
-    def __init__(self, shape: Any, dtype: Any = float, memptr: Any = None, strides: Any = None,
-                 order: str = "C", *, _alloc: Any = None, _offset: int = 0):
+    def __init__(
+        self,
+        shape: Any,
+        dtype: Any = float,
+        memptr: Any = None,
+        strides: Any = None,
+        order: str = "C",
+        *,
+        _alloc: Any = None,
+        _offset: int = 0,
+    ):
         dtype = np.dtype(dtype)
-        shape = (int(shape),) if isinstance(shape, numbers.Integral) else \
-            tuple(int(s) for s in shape)
+        shape = (
+            (int(shape),) if isinstance(shape, numbers.Integral) else tuple(int(s) for s in shape)
+        )
         if order != "C" or memptr is not None:
             raise NotImplementedError("the CuPy twin makes C-ordered arrays of their own memory")
         if _alloc is None:
@@ -139,14 +153,20 @@ class ndarray:
     # -- metadata --------------------------------------------------------------
     def _view(self) -> np.ndarray:
         """The host view of this array's bytes (for operations running on a stream)."""
-        return np.ndarray(self.shape, self.dtype, buffer=self._alloc.payload,
-                          offset=self._offset, strides=self.strides)
+        return np.ndarray(
+            self.shape,
+            self.dtype,
+            buffer=self._alloc.payload,
+            offset=self._offset,
+            strides=self.strides,
+        )
 
     @classmethod
     def _of_view(cls, alloc: _memory.Allocation, view: np.ndarray) -> ndarray:
         offset = view.__array_interface__["data"][0] - alloc.ptr if view.size else 0
-        return cls(view.shape, view.dtype, strides=view.strides, _alloc=alloc,
-                   _offset=max(offset, 0))
+        return cls(
+            view.shape, view.dtype, strides=view.strides, _alloc=alloc, _offset=max(offset, 0)
+        )
 
     size = property(lambda self: math.prod(self.shape))
     ndim = property(lambda self: len(self.shape))
@@ -211,15 +231,22 @@ class ndarray:
         _copy_into(out, self, "a copy")
         return out
 
-    def astype(self, dtype: Any, order: str = "C", casting: Any = None, subok: Any = None,
-               copy: bool = True) -> ndarray:
+    def astype(
+        self,
+        dtype: Any,
+        order: str = "C",
+        casting: Any = None,
+        subok: Any = None,
+        copy: bool = True,
+    ) -> ndarray:
         dtype = np.dtype(dtype)
         if dtype == self.dtype:
             return self.copy() if copy else self
         return _elementwise(lambda a: a.astype(dtype), [self], dtype, "astype")
 
-    def get(self, stream: Any = None, order: str = "C", out: Any = None,
-            blocking: bool = True) -> np.ndarray:
+    def get(
+        self, stream: Any = None, order: str = "C", out: Any = None, blocking: bool = True
+    ) -> np.ndarray:
         """Copy to the host: queued on the current stream, which is then synchronized."""
         result = np.empty(self.shape, self.dtype)
         stream = stream or _device.current_stream()
@@ -242,8 +269,10 @@ class ndarray:
         _host_to_device(self, arr.astype(self.dtype), stream)
 
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError("Implicit conversion to a NumPy array is not allowed. "
-                        "Please use `.get()` to construct a NumPy array explicitly.")
+        raise TypeError(
+            "Implicit conversion to a NumPy array is not allowed. "
+            "Please use `.get()` to construct a NumPy array explicitly."
+        )
 
     def _scalar(self) -> Any:
         if self.size != 1:
@@ -267,13 +296,23 @@ class ndarray:
         then reads and writes directly; the host must have waited for it first."""
         return (1, 0)
 
-    def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
-                   copy: Any = None) -> Any:
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: Any = None,
+        dl_device: Any = None,
+        copy: Any = None,
+    ) -> Any:
         access = _device.access(self)
-        _device.host_access("a DLPack export (the consumer reads and writes it on the host)",
-                            [access], [access])
-        kwargs = {k: v for k, v in (("max_version", max_version), ("dl_device", dl_device),
-                                    ("copy", copy)) if v is not None}
+        _device.host_access(
+            "a DLPack export (the consumer reads and writes it on the host)", [access], [access]
+        )
+        kwargs = {
+            k: v
+            for k, v in (("max_version", max_version), ("dl_device", dl_device), ("copy", copy))
+            if v is not None
+        }
         return self._view().__dlpack__(**kwargs)
 
     # -- arithmetic (flush-to-zero, like CuPy's kernels) -------------------------
@@ -323,8 +362,9 @@ def _extent(offset: int, shape: tuple, strides: tuple, itemsize: int) -> tuple[i
 def _basic_key(key: Any) -> Any:
     items = key if isinstance(key, tuple) else (key,)
     for item in items:
-        if not (item is None or item is Ellipsis or isinstance(item, (slice, numbers.Integral))) \
-                or isinstance(item, bool):
+        if not (
+            item is None or item is Ellipsis or isinstance(item, (slice, numbers.Integral))
+        ) or isinstance(item, bool):
             raise NotImplementedError(f"the CuPy twin supports basic indexing only, got {item!r}")
     if Ellipsis not in items:
         items = (*items, Ellipsis)  # integer indexing then still gives a (0-d) view
@@ -332,22 +372,48 @@ def _basic_key(key: Any) -> Any:
 
 
 _BINARY = {
-    "add": np.add, "sub": np.subtract, "mul": np.multiply, "truediv": np.true_divide,
-    "floordiv": np.floor_divide, "mod": np.remainder, "pow": np.power, "and": np.bitwise_and,
-    "or": np.bitwise_or, "xor": np.bitwise_xor, "lshift": np.left_shift,
+    "add": np.add,
+    "sub": np.subtract,
+    "mul": np.multiply,
+    "truediv": np.true_divide,
+    "floordiv": np.floor_divide,
+    "mod": np.remainder,
+    "pow": np.power,
+    "and": np.bitwise_and,
+    "or": np.bitwise_or,
+    "xor": np.bitwise_xor,
+    "lshift": np.left_shift,
     "rshift": np.right_shift,
 }
 for _name, _fn in _BINARY.items():
-    setattr(ndarray, f"__{_name}__",
-            (lambda fn, name: lambda self, o: self._binary(o, fn, name))(_fn, _name))
-    setattr(ndarray, f"__r{_name}__",
-            (lambda fn, name: lambda self, o: self._binary(o, fn, name, True))(_fn, _name))
-    setattr(ndarray, f"__i{_name}__",
-            (lambda fn, name: lambda self, o: self._inplace(o, fn, name))(_fn, _name))
-for _name, _fn in {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
-                   "gt": np.greater, "ge": np.greater_equal}.items():
-    setattr(ndarray, f"__{_name}__",
-            (lambda fn, name: lambda self, o: self._binary(o, fn, name))(_fn, _name))
+    setattr(
+        ndarray,
+        f"__{_name}__",
+        (lambda fn, name: lambda self, o: self._binary(o, fn, name))(_fn, _name),
+    )
+    setattr(
+        ndarray,
+        f"__r{_name}__",
+        (lambda fn, name: lambda self, o: self._binary(o, fn, name, True))(_fn, _name),
+    )
+    setattr(
+        ndarray,
+        f"__i{_name}__",
+        (lambda fn, name: lambda self, o: self._inplace(o, fn, name))(_fn, _name),
+    )
+for _name, _fn in {
+    "eq": np.equal,
+    "ne": np.not_equal,
+    "lt": np.less,
+    "le": np.less_equal,
+    "gt": np.greater,
+    "ge": np.greater_equal,
+}.items():
+    setattr(
+        ndarray,
+        f"__{_name}__",
+        (lambda fn, name: lambda self, o: self._binary(o, fn, name))(_fn, _name),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -364,36 +430,42 @@ def _run(fn: Any, what: str, reads: list, writes: list, stream: Any = None) -> N
             fn()
         _memory.check_redzones(allocs, what)
 
-    stream.enqueue(op, what, [_device.access(a) for a in reads],
-                   [_device.access(a) for a in writes])
+    stream.enqueue(
+        op, what, [_device.access(a) for a in reads], [_device.access(a) for a in writes]
+    )
 
 
 def _copy_into(target: ndarray, source: ndarray, what: str) -> None:
     np.broadcast_shapes(source.shape, target.shape)
-    _run(lambda: np.copyto(target._view(), source._view(), casting="unsafe"), what,
-         [source], [target])
+    _run(
+        lambda: np.copyto(target._view(), source._view(), casting="unsafe"),
+        what,
+        [source],
+        [target],
+    )
 
 
 def _host_to_device(target: ndarray, values: np.ndarray, stream: Any = None) -> None:
     """A host-to-device copy: the host buffer is read now (pageable memory), the device
     bytes written in stream order."""
     snapshot = np.array(values, dtype=target.dtype, copy=True)
-    _run(lambda: np.copyto(target._view(), snapshot), "a host-to-device copy", [], [target],
-         stream)
+    _run(lambda: np.copyto(target._view(), snapshot), "a host-to-device copy", [], [target], stream)
 
 
 def _operand_shape(x: Any) -> tuple:
     return x.shape if isinstance(x, ndarray) else ()
 
 
-def _elementwise(fn: Any, operands: list, dtype: Any, what: str, out: ndarray | None = None) \
-        -> ndarray:
+def _elementwise(
+    fn: Any, operands: list, dtype: Any, what: str, out: ndarray | None = None
+) -> ndarray:
     """Queue ``fn`` over the operands' host views (float32 flushed to zero in and out)."""
     for x in operands:
         if not isinstance(x, (ndarray, numbers.Number, np.generic)):
             raise TypeError(f"twin {what}: unsupported operand {type(x).__name__}")
-    probe = [np.empty(_operand_shape(x), x.dtype) if isinstance(x, ndarray) else x
-             for x in operands]
+    probe = [
+        np.empty(_operand_shape(x), x.dtype) if isinstance(x, ndarray) else x for x in operands
+    ]
     with np.errstate(all="ignore"):
         shaped = np.asarray(fn(*probe))
     result_dtype = np.dtype(dtype) if dtype is not None else shaped.dtype
@@ -443,21 +515,24 @@ def full(shape: Any, fill_value: Any, dtype: Any = None, order: str = "C") -> nd
     return out
 
 
-def empty_like(a: Any, dtype: Any = None, order: str = "C", subok: Any = None,
-               shape: Any = None) -> ndarray:
+def empty_like(
+    a: Any, dtype: Any = None, order: str = "C", subok: Any = None, shape: Any = None
+) -> ndarray:
     return empty(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
 
 
-def zeros_like(a: Any, dtype: Any = None, order: str = "C", subok: Any = None,
-               shape: Any = None) -> ndarray:
+def zeros_like(
+    a: Any, dtype: Any = None, order: str = "C", subok: Any = None, shape: Any = None
+) -> ndarray:
     return zeros(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
 
 
 def asarray(a: Any, dtype: Any = None, order: Any = None, *, blocking: bool = False) -> ndarray:
     if isinstance(a, ndarray):
         return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
-    if hasattr(a, "__cuda_array_interface__") or (hasattr(a, "__dlpack__")
-                                                   and not isinstance(a, np.ndarray)):
+    if hasattr(a, "__cuda_array_interface__") or (
+        hasattr(a, "__dlpack__") and not isinstance(a, np.ndarray)
+    ):
         raise NotImplementedError(f"the CuPy twin takes no foreign device array ({type(a)})")
     host = np.asarray(a, dtype=dtype)
     out = empty(host.shape, host.dtype)
@@ -465,8 +540,16 @@ def asarray(a: Any, dtype: Any = None, order: Any = None, *, blocking: bool = Fa
     return out
 
 
-def array(obj: Any, dtype: Any = None, copy: bool = True, order: str = "K", subok: bool = False,
-          ndmin: int = 0, *, blocking: bool = False) -> ndarray:
+def array(
+    obj: Any,
+    dtype: Any = None,
+    copy: bool = True,
+    order: str = "K",
+    subok: bool = False,
+    ndmin: int = 0,
+    *,
+    blocking: bool = False,
+) -> ndarray:
     if isinstance(obj, ndarray):
         out = obj.astype(dtype or obj.dtype, copy=copy)
         return out
@@ -483,8 +566,9 @@ def ascontiguousarray(a: Any, dtype: Any = None) -> ndarray:
     return a.astype(dtype)
 
 
-def asnumpy(a: Any, stream: Any = None, order: str = "C", out: Any = None,
-            blocking: bool = True) -> np.ndarray:
+def asnumpy(
+    a: Any, stream: Any = None, order: str = "C", out: Any = None, blocking: bool = True
+) -> np.ndarray:
     if isinstance(a, ndarray):
         return a.get(stream=stream, out=out)
     return np.asarray(a, order=order)
@@ -525,12 +609,19 @@ def isnan(x: ndarray) -> ndarray:
     return _elementwise(np.isnan, [x], np.bool_, "isnan")
 
 
-def _reduction(fn: Any, name: str, x: ndarray, axis: Any = None, dtype: Any = None,
-               keepdims: bool = False) -> ndarray:
+def _reduction(
+    fn: Any, name: str, x: ndarray, axis: Any = None, dtype: Any = None, keepdims: bool = False
+) -> ndarray:
     probe = np.asarray(fn(np.zeros(x.shape, x.dtype), axis=axis, keepdims=keepdims))
     out = empty(probe.shape, dtype or probe.dtype)
-    _run(lambda: np.copyto(out._view(), fn(_ftz(x._view()), axis=axis, keepdims=keepdims),
-                           casting="unsafe"), f"a reduction {name}", [x], [out])
+    _run(
+        lambda: np.copyto(
+            out._view(), fn(_ftz(x._view()), axis=axis, keepdims=keepdims), casting="unsafe"
+        ),
+        f"a reduction {name}",
+        [x],
+        [out],
+    )
     return out
 
 
@@ -554,8 +645,10 @@ shares_memory = may_share_memory
 def from_dlpack(x: Any) -> ndarray:
     if isinstance(x, ndarray):
         return x
-    raise NotImplementedError(f"the CuPy twin cannot import DLPack memory of {type(x).__name__} "
-                              "(torch CUDA tensors run on a real GPU only)")
+    raise NotImplementedError(
+        f"the CuPy twin cannot import DLPack memory of {type(x).__name__} "
+        "(torch CUDA tensors run on a real GPU only)"
+    )
 
 
 def get_array_module(*args: Any) -> Any:

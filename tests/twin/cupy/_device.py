@@ -99,8 +99,14 @@ def _name(who: int) -> str:
     return "the host" if who == HOST else f"stream {who:#x}"
 
 
-def _check_and_record(clock: dict[int, int], who: int, seq: int, what: str,
-                      reads: Iterable[Access], writes: Iterable[Access]) -> None:
+def _check_and_record(
+    clock: dict[int, int],
+    who: int,
+    seq: int,
+    what: str,
+    reads: Iterable[Access],
+    writes: Iterable[Access],
+) -> None:
     """The checker: raise unless every earlier conflicting access is covered by
     ``clock``, then remember this access."""
     reads, writes = list(reads), list(writes)
@@ -109,29 +115,34 @@ def _check_and_record(clock: dict[int, int], who: int, seq: int, what: str,
             continue
         conflicts = acc.alloc.writes + (acc.alloc.reads if is_write else [])
         for rec in conflicts:
-            if rec.lo < acc.hi and acc.lo < rec.hi and rec.who != who \
-                    and not _covers(clock, rec.who, rec.seq):
+            if (
+                rec.lo < acc.hi
+                and acc.lo < rec.hi
+                and rec.who != who
+                and not _covers(clock, rec.who, rec.seq)
+            ):
                 verb = "writes" if is_write else "reads"
                 kind = "wrote" if rec in acc.alloc.writes else "read"
                 raise StreamOrderError(
                     f"twin: {what} on {_name(who)} {verb} bytes [{max(acc.lo, rec.lo)}, "
                     f"{min(acc.hi, rec.hi)}) of {acc.alloc!r}, which {rec.what} on "
                     f"{_name(rec.who)} {kind}, with no event wait (or host synchronization) "
-                    "ordering the two")
+                    "ordering the two"
+                )
     for acc in reads:
         if acc.hi > acc.lo:
             _remember(acc.alloc.reads, acc, who, seq, what)
     for acc in writes:
         if acc.hi > acc.lo:
             # a covered write and the reads before it no longer matter where it overwrote
-            acc.alloc.reads[:] = [r for r in acc.alloc.reads
-                                  if not (acc.lo <= r.lo and r.hi <= acc.hi)]
+            acc.alloc.reads[:] = [
+                r for r in acc.alloc.reads if not (acc.lo <= r.lo and r.hi <= acc.hi)
+            ]
             _remember(acc.alloc.writes, acc, who, seq, what)
 
 
 def _remember(records: list, acc: Access, who: int, seq: int, what: str) -> None:
-    records[:] = [r for r in records
-                  if not (acc.lo <= r.lo and r.hi <= acc.hi and r.who == who)]
+    records[:] = [r for r in records if not (acc.lo <= r.lo and r.hi <= acc.hi and r.who == who)]
     records.append(_Record(acc.lo, acc.hi, who, seq, what))
 
 
@@ -155,8 +166,9 @@ _streams_by_ptr: dict[int, Any] = {}
 class Event:
     """A marker in a stream's queue (``cupy.cuda.Event``)."""
 
-    def __init__(self, block: bool = False, disable_timing: bool = False,
-                 interprocess: bool = False):
+    def __init__(
+        self, block: bool = False, disable_timing: bool = False, interprocess: bool = False
+    ):
         self._passed = threading.Event()
         self._passed.set()  # never recorded: complete, as in CUDA
         self.clock: dict[int, int] = {}
@@ -215,8 +227,9 @@ class Stream:
     # -- queue -----------------------------------------------------------------
     def _ensure_worker(self) -> None:
         if self._worker is None:
-            self._worker = threading.Thread(target=self._run, name=f"twin-{self.ptr:#x}",
-                                            daemon=True)
+            self._worker = threading.Thread(
+                target=self._run, name=f"twin-{self.ptr:#x}", daemon=True
+            )
             self._worker.start()
 
     def _run(self) -> None:
@@ -230,14 +243,21 @@ class Stream:
                 if not _failure:
                     op()
             except BaseException as exc:  # the sticky device error
-                fail(f"{getattr(op, 'what', 'an operation')} on {_name(self.ptr)}: "
-                     f"{type(exc).__name__}: {exc}")
+                fail(
+                    f"{getattr(op, 'what', 'an operation')} on {_name(self.ptr)}: "
+                    f"{type(exc).__name__}: {exc}"
+                )
             finally:
                 with self._cv:
                     self._queue.popleft()
 
-    def enqueue(self, fn: Callable[[], None], what: str, reads: Iterable[Access] = (),
-                writes: Iterable[Access] = ()) -> None:
+    def enqueue(
+        self,
+        fn: Callable[[], None],
+        what: str,
+        reads: Iterable[Access] = (),
+        writes: Iterable[Access] = (),
+    ) -> None:
         """Queue ``fn`` (run later by the worker, in order); check its accesses now."""
         check_failure()
         with _clock_lock:
@@ -321,8 +341,11 @@ class ExternalStream(Stream):
     def __new__(cls, ptr: int, device_id: int = -1):  # type: ignore[misc]
         import warnings
 
-        warnings.warn("cupy.cuda.ExternalStream is deprecated; use "
-                      "cupy.cuda.Stream.from_external instead", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "cupy.cuda.ExternalStream is deprecated; use cupy.cuda.Stream.from_external instead",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return stream_of(ptr)
 
 

@@ -151,21 +151,31 @@ _ARCH_OPTION = re.compile(r"(?:-arch|--gpu-architecture)=(.*)")
 _ARCH_VALUE = re.compile(r"(?:sm|compute)_(\d{2,3})[af]?")
 _MACRO = re.compile(r"[A-Za-z_]\w*(=.*)?", re.DOTALL)
 _STDS = ("c++03", "c++11", "c++14", "c++17", "c++20")
-_IGNORED = ("-lineinfo", "--generate-line-info", "-G", "--device-debug", "-w",
-            "--disable-warnings", "-default-device", "--device-as-default-execution-space")
+_IGNORED = (
+    "-lineinfo",
+    "--generate-line-info",
+    "-G",
+    "--device-debug",
+    "-w",
+    "--disable-warnings",
+    "-default-device",
+    "--device-as-default-execution-space",
+)
 
 
 def _bad_option(option: object, why: str = "") -> CompileError:
-    return CompileError(f"twin NVRTC: invalid option {option!r}{': ' + why if why else ''} "
-                        "(NVRTC_ERROR_INVALID_OPTION)")
+    return CompileError(
+        f"twin NVRTC: invalid option {option!r}{': ' + why if why else ''} "
+        "(NVRTC_ERROR_INVALID_OPTION)"
+    )
 
 
 def _prefixed(option: str, short: str, long: str) -> str | None:
     """The value of -Xvalue / --long=value, else None."""
     if option.startswith(long + "="):
-        return option[len(long) + 1:]
+        return option[len(long) + 1 :]
     if option.startswith(short) and len(option) > len(short):
-        return option[len(short):]
+        return option[len(short) :]
     return None
 
 
@@ -209,8 +219,10 @@ def _parse_options(options: Sequence[str]) -> _Options:
         elif option not in _IGNORED:
             raise _bad_option(option, "unknown to NVRTC")
     if opts.ftz and _machine() not in ("x86_64", "aarch64"):
-        raise CompileError(f"twin NVRTC: -ftz=true cannot be emulated on {_machine()} "
-                           "(x86-64 MXCSR or aarch64 FPCR needed)")
+        raise CompileError(
+            f"twin NVRTC: -ftz=true cannot be emulated on {_machine()} "
+            "(x86-64 MXCSR or aarch64 FPCR needed)"
+        )
     return opts
 
 
@@ -237,8 +249,10 @@ def _compiler() -> str:
     cxx = os.environ.get("GEOCOMM_TWIN_CXX", "g++")
     path = shutil.which(cxx)
     if path is None:
-        raise CompileError(f"twin NVRTC: the host compiler {cxx!r} was not found (install g++ "
-                           "or set GEOCOMM_TWIN_CXX)")
+        raise CompileError(
+            f"twin NVRTC: the host compiler {cxx!r} was not found (install g++ "
+            "or set GEOCOMM_TWIN_CXX)"
+        )
     return path
 
 
@@ -249,16 +263,20 @@ def _compiler_identity(cxx: str) -> str:
     """The compiler's path, version and target: part of the cache key."""
     if cxx not in _identities:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False)
-        target = subprocess.run([cxx, "-dumpmachine"], capture_output=True, text=True,
-                                check=False)
+        target = subprocess.run([cxx, "-dumpmachine"], capture_output=True, text=True, check=False)
         _identities[cxx] = f"{cxx}\n{version.stdout}\n{target.stdout}"
     return _identities[cxx]
 
 
 def _macro_flags(opts: _Options) -> list[str]:
     """What both the scan and the build define, and the include path."""
-    flags = ["-D__CUDACC__", "-D__CUDACC_RTC__", f"-D__CUDA_ARCH__={opts.arch}",
-             "-DGEOCOMM_CUDA_TWIN=1", *opts.defines]
+    flags = [
+        "-D__CUDACC__",
+        "-D__CUDACC_RTC__",
+        f"-D__CUDA_ARCH__={opts.arch}",
+        "-DGEOCOMM_CUDA_TWIN=1",
+        *opts.defines,
+    ]
     return flags + [f"-I{d}" for d in opts.includes]
 
 
@@ -269,9 +287,18 @@ def host_flags(options: Sequence[str]) -> list[str]:
     # -fno-weak: the __shared__ statics of inline functions would be COMDAT, and gcc
     # refuses to mix COMDAT and plain variables in the one "gctwin_shared" section
     # (harmless: a unit is one translation unit with hidden symbols)
-    flags = [f"-std={opts.std}", "-O2", "-fPIC", "-shared", "-fno-fast-math",
-             "-fvisibility=hidden", "-fno-weak", "-U_FORTIFY_SOURCE", "-Wno-unknown-pragmas",
-             "-fstack-clash-protection"]  # big frames probe each page: overflow hits the guard
+    flags = [
+        f"-std={opts.std}",
+        "-O2",
+        "-fPIC",
+        "-shared",
+        "-fno-fast-math",
+        "-fvisibility=hidden",
+        "-fno-weak",
+        "-U_FORTIFY_SOURCE",
+        "-Wno-unknown-pragmas",
+        "-fstack-clash-protection",
+    ]  # big frames probe each page: overflow hits the guard
     if _machine() == "x86_64":
         flags.append("-fcf-protection=none")  # the fibers' stack switch is not CET-aware
     if opts.fmad:
@@ -293,11 +320,22 @@ def host_flags(options: Sequence[str]) -> list[str]:
 
 _KERNEL = re.compile(
     r'extern\s+"C"\s+((?:[A-Za-z_]\w*\s*(?:\([^()]*\)\s*)?)*?)void\s+([A-Za-z_]\w*)\s*'
-    r"\(([^()]*)\)\s*([{;])")
+    r"\(([^()]*)\)\s*([{;])"
+)
 _TOKEN = re.compile(r"[A-Za-z_]\w*|::|[*&\[\]<>,]")
 _QUALIFIERS = {"const", "volatile", "__restrict__", "__restrict", "restrict"}
-_BUILTIN_WORDS = {"unsigned", "signed", "int", "long", "short", "char", "float", "double",
-                  "bool", "void"}
+_BUILTIN_WORDS = {
+    "unsigned",
+    "signed",
+    "int",
+    "long",
+    "short",
+    "char",
+    "float",
+    "double",
+    "bool",
+    "void",
+}
 
 
 def _split_params(text: str) -> list[str]:
@@ -320,7 +358,7 @@ def _parse_param(text: str, index: int) -> Param:
     if pointer:
         first = min(tokens.index(t) for t in ("*", "[") if t in tokens)
         last = max(i for i, t in enumerate(tokens) if t in ("*", "[", "]"))
-        base, tail = tokens[:first], tokens[last + 1:]
+        base, tail = tokens[:first], tokens[last + 1 :]
         if "[" in tokens:  # float x[]: the name precedes the bracket
             tail = [t for t in base[1:] if t not in _QUALIFIERS][-1:] + tail
             base = [t for t in base if t not in tail]
@@ -332,7 +370,7 @@ def _parse_param(text: str, index: int) -> Param:
         words = [t for t in base if t not in _QUALIFIERS]
         name = words[-1] if len(words) >= 2 and words[-1] not in _BUILTIN_WORDS else ""
         if name:
-            base = base[:len(base) - 1 - base[::-1].index(name)]
+            base = base[: len(base) - 1 - base[::-1].index(name)]
         const = "const" in tokens
     ctype = " ".join(t for t in base if t not in _QUALIFIERS and t != ",")
     return Param(name or f"arg{index}", ctype, pointer, const)
@@ -345,8 +383,11 @@ def _scan_kernels(preprocessed: str) -> dict[str, list[Param]]:
         if "__global__" not in m.group(1).split():
             continue
         text = " ".join(m.group(3).split())
-        params = [] if text in ("", "void") else [
-            _parse_param(p, i) for i, p in enumerate(_split_params(text))]
+        params = (
+            []
+            if text in ("", "void")
+            else [_parse_param(p, i) for i, p in enumerate(_split_params(text))]
+        )
         name = m.group(2)
         if name in kernels and kernels[name] != params:
             raise CompileError(f"twin NVRTC: kernel {name} is declared with two signatures")
@@ -370,16 +411,19 @@ def cache_dir() -> Path:
     path.mkdir(mode=0o700, exist_ok=True)
     st = path.lstat()
     if path.is_symlink() or (hasattr(os, "getuid") and st.st_uid != os.getuid()):
-        raise CompileError(f"twin NVRTC: the cache directory {path} is not yours; set "
-                           "GEOCOMM_TWIN_CACHE")
+        raise CompileError(
+            f"twin NVRTC: the cache directory {path} is not yours; set GEOCOMM_TWIN_CACHE"
+        )
     return path
 
 
 def _run(cmd: list[str], what: str, source: str | None = None) -> str:
     proc = subprocess.run(cmd, input=source, capture_output=True, text=True, check=False)
     if proc.returncode:
-        raise CompileError(f"twin NVRTC: {what} failed (g++ exit {proc.returncode})\n"
-                           f"command: {' '.join(cmd)}\n{proc.stderr}{proc.stdout}")
+        raise CompileError(
+            f"twin NVRTC: {what} failed (g++ exit {proc.returncode})\n"
+            f"command: {' '.join(cmd)}\n{proc.stderr}{proc.stdout}"
+        )
     return proc.stdout
 
 
@@ -392,8 +436,10 @@ def _wrappers(kernels: dict[str, list[Param]], manifest: dict[str, Any], ftz: bo
     """The code appended to a unit: per kernel a generic entry (args[i] points to
     argument i, as cuLaunchKernel's kernelParams) and its compiler-resolved
     signature; the module's -ftz flag; the manifest."""
-    lines = ['#line 1 "<twin wrappers>"',
-             f"namespace gctwin {{ extern const int module_ftz = {int(ftz)}; }}"]
+    lines = [
+        '#line 1 "<twin wrappers>"',
+        f"namespace gctwin {{ extern const int module_ftz = {int(ftz)}; }}",
+    ]
     for name in kernels:
         lines += [
             f"GCTWIN_EXPORT void gctwin_call_{name}(void **args) "
@@ -441,8 +487,14 @@ def compile_source(source: str, name: str, options: Sequence[str]) -> bytes:
     preprocessed = _run(scan, f"preprocessing {name}", source)
     header = HEADER.read_text()
     digest = hashlib.sha256()
-    for part in (Path(__file__).read_text(), header, _compiler_identity(cxx),
-                 json.dumps([list(options), flags, name]), source, preprocessed):
+    for part in (
+        Path(__file__).read_text(),
+        header,
+        _compiler_identity(cxx),
+        json.dumps([list(options), flags, name]),
+        source,
+        preprocessed,
+    ):
         digest.update(f"{len(part)}\n".encode())
         digest.update(part.encode())
     key = digest.hexdigest()[:40]
@@ -454,18 +506,27 @@ def compile_source(source: str, name: str, options: Sequence[str]) -> bytes:
         if target.exists():  # another process built it while we waited
             return _image(target, key)
         kernels = _scan_kernels(preprocessed)
-        manifest = {"name": name, "options": list(options), "ftz": opts.ftz, "key": key,
-                    "kernels": {k: [list(p) for p in ps] for k, ps in kernels.items()}}
-        unit = (f"#define GCTWIN_CUDA_ARCH {opts.arch}\n"
-                '#include "cuda_twin.h"\n'
-                f"#line 1 {_c_string(name)}\n"
-                f"{source}{'' if source.endswith(chr(10)) else chr(10)}"
-                f"{_wrappers(kernels, manifest, opts.ftz)}")
+        manifest = {
+            "name": name,
+            "options": list(options),
+            "ftz": opts.ftz,
+            "key": key,
+            "kernels": {k: [list(p) for p in ps] for k, ps in kernels.items()},
+        }
+        unit = (
+            f"#define GCTWIN_CUDA_ARCH {opts.arch}\n"
+            '#include "cuda_twin.h"\n'
+            f"#line 1 {_c_string(name)}\n"
+            f"{source}{'' if source.endswith(chr(10)) else chr(10)}"
+            f"{_wrappers(kernels, manifest, opts.ftz)}"
+        )
         work = Path(tempfile.mkdtemp(prefix=f"{key[:12]}.", dir=cache))
         try:
             (work / "unit.cpp").write_text(unit)
-            _run([cxx, *flags, "-o", str(work / "unit.so"), str(work / "unit.cpp")],
-                 f"compiling {name} with {' '.join(options)}")
+            _run(
+                [cxx, *flags, "-o", str(work / "unit.so"), str(work / "unit.cpp")],
+                f"compiling {name} with {' '.join(options)}",
+            )
             os.replace(work / "unit.so", target)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -530,8 +591,10 @@ def _dims(value: Any, what: str, limits: tuple[int, int, int]) -> tuple[int, int
         if not isinstance(d, (int, np.integer)) or isinstance(d, (bool, np.bool_)):
             raise LaunchError(f"{what} must be an int or 1 to 3 ints, got {value!r}")
         if not 1 <= int(d) <= limits[len(dims)]:
-            raise LaunchError(f"{what}.{axis} = {int(d)} is outside [1, {limits[len(dims)]}] "
-                              "(cudaErrorInvalidConfiguration)")
+            raise LaunchError(
+                f"{what}.{axis} = {int(d)} is outside [1, {limits[len(dims)]}] "
+                "(cudaErrorInvalidConfiguration)"
+            )
         dims.append(int(d))
     return (*dims, 1, 1, 1)[:3]  # type: ignore[return-value]
 
@@ -553,9 +616,12 @@ class Kernel:
         sig.restype = ctypes.c_char_p
         self._resolved = _parse_signature(sig().decode())
         if len(self._resolved) != len(params) or any(
-                r.pointer != p.pointer for r, p in zip(self._resolved, params, strict=True)):
-            raise CompileError(f"twin: the signature of {name} read from the source "
-                               f"({params}) disagrees with the compiler's ({self._resolved})")
+            r.pointer != p.pointer for r, p in zip(self._resolved, params, strict=True)
+        ):
+            raise CompileError(
+                f"twin: the signature of {name} read from the source "
+                f"({params}) disagrees with the compiler's ({self._resolved})"
+            )
         self.resolved = [r.ctype for r in self._resolved]
         self._entry = ctypes.cast(getattr(lib, f"gctwin_call_{name}"), ctypes.c_void_p)
 
@@ -572,28 +638,38 @@ class Kernel:
         if isinstance(arg, np.ndarray):
             ptr, dtype = arg.ctypes.data, arg.dtype
             if not param.const and not arg.flags.writeable:
-                raise self._fail(f"parameter {i} ({_spell(param)}) is written by the kernel, "
-                                 "but the array is read-only")
+                raise self._fail(
+                    f"parameter {i} ({_spell(param)}) is written by the kernel, "
+                    "but the array is read-only"
+                )
         elif hasattr(arg, "dtype") and hasattr(getattr(arg, "data", None), "ptr"):
             ptr, dtype = int(arg.data.ptr), np.dtype(arg.dtype)
         else:
-            raise self._fail(f"parameter {i} ({_spell(param)}) takes an array, got "
-                             f"{type(arg).__name__} {arg!r:.60}")
+            raise self._fail(
+                f"parameter {i} ({_spell(param)}) takes an array, got "
+                f"{type(arg).__name__} {arg!r:.60}"
+            )
         want = _DTYPES.get(resolved.ctype)
         if want is not None and dtype != want:
-            raise self._fail(f"parameter {i} ({_spell(param)}) points to {resolved.ctype} "
-                             f"({want}), got an array of dtype {dtype}")
+            raise self._fail(
+                f"parameter {i} ({_spell(param)}) points to {resolved.ctype} "
+                f"({want}), got an array of dtype {dtype}"
+            )
         return int(ptr)
 
     def _value(self, i: int, param: Param, resolved: _Resolved, arg: Any) -> bytes:
         want = _DTYPES.get(resolved.ctype)
         if want is None:
-            raise self._fail(f"parameter {i} ({_spell(param)}) has type {resolved.ctype}, "
-                             "which the twin cannot pass")
+            raise self._fail(
+                f"parameter {i} ({_spell(param)}) has type {resolved.ctype}, "
+                "which the twin cannot pass"
+            )
         if isinstance(arg, np.generic):
             if arg.dtype != want:
-                raise self._fail(f"parameter {i} ({_spell(param)}) is {resolved.ctype} "
-                                 f"({want}), got a numpy.{arg.dtype} scalar")
+                raise self._fail(
+                    f"parameter {i} ({_spell(param)}) is {resolved.ctype} "
+                    f"({want}), got a numpy.{arg.dtype} scalar"
+                )
             return arg.tobytes()
         for kind, ctype in _PYTHON_SCALARS:
             if isinstance(arg, kind):
@@ -601,16 +677,21 @@ class Kernel:
                     raise self._fail(
                         f"parameter {i} ({_spell(param)}) is {resolved.ctype} ({want}), got a "
                         f"Python {kind.__name__}, which CuPy passes as {ctype}: pass "
-                        f"numpy.{want.name}(...) instead")
+                        f"numpy.{want.name}(...) instead"
+                    )
                 if kind is int and not -(2**63) <= arg < 2**63:
-                    raise self._fail(f"parameter {i} ({_spell(param)}): {arg} does not fit "
-                                     "long long")
+                    raise self._fail(
+                        f"parameter {i} ({_spell(param)}): {arg} does not fit long long"
+                    )
                 return np.array(arg, want).tobytes()
-        raise self._fail(f"parameter {i} ({_spell(param)}) takes a numpy.{want.name} scalar, "
-                         f"got {type(arg).__name__}")
+        raise self._fail(
+            f"parameter {i} ({_spell(param)}) takes a numpy.{want.name} scalar, "
+            f"got {type(arg).__name__}"
+        )
 
-    def _prepare(self, grid: Any, block: Any, args: Sequence[Any], shared_mem: Any
-                 ) -> tuple[tuple[int, int, int], tuple[int, int, int], list[Any]]:
+    def _prepare(
+        self, grid: Any, block: Any, args: Sequence[Any], shared_mem: Any
+    ) -> tuple[tuple[int, int, int], tuple[int, int, int], list[Any]]:
         try:
             grid3 = _dims(grid, "grid", GRID_MAX)
             block3 = _dims(block, "block", BLOCK_MAX)
@@ -618,19 +699,26 @@ class Kernel:
             raise self._fail(str(exc)) from None
         threads = block3[0] * block3[1] * block3[2]
         if threads > MAX_THREADS:
-            raise self._fail(f"block {block3} has {threads} threads, more than {MAX_THREADS} "
-                             "(cudaErrorInvalidConfiguration)")
+            raise self._fail(
+                f"block {block3} has {threads} threads, more than {MAX_THREADS} "
+                "(cudaErrorInvalidConfiguration)"
+            )
         if not isinstance(shared_mem, (int, np.integer)) or int(shared_mem) != 0:
-            raise self._fail(f"shared_mem={shared_mem!r}: the twin supports static __shared__ "
-                             "memory only (dynamic shared memory must be 0)")
+            raise self._fail(
+                f"shared_mem={shared_mem!r}: the twin supports static __shared__ "
+                "memory only (dynamic shared memory must be 0)"
+            )
         if not isinstance(args, (tuple, list)):
             raise self._fail(f"args must be a tuple, got {type(args).__name__}")
         if len(args) != len(self.params):
-            raise self._fail(f"takes {len(self.params)} arguments ("
-                             f"{', '.join(_spell(p) for p in self.params)}), got {len(args)}")
+            raise self._fail(
+                f"takes {len(self.params)} arguments ("
+                f"{', '.join(_spell(p) for p in self.params)}), got {len(args)}"
+            )
         storage: list[Any] = []
         for i, (param, resolved, arg) in enumerate(
-                zip(self.params, self._resolved, args, strict=True)):
+            zip(self.params, self._resolved, args, strict=True)
+        ):
             if resolved.pointer:
                 storage.append(ctypes.c_void_p(self._pointer(i, param, resolved, arg)))
             else:
@@ -645,22 +733,27 @@ class Kernel:
 
     # -- launch
 
-    def launch(self, grid: Any, block: Any, args: Sequence[Any], shared_mem: Any = 0, *,
-               order: str = "descending") -> None:
+    def launch(
+        self,
+        grid: Any,
+        block: Any,
+        args: Sequence[Any],
+        shared_mem: Any = 0,
+        *,
+        order: str = "descending",
+    ) -> None:
         """Run the whole grid now, on this thread (see the module docstring)."""
         if order not in _ORDERS:
             raise ValueError(f"order must be one of {sorted(_ORDERS)}, got {order!r}")
         grid3, block3, storage = self._prepare(grid, block, args, shared_mem)
-        argv = (ctypes.c_void_p * max(1, len(storage)))(
-            *[ctypes.addressof(s) for s in storage])
+        argv = (ctypes.c_void_p * max(1, len(storage)))(*[ctypes.addressof(s) for s in storage])
         g = (ctypes.c_uint * 3)(*grid3)
         b = (ctypes.c_uint * 3)(*block3)
         err = ctypes.create_string_buffer(_ERR_BYTES)
         with _launch_lock:
             rc = self.image._launch(self._entry, argv, g, b, _ORDERS[order], err, _ERR_BYTES)
         if rc:
-            raise self._fail(f"grid {grid3}, block {block3}: "
-                             f"{err.value.decode(errors='replace')}")
+            raise self._fail(f"grid {grid3}, block {block3}: {err.value.decode(errors='replace')}")
 
     __call__ = launch
 
@@ -680,13 +773,18 @@ class Image:
         self._lib.gctwin_manifest.restype = ctypes.c_char_p
         self.manifest = json.loads(self._lib.gctwin_manifest().decode())
         self.ftz: bool = self.manifest["ftz"]
-        self._params = {k: [Param(*p) for p in ps]
-                        for k, ps in self.manifest["kernels"].items()}
+        self._params = {k: [Param(*p) for p in ps] for k, ps in self.manifest["kernels"].items()}
         self._launch = self._lib.gctwin_launch
         self._launch.restype = ctypes.c_int
-        self._launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p,
-                                 ctypes.c_size_t]
+        self._launch.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ]
         self._kernels: dict[str, Kernel] = {}
 
     @property
@@ -698,8 +796,9 @@ class Image:
         if kernel is None:
             if name not in self._params:
                 raise KernelNotFound(
-                    f"twin: {self.manifest['name']} has no extern \"C\" __global__ kernel "
-                    f"{name!r} (it has: {', '.join(self._params) or 'none'})")
+                    f'twin: {self.manifest["name"]} has no extern "C" __global__ kernel '
+                    f"{name!r} (it has: {', '.join(self._params) or 'none'})"
+                )
             kernel = self._kernels[name] = Kernel(self, name, self._params[name])
         return kernel
 
@@ -713,12 +812,14 @@ def load(image: bytes) -> Image:
         image = bytes(image)
     if not isinstance(image, bytes) or not image.startswith(IMAGE_MAGIC):
         raise ValueError("not a twin image (compile_source returns them)")
-    path = json.loads(image[len(IMAGE_MAGIC):].decode())["path"]
+    path = json.loads(image[len(IMAGE_MAGIC) :].decode())["path"]
     with _load_lock:
         loaded = _images.get(path)
         if loaded is None:
             if not os.path.exists(path):
-                raise FileNotFoundError(f"twin image {path} no longer exists (its cache was "
-                                        "cleared); compile the source again")
+                raise FileNotFoundError(
+                    f"twin image {path} no longer exists (its cache was "
+                    "cleared); compile the source again"
+                )
             loaded = _images[path] = Image(path)
     return loaded

@@ -43,7 +43,7 @@ class Allocation:
         self.nbytes = int(nbytes)
         self.raw = np.full(self.nbytes + 2 * REDZONE, POISON, np.uint8)
         self.ptr = int(self.raw.ctypes.data) + REDZONE
-        self.payload = self.raw[REDZONE: REDZONE + self.nbytes]
+        self.payload = self.raw[REDZONE : REDZONE + self.nbytes]
         # per-range access history for the stream-order checker (geocomm twin _device)
         self.writes: list = []
         self.reads: list = []
@@ -54,8 +54,9 @@ class Allocation:
 
     def redzones_intact(self) -> bool:
         raw = self.raw
-        return bool((raw[:REDZONE] == POISON).all()
-                    and (raw[REDZONE + self.nbytes:] == POISON).all())
+        return bool(
+            (raw[:REDZONE] == POISON).all() and (raw[REDZONE + self.nbytes :] == POISON).all()
+        )
 
 
 _lock = threading.Lock()
@@ -87,8 +88,9 @@ def find(ptr: int, nbytes: int) -> tuple[Allocation, int]:
         ref = _by_start.get(_starts[i]) if i >= 0 else None
     alloc = ref() if ref is not None else None
     if alloc is None or not (alloc.ptr <= ptr and ptr + nbytes <= alloc.ptr + alloc.nbytes):
-        raise OutOfBounds(f"twin: {nbytes} bytes at address {ptr:#x} lie in no live device "
-                          "allocation")
+        raise OutOfBounds(
+            f"twin: {nbytes} bytes at address {ptr:#x} lie in no live device allocation"
+        )
     return alloc, ptr - alloc.ptr
 
 
@@ -98,7 +100,10 @@ def check_redzones(allocations, what: str) -> None:
         if not alloc.redzones_intact():
             raw = alloc.raw
             low = np.flatnonzero(raw[:REDZONE] != POISON)
-            high = np.flatnonzero(raw[REDZONE + alloc.nbytes:] != POISON)
-            where = (f"{REDZONE - int(low[0])} bytes before its start" if low.size else
-                     f"{int(high[0])} bytes past its end ({alloc.nbytes} bytes)")
+            high = np.flatnonzero(raw[REDZONE + alloc.nbytes :] != POISON)
+            where = (
+                f"{REDZONE - int(low[0])} bytes before its start"
+                if low.size
+                else f"{int(high[0])} bytes past its end ({alloc.nbytes} bytes)"
+            )
             raise OutOfBounds(f"twin: {what} wrote outside {alloc!r}: {where}")

@@ -9,9 +9,21 @@ from cupy._device import CUDARuntimeError, Event, ExternalStream, Stream, Stream
 from cupy._device import current_stream as _current_stream
 from cupy.cuda import function, nvrtc, runtime
 
-__all__ = ["CUDARuntimeError", "Device", "Event", "ExternalStream", "MemoryPointer", "Stream",
-           "StreamOrderError", "function", "get_current_stream", "get_device_id", "nccl",
-           "nvrtc", "runtime"]
+__all__ = [
+    "CUDARuntimeError",
+    "Device",
+    "Event",
+    "ExternalStream",
+    "MemoryPointer",
+    "Stream",
+    "StreamOrderError",
+    "function",
+    "get_current_stream",
+    "get_device_id",
+    "nccl",
+    "nvrtc",
+    "runtime",
+]
 
 
 def get_current_stream(device_id: int | None = None) -> Stream:

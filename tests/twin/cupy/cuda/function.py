@@ -29,8 +29,9 @@ class Function:
     def __init__(self, kernel: Any):
         self.kernel = kernel
 
-    def __call__(self, grid: Any, block: Any, args: Sequence[Any], shared_mem: int = 0,
-                 stream: Any = None) -> None:
+    def __call__(
+        self, grid: Any, block: Any, args: Sequence[Any], shared_mem: int = 0, stream: Any = None
+    ) -> None:
         kernel = self.kernel
         grid, block, args = _dims(grid, "grid"), _dims(block, "block"), tuple(args)
         kernel.check(grid, block, args, shared_mem)  # argument errors at call time, as CuPy's
@@ -47,8 +48,9 @@ class Function:
             _memory.check_redzones(allocs, what)
 
         stream = stream if stream is not None else _device.current_stream()
-        stream.enqueue(launch, what, [_device.access(a) for a in reads],
-                       [_device.access(a) for a in writes])
+        stream.enqueue(
+            launch, what, [_device.access(a) for a in reads], [_device.access(a) for a in writes]
+        )
 
 
 class Module:
@@ -69,18 +71,27 @@ class Module:
             return Function(self._image.function(name))
         except LookupError:
             raise _device.CUDARuntimeError(
-                f"CUDA_ERROR_NOT_FOUND: named symbol not found: {name}") from None
+                f"CUDA_ERROR_NOT_FOUND: named symbol not found: {name}"
+            ) from None
 
 
 class RawModule:
     """``cupy.RawModule(code=..., options=...)``: compiled on first use, with CuPy's
     ``-ftz=true`` appended (CuPy adds it to every runtime compilation)."""
 
-    def __init__(self, *, code: str, options: Sequence[str] = (), backend: str = "nvrtc",
-                 name_expressions: Any = None, **unused: Any):
+    def __init__(
+        self,
+        *,
+        code: str,
+        options: Sequence[str] = (),
+        backend: str = "nvrtc",
+        name_expressions: Any = None,
+        **unused: Any,
+    ):
         if backend != "nvrtc" or name_expressions:
-            raise NotImplementedError("the CuPy twin's RawModule compiles with nvrtc, no "
-                                      "name expressions")
+            raise NotImplementedError(
+                "the CuPy twin's RawModule compiles with nvrtc, no name expressions"
+            )
         self.code, self.options = code, (*tuple(options), "-ftz=true")
         self._module: Module | None = None
 

@@ -28,16 +28,40 @@ import numpy as np
 
 from cupy import _device, _memory
 
-__all__ = ["NCCL_FLOAT32", "NCCL_FLOAT64", "NCCL_MAX", "NCCL_SUM", "NCCL_UINT8",
-           "NcclCommunicator", "NcclError", "available", "get_unique_id", "groupEnd",
-           "groupStart"]
+__all__ = [
+    "NCCL_FLOAT32",
+    "NCCL_FLOAT64",
+    "NCCL_MAX",
+    "NCCL_SUM",
+    "NCCL_UINT8",
+    "NcclCommunicator",
+    "NcclError",
+    "available",
+    "get_unique_id",
+    "groupEnd",
+    "groupStart",
+]
 
 available = True
-NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_UINT32, NCCL_INT64, NCCL_UINT64, NCCL_FLOAT16, \
-    NCCL_FLOAT32, NCCL_FLOAT64 = 0, 1, 2, 3, 4, 5, 6, 7, 8
+(
+    NCCL_INT8,
+    NCCL_UINT8,
+    NCCL_INT32,
+    NCCL_UINT32,
+    NCCL_INT64,
+    NCCL_UINT64,
+    NCCL_FLOAT16,
+    NCCL_FLOAT32,
+    NCCL_FLOAT64,
+) = 0, 1, 2, 3, 4, 5, 6, 7, 8
 NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN = range(4)
-_DTYPES = {NCCL_UINT8: np.uint8, NCCL_FLOAT32: np.float32, NCCL_FLOAT64: np.float64,
-           NCCL_INT32: np.int32, NCCL_INT64: np.int64}
+_DTYPES = {
+    NCCL_UINT8: np.uint8,
+    NCCL_FLOAT32: np.float32,
+    NCCL_FLOAT64: np.float64,
+    NCCL_INT32: np.int32,
+    NCCL_INT64: np.int64,
+}
 _BOOT_TAG = 0x6E63
 
 
@@ -49,8 +73,10 @@ def _mpi() -> Any:
     from mpi4py import MPI
 
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-        raise NcclError("the NCCL twin moves bytes on stream threads and needs "
-                        "MPI_THREAD_MULTIPLE (mpi4py's default request)")
+        raise NcclError(
+            "the NCCL twin moves bytes on stream threads and needs "
+            "MPI_THREAD_MULTIPLE (mpi4py's default request)"
+        )
     return MPI
 
 
@@ -107,10 +133,12 @@ def _launch(ops: list) -> None:
         comm = group[0][1]
         stream = _device.stream_of(stream_ptr)
         reads = [acc for op in group for acc in op[4] if op[0] != "recv"]
-        writes = [acc for op in group for acc in op[4] if op[0] == "recv"] + \
-            [acc for op in group if op[0] == "allreduce" for acc in op[5]]
-        stream.enqueue(lambda g=group, c=comm: c._run(g), f"NCCL group on rank {comm.rank}",
-                       reads, writes)
+        writes = [acc for op in group for acc in op[4] if op[0] == "recv"] + [
+            acc for op in group if op[0] == "allreduce" for acc in op[5]
+        ]
+        stream.enqueue(
+            lambda g=group, c=comm: c._run(g), f"NCCL group on rank {comm.rank}", reads, writes
+        )
 
 
 def _span(ptr: int, count: int, dtype: int) -> tuple[np.ndarray, _device.Access]:
@@ -119,7 +147,7 @@ def _span(ptr: int, count: int, dtype: int) -> tuple[np.ndarray, _device.Access]
     item = np.dtype(_DTYPES[dtype])
     nbytes = int(count) * item.itemsize
     alloc, off = _memory.find(ptr, nbytes)
-    view = alloc.payload[off: off + nbytes].view(item)
+    view = alloc.payload[off : off + nbytes].view(item)
     return view, _device.Access(alloc, off, off + nbytes)
 
 
@@ -173,15 +201,26 @@ class NcclCommunicator:
         view, acc = _span(ptr, count, datatype)
         _submit(("recv", self, int(stream), self._peer(peer), [acc], view))
 
-    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int,
-                  op: int, stream: int) -> None:
+    def allReduce(
+        self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int
+    ) -> None:
         self._check()
         if op not in (NCCL_SUM, NCCL_MAX):
             raise NcclError(f"the NCCL twin reduces with sum or max, got op {op}")
         send, s_acc = _span(sendbuf, count, datatype)
         recv, r_acc = _span(recvbuf, count, datatype)
-        _submit(("allreduce", self, int(stream), (int(count), datatype, op), [s_acc], [r_acc],
-                 send, recv))
+        _submit(
+            (
+                "allreduce",
+                self,
+                int(stream),
+                (int(count), datatype, op),
+                [s_acc],
+                [r_acc],
+                send,
+                recv,
+            )
+        )
 
     def abort(self) -> None:
         """Cancel what is queued: transfers still waiting fail at once."""
@@ -216,33 +255,42 @@ class NcclCommunicator:
             try:
                 done = self._mpi.Request.Testall(requests, statuses)
             except self._mpi.Exception as exc:
-                raise NcclError(f"rank {self.rank}: {what}: a transfer does not match its peer's "
-                                f"({exc.Get_error_string()})") from None
+                raise NcclError(
+                    f"rank {self.rank}: {what}: a transfer does not match its peer's "
+                    f"({exc.Get_error_string()})"
+                ) from None
             if done:
                 break
             if self._aborted.is_set() or time.monotonic() > deadline:
                 for request in requests:
                     if request != self._mpi.REQUEST_NULL:
                         request.Cancel()
-                why = "the communicator was aborted" if self._aborted.is_set() else \
-                    f"no matching call from a peer within {_timeout():.0f} s"
+                why = (
+                    "the communicator was aborted"
+                    if self._aborted.is_set()
+                    else f"no matching call from a peer within {_timeout():.0f} s"
+                )
                 raise NcclError(f"rank {self.rank}: {what} did not complete: {why}")
             time.sleep(2e-4)
         for status, want in zip(statuses, expected, strict=True):
             if want is not None and status.Get_count(self._mpi.BYTE) != want[1]:
                 raise NcclError(
                     f"rank {self.rank}: {what}: expected {want[1]} bytes from rank {want[0]}, "
-                    f"it sent {status.Get_count(self._mpi.BYTE)} (the calls do not match)")
+                    f"it sent {status.Get_count(self._mpi.BYTE)} (the calls do not match)"
+                )
 
-    def _allreduce(self, count: int, datatype: int, op: int, send: np.ndarray,
-                   recv: np.ndarray) -> None:
+    def _allreduce(
+        self, count: int, datatype: int, op: int, send: np.ndarray, recv: np.ndarray
+    ) -> None:
         mpi, comm = self._mpi, self._comm
         mine = np.array([count, datatype, op], np.int64)
         rows = np.empty((self.nranks, 3), np.int64)
         self._complete([comm.Iallgather(mine, rows)], [None], "allReduce descriptor")
         if (rows != mine).any():
-            raise NcclError(f"rank {self.rank}: allReduce calls differ across ranks "
-                            f"(count, datatype, op per rank: {rows.tolist()})")
+            raise NcclError(
+                f"rank {self.rank}: allReduce calls differ across ranks "
+                f"(count, datatype, op per rank: {rows.tolist()})"
+            )
         reduce_op = mpi.SUM if op == NCCL_SUM else mpi.MAX
         staged = np.array(send)  # a copy (send may be recv); alive until the transfer ends
         self._complete([comm.Iallreduce(staged, recv, op=reduce_op)], [None], "allReduce")

@@ -10,8 +10,16 @@ from collections.abc import Sequence
 
 from cupy import _device
 
-__all__ = ["NVRTCError", "compileProgram", "createProgram", "destroyProgram", "getCUBIN",
-           "getPTX", "getProgramLog", "getSupportedArchs"]
+__all__ = [
+    "NVRTCError",
+    "compileProgram",
+    "createProgram",
+    "destroyProgram",
+    "getCUBIN",
+    "getPTX",
+    "getProgramLog",
+    "getSupportedArchs",
+]
 
 
 class NVRTCError(RuntimeError):
@@ -25,8 +33,9 @@ class _Program:
         self.log = ""
 
 
-def createProgram(source: str, name: str, headers: Sequence[str] = (),
-                  include_names: Sequence[str] = ()) -> _Program:
+def createProgram(
+    source: str, name: str, headers: Sequence[str] = (), include_names: Sequence[str] = ()
+) -> _Program:
     if headers or include_names:
         raise NotImplementedError("the CuPy twin takes one translation unit, no header list")
     return _Program(source, name)

@@ -7,11 +7,18 @@ import numpy as np
 from cupy import _core, _device, _memory
 from cupy._device import CUDARuntimeError
 
-__all__ = ["CUDARuntimeError", "deviceSynchronize", "getDevice", "getDeviceCount",
-           "memcpyAsync", "memcpyDeviceToDevice"]
+__all__ = [
+    "CUDARuntimeError",
+    "deviceSynchronize",
+    "getDevice",
+    "getDeviceCount",
+    "memcpyAsync",
+    "memcpyDeviceToDevice",
+]
 
-memcpyHostToHost, memcpyHostToDevice, memcpyDeviceToHost, memcpyDeviceToDevice, memcpyDefault = \
+memcpyHostToHost, memcpyHostToDevice, memcpyDeviceToHost, memcpyDeviceToDevice, memcpyDefault = (
     range(5)
+)
 
 
 def getDeviceCount() -> int:
@@ -35,14 +42,16 @@ def memcpyAsync(dst: int, src: int, size: int, kind: int, stream: int) -> None:
         return
     d_alloc, d_off = _memory.find(dst, size)
     s_alloc, s_off = _memory.find(src, size)
-    target = d_alloc.payload[d_off: d_off + size]
-    source = s_alloc.payload[s_off: s_off + size]
+    target = d_alloc.payload[d_off : d_off + size]
+    source = s_alloc.payload[s_off : s_off + size]
 
     def copy() -> None:
         with _device.device_lock:
             np.copyto(target, source)
 
     _device.stream_of(stream).enqueue(
-        copy, "a device-to-device memcpyAsync",
+        copy,
+        "a device-to-device memcpyAsync",
         [_device.Access(s_alloc, s_off, s_off + size)],
-        [_device.Access(d_alloc, d_off, d_off + size)])
+        [_device.Access(d_alloc, d_off, d_off + size)],
+    )
