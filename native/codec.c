@@ -7,6 +7,8 @@
 #include "geocomm.h"
 #include "gc_scalar.h"
 
+#include <pthread.h>
+
 /* flatten: every gc_scalar.h function inlines into the loops (gcc left
  * gc_e5m2_code out of line in one clone, a call per value). */
 #if defined(GC_USE_CLONES) && defined(__x86_64__) && defined(__GNUC__)
@@ -15,6 +17,13 @@
 #define GC_CLONES __attribute__((flatten))
 #else
 #define GC_CLONES
+#endif
+
+/* The AVX-512 loops (section below) exist where the clones do: x86-64 gcc. */
+#if defined(GC_USE_CLONES) && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define GC_HAVE_AVX512 1
+#else
+#define GC_HAVE_AVX512 0
 #endif
 
 /* The per-format loops below are written once with the rounding mode as a
@@ -235,12 +244,12 @@ static inline void encode_fp8_block(int e5m2, int sr, const float *restrict xb, 
  * and factors (one loop across blocks), then the codes of the whole group in
  * one flat loop (encode_fp8_block's arithmetic, value by value). */
 GC_INLINE void encode_fp8_128(int e5m2, int sr, const float *restrict x, size_t n,
-                              uint8_t *restrict wire, gc_u64 key, gc_u64 offset)
+                              uint8_t *restrict scales, uint8_t *restrict codes, gc_u64 key,
+                              gc_u64 offset)
 {
     const float fmax = e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
     const size_t glen_max = GC_FP8_GROUP * 128;
     size_t nblocks = ceil_div(n, 128);
-    uint8_t *codes = wire + 4 * nblocks;
     for (size_t g = 0; g < nblocks; g += GC_FP8_GROUP) {
         size_t count = nblocks - g < GC_FP8_GROUP ? nblocks - g : GC_FP8_GROUP;
         size_t start = g * 128;
@@ -253,7 +262,7 @@ GC_INLINE void encode_fp8_128(int e5m2, int sr, const float *restrict x, size_t 
         int unit = 1;
         for (size_t j = 0; j < count; j++) {
             float a = gc_float(amax[j]);
-            store_f32(wire + 4 * (g + j), a / fmax);
+            store_f32(scales + 4 * (g + j), a / fmax);
             factor[j] = gc_quant_factor(a, fmax, &pre[j]);
             unit &= pre[j] == 1.0f;
         }
@@ -273,18 +282,18 @@ GC_INLINE void encode_fp8_128(int e5m2, int sr, const float *restrict x, size_t 
 }
 
 GC_INLINE void encode_fp8(int e5m2, int sr, const float *restrict x, size_t n, size_t block,
-                              uint8_t *restrict wire, gc_u64 key, gc_u64 offset)
+                          uint8_t *restrict scales, uint8_t *restrict codes, gc_u64 key,
+                          gc_u64 offset)
 {
     if (block == 128) {
-        encode_fp8_128(e5m2, sr, x, n, wire, key, offset);
+        encode_fp8_128(e5m2, sr, x, n, scales, codes, key, offset);
         return;
     }
     size_t nblocks = ceil_div(n, block);
-    uint8_t *codes = wire + 4 * nblocks;
     for (size_t k = 0; k < nblocks; k++) {
         size_t start = k * block;
         size_t len = n - start < block ? n - start : block;
-        encode_fp8_block(e5m2, sr, x + start, len, wire + 4 * k, codes + start, key,
+        encode_fp8_block(e5m2, sr, x + start, len, scales + 4 * k, codes + start, key,
                          offset + start);
     }
 }
@@ -299,29 +308,41 @@ static inline void fp8_block_values(int e5m2, int accumulate, const uint8_t *res
     }
 }
 
-static inline void decode_fp8(int e5m2, int accumulate, const uint8_t *restrict wire, size_t n,
-                              size_t block, float *restrict out)
+static inline void decode_fp8(int e5m2, int accumulate, const uint8_t *restrict scales,
+                              const uint8_t *restrict codes, size_t n, size_t block,
+                              float *restrict out)
 {
     size_t nblocks = ceil_div(n, block);
-    const uint8_t *codes = wire + 4 * nblocks;
     for (size_t k = 0; k < nblocks; k++) {
         size_t start = k * block;
         size_t len = n - start < block ? n - start : block;
-        fp8_block_values(e5m2, accumulate, codes + start, len, load_f32(wire + 4 * k),
+        fp8_block_values(e5m2, accumulate, codes + start, len, load_f32(scales + 4 * k),
                          out + start);
     }
 }
 
 /* One compiled function per format and rounding: sr is a constant in each,
  * so the nearest path stays free of the hash. */
-GC_CLONES static void encode_e4m3(const float *x, size_t n, size_t b, uint8_t *w, gc_u64 key, gc_u64 off) { encode_fp8(0, 0, x, n, b, w, key, off); }
-GC_CLONES static void encode_e5m2(const float *x, size_t n, size_t b, uint8_t *w, gc_u64 key, gc_u64 off) { encode_fp8(1, 0, x, n, b, w, key, off); }
-GC_CLONES static void encode_e4m3_sr(const float *x, size_t n, size_t b, uint8_t *w, gc_u64 key, gc_u64 off) { encode_fp8(0, 1, x, n, b, w, key, off); }
-GC_CLONES static void encode_e5m2_sr(const float *x, size_t n, size_t b, uint8_t *w, gc_u64 key, gc_u64 off) { encode_fp8(1, 1, x, n, b, w, key, off); }
-GC_CLONES static void decode_e4m3(const uint8_t *w, size_t n, size_t b, float *o) { decode_fp8(0, 0, w, n, b, o); }
-GC_CLONES static void decode_e5m2(const uint8_t *w, size_t n, size_t b, float *o) { decode_fp8(1, 0, w, n, b, o); }
-GC_CLONES static void accumulate_e4m3(const uint8_t *w, size_t n, size_t b, float *o) { decode_fp8(0, 1, w, n, b, o); }
-GC_CLONES static void accumulate_e5m2(const uint8_t *w, size_t n, size_t b, float *o) { decode_fp8(1, 1, w, n, b, o); }
+#define GC_FP8_ENCODER(name, e5m2, sr)                                                       \
+    GC_CLONES static void name(const float *x, size_t n, size_t b, uint8_t *s, uint8_t *c,     \
+                               gc_u64 key, gc_u64 off)                                         \
+    {                                                                                          \
+        encode_fp8(e5m2, sr, x, n, b, s, c, key, off);                                         \
+    }
+GC_FP8_ENCODER(encode_e4m3, 0, 0)
+GC_FP8_ENCODER(encode_e5m2, 1, 0)
+GC_FP8_ENCODER(encode_e4m3_sr, 0, 1)
+GC_FP8_ENCODER(encode_e5m2_sr, 1, 1)
+#define GC_FP8_DECODER(name, e5m2, acc)                                                      \
+    GC_CLONES static void name(const uint8_t *s, const uint8_t *c, size_t n, size_t b,         \
+                               float *o)                                                       \
+    {                                                                                          \
+        decode_fp8(e5m2, acc, s, c, n, b, o);                                                  \
+    }
+GC_FP8_DECODER(decode_e4m3, 0, 0)
+GC_FP8_DECODER(decode_e5m2, 1, 0)
+GC_FP8_DECODER(accumulate_e4m3, 0, 1)
+GC_FP8_DECODER(accumulate_e5m2, 1, 1)
 
 /* ---- E2M1 (NVFP4, MXFP4) ------------------------------------------------- */
 
@@ -445,32 +466,38 @@ GC_INLINE void encode_nvfp4_super(int sr, const float *restrict x, size_t len, u
 }
 
 /* Superblock by superblock (geocomm.h: the layout). */
-GC_INLINE void encode_nvfp4(int sr, const float *x, size_t n, uint8_t *wire, gc_u64 key,
-                            gc_u64 offset)
+GC_INLINE void encode_nvfp4(int sr, const float *x, size_t n, uint8_t *sscales,
+                            uint8_t *bscales, uint8_t *codes, gc_u64 key, gc_u64 offset)
 {
     size_t nsuper = ceil_div(n, GC_NVFP4_SUPERBLOCK);
-    uint8_t *bscales = wire + 4 * nsuper;
-    uint8_t *codes = bscales + ceil_div(n, GC_NVFP4_BLOCK);
     for (size_t k = 0; k < nsuper; k++) {
         size_t start = k * GC_NVFP4_SUPERBLOCK;
         size_t len = n - start < GC_NVFP4_SUPERBLOCK ? n - start : GC_NVFP4_SUPERBLOCK;
-        encode_nvfp4_super(sr, x + start, len, wire + 4 * k, bscales + start / GC_NVFP4_BLOCK,
+        encode_nvfp4_super(sr, x + start, len, sscales + 4 * k, bscales + start / GC_NVFP4_BLOCK,
                            codes + start / 2, key, offset + start);
     }
 }
 
-GC_CLONES static void encode_nvfp4_rn(const float *x, size_t n, uint8_t *w, gc_u64 key, gc_u64 off) { encode_nvfp4(0, x, n, w, key, off); }
-GC_CLONES static void encode_nvfp4_sr(const float *x, size_t n, uint8_t *w, gc_u64 key, gc_u64 off) { encode_nvfp4(1, x, n, w, key, off); }
+GC_CLONES static void encode_nvfp4_rn(const float *x, size_t n, uint8_t *s, uint8_t *b,
+                                      uint8_t *c, gc_u64 key, gc_u64 off)
+{
+    encode_nvfp4(0, x, n, s, b, c, key, off);
+}
+GC_CLONES static void encode_nvfp4_sr(const float *x, size_t n, uint8_t *s, uint8_t *b,
+                                      uint8_t *c, gc_u64 key, gc_u64 off)
+{
+    encode_nvfp4(1, x, n, s, b, c, key, off);
+}
 
-GC_CLONES static void decode_nvfp4(int accumulate, const uint8_t *wire, size_t n, float *out)
+GC_CLONES static void decode_nvfp4(int accumulate, const uint8_t *sscales,
+                                   const uint8_t *bscales, const uint8_t *codes, size_t n,
+                                   float *out)
 {
     size_t nblocks = ceil_div(n, GC_NVFP4_BLOCK);
-    const uint8_t *bscales = wire + 4 * ceil_div(n, GC_NVFP4_SUPERBLOCK);
-    const uint8_t *codes = bscales + nblocks;
     for (size_t g = 0; g < nblocks; g += GC_NVFP4_GROUP) {
         size_t count = nblocks - g < GC_NVFP4_GROUP ? nblocks - g : GC_NVFP4_GROUP;
         /* a group lies inside one superblock */
-        float scale = load_f32(wire + 4 * (g * GC_NVFP4_BLOCK / GC_NVFP4_SUPERBLOCK));
+        float scale = load_f32(sscales + 4 * (g * GC_NVFP4_BLOCK / GC_NVFP4_SUPERBLOCK));
         float eff[GC_NVFP4_GROUP];
         for (size_t j = 0; j < count; j++)
             eff[j] = gc_e4m3_value(bscales[g + j]) * scale;
@@ -523,14 +550,14 @@ static inline void encode_mx_block(int fmt, int sr, int rceil, const float *rest
  * whole group in one flat loop: encode_mx_block's arithmetic, value by value
  * (its pre is 1). MXFP4 codes of non-finite blocks are cleared afterwards. */
 GC_INLINE void encode_mx(int fmt, int sr, int rceil, const float *restrict x, size_t n,
-                         uint8_t *restrict wire, gc_u64 key, gc_u64 offset)
+                         uint8_t *restrict scales, uint8_t *restrict codes, gc_u64 key,
+                         gc_u64 offset)
 {
     const int e5m2 = fmt == GC_MXFP8_E5M2;
     const int emax = fmt == GC_MXFP4 ? 2 : e5m2 ? 15 : 8;
     const float fmax = fmt == GC_MXFP4 ? GC_E2M1_MAX : e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
     const size_t glen_max = GC_MX_GROUP * GC_MX_BLOCK;
     size_t nblocks = ceil_div(n, GC_MX_BLOCK);
-    uint8_t *codes = wire + nblocks;
     for (size_t g = 0; g < nblocks; g += GC_MX_GROUP) {
         size_t count = nblocks - g < GC_MX_GROUP ? nblocks - g : GC_MX_GROUP;
         size_t start = g * GC_MX_BLOCK;
@@ -543,7 +570,7 @@ GC_INLINE void encode_mx(int fmt, int sr, int rceil, const float *restrict x, si
         for (size_t j = 0; j < count; j++) {
             int e = gc_mx_exponent(gc_float(amax[j]), emax, fmax, rceil);
             factor[j] = gc_mx_factor(e);
-            wire[g + j] = fmt != GC_MXFP4 || finite[j] ? (uint8_t)(e + 127) : 0xffu;
+            scales[g + j] = fmt != GC_MXFP4 || finite[j] ? (uint8_t)(e + 127) : 0xffu;
             all_finite &= finite[j];
         }
         spread(factor, count, GC_MX_BLOCK, fe);
@@ -574,10 +601,10 @@ GC_INLINE void encode_mx(int fmt, int sr, int rceil, const float *restrict x, si
 
 /* One compiled function per MX format and rounding (see the fp8 wrappers). */
 #define GC_MX_ENCODER(name, fmt, sr)                                                          \
-    GC_CLONES static void name(int rceil, const float *x, size_t n, uint8_t *w, gc_u64 key,  \
-                               gc_u64 off)                                                   \
+    GC_CLONES static void name(int rceil, const float *x, size_t n, uint8_t *s, uint8_t *c,  \
+                               gc_u64 key, gc_u64 off)                                       \
     {                                                                                        \
-        encode_mx(fmt, sr, rceil, x, n, w, key, off);                                        \
+        encode_mx(fmt, sr, rceil, x, n, s, c, key, off);                                     \
     }
 GC_MX_ENCODER(encode_mxfp8_e4m3, GC_MXFP8_E4M3, 0)
 GC_MX_ENCODER(encode_mxfp8_e5m2, GC_MXFP8_E5M2, 0)
@@ -601,16 +628,15 @@ static inline void decode_mx_block(int fmt, int accumulate, const uint8_t *restr
     }
 }
 
-GC_INLINE void decode_mx(int fmt, int accumulate, const uint8_t *restrict wire, size_t n,
-                         float *restrict out)
+GC_INLINE void decode_mx(int fmt, int accumulate, const uint8_t *restrict scales,
+                         const uint8_t *restrict codes, size_t n, float *restrict out)
 {
     size_t nblocks = ceil_div(n, GC_MX_BLOCK);
-    const uint8_t *codes = wire + nblocks;
     for (size_t k = 0; k < nblocks; k++) {
         size_t start = k * GC_MX_BLOCK;
         size_t len = n - start < GC_MX_BLOCK ? n - start : GC_MX_BLOCK;
         const uint8_t *cb = codes + (fmt == GC_MXFP4 ? start / 2 : start);
-        float scale = gc_e8m0_value(wire[k]);
+        float scale = gc_e8m0_value(scales[k]);
         if (len == GC_MX_BLOCK)
             decode_mx_block(fmt, accumulate, cb, GC_MX_BLOCK, scale, out + start);
         else
@@ -618,9 +644,14 @@ GC_INLINE void decode_mx(int fmt, int accumulate, const uint8_t *restrict wire, 
     }
 }
 
-GC_CLONES static void decode_mxfp8_e4m3(int acc, const uint8_t *w, size_t n, float *o) { decode_mx(GC_MXFP8_E4M3, acc, w, n, o); }
-GC_CLONES static void decode_mxfp8_e5m2(int acc, const uint8_t *w, size_t n, float *o) { decode_mx(GC_MXFP8_E5M2, acc, w, n, o); }
-GC_CLONES static void decode_mxfp4(int acc, const uint8_t *w, size_t n, float *o) { decode_mx(GC_MXFP4, acc, w, n, o); }
+#define GC_MX_DECODER(name, fmt)                                                             \
+    GC_CLONES static void name(int acc, const uint8_t *s, const uint8_t *c, size_t n, float *o) \
+    {                                                                                          \
+        decode_mx(fmt, acc, s, c, n, o);                                                       \
+    }
+GC_MX_DECODER(decode_mxfp8_e4m3, GC_MXFP8_E4M3)
+GC_MX_DECODER(decode_mxfp8_e5m2, GC_MXFP8_E5M2)
+GC_MX_DECODER(decode_mxfp4, GC_MXFP4)
 
 /* ---- BF16 --------------------------------------------------------------- */
 
@@ -633,8 +664,14 @@ GC_INLINE void encode_bf16(int sr, const float *x, size_t n, uint8_t *wire, gc_u
     }
 }
 
-GC_CLONES static void encode_bf16_rn(const float *x, size_t n, uint8_t *w, gc_u64 key, gc_u64 off) { encode_bf16(0, x, n, w, key, off); }
-GC_CLONES static void encode_bf16_sr(const float *x, size_t n, uint8_t *w, gc_u64 key, gc_u64 off) { encode_bf16(1, x, n, w, key, off); }
+GC_CLONES static void encode_bf16_rn(const float *x, size_t n, uint8_t *w, gc_u64 key, gc_u64 off)
+{
+    encode_bf16(0, x, n, w, key, off);
+}
+GC_CLONES static void encode_bf16_sr(const float *x, size_t n, uint8_t *w, gc_u64 key, gc_u64 off)
+{
+    encode_bf16(1, x, n, w, key, off);
+}
 
 GC_CLONES static void decode_bf16(int accumulate, const uint8_t *wire, size_t n, float *out)
 {
@@ -646,7 +683,755 @@ GC_CLONES static void decode_bf16(int accumulate, const uint8_t *wire, size_t n,
     }
 }
 
+/* ---- AVX-512 loops ------------------------------------------------------
+ *
+ * Round-to-nearest encoders and every decoder, written with AVX-512
+ * intrinsics for x86-64 CPUs that have AVX-512 F/BW/DQ/VL (gc_codec_simd
+ * picks them at run time). Each vector operation is the one gc_scalar.h
+ * applies to a single value (the same IEEE fp32 operations in the same
+ * order, integer steps exactly), so the bytes and values equal those of the
+ * portable loops above; test_native.c and tests/codecs compare both paths
+ * on random and special inputs. Blocks these loops do not cover (partial
+ * blocks and groups, fp8 blocks other than 128 values on encode, blocks
+ * with a tiny amax) run the portable per-block code. Decoders of large
+ * outputs write them with non-temporal stores (whole 64-byte lines), which
+ * spares reading the lines in first; smaller outputs stay in the cache for
+ * whatever reads them next. */
+#if GC_HAVE_AVX512
+#include <immintrin.h>
+
+#define GC_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+#define GC_AVX512_FLAT __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"), flatten))
+
+/* Outputs from this many bytes up are written around the cache. */
+#define GC_STREAM_BYTES ((size_t)8 << 20)
+
+GC_AVX512 static inline __m512i v_u32(gc_u32 c) { return _mm512_set1_epi32((int)c); }
+
+/* gc_round_minifloat of 16 values r (finite, >= 0, clamped). The normal
+ * code's exponent rebasing is subtracted before the shift: the same number
+ * for every r at or above the smallest normal, where it is used. */
+GC_AVX512 static inline __m512i v_round_minifloat(__m512 r, int mbits, int bias)
+{
+    __m512i bits = _mm512_castps_si512(r);
+    const int shift = 23 - mbits;
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, (unsigned)shift), v_u32(1));
+    __m512i t = _mm512_add_epi32(
+        _mm512_add_epi32(bits, v_u32((1u << (shift - 1)) - 1u - ((gc_u32)(127 - bias) << 23))),
+        odd);
+    __m512i normal = _mm512_srli_epi32(t, (unsigned)shift);
+    __m512 magic = _mm512_castsi512_ps(v_u32((gc_u32)(127 + 23 + 1 - bias - mbits) << 23));
+    __m512i subnormal = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(r, magic)),
+                                         _mm512_castps_si512(magic));
+    __m512 min_normal = _mm512_castsi512_ps(v_u32((gc_u32)(127 + 1 - bias) << 23));
+    __mmask16 low = _mm512_cmp_ps_mask(r, min_normal, _CMP_LT_OQ);
+    return _mm512_mask_blend_epi32(low, normal, subnormal);
+}
+
+/* gc_min_abs: min(|q|, fmax), fmax for NaN q (minps returns its second
+ * operand when the first is NaN, as `a < fmax ? a : fmax` does). */
+GC_AVX512 static inline __m512 v_min_abs(__m512 q, float fmax)
+{
+    return _mm512_min_ps(_mm512_abs_ps(q), _mm512_set1_ps(fmax));
+}
+
+/* sign | mag: the sign bit of x moved to bit 7 (or `at`), or'ed into mag. */
+GC_AVX512 static inline __m512i v_signed(__m512i xb, unsigned shift, gc_u32 bit, __m512i mag)
+{
+    return _mm512_ternarylogic_epi32(_mm512_srli_epi32(xb, shift), v_u32(bit), mag, 0xea);
+}
+
+/* gc_e4m3_code / gc_e5m2_code of 16 finite values x (q = scaled x). */
+GC_AVX512 static inline __m512i v_fp8_code_finite(int e5m2, __m512 q, __m512 x)
+{
+    __m512i mag = e5m2 ? v_round_minifloat(v_min_abs(q, GC_E5M2_MAX), 2, 15)
+                       : v_round_minifloat(v_min_abs(q, GC_E4M3_MAX), 3, 7);
+    return v_signed(_mm512_castps_si512(x), 24, 0x80u, mag);
+}
+
+/* gc_e4m3_code / gc_e5m2_code of any 16 values (q = scaled x), as dwords. */
+GC_AVX512 static inline __m512i v_fp8_code(int e5m2, __m512 q, __m512 x)
+{
+    __m512i xb = _mm512_castps_si512(x);
+    __m512i sign = _mm512_and_si512(_mm512_srli_epi32(xb, 24), v_u32(0x80u));
+    __m512i mag = e5m2 ? v_round_minifloat(v_min_abs(q, GC_E5M2_MAX), 2, 15)
+                       : v_round_minifloat(v_min_abs(q, GC_E4M3_MAX), 3, 7);
+    __m512i expo = _mm512_and_si512(xb, v_u32(0x7f800000u));
+    __mmask16 special = _mm512_cmpeq_epi32_mask(expo, v_u32(0x7f800000u));
+    __m512i code;
+    if (e5m2) {
+        __m512i m = _mm512_add_epi32(_mm512_and_si512(xb, v_u32(0x007fffffu)), v_u32(0x007fffffu));
+        __m512i nan_bit = _mm512_and_si512(_mm512_srli_epi32(m, 23), v_u32(1));
+        code = _mm512_or_si512(v_u32(0x7cu), _mm512_slli_epi32(nan_bit, 1));
+    } else {
+        code = v_u32(0x7fu);
+    }
+    return _mm512_or_si512(sign, _mm512_mask_blend_epi32(special, mag, code));
+}
+
+/* gc_e2m1_code of 16 values q, as dwords. */
+GC_AVX512 static inline __m512i v_e2m1_code(__m512 q)
+{
+    return v_signed(_mm512_castps_si512(q), 28, 0x8u,
+                    v_round_minifloat(v_min_abs(q, GC_E2M1_MAX), 1, 1));
+}
+
+/* The 8 packed bytes of 16 E2M1 codes (dwords below 16): as 64-bit pairs
+ * p = c[2i] | c[2i+1] << 32, byte i is the low byte of p | p >> 28. */
+GC_AVX512 static inline void v_store_nibbles(__m512i c, uint8_t *out)
+{
+    __m512i p = _mm512_or_si512(c, _mm512_srli_epi64(c, 28));
+    _mm_storel_epi64((__m128i *)(void *)out, _mm512_cvtepi64_epi8(p));
+}
+
+/* gc_e4m3_value / gc_e5m2_value of 16 codes (dwords): the magnitude's
+ * normal pattern or its subnormal multiple of the quantum, NaN (and E5M2's
+ * inf) codes replaced, then the sign bit set (what -v does). */
+GC_AVX512 static inline __m512 v_fp8_value(int e5m2, __m512i c)
+{
+    const int mbits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+    __m512i mag = _mm512_and_si512(c, v_u32(0x7fu));
+    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, v_u32(0x80u)), 24);
+    __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(mag, (unsigned)(23 - mbits)),
+                                      v_u32((gc_u32)(127 - bias) << 23));
+    __m512 quantum = _mm512_castsi512_ps(v_u32((gc_u32)(127 + 1 - bias - mbits) << 23));
+    __m512i sub = _mm512_castps_si512(_mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_and_si512(mag, v_u32((1u << mbits) - 1u))), quantum));
+    __mmask16 is_normal = _mm512_test_epi32_mask(mag, v_u32(0x7fu << mbits & 0x7fu));
+    __m512i v = _mm512_mask_blend_epi32(is_normal, sub, normal);
+    if (e5m2) {
+        v = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(mag, v_u32(0x7cu)), v,
+                                    v_u32(0x7f800000u));
+        v = _mm512_mask_blend_epi32(_mm512_cmpgt_epu32_mask(mag, v_u32(0x7cu)), v,
+                                    v_u32(0x7fc00000u));
+    } else {
+        v = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(mag, v_u32(0x7fu)), v,
+                                    v_u32(0x7fc00000u));
+    }
+    return _mm512_castsi512_ps(_mm512_or_si512(v, sign));
+}
+
+/* gc_e2m1_table[c] of the 16 codes packed in 8 bytes (element 2i low). */
+GC_AVX512 static inline __m512 v_e2m1_values(const uint8_t *cb, __m512 table)
+{
+    __m128i b = _mm_loadl_epi64((const __m128i *)(const void *)cb);
+    __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0f));
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0f));
+    __m512i idx = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+    return _mm512_permutexvar_ps(idx, table);
+}
+
+/* Where decoded vectors go: vector m holds out[16 m .. 16 m + 16). With
+ * `stream`, whole 64-byte lines are written non-temporally: out lies k
+ * floats past a line start, so line m is the last k values of vector m - 1
+ * and the first 16 - k of vector m (one two-source permute); the partial
+ * first and last lines are written with masked stores. */
+typedef struct {
+    float *out, *line;
+    __m512 prev;
+    __m512i idx;
+    unsigned k;
+    int stream;
+} gc_sink;
+
+GC_AVX512 static inline gc_sink sink_open(float *out, size_t n)
+{
+    gc_sink s;
+    s.out = out;
+    s.stream = n * sizeof(float) >= GC_STREAM_BYTES && ((uintptr_t)out & 3u) == 0;
+    s.k = (unsigned)(((uintptr_t)out & 63u) / 4u);
+    s.line = out - s.k;
+    s.prev = _mm512_setzero_ps();
+    s.idx = _mm512_add_epi32(_mm512_set1_epi32(16 - (int)s.k),
+                             _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    return s;
+}
+
+GC_AVX512 static inline void sink_put(gc_sink *s, size_t m, __m512 v)
+{
+    if (!s->stream) {
+        _mm512_storeu_ps(s->out + 16 * m, v);
+    } else if (s->k == 0) {
+        _mm512_stream_ps(s->out + 16 * m, v);
+    } else {
+        __m512 line = _mm512_permutex2var_ps(s->prev, s->idx, v);
+        if (m == 0)
+            _mm512_mask_storeu_ps(s->line, (__mmask16)(0xffffu << s->k), line);
+        else
+            _mm512_stream_ps(s->line + 16 * m, line);
+        s->prev = v;
+    }
+}
+
+/* After vectors 0 .. m - 1: the rest of the last line, and the fence that
+ * orders the streamed lines before whatever the caller does next. */
+GC_AVX512 static inline void sink_close(gc_sink *s, size_t m)
+{
+    if (!s->stream)
+        return;
+    if (s->k && m)
+        _mm512_mask_storeu_ps(s->line + 16 * m, (__mmask16)((1u << s->k) - 1u),
+                              _mm512_permutex2var_ps(s->prev, s->idx, s->prev));
+    _mm_sfence();
+}
+
+/* Vector m's values, stored or added to out (read before the sink writes). */
+GC_AVX512 static inline void sink_value(gc_sink *s, size_t m, int accumulate, __m512 v)
+{
+    if (accumulate)
+        v = _mm512_add_ps(_mm512_loadu_ps(s->out + 16 * m), v);
+    sink_put(s, m, v);
+}
+
+/* ---- AVX-512 FP8 ---- */
+
+/* Block-128 encoder: per block, 8 vectors stay in registers for the amax
+ * (the max of the |x| patterns; a block holding a non-finite value, with a
+ * tiny amax, or the last partial one goes to encode_fp8_block) and the
+ * codes. */
+GC_AVX512 static inline void encode_fp8_128_v(int e5m2, const float *restrict x, size_t n,
+                                              uint8_t *restrict scales, uint8_t *restrict codes)
+{
+    const float fmax = e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
+    size_t nblocks = ceil_div(n, 128);
+    for (size_t k = 0; k < nblocks; k++) {
+        const float *xb = x + 128 * k;
+        size_t len = n - 128 * k < 128 ? n - 128 * k : 128;
+        if (len < 128) {
+            encode_fp8_block(e5m2, 0, xb, len, scales + 4 * k, codes + 128 * k, 0, 0);
+            continue;
+        }
+        __m512 v[8];
+        __m512i m = _mm512_setzero_si512();
+        for (int i = 0; i < 8; i++) {
+            v[i] = _mm512_loadu_ps(xb + 16 * i);
+            m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_castps_si512(v[i]),
+                                                     v_u32(0x7fffffffu)));
+        }
+        gc_u32 amax_bits = (gc_u32)_mm512_reduce_max_epu32(m);
+        float pre, factor = 0.0f, amax = gc_float(amax_bits);
+        if (amax_bits < 0x7f800000u)
+            factor = gc_quant_factor(amax, fmax, &pre);
+        if (amax_bits >= 0x7f800000u || pre != 1.0f) {
+            encode_fp8_block(e5m2, 0, xb, 128, scales + 4 * k, codes + 128 * k, 0, 0);
+            continue;
+        }
+        store_f32(scales + 4 * k, amax / fmax);
+        __m512 f = _mm512_set1_ps(factor);
+        for (int i = 0; i < 8; i += 4) {
+            __m128i c[4];
+            for (int j = 0; j < 4; j++)
+                c[j] = _mm512_cvtepi32_epi8(
+                    v_fp8_code_finite(e5m2, _mm512_mul_ps(v[i + j], f), v[i + j]));
+            __m512i all = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_set_m128i(c[1], c[0])), _mm256_set_m128i(c[3], c[2]),
+                1);
+            _mm512_storeu_si512((void *)(codes + 128 * k + 16 * i), all);
+        }
+    }
+}
+
+/* fp8 decoder for blocks of a multiple of 16 values. */
+GC_AVX512 static inline void decode_fp8_v(int e5m2, int accumulate, const uint8_t *restrict scales,
+                                          const uint8_t *restrict codes, size_t n, size_t block,
+                                          float *restrict out)
+{
+    gc_sink s = sink_open(out, n);
+    size_t nvec = n / 16, per = block / 16;
+    for (size_t m0 = 0; m0 < nvec; m0 += per) {
+        __m512 scale = _mm512_set1_ps(load_f32(scales + 4 * (m0 / per)));
+        size_t end = m0 + per < nvec ? m0 + per : nvec;
+        for (size_t m = m0; m < end; m++) {
+            __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(codes + 16 * m)));
+            sink_value(&s, m, accumulate, _mm512_mul_ps(v_fp8_value(e5m2, c), scale));
+        }
+    }
+    sink_close(&s, nvec);
+    if (n % 16)
+        fp8_block_values(e5m2, accumulate, codes + 16 * nvec, n % 16,
+                         load_f32(scales + 4 * (16 * nvec / block)), out + 16 * nvec);
+}
+
+/* ---- AVX-512 E2M1 (NVFP4, MXFP4) ---- */
+
+/* One whole NVFP4 superblock: the stats and scales of encode_nvfp4_super,
+ * then each 16-value block's codes from one vector, with its group's
+ * choice of x * factor or (x * pre) * factor (encode_nvfp4_super's unit). */
+GC_AVX512 static inline void encode_nvfp4_super_v(const float *restrict x, uint8_t *sscale,
+                                                  uint8_t *restrict bscales,
+                                                  uint8_t *restrict codes)
+{
+    const float smax = GC_E2M1_MAX * GC_E4M3_MAX;
+    gc_u32 bamax[GC_NVFP4_BLOCKS];
+    int finite[GC_NVFP4_BLOCKS];
+    float pre[GC_NVFP4_BLOCKS], factor[GC_NVFP4_BLOCKS];
+    blocks_stats(x, GC_NVFP4_BLOCKS, GC_NVFP4_BLOCK, GC_NVFP4_BLOCK, bamax, finite);
+    gc_u32 m = 0;
+    for (size_t j = 0; j < GC_NVFP4_BLOCKS; j++)
+        m = m > bamax[j] ? m : bamax[j];
+    float samax = gc_float(m), spre;
+    float sfactor = gc_quant_factor(samax, smax, &spre);
+    float scale = samax / smax;
+    store_f32(sscale, scale);
+    for (size_t j = 0; j < GC_NVFP4_BLOCKS; j++) {
+        gc_u8 sc = gc_nvfp4_scale_code(gc_float(bamax[j]), spre, sfactor, finite[j], 0);
+        bscales[j] = sc;
+        factor[j] = gc_quant_factor(gc_e4m3_value(sc) * scale, 1.0f, &pre[j]);
+    }
+    for (size_t g = 0; g < GC_NVFP4_BLOCKS; g += GC_NVFP4_GROUP) {
+        int unit = 1;
+        for (size_t j = g; j < g + GC_NVFP4_GROUP; j++)
+            unit &= pre[j] == 1.0f;
+        for (size_t j = g; j < g + GC_NVFP4_GROUP; j++) {
+            __m512 v = _mm512_loadu_ps(x + GC_NVFP4_BLOCK * j);
+            if (!unit)
+                v = _mm512_mul_ps(v, _mm512_set1_ps(pre[j]));
+            __m512i c = v_e2m1_code(_mm512_mul_ps(v, _mm512_set1_ps(factor[j])));
+            c = _mm512_maskz_mov_epi32(finite[j] ? 0xffffu : 0u, c);
+            v_store_nibbles(c, codes + GC_NVFP4_BLOCK / 2 * j);
+        }
+    }
+}
+
+GC_AVX512 static inline void encode_nvfp4_v(const float *x, size_t n, uint8_t *sscales,
+                                            uint8_t *bscales, uint8_t *codes)
+{
+    size_t full = n / GC_NVFP4_SUPERBLOCK;
+    for (size_t k = 0; k < full; k++)
+        encode_nvfp4_super_v(x + k * GC_NVFP4_SUPERBLOCK, sscales + 4 * k,
+                             bscales + k * GC_NVFP4_BLOCKS, codes + k * GC_NVFP4_SUPERBLOCK / 2);
+    size_t start = full * GC_NVFP4_SUPERBLOCK, rest = n % GC_NVFP4_SUPERBLOCK;
+    if (rest)
+        encode_nvfp4_super(0, x + start, rest, sscales + 4 * full,
+                           bscales + full * GC_NVFP4_BLOCKS, codes + start / 2, 0, 0);
+}
+
+GC_AVX512 static inline void decode_nvfp4_v(int accumulate, const uint8_t *sscales,
+                                            const uint8_t *bscales, const uint8_t *codes,
+                                            size_t n, float *restrict out)
+{
+    __m512 table = _mm512_loadu_ps(gc_e2m1_table);
+    gc_sink s = sink_open(out, n);
+    size_t nvec = n / 16;
+    for (size_t m0 = 0; m0 < nvec; m0 += GC_NVFP4_BLOCKS) {
+        float scale = load_f32(sscales + 4 * (m0 / GC_NVFP4_BLOCKS));
+        size_t end = m0 + GC_NVFP4_BLOCKS < nvec ? m0 + GC_NVFP4_BLOCKS : nvec;
+        for (size_t m = m0; m < end; m++) {
+            __m512 eff = _mm512_set1_ps(gc_e4m3_value(bscales[m]) * scale);
+            sink_value(&s, m, accumulate, _mm512_mul_ps(v_e2m1_values(codes + 8 * m, table), eff));
+        }
+    }
+    sink_close(&s, nvec);
+    if (n % 16)
+        e2m1_block_values(codes + 8 * nvec, n % 16,
+                          gc_e4m3_value(bscales[nvec]) *
+                              load_f32(sscales + 4 * (nvec / GC_NVFP4_BLOCKS)),
+                          accumulate, out + 16 * nvec);
+}
+
+/* ---- AVX-512 MX ---- */
+
+/* Whole groups of GC_MX_GROUP blocks as encode_mx does them (stats, E8M0
+ * scales and factors across the group, then codes, two vectors a block);
+ * the blocks after the last whole group go through encode_mx_block. */
+GC_AVX512 static inline void encode_mx_v(int fmt, int rceil, const float *restrict x, size_t n,
+                                         uint8_t *restrict scales, uint8_t *restrict codes)
+{
+    const int e5m2 = fmt == GC_MXFP8_E5M2;
+    const int emax = fmt == GC_MXFP4 ? 2 : e5m2 ? 15 : 8;
+    const float fmax = fmt == GC_MXFP4 ? GC_E2M1_MAX : e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
+    const size_t glen = GC_MX_GROUP * GC_MX_BLOCK;
+    size_t full = n / glen;
+    for (size_t g = 0; g < full; g++) {
+        const float *xg = x + g * glen;
+        gc_u32 amax[GC_MX_GROUP];
+        int finite[GC_MX_GROUP];
+        float factor[GC_MX_GROUP];
+        int all_finite = 1;
+        blocks_stats(xg, GC_MX_GROUP, GC_MX_BLOCK, GC_MX_BLOCK, amax, finite);
+        for (size_t j = 0; j < GC_MX_GROUP; j++)
+            all_finite &= finite[j];
+        for (size_t j = 0; j < GC_MX_GROUP; j++) {
+            int e = gc_mx_exponent(gc_float(amax[j]), emax, fmax, rceil);
+            factor[j] = gc_mx_factor(e);
+            scales[g * GC_MX_GROUP + j] =
+                fmt != GC_MXFP4 || finite[j] ? (uint8_t)(e + 127) : 0xffu;
+        }
+        for (size_t j = 0; j < GC_MX_GROUP; j++) {
+            __m512 f = _mm512_set1_ps(factor[j]);
+            __m512 v0 = _mm512_loadu_ps(xg + GC_MX_BLOCK * j);
+            __m512 v1 = _mm512_loadu_ps(xg + GC_MX_BLOCK * j + 16);
+            size_t at = (g * GC_MX_GROUP + j) * GC_MX_BLOCK;
+            if (fmt == GC_MXFP4) {
+                __mmask16 keep = finite[j] ? 0xffffu : 0u;
+                v_store_nibbles(_mm512_maskz_mov_epi32(keep, v_e2m1_code(_mm512_mul_ps(v0, f))),
+                                codes + at / 2);
+                v_store_nibbles(_mm512_maskz_mov_epi32(keep, v_e2m1_code(_mm512_mul_ps(v1, f))),
+                                codes + at / 2 + 8);
+            } else if (all_finite) {
+                __m128i c0 = _mm512_cvtepi32_epi8(v_fp8_code_finite(e5m2, _mm512_mul_ps(v0, f), v0));
+                __m128i c1 = _mm512_cvtepi32_epi8(v_fp8_code_finite(e5m2, _mm512_mul_ps(v1, f), v1));
+                _mm256_storeu_si256((__m256i *)(void *)(codes + at), _mm256_set_m128i(c1, c0));
+            } else {
+                __m128i c0 = _mm512_cvtepi32_epi8(v_fp8_code(e5m2, _mm512_mul_ps(v0, f), v0));
+                __m128i c1 = _mm512_cvtepi32_epi8(v_fp8_code(e5m2, _mm512_mul_ps(v1, f), v1));
+                _mm256_storeu_si256((__m256i *)(void *)(codes + at), _mm256_set_m128i(c1, c0));
+            }
+        }
+    }
+    for (size_t k = full * GC_MX_GROUP; k < ceil_div(n, GC_MX_BLOCK); k++) {
+        size_t start = k * GC_MX_BLOCK;
+        size_t len = n - start < GC_MX_BLOCK ? n - start : GC_MX_BLOCK;
+        encode_mx_block(fmt, 0, rceil, x + start, len, scales + k,
+                        codes + (fmt == GC_MXFP4 ? start / 2 : start), 0, 0);
+    }
+}
+
+GC_AVX512 static inline void decode_mx_v(int fmt, int accumulate, const uint8_t *scales,
+                                         const uint8_t *codes, size_t n, float *restrict out)
+{
+    const int e5m2 = fmt == GC_MXFP8_E5M2;
+    __m512 table = _mm512_loadu_ps(gc_e2m1_table);
+    gc_sink s = sink_open(out, n);
+    size_t nvec = n / 16;
+    for (size_t m = 0; m < nvec; m++) {
+        __m512 scale = _mm512_set1_ps(gc_e8m0_value(scales[m / 2]));
+        __m512 v;
+        if (fmt == GC_MXFP4)
+            v = v_e2m1_values(codes + 8 * m, table);
+        else
+            v = v_fp8_value(e5m2, _mm512_cvtepu8_epi32(
+                                      _mm_loadu_si128((const __m128i *)(const void *)(codes + 16 * m))));
+        sink_value(&s, m, accumulate, _mm512_mul_ps(v, scale));
+    }
+    sink_close(&s, nvec);
+    size_t start = 16 * nvec;
+    if (start < n)
+        decode_mx_block(fmt, accumulate, codes + (fmt == GC_MXFP4 ? start / 2 : start), n - start,
+                        gc_e8m0_value(scales[start / GC_MX_BLOCK]), out + start);
+}
+
+/* ---- AVX-512 BF16 ---- */
+
+GC_AVX512 static inline void encode_bf16_v(const float *restrict x, size_t n, uint8_t *restrict wire)
+{
+    size_t nvec = n / 16;
+    for (size_t m = 0; m < nvec; m++) {
+        __m512i b = _mm512_loadu_si512((const void *)(x + 16 * m));
+        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), v_u32(1));
+        __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, v_u32(0x7fffu)), lsb), 16);
+        __m512i nan = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(b, 16), v_u32(0x8000u)),
+                                      v_u32(0x7fc0u));
+        __mmask16 is_nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, v_u32(0x7fffffffu)),
+                                                   v_u32(0x7f800000u));
+        __m256i c = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, nan));
+        _mm256_storeu_si256((__m256i *)(void *)(wire + 32 * m), c);
+    }
+    encode_bf16(0, x + 16 * nvec, n % 16, wire + 32 * nvec, 0, 0);
+}
+
+GC_AVX512 static inline void decode_bf16_v(int accumulate, const uint8_t *restrict wire, size_t n,
+                                           float *restrict out)
+{
+    gc_sink s = sink_open(out, n);
+    size_t nvec = n / 16;
+    for (size_t m = 0; m < nvec; m++) {
+        __m256i c = _mm256_loadu_si256((const __m256i *)(const void *)(wire + 32 * m));
+        __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(c), 16));
+        sink_value(&s, m, accumulate, v);
+    }
+    sink_close(&s, nvec);
+    size_t start = 16 * nvec;
+    for (size_t i = start; i < n; i++) {
+        gc_u16 c;
+        memcpy(&c, wire + 2 * i, sizeof c);
+        float v = gc_bf16_value(c);
+        out[i] = accumulate ? out[i] + v : v;
+    }
+}
+#endif /* GC_HAVE_AVX512 */
+
+
 /* ---- dispatch ----------------------------------------------------------- */
+
+/* The vector path in use (gc_codec_simd): -1 until first asked. */
+static int gc_simd = -1;
+/* Threads per call (gc_codec_threads). */
+static int gc_threads = 1;
+
+static int simd_supported(void)
+{
+#if GC_HAVE_AVX512
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+           && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+#else
+    return 0;
+#endif
+}
+
+int gc_codec_simd(int level)
+{
+    if (level >= 0)
+        __atomic_store_n(&gc_simd, level > 0 && simd_supported() ? 1 : 0, __ATOMIC_RELAXED);
+    else if (level == GC_SIMD_AUTO || __atomic_load_n(&gc_simd, __ATOMIC_RELAXED) < 0)
+        __atomic_store_n(&gc_simd, simd_supported(), __ATOMIC_RELAXED);
+    return __atomic_load_n(&gc_simd, __ATOMIC_RELAXED);
+}
+
+int gc_codec_threads(int count)
+{
+    if (count > 0)
+        __atomic_store_n(&gc_threads, count > GC_MAX_THREADS ? GC_MAX_THREADS : count,
+                         __ATOMIC_RELAXED);
+    return __atomic_load_n(&gc_threads, __ATOMIC_RELAXED);
+}
+
+/* One encode or decode call: its arguments, and the range [lo, hi) of
+ * values a thread does. */
+typedef struct {
+    int fmt, decode, accumulate, sr, rceil, simd;
+    size_t n, block; /* block: fp8's values per scale (n for one scale) */
+    const float *x;
+    float *out;
+    uint8_t *wire;
+    gc_u64 key, offset;
+    size_t lo, hi;
+} gc_call;
+
+/* The scale and code sections of value `a` (a whole number of blocks into
+ * the body): fp8 and MX scales at *s, NVFP4's superblock scales at *s and
+ * block scales at *b, codes at *c. */
+static void sections(const gc_call *k, size_t a, uint8_t **s, uint8_t **b, uint8_t **c)
+{
+    uint8_t *w = k->wire;
+    size_t n = k->n;
+    *b = NULL;
+    switch (k->fmt) {
+    case GC_E4M3:
+    case GC_E5M2:
+        *s = w + 4 * (a / k->block);
+        *c = w + 4 * ceil_div(n, k->block) + a;
+        return;
+    case GC_NVFP4: {
+        size_t nsuper = ceil_div(n, GC_NVFP4_SUPERBLOCK);
+        *s = w + 4 * (a / GC_NVFP4_SUPERBLOCK);
+        *b = w + 4 * nsuper + a / GC_NVFP4_BLOCK;
+        *c = w + 4 * nsuper + ceil_div(n, GC_NVFP4_BLOCK) + a / 2;
+        return;
+    }
+    case GC_BF16:
+        *s = NULL;
+        *c = w + 2 * a;
+        return;
+    default:
+        *s = w + a / GC_MX_BLOCK;
+        *c = w + ceil_div(n, GC_MX_BLOCK) + (k->fmt == GC_MXFP4 ? a / 2 : a);
+        return;
+    }
+}
+
+#if GC_HAVE_AVX512
+/* The AVX-512 loops, one compiled function per format (flatten: the
+ * portable per-block code of their edges inlines with AVX-512 too). */
+GC_AVX512_FLAT static void encode_v(const gc_call *k, const float *x, size_t n, uint8_t *s,
+                                    uint8_t *b, uint8_t *c)
+{
+    switch (k->fmt) {
+    case GC_E4M3:
+        encode_fp8_128_v(0, x, n, s, c);
+        return;
+    case GC_E5M2:
+        encode_fp8_128_v(1, x, n, s, c);
+        return;
+    case GC_NVFP4:
+        encode_nvfp4_v(x, n, s, b, c);
+        return;
+    case GC_BF16:
+        encode_bf16_v(x, n, c);
+        return;
+    case GC_MXFP8_E4M3:
+        encode_mx_v(GC_MXFP8_E4M3, k->rceil, x, n, s, c);
+        return;
+    case GC_MXFP8_E5M2:
+        encode_mx_v(GC_MXFP8_E5M2, k->rceil, x, n, s, c);
+        return;
+    default:
+        encode_mx_v(GC_MXFP4, k->rceil, x, n, s, c);
+        return;
+    }
+}
+
+#define GC_V_DECODER(name, acc)                                                               \
+    GC_AVX512_FLAT static void name(int fmt, size_t block, const uint8_t *s, const uint8_t *b, \
+                                    const uint8_t *c, size_t n, float *o)                     \
+    {                                                                                         \
+        switch (fmt) {                                                                        \
+        case GC_E4M3:                                                                         \
+            decode_fp8_v(0, acc, s, c, n, block, o);                                          \
+            return;                                                                           \
+        case GC_E5M2:                                                                         \
+            decode_fp8_v(1, acc, s, c, n, block, o);                                          \
+            return;                                                                           \
+        case GC_NVFP4:                                                                        \
+            decode_nvfp4_v(acc, s, b, c, n, o);                                               \
+            return;                                                                           \
+        case GC_BF16:                                                                         \
+            decode_bf16_v(acc, c, n, o);                                                      \
+            return;                                                                           \
+        default:                                                                              \
+            decode_mx_v(fmt, acc, s, c, n, o);                                                \
+            return;                                                                           \
+        }                                                                                     \
+    }
+GC_V_DECODER(decode_v, 0)
+GC_V_DECODER(accumulate_v, 1)
+#endif
+
+/* Whether the call's values go through the AVX-512 loops: nearest rounding
+ * (encode; fp8 with blocks of 128), fp8 blocks of a multiple of 16 values
+ * (decode). */
+static int vector_call(const gc_call *k)
+{
+    if (!k->simd)
+        return 0;
+    int fp8 = k->fmt == GC_E4M3 || k->fmt == GC_E5M2;
+    if (k->decode)
+        return !fp8 || k->block % 16 == 0;
+    return !k->sr && (!fp8 || k->block == 128);
+}
+
+static void encode_range(const gc_call *k, size_t lo, size_t hi)
+{
+    uint8_t *s, *b, *c;
+    sections(k, lo, &s, &b, &c);
+    const float *x = k->x + lo;
+    size_t n = hi - lo;
+    gc_u64 key = k->key, off = k->offset + lo;
+    int sr = k->sr;
+#if GC_HAVE_AVX512
+    if (vector_call(k)) {
+        encode_v(k, x, n, s, b, c);
+        return;
+    }
+#endif
+    switch (k->fmt) {
+    case GC_E4M3:
+        (sr ? encode_e4m3_sr : encode_e4m3)(x, n, k->block, s, c, key, off);
+        return;
+    case GC_E5M2:
+        (sr ? encode_e5m2_sr : encode_e5m2)(x, n, k->block, s, c, key, off);
+        return;
+    case GC_NVFP4:
+        (sr ? encode_nvfp4_sr : encode_nvfp4_rn)(x, n, s, b, c, key, off);
+        return;
+    case GC_BF16:
+        (sr ? encode_bf16_sr : encode_bf16_rn)(x, n, c, key, off);
+        return;
+    case GC_MXFP8_E4M3:
+        (sr ? encode_mxfp8_e4m3_sr : encode_mxfp8_e4m3)(k->rceil, x, n, s, c, key, off);
+        return;
+    case GC_MXFP8_E5M2:
+        (sr ? encode_mxfp8_e5m2_sr : encode_mxfp8_e5m2)(k->rceil, x, n, s, c, key, off);
+        return;
+    default:
+        (sr ? encode_mxfp4_sr : encode_mxfp4)(k->rceil, x, n, s, c, key, off);
+        return;
+    }
+}
+
+static void decode_range(const gc_call *k, size_t lo, size_t hi)
+{
+    uint8_t *s, *b, *c;
+    sections(k, lo, &s, &b, &c);
+    float *o = k->out + lo;
+    size_t n = hi - lo;
+    int acc = k->accumulate;
+#if GC_HAVE_AVX512
+    if (vector_call(k)) {
+        (acc ? accumulate_v : decode_v)(k->fmt, k->block, s, b, c, n, o);
+        return;
+    }
+#endif
+    switch (k->fmt) {
+    case GC_E4M3:
+        (acc ? accumulate_e4m3 : decode_e4m3)(s, c, n, k->block, o);
+        return;
+    case GC_E5M2:
+        (acc ? accumulate_e5m2 : decode_e5m2)(s, c, n, k->block, o);
+        return;
+    case GC_NVFP4:
+        decode_nvfp4(acc, s, b, c, n, o);
+        return;
+    case GC_BF16:
+        decode_bf16(acc, c, n, o);
+        return;
+    case GC_MXFP8_E4M3:
+        decode_mxfp8_e4m3(acc, s, c, n, o);
+        return;
+    case GC_MXFP8_E5M2:
+        decode_mxfp8_e5m2(acc, s, c, n, o);
+        return;
+    default:
+        decode_mxfp4(acc, s, c, n, o);
+        return;
+    }
+}
+
+static void *run_range(void *arg)
+{
+    const gc_call *k = arg;
+    (k->decode ? decode_range : encode_range)(k, k->lo, k->hi);
+    return NULL;
+}
+
+/* Values a thread gets at least: below, a call runs on fewer threads. */
+#define GC_THREAD_MIN_VALUES ((size_t)1 << 19)
+
+/* Run the call on up to gc_codec_threads threads, each on a range of whole
+ * pieces of `unit` values (so every byte is what one thread writes; the
+ * calling thread does the first range). A thread that cannot start leaves
+ * its range to the calling thread. */
+static void run_call(gc_call *k, size_t unit)
+{
+    size_t units = ceil_div(k->n, unit);
+    size_t t = (size_t)gc_codec_threads(0);
+    size_t most = k->n / GC_THREAD_MIN_VALUES;
+    t = t < most ? t : most;
+    t = t < units ? t : units;
+    if (t <= 1) {
+        k->lo = 0;
+        k->hi = k->n;
+        run_range(k);
+        return;
+    }
+    gc_call part[GC_MAX_THREADS];
+    pthread_t tid[GC_MAX_THREADS];
+    int started[GC_MAX_THREADS] = {0};
+    for (size_t i = 0; i < t; i++) {
+        part[i] = *k;
+        part[i].lo = units * i / t * unit;
+        part[i].hi = i + 1 < t ? units * (i + 1) / t * unit : k->n;
+    }
+    for (size_t i = 1; i < t; i++)
+        started[i] = pthread_create(&tid[i], NULL, run_range, &part[i]) == 0;
+    run_range(&part[0]);
+    for (size_t i = 1; i < t; i++) {
+        if (started[i])
+            pthread_join(tid[i], NULL);
+        else
+            run_range(&part[i]);
+    }
+}
+
+/* Values per thread piece: whole fp8 blocks (groups of GC_FP8_GROUP for
+ * block 128), whole NVFP4 superblocks, whole MX groups. */
+static size_t split_unit(int fmt, size_t block)
+{
+    if ((fmt == GC_E4M3 || fmt == GC_E5M2) && block != 128)
+        return block;
+    return GC_NVFP4_SUPERBLOCK;
+}
 
 int gc_encode_ex(int fmt, const float *x, size_t n, size_t block, uint8_t *wire, unsigned flags,
                  uint64_t seed, uint64_t stream, uint64_t offset)
@@ -656,31 +1441,19 @@ int gc_encode_ex(int fmt, const float *x, size_t n, size_t block, uint8_t *wire,
         return GC_EINVAL;
     if (n == 0)
         return 0;
-    int sr = (flags & GC_STOCHASTIC) != 0, rceil = (flags & GC_RCEIL) != 0;
-    gc_u64 key = sr ? gc_sr_key(seed, stream) : 0;
-    switch (fmt) {
-    case GC_E4M3:
-        (sr ? encode_e4m3_sr : encode_e4m3)(x, n, fp8_block(n, block), wire, key, offset);
-        return 0;
-    case GC_E5M2:
-        (sr ? encode_e5m2_sr : encode_e5m2)(x, n, fp8_block(n, block), wire, key, offset);
-        return 0;
-    case GC_NVFP4:
-        (sr ? encode_nvfp4_sr : encode_nvfp4_rn)(x, n, wire, key, offset);
-        return 0;
-    case GC_BF16:
-        (sr ? encode_bf16_sr : encode_bf16_rn)(x, n, wire, key, offset);
-        return 0;
-    case GC_MXFP8_E4M3:
-        (sr ? encode_mxfp8_e4m3_sr : encode_mxfp8_e4m3)(rceil, x, n, wire, key, offset);
-        return 0;
-    case GC_MXFP8_E5M2:
-        (sr ? encode_mxfp8_e5m2_sr : encode_mxfp8_e5m2)(rceil, x, n, wire, key, offset);
-        return 0;
-    default:
-        (sr ? encode_mxfp4_sr : encode_mxfp4)(rceil, x, n, wire, key, offset);
-        return 0;
-    }
+    gc_call k = {0};
+    k.fmt = fmt;
+    k.sr = (flags & GC_STOCHASTIC) != 0;
+    k.rceil = (flags & GC_RCEIL) != 0;
+    k.simd = gc_codec_simd(GC_SIMD_CURRENT);
+    k.n = n;
+    k.block = fp8_block(n, block);
+    k.x = x;
+    k.wire = wire;
+    k.key = k.sr ? gc_sr_key(seed, stream) : 0;
+    k.offset = offset;
+    run_call(&k, split_unit(fmt, k.block));
+    return 0;
 }
 
 int gc_encode(int fmt, const float *x, size_t n, size_t block, uint8_t *wire)
@@ -688,26 +1461,21 @@ int gc_encode(int fmt, const float *x, size_t n, size_t block, uint8_t *wire)
     return gc_encode_ex(fmt, x, n, block, wire, 0, 0, 0, 0);
 }
 
-/* Decoders of the formats without a block length, by format id. */
-static void (*const gc_decoders[])(int, const uint8_t *, size_t, float *) = {
-    [GC_NVFP4] = decode_nvfp4,
-    [GC_BF16] = decode_bf16,
-    [GC_MXFP8_E4M3] = decode_mxfp8_e4m3,
-    [GC_MXFP8_E5M2] = decode_mxfp8_e5m2,
-    [GC_MXFP4] = decode_mxfp4,
-};
-
 int gc_decode(int fmt, const uint8_t *wire, size_t n, size_t block, float *out, int accumulate)
 {
     if (!known_format(fmt))
         return GC_EINVAL;
     if (n == 0)
         return 0;
-    if (fmt == GC_E4M3)
-        (accumulate ? accumulate_e4m3 : decode_e4m3)(wire, n, fp8_block(n, block), out);
-    else if (fmt == GC_E5M2)
-        (accumulate ? accumulate_e5m2 : decode_e5m2)(wire, n, fp8_block(n, block), out);
-    else
-        gc_decoders[fmt](accumulate != 0, wire, n, out);
+    gc_call k = {0};
+    k.fmt = fmt;
+    k.decode = 1;
+    k.accumulate = accumulate != 0;
+    k.simd = gc_codec_simd(GC_SIMD_CURRENT);
+    k.n = n;
+    k.block = fp8_block(n, block);
+    k.out = out;
+    k.wire = (uint8_t *)(uintptr_t)wire; /* read only: decode_range writes to out */
+    run_call(&k, split_unit(fmt, k.block));
     return 0;
 }

@@ -26,7 +26,8 @@
  *                     E2M1 codes packed as in GC_NVFP4.
  * n == 0 encodes as an empty body. Scales inside a body need no alignment.
  * Functions return 0 on success and GC_EINVAL for an unknown format.
- * Thread-safe: no global state.
+ * Thread-safe: the only global state is gc_codec_simd's and gc_codec_threads'
+ * settings.
  */
 #ifndef GEOCOMM_H
 #define GEOCOMM_H
@@ -50,6 +51,12 @@
 #define GC_NVFP4_BLOCK 16
 #define GC_NVFP4_SUPERBLOCK 4096
 #define GC_MX_BLOCK 32
+/* gc_codec_simd levels, and the most threads per call */
+#define GC_SIMD_PORTABLE 0
+#define GC_SIMD_AVX512 1
+#define GC_SIMD_AUTO -1
+#define GC_SIMD_CURRENT -2
+#define GC_MAX_THREADS 64
 #define GC_EINVAL -22
 #define GC_ENOMEM -12
 
@@ -77,6 +84,20 @@ int gc_encode_ex(int fmt, const float *x, size_t n, size_t block, uint8_t *wire,
  * are added to out (fp32, element by element) instead of stored. */
 int gc_decode(int fmt, const uint8_t *wire, size_t n, size_t block, float *out,
               int accumulate);
+
+/* The codec's vector loops: GC_SIMD_PORTABLE (0) the portable C loops,
+ * GC_SIMD_AVX512 (1) AVX-512 loops where the CPU has AVX-512 F/BW/DQ/VL
+ * (x86-64 gcc builds; elsewhere, or on a CPU without it, 0), GC_SIMD_AUTO
+ * the widest the CPU has (the default), GC_SIMD_CURRENT only asks. Every
+ * path writes the same bytes and values. Returns the path now in use; it
+ * holds for the whole process. */
+int gc_codec_simd(int level);
+
+/* Threads an encode or decode call may use (count > 0 sets it, at most
+ * GC_MAX_THREADS; 0 only asks; 1 at start). A call of n values uses
+ * min(count, n / 2^19) threads, each on whole blocks (whole superblocks,
+ * groups), so the bytes do not depend on the count. Returns the count. */
+int gc_codec_threads(int count);
 
 /*
  * GeoFP8 geometry kernels. Matrices are row-major float32; a "range" is the
