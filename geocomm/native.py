@@ -16,6 +16,8 @@ Functions take a format as its id or its name.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -259,3 +261,65 @@ def geo_orthonormalize(rows: np.ndarray, seed: int) -> None:
                                     k, n, seed & (2**64 - 1))
     if rc:
         raise ValueError(f"gc_geo_orthonormalize refused a {k} x {n} matrix ({rc})")
+
+
+# ---------------------------------------------------------------------------
+# Threads and vector loops of the codec (native/geocomm.h: gc_codec_threads,
+# gc_codec_simd). Neither changes a byte: threads split a call on whole blocks.
+
+#: environment variables read at import for the codec's thread count, first set wins
+THREAD_VARIABLES = ("GEOCOMM_CODEC_THREADS", "OMP_NUM_THREADS")
+#: gc_codec_simd levels by name
+SIMD_LEVELS = {"portable": 0, "avx512": 1}
+
+
+def threads_from_env(environ: Mapping[str, str] | None = None) -> int:
+    """The codec's thread count the environment asks for.
+
+    ``GEOCOMM_CODEC_THREADS`` if set (a positive integer, else ValueError),
+    else the first entry of ``OMP_NUM_THREADS`` (what the launcher gives each
+    rank; ignored unless a positive integer), else 1.
+    """
+    env = os.environ if environ is None else environ
+    value = env.get(THREAD_VARIABLES[0], "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{THREAD_VARIABLES[0]} must be a positive integer, got {value!r}")
+        return int(value)
+    first = env.get(THREAD_VARIABLES[1], "").split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else 1
+
+
+def set_threads(count: int) -> int:
+    """Let each encode/decode call use up to ``count`` threads (large calls only); returns it."""
+    require()
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
+        raise ValueError(f"thread count must be a positive integer, got {count!r}")
+    return int(_lib.gc_codec_threads(int(count)))
+
+
+def threads() -> int:
+    """The thread count encode/decode calls may use now."""
+    require()
+    return int(_lib.gc_codec_threads(0))
+
+
+def set_simd(level: str) -> str:
+    """Use the ``"portable"`` C loops, the ``"avx512"`` ones (where the CPU has them) or the
+    widest available (``"auto"``); returns the level now in use."""
+    require()
+    if level != "auto" and level not in SIMD_LEVELS:
+        raise ValueError(f"simd level must be 'auto' or one of {sorted(SIMD_LEVELS)}")
+    got = _lib.gc_codec_simd(_lib.GC_SIMD_AUTO if level == "auto" else SIMD_LEVELS[level])
+    return next(name for name, code in SIMD_LEVELS.items() if code == got)
+
+
+def simd() -> str:
+    """The vector loops in use: ``"portable"`` or ``"avx512"``."""
+    require()
+    got = _lib.gc_codec_simd(_lib.GC_SIMD_CURRENT)
+    return next(name for name, code in SIMD_LEVELS.items() if code == got)
+
+
+if _lib is not None:
+    _lib.gc_codec_threads(threads_from_env())
