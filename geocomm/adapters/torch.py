@@ -298,3 +298,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(torch_fsdp, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# registers the torch.distributed backend "geocomm" (init_process_group("geocomm"))
+from geocomm.adapters import torch_backend as _backend  # noqa: E402,F401

@@ -213,6 +213,20 @@ def _may_overlap(a: Any, b: Any) -> bool:
     return bool(_array_module(a).may_share_memory(a, b))
 
 
+def _detached(dist: Any, group: Any) -> bool:
+    """Whether ``group`` is a ``ProcessGroup`` that torch.distributed's registry does not
+    know: one built from a store with a backend registered on it by hand, as
+    :mod:`geocomm.adapters.torch_backend` builds for its own traffic (the collectives
+    accept such a group; ``get_rank`` and ``get_backend`` do not)."""
+    if group is None or not isinstance(group, dist.ProcessGroup):
+        return False
+    try:
+        dist.get_backend(group)
+    except (ValueError, RuntimeError):
+        return True
+    return False
+
+
 class TorchDistCommunicator:
     """:class:`geocomm.comm.Communicator` over a torch.distributed group.
 
@@ -220,6 +234,9 @@ class TorchDistCommunicator:
     (``backend`` "nccl"; see the module docstring): None (default) means
     exactly when the group's backend is NCCL; True for any group that can move
     the device arrays' memory; False needs a group that moves host memory.
+    ``group`` may also be a ``ProcessGroup`` outside torch.distributed's registry
+    (made from a store, its backend registered by hand); rank, size and backend
+    then come from the group object, and no default group is needed.
     """
 
     backend = "torch"
@@ -228,7 +245,8 @@ class TorchDistCommunicator:
         import torch
         import torch.distributed as dist
 
-        if not dist.is_initialized():
+        detached = _detached(dist, group)
+        if not detached and not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised (init_process_group first, "
                 "or geocomm.adapters.torch.init_distributed_from_mpi())"
@@ -236,9 +254,13 @@ class TorchDistCommunicator:
         self._torch, self._dist, self.group = torch, dist, group
         # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self.rank: int = dist.get_rank(group)
-        self.size: int = dist.get_world_size(group)
-        nccl = dist.get_backend(group) == "nccl"
+        if detached:  # rank, size and backend from the group itself
+            self.rank, self.size = int(group.rank()), int(group.size())
+            nccl = group.name() == "nccl"
+        else:
+            self.rank = dist.get_rank(group)
+            self.size = dist.get_world_size(group)
+            nccl = dist.get_backend(group) == "nccl"
         if device_arrays is None:
             device_arrays = nccl
         elif not device_arrays and nccl:
