@@ -180,6 +180,18 @@ def saved_call_counts() -> Iterator[None]:
         _calls.update(saved)
 
 
+def call_counts(config: dict[str, Any]) -> dict[str, int]:
+    """The call counts of every key called with a codec of ``config`` (for checkpoints:
+    a resumed job restores them with :func:`restore_call_counts` and draws the
+    stochastic-rounding streams an uninterrupted job would)."""
+    return {name: n for name, n in _calls.items() if json.loads(name)[0] == config}
+
+
+def restore_call_counts(counts: dict[str, int]) -> None:
+    """Set the call counts :func:`call_counts` returned (other keys keep theirs)."""
+    _calls.update({str(name): int(n) for name, n in counts.items()})
+
+
 def stateful_parts(
     codec: Codec, kind: str, parts: list[Part], count: int, xp: Any
 ) -> tuple[TransformingCodec | None, Any]:

@@ -17,7 +17,7 @@ import fnmatch
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,9 +143,18 @@ class ColumnGroup:
 
 class BufferLayout:
     """A buffer of ``rows`` rows of the tensors ``entries`` (in row order), split
-    into the ``compressed`` and ``plain`` groups (either may be None)."""
+    into the ``compressed`` and ``plain`` groups (either may be None). ``order``:
+    a sort key that lays out each group's tensors in the collective in an order of
+    their own instead of row order (so two buffers holding the same tensors in
+    different orders give the same bits, see GeocommHookState.layout)."""
 
-    def __init__(self, entries: Sequence[Entry], selection: Selection, rows: int = 1):
+    def __init__(
+        self,
+        entries: Sequence[Entry],
+        selection: Selection,
+        rows: int = 1,
+        order: Callable[[Entry], Any] | None = None,
+    ):
         self.entries, self.rows = tuple(entries), rows
         self.width = sum(e.numel for e in self.entries)
         offset = 0
@@ -156,6 +165,8 @@ class BufferLayout:
         chosen = [selection.compressed(e.name, e.numel) for e in self.entries]
         comp = [e for e, c in zip(self.entries, chosen, strict=True) if c]
         plain = [e for e, c in zip(self.entries, chosen, strict=True) if not c]
+        if order is not None:
+            comp, plain = sorted(comp, key=order), sorted(plain, key=order)
         self.compressed = ColumnGroup(comp, rows, self.width) if comp else None
         self.plain = ColumnGroup(plain, rows, self.width) if plain else None
 
@@ -209,8 +220,11 @@ class GradReducer:
     the plain group in one exact collective; metadata compared per
     :func:`check_policy`; a :class:`BucketStats` per reduction into
     ``telemetry``. ``stage_size``: pipeline stage size (None: the collectives'
-    choice for the backend, docs/design.md, "Training integration"). Not
-    thread-safe: one thread drives it (collective order must be the same on
+    choice for the backend, docs/design.md, "Training integration"). ``comm``:
+    a communicator; or ``connect``: a function of no arguments that makes one,
+    called at the first use of :attr:`comm` (so a reducer can exist before the
+    process group does).
+    Not thread-safe: one thread drives it (collective order must be the same on
     every rank).
     """
 
@@ -223,14 +237,36 @@ class GradReducer:
         error_sample: int = 4096,
         stage_size: int | None = None,
         telemetry: Telemetry | None = None,
+        *,
+        connect: Callable[[], Any] | None = None,
     ):
         self.codec = resolve_codec(codec)
-        self.comm = comm if isinstance(comm, MeteredComm) else MeteredComm(comm)
+        if (comm is None) == (connect is None):
+            raise TypeError("GradReducer takes a comm or a connect function, one of them")
+        self._connect = connect
+        self._comm = (
+            None if comm is None else comm if isinstance(comm, MeteredComm) else MeteredComm(comm)
+        )
         self.policy = check_policy(check)
         self.error_sample = error_sample
         self.stage_size = stage_size
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self._checked: set[Any] = set()
+
+    @property
+    def comm(self) -> MeteredComm:
+        """The (metered) communicator, made now if it was given as a function."""
+        if self._comm is None:
+            assert self._connect is not None
+            base = self._connect()
+            self._comm = base if isinstance(base, MeteredComm) else MeteredComm(base)
+            self._connect = None
+        return self._comm
+
+    @property
+    def connected(self) -> bool:
+        """Whether the communicator exists yet."""
+        return self._comm is not None
 
     def _check(
         self, kind: str, layout: BufferLayout, dtype: torch.dtype, op: str, what: str

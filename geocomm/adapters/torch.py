@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from geocomm.adapters import checkpoint
 from geocomm.adapters._torch_grads import (
     BufferLayout,
     Entry,
@@ -139,14 +140,21 @@ def _module_device(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _group_size(group: Any) -> int | None:
+    """The size of ``group`` (None: the world), or None before torch.distributed is set up."""
+    return dist.get_world_size(group) if dist.is_initialized() else None
+
+
 class GeocommHookState:
     """The state of :func:`geocomm_hook`: codec, communicator, parameter policy, telemetry.
 
     ``module``: the module DDP wraps (its parameter names are the GeoFP8 keys
     and what ``exclude`` matches). ``codec``: id, config or Codec. ``group``:
     the ranks that take part (default: the world); geocomm talks over a new
-    process group over them (gloo, or NCCL for CUDA parameters), made here,
-    so every rank must construct the state at the same point. ``comm``: a
+    process group over them (gloo, or NCCL for CUDA gradients), made at the
+    first bucket, on the thread that calls the hook, so the state may be built
+    before the default process group exists and before DDP wraps the module
+    (as Lightning's ``DDPStrategy(ddp_comm_state=...)`` does). ``comm``: a
     geocomm communicator to use instead. ``exclude``, ``min_numel``: see
     :class:`Selection` (excluded parameters of a bucket share one exact
     collective). ``check``: metadata comparison across ranks (None: on the
@@ -180,17 +188,40 @@ class GeocommHookState:
     ):
         codec = resolve_codec(codec)  # a bad codec fails here, before any collective
         self.module = module
-        self.names = {id(p): name for name, p in module.named_parameters()}
+        self.group = group
         self.selection = Selection.of(exclude, min_numel)
-        self.device = _module_device(module)
-        if comm is None:
-            comm = dedicated_comm(group, self.device.type)
+        self.device: torch.device | None = None  # the gradients', at the first bucket
         self.reducer = GradReducer(
-            codec, comm, check, error_sample, stage_size, Telemetry(history, log_every)
-        )
+            codec, comm, check, error_sample, stage_size, Telemetry(history, log_every),
+            connect=None if comm is not None else self._connect,
+        )  # fmt: skip
+        self._names: dict[int, str] | None = None
+        self._rank_of: dict[str, int] = {}  # a parameter's place in the module
         self._layouts: dict[Any, BufferLayout] = {}
         self._worker = _Worker("geocomm-ddp")
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._stream: Any = None
+        self._expected_size: int | None = None
+
+    def _connect(self) -> Any:
+        """The communicator over a process group of its own, made at the first bucket."""
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "GeocommHookState makes its process group at the first bucket, and the "
+                "default process group is not initialized yet (dist.init_process_group)"
+            )
+        device = self.device if self.device is not None else _module_device(self.module)
+        comm = dedicated_comm(self.group, device.type)
+        checkpoint.check_world_size(self._expected_size, comm.size, "GeocommHookState")
+        return comm
+
+    def _start(self, device: torch.device) -> None:
+        """Set up on the first bucket: device, stream and communicator, on the thread
+        that calls the hook, at the same point on every rank (the first bucket)."""
+        if self.device is None:
+            self.device = device
+            if device.type == "cuda":
+                self._stream = torch.cuda.Stream(device)
+        self.reducer.comm  # noqa: B018  (made now, in bucket order, not on the worker)
 
     @property
     def codec(self) -> Any:
@@ -210,8 +241,21 @@ class GeocommHookState:
         """Bytes, compression ratio and error estimate of the last finished step."""
         return self.telemetry.last_step
 
+    @property
+    def names(self) -> dict[int, str]:
+        """Parameter name by ``id``, read at the first bucket (after DDP and any move)."""
+        if self._names is None:
+            named = list(self.module.named_parameters())
+            self._names = {id(p): name for name, p in named}
+            self._rank_of = {name: i for i, (name, _) in enumerate(named)}
+        return self._names
+
     def layout(self, params: Sequence[torch.Tensor], index: int = 0) -> BufferLayout:
-        """The layout of a bucket of ``params`` (in bucket order), cached."""
+        """The layout of a bucket of ``params`` (in bucket order), cached. Its tensors
+        travel in reverse module order, whatever the bucket's order: DDP rebuilds its
+        buckets after the first step (in the order gradients become ready, which is
+        usually that one), so the first step of a resumed job sends its values in the
+        same order, and with the same bits, as the same step of a straight run."""
         cache_key = (index, tuple(id(p) for p in params))
         layout = self._layouts.get(cache_key)
         if layout is None:
@@ -226,7 +270,9 @@ class GeocommHookState:
                     )
                 entries.append(Entry(offset, tuple(p.shape), name, name))
                 offset += p.numel()
-            layout = self._layouts[cache_key] = BufferLayout(entries, self.selection)
+            layout = self._layouts[cache_key] = BufferLayout(
+                entries, self.selection, order=lambda e: -self._rank_of[e.name]
+            )
         return layout
 
     def reduce_bucket(
@@ -235,6 +281,7 @@ class GeocommHookState:
         """Average the flat ``buffer`` of ``params``' gradients over the ranks, in
         place, now (what the worker runs for each bucket; also usable to time
         the communication alone). Returns the bucket's statistics."""
+        self._start(buffer.device)
         layout = self.layout(params, index)
         return self.reducer.allreduce(
             layout, buffer, index, "avg", what=f"DDP bucket {index} ({len(params)} parameters)"
@@ -256,6 +303,7 @@ class GeocommHookState:
         self, buffer: torch.Tensor, params: Sequence[torch.Tensor], index: int, last: bool
     ) -> torch.futures.Future:
         """Queue the bucket; the future's value is ``buffer`` once it holds the average."""
+        self._start(buffer.device)
         if buffer.is_cuda:
             ready = torch.cuda.current_stream(buffer.device).record_event()
             future: torch.futures.Future = torch.futures.Future(devices=[buffer.device])
@@ -272,6 +320,26 @@ class GeocommHookState:
 
         self._worker.submit(job, future)
         return future
+
+    def state_dict(self) -> dict[str, Any]:
+        """The codec's state for a checkpoint (torch tensors and plain values: save it
+        with ``torch.save`` beside the model's and the optimizer's): GeoFP8 bases and
+        call counts, error-feedback residuals, stochastic rounding's call counts, and
+        the world size and parameters it belongs to. Call between steps."""
+        size = self.reducer.comm.size if self.reducer.connected else _group_size(self.group)
+        return checkpoint.codec_state(self.codec, size, checkpoint.parameter_layout(self.module))
+
+    def load_state_dict(self, data: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output before the first step of a resumed job;
+        ValueError if it was saved for another codec, parameter layout or world size."""
+        saved_size = checkpoint.load_codec_state(
+            self.codec, data, checkpoint.parameter_layout(self.module), "GeocommHookState",
+            checkpoint.namespace(_module_device(self.module)),
+        )  # fmt: skip
+        size = self.reducer.comm.size if self.reducer.connected else _group_size(self.group)
+        if size is not None:
+            checkpoint.check_world_size(saved_size, size, "GeocommHookState")
+        self._expected_size = saved_size
 
     def close(self) -> None:
         """Let queued buckets finish and stop the worker thread (a later bucket restarts it)."""

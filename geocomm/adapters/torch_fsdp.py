@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,7 +50,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from geocomm.adapters import _torch_grads as grads
+from geocomm.adapters import checkpoint
 from geocomm.adapters.telemetry import StepStats, Telemetry
+from geocomm.codecs import Codec
 from geocomm.collectives import resolve_codec
 from geocomm.deprecation import renamed_keywords
 
@@ -87,14 +90,52 @@ class _Completed:
 class FSDPCompression:
     """What :func:`compress_fsdp` installed: the reducers, their (metered)
     communicators and the shared :class:`Telemetry`. A step closes once every
-    installed reduce-scatter and all-reduce hook has run."""
+    installed reduce-scatter and all-reduce hook has run. ``installed``: whether
+    the hooks are in place (at :func:`compress_fsdp`, or at the first forward when
+    it was called before ``fully_shard``)."""
 
-    def __init__(self, telemetry: Telemetry):
+    def __init__(self, telemetry: Telemetry, model: nn.Module, codec: Codec):
         self.telemetry = telemetry
+        self.model, self.codec = model, codec
         self.reduce_scatters: list[GeocommReduceScatter] = []
         self.all_reduce_hooks: list[GeocommAllReduceHook] = []
+        self.installed = False
         self._expected = 0
         self._done = 0
+        self._expected_size: int | None = None
+
+    def world_size(self) -> int | None:
+        """Ranks over which the gradients are reduced (shard ranks x replicas), or None
+        before the hooks are installed."""
+        if not self.reduce_scatters and not self.all_reduce_hooks:
+            return None
+        size = self.reduce_scatters[0].reducer.comm.size if self.reduce_scatters else 1
+        if self.all_reduce_hooks:
+            size *= self.all_reduce_hooks[0].reducer.comm.size
+        return size
+
+    def state_dict(self) -> dict[str, Any]:
+        """The codec's state for a checkpoint, as
+        :meth:`~geocomm.adapters.torch.GeocommHookState.state_dict` (GeoFP8 bases and
+        call counts, error-feedback residuals, rounding call counts, world size and
+        parameters). Call between steps on every rank: each saves its own."""
+        layout = checkpoint.parameter_layout(self.model)
+        return checkpoint.codec_state(self.codec, self.world_size(), layout)
+
+    def load_state_dict(self, data: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output before the first step of a resumed job;
+        ValueError for another codec, parameter layout or world size."""
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        xp = checkpoint.namespace(device)
+        self._expected_size = checkpoint.load_codec_state(
+            self.codec, data, checkpoint.parameter_layout(self.model), "compress_fsdp", xp
+        )
+        self._check_size()
+
+    def _check_size(self) -> None:
+        size = self.world_size()
+        if size is not None:
+            checkpoint.check_world_size(self._expected_size, size, "compress_fsdp")
 
     @property
     def last_step(self) -> StepStats | None:
@@ -245,7 +286,9 @@ def compress_fsdp(
 ) -> FSDPCompression:
     """Make every FSDP2 module of ``model`` reduce its gradients through geocomm.
 
-    Call after ``fully_shard`` on every rank, at the same point. ``codec``:
+    Call on every rank, at the same point: after ``fully_shard`` (the hooks go in
+    now), or before it (even before the default process group exists): then
+    they go in at the model's first forward, on every rank alike. ``codec``:
     id, config or Codec. ``comm``: communicator over the shard ranks (default:
     a new process group over FSDP's mesh group); ``replicate_group`` (or
     ``replicate_comm``): the ranks holding the same shard, for a compressed
@@ -257,10 +300,46 @@ def compress_fsdp(
     :class:`FSDPCompression` with the telemetry.
     """
     codec = resolve_codec(codec)  # a bad codec fails here, before any collective
-    names = {id(p): n for n, p in model.named_parameters()}
+    owner = FSDPCompression(Telemetry(history, log_every), model, codec)
     selection = grads.Selection.of(exclude, min_numel)
-    telemetry = Telemetry(history, log_every)
-    owner = FSDPCompression(telemetry)
+    settings = _Settings(
+        replicate_group, comm, replicate_comm, selection, check, error_sample, stage_size
+    )
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        _install(owner, settings)
+        return owner
+
+    def install_at_first_forward(module: nn.Module, args: Any) -> None:
+        handle.remove()
+        if not any(isinstance(m, FSDPModule) for m in model.modules()):
+            raise ValueError(
+                "compress_fsdp: the model has no fully_shard module at its first forward"
+            )
+        _install(owner, settings)
+
+    handle = model.register_forward_pre_hook(install_at_first_forward, prepend=True)
+    return owner
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """compress_fsdp's arguments that :func:`_install` uses."""
+
+    replicate_group: Any
+    comm: Any
+    replicate_comm: Any
+    selection: grads.Selection
+    check: bool | None
+    error_sample: int
+    stage_size: int | None
+
+
+def _install(owner: FSDPCompression, settings: _Settings) -> None:
+    """Set geocomm's reduce-scatter (and replica all-reduce hook) on every FSDP module
+    of ``owner.model``, making the communicators over FSDP's mesh group now."""
+    model, codec, selection = owner.model, owner.codec, settings.selection
+    options = (settings.check, settings.error_sample, settings.stage_size, owner.telemetry)
+    names = {id(p): n for n, p in model.named_parameters()}
     shard_reducer = replica_reducer = None
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for index, module in enumerate(modules):
@@ -272,22 +351,18 @@ def compress_fsdp(
         device = params[0].device
         if shard_reducer is None:
             base = (
-                comm
-                if comm is not None
+                settings.comm
+                if settings.comm is not None
                 else grads.dedicated_comm(mesh.get_group(mesh_dim), device.type)
             )
-            shard_reducer = grads.GradReducer(
-                codec, base, check, error_sample, stage_size, telemetry
-            )
-            if replicate_group is not None or replicate_comm is not None:
+            shard_reducer = grads.GradReducer(codec, base, *options)
+            if settings.replicate_group is not None or settings.replicate_comm is not None:
                 base = (
-                    replicate_comm
-                    if replicate_comm is not None
-                    else grads.dedicated_comm(replicate_group, device.type)
+                    settings.replicate_comm
+                    if settings.replicate_comm is not None
+                    else grads.dedicated_comm(settings.replicate_group, device.type)
                 )
-                replica_reducer = grads.GradReducer(
-                    shard_reducer.codec, base, check, error_sample, stage_size, telemetry
-                )
+                replica_reducer = grads.GradReducer(shard_reducer.codec, base, *options)
         if size != shard_reducer.comm.size:
             raise ValueError(
                 f"FSDP module {index} shards over {size} ranks, an earlier one over "
@@ -315,4 +390,5 @@ def compress_fsdp(
             module.set_all_reduce_hook(hook)
             owner.all_reduce_hooks.append(hook)
             owner._expect(1)
-    return owner
+    owner.installed = True
+    owner._check_size()
