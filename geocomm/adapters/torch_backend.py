@@ -25,18 +25,21 @@ backend of their own (another store prefix) through a
 interleave with the exact calls, whose order gloo pairs by.
 
 Keys (the codec state of GeoFP8 and error feedback, the rounding streams): a
-compressed call's key is ``(kind, numel, dtype, j)``, ``j`` counting the calls
-of that (kind, numel, dtype) since the current step began. A step begins when
-a call passes a tensor whose memory (data pointer, kind, numel, dtype) an
-earlier call of the current step passed already, or at :func:`step`. DDP's
-buckets are persistent tensors reduced in the same order every step, so each
-bucket keeps its key from the third step on (the first two: DDP rebuilds its
-buckets after the first). Ranks compare each call's count, dtype, op, codec
-and key before it moves (``check``, on by default), so keys that diverge (a
-program whose tensors' memory is reused differently on different ranks)
-raise :class:`~geocomm.collectives.CollectiveMismatchError` on every rank
-instead of mixing states. What the check cannot see: one rank compressing a
-call another sends exact (different ``min_numel``, dtype or op) waits on two
+compressed call's key is ``(kind, numel, dtype, j)``, decided from the
+sequence of compressed calls' (kind, numel, dtype) alone, which every rank
+shares. By default a step begins at any call whose (kind, numel, dtype) the
+current step has seen already, so ``j`` is 0 and each size keeps one key:
+DDP's buckets (fixed sizes, the same order every step) and FSDP2's
+reduce-scatters keep their keys from step to step, but tensors of one size
+share a key (and a GeoFP8 basis or error-feedback residual). Calling
+:func:`step` once per step (after ``optimizer.step()``) ends steps there only,
+and ``j`` then counts the calls of a size within the step: every call site
+keeps a key of its own. The counts never depend on memory addresses, so the
+keys agree across ranks whenever the calls do. Ranks compare each call's
+count, dtype, op, codec and key before it moves (``check``, on by default);
+calls that differ raise :class:`~geocomm.collectives.CollectiveMismatchError`
+on every rank. What the check cannot see: one rank compressing a call
+another sends exact (different ``min_numel``, dtype or op) waits on two
 different inner backends until the group's timeout.
 
 See docs/design.md, "The torch.distributed backend".
@@ -152,23 +155,22 @@ class BackendStats:
 
 
 class _Keys:
-    """The keys of one group's compressed calls (see the module docstring)."""
+    """The keys of one group's compressed calls (see the module docstring): decided from
+    the sequence of the calls' (kind, numel, dtype) alone, which every rank shares."""
 
     def __init__(self) -> None:
         self.counts: dict[tuple, int] = {}
-        self.seen: set[tuple] = set()
         self.steps = 0
+        self.manual = False  # step() was called: steps end there only
 
-    def new_step(self) -> None:
+    def new_step(self, manual: bool = False) -> None:
         self.counts.clear()
-        self.seen.clear()
         self.steps += 1
+        self.manual = self.manual or manual
 
-    def key(self, signature: tuple, data_ptr: int) -> tuple:
-        memory = (data_ptr, *signature)
-        if memory in self.seen:  # a tensor came back: a new step begins with this call
+    def key(self, signature: tuple) -> tuple:
+        if not self.manual and signature in self.counts:  # a repeat: a new step begins
             self.new_step()
-        self.seen.add(memory)
         j = self.counts.get(signature, 0)
         self.counts[signature] = j + 1
         return (*signature, j)
@@ -332,6 +334,12 @@ class GeocommProcessGroup(_ProcessGroup):
         self._devices["cpu"] = self._make_device("cpu")
         if torch.cuda.is_available() and dist.is_nccl_available():
             self._devices["cuda"] = self._make_device("cuda")
+        # the exact backends are this group's backends too: torch reads the group's name
+        # from them, and finds them for what it asks a backend (set_timeout, allocation)
+        kinds = {"cpu": self.GLOO, "cuda": self.NCCL}
+        for name, device in self._devices.items():
+            self._register_backend(torch.device(name), kinds[name], device.exact)
+        self._set_default_backend(kinds["cuda" if "cuda" in self._devices else "cpu"])
 
     def _make_device(self, device: str) -> _Device:
         cuda = device == "cuda"
@@ -389,7 +397,7 @@ class GeocommProcessGroup(_ProcessGroup):
     def _key(self, kind: str, tensor: torch.Tensor) -> tuple:
         signature = (kind, tensor.numel(), str(tensor.dtype).removeprefix("torch."))
         with self._lock:
-            key = self._keys.key(signature, tensor.data_ptr())
+            key = self._keys.key(signature)
             self._stats.steps = self._keys.steps
         return key
 
@@ -538,13 +546,12 @@ class GeocommProcessGroup(_ProcessGroup):
         work = getattr(inner, call)(*args, summed)
         size = self._size
 
-        def divide(f: torch.futures.Future) -> list:
-            f.value()
+        def divide() -> list:
             for t in results:
                 t.div_(size)
             return results
 
-        return _FutureWork(work.get_future().then(divide))
+        return _then(work, divide)
 
     # -- everything else: exact, through the wrapped backend --------------------
 
@@ -687,8 +694,9 @@ class GeocommProcessGroup(_ProcessGroup):
             d.comm.reset()
 
     def new_step(self) -> None:
+        """Begin a step of the keys now; from then on steps end only here."""
         with self._lock:
-            self._keys.new_step()
+            self._keys.new_step(manual=True)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's codec state (GeoFP8 bases and call counts, error-feedback
@@ -739,22 +747,44 @@ class GeocommProcessGroup(_ProcessGroup):
                 raise ValueError("the state holds codec state, this group's codec has none")
             self.codec.load_state_dict(state["codec_state"])
         with self._lock:
+            manual = self._keys.manual
             self._keys = _Keys()
-            self._keys.steps = int(state["steps"])
+            self._keys.steps, self._keys.manual = int(state["steps"]), manual
+
+
+def _future_of(work: Any) -> torch.futures.Future:
+    """``work``'s future; for a work without one (gloo's reduce-scatter), a completed
+    future after waiting for it here."""
+    try:
+        return work.get_future()
+    except RuntimeError:  # "Work::getFuture not implemented"
+        work.wait()
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+
+def _then(work: Any, finish: Callable[[], list]) -> _FutureWork:
+    """A work that completes with ``finish()`` once ``work`` did."""
+
+    def done(f: torch.futures.Future) -> list:
+        f.value()  # raises the work's exception
+        return finish()
+
+    return _FutureWork(_future_of(work).then(done))
 
 
 def _all_of(works: list, value: list) -> _FutureWork:
     """One work that completes when every one of ``works`` did, with ``value``."""
     if not works:
         return _done_work(value)
-    futures = [w.get_future() for w in works]
 
     def done(f: torch.futures.Future) -> list:
         for each in f.value():
             each.value()  # raises a failed one's exception
         return value
 
-    return _FutureWork(torch.futures.collect_all(futures).then(done))
+    return _FutureWork(torch.futures.collect_all([_future_of(w) for w in works]).then(done))
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,443 @@
+"""The torch.distributed backend "geocomm" (geocomm.adapters.torch_backend).
+
+MPI tests (any number of ranks >= 2) make geocomm groups with
+``new_group(backend="geocomm")`` beside the suite's gloo default group. The
+non-MPI tests start two ranks torchrun-style (this file run as a script) for
+what needs the default group to be geocomm's: ``init_process_group("geocomm")``,
+a Hugging Face GPT-2 under DDP, Lightning's ``process_group_backend``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import geocomm
+from geocomm.adapters import torch_backend as tb
+from geocomm.adapters.torch import init_distributed_from_mpi
+from geocomm.codecs.bounds import FP32_UNIT, allreduce_bound
+from geocomm.collectives import CollectiveMismatchError
+
+MIN_NUMEL = 1024  # the tests' models are small
+
+
+def _geocomm_group(**config):
+    """A new geocomm group over the world, configured for small tensors."""
+    init_distributed_from_mpi()
+    tb.configure(min_numel=MIN_NUMEL, **config)
+    try:
+        return dist.new_group(backend=tb.NAME)
+    finally:
+        tb.reset_configuration()
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(1)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 128), torch.nn.Tanh(), torch.nn.Linear(128, 64), torch.nn.Linear(64, 1)
+    )
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, 32, generator=g)
+    return x, x[:, :4].sum(1, keepdim=True)
+
+
+def _loss(model, rank: int, step: int) -> torch.Tensor:
+    x, y = _batch(rank, step)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _flat(net: torch.nn.Module, grads: bool = False) -> np.ndarray:
+    return (
+        torch.cat([(p.grad if grads else p).detach().reshape(-1) for p in net.parameters()])
+        .numpy()
+        .astype(np.float64)
+    )
+
+
+def _same_on_ranks(values: np.ndarray) -> bool:
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, hashlib.sha256(values.tobytes()).digest())
+    return all(d == digests[0] for d in digests)
+
+
+def _train_ddp(group, steps: int = 6) -> torch.nn.Module:
+    net = _mlp()
+    model = DDP(net, process_group=group, bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(steps):
+        loss = _loss(model, dist.get_rank(), step)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return net
+
+
+pytestmark_mpi = pytest.mark.mpi(min_size=2)
+
+
+@pytestmark_mpi
+def test_ddp_without_hook_is_compressed_within_bound(comm):
+    group = _geocomm_group()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    local = _mlp()
+    _loss(local, rank, 0).backward()
+    mine = torch.from_numpy(_flat(local, grads=True).astype(np.float32))
+    every = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(every, mine)
+    # DDP divides each bucket by the world size, then sums: the codec sees g_i / N
+    inputs = [g.numpy().astype(np.float64) / size for g in every]
+    net = _mlp()
+    model = DDP(net, process_group=group, bucket_cap_mb=0.01)
+    _loss(model, rank, 0).backward()
+    got, exact = _flat(net, grads=True), np.sum(inputs, axis=0)
+    bound = allreduce_bound(inputs, geocomm.get_codec("fp8")) + 2 * FP32_UNIT * np.abs(exact)
+    assert np.all(np.abs(got - exact) <= bound)
+    assert np.any(got != exact)  # compressed, not exact
+    assert _same_on_ranks(got)
+    stats = tb.stats(group)
+    assert stats.compressed >= 1 and stats.sent < stats.baseline  # first step: one bucket
+
+
+@pytestmark_mpi
+def test_ddp_trains_identically_on_ranks_close_to_gloo(comm):
+    net = _train_ddp(_geocomm_group())
+    assert _same_on_ranks(_flat(net))
+    reference = _train_ddp(None)  # the suite's gloo default group
+    drift = np.abs(_flat(net) - _flat(reference)).max()
+    assert 0 < drift < 0.05
+
+
+@pytestmark_mpi
+def test_exact_calls_beside_compressed_gradients(comm):
+    group = _geocomm_group()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    big = torch.full((4096,), float(rank + 1))
+    pending = dist.all_reduce(big, group=group, async_op=True)  # compressed, queued
+    loss = torch.tensor([0.1 * (rank + 1)])
+    by_gloo = loss.clone()
+    dist.all_reduce(loss, group=group)  # a small float: exact
+    dist.all_reduce(by_gloo)  # the suite's gloo default group
+    assert torch.equal(loss, by_gloo)
+    avg = torch.tensor([float(rank)] * 4)
+    dist.all_reduce(avg, op=dist.ReduceOp.AVG, group=group)  # gloo has no AVG: SUM / N
+    assert torch.equal(avg, torch.full((4,), (size - 1) / 2))
+    counters = torch.arange(5000, dtype=torch.int64) + rank  # large, but integer
+    dist.all_reduce(counters, group=group)
+    assert torch.equal(counters, size * torch.arange(5000) + sum(range(size)))
+    top = torch.full((5000,), float(rank))
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    assert torch.equal(top, torch.full((5000,), float(size - 1)))
+    root = torch.arange(3.0) + rank
+    dist.broadcast(root, 0, group=group)
+    assert torch.equal(root, torch.arange(3.0))
+    gathered = [torch.empty(2) for _ in range(size)]
+    dist.all_gather(gathered, torch.full((2,), float(rank)), group=group)
+    assert all(torch.equal(g, torch.full((2,), float(r))) for r, g in enumerate(gathered))
+    objects = [None] * size
+    dist.all_gather_object(objects, {"rank": rank}, group=group)
+    assert objects == [{"rank": r} for r in range(size)]
+    dist.barrier(group=group)
+    pending.wait()
+    assert pending.is_completed()
+    # fp8 carries small integers exactly
+    assert torch.equal(big, torch.full((4096,), float(size * (size + 1) // 2)))
+    stats = tb.stats(group)
+    assert stats.compressed == 1 and stats.exact >= 7
+    assert stats.exact_by_call["allreduce"] == 4
+
+
+@pytestmark_mpi
+def test_async_compressed_calls_complete_in_order(comm):
+    group = _geocomm_group()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    tensors = [torch.full((2048 * (i + 1),), float(rank + i)) for i in range(3)]
+    works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
+    for work in reversed(works):
+        assert work.wait()
+    for i, t in enumerate(tensors):
+        assert torch.equal(t, torch.full_like(t, float(sum(r + i for r in range(size)))))
+    assert tb.stats(group).compressed == 3
+
+
+@pytestmark_mpi
+@pytest.mark.parametrize("listed", [False, True])
+def test_reduce_scatter_is_compressed_within_bound(comm, listed):
+    group = _geocomm_group()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(size * 1500, generator=g)
+    every = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(every, x)
+    inputs = [e.numpy().astype(np.float64) for e in every]
+    out = torch.empty(1500)
+    if listed:
+        dist.reduce_scatter(out, list(x.chunk(size)), group=group)
+    else:
+        dist.reduce_scatter_tensor(out, x, group=group)
+    exact = np.sum(inputs, axis=0)
+    bound = allreduce_bound(inputs, geocomm.get_codec("fp8")) + FP32_UNIT * np.abs(exact)
+    mine = slice(rank * 1500, (rank + 1) * 1500)
+    assert np.all(np.abs(out.numpy() - exact[mine]) <= bound[mine])
+    assert np.any(out.numpy() != exact[mine])
+    assert tb.stats(group).compressed == 1
+
+
+@pytestmark_mpi
+def test_fsdp2_trains_on_the_backend(comm):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    group = _geocomm_group()
+    mesh = DeviceMesh.from_group(group, "cpu")
+    model = _mlp()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for step in range(8):
+        loss = _loss(model, dist.get_rank(), step % 2)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    full = np.concatenate(
+        [p.full_tensor().detach().numpy().reshape(-1) for p in model.parameters()]
+    )
+    assert _same_on_ranks(full)
+    assert tb.stats(group).compressed > 0  # the first layer's reduce-scatter (4224 values)
+
+
+@pytestmark_mpi
+def test_codec_from_the_environment_and_from_configure(comm, monkeypatch):
+    monkeypatch.setenv("GEOCOMM_CODEC", "nvfp4")
+    monkeypatch.setenv("GEOCOMM_MIN_NUMEL", "300")
+    init_distributed_from_mpi()
+    from_env = dist.new_group(backend=tb.NAME)
+    assert from_env.codec.get_config()["id"] == "nvfp4"
+    assert from_env.config.min_numel == 300
+    assert tb.configure(codec="bf16").codec == "bf16"  # configure() wins over the environment
+    try:
+        configured = dist.new_group(backend=tb.NAME)
+    finally:
+        tb.reset_configuration()
+    assert configured.codec.get_config()["id"] == "bf16"
+    tb.configure(configured, codec="mxfp8", min_numel=50_000)  # one group, now
+    assert configured.codec.get_config()["id"] == "mxfp8"
+    t = torch.ones(20_000)
+    dist.all_reduce(t, group=configured)  # below the new threshold: exact
+    assert tb.stats(configured).compressed == 0
+    with pytest.raises(ValueError, match="compress"):
+        tb.configure(compress=("all_gather",))
+
+
+@pytestmark_mpi
+def test_state_dict_round_trip_and_world_size_check(comm):
+    codec = {"id": "fp8", "error_feedback": True}
+    group = _geocomm_group(codec=codec)
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    steps = [torch.randn(3000, generator=g) for _ in range(4)]
+    for x in steps[:3]:
+        dist.all_reduce(x.clone(), group=group)
+        tb.step(group)
+    saved = tb.state_dict(group)
+    assert saved["world_size"] == dist.get_world_size() and saved["codec_state"]["residuals"]
+    straight = steps[3].clone()
+    dist.all_reduce(straight, group=group)
+    resumed_group = _geocomm_group(codec=codec)
+    tb.load_state_dict(saved, resumed_group)
+    resumed = steps[3].clone()
+    dist.all_reduce(resumed, group=resumed_group)
+    assert torch.equal(resumed, straight)  # the residuals carried over
+    fresh = steps[3].clone()
+    dist.all_reduce(fresh, group=_geocomm_group(codec=codec))
+    assert not torch.equal(fresh, straight)
+    with pytest.raises(ValueError, match="world size"):
+        tb.load_state_dict({**saved, "world_size": saved["world_size"] + 1}, resumed_group)
+    with pytest.raises(ValueError, match="codec"):
+        tb.load_state_dict(saved, _geocomm_group(codec="fp8"))
+
+
+@pytestmark_mpi
+def test_mismatch_raises_on_every_rank_and_the_group_goes_on(comm):
+    group = _geocomm_group()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    t = torch.ones(2000 + 100 * rank)  # every rank compresses, counts differ
+    with pytest.raises(CollectiveMismatchError, match="count"):
+        dist.all_reduce(t, group=group)
+    ok = torch.ones(2000)
+    dist.all_reduce(ok, group=group)
+    assert torch.equal(ok, torch.full((2000,), float(size)))
+
+
+def test_bad_configuration_is_refused():
+    with pytest.raises(ValueError, match="min_numel"):
+        tb.BackendConfig(min_numel=0)
+    with pytest.raises(ValueError, match="compress"):
+        tb.BackendConfig(compress="all_reduce")
+    with pytest.raises(KeyError, match="unknown codec"):
+        tb.configure(codec="no-such-codec")
+    assert tb.configure().codec == "fp8"  # nothing was kept
+    assert "geocomm" in dist.Backend.backend_list
+
+
+# ---------------------------------------------------------------------------
+# two torchrun-style ranks: the default group is geocomm's
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_ranks(scenario: str, timeout: float = 240) -> list[str]:
+    """Run this file's ``scenario`` on 2 ranks with torchrun's environment; their outputs."""
+    port = str(_free_port())
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "TORCHELASTIC_RUN_ID": "geocomm-test",
+            "OMP_NUM_THREADS": "1",
+            "GEOCOMM_MIN_NUMEL": str(MIN_NUMEL),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-P", __file__, scenario],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outputs.append(out)
+        assert p.returncode == 0, out[-4000:]
+    return outputs
+
+
+def _result(output: str) -> str:
+    return [line for line in output.splitlines() if line.startswith("RESULT ")][-1]
+
+
+def _digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().float().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _scenario_gpt2() -> None:
+    import transformers
+
+    import geocomm.adapters.torch  # noqa: F401  registers "geocomm"
+
+    dist.init_process_group("cpu:geocomm,cuda:geocomm")
+    assert isinstance(dist.group.WORLD, tb.GeocommProcessGroup)
+    rank = dist.get_rank()
+    config = transformers.GPT2Config(
+        vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=2, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    net = transformers.GPT2LMHeadModel(config)
+    model = DDP(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        ids = torch.randint(0, 256, (4, 32), generator=g)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        total = loss.detach().reshape(1)
+        dist.all_reduce(total)  # a scalar: exact
+        losses.append(total.item() / 2)
+    stats = tb.stats()
+    print(f"RESULT {_digest(net)} {stats.compressed} {stats.sent < stats.baseline} {losses}")
+    dist.destroy_process_group()
+
+
+def _scenario_lightning() -> None:
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
+
+    import geocomm.adapters.torch  # noqa: F401  registers "geocomm"
+
+    class Task(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _mlp()
+
+        def training_step(self, batch, index):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.TensorDataset(x, x[:, :4].sum(1, keepdim=True))
+    task = Task()
+    trainer = L.Trainer(
+        strategy=DDPStrategy(process_group_backend="geocomm", bucket_cap_mb=0.01),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(task, torch.utils.data.DataLoader(data, batch_size=8))
+    stats = tb.stats()
+    print(f"RESULT {_digest(task)} {stats.compressed} {dist.get_backend()}")
+
+
+def test_gpt2_from_config_trains_under_ddp_on_the_backend():
+    pytest.importorskip("transformers")
+    results = [_result(out).split(" ", 4) for out in _two_ranks("gpt2")]
+    assert results[0][1] == results[1][1]  # parameters bitwise identical
+    assert int(results[0][2]) > 0 and results[0][3] == "True"
+
+
+def test_lightning_process_group_backend_geocomm():
+    pytest.importorskip("lightning")
+    results = [_result(out).split() for out in _two_ranks("lightning")]
+    assert results[0][1] == results[1][1]
+    assert int(results[0][2]) > 0 and results[0][3] == "geocomm"
+
+
+if __name__ == "__main__":
+    {"gpt2": _scenario_gpt2, "lightning": _scenario_lightning}[sys.argv[1]]()
