@@ -370,7 +370,3 @@ def __getattr__(name: str) -> Any:
 
 # registers the torch.distributed backend "geocomm" (init_process_group("geocomm"))
 from geocomm.adapters import torch_backend as _backend  # noqa: E402,F401
-
-
-# registers the torch.distributed backend "geocomm" (init_process_group("geocomm"))
-from geocomm.adapters import torch_backend as _backend  # noqa: E402,F401
