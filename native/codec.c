@@ -703,29 +703,84 @@ GC_CLONES static void decode_bf16(int accumulate, const uint8_t *wire, size_t n,
 #define GC_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 #define GC_AVX512_FLAT __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"), flatten))
 
+/* Encoders read a group's values twice (amaxes, codes), the second time
+ * from L1; asking for the next group's lines meanwhile keeps the memory
+ * busy during the codes. Decode+accumulate asks for out this far ahead. */
+#ifndef GC_PREFETCH_GROUPS
+#define GC_PREFETCH_GROUPS 1
+#endif
+#ifndef GC_ACC_STREAM
+#define GC_ACC_STREAM 1
+#endif
+#ifndef GC_PREFETCH_ACC
+#define GC_PREFETCH_ACC 512
+#endif
 /* Outputs from this many bytes up are written around the cache. */
 #define GC_STREAM_BYTES ((size_t)8 << 20)
 
 GC_AVX512 static inline __m512i v_u32(gc_u32 c) { return _mm512_set1_epi32((int)c); }
 
-/* gc_round_minifloat of 16 values r (finite, >= 0, clamped). The normal
- * code's exponent rebasing is subtracted before the shift: the same number
- * for every r at or above the smallest normal, where it is used. */
+/* Ask for the cache lines of x[0 .. len) (len a multiple of 16). */
+GC_AVX512 static inline void v_prefetch(const float *x, size_t len)
+{
+    for (size_t i = 0; i < len; i += 16)
+        _mm_prefetch((const char *)(x + i), _MM_HINT_T0);
+}
+
+/* Lane j: the unsigned max of the 16 lanes of v[j]. A transpose by halves:
+ * each step maxes two vectors' halves into one (3 operations), 45 in all;
+ * lane 4 L + s then holds block L + 4 s, which one permute puts in order. */
+GC_AVX512 static inline __m512i v_hmax16(__m512i *v)
+{
+    for (int i = 0; i < 8; i++)
+        v[i] = _mm512_max_epu32(_mm512_shuffle_i64x2(v[2 * i], v[2 * i + 1], 0x44),
+                                _mm512_shuffle_i64x2(v[2 * i], v[2 * i + 1], 0xee));
+    for (int i = 0; i < 4; i++)
+        v[i] = _mm512_max_epu32(_mm512_shuffle_i64x2(v[2 * i], v[2 * i + 1], 0x88),
+                                _mm512_shuffle_i64x2(v[2 * i], v[2 * i + 1], 0xdd));
+    for (int i = 0; i < 2; i++)
+        v[i] = _mm512_max_epu32(_mm512_unpacklo_epi64(v[2 * i], v[2 * i + 1]),
+                                _mm512_unpackhi_epi64(v[2 * i], v[2 * i + 1]));
+    __m512 a = _mm512_castsi512_ps(v[0]), b = _mm512_castsi512_ps(v[1]);
+    __m512i m = _mm512_max_epu32(_mm512_castps_si512(_mm512_shuffle_ps(a, b, 0x88)),
+                                 _mm512_castps_si512(_mm512_shuffle_ps(a, b, 0xdd)));
+    return _mm512_permutexvar_epi32(
+        _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), m);
+}
+
+/* The max |x| bit patterns (raw_amax_bits: non-finite values included) of
+ * the 16 blocks of blen values (a multiple of 16) at x, lane j block j. */
+GC_AVX512 static inline __m512i v_blocks_amax(const float *x, size_t blen)
+{
+    __m512i part[16];
+    for (size_t j = 0; j < 16; j++) {
+        __m512i m = _mm512_setzero_si512();
+        for (size_t i = 0; i < blen; i += 16)
+            m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_loadu_si512((const void *)(x + j * blen + i)),
+                                                     v_u32(0x7fffffffu)));
+        part[j] = m;
+    }
+    return v_hmax16(part);
+}
+
+/* gc_round_minifloat of 16 values r (finite, >= 0, clamped), with the fp32
+ * adder: for r in [2^E, 2^(E + 1)), E at least the format's smallest normal
+ * exponent E0 (subnormals: E = E0), r + 2^(E + 23 - MBITS) rounds r to
+ * nearest even on the format's quantum 2^(E - MBITS) at that exponent, and
+ * the difference of the bit patterns counts quanta (2^MBITS .. 2^(MBITS + 1)
+ * for normals, below 2^MBITS for subnormals); the code adds the exponent
+ * part (E - E0) 2^MBITS. Both are exact, so this is gc_round_minifloat's
+ * round-to-nearest-even, subnormals included, with no select. */
 GC_AVX512 static inline __m512i v_round_minifloat(__m512 r, int mbits, int bias)
 {
-    __m512i bits = _mm512_castps_si512(r);
-    const int shift = 23 - mbits;
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, (unsigned)shift), v_u32(1));
-    __m512i t = _mm512_add_epi32(
-        _mm512_add_epi32(bits, v_u32((1u << (shift - 1)) - 1u - ((gc_u32)(127 - bias) << 23))),
-        odd);
-    __m512i normal = _mm512_srli_epi32(t, (unsigned)shift);
-    __m512 magic = _mm512_castsi512_ps(v_u32((gc_u32)(127 + 23 + 1 - bias - mbits) << 23));
-    __m512i subnormal = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(r, magic)),
-                                         _mm512_castps_si512(magic));
-    __m512 min_normal = _mm512_castsi512_ps(v_u32((gc_u32)(127 + 1 - bias) << 23));
-    __mmask16 low = _mm512_cmp_ps_mask(r, min_normal, _CMP_LT_OQ);
-    return _mm512_mask_blend_epi32(low, normal, subnormal);
+    const gc_u32 e0 = (gc_u32)(128 - bias) << 23, shift = (gc_u32)(23 - mbits);
+    __m512i e = _mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(r), v_u32(0x7f800000u)),
+                                 v_u32(e0));
+    __m512i magic = _mm512_add_epi32(e, v_u32(shift << 23));
+    /* (s - magic) + (e - e0) >> shift, with the constant e0 >> shift folded in */
+    __m512i base = _mm512_add_epi32(magic, v_u32(e0 >> shift));
+    __m512i s = _mm512_castps_si512(_mm512_add_ps(r, _mm512_castsi512_ps(magic)));
+    return _mm512_add_epi32(_mm512_sub_epi32(s, base), _mm512_srli_epi32(e, shift));
 }
 
 /* gc_min_abs: min(|q|, fmax), fmax for NaN q (minps returns its second
@@ -741,7 +796,8 @@ GC_AVX512 static inline __m512i v_signed(__m512i xb, unsigned shift, gc_u32 bit,
     return _mm512_ternarylogic_epi32(_mm512_srli_epi32(xb, shift), v_u32(bit), mag, 0xea);
 }
 
-/* gc_e4m3_code / gc_e5m2_code of 16 finite values x (q = scaled x). */
+/* gc_e4m3_code / gc_e5m2_code of 16 finite values x (q = scaled x, or its
+ * magnitude |x| * factor: the same |q|). */
 GC_AVX512 static inline __m512i v_fp8_code_finite(int e5m2, __m512 q, __m512 x)
 {
     __m512i mag = e5m2 ? v_round_minifloat(v_min_abs(q, GC_E5M2_MAX), 2, 15)
@@ -834,11 +890,12 @@ typedef struct {
     int stream;
 } gc_sink;
 
-GC_AVX512 static inline gc_sink sink_open(float *out, size_t n)
+GC_AVX512 static inline gc_sink sink_open(float *out, size_t n, int accumulate)
 {
     gc_sink s;
     s.out = out;
-    s.stream = n * sizeof(float) >= GC_STREAM_BYTES && ((uintptr_t)out & 3u) == 0;
+    s.stream = n * sizeof(float) >= GC_STREAM_BYTES && ((uintptr_t)out & 3u) == 0
+               && (GC_ACC_STREAM || !accumulate);
     s.k = (unsigned)(((uintptr_t)out & 63u) / 4u);
     s.line = out - s.k;
     s.prev = _mm512_setzero_ps();
@@ -878,57 +935,66 @@ GC_AVX512 static inline void sink_close(gc_sink *s, size_t m)
 /* Vector m's values, stored or added to out (read before the sink writes). */
 GC_AVX512 static inline void sink_value(gc_sink *s, size_t m, int accumulate, __m512 v)
 {
-    if (accumulate)
+    if (accumulate) {
+        _mm_prefetch((const char *)(s->out + 16 * m + GC_PREFETCH_ACC), _MM_HINT_T0);
         v = _mm512_add_ps(_mm512_loadu_ps(s->out + 16 * m), v);
+    }
     sink_put(s, m, v);
 }
 
 /* ---- AVX-512 FP8 ---- */
 
-/* Block-128 encoder: per block, 8 vectors stay in registers for the amax
- * (the max of the |x| patterns; a block holding a non-finite value, with a
- * tiny amax, or the last partial one goes to encode_fp8_block) and the
- * codes. */
+/* Block-128 encoder, group by group as encode_fp8_128 (GC_FP8_GROUP = 16
+ * blocks, one vector of amaxes): scales and factors of the 16 blocks in
+ * vector divisions, then the codes of each block with its factor (all
+ * values finite: the codes need no non-finite case). A group holding a
+ * non-finite value or a block with a tiny amax (gc_quant_factor's pre), and
+ * the values after the last whole group, go through encode_fp8_128. */
 GC_AVX512 static inline void encode_fp8_128_v(int e5m2, const float *restrict x, size_t n,
                                               uint8_t *restrict scales, uint8_t *restrict codes)
 {
     const float fmax = e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
-    size_t nblocks = ceil_div(n, 128);
-    for (size_t k = 0; k < nblocks; k++) {
-        const float *xb = x + 128 * k;
-        size_t len = n - 128 * k < 128 ? n - 128 * k : 128;
-        if (len < 128) {
-            encode_fp8_block(e5m2, 0, xb, len, scales + 4 * k, codes + 128 * k, 0, 0);
+    const size_t glen = GC_FP8_GROUP * 128;
+    const __m512 vfmax = _mm512_set1_ps(fmax);
+    size_t full = n / glen;
+#if GC_FP8_GROUP != 16
+#error "the AVX-512 fp8 encoder takes the amaxes of 16 blocks at once"
+#endif
+    for (size_t g = 0; g < full; g++) {
+        const float *xg = x + g * glen;
+        uint8_t *sg = scales + 4 * GC_FP8_GROUP * g, *cg = codes + glen * g;
+        if (g + GC_PREFETCH_GROUPS < full)
+            v_prefetch(xg + GC_PREFETCH_GROUPS * glen, glen);
+        __m512i am = v_blocks_amax(xg, 128);
+        __m512 a = _mm512_castsi512_ps(am);
+        if (_mm512_cmpge_epu32_mask(am, v_u32(0x7f800000u))
+            || _mm512_cmp_ps_mask(a, _mm512_set1_ps(0x1p-100f), _CMP_LT_OQ)) {
+            encode_fp8_128(e5m2, 0, xg, glen, sg, cg, 0, 0);
             continue;
         }
-        __m512 v[8];
-        __m512i m = _mm512_setzero_si512();
-        for (int i = 0; i < 8; i++) {
-            v[i] = _mm512_loadu_ps(xb + 16 * i);
-            m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_castps_si512(v[i]),
-                                                     v_u32(0x7fffffffu)));
-        }
-        gc_u32 amax_bits = (gc_u32)_mm512_reduce_max_epu32(m);
-        float pre, factor = 0.0f, amax = gc_float(amax_bits);
-        if (amax_bits < 0x7f800000u)
-            factor = gc_quant_factor(amax, fmax, &pre);
-        if (amax_bits >= 0x7f800000u || pre != 1.0f) {
-            encode_fp8_block(e5m2, 0, xb, 128, scales + 4 * k, codes + 128 * k, 0, 0);
-            continue;
-        }
-        store_f32(scales + 4 * k, amax / fmax);
-        __m512 f = _mm512_set1_ps(factor);
-        for (int i = 0; i < 8; i += 4) {
-            __m128i c[4];
-            for (int j = 0; j < 4; j++)
-                c[j] = _mm512_cvtepi32_epi8(
-                    v_fp8_code_finite(e5m2, _mm512_mul_ps(v[i + j], f), v[i + j]));
-            __m512i all = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_set_m128i(c[1], c[0])), _mm256_set_m128i(c[3], c[2]),
-                1);
-            _mm512_storeu_si512((void *)(codes + 128 * k + 16 * i), all);
+        /* gc_quant_factor with pre 1 (amax * 1 is amax), and the scales */
+        float factor[16];
+        _mm512_storeu_ps(factor, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(a, _mm512_setzero_ps(),
+                                                                        _CMP_GT_OQ),
+                                                     vfmax, a));
+        _mm512_storeu_ps((float *)(void *)sg, _mm512_div_ps(a, vfmax));
+        for (size_t j = 0; j < 16; j++) {
+            __m512 f = _mm512_set1_ps(factor[j]);
+            const float *xb = xg + 128 * j;
+            __m128i c[8];
+            for (int i = 0; i < 8; i++) {
+                __m512 v = _mm512_loadu_ps(xb + 16 * i);
+                c[i] = _mm512_cvtepi32_epi8(v_fp8_code_finite(e5m2, _mm512_mul_ps(_mm512_abs_ps(v), f), v));
+            }
+            for (int i = 0; i < 8; i += 4)
+                _mm512_storeu_si512((void *)(cg + 128 * j + 16 * i),
+                                    _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(c[i + 1], c[i])),
+                                                       _mm256_set_m128i(c[i + 3], c[i + 2]), 1));
         }
     }
+    if (full * glen < n)
+        encode_fp8_128(e5m2, 0, x + full * glen, n - full * glen, scales + 4 * GC_FP8_GROUP * full,
+                       codes + glen * full, 0, 0);
 }
 
 /* fp8 decoder for blocks of a multiple of 16 values. */
@@ -936,7 +1002,7 @@ GC_AVX512 static inline void decode_fp8_v(int e5m2, int accumulate, const uint8_
                                           const uint8_t *restrict codes, size_t n, size_t block,
                                           float *restrict out)
 {
-    gc_sink s = sink_open(out, n);
+    gc_sink s = sink_open(out, n, accumulate);
     size_t nvec = n / 16, per = block / 16;
     for (size_t m0 = 0; m0 < nvec; m0 += per) {
         __m512 scale = _mm512_set1_ps(load_f32(scales + 4 * (m0 / per)));
@@ -954,29 +1020,51 @@ GC_AVX512 static inline void decode_fp8_v(int e5m2, int accumulate, const uint8_
 
 /* ---- AVX-512 E2M1 (NVFP4, MXFP4) ---- */
 
-/* One whole NVFP4 superblock: the stats and scales of encode_nvfp4_super,
- * then each 16-value block's codes from one vector, with its group's
- * choice of x * factor or (x * pre) * factor (encode_nvfp4_super's unit). */
+/* One whole NVFP4 superblock: the block amaxes 16 blocks at a time (a
+ * superblock holding a non-finite value goes to encode_nvfp4_super), the
+ * scales as encode_nvfp4_super computes them, then each 16-value block's
+ * codes from one vector, with its group's choice of x * factor or
+ * (x * pre) * factor (encode_nvfp4_super's unit). */
 GC_AVX512 static inline void encode_nvfp4_super_v(const float *restrict x, uint8_t *sscale,
                                                   uint8_t *restrict bscales,
                                                   uint8_t *restrict codes)
 {
     const float smax = GC_E2M1_MAX * GC_E4M3_MAX;
     gc_u32 bamax[GC_NVFP4_BLOCKS];
-    int finite[GC_NVFP4_BLOCKS];
     float pre[GC_NVFP4_BLOCKS], factor[GC_NVFP4_BLOCKS];
-    blocks_stats(x, GC_NVFP4_BLOCKS, GC_NVFP4_BLOCK, GC_NVFP4_BLOCK, bamax, finite);
-    gc_u32 m = 0;
-    for (size_t j = 0; j < GC_NVFP4_BLOCKS; j++)
-        m = m > bamax[j] ? m : bamax[j];
+    __m512i top = _mm512_setzero_si512();
+    for (size_t j = 0; j < GC_NVFP4_BLOCKS; j += 16) {
+        __m512i am = v_blocks_amax(x + GC_NVFP4_BLOCK * j, GC_NVFP4_BLOCK);
+        top = _mm512_max_epu32(top, am);
+        _mm512_storeu_si512((void *)(bamax + j), am);
+    }
+    gc_u32 m = (gc_u32)_mm512_reduce_max_epu32(top);
+    if (m >= 0x7f800000u) { /* a non-finite value: the portable loops */
+        encode_nvfp4_super(0, x, GC_NVFP4_SUPERBLOCK, sscale, bscales, codes, 0, 0);
+        return;
+    }
     float samax = gc_float(m), spre;
     float sfactor = gc_quant_factor(samax, smax, &spre);
     float scale = samax / smax;
     store_f32(sscale, scale);
-    for (size_t j = 0; j < GC_NVFP4_BLOCKS; j++) {
-        gc_u8 sc = gc_nvfp4_scale_code(gc_float(bamax[j]), spre, sfactor, finite[j], 0);
-        bscales[j] = sc;
-        factor[j] = gc_quant_factor(gc_e4m3_value(sc) * scale, 1.0f, &pre[j]);
+    /* gc_nvfp4_scale_code (finite blocks, nearest: the E4M3 code of a
+     * non-negative s) and gc_quant_factor of its value, 16 blocks at once */
+    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    for (size_t j = 0; j < GC_NVFP4_BLOCKS; j += 16) {
+        __m512 ba = _mm512_loadu_ps((const float *)(const void *)(bamax + j));
+        __m512 sv = _mm512_mul_ps(_mm512_mul_ps(_mm512_div_ps(ba, _mm512_set1_ps(GC_E2M1_MAX)),
+                                                _mm512_set1_ps(spre)),
+                                  _mm512_set1_ps(sfactor));
+        __m512i sc = v_round_minifloat(v_min_abs(sv, GC_E4M3_MAX), 3, 7);
+        _mm_storeu_si128((__m128i *)(void *)(bscales + j), _mm512_cvtepi32_epi8(sc));
+        __m512 val = _mm512_mul_ps(v_fp8_value(0, sc), _mm512_set1_ps(scale));
+        __m512 p = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(val, _mm512_set1_ps(0x1p-100f),
+                                                           _CMP_LT_OQ),
+                                        one, _mm512_set1_ps(0x1p64f));
+        _mm512_storeu_ps(pre + j, p);
+        _mm512_storeu_ps(factor + j,
+                         _mm512_mask_blend_ps(_mm512_cmp_ps_mask(val, zero, _CMP_GT_OQ), zero,
+                                              _mm512_div_ps(one, _mm512_mul_ps(val, p))));
     }
     for (size_t g = 0; g < GC_NVFP4_BLOCKS; g += GC_NVFP4_GROUP) {
         int unit = 1;
@@ -986,9 +1074,8 @@ GC_AVX512 static inline void encode_nvfp4_super_v(const float *restrict x, uint8
             __m512 v = _mm512_loadu_ps(x + GC_NVFP4_BLOCK * j);
             if (!unit)
                 v = _mm512_mul_ps(v, _mm512_set1_ps(pre[j]));
-            __m512i c = v_e2m1_code(_mm512_mul_ps(v, _mm512_set1_ps(factor[j])));
-            c = _mm512_maskz_mov_epi32(finite[j] ? 0xffffu : 0u, c);
-            v_store_nibbles(c, codes + GC_NVFP4_BLOCK / 2 * j);
+            v_store_nibbles(v_e2m1_code(_mm512_mul_ps(v, _mm512_set1_ps(factor[j]))),
+                            codes + GC_NVFP4_BLOCK / 2 * j);
         }
     }
 }
@@ -997,9 +1084,12 @@ GC_AVX512 static inline void encode_nvfp4_v(const float *x, size_t n, uint8_t *s
                                             uint8_t *bscales, uint8_t *codes)
 {
     size_t full = n / GC_NVFP4_SUPERBLOCK;
-    for (size_t k = 0; k < full; k++)
+    for (size_t k = 0; k < full; k++) {
+        if (k + 1 < full)
+            v_prefetch(x + (k + 1) * GC_NVFP4_SUPERBLOCK, GC_NVFP4_SUPERBLOCK);
         encode_nvfp4_super_v(x + k * GC_NVFP4_SUPERBLOCK, sscales + 4 * k,
                              bscales + k * GC_NVFP4_BLOCKS, codes + k * GC_NVFP4_SUPERBLOCK / 2);
+    }
     size_t start = full * GC_NVFP4_SUPERBLOCK, rest = n % GC_NVFP4_SUPERBLOCK;
     if (rest)
         encode_nvfp4_super(0, x + start, rest, sscales + 4 * full,
@@ -1011,7 +1101,7 @@ GC_AVX512 static inline void decode_nvfp4_v(int accumulate, const uint8_t *sscal
                                             size_t n, float *restrict out)
 {
     __m512 table = _mm512_loadu_ps(gc_e2m1_table);
-    gc_sink s = sink_open(out, n);
+    gc_sink s = sink_open(out, n, accumulate);
     size_t nvec = n / 16;
     for (size_t m0 = 0; m0 < nvec; m0 += GC_NVFP4_BLOCKS) {
         float scale = load_f32(sscales + 4 * (m0 / GC_NVFP4_BLOCKS));
@@ -1044,6 +1134,8 @@ GC_AVX512 static inline void encode_mx_v(int fmt, int rceil, const float *restri
     size_t full = n / glen;
     for (size_t g = 0; g < full; g++) {
         const float *xg = x + g * glen;
+        if (g + GC_PREFETCH_GROUPS < full)
+            v_prefetch(xg + GC_PREFETCH_GROUPS * glen, glen);
         gc_u32 amax[GC_MX_GROUP];
         int finite[GC_MX_GROUP];
         float factor[GC_MX_GROUP];
@@ -1092,7 +1184,7 @@ GC_AVX512 static inline void decode_mx_v(int fmt, int accumulate, const uint8_t 
 {
     const int e5m2 = fmt == GC_MXFP8_E5M2;
     __m512 table = _mm512_loadu_ps(gc_e2m1_table);
-    gc_sink s = sink_open(out, n);
+    gc_sink s = sink_open(out, n, accumulate);
     size_t nvec = n / 16;
     for (size_t m = 0; m < nvec; m++) {
         __m512 scale = _mm512_set1_ps(gc_e8m0_value(scales[m / 2]));
@@ -1133,7 +1225,7 @@ GC_AVX512 static inline void encode_bf16_v(const float *restrict x, size_t n, ui
 GC_AVX512 static inline void decode_bf16_v(int accumulate, const uint8_t *restrict wire, size_t n,
                                            float *restrict out)
 {
-    gc_sink s = sink_open(out, n);
+    gc_sink s = sink_open(out, n, accumulate);
     size_t nvec = n / 16;
     for (size_t m = 0; m < nvec; m++) {
         __m256i c = _mm256_loadu_si256((const __m256i *)(const void *)(wire + 32 * m));

@@ -7,7 +7,8 @@
  * non-finite rules; gc_encode_ex's flags and its stochastic rounding staying
  * between the two neighbours; accumulate; and encoding random values and
  * decoding random bytes in every format (run under -Db_sanitize=address,
- * undefined, that catches any out-of-bounds access). Prints
+ * undefined, that catches any out-of-bounds access); the AVX-512 loops and
+ * threads against the portable loops on one thread. Prints
  * "N passed, M failed" and exits non-zero on failure.
  */
 #include <math.h>
@@ -254,6 +255,102 @@ static void test_random_wires(void)
     }
 }
 
+/* One input of n values for test_paths: normal values, with runs of zeros,
+ * tiny values, fp32 subnormals, huge values and any bit patterns. */
+static void path_input(float *x, size_t n, int kind)
+{
+    for (size_t i = 0; i < n; i++) {
+        float v = (float)(rand() % 20001 - 10000) * 1e-4f;
+        int run = (int)((i / 700) % 6);
+        if (kind && run == 1)
+            v = 0.0f;
+        else if (kind && run == 2)
+            v *= 1e-37f;
+        else if (kind && run == 3)
+            v *= 1e-42f;
+        else if (kind && run == 4)
+            v *= 1e35f;
+        else if (kind && run == 5 && rand() % 40 == 0) {
+            uint32_t u = (uint32_t)rand() << 16 ^ (uint32_t)rand();
+            memcpy(&v, &u, sizeof v);
+        }
+        x[i] = v;
+    }
+}
+
+static int same_bits(const float *a, const float *b, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (memcmp(a + i, b + i, sizeof *a) && !(isnan(a[i]) && isnan(b[i])))
+            return 0;
+    return 1;
+}
+
+/* Every vector path and thread count writes the bytes and values of the
+ * portable loops on one thread: encode with each flag, decode and
+ * accumulate of the encoded body and of random bytes (NaN payloads may
+ * differ: any NaN matches any NaN), over lengths that end inside blocks. */
+static void test_paths(void)
+{
+    static const size_t sizes[] = {1, 17, 128, 4095, 4096, 4097, 9000, 3u << 19, (3u << 19) + 4099};
+    static const size_t blocks[] = {128, 64, 0};
+    srand(99);
+    int simd = gc_codec_simd(GC_SIMD_AUTO);
+    for (int fmt = GC_E4M3; fmt <= GC_MXFP4; fmt++)
+        for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++)
+            for (size_t bi = 0; bi < (fmt <= GC_E5M2 ? 3u : 1u); bi++)
+                for (int kind = 0; kind < 2; kind++) {
+                    size_t n = sizes[si], block = fmt <= GC_E5M2 ? blocks[bi] : 0;
+                    size_t size = gc_wire_size(fmt, n, block);
+                    float *x = malloc(n * sizeof *x), *want = malloc(n * sizeof *x);
+                    float *got = malloc(n * sizeof *x);
+                    uint8_t *w0 = malloc(size), *w1 = malloc(size);
+                    path_input(x, n, kind);
+                    for (unsigned flags = 0; flags < (fmt >= GC_MXFP8_E4M3 ? 4u : 2u); flags++) {
+                        gc_codec_simd(GC_SIMD_PORTABLE);
+                        gc_codec_threads(1);
+                        gc_encode_ex(fmt, x, n, block, w0, flags, 3, 4, 5);
+                        for (int level = 0; level < 2; level++)
+                            for (int threads = 1; threads <= 3; threads += 2) {
+                                gc_codec_simd(level ? GC_SIMD_AUTO : GC_SIMD_PORTABLE);
+                                gc_codec_threads(threads);
+                                gc_encode_ex(fmt, x, n, block, w1, flags, 3, 4, 5);
+                                CHECK(!memcmp(w0, w1, size), "encode fmt %d n %zu block %zu "
+                                      "flags %u simd %d threads %d", fmt, n, block, flags,
+                                      level, threads);
+                            }
+                    }
+                    for (int garbage = 0; garbage < 2; garbage++) {
+                        if (garbage)
+                            for (size_t i = 0; i < size; i++)
+                                w0[i] = (uint8_t)rand();
+                        for (int acc = 0; acc < 2; acc++) {
+                            gc_codec_simd(GC_SIMD_PORTABLE);
+                            gc_codec_threads(1);
+                            memcpy(want, x, n * sizeof *x);
+                            gc_decode(fmt, w0, n, block, want, acc);
+                            for (int threads = 1; threads <= 3; threads += 2) {
+                                gc_codec_simd(GC_SIMD_AUTO);
+                                gc_codec_threads(threads);
+                                memcpy(got, x, n * sizeof *x);
+                                gc_decode(fmt, w0, n, block, got, acc);
+                                CHECK(same_bits(want, got, n), "decode fmt %d n %zu block %zu "
+                                      "acc %d garbage %d threads %d", fmt, n, block, acc,
+                                      garbage, threads);
+                            }
+                        }
+                    }
+                    free(x);
+                    free(want);
+                    free(got);
+                    free(w0);
+                    free(w1);
+                }
+    gc_codec_simd(GC_SIMD_AUTO);
+    gc_codec_threads(1);
+    printf("vector path tested: %s\n", simd ? "AVX-512" : "none on this CPU (portable only)");
+}
+
 int main(void)
 {
     test_fp8_codes(GC_E4M3, e4m3, 448.0f);
@@ -266,6 +363,7 @@ int main(void)
     test_nonfinite();
     test_accumulate();
     test_random_wires();
+    test_paths();
     printf("%d passed, %d failed\n", passed, failed);
     return failed != 0;
 }
