@@ -10,7 +10,7 @@
 # soak and fuzz.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source tools/setup_venv.sh test
+source tools/setup_venv.sh test,frameworks
 # -P: import the installed package (with its compiled core), not ./geocomm
 echo "== lint and format (ruff) and types (mypy; strict on geocomm.codecs and geocomm.engine)"
 "$VENV/bin/ruff" check geocomm perf tests bindings tools

@@ -2,7 +2,7 @@
 # (perf/run_main.sh and tests/run.sh): creates the virtual environment if it
 # is missing and installs geocomm into it with the extras named by $1:
 #
-#   source tools/setup_venv.sh test     # or perf
+#   source tools/setup_venv.sh test,frameworks     # or perf
 #
 # PYTHON (default python3) creates the environment, GEOCOMM_VENV (default
 # .venv) says where. Sets VENV and PY (the environment's python) for the

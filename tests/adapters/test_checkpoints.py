@@ -145,7 +145,7 @@ def test_loading_into_another_job_raises(comm):
     job = _DDPJob(CODECS["geofp8"])
     job.run(range(2))
     data = job.save()["geocomm"]
-    with pytest.raises(ValueError, match="world size|ranks"):
+    with pytest.raises(ValueError, match=r"ranks, this job has"):
         _DDPJob(CODECS["geofp8"]).state.load_state_dict({**data, "world_size": 7})
     other = GeocommHookState(torch.nn.Linear(48, 3), codec=get_codec(CODECS["geofp8"]))
     with pytest.raises(ValueError, match="parameter layout"):
