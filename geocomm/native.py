@@ -40,8 +40,14 @@ FORMAT_NAMES = ("e4m3", "e5m2", "nvfp4", "bf16", "mxfp8_e4m3", "mxfp8_e5m2", "mx
 _MX_NAMES = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4")
 #: module constants read from the cdef: format ids, gc_encode_ex flags (stochastic
 #: rounding; the MX round-up "rceil" scale rule), values per scale
-CDEF_NAMES = (*(name.upper() for name in FORMAT_NAMES), "STOCHASTIC", "RCEIL", "NVFP4_BLOCK",
-               "NVFP4_SUPERBLOCK", "MX_BLOCK")
+CDEF_NAMES = (
+    *(name.upper() for name in FORMAT_NAMES),
+    "STOCHASTIC",
+    "RCEIL",
+    "NVFP4_BLOCK",
+    "NVFP4_SUPERBLOCK",
+    "MX_BLOCK",
+)
 U64_MAX = 2**64 - 1
 
 
@@ -110,8 +116,11 @@ def _check_wire(wire: np.ndarray, need: int, writable: bool = False) -> None:
 
 def check_u64(value: int, name: str) -> int:
     """``value`` as a Python int in [0, 2^64), else ValueError."""
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) \
-            or not 0 <= value <= U64_MAX:
+    if (
+        not isinstance(value, (int, np.integer))
+        or isinstance(value, bool)
+        or not 0 <= value <= U64_MAX
+    ):
         raise ValueError(f"{name} must be an integer in [0, 2**64), got {value!r}")
     return int(value)
 
@@ -125,8 +134,17 @@ def check_flags(fmt: int | str, flags: int) -> int:
 
 
 @renamed_keywords(rng_stream="rounding_stream")
-def encode(fmt: int | str, x: np.ndarray, block: int, wire: np.ndarray, *, flags: int = 0,
-           seed: int = 0, rounding_stream: int = 0, offset: int = 0) -> None:
+def encode(
+    fmt: int | str,
+    x: np.ndarray,
+    block: int,
+    wire: np.ndarray,
+    *,
+    flags: int = 0,
+    seed: int = 0,
+    rounding_stream: int = 0,
+    offset: int = 0,
+) -> None:
     """Encode the float32 values of ``x`` into the first bytes of ``wire`` (gc_encode_ex).
 
     ``flags``: STOCHASTIC and/or RCEIL; with STOCHASTIC the random bits of
@@ -136,22 +154,36 @@ def encode(fmt: int | str, x: np.ndarray, block: int, wire: np.ndarray, *, flags
     _check_f32(x, "x")
     _check_wire(wire, wire_size(fmt, x.size, block), writable=True)
     flags = check_flags(fmt, flags)
-    rc = _lib.gc_encode_ex(fmt, _ffi.from_buffer("float[]", x), x.size, block,
-                           _ffi.from_buffer("uint8_t[]", wire, require_writable=True), flags,
-                           check_u64(seed, "seed"), check_u64(rounding_stream, "rounding_stream"),
-                           check_u64(offset, "offset"))
+    rc = _lib.gc_encode_ex(
+        fmt,
+        _ffi.from_buffer("float[]", x),
+        x.size,
+        block,
+        _ffi.from_buffer("uint8_t[]", wire, require_writable=True),
+        flags,
+        check_u64(seed, "seed"),
+        check_u64(rounding_stream, "rounding_stream"),
+        check_u64(offset, "offset"),
+    )
     if rc:
         raise ValueError(f"the native core refused format {fmt} with flags {flags} ({rc})")
 
 
-def decode(fmt: int | str, wire: np.ndarray, block: int, out: np.ndarray,
-           accumulate: bool = False) -> None:
+def decode(
+    fmt: int | str, wire: np.ndarray, block: int, out: np.ndarray, accumulate: bool = False
+) -> None:
     """Decode ``out.size`` values from ``wire`` into (or, accumulating, onto) ``out``."""
     fmt = format_id(fmt)
     _check_f32(out, "out", writable=True)
     _check_wire(wire, wire_size(fmt, out.size, block))
-    rc = _lib.gc_decode(fmt, _ffi.from_buffer("uint8_t[]", wire), out.size, block,
-                        _ffi.from_buffer("float[]", out, require_writable=True), int(accumulate))
+    rc = _lib.gc_decode(
+        fmt,
+        _ffi.from_buffer("uint8_t[]", wire),
+        out.size,
+        block,
+        _ffi.from_buffer("float[]", out, require_writable=True),
+        int(accumulate),
+    )
     if rc:
         raise ValueError(f"the native core refused format {fmt} ({rc})")
 
@@ -178,9 +210,15 @@ def geo_project(x: np.ndarray, lo: int, n: int, vt: np.ndarray) -> tuple[np.ndar
     _f32(x, "x")
     _f32(vt, "vt", k * n)
     coef = np.empty((geo_rows(lo, x.size, n), k), np.float32)
-    got = _lib.gc_geo_project(_ffi.from_buffer("float[]", x), lo, x.size, n,
-                              _ffi.from_buffer("float[]", vt), k,
-                              _ffi.from_buffer("float[]", coef, require_writable=True))
+    got = _lib.gc_geo_project(
+        _ffi.from_buffer("float[]", x),
+        lo,
+        x.size,
+        n,
+        _ffi.from_buffer("float[]", vt),
+        k,
+        _ffi.from_buffer("float[]", coef, require_writable=True),
+    )
     if got < 0:
         raise ValueError(f"gc_geo_project refused its arguments ({got})")
     return coef, int(got)
@@ -192,13 +230,25 @@ def geo_pack(vt: np.ndarray) -> np.ndarray:
     _f32(vt, "vt")
     require()
     packed = np.empty(int(_lib.gc_geo_packed_size(k, n)), np.float32)
-    _lib.gc_geo_pack(_ffi.from_buffer("float[]", vt), k, n,
-                     _ffi.from_buffer("float[]", packed, require_writable=True))
+    _lib.gc_geo_pack(
+        _ffi.from_buffer("float[]", vt),
+        k,
+        n,
+        _ffi.from_buffer("float[]", packed, require_writable=True),
+    )
     return packed
 
 
-def geo_expand(x: np.ndarray, lo: int, n: int, coef: np.ndarray, vt: np.ndarray, sign: float,
-               out: np.ndarray, packed: np.ndarray | None = None) -> None:
+def geo_expand(
+    x: np.ndarray,
+    lo: int,
+    n: int,
+    coef: np.ndarray,
+    vt: np.ndarray,
+    sign: float,
+    out: np.ndarray,
+    packed: np.ndarray | None = None,
+) -> None:
     """out = x + sign * coef vt over the range (out may be x); ``packed``: geo_pack(vt)."""
     k = vt.shape[0]
     _f32(x, "x")
@@ -207,10 +257,18 @@ def geo_expand(x: np.ndarray, lo: int, n: int, coef: np.ndarray, vt: np.ndarray,
     _f32(coef, "coef", geo_rows(lo, x.size, n) * k)
     if packed is not None:
         _f32(packed, "packed", int(_lib.gc_geo_packed_size(k, n)))
-    rc = _lib.gc_geo_expand(_ffi.from_buffer("float[]", x), lo, x.size, n,
-                            _ffi.from_buffer("float[]", coef), _ffi.from_buffer("float[]", vt),
-                            _ffi.NULL if packed is None else _ffi.from_buffer("float[]", packed),
-                            k, sign, _ffi.from_buffer("float[]", out, require_writable=True))
+    rc = _lib.gc_geo_expand(
+        _ffi.from_buffer("float[]", x),
+        lo,
+        x.size,
+        n,
+        _ffi.from_buffer("float[]", coef),
+        _ffi.from_buffer("float[]", vt),
+        _ffi.NULL if packed is None else _ffi.from_buffer("float[]", packed),
+        k,
+        sign,
+        _ffi.from_buffer("float[]", out, require_writable=True),
+    )
     if rc:
         raise ValueError(f"gc_geo_expand refused its arguments ({rc})")
 
@@ -223,10 +281,15 @@ def geo_residual(x: np.ndarray, n: int, vt: np.ndarray, out: np.ndarray) -> np.n
     _f32(vt, "vt", k * n)
     m = x.size // n
     coef = np.empty((m, k), np.float32)
-    got = _lib.gc_geo_residual(_ffi.from_buffer("float[]", x), m, n,
-                               _ffi.from_buffer("float[]", vt), k,
-                               _ffi.from_buffer("float[]", coef, require_writable=True),
-                               _ffi.from_buffer("float[]", out, require_writable=True))
+    got = _lib.gc_geo_residual(
+        _ffi.from_buffer("float[]", x),
+        m,
+        n,
+        _ffi.from_buffer("float[]", vt),
+        k,
+        _ffi.from_buffer("float[]", coef, require_writable=True),
+        _ffi.from_buffer("float[]", out, require_writable=True),
+    )
     if got < 0:
         raise ValueError(f"gc_geo_residual refused its arguments ({got})")
     return coef
@@ -238,9 +301,15 @@ def geo_accumulate(x: np.ndarray, lo: int, n: int, coef: np.ndarray, acc: np.nda
     _f32(x, "x")
     _f32(acc, "acc", k * n, writable=True)
     _f32(coef, "coef", geo_rows(lo, x.size, n) * k)
-    rc = _lib.gc_geo_accumulate(_ffi.from_buffer("float[]", x), lo, x.size, n,
-                                _ffi.from_buffer("float[]", coef), k,
-                                _ffi.from_buffer("float[]", acc, require_writable=True))
+    rc = _lib.gc_geo_accumulate(
+        _ffi.from_buffer("float[]", x),
+        lo,
+        x.size,
+        n,
+        _ffi.from_buffer("float[]", coef),
+        k,
+        _ffi.from_buffer("float[]", acc, require_writable=True),
+    )
     if rc:
         raise ValueError(f"gc_geo_accumulate refused its arguments ({rc})")
 
@@ -257,8 +326,9 @@ def geo_orthonormalize(rows: np.ndarray, seed: int) -> None:
     _f32(rows, "rows", writable=True)
     k, n = rows.shape
     require()
-    rc = _lib.gc_geo_orthonormalize(_ffi.from_buffer("float[]", rows, require_writable=True),
-                                    k, n, seed & (2**64 - 1))
+    rc = _lib.gc_geo_orthonormalize(
+        _ffi.from_buffer("float[]", rows, require_writable=True), k, n, seed & (2**64 - 1)
+    )
     if rc:
         raise ValueError(f"gc_geo_orthonormalize refused a {k} x {n} matrix ({rc})")
 

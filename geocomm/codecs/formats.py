@@ -35,8 +35,9 @@ class NoneCodec(Codec):
     def wire_size(self, n: int) -> int:
         return 4 * n
 
-    def encode_wire(self, x: np.ndarray, wire: np.ndarray, *, rounding_stream: int = 0,
-                    offset: int = 0) -> None:
+    def encode_wire(
+        self, x: np.ndarray, wire: np.ndarray, *, rounding_stream: int = 0, offset: int = 0
+    ) -> None:
         wire[: 4 * x.size] = x.view(np.uint8)
 
     def decode_wire(self, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
@@ -107,10 +108,19 @@ class NativeFormat(Codec):
     def wire_size(self, n: int) -> int:
         return native.wire_size(self._fmt, n, self._block)
 
-    def encode_wire(self, x: np.ndarray, wire: np.ndarray, *, rounding_stream: int = 0,
-                    offset: int = 0) -> None:
-        _backend(x).encode(self._fmt, x, self._block, wire, flags=self._flags, seed=self.seed,
-                           rounding_stream=rounding_stream, offset=offset)
+    def encode_wire(
+        self, x: np.ndarray, wire: np.ndarray, *, rounding_stream: int = 0, offset: int = 0
+    ) -> None:
+        _backend(x).encode(
+            self._fmt,
+            x,
+            self._block,
+            wire,
+            flags=self._flags,
+            seed=self.seed,
+            rounding_stream=rounding_stream,
+            offset=offset,
+        )
 
     def decode_wire(self, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
         _backend(out).decode(self._fmt, wire, self._block, out, accumulate)
@@ -135,12 +145,16 @@ class FP8Codec(NativeFormat):
 
     codec_id: ClassVar[str] = "fp8"
 
-    def __init__(self, fmt: str = "e4m3", block: int = 128, rounding: str = "nearest",
-                 seed: int = 0):
+    def __init__(
+        self, fmt: str = "e4m3", block: int = 128, rounding: str = "nearest", seed: int = 0
+    ):
         if fmt not in ("e4m3", "e5m2"):
             raise ValueError(f"fp8 fmt must be 'e4m3' or 'e5m2', got {fmt!r}")
-        if (not isinstance(block, (int, np.integer)) or isinstance(block, bool)
-                or not 0 <= block <= MAX_BLOCK):
+        if (
+            not isinstance(block, (int, np.integer))
+            or isinstance(block, bool)
+            or not 0 <= block <= MAX_BLOCK
+        ):
             raise ValueError(f"fp8 block must be an integer in [0, {MAX_BLOCK}], got {block!r}")
         self.fmt = fmt
         self.block = int(block)
@@ -149,8 +163,12 @@ class FP8Codec(NativeFormat):
         self._set_rounding(rounding, seed)
 
     def get_config(self) -> dict[str, Any]:
-        return {"id": self.codec_id, "fmt": self.fmt, "block": self.block,
-                **self._rounding_config()}
+        return {
+            "id": self.codec_id,
+            "fmt": self.fmt,
+            "block": self.block,
+            **self._rounding_config(),
+        }
 
 
 class NVFP4Codec(NativeFormat):
@@ -186,8 +204,10 @@ class _MXCodec(NativeFormat):
         if scale_rule not in SCALE_RULES:
             raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
         if scale_rule == "floor" and self.rounding == "stochastic":
-            raise ValueError("stochastic rounding needs scale_rule='rceil': the floor rule "
-                             "saturates a block's largest values, which biases them")
+            raise ValueError(
+                "stochastic rounding needs scale_rule='rceil': the floor rule "
+                "saturates a block's largest values, which biases them"
+            )
         self.scale_rule = scale_rule
 
 
@@ -199,8 +219,13 @@ class MXFP8Codec(_MXCodec):
 
     codec_id: ClassVar[str] = "mxfp8"
 
-    def __init__(self, fmt: str = "e4m3", scale_rule: str | None = None,
-                 rounding: str = "nearest", seed: int = 0):
+    def __init__(
+        self,
+        fmt: str = "e4m3",
+        scale_rule: str | None = None,
+        rounding: str = "nearest",
+        seed: int = 0,
+    ):
         if fmt not in ("e4m3", "e5m2"):
             raise ValueError(f"mxfp8 fmt must be 'e4m3' or 'e5m2', got {fmt!r}")
         self.fmt = fmt
@@ -209,8 +234,12 @@ class MXFP8Codec(_MXCodec):
         self._set_scale_rule(scale_rule)
 
     def get_config(self) -> dict[str, Any]:
-        return {"id": self.codec_id, "fmt": self.fmt, "scale_rule": self.scale_rule,
-                **self._rounding_config()}
+        return {
+            "id": self.codec_id,
+            "fmt": self.fmt,
+            "scale_rule": self.scale_rule,
+            **self._rounding_config(),
+        }
 
 
 class MXFP4Codec(_MXCodec):
