@@ -154,17 +154,11 @@ def encode(
     _check_f32(x, "x")
     _check_wire(wire, wire_size(fmt, x.size, block), writable=True)
     flags = check_flags(fmt, flags)
-    rc = _lib.gc_encode_ex(
-        fmt,
-        _ffi.from_buffer("float[]", x),
-        x.size,
-        block,
-        _ffi.from_buffer("uint8_t[]", wire, require_writable=True),
-        flags,
-        check_u64(seed, "seed"),
-        check_u64(rounding_stream, "rounding_stream"),
-        check_u64(offset, "offset"),
-    )
+    source = _ffi.from_buffer("float[]", x)
+    target = _ffi.from_buffer("uint8_t[]", wire, require_writable=True)
+    bits = (check_u64(seed, "seed"), check_u64(rounding_stream, "rounding_stream"),
+            check_u64(offset, "offset"))  # fmt: skip
+    rc = _lib.gc_encode_ex(fmt, source, x.size, block, target, flags, *bits)
     if rc:
         raise ValueError(f"the native core refused format {fmt} with flags {flags} ({rc})")
 
@@ -204,6 +198,12 @@ def geo_rows(lo: int, length: int, n: int) -> int:
     return int(_lib.gc_geo_rows(lo, length, n))
 
 
+def _range(x: np.ndarray, lo: int, n: int) -> tuple[Any, int, int, int]:
+    """The arguments the geometry calls start with: the range's values, where it
+    starts in the matrix, its length, the row length."""
+    return (_ffi.from_buffer("float[]", x), lo, x.size, n)
+
+
 def geo_project(x: np.ndarray, lo: int, n: int, vt: np.ndarray) -> tuple[np.ndarray, int]:
     """(coef (rows, k), rows that held a non-finite value) for the range x starting at lo."""
     k = vt.shape[0]
@@ -211,10 +211,7 @@ def geo_project(x: np.ndarray, lo: int, n: int, vt: np.ndarray) -> tuple[np.ndar
     _f32(vt, "vt", k * n)
     coef = np.empty((geo_rows(lo, x.size, n), k), np.float32)
     got = _lib.gc_geo_project(
-        _ffi.from_buffer("float[]", x),
-        lo,
-        x.size,
-        n,
+        *_range(x, lo, n),
         _ffi.from_buffer("float[]", vt),
         k,
         _ffi.from_buffer("float[]", coef, require_writable=True),
@@ -302,10 +299,7 @@ def geo_accumulate(x: np.ndarray, lo: int, n: int, coef: np.ndarray, acc: np.nda
     _f32(acc, "acc", k * n, writable=True)
     _f32(coef, "coef", geo_rows(lo, x.size, n) * k)
     rc = _lib.gc_geo_accumulate(
-        _ffi.from_buffer("float[]", x),
-        lo,
-        x.size,
-        n,
+        *_range(x, lo, n),
         _ffi.from_buffer("float[]", coef),
         k,
         _ffi.from_buffer("float[]", acc, require_writable=True),

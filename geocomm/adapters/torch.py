@@ -39,10 +39,8 @@ reduce-scatter and, for replicas, an all-reduce hook.
 # annotation with dist.GradBucket itself, not with a string.
 import contextlib
 import os
-import queue
 import socket
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -57,6 +55,7 @@ from geocomm.adapters._torch_grads import (
     dedicated_comm,
 )
 from geocomm.adapters.telemetry import BucketStats, StepStats, Telemetry
+from geocomm.adapters.worker import Worker
 from geocomm.collectives import resolve_codec
 from geocomm.deprecation import renamed_keywords
 
@@ -92,46 +91,6 @@ def init_distributed_from_mpi(backend: str = "gloo", port: int | None = None) ->
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1" if world.size == 1 else host)
     os.environ.setdefault("MASTER_PORT", str(chosen))
     dist.init_process_group(backend, rank=world.rank, world_size=world.size)
-
-
-class _Worker:
-    """One daemon thread running jobs in submission order (the same on every rank).
-
-    A job's exception goes to its future (DDP raises it from backward), so a
-    failure never kills the thread silently nor leaves the future pending.
-    """
-
-    def __init__(self, name: str):
-        self._name = name
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def submit(self, job: Callable[[], None], future: torch.futures.Future) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                self._thread.start()
-        self._queue.put((job, future))
-
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            job, future = item
-            try:
-                job()
-            except BaseException as exc:
-                future.set_exception(exc)
-
-    def close(self) -> None:
-        """Finish the queued jobs and stop the thread."""
-        with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(None)
-            thread.join()
 
 
 def _module_device(module: torch.nn.Module) -> torch.device:
@@ -198,7 +157,7 @@ class GeocommHookState:
         self._names: dict[int, str] | None = None
         self._rank_of: dict[str, int] = {}  # a parameter's place in the module
         self._layouts: dict[Any, BufferLayout] = {}
-        self._worker = _Worker("geocomm-ddp")
+        self._worker = Worker("geocomm-ddp")
         self._stream: Any = None
         self._expected_size: int | None = None
 

@@ -50,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -61,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from geocomm.adapters import arrays
+from geocomm.adapters.worker import Worker
 from geocomm.codecs.base import Codec, StatefulCodec
 from geocomm.collectives import CollectiveMismatchError, resolve_codec
 from geocomm.comm.metered import MeteredComm
@@ -176,42 +176,6 @@ class _Keys:
         return (*signature, j)
 
 
-class _Worker:
-    """One daemon thread running jobs in submission order; a job's exception goes
-    to its future (so a failure never ends the thread nor leaves a work pending)."""
-
-    def __init__(self, name: str):
-        self._name = name
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def submit(self, job: Callable[[], None], future: torch.futures.Future) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                self._thread.start()
-        self._queue.put((job, future))
-
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            job, future = item
-            try:
-                job()
-            except BaseException as exc:
-                future.set_exception(exc)
-
-    def close(self) -> None:
-        with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(None)
-            thread.join()
-
-
 # torch's stubs overload the collectives' signatures (the Python conveniences beside the
 # C++ ones this class overrides): typed as Any, the bases leave the overrides unchecked
 _ProcessGroup: Any = dist.ProcessGroup
@@ -325,7 +289,7 @@ class GeocommProcessGroup(_ProcessGroup):
         self._keys = _Keys()
         self._stats = BackendStats()
         self._lock = threading.Lock()  # the counters: exact calls may come from any thread
-        self._worker = _Worker(f"geocomm-backend-{group_id}")
+        self._worker = Worker(f"geocomm-backend-{group_id}")
         self._streams: dict[int, Any] = {}
         self._devices: dict[str, _Device] = {}
         self._store, self._rank, self._size = store, rank, size
@@ -418,7 +382,8 @@ class GeocommProcessGroup(_ProcessGroup):
     def _submit(
         self, kind: str, tensor: torch.Tensor, run: Callable[..., None], result: list
     ) -> _FutureWork:
-        """Queue ``run(codec, comm, key, check, stage_size)`` for the worker; the work's
+        """Queue ``run(options)`` for the worker (``options``: the collective's keywords
+        codec, key, comm, check, stage_size); the work's
         value is ``result`` once it ran. Key, codec and settings are fixed now, in
         call order."""
         key = self._key(kind, tensor)
@@ -441,7 +406,8 @@ class GeocommProcessGroup(_ProcessGroup):
         def job() -> None:
             with self._stream_context(tensor.device, ready):
                 try:
-                    run(codec, comm, key, config.check, config.stage_size)
+                    run({"codec": codec, "key": key, "comm": comm, "check": config.check,
+                         "stage_size": config.stage_size})  # fmt: skip
                 except CollectiveMismatchError as exc:
                     raise CollectiveMismatchError(f"{what}: {exc}") from exc
                 # inside the stream context: a CUDA future records the worker's stream
@@ -457,33 +423,16 @@ class GeocommProcessGroup(_ProcessGroup):
             return self._exact_reduce("allreduce", (tensors,), opts, tensors)
         tensor = tensors[0]
 
-        def run(codec: Any, comm: Any, key: Any, check: bool, stage_size: Any) -> None:
-            arrays.allreduce(
-                tensor,
-                codec=codec,
-                op=op,
-                out=tensor,
-                key=key,
-                comm=comm,
-                check=check,
-                stage_size=stage_size,
-            )
+        def run(options: dict[str, Any]) -> None:
+            arrays.allreduce(tensor, op=op, out=tensor, **options)
 
         return self._submit("all_reduce", tensor, run, tensors)
 
     def _reduce_scatter_flat(
         self, output: torch.Tensor, flat: torch.Tensor, op: str, keep: list
     ) -> _FutureWork:
-        def run(codec: Any, comm: Any, key: Any, check: bool, stage_size: Any) -> None:
-            shard = arrays.reduce_scatter(
-                flat.view(-1),
-                codec=codec,
-                op=op,
-                key=key,
-                comm=comm,
-                check=check,
-                stage_size=stage_size,
-            )
+        def run(options: dict[str, Any]) -> None:
+            shard = arrays.reduce_scatter(flat.view(-1), op=op, **options)
             output.view(-1).copy_(shard)
 
         return self._submit("reduce_scatter", flat, run, keep)

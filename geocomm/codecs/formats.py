@@ -234,12 +234,8 @@ class MXFP8Codec(_MXCodec):
         self._set_scale_rule(scale_rule)
 
     def get_config(self) -> dict[str, Any]:
-        return {
-            "id": self.codec_id,
-            "fmt": self.fmt,
-            "scale_rule": self.scale_rule,
-            **self._rounding_config(),
-        }
+        mine = {"id": self.codec_id, "fmt": self.fmt, "scale_rule": self.scale_rule}
+        return {**mine, **self._rounding_config()}
 
 
 class MXFP4Codec(_MXCodec):

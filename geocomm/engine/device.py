@@ -261,16 +261,8 @@ class HostKernels:
             if fmt.family == RAW:
                 body[...] = total.view(np.uint8)
             else:
-                native.encode(
-                    fmt.native_id,
-                    total,
-                    fmt.block,
-                    body,
-                    flags=fmt.flags,
-                    seed=fmt.seed,
-                    rounding_stream=rounding_stream,
-                    offset=index,
-                )
+                native.encode(fmt.native_id, total, fmt.block, body, flags=fmt.flags, seed=fmt.seed,
+                              rounding_stream=rounding_stream, offset=index)  # fmt: skip
 
     def reduce(
         self, fmt: WireFormat, x: np.ndarray, seg: Segments, incoming: Incoming, out: np.ndarray

@@ -10,6 +10,7 @@ would: a fresh codec instance and fresh stochastic-rounding call counts.
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 import torch
@@ -103,6 +104,7 @@ def test_hook_state_is_made_before_the_process_group(comm):
     # state) before they create the default process group, and wrap the model later
     if dist.is_initialized():
         dist.destroy_process_group()
+        os.environ.pop("MASTER_PORT", None)  # a new group on a port of its own
     net = _net()
     state = GeocommHookState(net, codec="geofp8")
     assert not state.reducer.connected
