@@ -59,9 +59,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from geocomm.adapters import arrays
+from geocomm.adapters import arrays, checkpoint
 from geocomm.adapters.worker import Worker
-from geocomm.codecs.base import Codec, StatefulCodec
+from geocomm.codecs.base import Codec
 from geocomm.collectives import CollectiveMismatchError, resolve_codec
 from geocomm.comm.metered import MeteredComm
 from geocomm.comm.torchdist import TorchDistCommunicator
@@ -83,7 +83,6 @@ NAME = "geocomm"
 #: the calls that may be compressed (names for :func:`configure`'s ``compress``)
 KINDS = ("all_reduce", "reduce_scatter")
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_STATE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -649,52 +648,29 @@ class GeocommProcessGroup(_ProcessGroup):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's codec state (GeoFP8 bases and call counts, error-feedback
-        residuals: NumPy arrays and plain values) with the group's size, rank and
-        codec config. Flushes queued compressed calls first."""
+        residuals, stochastic rounding's call counts: torch tensors and plain values,
+        adapters/checkpoint.py) with the group's size, rank and key counters. Flushes
+        queued compressed calls first."""
         self.flush()
         with self._lock:
             steps = self._keys.steps
-        codec = self.codec
-        return {
-            "version": _STATE_VERSION,
-            "backend": NAME,
-            "world_size": self._size,
-            "rank": self._rank,
-            "codec": self.codec.get_config(),
-            "codec_state": codec.state_dict() if isinstance(codec, StatefulCodec) else None,
-            "steps": steps,
-        }
+        state = checkpoint.codec_state(self.codec, self._size, [])
+        return {**state, "backend": NAME, "rank": self._rank, "steps": steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output of this rank; the next compressed call begins
         a step (save between steps). Raises ValueError for another world size, rank
         or codec."""
-        if state.get("version") != _STATE_VERSION or state.get("backend") != NAME:
-            raise ValueError(
-                f"not a geocomm backend state (version {state.get('version')!r}, "
-                f"backend {state.get('backend')!r})"
-            )
-        if state["world_size"] != self._size:
-            raise ValueError(
-                f"the geocomm backend state was saved by a group of {state['world_size']} "
-                f"ranks; this group has {self._size}: codec state is per rank and cannot "
-                "be carried to another world size"
-            )
+        if state.get("backend") != NAME:
+            raise ValueError(f"not a geocomm backend state (backend {state.get('backend')!r})")
+        checkpoint.check_world_size(state.get("world_size"), self._size, "the geocomm backend")
         if state["rank"] != self._rank:
             raise ValueError(
                 f"the state was saved by rank {state['rank']}, this is rank {self._rank} "
                 "(each rank loads its own)"
             )
-        if state["codec"] != self.codec.get_config():
-            raise ValueError(
-                f"the state was saved with codec {state['codec']}, this group's codec is "
-                f"{self.codec.get_config()} (configure the same codec first)"
-            )
         self.flush()
-        if state["codec_state"] is not None:
-            if not isinstance(self.codec, StatefulCodec):
-                raise ValueError("the state holds codec state, this group's codec has none")
-            self.codec.load_state_dict(state["codec_state"])
+        checkpoint.load_codec_state(self.codec, state, [], "the geocomm backend")
         with self._lock:
             manual = self._keys.manual
             self._keys = _Keys()
