@@ -256,7 +256,7 @@ def test_state_dict_round_trip_and_world_size_check(comm):
         dist.all_reduce(x.clone(), group=group)
         tb.step(group)
     saved = tb.state_dict(group)
-    assert saved["world_size"] == dist.get_world_size() and saved["codec_state"]["residuals"]
+    assert saved["world_size"] == dist.get_world_size() and saved["codec"]["residuals"]
     straight = steps[3].clone()
     dist.all_reduce(straight, group=group)
     resumed_group = _geocomm_group(codec=codec)
