@@ -10,6 +10,7 @@ one tiny all-gather of :func:`check_consistent`.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -111,12 +112,46 @@ def check_out(out: Any, x: Any) -> None:
         raise ValueError("out is read-only")
 
 
-def _fingerprint(
-    kind: str, count: int, dtype: np.dtype, op: str, codec: Codec, parts: list[Part]
-) -> np.ndarray:
+def shard_parts(parts: list[Part], ranges: list[tuple[int, int]]) -> list[Part]:
+    """The tensors of the buffer made of ``ranges`` of the flat buffer of ``parts``,
+    laid end to end (what a node-aware collective sends across nodes). Each part's
+    cut is split at whole rows (first dimension) so transforming codecs keep 2-D
+    views: a partial first row, the whole rows, a partial last row; each piece's
+    key is ``(key, "node", offset of the piece in its tensor)``, the same on every
+    rank that moves it (docs/design.md, "Node-aware collectives")."""
+    result: list[Part] = []
+    at = 0
+    for lo, hi in ranges:
+        for p in parts:
+            a, b = max(lo, p.offset), min(hi, p.offset + p.size)
+            if a >= b:
+                continue
+            row = math.prod(p.shape[1:]) if len(p.shape) >= 2 else 0
+            cuts = [a, b]
+            if row:
+                first = p.offset + -(-(a - p.offset) // row) * row
+                last = p.offset + (b - p.offset) // row * row
+                if first < last:
+                    cuts = sorted({a, first, last, b})
+            for c, d in itertools.pairwise(cuts):
+                whole = row and (c - p.offset) % row == 0 and (d - c) % row == 0
+                shape = ((d - c) // row, *p.shape[1:]) if whole else (d - c,)
+                result.append(Part(at + c - lo, shape, (p.key, "node", c - p.offset)))
+        at += hi - lo
+    return result
+
+
+def _fingerprint(call: tuple[str, int, np.dtype, str], codec: Codec, parts: list[Part],
+                 topology: str) -> np.ndarray:  # fmt: skip
+    """The int64 row of a call (``call``: collective, count, dtype, op), one per field."""
+    kind, count, dtype, op = call
     config = json.dumps(codec.get_config(), sort_keys=True).encode()
     signature = json.dumps([(repr(p.key), p.shape) for p in parts]).encode()
     state = 0
+    if isinstance(codec, ErrorFeedbackCodec) and topology != "flat":
+        # node-aware residuals are per local index (checked across nodes); the map's
+        # state of this call's keys is every rank's
+        codec = codec.mapping_codec  # type: ignore[assignment]
     if isinstance(codec, StatefulCodec):
         for p in parts:
             state = zlib.crc32(codec.state_checksum(p.key).to_bytes(4, "little"), state)
@@ -129,12 +164,22 @@ def _fingerprint(
             zlib.crc32(config),
             zlib.crc32(signature),
             state,
+            zlib.crc32(topology.encode()),
         ],
         dtype=np.int64,
     )
 
 
-_FIELDS = ("collective", "count", "dtype", "op", "codec config", "parts or key", "codec state")
+_FIELDS = (
+    "collective",
+    "count",
+    "dtype",
+    "op",
+    "codec config",
+    "parts or key",
+    "codec state",
+    "topology",
+)
 
 
 def check_consistent(
@@ -145,16 +190,19 @@ def check_consistent(
     op: str,
     codec: Codec,
     parts: list[Part],
+    topology: str = "flat",
 ) -> None:
-    """Raise CollectiveMismatchError on every rank if the ranks' calls differ."""
-    rows = comm.allgather_int64(_fingerprint(kind, count, dtype, op, codec, parts))
+    """Raise CollectiveMismatchError on every rank if the ranks' calls differ
+    (``topology``: the requested one, ``"flat"``, ``"node"`` or ``"auto"``)."""
+    rows = comm.allgather_int64(_fingerprint((kind, count, dtype, op), codec, parts, topology))
     bad = np.nonzero((rows != rows[0]).any(axis=1))[0]
     if bad.size:
         diffs = [_FIELDS[f] for f in np.nonzero(rows[bad[0]] != rows[0])[0]]
         detail = ", ".join(f"rank {r}: count={rows[r, 1]}" for r in range(comm.size))
         raise CollectiveMismatchError(
             f"geocomm.{kind}: ranks {bad.tolist()} differ from rank 0 in {', '.join(diffs)} "
-            f"({detail}); every rank must pass the same count, dtype, op, codec and keys, and "
+            f"({detail}); every rank must pass the same count, dtype, op, codec, keys and "
+            "topology, and "
             "transforming codecs must hold the same state"
         )
 

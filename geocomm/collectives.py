@@ -33,6 +33,7 @@ instead of hanging or producing garbage. ``check=False`` (or
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -54,11 +55,13 @@ from geocomm.calls import (
     saved_call_counts,
     stateful_parts,
 )
-from geocomm.codecs import Codec, get_codec
+from geocomm.codecs import Codec, ErrorFeedbackCodec, get_codec
 from geocomm.comm.base import Communicator, wait_ordered
+from geocomm.comm.nodes import NodeComms, node_comms, node_layout
 from geocomm.deprecation import renamed_keywords
-from geocomm.engine import device
+from geocomm.engine import costs, device
 from geocomm.engine.exact import divide
+from geocomm.engine.hierarchical import node_allreduce, node_reduce_scatter
 from geocomm.engine.host import Pipeline
 from geocomm.engine.layout import (
     DEFAULT_STAGE_SIZE,
@@ -73,6 +76,7 @@ from geocomm.engine.transforming import PartsMap, plan_parts, refresh, side_sums
 
 __all__ = [
     "DEFAULT_STAGE_SIZE",
+    "TOPOLOGIES",
     "CollectiveMismatchError",
     "Part",
     "allgather",
@@ -174,7 +178,7 @@ def _prepare(
 def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
               key: Any = None, parts: Sequence[Any] | None = None,
               comm: Communicator | None = None, stage_size: int | None = None,
-              check: bool | None = None) -> Any:  # fmt: skip
+              check: bool | None = None, topology: str | None = None) -> Any:  # fmt: skip
     """All-reduce ``x`` over the ranks of ``comm`` through ``codec``.
 
     x: float32, float16, bfloat16 (ml_dtypes) or, with ``codec="none"``,
@@ -185,14 +189,20 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
     that tiles the flat buffer in order (a DDP bucket), each mapped on its
     own in one pipeline. ``stage_size``: values per pipeline stage (default: the
     backend's, :func:`geocomm.engine.layout.stage_size`; the bits do not depend on it).
-    Results are bitwise identical on every rank.
+    ``topology``: "flat", "node" (exact inside each node, compressed between nodes)
+    or "auto" (the cost model's choice); default ``GEOCOMM_TOPOLOGY``, else "auto",
+    which is flat on one node, one rank per node or an unknown layout
+    (docs/design.md, "Node-aware collectives"). Results are bitwise identical on
+    every rank.
     """
     x, codec, comm = _prepare(x, op, codec, comm)
     check_out(out, x)
     tensors = parts_of(x.shape, x.size, key, parts)
     xp = array_module(x)
-    if check_enabled(check):
-        check_consistent(comm, "allreduce", x.size, x.dtype, op, codec, tensors)
+    topology = requested_topology(topology)
+    checked = check_enabled(check)
+    if checked:
+        check_consistent(comm, "allreduce", x.size, x.dtype, op, codec, tensors, topology)
     if codec.lossless:
         work = xp.ascontiguousarray(x, np.float64 if x.dtype == np.float64 else np.float32)
         # MPI/NCCL need distinct send and receive buffers
@@ -206,8 +216,17 @@ def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, *,
         total = _direct_result(out, np.float32, values, same_ok=True)
         if total is None:
             total = xp.empty(x.size, np.float32)
-        # maps piece by piece into the result and reduces there in place
-        _compressed(comm, codec, "allreduce", values, tensors, total, 0, stage_size, mapped=total)
+        nodes = _two_levels(comm, codec, x.size, topology)
+        _check_flat_state(comm, "allreduce", x, op, codec, tensors, nodes, checked, topology)
+        if nodes is not None:
+            node_allreduce(
+                nodes, values, total, _across(nodes, codec, tensors, stage_size, checked)
+            )
+        else:
+            # maps piece by piece into the result and reduces there in place
+            _compressed(
+                comm, codec, "allreduce", values, tensors, total, 0, stage_size, mapped=total
+            )
     if op == "avg":
         divide(total, comm.size)
     result = total.reshape(x.shape)
@@ -317,19 +336,22 @@ def _same_memory(a: Any, b: Any) -> bool:
 def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", *,
                    key: Any = None, parts: Sequence[Any] | None = None,
                    comm: Communicator | None = None, stage_size: int | None = None,
-                   check: bool | None = None) -> Any:  # fmt: skip
+                   check: bool | None = None, topology: str | None = None) -> Any:  # fmt: skip
     """This rank's shard of the reduced flat ``x`` (``np.array_split`` convention).
 
     Each rank's pieces are quantized once on the way to the owner, who sums
     them in fp32 and returns that sum (no second quantization). ``key`` and
     ``parts`` as in :func:`allreduce`; a transforming codec maps every
-    tensor on every rank and the owner maps its shard back. Returns a 1-D
-    array of x's dtype.
+    tensor on every rank and the owner maps its shard back. ``topology`` as in
+    :func:`allreduce`; node-aware, every rank still gets the same shard. Returns a
+    1-D array of x's dtype.
     """
     x, codec, comm = _prepare(x, op, codec, comm)
     tensors = parts_of(x.shape, x.size, key, parts)
-    if check_enabled(check):
-        check_consistent(comm, "reduce_scatter", x.size, x.dtype, op, codec, tensors)
+    topology = requested_topology(topology)
+    checked = check_enabled(check)
+    if checked:
+        check_consistent(comm, "reduce_scatter", x.size, x.dtype, op, codec, tensors, topology)
     bounds = shard_bounds(x.size, comm.size)
     lo, hi = int(bounds[comm.rank]), int(bounds[comm.rank + 1])
     xp = array_module(x)
@@ -338,7 +360,11 @@ def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", *,
         total = xp.empty_like(work)
         comm.allreduce(work.reshape(-1), total.reshape(-1), "sum")
         shard = total.reshape(-1)[lo:hi].copy()
+    elif (nodes := _two_levels(comm, codec, x.size, topology)) is not None:
+        across = _across(nodes, codec, tensors, stage_size, checked)
+        shard = node_reduce_scatter(nodes, as_float32(x), across)
     else:
+        _check_flat_state(comm, "reduce_scatter", x, op, codec, tensors, None, checked, topology)
         shard = xp.empty(hi - lo, np.float32)
         # pieces are mapped into a scratch as they go: no full-size buffer
         _compressed(
@@ -355,6 +381,78 @@ def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", *,
     if op == "avg":
         divide(shard, comm.size)
     return shard.astype(x.dtype, copy=False)
+
+
+# ---------------------------------------------------------------------------
+# node-aware collectives (docs/design.md, "Node-aware collectives")
+
+#: What ``topology=`` takes; ``GEOCOMM_TOPOLOGY`` sets the default ("auto").
+TOPOLOGIES = ("flat", "node", "auto")
+
+
+def requested_topology(topology: str | None) -> str:
+    """``topology``, or ``GEOCOMM_TOPOLOGY``, or "auto"; checked."""
+    value = topology if topology is not None else os.environ.get("GEOCOMM_TOPOLOGY") or "auto"
+    if value not in TOPOLOGIES:
+        raise ValueError(f"topology must be one of {TOPOLOGIES}, got {value!r}")
+    return value
+
+
+def _two_levels(comm: Communicator, codec: Codec, count: int, topology: str) -> NodeComms | None:
+    """The node communicators when this compressed call goes node-aware, else None
+    (flat): never for "flat", on one rank, an unknown layout, one node or one rank per
+    node, or a communicator without sub-communicators; for "auto" when the cost model
+    (:func:`geocomm.engine.costs.node_aware_pays`) says so. Every input is the same on
+    every rank (the layout is gathered), so every rank decides alike."""
+    if topology == "flat" or comm.size == 1 or codec.lossless:
+        return None
+    layout = node_layout(comm)
+    if layout is None or layout.trivial:
+        return None
+    ratio = codec.wire_size(PIECE_ALIGN) / (4 * PIECE_ALIGN)
+    if topology == "auto" and not costs.node_aware_pays(
+        comm.backend, 4.0 * count, layout.sizes(), ratio, dict(os.environ)
+    ):
+        return None
+    return node_comms(comm, layout)
+
+
+def _check_flat_state(
+    comm: Communicator,
+    kind: str,
+    x: Any,
+    op: str,
+    codec: Codec,
+    tensors: list[Part],
+    nodes: NodeComms | None,
+    checked: bool,
+    topology: str,
+) -> None:
+    """A call that could have gone node-aware but runs flat compares the error-feedback
+    state the first check left out (:func:`geocomm.calls.check_consistent`)."""
+    if checked and nodes is None and topology != "flat" and isinstance(codec, ErrorFeedbackCodec):
+        check_consistent(comm, kind, x.size, x.dtype, op, codec, tensors, "flat")
+
+
+def _across(
+    nodes: NodeComms, codec: Codec, tensors: list[Part], stage_size: int | None, checked: bool
+) -> Any:
+    """The compressed step between nodes over ``nodes.cross``, as the
+    :mod:`geocomm.engine.hierarchical` algorithms call it: ``across(kind, values,
+    ranges, result, offset)`` reduces ``values`` (the node's exact sums of
+    ``ranges`` of the buffer, end to end) as tensors of their own (keys and
+    state of their own: :func:`geocomm.calls.shard_parts`)."""
+
+    def across(kind: str, values: Any, ranges: Any, result: Any, offset: int) -> None:
+        shard = calls.shard_parts(tensors, ranges)
+        if checked and isinstance(codec, calls.StatefulCodec):  # the shards' own state
+            check_consistent(
+                nodes.cross, kind, values.size, np.dtype(np.float32), "sum", codec, shard
+            )
+        mapped = result if kind == "allreduce" else None
+        _compressed(nodes.cross, codec, kind, values, shard, result, offset, stage_size, mapped)
+
+    return across
 
 
 def allgather(

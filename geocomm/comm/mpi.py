@@ -92,6 +92,22 @@ class MPICommunicator:
     def barrier(self) -> None:
         wait(MPIRequest(self.comm.Ibarrier()), "a barrier", self.rank)
 
+    def node_key(self) -> int:
+        """This rank's node: the lowest world rank sharing its memory
+        (``Split_type(COMM_TYPE_SHARED)``). Collective over this communicator."""
+        shared = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        try:
+            return int(shared.allreduce(MPI.COMM_WORLD.Get_rank(), op=MPI.MIN))
+        finally:
+            shared.Free()
+
+    def subgroups(self, groups: list[list[int]]) -> MPICommunicator:
+        """The communicator of the group (of ``groups``, a partition of the ranks) that
+        holds this rank, ranks in the group's order; ``MPI_Comm_split``, so collective:
+        every rank passes the same ``groups``."""
+        color = next(i for i, g in enumerate(groups) if self.rank in g)
+        return MPICommunicator(self.comm.Split(color, groups[color].index(self.rank)))
+
     def abort_local(self) -> None:
         """Nothing to release: MPI_Abort takes down this rank's MPI state too."""
 

@@ -450,6 +450,33 @@ class TorchDistCommunicator:
     def barrier(self) -> None:
         self._dist.barrier(group=self.group)
 
+    def node_key(self) -> int:
+        """This rank's node from torch's launcher: ``GROUP_RANK`` (torchrun's node rank),
+        else ``RANK - LOCAL_RANK``; -1 (unknown) when neither is set."""
+        env = os.environ
+        if env.get("GROUP_RANK", "").isdigit():
+            return int(env["GROUP_RANK"])
+        if env.get("RANK", "").isdigit() and env.get("LOCAL_RANK", "").isdigit():
+            return int(env["RANK"]) - int(env["LOCAL_RANK"])
+        return -1
+
+    def subgroups(self, groups: list[list[int]]) -> TorchDistCommunicator:
+        """A communicator over a new process group (this group's backend) of the ranks of
+        the group of ``groups`` (a partition of this group's ranks) that holds this
+        rank. ``new_group`` with local synchronization: only that group's ranks take
+        part, each at the same point of its collectives (every rank passes the same
+        ``groups``)."""
+        world = self._dist.get_process_group_ranks(
+            self.group if self.group is not None else self._dist.group.WORLD
+        )
+        mine = next(g for g in groups if self.rank in g)
+        group = self._dist.new_group(
+            ranks=[world[r] for r in mine],
+            backend=self._dist.get_backend(self.group),
+            use_local_synchronization=True,
+        )
+        return TorchDistCommunicator(group, device_arrays=self.device_arrays)
+
     def abort_local(self) -> None:
         """Nothing to release: ending the process frees gloo's sockets."""
 

@@ -137,3 +137,87 @@ def crossover_bytes(backend: str | None, size: int, ratio: float = FP8_RATIO) ->
             break
         found = 1 << shift
     return found
+
+
+# ---------------------------------------------------------------------------
+# two levels: ranks grouped into nodes (docs/design.md, "Node-aware collectives")
+
+
+@dataclass(frozen=True)
+class Links:
+    """What a rank of a two-level machine moves and computes per second: ``intra_Bps``,
+    bytes to the ranks of its node; ``inter_Bps``, bytes to other nodes (its share of
+    the node's NICs: one NIC of R bytes/s per rank gives R, one per node of G ranks
+    R / G); ``latency_s``, the fixed cost of one collective phase; ``codec_Bps``,
+    fp32 bytes per second through a compressed pipeline's codec work (encode, sums,
+    re-encode, decode)."""
+
+    intra_Bps: float
+    inter_Bps: float
+    latency_s: float
+    codec_Bps: float
+
+
+#: Host backends: shared memory or loopback TCP inside a node (~4 GB/s), a 10 Gbit/s
+#: NIC per rank, 50 us per phase, ~0.5 GB/s of fp32 through the C codec per core.
+HOST_LINKS = Links(intra_Bps=4e9, inter_Bps=1.25e9, latency_s=50e-6, codec_Bps=0.5e9)
+#: Device backends: NVLink inside the node (~300 GB/s per GPU), a 400 Gbit/s NIC per
+#: GPU (50 GB/s), the stage cost of :data:`DEVICE` per phase, its codec throughput.
+DEVICE_LINKS: dict[str, Links] = {
+    "nccl": Links(intra_Bps=300e9, inter_Bps=50e9, latency_s=100e-6, codec_Bps=1e12),
+}
+#: Environment overrides, GB/s (1e9 bytes per second) per rank.
+ENV_INTRA = "GEOCOMM_INTRA_GBPS"
+ENV_INTER = "GEOCOMM_INTER_GBPS"
+
+
+def links(backend: str | None, env: dict[str, str] | None = None) -> Links:
+    """The :class:`Links` of ``backend``, with ``GEOCOMM_INTRA_GBPS`` and
+    ``GEOCOMM_INTER_GBPS`` (from ``env``, a mapping like ``os.environ``) overriding
+    the bandwidths."""
+    base = DEVICE_LINKS.get(backend or "", HOST_LINKS)
+    env = env or {}
+    intra, inter = base.intra_Bps, base.inter_Bps
+    if env.get(ENV_INTRA):
+        intra = float(env[ENV_INTRA]) * 1e9
+    if env.get(ENV_INTER):
+        inter = float(env[ENV_INTER]) * 1e9
+    return Links(intra, inter, base.latency_s, base.codec_Bps)
+
+
+def flat_seconds(links: Links, nbytes: float, sizes: list[int], ratio: float) -> float:
+    """A flat compressed all-reduce of ``nbytes`` fp32 bytes on nodes of ``sizes`` ranks:
+    a rank of the smallest node (g ranks of N) sends ``2 (N - g) / N r B`` to other
+    nodes and ``2 (g - 1) / N r B`` inside its own, the codec overlapping both:
+    ``2 latency + max(cross / inter, inside / intra, B / codec)``."""
+    n, g = sum(sizes), min(sizes)
+    cross = 2 * (n - g) / n * ratio * nbytes / links.inter_Bps
+    inside = 2 * (g - 1) / n * ratio * nbytes / links.intra_Bps
+    return 2 * links.latency_s + max(cross, inside, nbytes / links.codec_Bps)
+
+
+def node_seconds(links: Links, nbytes: float, sizes: list[int], ratio: float) -> float:
+    """The node-aware all-reduce: an exact reduce-scatter and an all-gather of fp32 in
+    the largest node (``(G - 1) / G B`` each way), and a compressed all-reduce of a
+    ``1 / w`` shard (w: the smallest node's ranks) over the ``M`` nodes:
+    ``4 latency + 2 (G - 1) / G B / intra + max(2 (M - 1) / M r B / w / inter, B / w / codec)``."""
+    m, g, w = len(sizes), max(sizes), min(sizes)
+    inside = 2 * (g - 1) / g * nbytes / links.intra_Bps
+    shard = nbytes / w
+    cross = 2 * (m - 1) / m * ratio * shard / links.inter_Bps
+    return 4 * links.latency_s + inside + max(cross, shard / links.codec_Bps)
+
+
+def node_aware_pays(
+    backend: str | None,
+    nbytes: float,
+    sizes: list[int],
+    ratio: float = FP8_RATIO,
+    env: dict[str, str] | None = None,
+) -> bool:
+    """Whether ``auto`` goes node-aware: never on one node or one rank per node (the two
+    algorithms are then one), else when :func:`node_seconds` beats :func:`flat_seconds`."""
+    if len(sizes) <= 1 or max(sizes) <= 1:
+        return False
+    model = links(backend, env)
+    return node_seconds(model, nbytes, sizes, ratio) < flat_seconds(model, nbytes, sizes, ratio)
