@@ -402,14 +402,14 @@ def ddp_rows(device: Any, mpi: Any, seed: int, steps: int) -> list[dict[str, Any
                 model(x).float().pow(2).mean().backward()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                for buffer, params, _ in seen:
-                    want = geocomm.allreduce(
-                        buffer.cpu(),
-                        codec="fp8",
-                        op="avg",
-                        comm=mpi,
-                        stage_size=state.reducer.stage_size,
-                    )
+                for buffer, params, index in seen:
+                    # the hook sends a bucket's tensors in its layout's order (module order)
+                    line, group = buffer.cpu().view(1, -1), state.layout(params, index).compressed
+                    total = geocomm.allreduce(group.take(line), codec="fp8", op="avg", comm=mpi,
+                                              stage_size=state.reducer.stage_size)  # fmt: skip
+                    want = line.clone()
+                    group.put(want, total)
+                    want = want.view(-1)
                     got = torch.cat([p.grad.reshape(-1) for p in params])
                     diffs.append(value_diff(_torch_bits(got), _torch_bits(want)))
                 buckets += len(seen)
