@@ -48,11 +48,9 @@ See docs/design.md, "The torch.distributed backend".
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -60,6 +58,19 @@ import torch
 import torch.distributed as dist
 
 from geocomm.adapters import arrays, checkpoint
+from geocomm.adapters.backend_exact import ExactCalls
+from geocomm.adapters.backend_parts import (
+    FLOATS,
+    BackendConfig,
+    BackendStats,
+    FutureWork,
+    Keys,
+    ProcessGroupBase,
+    env_config,
+    first_tensor,
+    new_config,
+    op_name,
+)
 from geocomm.adapters.worker import Worker
 from geocomm.codecs.base import Codec
 from geocomm.collectives import CollectiveMismatchError, resolve_codec
@@ -80,162 +91,9 @@ __all__ = [
 
 #: the backend's name for ``init_process_group`` and ``new_group``
 NAME = "geocomm"
-#: the calls that may be compressed (names for :func:`configure`'s ``compress``)
-KINDS = ("all_reduce", "reduce_scatter")
-FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@dataclass(frozen=True)
-class BackendConfig:
-    """What a geocomm process group compresses, and how.
-
-    ``codec``: codec id, config dict or Codec (a Codec instance is shared by
-    the groups made while it is configured); ``min_numel``: smaller tensors
-    go exact; ``compress``: which of ``"all_reduce"``, ``"reduce_scatter"``
-    are compressed; ``check``: compare every compressed call's metadata across
-    ranks first (one small all-gather); ``stage_size``: the pipeline's stage
-    size (None: the collectives' default).
-    """
-
-    codec: Any = "fp8"
-    min_numel: int = 16384
-    compress: tuple[str, ...] = KINDS
-    check: bool = True
-    stage_size: int | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.min_numel, int) or self.min_numel < 1:
-            raise ValueError(f"min_numel must be a positive integer, got {self.min_numel!r}")
-        bad = [k for k in self.compress if k not in KINDS]
-        if isinstance(self.compress, str) or bad:
-            raise ValueError(f"compress takes names from {KINDS}, got {self.compress!r}")
-
-
-def _env_config() -> dict[str, Any]:
-    """``GEOCOMM_CODEC`` (an id, or a JSON config) and ``GEOCOMM_MIN_NUMEL``."""
-    fields: dict[str, Any] = {}
-    codec = os.environ.get("GEOCOMM_CODEC", "").strip()
-    if codec:
-        fields["codec"] = json.loads(codec) if codec.startswith("{") else codec
-    numel = os.environ.get("GEOCOMM_MIN_NUMEL", "").strip()
-    if numel:
-        fields["min_numel"] = int(numel)
-    return fields
 
 
 _configured: dict[str, Any] = {}  # what configure() set without a group
-
-
-def _new_config() -> BackendConfig:
-    """A new group's configuration: configure()'s, over the environment's, over the defaults."""
-    return BackendConfig(**{**_env_config(), **_configured})
-
-
-@dataclass
-class BackendStats:
-    """What one group did: ``sent`` bytes and ``transfers`` counted at the compressed
-    communicator (this rank's own segments, metadata checks included), ``baseline``
-    bytes the uncompressed ring would have sent for the same calls, the number of
-    ``compressed`` and ``exact`` calls, ``values`` compressed, ``steps`` begun."""
-
-    sent: int = 0
-    transfers: int = 0
-    baseline: int = 0
-    compressed: int = 0
-    exact: int = 0
-    values: int = 0
-    steps: int = 0
-    exact_by_call: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def ratio(self) -> float:
-        """Baseline bytes over sent bytes (0 before any compressed call)."""
-        return self.baseline / self.sent if self.sent else 0.0
-
-
-class _Keys:
-    """The keys of one group's compressed calls (see the module docstring): decided from
-    the sequence of the calls' (kind, numel, dtype) alone, which every rank shares."""
-
-    def __init__(self) -> None:
-        self.counts: dict[tuple, int] = {}
-        self.steps = 0
-        self.manual = False  # step() was called: steps end there only
-
-    def new_step(self, manual: bool = False) -> None:
-        self.counts.clear()
-        self.steps += 1
-        self.manual = self.manual or manual
-
-    def key(self, signature: tuple) -> tuple:
-        if not self.manual and signature in self.counts:  # a repeat: a new step begins
-            self.new_step()
-        j = self.counts.get(signature, 0)
-        self.counts[signature] = j + 1
-        return (*signature, j)
-
-
-# torch's stubs overload the collectives' signatures (the Python conveniences beside the
-# C++ ones this class overrides): typed as Any, the bases leave the overrides unchecked
-_ProcessGroup: Any = dist.ProcessGroup
-_Work: Any = dist.Work
-
-
-class _FutureWork(_Work):
-    """A ``Work`` whose result is ``future``'s: ``wait()`` raises the job's own exception
-    (a :class:`CollectiveMismatchError` stays one); C++ callers (DDP) use the future."""
-
-    def __init__(self, future: torch.futures.Future):
-        super().__init__()
-        self._future = future
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        self._future.wait()
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def is_success(self) -> bool:
-        if not self._future.done():
-            return False
-        try:
-            self._future.value()
-        except Exception:
-            return False
-        return True
-
-    def result(self) -> list[torch.Tensor]:
-        return self._future.value()
-
-
-def _done_work(value: Any) -> _FutureWork:
-    future: torch.futures.Future = torch.futures.Future()
-    future.set_result(value)
-    return _FutureWork(future)
-
-
-def _op_name(op: Any) -> str | None:
-    """ "sum" or "avg" for the reduce ops geocomm compresses, else None."""
-    if op == dist.ReduceOp.SUM:
-        return "sum"
-    if op == dist.ReduceOp.AVG:
-        return "avg"
-    return None
-
-
-def _first_tensor(args: Iterable[Any]) -> torch.Tensor | None:
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return a
-        if isinstance(a, (list, tuple)):
-            found = _first_tensor(a)
-            if found is not None:
-                return found
-    return None
 
 
 def _detached_group(backend: Any, store: Any, rank: int, size: int, cuda: bool) -> Any:
@@ -266,7 +124,7 @@ class _Device:
         self.exact, self.comm = exact, comm
 
 
-class GeocommProcessGroup(_ProcessGroup):
+class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
     """The process group ``init_process_group("geocomm")`` and ``new_group(backend=
     "geocomm")`` return (see the module docstring). Made by torch.distributed on
     every rank of the group, from its store."""
@@ -283,9 +141,9 @@ class GeocommProcessGroup(_ProcessGroup):
         super().__init__(rank, size)
         self.group_id, self.timeout = group_id, timeout
         self.ranks = list(ranks) or list(range(size))
-        self.config = _new_config()
+        self.config = new_config(_configured)
         self.codec: Codec = resolve_codec(self.config.codec)
-        self._keys = _Keys()
+        self._keys = Keys()
         self._stats = BackendStats()
         self._lock = threading.Lock()  # the counters: exact calls may come from any thread
         self._worker = Worker(f"geocomm-backend-{group_id}")
@@ -335,7 +193,7 @@ class GeocommProcessGroup(_ProcessGroup):
         with self._lock:
             self._stats.exact += 1
             self._stats.exact_by_call[call] = self._stats.exact_by_call.get(call, 0) + 1
-        return self._device(_first_tensor(args)).exact
+        return self._device(first_tensor(args)).exact
 
     # -- the compressed calls ---------------------------------------------------
 
@@ -345,7 +203,7 @@ class GeocommProcessGroup(_ProcessGroup):
         """ "sum"/"avg" when this call of ``tensor`` (``numel`` values in all, default
         the tensor's) is compressed, else None."""
         config = self.config
-        name = _op_name(op)
+        name = op_name(op)
         if (
             name is None
             or kind not in config.compress
@@ -380,7 +238,7 @@ class GeocommProcessGroup(_ProcessGroup):
 
     def _submit(
         self, kind: str, tensor: torch.Tensor, run: Callable[..., None], result: list
-    ) -> _FutureWork:
+    ) -> FutureWork:
         """Queue ``run(options)`` for the worker (``options``: the collective's keywords
         codec, key, comm, check, stage_size); the work's
         value is ``result`` once it ran. Key, codec and settings are fixed now, in
@@ -413,7 +271,7 @@ class GeocommProcessGroup(_ProcessGroup):
                 future.set_result(result)
 
         self._worker.submit(job, future)
-        return _FutureWork(future)
+        return FutureWork(future)
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.AllreduceOptions()
@@ -429,7 +287,7 @@ class GeocommProcessGroup(_ProcessGroup):
 
     def _reduce_scatter_flat(
         self, output: torch.Tensor, flat: torch.Tensor, op: str, keep: list
-    ) -> _FutureWork:
+    ) -> FutureWork:
         def run(options: dict[str, Any]) -> None:
             shard = arrays.reduce_scatter(flat.view(-1), op=op, **options)
             output.view(-1).copy_(shard)
@@ -474,126 +332,6 @@ class GeocommProcessGroup(_ProcessGroup):
         return self._reduce_scatter_flat(output, flat, op, output_tensors)
 
     # -- exact reductions (gloo has no AVG: a SUM, divided afterwards) ----------
-
-    def _exact_reduce(self, call: str, args: Sequence[Any], opts: Any, results: list) -> Any:
-        inner = self._exact(call, args)
-        tensor = _first_tensor(args)
-        emulate = (
-            opts.reduceOp == dist.ReduceOp.AVG
-            and tensor is not None
-            and tensor.device.type == "cpu"
-            and tensor.is_floating_point()
-        )
-        if not emulate:
-            return getattr(inner, call)(*args, opts)
-        summed = type(opts)()
-        for name in ("timeout", "asyncOp"):
-            if hasattr(opts, name):
-                setattr(summed, name, getattr(opts, name))
-        summed.reduceOp = dist.ReduceOp.SUM
-        work = getattr(inner, call)(*args, summed)
-        size = self._size
-
-        def divide() -> list:
-            for t in results:
-                t.div_(size)
-            return results
-
-        return _then(work, divide)
-
-    # -- everything else: exact, through the wrapped backend --------------------
-
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
-        return self._exact_reduce("allreduce_coalesced", (tensors,), opts, tensors)
-
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.ReduceOptions()
-        return self._exact("reduce", (tensors,)).reduce(tensors, opts)
-
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.BroadcastOptions()
-        return self._exact("broadcast", (tensors,)).broadcast(tensors, opts)
-
-    def allgather(self, output_tensors: list, input_tensors: list, opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.distributed_c10d.AllgatherOptions()
-        inner = self._exact("allgather", (input_tensors,))
-        return inner.allgather(output_tensors, input_tensors, opts)
-
-    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None):
-        opts = opts if opts is not None else dist.distributed_c10d.AllgatherOptions()
-        return self._exact("_allgather_base", (input,))._allgather_base(output, input, opts)
-
-    all_gather_single = _allgather_base  # the name torch >= 2.13 calls
-
-    def allgather_coalesced(self, output_lists: list, input_list: list, opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.distributed_c10d.AllgatherOptions()
-        inner = self._exact("allgather_coalesced", (input_list,))
-        return inner.allgather_coalesced(output_lists, input_list, opts)
-
-    def allgather_into_tensor_coalesced(self, outputs: list, inputs: list, opts: Any = None):
-        opts = opts if opts is not None else dist.distributed_c10d.AllgatherOptions()
-        inner = self._exact("allgather_into_tensor_coalesced", (inputs,))
-        works = [inner._allgather_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return _all_of(works, outputs)
-
-    all_gather_single_coalesced = allgather_into_tensor_coalesced
-
-    def reduce_scatter_tensor_coalesced(self, outputs: list, inputs: list, opts: Any = None):
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
-        works = [
-            self._exact_reduce("_reduce_scatter_base", (o, i), opts, [o])
-            for o, i in zip(outputs, inputs, strict=True)
-        ]
-        return _all_of(works, outputs)
-
-    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
-
-    def gather(self, output_tensors: list, input_tensors: list, opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.GatherOptions()
-        inner = self._exact("gather", (input_tensors,))
-        return inner.gather(output_tensors, input_tensors, opts)
-
-    def scatter(self, output_tensors: list, input_tensors: list, opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.ScatterOptions()
-        inner = self._exact("scatter", (output_tensors,))
-        return inner.scatter(output_tensors, input_tensors, opts)
-
-    def alltoall_base(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_split_sizes: list[int],
-        input_split_sizes: list[int],
-        opts: Any = None,
-    ) -> Any:
-        opts = opts if opts is not None else dist.AllToAllOptions()
-        inner = self._exact("alltoall_base", (input,))
-        return inner.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
-
-    all_to_all_single = alltoall_base  # the name torch >= 2.13 calls
-
-    def alltoall(self, output_tensors: list, input_tensors: list, opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.AllToAllOptions()
-        inner = self._exact("alltoall", (input_tensors,))
-        return inner.alltoall(output_tensors, input_tensors, opts)
-
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
-        return self._exact("send", (tensors,)).send(tensors, dst, tag)
-
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
-        return self._exact("recv", (tensors,)).recv(tensors, src, tag)
-
-    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
-        return self._exact("recv_anysource", (tensors,)).recv_anysource(tensors, tag)
-
-    def barrier(self, opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.BarrierOptions()
-        return self._exact("barrier", ()).barrier(opts)
-
-    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> Any:
-        inner = self._exact("monitored_barrier", ())
-        return inner.monitored_barrier(timeout or self.timeout, wait_all_ranks)
 
     # -- life cycle ---------------------------------------------------------------
 
@@ -673,43 +411,8 @@ class GeocommProcessGroup(_ProcessGroup):
         checkpoint.load_codec_state(self.codec, state, [], "the geocomm backend")
         with self._lock:
             manual = self._keys.manual
-            self._keys = _Keys()
+            self._keys = Keys()
             self._keys.steps, self._keys.manual = int(state["steps"]), manual
-
-
-def _future_of(work: Any) -> torch.futures.Future:
-    """``work``'s future; for a work without one (gloo's reduce-scatter), a completed
-    future after waiting for it here."""
-    try:
-        return work.get_future()
-    except RuntimeError:  # "Work::getFuture not implemented"
-        work.wait()
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(None)
-        return future
-
-
-def _then(work: Any, finish: Callable[[], list]) -> _FutureWork:
-    """A work that completes with ``finish()`` once ``work`` did."""
-
-    def done(f: torch.futures.Future) -> list:
-        f.value()  # raises the work's exception
-        return finish()
-
-    return _FutureWork(_future_of(work).then(done))
-
-
-def _all_of(works: list, value: list) -> _FutureWork:
-    """One work that completes when every one of ``works`` did, with ``value``."""
-    if not works:
-        return _done_work(value)
-
-    def done(f: torch.futures.Future) -> list:
-        for each in f.value():
-            each.value()  # raises a failed one's exception
-        return value
-
-    return _FutureWork(torch.futures.collect_all([_future_of(w) for w in works]).then(done))
 
 
 # ---------------------------------------------------------------------------
@@ -740,7 +443,7 @@ def configure(group: Any = None, **fields: Any) -> BackendConfig:
     """
     if group is not None:
         return _group(group).configure(**fields)
-    trial = BackendConfig(**{**_env_config(), **_configured, **fields})
+    trial = BackendConfig(**{**env_config(), **_configured, **fields})
     resolve_codec(trial.codec)  # a bad codec fails here
     _configured.update(fields)
     return trial

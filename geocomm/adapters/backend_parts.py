@@ -1,0 +1,209 @@
+"""The parts of the torch.distributed backend (adapters/torch_backend.py) that hold
+no process group: its configuration and counters, the keys of its compressed calls,
+and the ``Work`` objects it returns."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+#: the calls that may be compressed (names for :func:`configure`'s ``compress``)
+KINDS = ("all_reduce", "reduce_scatter")
+
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """What a geocomm process group compresses, and how.
+
+    ``codec``: codec id, config dict or Codec (a Codec instance is shared by
+    the groups made while it is configured); ``min_numel``: smaller tensors
+    go exact; ``compress``: which of ``"all_reduce"``, ``"reduce_scatter"``
+    are compressed; ``check``: compare every compressed call's metadata across
+    ranks first (one small all-gather); ``stage_size``: the pipeline's stage
+    size (None: the collectives' default).
+    """
+
+    codec: Any = "fp8"
+    min_numel: int = 16384
+    compress: tuple[str, ...] = KINDS
+    check: bool = True
+    stage_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_numel, int) or self.min_numel < 1:
+            raise ValueError(f"min_numel must be a positive integer, got {self.min_numel!r}")
+        bad = [k for k in self.compress if k not in KINDS]
+        if isinstance(self.compress, str) or bad:
+            raise ValueError(f"compress takes names from {KINDS}, got {self.compress!r}")
+
+
+def env_config() -> dict[str, Any]:
+    """``GEOCOMM_CODEC`` (an id, or a JSON config) and ``GEOCOMM_MIN_NUMEL``."""
+    fields: dict[str, Any] = {}
+    codec = os.environ.get("GEOCOMM_CODEC", "").strip()
+    if codec:
+        fields["codec"] = json.loads(codec) if codec.startswith("{") else codec
+    numel = os.environ.get("GEOCOMM_MIN_NUMEL", "").strip()
+    if numel:
+        fields["min_numel"] = int(numel)
+    return fields
+
+
+def new_config(configured: dict[str, Any]) -> BackendConfig:
+    """A new group's configuration: ``configured`` (what configure() set), over the
+    environment's, over the defaults."""
+    return BackendConfig(**{**env_config(), **configured})
+
+
+@dataclass
+class BackendStats:
+    """What one group did: ``sent`` bytes and ``transfers`` counted at the compressed
+    communicator (this rank's own segments, metadata checks included), ``baseline``
+    bytes the uncompressed ring would have sent for the same calls, the number of
+    ``compressed`` and ``exact`` calls, ``values`` compressed, ``steps`` begun."""
+
+    sent: int = 0
+    transfers: int = 0
+    baseline: int = 0
+    compressed: int = 0
+    exact: int = 0
+    values: int = 0
+    steps: int = 0
+    exact_by_call: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        """Baseline bytes over sent bytes (0 before any compressed call)."""
+        return self.baseline / self.sent if self.sent else 0.0
+
+
+class Keys:
+    """The keys of one group's compressed calls (see the module docstring): decided from
+    the sequence of the calls' (kind, numel, dtype) alone, which every rank shares."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple, int] = {}
+        self.steps = 0
+        self.manual = False  # step() was called: steps end there only
+
+    def new_step(self, manual: bool = False) -> None:
+        self.counts.clear()
+        self.steps += 1
+        self.manual = self.manual or manual
+
+    def key(self, signature: tuple) -> tuple:
+        if not self.manual and signature in self.counts:  # a repeat: a new step begins
+            self.new_step()
+        j = self.counts.get(signature, 0)
+        self.counts[signature] = j + 1
+        return (*signature, j)
+
+
+# torch's stubs overload the collectives' signatures (the Python conveniences beside the
+# C++ ones this class overrides): typed as Any, the bases leave the overrides unchecked
+ProcessGroupBase: Any = dist.ProcessGroup
+
+
+WorkBase: Any = dist.Work
+
+
+class FutureWork(WorkBase):
+    """A ``Work`` whose result is ``future``'s: ``wait()`` raises the job's own exception
+    (a :class:`CollectiveMismatchError` stays one); C++ callers (DDP) use the future."""
+
+    def __init__(self, future: torch.futures.Future):
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        if not self._future.done():
+            return False
+        try:
+            self._future.value()
+        except Exception:
+            return False
+        return True
+
+    def result(self) -> list[torch.Tensor]:
+        return self._future.value()
+
+
+def done_work(value: Any) -> FutureWork:
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(value)
+    return FutureWork(future)
+
+
+def op_name(op: Any) -> str | None:
+    """ "sum" or "avg" for the reduce ops geocomm compresses, else None."""
+    if op == dist.ReduceOp.SUM:
+        return "sum"
+    if op == dist.ReduceOp.AVG:
+        return "avg"
+    return None
+
+
+def first_tensor(args: Iterable[Any]) -> torch.Tensor | None:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+        if isinstance(a, (list, tuple)):
+            found = first_tensor(a)
+            if found is not None:
+                return found
+    return None
+
+
+def future_of(work: Any) -> torch.futures.Future:
+    """``work``'s future; for a work without one (gloo's reduce-scatter), a completed
+    future after waiting for it here."""
+    try:
+        return work.get_future()
+    except RuntimeError:  # "Work::getFuture not implemented"
+        work.wait()
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+
+def then_work(work: Any, finish: Callable[[], list]) -> FutureWork:
+    """A work that completes with ``finish()`` once ``work`` did."""
+
+    def done(f: torch.futures.Future) -> list:
+        f.value()  # raises the work's exception
+        return finish()
+
+    return FutureWork(future_of(work).then(done))
+
+
+def all_of(works: list, value: list) -> FutureWork:
+    """One work that completes when every one of ``works`` did, with ``value``."""
+    if not works:
+        return done_work(value)
+
+    def done(f: torch.futures.Future) -> list:
+        for each in f.value():
+            each.value()  # raises a failed one's exception
+        return value
+
+    return FutureWork(torch.futures.collect_all([future_of(w) for w in works]).then(done))
