@@ -6,8 +6,7 @@ import torch
 import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-import geocomm.adapters.torch                 # registers the backend "geocomm"
-from geocomm.adapters import torch_backend
+from geocomm.adapters import torch_backend  # registers the backend "geocomm"
 
 dist.init_process_group("geocomm")            # under torchrun; the Trainer uses this group
 
