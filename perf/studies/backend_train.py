@@ -41,6 +41,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
+from ddp_train import strip_options  # noqa: E402  (perf/studies/ddp_train.py)
 
 from geocomm.testing import yardstick, yardstick_line  # noqa: E402
 
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         job_json = Path(tmp) / "job.json"
         worker = [sys.executable, str(Path(__file__)), "--worker", "--worker-json", str(job_json)]
-        worker += _strip(given, ("--out", "--rate"))
+        worker += strip_options(given, ("--out", "--rate"))
         cmd = [sys.executable, str(ROOT / "perf" / "emulated_link.py"), "--rate", args.rate]
         cmd += ["-n", "2", "--", *worker]
         print("#", shlex.join(cmd), flush=True)
@@ -227,19 +228,6 @@ def main(argv: list[str] | None = None) -> int:
     write_report(result, Path(args.out))
     print(Path(args.out).with_suffix(".md").read_text())
     return 0
-
-
-def _strip(argv: list[str], options: tuple[str, ...]) -> list[str]:
-    """argv without ``options`` and their values (``--opt v`` or ``--opt=v``)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in options:
-            skip = True
-        elif not a.startswith(tuple(o + "=" for o in options)):
-            out.append(a)
-    return out
 
 
 if __name__ == "__main__":

@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.worker_json).write_text(json.dumps(result))
         return 0
     given = argv if argv is not None else sys.argv[1:]
-    passthrough = _strip(given, ("--out", "--skip", "--rate", "--load"))
+    passthrough = strip_options(given, ("--out", "--skip", "--rate", "--load"))
     result: dict[str, Any] = {
         "host": f"{platform.node()}, {os.cpu_count()} cores",
         "command": shlex.join(["python", "perf/studies/ddp_train.py", *given]),
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _strip(argv: list[str], options: tuple[str, ...]) -> list[str]:
+def strip_options(argv: list[str], options: tuple[str, ...]) -> list[str]:
     """argv without ``options`` and their values (``--opt v`` or ``--opt=v``)."""
     out, skip = [], False
     for a in argv:
