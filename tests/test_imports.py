@@ -175,6 +175,18 @@ def test_geocomm_imports_go_one_way():
     assert not problems, "\n".join(problems)
 
 
+def test_codec_roles_stand_apart():
+    """The contract imports nothing of geocomm and frames no registry (docs/design.md,
+    module table): a codec author reads ``base.py`` alone."""
+    path = ROOT / "geocomm" / "codecs"
+    contract = imports_of(path / "base.py", "geocomm.codecs.base", set(), "geocomm")
+    assert contract == []
+    frames = {
+        t for t, _, _ in imports_of(path / "frames.py", "geocomm.codecs.frames", set(), "geocomm")
+    }
+    assert frames <= {"geocomm.codecs.base", "geocomm.deprecation"}, frames
+
+
 def test_perf_imports_only_public_geocomm_names():
     problems = []
     for path in sorted((ROOT / "perf").rglob("*.py")):

@@ -16,7 +16,7 @@ from geocomm.codecs.formats import (
     NoneCodec,
     NVFP4Codec,
 )
-from geocomm.codecs.frames import parse_frame
+from geocomm.codecs.frames import FramedCodec, parse_frame
 from geocomm.codecs.geo import GeoFP8Codec, GeoNVFP4Codec, HadamardCodec
 from geocomm.codecs.registry import frame_body_size, get_codec, register_codec, registered_ids
 
@@ -46,6 +46,7 @@ __all__ = [
     "Codec",
     "ErrorFeedbackCodec",
     "FP8Codec",
+    "FramedCodec",
     "GeoFP8Codec",
     "GeoNVFP4Codec",
     "HadamardCodec",

@@ -20,6 +20,7 @@ import numpy as np
 
 from geocomm.codecs.base import Codec
 from geocomm.codecs.formats import NoneCodec
+from geocomm.codecs.frames import FramedCodec
 from geocomm.engine import costs
 
 #: The host backends' crossover (measured: see geocomm.engine.costs.HOST_CROSSOVER_BYTES).
@@ -28,7 +29,7 @@ DEFAULT_CROSSOVER_BYTES = costs.HOST_CROSSOVER_BYTES
 _RATIO_VALUES = 1 << 20
 
 
-class AutoCodec(Codec):
+class AutoCodec(FramedCodec):
     """Chooses between the plain collective and ``codec`` by message size."""
 
     codec_id: ClassVar[str] = "auto"

@@ -1,4 +1,4 @@
-"""The codec contract (the frame it writes and reads: :mod:`geocomm.codecs.frames`).
+"""The codec contract. It imports nothing of geocomm.
 
 A :class:`Codec` turns float arrays into bytes and back. It has two faces:
 
@@ -12,7 +12,9 @@ A :class:`Codec` turns float arrays into bytes and back. It has two faces:
   out, accumulate)`` on flat float32 arrays.
 
 ``get_config()`` is JSON-able and defines equality:
-``get_codec(c.get_config()) == c``.
+``get_codec(c.get_config()) == c``. :class:`geocomm.codecs.frames.FramedCodec`
+implements the standalone API over the frame format; every built-in codec
+derives from it.
 """
 
 from __future__ import annotations
@@ -25,9 +27,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from geocomm.codecs.frames import check_float_array, parse_frame, write_frame
-from geocomm.deprecation import renamed_keywords
-
 
 class Codec(ABC):
     """Base class of every geocomm codec (see the module docstring)."""
@@ -35,17 +34,6 @@ class Codec(ABC):
     codec_id: ClassVar[str]
     #: True when decode(encode(x)) == x exactly (then collectives may sum natively)
     lossless: ClassVar[bool] = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Every implementation of :meth:`encode_wire` still accepts ``stream=``, the
-        old name of ``rounding_stream=``, with a DeprecationWarning."""
-        super().__init_subclass__(**kwargs)
-        method = cls.__dict__.get("encode_wire")
-        if method is not None and not hasattr(method, "__renamed_keywords__"):
-            # wraps the subclass method itself (the deprecated alias), once per class
-            cls.encode_wire = renamed_keywords(  # type: ignore[method-assign]
-                stream="rounding_stream"
-            )(method)
 
     # ---- configuration ----------------------------------------------------
     @abstractmethod
@@ -111,41 +99,15 @@ class Codec(ABC):
         """Decode ``body`` into float32 ``out`` (the frame's shape)."""
         self.decode_wire(body, out.reshape(-1))
 
-    # ---- standalone API ----------------------------------------------------
+    # ---- standalone API (FramedCodec in geocomm.codecs.frames implements it) --
+    @abstractmethod
     def encode(self, x: np.ndarray) -> np.ndarray:
         """Self-describing frame (uint8 array) of x; any shape, a float dtype."""
-        x = check_float_array(x)
-        values = np.ascontiguousarray(x, np.float32)
-        return write_frame(
-            self.get_config(),
-            x.dtype,
-            x.shape,
-            self.frame_body_size(x.shape),
-            lambda body: self.encode_frame_body(values, body),
-        )
 
+    @abstractmethod
     def decode(self, buf: Any, out: np.ndarray | None = None) -> np.ndarray:
-        """Array from a frame of this codec; ``out`` (right shape, any float dtype) is filled."""
-        mine = self.get_config()
-
-        def body_size(config: dict[str, Any], shape: tuple[int, ...]) -> int:
-            if config != mine:
-                raise ValueError(f"frame was written by codec {config}, not {mine}")
-            return self.frame_body_size(shape)
-
-        info = parse_frame(buf, body_size)
-        if out is not None:
-            out = check_float_array(out, "out")
-            if out.shape != info.shape:
-                raise ValueError(f"out has shape {out.shape}, the frame holds {info.shape}")
-            if not out.flags.writeable:
-                raise ValueError("out is read-only")
-        result = np.empty(info.shape, np.float32)
-        self.decode_frame_body(info.body, result)
-        if out is None:
-            return result.astype(info.dtype, copy=False)
-        out[...] = result
-        return out
+        """Array from a frame of this codec; ``out`` (right shape, any float dtype) is
+        filled; ValueError on a malformed frame or one of another codec."""
 
 
 class WireOf:

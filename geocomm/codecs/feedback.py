@@ -26,9 +26,10 @@ from typing import Any
 import numpy as np
 
 from geocomm.codecs.base import Codec, StatefulCodec, TransformingCodec, WireOf
+from geocomm.codecs.frames import FramedCodec
 
 
-class ErrorFeedbackCodec(WireOf, StatefulCodec):
+class ErrorFeedbackCodec(WireOf, FramedCodec, StatefulCodec):
     """``inner`` with error feedback; its wire format and config plus ``error_feedback``."""
 
     def __init__(self, inner: Codec):

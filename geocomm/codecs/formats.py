@@ -20,10 +20,10 @@ from typing import Any, ClassVar
 import numpy as np
 
 from geocomm import native
-from geocomm.codecs.base import Codec
+from geocomm.codecs.frames import FramedCodec
 
 
-class NoneCodec(Codec):
+class NoneCodec(FramedCodec):
     """No compression: the body is the raw little-endian float32 values."""
 
     codec_id: ClassVar[str] = "none"
@@ -60,7 +60,7 @@ def _backend(array: Any) -> Any:
 ROUNDINGS = ("nearest", "stochastic")
 
 
-class NativeFormat(Codec):
+class NativeFormat(FramedCodec):
     """A codec whose body is one native format: subclasses set ``codec_id`` and
     ``_fmt`` (the format's name in ``native.FORMAT_NAMES``; its id comes from the
     compiled core when encoding, so configuring a codec needs no build) and

@@ -1,10 +1,12 @@
 """The self-describing frame: header, config, body and CRC32 (docs/design.md, "Formats").
 
 A frame carries magic, version, dtype code, shape, the codec's config (JSON),
-the body and a CRC32 of everything before it. This module writes and
-validates frames and knows nothing of codecs: the body's expected length comes
+the body and a CRC32 of everything before it. :func:`write_frame` and
+:func:`parse_frame` know nothing of codecs: the body's expected length comes
 from the caller (``body_size``: the codec, or the registry, that reads the
-frame). It imports nothing of geocomm.
+frame). :class:`FramedCodec` is the contract's standalone API over them. This
+module imports the contract (``geocomm.codecs.base``) and nothing else of
+geocomm's codecs; no registry.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+
+from geocomm.codecs.base import Codec
+from geocomm.deprecation import renamed_keywords
 
 MAGIC = b"GEOC"
 FRAME_VERSION = 1
@@ -126,3 +131,53 @@ def parse_frame(buf: Any, body_size: Callable[[dict[str, Any], tuple[int, ...]],
         raise ValueError(f"frame body has {body_len} bytes, shape {shape} needs {expected}")
     body = data[head_len : head_len + body_len]
     return FrameInfo(config, CODE_DTYPES[dtype_code], tuple(int(d) for d in shape), body)
+
+
+class FramedCodec(Codec):
+    """A :class:`~geocomm.codecs.base.Codec` whose ``encode``/``decode`` write and read
+    the frame above, its body from the codec's ``encode_frame_body`` /
+    ``decode_frame_body``. The base of every built-in codec."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every implementation of :meth:`encode_wire` still accepts ``stream=``, the
+        old name of ``rounding_stream=``, with a DeprecationWarning."""
+        super().__init_subclass__(**kwargs)
+        method = cls.__dict__.get("encode_wire")
+        if method is not None and not hasattr(method, "__renamed_keywords__"):
+            # wraps the subclass method itself (the deprecated alias), once per class
+            cls.encode_wire = renamed_keywords(  # type: ignore[method-assign]
+                stream="rounding_stream"
+            )(method)
+
+    def encode(self, x: np.ndarray) -> np.ndarray:
+        x = check_float_array(x)
+        values = np.ascontiguousarray(x, np.float32)
+        return write_frame(
+            self.get_config(),
+            x.dtype,
+            x.shape,
+            self.frame_body_size(x.shape),
+            lambda body: self.encode_frame_body(values, body),
+        )
+
+    def decode(self, buf: Any, out: np.ndarray | None = None) -> np.ndarray:
+        mine = self.get_config()
+
+        def body_size(config: dict[str, Any], shape: tuple[int, ...]) -> int:
+            if config != mine:
+                raise ValueError(f"frame was written by codec {config}, not {mine}")
+            return self.frame_body_size(shape)
+
+        info = parse_frame(buf, body_size)
+        if out is not None:
+            out = check_float_array(out, "out")
+            if out.shape != info.shape:
+                raise ValueError(f"out has shape {out.shape}, the frame holds {info.shape}")
+            if not out.flags.writeable:
+                raise ValueError("out is read-only")
+        result = np.empty(info.shape, np.float32)
+        self.decode_frame_body(info.body, result)
+        if out is None:
+            return result.astype(info.dtype, copy=False)
+        out[...] = result
+        return out

@@ -21,6 +21,7 @@ from array_api_compat import array_namespace
 
 from geocomm.codecs.base import Codec, TransformingCodec, WireOf
 from geocomm.codecs.formats import FP8Codec, NVFP4Codec
+from geocomm.codecs.frames import FramedCodec
 from geocomm.codecs.geo import kernels, policy
 from geocomm.codecs.geo.maps import HadamardPlan, SplitPlan
 from geocomm.codecs.geo.policy import DEFAULTS, TRANSFORMS, MapShape, anisotropic
@@ -58,7 +59,7 @@ class _MeasurePlan:
         return None
 
 
-class GeoCodec(WireOf, TransformingCodec):
+class GeoCodec(WireOf, FramedCodec, TransformingCodec):
     """A quantizer preceded by a geometry map (see the module docstring).
 
     Knobs (:data:`~geocomm.codecs.geo.policy.DEFAULTS`): ``transform``
