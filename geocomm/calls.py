@@ -141,10 +141,11 @@ def shard_parts(parts: list[Part], ranges: list[tuple[int, int]]) -> list[Part]:
     return result
 
 
-def _fingerprint(call: tuple[str, int, np.dtype, str], codec: Codec, parts: list[Part],
-                 topology: str) -> np.ndarray:  # fmt: skip
-    """The int64 row of a call (``call``: collective, count, dtype, op), one per field."""
-    kind, count, dtype, op = call
+def call_fingerprint(kind: str, count: int, dtype: np.dtype, op: str, codec: Codec,
+                     parts: list[Part], topology: str = "flat") -> np.ndarray:  # fmt: skip
+    """The int64 row that identifies a call on this rank (collective, count, dtype, op,
+    codec config, parts and keys, the keys' codec state, topology), one per field:
+    ranks whose rows are equal make the same call."""
     config = json.dumps(codec.get_config(), sort_keys=True).encode()
     signature = json.dumps([(repr(p.key), p.shape) for p in parts]).encode()
     state = 0
@@ -182,6 +183,21 @@ _FIELDS = (
 )
 
 
+def raise_on_mismatch(kind: str, rows: np.ndarray) -> None:
+    """Raise CollectiveMismatchError unless every rank's :func:`call_fingerprint` (one
+    row per rank, gathered) equals rank 0's; every rank holding the rows raises alike."""
+    bad = np.nonzero((rows != rows[0]).any(axis=1))[0]
+    if bad.size:
+        diffs = [_FIELDS[f] for f in np.nonzero(rows[bad[0]] != rows[0])[0]]
+        detail = ", ".join(f"rank {r}: count={rows[r, 1]}" for r in range(rows.shape[0]))
+        raise CollectiveMismatchError(
+            f"geocomm.{kind}: ranks {bad.tolist()} differ from rank 0 in {', '.join(diffs)} "
+            f"({detail}); every rank must pass the same count, dtype, op, codec, keys and "
+            "topology, and "
+            "transforming codecs must hold the same state"
+        )
+
+
 def check_consistent(
     comm: Communicator,
     kind: str,
@@ -194,17 +210,8 @@ def check_consistent(
 ) -> None:
     """Raise CollectiveMismatchError on every rank if the ranks' calls differ
     (``topology``: the requested one, ``"flat"``, ``"node"`` or ``"auto"``)."""
-    rows = comm.allgather_int64(_fingerprint((kind, count, dtype, op), codec, parts, topology))
-    bad = np.nonzero((rows != rows[0]).any(axis=1))[0]
-    if bad.size:
-        diffs = [_FIELDS[f] for f in np.nonzero(rows[bad[0]] != rows[0])[0]]
-        detail = ", ".join(f"rank {r}: count={rows[r, 1]}" for r in range(comm.size))
-        raise CollectiveMismatchError(
-            f"geocomm.{kind}: ranks {bad.tolist()} differ from rank 0 in {', '.join(diffs)} "
-            f"({detail}); every rank must pass the same count, dtype, op, codec, keys and "
-            "topology, and "
-            "transforming codecs must hold the same state"
-        )
+    row = call_fingerprint(kind, count, dtype, op, codec, parts, topology)
+    raise_on_mismatch(kind, comm.allgather_int64(row))
 
 
 _calls: dict[str, int] = {}

@@ -36,7 +36,8 @@ share a key (and a GeoFP8 basis or error-feedback residual). Calling
 and ``j`` then counts the calls of a size within the step: every call site
 keeps a key of its own. The counts never depend on memory addresses, so the
 keys agree across ranks whenever the calls do. Ranks compare each call's
-count, dtype, op, codec and key before it moves (``check``, on by default);
+count, dtype, op, codec and key before it moves (``check``, on by default;
+started when the call is made, adapters/backend_checks.py);
 calls that differ raise :class:`~geocomm.collectives.CollectiveMismatchError`
 on every rank. What the check cannot see: one rank compressing a call
 another sends exact (different ``min_numel``, dtype or op) waits on two
@@ -58,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from geocomm.adapters import arrays, checkpoint
+from geocomm.adapters.backend_checks import EarlyChecks
 from geocomm.adapters.backend_exact import ExactCalls
 from geocomm.adapters.backend_parts import (
     FLOATS,
@@ -153,6 +155,8 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
         # gloo connects every rank when it is made: both CPU backends are made now, on
         # every rank alike; NCCL connects at its first collective
         self._devices["cpu"] = self._make_device("cpu")
+        checks_store = dist.PrefixStore("geocomm/checks/", store)
+        self._checks = EarlyChecks(_gloo(checks_store, rank, size, timeout), size)
         if torch.cuda.is_available() and dist.is_nccl_available():
             self._devices["cuda"] = self._make_device("cuda")
         # the exact backends are this group's backends too: torch reads the group's name
@@ -237,14 +241,17 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
         return stack
 
     def _submit(
-        self, kind: str, tensor: torch.Tensor, run: Callable[..., None], result: list
+        self, kind: str, tensor: torch.Tensor, op: str, run: Callable[..., None], result: list
     ) -> FutureWork:
-        """Queue ``run(options)`` for the worker (``options``: the collective's keywords
-        codec, key, comm, check, stage_size); the work's
-        value is ``result`` once it ran. Key, codec and settings are fixed now, in
-        call order."""
+        """Queue ``run(options)`` (the collective's keywords codec, key, comm, check,
+        stage_size) for the worker; the work's value is ``result`` once it ran. Key,
+        codec and settings are fixed now, in call order; so is a stateless codec's
+        metadata check started (adapters/backend_checks.py)."""
         key = self._key(kind, tensor)
         config, codec, comm = self.config, self.codec, self._device(tensor).comm
+        resolved = codec.for_count(tensor.numel(), comm.backend, comm.size)
+        early = config.check and EarlyChecks.applies(resolved)
+        wait_check = self._checks.start(kind, tensor, op, resolved, key) if early else None
         itemsize = tensor.element_size()
         factor = 2 if kind == "all_reduce" else 1
         with self._lock:
@@ -263,7 +270,10 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
         def job() -> None:
             with self._stream_context(tensor.device, ready):
                 try:
-                    run({"codec": codec, "key": key, "comm": comm, "check": config.check,
+                    if wait_check is not None:
+                        wait_check()
+                    run({"codec": codec, "key": key, "comm": comm,
+                         "check": config.check and not early,
                          "stage_size": config.stage_size})  # fmt: skip
                 except CollectiveMismatchError as exc:
                     raise CollectiveMismatchError(f"{what}: {exc}") from exc
@@ -283,7 +293,7 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
         def run(options: dict[str, Any]) -> None:
             arrays.allreduce(tensor, op=op, out=tensor, **options)
 
-        return self._submit("all_reduce", tensor, run, tensors)
+        return self._submit("all_reduce", tensor, op, run, tensors)
 
     def _reduce_scatter_flat(
         self, output: torch.Tensor, flat: torch.Tensor, op: str, keep: list
@@ -292,7 +302,7 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
             shard = arrays.reduce_scatter(flat.view(-1), op=op, **options)
             output.view(-1).copy_(shard)
 
-        return self._submit("reduce_scatter", flat, run, keep)
+        return self._submit("reduce_scatter", flat, op, run, keep)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
@@ -331,8 +341,6 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
         flat = torch.cat([p.reshape(-1) for p in pieces])
         return self._reduce_scatter_flat(output, flat, op, output_tensors)
 
-    # -- exact reductions (gloo has no AVG: a SUM, divided afterwards) ----------
-
     # -- life cycle ---------------------------------------------------------------
 
     def flush(self) -> None:
@@ -344,9 +352,9 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
     def shutdown(self) -> None:
         """Let queued compressed calls finish and stop the worker thread."""
         self._worker.close()
-        for device in self._devices.values():
+        for exact in [d.exact for d in self._devices.values()] + [self._checks.group]:
             with contextlib.suppress(Exception):
-                device.exact.shutdown()
+                exact.shutdown()
 
     def abort(self) -> None:
         self.shutdown()
@@ -369,7 +377,7 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
         """A copy of the counters, with the compressed communicators' bytes."""
         with self._lock:
             out = replace(self._stats, exact_by_call=dict(self._stats.exact_by_call))
-        out.sent = sum(d.comm.sent for d in self._devices.values())
+        out.sent = sum(d.comm.sent for d in self._devices.values()) + self._checks.sent
         out.transfers = sum(d.comm.calls for d in self._devices.values())
         return out
 
@@ -378,6 +386,7 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
             self._stats = BackendStats(steps=self._keys.steps)
         for d in self._devices.values():
             d.comm.reset()
+        self._checks.sent = 0
 
     def new_step(self) -> None:
         """Begin a step of the keys now; from then on steps end only here."""

@@ -274,12 +274,18 @@ def test_state_dict_round_trip_and_world_size_check(comm):
 
 
 @pytestmark_mpi
-def test_mismatch_raises_on_every_rank_and_the_group_goes_on(comm):
-    group = _geocomm_group()
+@pytest.mark.parametrize("codec", ["fp8", "geofp8"])
+def test_mismatch_raises_on_every_rank_and_the_group_goes_on(comm, codec):
+    """fp8 checks when the call is made (adapters/backend_checks.py), geofp8 (stateful)
+    on the worker; either way before any payload moves: a 2000-value fp8 payload
+    is over 2000 bytes, a check's all-gather 64 bytes per peer."""
+    group = _geocomm_group(codec=codec)
     rank, size = dist.get_rank(), dist.get_world_size()
     t = torch.ones(2000 + 100 * rank)  # every rank compresses, counts differ
+    before = tb.stats(group).sent
     with pytest.raises(CollectiveMismatchError, match="count"):
         dist.all_reduce(t, group=group)
+    assert tb.stats(group).sent - before <= 64 * (size - 1)
     ok = torch.ones(2000)
     dist.all_reduce(ok, group=group)
     assert torch.equal(ok, torch.full((2000,), float(size)))

@@ -1,0 +1,71 @@
+"""The torch.distributed backend's metadata check, started when a call is made.
+
+A compressed call's check (:func:`geocomm.calls.check_consistent`: one tiny
+all-gather of every rank's :func:`~geocomm.calls.call_fingerprint`) run on the
+worker just before the call would leave the link idle for a round trip after
+every call, behind the previous call's bytes. :class:`EarlyChecks` instead
+starts the all-gather on a gloo group of its own when the call is submitted, in
+submission order (the same on every rank), so the round trip overlaps the
+previous call's transfer; the worker waits for it, and raises on a mismatch,
+before the call's own bytes move, so a mismatched call never sends.
+
+Only for stateless codecs: a stateful codec's fingerprint holds its keys'
+state, which a call still queued may change, so those calls check on the worker
+(``check=True`` into the collective).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from geocomm.adapters._torch_grads import NUMPY_DTYPES
+from geocomm.calls import call_fingerprint, parts_of, raise_on_mismatch
+from geocomm.codecs.base import Codec, StatefulCodec
+from geocomm.collectives import requested_topology
+
+#: what an early check's ``wait`` is: raises CollectiveMismatchError if ranks differ
+Wait = Callable[[], None]
+
+
+class EarlyChecks:
+    """Starts the metadata check of a compressed call on ``group`` (a gloo
+    ``ProcessGroup`` of ``size`` ranks used for nothing else)."""
+
+    def __init__(self, group: Any, size: int):
+        self.group, self.size = group, size
+        self.sent = 0  # bytes this rank sent in checks (the ring all-gather's)
+
+    @staticmethod
+    def applies(codec: Codec) -> bool:
+        """Whether a call of ``codec`` (as the collective resolves it for the call's
+        count) may check early: the codec keeps no state."""
+        return not isinstance(codec, StatefulCodec)
+
+    def start(self, kind: str, tensor: torch.Tensor, op: str, codec: Codec, key: Any) -> Wait:
+        """Start the all-gather of this rank's fingerprint of the call (``kind``:
+        "allreduce" or "reduce_scatter"; ``codec`` as the collective resolves it) and
+        return the function that waits for it and compares the rows."""
+        shape = tuple(tensor.shape)
+        row = call_fingerprint(
+            kind,
+            tensor.numel(),
+            np.dtype(NUMPY_DTYPES[tensor.dtype]),
+            op,
+            codec,
+            parts_of(shape, tensor.numel(), key, None),
+            requested_topology(None),
+        )
+        send = torch.from_numpy(row)
+        rows = torch.empty((self.size, row.size), dtype=torch.int64)
+        work = self.group.allgather([list(rows.unbind(0))], [send])
+        self.sent += row.nbytes * (self.size - 1)
+
+        def wait() -> None:
+            work.wait()
+            raise_on_mismatch(kind, rows.numpy())
+
+        return wait
