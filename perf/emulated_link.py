@@ -64,6 +64,24 @@ def remove_namespace(name: str) -> None:
     subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
+def namespace_problem() -> str | None:
+    """Why this machine cannot run an emulated link (not root, no ``ip``/``tc``, no
+    namespaces or no tbf in this kernel or container); None when it can: a probe
+    namespace is made, shaped and removed."""
+    if os.geteuid() != 0:
+        return "not root (network namespaces and tc need root)"
+    name = f"geocomm-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        setup_namespace(name, "10gbit", None, "128kb")
+    except FileNotFoundError as exc:
+        return f"{exc.filename} is not installed"
+    except subprocess.CalledProcessError as exc:
+        return f"`{shlex.join(exc.cmd)}` failed: {exc.stderr.strip()}"
+    finally:
+        remove_namespace(name)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rate", default="10gbit", help="link rate in tc units (1gbit, 10gbit...)")

@@ -30,13 +30,8 @@ def label(report: dict) -> str:
     return config["id"] + (f"({extra})" if extra else "")
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("inputs", nargs="+", help="JSON files from all_reduce_perf -J (baseline first)")
-    p.add_argument("--out", required=True, help="output path without suffix")
-    p.add_argument("--title", default="")
-    args = p.parse_args()
-    reports = [json.loads(Path(f).read_text()) for f in args.inputs]
+def plot(reports: list[dict], png: str | Path, title: str = "") -> None:
+    """Bus bandwidth and relative error against message size, one line per report, into ``png``."""
     fig, (bw, err) = plt.subplots(1, 2, figsize=(11, 4))
     for r in reports:
         sizes = [row["size"] for row in r["rows"]]
@@ -49,9 +44,20 @@ def main() -> int:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     err.set_yscale("log")
-    fig.suptitle(args.title)
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(f"{args.out}.png", dpi=110)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("inputs", nargs="+", help="JSON files from all_reduce_perf -J (baseline first)")
+    p.add_argument("--out", required=True, help="output path without suffix")
+    p.add_argument("--title", default="")
+    args = p.parse_args()
+    reports = [json.loads(Path(f).read_text()) for f in args.inputs]
+    plot(reports, f"{args.out}.png", args.title)
 
     names = [label(r) for r in reports]
     lines = [f"# {args.title}", "", "Commands:", ""]

@@ -65,6 +65,12 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
+from ddp_train_methods import (  # noqa: E402
+    HOOK_CALLS,
+    ddp_model,
+    hook_alone,
+    max_over_ranks,
+)
 from ddp_train_report import write_report  # noqa: E402
 from fsdp_train import init_dist, run_fsdp  # noqa: E402
 
@@ -73,7 +79,7 @@ from geocomm.testing import busy_loops, yardstick  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-DDP_METHODS = ("default", "fp16", "fp8", "geofp8", "nocomm")
+DDP_METHODS = ("default", "fp16", "powersgd", "fp8", "nvfp4", "geofp8", "nocomm")
 
 
 # ---------------------------------------------------------------------------
@@ -89,15 +95,6 @@ def params_digest(model: Any) -> str:
         t = p.detach().contiguous()
         h.update((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes())
     return h.hexdigest()
-
-
-def _max_over_ranks(values: list[float], group: Any) -> list[float]:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
 
 
 # ---------------------------------------------------------------------------
@@ -117,97 +114,6 @@ def ddp_config(args: argparse.Namespace) -> Any:
     )
 
 
-# DDP rejects a bucket annotation other than dist.GradBucket (a string, with
-# "from __future__ import annotations"), so the hooks below leave it out.
-HOOK_CALLS = [0]
-
-
-def _counting_hook(state, bucket):
-    """geocomm's hook, counting DDP's buckets."""
-    import geocomm.adapters.torch as gt
-
-    HOOK_CALLS[0] += 1
-    return gt.geocomm_hook(state, bucket)
-
-
-def _nocomm_hook(state, bucket):
-    """Return the local gradient at once: what the step costs without communication."""
-    import torch
-
-    fut: Any = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
-
-
-def _capture_hook(state, bucket):
-    """Keep a copy of every bucket (buffer, parameters, index), communicate nothing."""
-    state.append((bucket.buffer().clone(), bucket.parameters(), bucket.index()))
-    return _nocomm_hook(None, bucket)
-
-
-def _ddp_model(cfg: Any, args: argparse.Namespace, method: str) -> tuple[Any, ...]:
-    """(module, DDP model, geocomm hook state or None, optimizer, update(step))."""
-    import torch
-    from llama import TrainConfig, apply_update, build_model, make_optimizer
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import geocomm.adapters.torch as gt
-
-    net = build_model(cfg, args.seed)
-    model = DDP(net, bucket_cap_mb=args.bucket_mb)
-    state = None
-    if method == "fp16":
-        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif method == "nocomm":
-        model.register_comm_hook(None, _nocomm_hook)
-    elif method != "default":
-        state = gt.GeocommHookState(net, codec=method, stage_size=args.stage_size)
-        model.register_comm_hook(state, _counting_hook)
-    if args.optimizer == "adamw":  # llama.py's: AdamW, clipping, warm-up
-        tc = TrainConfig()
-        opt = make_optimizer(net, tc)
-        return net, model, state, opt, lambda step: apply_update(net, opt, tc, step)
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    return net, model, state, opt, lambda step: opt.step()
-
-
-def _hook_alone(
-    args: argparse.Namespace, net: Any, codec: str, data: Any, rank: int, size: int, side: Any
-) -> dict[str, Any]:
-    """Seconds to reduce one step's buckets with the hook's reducer alone (median of
-    ``args.alone_repeats``, slower rank), with a state and codec of its own."""
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import geocomm
-    import geocomm.adapters.torch as gt
-
-    buckets: list[Any] = []
-    model = DDP(net, bucket_cap_mb=args.bucket_mb)
-    model.register_comm_hook(buckets, _capture_hook)
-    for step in range(2):  # the second step has DDP's rebuilt buckets
-        buckets.clear()
-        tokens, targets = data.batches("train", rank, size, step)
-        model(tokens, targets).backward()
-    # a codec instance of its own: GeoFP8 state apart from the training run's
-    state = gt.GeocommHookState(net, codec=geocomm.get_codec(codec), stage_size=args.stage_size)
-    times = []
-    for _ in range(args.alone_repeats):
-        work = [(b.clone(), p, i) for b, p, i in buckets]
-        dist.barrier(group=side)
-        t = time.perf_counter()
-        for buffer, params, index in work:
-            state.reduce_bucket(buffer, params, index)
-        times.append(time.perf_counter() - t)
-    times = _max_over_ranks(times, side)
-    return {
-        "seconds": float(np.median(times)),
-        "buckets": len(buckets),
-        "bucket_numel": [int(b.numel()) for b, _, _ in buckets],
-    }
-
-
 def _run_methods(
     cfg: Any, methods: list[str], args: argparse.Namespace, rank: int, size: int, side: Any
 ) -> dict[str, Any]:
@@ -218,11 +124,15 @@ def _run_methods(
     data = TextData(cfg, args.seed)
     rows: dict[str, Any] = {}
     for method in methods:
-        net, model, state, opt, update = _ddp_model(cfg, args, method)
+        net, model, state, wrapper, opt, update = ddp_model(cfg, args, method, side, size)
         times, agree, buckets_per_step, losses = [], True, [], []
-        for step in range(args.warmup + args.steps):
+        for step in range(args.warmup + args.steps + args.error_steps):
             tokens, targets = data.batches("train", rank, size, step)
             HOOK_CALLS[0] = 0
+            measuring = step >= args.warmup + args.steps  # after the timed steps
+            if wrapper is not None:
+                wrapper.measure = measuring
+                wrapper.start_step()
             dist.barrier(group=side)
             t = time.perf_counter()
             loss = model(tokens, targets)
@@ -233,19 +143,24 @@ def _run_methods(
             digests: list[Any] = [None] * size
             dist.all_gather_object(digests, params_digest(net), group=side)
             agree = agree and all(d == digests[0] for d in digests)
-            if step >= args.warmup:
+            if args.warmup <= step and not measuring:
                 times.append(elapsed)
                 buckets_per_step.append(HOOK_CALLS[0])
                 losses.append(float(loss.detach()))
-        times = _max_over_ranks(times, side)
+        times = max_over_ranks(times, side)
         row: dict[str, Any] = {
             "median_ms": float(np.median(times)) * 1e3,
             "step_ms": [t * 1e3 for t in times],
             "ranks_identical": agree,
             "loss_last": losses[-1],
         }
+        if wrapper is not None and wrapper.steps:
+            errors = max_over_ranks(wrapper.rel_errors(), side)
+            row["rel_error_measured"] = float(np.median(errors))
+            row["rel_error_steps"] = errors
         if state is not None:
-            steps = state.telemetry.history[-args.steps :]
+            # the timed steps' records: the measured steps come after them
+            steps = state.telemetry.history[: args.warmup + args.steps][-args.steps :]
             row.update(
                 {
                     "buckets_per_step": buckets_per_step,
@@ -257,7 +172,7 @@ def _run_methods(
                 }
             )
             state.close()
-            alone = _hook_alone(args, net, method, data, rank, size, side)
+            alone = hook_alone(args, net, method, data, rank, size, side)
             row["hook_alone_ms"] = alone["seconds"] * 1e3
             row["alone_buckets"] = alone["buckets"]
         rows[method] = row
@@ -376,6 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         help="sequences per rank of the overlap run (0: none)",
     )
     p.add_argument("--alone-repeats", type=int, default=5)
+    p.add_argument(
+        "--error-steps",
+        type=int,
+        default=3,
+        help="steps after the timed ones on which each hook's result is compared with "
+        "the exact fp32 average (untimed)",
+    )
     p.add_argument(
         "--stage-size",
         type=int,

@@ -27,7 +27,8 @@ def verdicts(ddp: dict[str, Any]) -> list[tuple[str, float, str, bool | None]]:
             value = m[b]["median_ms"] / m[a]["median_ms"]
             checks.append((f"{a} vs {b}: step-time speed-up", value, f">= {need}x", value >= need))
 
-    ratio("fp8", "default", 3.0)
+    ratio("fp8", "default", 3.5)  # issue 24's targets at 1 Gbit/s
+    ratio("nvfp4", "default", 5.0)
     ratio("fp8", "fp16", 1.5)
     ratio("geofp8", "default", 2.5)
     overlap = ddp.get("overlap", {}).get("methods", {})
@@ -80,9 +81,9 @@ def verdicts(ddp: dict[str, Any]) -> list[tuple[str, float, str, bool | None]]:
 def ddp_table(methods: dict[str, Any]) -> list[str]:
     lines = [
         "| method | median step ms | speed-up vs default | collectives / step | "
-        "DDP buckets / step | MB sent / step | ratio | est. rel. error | hook alone ms "
-        "| hidden | ranks identical |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "DDP buckets / step | MB sent / step | ratio | measured rel. error | "
+        "est. rel. error | hook alone ms | hidden | ranks identical |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     base = methods.get("default", {}).get("median_ms")
     for name, r in methods.items():
@@ -102,7 +103,8 @@ def ddp_table(methods: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {name} | {r['median_ms']:.1f} | {speed} | "
             f"{get('collectives_per_step', '.0f')} | {get('buckets_per_step', '.0f')}"
-            f" | {sent} | {get('ratio', '.2f')} | {get('rel_error_est', '.2e')} | "
+            f" | {sent} | {get('ratio', '.2f')} | {get('rel_error_measured', '.2e')} | "
+            f"{get('rel_error_est', '.2e')} | "
             f"{get('hook_alone_ms', '.1f')} | {get('hidden_fraction', '.2f')} | "
             f"{r['ranks_identical']} |"
         )
@@ -154,12 +156,16 @@ def write_report(result: dict[str, Any], out: Path) -> None:
             lines.append(f"| {what} | {value:.2f} | {need} | {shown} |")
         lines += [
             "",
-            "default: DDP's fp32 all-reduce; fp16: DDP's `fp16_compress_hook`; fp8, "
-            "geofp8: `geocomm.adapters.torch.geocomm_hook`; nocomm: the step without "
-            "communication (forward, backward, optimizer). hook alone: one step's buckets "
-            "reduced one after the other by the hook's reducer with nothing else running. "
-            "hidden = (nocomm + hook alone - step) / hook alone. Error: the hook's own "
-            "estimate (quantizer alone; GeoFP8's map lowers the real error).",
+            "default: DDP's fp32 all-reduce; fp16: DDP's `fp16_compress_hook`; powersgd: "
+            "DDP's `powerSGD_hook` (rank 1, error feedback, warm start, compressing from "
+            "step 2); fp8, nvfp4, geofp8: `geocomm.adapters.torch.geocomm_hook`; nocomm: "
+            "the step without communication (forward, backward, optimizer). hook alone: "
+            "one step's buckets reduced one after the other by the hook's reducer with "
+            "nothing else running. hidden = (nocomm + hook alone - step) / hook alone. "
+            "Measured rel. error: ||hook's result - exact|| / ||exact|| over a step's "
+            "buckets, exact = the fp32 average of the ranks' bucket gradients (a side "
+            "all-reduce), median over the untimed steps after the timed ones (the slower "
+            "rank's); est. rel. error: the geocomm hook's own estimate (quantizer alone).",
             "",
         ]
     fsdp = result.get("fsdp")

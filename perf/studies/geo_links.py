@@ -1,4 +1,4 @@
-"""GeoFP8 against plain fp32 MPI on emulated links: the all_reduce_perf sweeps, one table.
+"""Codecs (fp8, nvfp4, mxfp8, geofp8) against plain fp32 MPI on emulated links: one table.
 
 Runs ``perf/all_reduce_perf.py`` inside ``perf/emulated_link.py`` (ranks in a
 network namespace whose loopback is shaped with tc; MPI over TCP) for every
@@ -34,7 +34,9 @@ from geocomm.testing import busy_loops, yardstick
 ROOT = Path(__file__).resolve().parents[2]
 #: (warm-up, timed) iterations per codec: enough timed calls for two refresh
 #: periods of geofp8 and its cold start inside the warm-up
-ITERS = {"none": (1, 3), "fp8": (2, 6), "geofp8": (4, 8)}
+ITERS = {"none": (1, 3), "fp8": (2, 6), "nvfp4": (2, 6), "mxfp8": (2, 6), "geofp8": (4, 8)}
+#: the compressed codecs of the table, in its column order (each against ``none``)
+CODECS = ("fp8", "nvfp4", "mxfp8", "geofp8")
 
 
 def sweep(
@@ -96,7 +98,7 @@ def _sweeps(args: argparse.Namespace) -> dict[str, Any]:
     }
     for link in args.links.split(","):
         for ranks in (int(r) for r in args.ranks.split(",")):
-            for codec in ("none", "fp8", "geofp8"):
+            for codec in ("none", *CODECS):
                 report = sweep(link, ranks, codec, (args.min, args.max))
                 result["runs"].append(
                     {
@@ -133,6 +135,10 @@ def plain_check(args: argparse.Namespace) -> list[dict[str, Any]]:
     return runs
 
 
+def _row(run: dict[str, Any], size: int) -> dict[str, Any]:
+    return next(r for r in run["report"]["rows"] if r["size"] == size)
+
+
 def _time(run: dict[str, Any], size: int) -> float | None:
     return next((r["time_us"] for r in run["report"]["rows"] if r["size"] == size), None)
 
@@ -140,7 +146,7 @@ def _time(run: dict[str, Any], size: int) -> float | None:
 def markdown(r: dict[str, Any]) -> str:
     yb, ya = r["yardstick_before"], r["yardstick_after"]
     lines = [
-        "# GeoFP8 on emulated links",
+        "# Compressed all-reduce on emulated links",
         "",
         f"Command: `{r['command']}` (root: network namespaces). Yardstick in the same run: "
         f"np.copyto {yb['copy_GBps']:.2f} GB/s before, {ya['copy_GBps']:.2f} after; "
@@ -160,25 +166,35 @@ def markdown(r: dict[str, Any]) -> str:
         "Time: mean per call, the slowest rank's. Speed-up: time of plain fp32 MPI "
         "(`--codec none`) over the codec's time, same link, ranks and size.",
         "",
-        "| link | ranks | size | fp32 MPI ms | fp8 ms | geofp8 ms | fp8 speed-up | "
-        "geofp8 speed-up | geofp8 rel. error | geofp8 #wrong |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| link | ranks | size | fp32 MPI ms | "
+        + " | ".join(f"{c} ms" for c in CODECS)
+        + " | "
+        + " | ".join(f"{c} speed-up" for c in CODECS)
+        + " | "
+        + " | ".join(f"{c} rel. error" for c in CODECS)
+        + " | #wrong |",
+        "| --- | --- | --- | ---: |" + " ---: |" * (3 * len(CODECS)) + " ---: |",
     ]
     sweeps = [x for x in r["runs"] if not x.get("plain_check")]
     keys = sorted({(x["link"], x["ranks"]) for x in sweeps}, key=lambda k: (k[0], k[1]))
     verdicts = []
     for link, ranks in keys:
         runs = {x["codec"]: x for x in sweeps if x["link"] == link and x["ranks"] == ranks}
+        codecs = [c for c in CODECS if c in runs]  # results of older runs lack some
         for row in runs["none"]["report"]["rows"]:
             size = row["size"]
-            base, fp8, geo = (_time(runs[c], size) for c in ("none", "fp8", "geofp8"))
-            grow = next(g for g in runs["geofp8"]["report"]["rows"] if g["size"] == size)
+            base = row["time_us"]
+            got = {c: _row(runs[c], size) for c in codecs}
             target = 3.0 if link.startswith("1gbit") else 1.5
-            verdicts.append((link, ranks, size, base / geo, target))
+            verdicts.append((link, ranks, size, base / got["geofp8"]["time_us"], target))
+            cells = [f"{got[c]['time_us'] / 1e3:.1f}" if c in got else "" for c in CODECS]
+            cells += [f"{base / got[c]['time_us']:.2f}x" if c in got else "" for c in CODECS]
+            cells += [f"{got[c]['relerr']:.2e}" if c in got else "" for c in CODECS]
+            wrong = sum(got[c]["wrong"] for c in codecs)
             lines.append(
-                f"| {link} | {ranks} | {size >> 20} MiB | {base / 1e3:.1f} | {fp8 / 1e3:.1f} | "
-                f"{geo / 1e3:.1f} | {base / fp8:.2f}x | {base / geo:.2f}x | "
-                f"{grow['relerr']:.2e} | {grow['wrong']} |"
+                f"| {link} | {ranks} | {size >> 20} MiB | {base / 1e3:.1f} | "
+                + " | ".join(cells)
+                + f" | {wrong} |"
             )
     met = sum(v >= t for *_, v, t in verdicts)
     lines += [
