@@ -91,24 +91,52 @@ def table(m: Machine, size_mib: float, gpus: list[int]) -> str:
     return "\n".join(lines)
 
 
-def emulated(report: dict, intra_Bps: float) -> list[dict]:
-    """The model's prediction of each point of perf/results/two_level.json: one NIC per
-    node at the emulated rate, the measured intra-node rate, the codec at the run's
-    yardstick encode speed over three passes (encode, decode-add, re-encode and
-    decode), shared by the ranks on the machine's cores."""
-    rate = float(report["rate"].rstrip("gbit")) * 1e9 / 8
+def _gbit(rate: str) -> float:
+    """Bytes per second of a tc rate such as ``1gbit``."""
+    return float(rate.rstrip("gbit")) * 1e9 / 8
+
+
+def _emulated_machine(report: dict, row: dict, intra_Bps: float) -> Machine:
+    """One NIC per node at the row's rate, the codec at the run's yardstick encode speed
+    over three passes (encode, decode-add, re-encode and decode), shared by the ranks
+    on the machine's cores."""
+    ranks = row["nodes"] * row["ranks_per_node"]
+    share = min(1.0, report["machine_cores"] / ranks)
+    codec = row["yardstick"]["fp8_encode_GBps"] * 1e9 * share / 3
+    rate = _gbit(row.get("rate", report["rate"]))
+    return Machine(row["ranks_per_node"], 1, rate, intra_Bps, 1e-3, 0.0, codec)
+
+
+def calibrated_intra(report: dict, nbytes: float) -> float | None:
+    """The intra-node rate that makes :func:`geocomm.engine.costs.node_seconds` give the
+    study's unshaped node-aware point (perf/two_level.py's CALIBRATION): what the exact
+    node-local steps cost on this machine, CPU shared by every rank included. None
+    without that point."""
+    row = next((r for r in report["rows"] if r.get("calibration")), None)
+    if row is None:
+        return None
+    m = _emulated_machine(report, row, 1.0)
+    sizes = [m.gpus] * row["nodes"]
+    rest = node_seconds(replace(m, intra_Bps=float("inf")).links(), nbytes, sizes, RATIOS["fp8"])
+    inside = 2 * (m.gpus - 1) / m.gpus * nbytes
+    return inside / max(row["time_s"] - rest, 1e-9)
+
+
+def emulated(report: dict, intra_Bps: float | None = None) -> list[dict]:
+    """The model's prediction of each point of perf/results/two_level.json
+    (:func:`_emulated_machine`), the intra-node rate ``intra_Bps`` or else
+    :func:`calibrated_intra`'s (2.6 GB/s, two ranks alone, without that point)."""
+    nbytes = float(64 << 20)
+    intra = intra_Bps or calibrated_intra(report, nbytes) or 2.6e9
     out = []
     for row in report["rows"]:
         ranks = row["nodes"] * row["ranks_per_node"]
-        share = min(1.0, report["machine_cores"] / ranks)
-        codec = row["yardstick"]["fp8_encode_GBps"] * 1e9 * share / 3
-        m = Machine(row["ranks_per_node"], 1, rate, intra_Bps, 1e-3, 0.0, codec)
-        nbytes = float(64 << 20)
+        m = _emulated_machine(report, row, intra)
         if row["codec"] == "none":
             predicted = mpi_halving(m, ranks, nbytes)
         else:
             predicted = geocomm(m, ranks, nbytes, row["codec"], row["topology"])
-        out.append({**row, "predicted_s": predicted,
+        out.append({**row, "predicted_s": predicted, "intra_Bps": intra,
                     "model_error": predicted / row["time_s"] - 1})  # fmt: skip
     return out
 
@@ -124,12 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codec-gbps", type=float, default=1000, help="GB/s of fp32, geocomm codec")
     p.add_argument("--size-mib", type=float, default=256)
     p.add_argument("--emulation", action="store_true")
-    p.add_argument("--intra-emulated-gbps", type=float, default=2.6,
-                   help="measured rate between ranks of one emulated node")  # fmt: skip
+    p.add_argument("--intra-emulated-gbps", type=float, default=None,
+                   help="rate between ranks of one emulated node (default: calibrated "
+                   "on the study's unshaped point)")  # fmt: skip
     args = p.parse_args(argv)
     if args.emulation:
         path = Path(__file__).resolve().parent / "results" / "two_level.json"
-        for row in emulated(json.loads(path.read_text()), args.intra_emulated_gbps * 1e9):
+        gbps = args.intra_emulated_gbps
+        for row in emulated(json.loads(path.read_text()), gbps * 1e9 if gbps else None):
             print(f"{row['label']:<28} {row['nodes']}x{row['ranks_per_node']}: measured "
                   f"{row['time_s']:.3f} s, model {row['predicted_s']:.3f} s "
                   f"({row['model_error']:+.0%})")  # fmt: skip

@@ -101,32 +101,38 @@ def run_job(nodes: int, per_node: int, rate: str, command: list[str], burst: str
         remove(name)
 
 
-#: The study's points: (name, nodes, ranks per node, codec, GEOCOMM_TOPOLOGY)
+#: The study's points: (name, nodes, ranks per node, codec, GEOCOMM_TOPOLOGY, rate or
+#: None for --rate). The unshaped point measures what the node-local steps and the
+#: codec cost on this machine: the planning model's intra-node rate comes from it.
+CALIBRATION = "node-aware fp8, link unshaped"
 POINTS = [
-    ("plain fp32 MPI all-reduce", 2, 2, "none", "flat"),
-    ("flat fp8", 2, 2, "fp8", "flat"),
-    ("node-aware fp8", 2, 2, "fp8", "node"),
-    ("flat fp8", 2, 1, "fp8", "flat"),
-    ("node-aware fp8", 2, 1, "fp8", "node"),
+    ("plain fp32 MPI all-reduce", 2, 2, "none", "flat", None),
+    ("flat fp8", 2, 2, "fp8", "flat", None),
+    ("node-aware fp8", 2, 2, "fp8", "node", None),
+    ("flat fp8", 2, 1, "fp8", "flat", None),
+    ("node-aware fp8", 2, 1, "fp8", "node", None),
+    (CALIBRATION, 2, 2, "fp8", "node", "100gbit"),
 ]
 
 
 def study(args: argparse.Namespace) -> int:
     here = Path(__file__).resolve().parent
     rows = []
-    for label, nodes, per_node, codec, topology in POINTS:
+    for label, nodes, per_node, codec, topology, rate in POINTS:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "point.json"
             cmd = [sys.executable, str(here / "all_reduce_perf.py"), "-b", args.size,
                    "-e", args.size, "-n", str(args.iters), "-w", "2", "--codec", codec,
                    "--input", "gradient", "-J", str(out)]  # fmt: skip
-            rc = run_job(nodes, per_node, args.rate, cmd, env_extra={"GEOCOMM_TOPOLOGY": topology})
+            rc = run_job(nodes, per_node, rate or args.rate, cmd,
+                         env_extra={"GEOCOMM_TOPOLOGY": topology})  # fmt: skip
             if rc != 0:
                 return rc
             point = json.loads(out.read_text())
         row = point["rows"][-1]
         rows.append({"label": label, "nodes": nodes, "ranks_per_node": per_node, "codec": codec,
-                     "topology": topology, "time_s": row["time_us"] / 1e6,
+                     "topology": topology, "rate": rate or args.rate,
+                     "calibration": label == CALIBRATION, "time_s": row["time_us"] / 1e6,
                      "wire_bytes": row["wire_bytes"], "wrong": row["wrong"],
                      "relerr": row["relerr"], "yardstick": point["yardstick"]})  # fmt: skip
     command = "python perf/two_level.py --study " + shlex.join(

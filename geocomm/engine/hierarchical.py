@@ -51,16 +51,24 @@ def _packed(values: Any, ranges: Ranges) -> tuple[Any, list[int]]:
 def node_reduce(local: Communicator, values: Any, ranges: Ranges) -> Any:
     """This rank's owned ranges (concatenated in order) of the sum over ``local``'s
     ranks of ``values`` (flat float32, one size on every rank), added in fp32 in
-    local rank order; an empty array on a rank that owns nothing. One all-to-all."""
+    local rank order; an empty array on a rank that owns nothing. One all-to-all,
+    in which a rank sends nothing to itself: its own values are added from where
+    they lie."""
     xp = array_module(values)
     me, size = local.rank, local.size
     mine = owned(ranges, me)
-    if size == 1:
-        return _packed(values, ranges)[0][:mine].copy() if mine else xp.empty(0, np.float32)
     send, send_sizes = _packed(values, ranges)
-    rows = xp.empty((size, mine), np.float32)
+    if size == 1:
+        return send[:mine].copy() if mine else xp.empty(0, np.float32)
+    own_lo = sum(send_sizes[:me]) // 4
+    own = send[own_lo : own_lo + mine]
+    send_sizes[me] = 0
+    rows = xp.empty((size - 1, mine), np.float32)  # the peers' values, in rank order
+    recv_sizes = [4 * mine] * size
+    recv_sizes[me] = 0
     send_counts, send_displs = segments(send_sizes)
-    recv_counts, recv_displs = segments([4 * mine] * size)
+    send_displs[me + 1 :] += 4 * mine  # the own range is skipped, not removed
+    recv_counts, recv_displs = segments(recv_sizes)
     wait(
         local.alltoallv(
             send.view(np.uint8),
@@ -73,9 +81,14 @@ def node_reduce(local: Communicator, values: Any, ranges: Ranges) -> Any:
         "the node-local reduce-scatter",
         me,
     )
-    total = rows[0].copy()
-    for row in rows[1:]:
-        add_into(total, row)
+    # rank 0's values + rank 1's + ...: rank order, whoever this rank is. The sum
+    # starts in the lowest peer's row (rank 0's, or rank 1's on rank 0): fp32
+    # addition commutes, so r1 + r0 has the bits of r0 + r1
+    total = rows[0]
+    if me < 2:
+        add_into(total, own)
+    for j in range(2 if me < 2 else 1, size):
+        add_into(total, own if j == me else rows[j - 1 if j > me else j])
     return total
 
 
