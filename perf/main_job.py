@@ -68,14 +68,15 @@ def run_link(link: str, args: argparse.Namespace) -> dict[str, Any]:
         subprocess.run(cmd, check=True, cwd=ROOT)
         reports.append(json.loads(out.read_text()))
     launch = "geocomm.launch" if link == "shm" else "plain mpiexec (no thread variables)"
-    table = main_summary.link_table(link, reports, launch)
+    draw(link, reports, args.ranks, args.out)
+    return main_summary.link_table(link, reports, launch)
+
+
+def draw(link: str, reports: list[dict[str, Any]], ranks: int, out: Path) -> None:
+    """The link's plot, ``out/main_{link}_n{ranks}.png``."""
     where = "shared memory" if link == "shm" else f"emulated {link} link"
-    plot(
-        reports,
-        args.out / f"main_{link}_n{args.ranks}.png",
-        f"all-reduce, {args.ranks} ranks, {where}",
-    )
-    return table
+    title = f"all-reduce, {ranks} ranks, {where}"
+    plot(reports, out / f"main_{link}_n{ranks}.png", title, short=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +86,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", "--ranks", type=int, default=2)
     p.add_argument("--max", default=None, help="largest size (default: per link)")
     p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--report", action="store_true", help="re-render the md and plots from the JSON")
     args = p.parse_args(argv)
+    stem = args.out / f"main_n{args.ranks}"
+    if args.report:
+        summary = json.loads(stem.with_suffix(".json").read_text())
+        for t in summary["links"]:
+            names = ["none", *t["codecs"]]
+            files = [args.out / f"main_{t['link']}_{c}_n{args.ranks}.json" for c in names]
+            draw(t["link"], [json.loads(f.read_text()) for f in files], args.ranks, args.out)
+        text = main_summary.document(summary)
+        stem.with_suffix(".md").write_text(text)
+        print(text)
+        return 0
     if args.codecs.split(",")[0] != "none":
         p.error("--codecs must start with none (plain fp32, the baseline)")
     unknown = set(args.links.split(",")) - set(SWEEPS)
@@ -109,7 +122,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     summary["command"] = summary["command"].strip()
     text = main_summary.document(summary)
-    stem = args.out / f"main_n{args.ranks}"
     stem.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
     stem.with_suffix(".md").write_text(text)
     print(text, flush=True)

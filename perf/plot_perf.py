@@ -30,13 +30,15 @@ def label(report: dict) -> str:
     return config["id"] + (f"({extra})" if extra else "")
 
 
-def plot(reports: list[dict], png: str | Path, title: str = "") -> None:
-    """Bus bandwidth and relative error against message size, one line per report, into ``png``."""
+def plot(reports: list[dict], png: str | Path, title: str = "", short: bool = False) -> None:
+    """Bus bandwidth and relative error against message size, one line per report, into
+    ``png``; ``short``: lines named by codec id alone (long configurations crowd the plot)."""
     fig, (bw, err) = plt.subplots(1, 2, figsize=(11, 4))
     for r in reports:
+        name = r["codec"]["id"] if short else label(r)
         sizes = [row["size"] for row in r["rows"]]
-        bw.plot(sizes, [row["busbw_GBps"] for row in r["rows"]], marker="o", label=label(r))
-        err.plot(sizes, [max(row["relerr"], 1e-9) for row in r["rows"]], marker="o", label=label(r))
+        bw.plot(sizes, [row["busbw_GBps"] for row in r["rows"]], marker="o", label=name)
+        err.plot(sizes, [max(row["relerr"], 1e-9) for row in r["rows"]], marker="o", label=name)
     for ax, name in ((bw, "bus bandwidth (GB/s)"), (err, "relative error vs fp64")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("message size (bytes)")
