@@ -196,3 +196,39 @@ def test_geofp8_with_refreshes(cp, device_comm, mpi_comm, config):
             f"geofp8 reduce_scatter call {call}",
         )
     assert dev.state_checksum() == host.state_checksum()
+
+
+@pytest.mark.parametrize("name", ["fp8", "nvfp4", "mxfp4", "fp8-sr", "fp8-ef"])
+def test_node_aware_routes(cp, torch_comm, mpi_comm, name, monkeypatch):
+    """``topology="node"`` on device arrays (the exact node-local steps with the device
+    sum, the compressed pipeline between nodes, the node-local all-gather) == the
+    same on NumPy over MPI, bitwise: nodes of 2 ranks by ``GEOCOMM_RANKS_PER_NODE``
+    (3 ranks: uneven nodes of 2 and 1; 1-2 ranks: one node, which runs flat). The
+    NCCL communicator has no node layout, so the route is the torch one."""
+    monkeypatch.setenv("GEOCOMM_RANKS_PER_NODE", "2")
+    dev, host = codec_pair(CODECS[name])
+    parts = [("w1", (96, 80)), ("w2", (40, 64)), ("b", (7,))]
+    n = 96 * 80 + 40 * 64 + 7
+    for call in range(2):  # error feedback: the second call sends the first's residual
+        x = inputs(mpi_comm.rank, n, tag=10 + call)
+        got, want = twice(
+            lambda device, x=x: geocomm.allreduce(
+                cp.asarray(x) if device else x,
+                codec=dev if device else host,
+                parts=parts,
+                comm=torch_comm if device else mpi_comm,
+                stage_size=STAGE,
+                topology="node",
+            )
+        )
+        assert_bits(got, want, f"node-aware allreduce {name} call {call}")
+        got, want = twice(
+            lambda device, x=x: geocomm.reduce_scatter(
+                cp.asarray(x) if device else x,
+                codec=dev if device else host,
+                parts=parts,
+                comm=torch_comm if device else mpi_comm,
+                topology="node",
+            )
+        )
+        assert_bits(got, want, f"node-aware reduce_scatter {name} call {call}")
