@@ -142,10 +142,11 @@ def shard_parts(parts: list[Part], ranges: list[tuple[int, int]]) -> list[Part]:
 
 
 def call_fingerprint(kind: str, count: int, dtype: np.dtype, op: str, codec: Codec,
-                     parts: list[Part], topology: str = "flat") -> np.ndarray:  # fmt: skip
+                     parts: list[Part], topology: str = "flat",
+                     with_state: bool = True) -> np.ndarray:  # fmt: skip
     """The int64 row that identifies a call on this rank (collective, count, dtype, op,
-    codec config, parts and keys, the keys' codec state, topology), one per field:
-    ranks whose rows are equal make the same call."""
+    codec config, parts and keys, the keys' codec state unless ``with_state`` is
+    false, topology), one per field: ranks whose rows are equal make the same call."""
     config = json.dumps(codec.get_config(), sort_keys=True).encode()
     signature = json.dumps([(repr(p.key), p.shape) for p in parts]).encode()
     state = 0
@@ -153,7 +154,7 @@ def call_fingerprint(kind: str, count: int, dtype: np.dtype, op: str, codec: Cod
         # node-aware residuals are per local index (checked across nodes); the map's
         # state of this call's keys is every rank's
         codec = codec.mapping_codec  # type: ignore[assignment]
-    if isinstance(codec, StatefulCodec):
+    if with_state and isinstance(codec, StatefulCodec):
         for p in parts:
             state = zlib.crc32(codec.state_checksum(p.key).to_bytes(4, "little"), state)
     return np.array(

@@ -9,9 +9,11 @@ submission order (the same on every rank), so the round trip overlaps the
 previous call's transfer; the worker waits for it, and raises on a mismatch,
 before the call's own bytes move, so a mismatched call never sends.
 
-Only for stateless codecs: a stateful codec's fingerprint holds its keys'
-state, which a call still queued may change, so those calls check on the worker
-(``check=True`` into the collective).
+The early row leaves the codec state out: a stateful codec's keys' state may
+still change in a call queued before, so calls of a stateful codec also check
+that state on the worker (``check=True`` into the collective). Every call takes
+the early check whatever its codec, so ranks that disagree on the codec raise
+there, instead of waiting on two different channels.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ class EarlyChecks:
         self.sent = 0  # bytes this rank sent in checks (the ring all-gather's)
 
     @staticmethod
-    def applies(codec: Codec) -> bool:
-        """Whether a call of ``codec`` (as the collective resolves it for the call's
-        count) may check early: the codec keeps no state."""
+    def complete(codec: Codec) -> bool:
+        """Whether the early check is the whole check for a call of ``codec`` (as the
+        collective resolves it for the call's count): the codec keeps no state."""
         return not isinstance(codec, StatefulCodec)
 
     def start(self, kind: str, tensor: torch.Tensor, op: str, codec: Codec, key: Any) -> Wait:
@@ -58,6 +60,7 @@ class EarlyChecks:
             codec,
             parts_of(shape, tensor.numel(), key, None),
             requested_topology(None),
+            with_state=False,
         )
         send = torch.from_numpy(row)
         rows = torch.empty((self.size, row.size), dtype=torch.int64)

@@ -245,13 +245,13 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
     ) -> FutureWork:
         """Queue ``run(options)`` (the collective's keywords codec, key, comm, check,
         stage_size) for the worker; the work's value is ``result`` once it ran. Key,
-        codec and settings are fixed now, in call order; so is a stateless codec's
-        metadata check started (adapters/backend_checks.py)."""
+        codec and settings are fixed now, in call order; so is the metadata check
+        started (adapters/backend_checks.py)."""
         key = self._key(kind, tensor)
         config, codec, comm = self.config, self.codec, self._device(tensor).comm
         resolved = codec.for_count(tensor.numel(), comm.backend, comm.size)
-        early = config.check and EarlyChecks.applies(resolved)
-        wait_check = self._checks.start(kind, tensor, op, resolved, key) if early else None
+        wait_check = self._checks.start(kind, tensor, op, resolved, key) if config.check else None
+        state_check = config.check and not EarlyChecks.complete(resolved)
         itemsize = tensor.element_size()
         factor = 2 if kind == "all_reduce" else 1
         with self._lock:
@@ -273,7 +273,7 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
                     if wait_check is not None:
                         wait_check()
                     run({"codec": codec, "key": key, "comm": comm,
-                         "check": config.check and not early,
+                         "check": state_check,
                          "stage_size": config.stage_size})  # fmt: skip
                 except CollectiveMismatchError as exc:
                     raise CollectiveMismatchError(f"{what}: {exc}") from exc

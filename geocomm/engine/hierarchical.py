@@ -60,14 +60,12 @@ def node_reduce(local: Communicator, values: Any, ranges: Ranges) -> Any:
     send, send_sizes = _packed(values, ranges)
     if size == 1:
         return send[:mine].copy() if mine else xp.empty(0, np.float32)
-    own_lo = sum(send_sizes[:me]) // 4
-    own = send[own_lo : own_lo + mine]
-    send_sizes[me] = 0
+    send_counts, send_displs = segments(send_sizes)
+    own = send[send_displs[me] // 4 :][:mine]
+    send_counts[me] = 0  # the own range stays where it is
     rows = xp.empty((size - 1, mine), np.float32)  # the peers' values, in rank order
     recv_sizes = [4 * mine] * size
     recv_sizes[me] = 0
-    send_counts, send_displs = segments(send_sizes)
-    send_displs[me + 1 :] += 4 * mine  # the own range is skipped, not removed
     recv_counts, recv_displs = segments(recv_sizes)
     wait(
         local.alltoallv(

@@ -291,6 +291,16 @@ def test_mismatch_raises_on_every_rank_and_the_group_goes_on(comm, codec):
     assert torch.equal(ok, torch.full((2000,), float(size)))
 
 
+@pytestmark_mpi
+def test_ranks_on_different_codecs_raise_instead_of_waiting(comm):
+    """Rank 0 on fp8 (stateless), the others on geofp8 (stateful, which also checks its
+    state on the worker): the check every call starts when it is made compares the
+    codec configs, so all raise at once rather than wait on different channels."""
+    group = _geocomm_group(codec="fp8" if dist.get_rank() == 0 else "geofp8")
+    with pytest.raises(CollectiveMismatchError, match="codec config"):
+        dist.all_reduce(torch.ones(2000), group=group)
+
+
 def test_bad_configuration_is_refused():
     with pytest.raises(ValueError, match="min_numel"):
         tb.BackendConfig(min_numel=0)
