@@ -66,8 +66,11 @@ def exact_sum(xs) -> np.ndarray:
 
 
 def geo(size: int = 2, **knobs):
-    """One geofp8 codec per simulated rank; small test matrices are eligible."""
-    return [get_codec("geofp8", **{"min_dim": 8, "min_numel": 0, **knobs}) for _ in range(size)]
+    """One geofp8 codec per simulated rank; small test matrices are eligible, and
+    (unless a test sets it) no model-wide side budget: every key gets its cap, so
+    these tests see the map itself (tests/codecs/test_geo_budget.py: the budget)."""
+    config = {"min_dim": 8, "min_numel": 0, "side_budget": math.inf, **knobs}
+    return [get_codec("geofp8", **config) for _ in range(size)]
 
 
 # ---------------------------------------------------------------------------
@@ -330,7 +333,7 @@ def test_shape_change_resets_the_key():
 
 def test_geonvfp4_gain():
     codecs, plain = (
-        [get_codec("geonvfp4", min_dim=8, min_numel=0) for _ in range(2)],
+        [get_codec("geonvfp4", min_dim=8, min_numel=0, side_budget=math.inf) for _ in range(2)],
         [get_codec("nvfp4") for _ in range(2)],
     )
     for step in range(3):

@@ -12,14 +12,19 @@ at values or at the machine. The knobs (defaults in :data:`DEFAULTS`):
 * ``min_dim``, ``min_numel``: smaller matrices go plain (the fixed costs of
   a map outweigh what it saves);
 * ``min_share``: a tensor whose measured top-k energy share beats a flat
-  spectrum's k / min(m, n) by less than this goes plain (it is re-measured
-  every ``refresh`` calls, so it can come back).
+  spectrum's k / min(m, n) by less than this goes plain;
+* ``side_budget``: the model-wide cap on side bytes (the coefficients every
+  call plus the refresh sums, per call) as a fraction of the quantized
+  payload of every mapped key. Within it, :func:`allocate` gives each key the
+  rank k (0: plain) that buys the most error reduction per byte, from the
+  spectra the keys' states track; the cap above is then the most a key may
+  get. ``side_budget`` of inf gives every key its cap (k as above).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +42,7 @@ DEFAULTS: dict[str, Any] = {
     "min_dim": 64,
     "min_numel": 16384,
     "min_share": 0.2,
+    "side_budget": 0.05,
     "seed": 0,
 }
 TRANSFORMS = ("split", "hadamard", "none")
@@ -90,3 +96,58 @@ def map_shape(
 def anisotropic(share: float, dims: MapShape, min_share: float) -> bool:
     """Whether a top-k energy share beats a flat spectrum's k / min(m, n) by ``min_share``."""
     return share - dims.k / min(dims.m, dims.n) >= min_share
+
+
+def direction_bytes(dims: MapShape, refresh: int) -> float:
+    """Side bytes per call of one basis direction of a mapped key: its m fp32
+    coefficients every call, and its n-float refresh sum every ``refresh`` calls."""
+    return 4.0 * (dims.m + dims.n / refresh)
+
+
+@dataclass(frozen=True)
+class Spectrum:
+    """What a key's state promises: its cap, the energy its result had along each
+    tracked direction (best first), the result's whole energy and its payload bytes."""
+
+    dims: MapShape
+    energies: tuple[float, ...]
+    total: float
+    payload: int
+
+
+def allocate(
+    spectra: Mapping[Any, Spectrum], side_budget: float, refresh: int, min_share: float
+) -> dict[Any, int]:
+    """The rank of every key under one model-wide cap on side bytes.
+
+    A direction j of a key promises the error energy it removes, relative to
+    the key's (what the per-matrix error ratio feels) plus relative to the
+    mean key's (what the whole model's error feels): e_j / E + e_j / mean(E).
+    Directions go, best promise per side byte first, while the bytes stay
+    within ``side_budget`` times the payload of all keys; a key's directions
+    are taken in order (promises made non-increasing). Keys whose tracked
+    share beats a flat spectrum by less than ``min_share`` stay plain. Pure
+    Python on values every rank shares, in key order: every rank gets the same.
+    """
+    keys = sorted(spectra, key=repr)
+    totals = [spectra[k].total for k in keys if spectra[k].total > 0]
+    if not keys or not totals:
+        return dict.fromkeys(keys, 0)
+    mean = sum(totals) / len(totals)
+    room = side_budget * sum(spectra[k].payload for k in keys)
+    offers = []
+    for order, key in enumerate(keys):
+        sp = spectra[key]
+        if sp.total <= 0 or not anisotropic(sum(sp.energies) / sp.total, sp.dims, min_share):
+            continue
+        cost, best = direction_bytes(sp.dims, refresh), math.inf
+        for j, e in enumerate(sp.energies[: sp.dims.k]):
+            best = min(best, e / sp.total + e / mean)
+            offers.append((-best / cost, order, j, cost))
+    offers.sort()
+    ranks, spent = dict.fromkeys(keys, 0), 0.0
+    for _, order, j, cost in offers:
+        key = keys[order]
+        if ranks[key] == j and spent + cost <= room:
+            ranks[key], spent = j + 1, spent + cost
+    return ranks
