@@ -23,6 +23,13 @@ block 128 or NVFP4), reduced by the median over steps, then over matrices.
 
     python perf/studies/geo_real_gradients.py -J perf/results/geo_real_gradients.json
     python perf/studies/geo_real_gradients.py --report perf/results/geo_real_gradients.json
+
+``--zoo`` runs the sweep over every source of the gradient zoo instead
+(perf/studies/zoo.py, the measures of perf/studies/geo_zoo.py; every split
+with no byte budget, so each (k, refresh) is itself) and writes the per-source
+table that perf/studies/geo_tradeoff.py joins with perf/geo_bench.py's times:
+
+    python perf/studies/geo_real_gradients.py --zoo -J perf/results/geo_zoo_sweep.json
 """
 
 from __future__ import annotations
@@ -61,6 +68,8 @@ OPEN = {"budget": 1e9, "max_side": 1e9}  # the sweep sets k and refresh itself
 SWEEP_K = (4, 8, 12, 16, 24, 32)
 SWEEP_REFRESH = (1, 4, 8)
 BIG = (4096, 4096)
+ZOO_K = (2, 4, 8, 12)
+ZOO_REFRESH = (1, 4)
 
 
 def variants() -> list[dict[str, Any]]:
@@ -352,6 +361,32 @@ def write(result: dict[str, Any], path: Path) -> None:
     plot(result, path.with_suffix(".png"))
 
 
+def run_zoo(args: argparse.Namespace) -> dict[str, Any]:
+    """The (k, refresh) sweep on every zoo source: geo_zoo's measures per source."""
+    import geo_zoo
+    import zoo
+
+    sweep = {f"split k={k} refresh={r}": (k, r) for r in ZOO_REFRESH for k in ZOO_K}
+    configs = {geo_zoo.BASE: FP8, "geofp8 (default)": {"id": "geofp8"}}
+    configs |= {
+        label: {"id": "geofp8", "k": k, "refresh": r, "side_budget": math.inf, **OPEN}
+        for label, (k, r) in sweep.items()
+    }
+    world = {label: [get_codec(c) for _ in range(args.world)] for label, c in configs.items()}
+    sources = []
+    for src in zoo.select(args.only):
+        summary = geo_zoo.run_source(src, world)["summary"]
+        sources.append({"source": src.name, "summary": summary})
+        print(f"{src.name}: " + ", ".join(f"{lb} {v['median']:.3f}" for lb, v in summary.items()))
+    return {
+        "command": "python " + " ".join(sys.argv),
+        "world": args.world,
+        "configs": configs,
+        "sweep": [{"label": lb, "k": k, "refresh": r} for lb, (k, r) in sweep.items()],
+        "sources": sources,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", choices=sorted(CONFIGS), default="small")
@@ -362,7 +397,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-J", "--json", default="perf/results/geo_real_gradients.json")
     p.add_argument("--report", default=None, help="re-render md and png from this JSON")
+    p.add_argument("--zoo", action="store_true", help="sweep over the gradient zoo instead")
+    p.add_argument("--only", default=None, help="with --zoo: comma-separated source names")
     args = p.parse_args(argv)
+    if args.zoo:
+        default = p.get_default("json")
+        path = Path("perf/results/geo_zoo_sweep.json" if args.json == default else args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(run_zoo(args), indent=1) + "\n")
+        return 0
     if args.report:
         write(json.loads(Path(args.report).read_text()), Path(args.report))
         return 0

@@ -152,7 +152,9 @@ def select(only: str | None) -> list[Source]:
     chosen = [s for s in SOURCES if s.name in wanted]
     missing = set(wanted) - {s.name for s in chosen}
     if missing:
-        raise SystemExit(f"unknown zoo sources {sorted(missing)}; known {[s.name for s in SOURCES]}")
+        raise SystemExit(
+            f"unknown zoo sources {sorted(missing)}; known {[s.name for s in SOURCES]}"
+        )
     return chosen
 
 

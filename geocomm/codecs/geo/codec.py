@@ -99,6 +99,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         self._state: dict[Any, KeyState] = {}
         self._ranks: tuple[int, dict[Any, int]] = (-1, {})  # (state version, allocation)
         self._version = 0  # bumps whenever a key's spectrum or the set of keys changes
+        self._planned: set[Any] = set()  # keys planned under the current allocation
 
     # ---- configuration --------------------------------------------------------
     def _knobs(self) -> dict[str, Any]:
@@ -148,20 +149,35 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         if st.vt is None:  # the first result measures the basis (the cold start)
             return _MeasurePlan(dims, st)
         due = st.calls - st.refreshed >= self.refresh_period
-        if st.share is not None and not anisotropic(st.share, dims, self.min_share):
+        st.use = self._rank_of(key)
+        if st.use < 0:  # flat when the round's allocation was made: re-measured
             st.use = 0
-            return _MeasurePlan(dims, st) if due else None  # flat: re-measured
-        st.use = self.ranks().get(key, 0)
+            return _MeasurePlan(dims, st) if due else None
         if st.use == 0:
             return None
         use = MapShape(dims.m, dims.n, st.use)
         return SplitPlan(use, st.vt[: st.use, :], refreshes=due, state=st)
 
+    def _rank_of(self, key: Any) -> int:
+        """The key's rank under the allocation of this round of calls: it is made
+        again only when a key comes back (the next step's first tensor), so every
+        call of one step spends from one allocation and the step keeps the cap."""
+        if self._ranks[0] < 0 or (self._ranks[0] != self._version and key in self._planned):
+            self._ranks = (-1, {})
+            self._planned.clear()
+        self._planned.add(key)
+        return self.ranks().get(key, 0)
+
+    def _flat(self, st: KeyState) -> bool:
+        """Whether the key's tracked share beats a flat spectrum by less than min_share."""
+        return st.share is not None and not anisotropic(st.share, st.map_shape, self.min_share)
+
     def ranks(self) -> dict[Any, int]:
-        """The rank the model-wide budget gives each measured key now
-        (:func:`~geocomm.codecs.geo.policy.allocate`; a pure function of the
-        keys' states, so equal on ranks whose states are)."""
-        if self._ranks[0] != self._version:
+        """The rank the model-wide budget gives each measured key in this round
+        of calls (:func:`~geocomm.codecs.geo.policy.allocate`; -1: flat, plain
+        and re-measured); a pure function of the keys' states, so equal on
+        ranks whose states are."""
+        if self._ranks[0] < 0:
             spectra = {
                 key: policy.Spectrum(
                     st.map_shape,
@@ -175,6 +191,9 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
             allocation = policy.allocate(
                 spectra, self.side_budget, self.refresh_period, self.min_share
             )
+            for key, st in self._state.items():
+                if st.energies and self._flat(st):
+                    allocation[key] = -1
             self._ranks = (self._version, allocation)
         return self._ranks[1]
 
@@ -246,6 +265,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         """Forget every key's geometry."""
         self._state.clear()
         self._version += 1
+        self._ranks = (-1, {})
 
     def state_info(self, key: Any) -> dict[str, Any] | None:
         """A copy of the state of ``key`` (None if it has none): ``shape``, ``k``,
@@ -271,6 +291,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
             )
         self._state = {_key(k): KeyState.from_dict(v, xp) for k, v in data["keys"]}
         self._version += 1
+        self._ranks = (-1, {})
 
     # ---- standalone frames ----------------------------------------------------------
     def frame_body_size(self, shape: tuple[int, ...]) -> int:

@@ -28,16 +28,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-#: Defaults, chosen on real gradients (perf/studies/geo_real_gradients.py; see
-#: docs/design.md, "Choosing the defaults"): a right-sided split of rank 12 at
-#: a 40 multiply-add budget cuts the error of E4M3 block 128 to about 0.37x on
-#: the gradients of the small Llama, and the basis refreshed every 4 calls
-#: loses almost nothing against every call (rank 8: 0.490 vs 0.485).
+#: Defaults, chosen on the gradient zoo (perf/studies/geo_zoo.py,
+#: perf/results/geo_zoo.md): the model-wide side budget of 5% of the payload
+#: spends the bytes where the tracked spectra promise most; a basis refreshed
+#: every call follows the fast-turning gradients of early training (every 4
+#: calls: the small Llama's median 0.93x of FP8's error in its first 8 steps,
+#: every call 0.47x, same bytes); the 40 multiply-add budget caps a key at
+#: rank 10.
 DEFAULTS: dict[str, Any] = {
     "transform": "split",
     "k": 32,
     "budget": 40.0,
-    "refresh": 4,
+    "refresh": 1,
     "max_side": 0.25,
     "min_dim": 64,
     "min_numel": 16384,
@@ -123,8 +125,9 @@ def allocate(
     A direction j of a key promises the error energy it removes, relative to
     the key's (what the per-matrix error ratio feels) plus relative to the
     mean key's (what the whole model's error feels): e_j / E + e_j / mean(E).
-    Directions go, best promise per side byte first, while the bytes stay
-    within ``side_budget`` times the payload of all keys; a key's directions
+    Directions go, best promise per side byte first, while the bytes (with
+    the re-measures of the plain flat keys) stay within ``side_budget`` times
+    the payload of all keys; a key's directions
     are taken in order (promises made non-increasing). Keys whose tracked
     share beats a flat spectrum by less than ``min_share`` stay plain. Pure
     Python on values every rank shares, in key order: every rank gets the same.
@@ -136,16 +139,19 @@ def allocate(
     mean = sum(totals) / len(totals)
     room = side_budget * sum(spectra[k].payload for k in keys)
     offers = []
+    spent = 0.0
     for order, key in enumerate(keys):
         sp = spectra[key]
         if sp.total <= 0 or not anisotropic(sum(sp.energies) / sp.total, sp.dims, min_share):
+            # plain, but re-measured every refresh calls: k (m + n) floats
+            spent += 4.0 * sp.dims.k * (sp.dims.m + sp.dims.n) / refresh
             continue
         cost, best = direction_bytes(sp.dims, refresh), math.inf
         for j, e in enumerate(sp.energies[: sp.dims.k]):
             best = min(best, e / sp.total + e / mean)
             offers.append((-best / cost, order, j, cost))
     offers.sort()
-    ranks, spent = dict.fromkeys(keys, 0), 0.0
+    ranks = dict.fromkeys(keys, 0)
     for _, order, j, cost in offers:
         key = keys[order]
         if ranks[key] == j and spent + cost <= room:
