@@ -59,10 +59,10 @@ def zoo_markdown(study: dict[str, Any], bench: dict[str, Any]) -> str:
         "| --- | --- | --- | " + " | ".join("---" for _ in names) + " |",
     ]
     for v in study["sweep"]:
-        cells = [
-            f"{s['summary'][v['label']]['median']:.3f} / {s['summary'][v['label']]['bytes_steady']:.3f}"
-            for s in study["sources"]
-        ]
+        cells = []
+        for s in study["sources"]:
+            row = s["summary"][v["label"]]
+            cells.append(f"{row['median']:.3f} / {row['bytes_steady']:.3f}")
         t = times.get((v["k"], v["refresh"]))
         lines.append(
             f"| {v['k']} | {v['refresh']} | {'-' if t is None else f'{t:.2f}'} | "
