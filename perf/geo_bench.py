@@ -96,15 +96,21 @@ class Call:
                 self._clock("refresh", run_refresh_locally, codec, plan, self.result, plan.side)
 
 
-def steady_state(codec: Any, x: np.ndarray, refresh: int) -> tuple[float, dict[str, float]]:
-    """(median seconds per call, mean seconds per phase per call) after the cold start."""
+def steady_state(codec: Any, x: np.ndarray) -> tuple[float, dict[str, float], int]:
+    """(mean seconds per call, mean seconds per phase per call, the key's refresh
+    period) over 2 x refresh_max calls after the cold start and the period's
+    adaptation (so refreshes are counted at the rate they happen)."""
     call = Call(codec, x)
-    for _ in range(2 * refresh):  # cold start and a few refreshes
+    calls = 2 * codec.refresh_max
+    for _ in range(2 * calls):
         call()
     call.seconds = dict.fromkeys(Call.PHASES, 0.0)
-    reps = 4 * refresh
-    median = median_seconds(call, reps)
-    return median, {k: v / reps for k, v in call.seconds.items()}
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    mean = (time.perf_counter() - start) / calls
+    period = codec.state_info("w")["period"] if codec.state_info("w") else 0
+    return mean, {k: v / calls for k, v in call.seconds.items()}, period
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     copy_s = median_seconds(lambda: np.copyto(copy, flat), 15)
     fp8_s = median_seconds(fp8_call, 15)
     default = get_codec("geofp8")
-    geo_s, phases = steady_state(default, x, default.refresh_period)
+    geo_s, phases, period = steady_state(default, x)
+    # the same codec on a geometry that turns at every refresh (as the zoo's
+    # real gradients mostly do): the period stays at refresh
+    turning = get_codec("geofp8", refresh_max=default.refresh_period)
+    turning_s, _, _ = steady_state(turning, x)
     dims = default.map_shape(x.shape)
     print(
         f"# {m} x {n}, one core; np.copyto {flat.nbytes / copy_s / 1e9:.2f} GB/s, "
@@ -138,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"# command: python {' '.join(sys.argv)}")
     print(
-        f"default geofp8 (k={dims.k}, refresh={default.refresh_period}): "
-        f"{geo_s * 1e3:.2f} ms = {geo_s / fp8_s:.2f}x fp8"
+        f"default geofp8 (k={dims.k}, refresh period adapted to {period}): "
+        f"{geo_s * 1e3:.2f} ms = {geo_s / fp8_s:.2f}x fp8; refreshed every call: "
+        f"{turning_s * 1e3:.2f} ms = {turning_s / fp8_s:.2f}x"
     )
     for phase, sec in phases.items():
         print(f"  {phase:>9}: {sec * 1e3:7.2f} ms  ({sec / geo_s:5.1%})")
@@ -147,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'k':>4} {'refresh':>8} {'ms':>8} {'x fp8':>7}")
     for k in (int(v) for v in args.ks.split(",")):
         for r in (int(v) for v in args.refreshes.split(",")):
-            codec = get_codec("geofp8", k=k, refresh=r, budget=1e9, max_side=1e9)
-            sec, _ = steady_state(codec, x, r)
+            codec = get_codec("geofp8", k=k, refresh=r, refresh_max=r, budget=1e9, max_side=1e9)
+            sec, _, _ = steady_state(codec, x)
             sweep.append({"k": k, "refresh": r, "seconds": sec, "ratio_to_fp8": sec / fp8_s})
             print(f"{k:>4} {r:>8} {sec * 1e3:>8.2f} {sec / fp8_s:>7.2f}")
     if args.json:
@@ -166,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
                 "seconds": geo_s,
                 "ratio_to_fp8": geo_s / fp8_s,
                 "phases_seconds": phases,
+                "period": period,
+                "every_call_seconds": turning_s,
+                "every_call_ratio_to_fp8": turning_s / fp8_s,
             },
             "sweep": sweep,
         }
@@ -187,9 +201,13 @@ def markdown(r: dict[str, Any]) -> str:
         f"measured in the same run: np.copyto {r['copyto_GBps']:.2f} GB/s, FP8 E4M3 block 128 "
         f"encode + decode {r['fp8_seconds'] * 1e3:.2f} ms ({r['fp8_GBps']:.2f} GB/s).",
         "",
-        f"Default geofp8 (k = {d['k']}, refresh every {d['config']['refresh']} calls): "
-        f"{d['seconds'] * 1e3:.2f} ms per call = **{d['ratio_to_fp8']:.2f}x** FP8's time "
-        "(target <= 4x).",
+        f"Default geofp8 (k = {d['k']}; refresh period {d['config']['refresh']} to "
+        f"{d['config']['refresh_max']} calls, adapted here to {d['period']}): "
+        f"{d['seconds'] * 1e3:.2f} ms per call = **{d['ratio_to_fp8']:.2f}x** FP8's time; "
+        f"on a geometry that turns at every refresh (period {d['config']['refresh']}): "
+        f"{d['every_call_seconds'] * 1e3:.2f} ms = **{d['every_call_ratio_to_fp8']:.2f}x** "
+        "(issue 23's target: <= 2.5x). Times are means over 2 x refresh_max calls after "
+        "warm-up, so refreshes count at the rate they happen.",
         "",
         "| phase | ms per call | share |",
         "| --- | --- | --- |",
@@ -197,7 +215,13 @@ def markdown(r: dict[str, Any]) -> str:
     lines += [
         f"| {k} | {v * 1e3:.2f} | {v / d['seconds']:.1%} |" for k, v in d["phases_seconds"].items()
     ]
-    lines += ["", "| k | refresh | ms per call | x FP8 |", "| --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "Fixed refresh periods (refresh = refresh_max), no budget cap on k:",
+        "",
+        "| k | refresh | ms per call | x FP8 |",
+        "| --- | --- | --- | --- |",
+    ]
     lines += [
         f"| {s['k']} | {s['refresh']} | {s['seconds'] * 1e3:.2f} | {s['ratio_to_fp8']:.2f} |"
         for s in r["sweep"]

@@ -98,7 +98,7 @@ def variants() -> list[dict[str, Any]]:
     rows += [
         {
             "label": f"split k={k} refresh={r}",
-            "codec": {"id": "geofp8", "k": k, "refresh": r, **OPEN},
+            "codec": {"id": "geofp8", "k": k, "refresh": r, "refresh_max": r, **OPEN},
             "base": "fp8 b128",
             "k": k,
             "refresh": r,
@@ -369,7 +369,14 @@ def run_zoo(args: argparse.Namespace) -> dict[str, Any]:
     sweep = {f"split k={k} refresh={r}": (k, r) for r in ZOO_REFRESH for k in ZOO_K}
     configs = {geo_zoo.BASE: FP8, "geofp8 (default)": {"id": "geofp8"}}
     configs |= {
-        label: {"id": "geofp8", "k": k, "refresh": r, "side_budget": math.inf, **OPEN}
+        label: {
+            "id": "geofp8",
+            "k": k,
+            "refresh": r,
+            "refresh_max": r,
+            "side_budget": math.inf,
+            **OPEN,
+        }
         for label, (k, r) in sweep.items()
     }
     world = {label: [get_codec(c) for _ in range(args.world)] for label, c in configs.items()}

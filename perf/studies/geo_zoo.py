@@ -52,6 +52,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     BASE: {"id": "fp8", "fmt": "e4m3", "block": 128},
     "fp8 b32": {"id": "fp8", "fmt": "e4m3", "block": 32},
     "geofp8 (default)": {"id": "geofp8"},
+    "geofp8 refresh every call": {"id": "geofp8", "refresh_max": 1},
+    "geofp8 refresh every 4": {"id": "geofp8", "refresh": 4, "refresh_max": 4},
     "geofp8 side_budget 0.1": {"id": "geofp8", "side_budget": 0.1},
     "geofp8 no budget (k = cap)": {"id": "geofp8", "side_budget": math.inf},
 }

@@ -14,7 +14,14 @@ import numpy as np
 from test_geometry import exact_sum, rel
 
 from geocomm.codecs import get_codec
-from geocomm.codecs.geo.policy import MapShape, Spectrum, allocate, direction_bytes
+from geocomm.codecs.geo.policy import (
+    STABLE_OVERLAP,
+    MapShape,
+    Spectrum,
+    allocate,
+    direction_bytes,
+    next_period,
+)
 from geocomm.testing import simulate_allreduce
 
 
@@ -36,27 +43,27 @@ def test_allocation_keeps_the_cap_and_prefers_steep_spectra():
     }
     payload = sum(sp.payload for sp in spectra.values())
     for budget in (0.01, 0.05, 0.2):
-        ranks = allocate(spectra, budget, 1, 0.0)
+        ranks = allocate(spectra, budget, 0.0)
         # the greedy never takes a direction that would cross the cap
         assert spent(spectra, ranks, 1) <= budget * payload
         assert all(0 <= ranks[key] <= sp.dims.k for key, sp in spectra.items())
     # room for one 256-wide direction: the steep spectrum's first promises the most
     one = direction_bytes(spectra["steep"].dims, 1) / payload
-    assert allocate(spectra, 1.5 * one, 1, 0.0) == {"steep": 1, "slow": 0, "big": 0}
-    ranks = allocate(spectra, 0.05, 1, 0.0)
+    assert allocate(spectra, 1.5 * one, 0.0) == {"steep": 1, "slow": 0, "big": 0}
+    ranks = allocate(spectra, 0.05, 0.0)
     # the steep key's directions fall by 2x each: past its first few the slow key's
     # (5% of its energy each, at the same cost) promise more, and get the bytes
     assert 1 <= ranks["steep"] < ranks["slow"]
     # no cap: every key gets its cap
-    assert allocate(spectra, math.inf, 1, 0.0) == {key: 12 for key in spectra}
+    assert allocate(spectra, math.inf, 0.0) == {key: 12 for key in spectra}
     # a pure function of the spectra: the order keys arrive in does not matter
-    assert allocate(dict(reversed(list(spectra.items()))), 0.05, 1, 0.0) == ranks
+    assert allocate(dict(reversed(list(spectra.items()))), 0.05, 0.0) == ranks
 
 
 def test_flat_spectra_stay_plain():
     flat = Spectrum(MapShape(256, 256, 12), (1.0 / 256,) * 12, 1.0, 256 * 256)
     # a top-12 share of 12/256 beats a flat spectrum's 12/256 by nothing
-    assert allocate({"flat": flat}, math.inf, 1, 0.2) == {"flat": 0}
+    assert allocate({"flat": flat}, math.inf, 0.2) == {"flat": 0}
 
 
 def layered(m: int, n: int, decay: float, seed: int) -> np.ndarray:
@@ -117,3 +124,64 @@ def test_cold_start_finds_the_top_directions_from_one_result():
     got = float(np.sum((x.astype(np.float64) @ vt.T.astype(np.float64)) ** 2))
     s = np.linalg.svd(x.astype(np.float64), compute_uv=False)
     assert got >= 0.99 * float(np.sum(s[:k] ** 2))
+
+
+def test_next_period_doubles_while_the_geometry_stands_and_drops_when_it_turns():
+    assert next_period(1, STABLE_OVERLAP, 1, 8) == 2
+    assert next_period(4, 0.99, 1, 8) == 8
+    assert next_period(8, 1.0, 1, 8) == 8  # never beyond refresh_max
+    assert next_period(8, STABLE_OVERLAP - 1e-3, 2, 8) == 2  # back to refresh
+
+
+def refresh_calls(codec: object, inputs: list) -> list[int]:
+    """The calls (1-based) after which the key's basis was refreshed."""
+    calls = []
+    for call, x in enumerate(inputs, 1):
+        simulate_allreduce([codec], [x], key="w")
+        if codec.state_info("w")["refreshed"] == call:
+            calls.append(call)
+    return calls
+
+
+def test_the_refresh_period_adapts_to_how_fast_the_geometry_turns():
+    """A fixed matrix keeps its basis (overlap ~ 1 at every refresh), so the
+    period doubles from 1 to refresh_max = 8: refreshes at calls 1 (the cold
+    start), 2, 4, 8, 16, 24. A matrix whose top directions are new at every
+    call (random rank-4 signal over weak noise: a fresh basis shares ~4/96 of
+    its span with the old one) turns at every refresh, so the period stays 1."""
+    knobs = {"min_dim": 8, "min_numel": 0, "side_budget": math.inf, "k": 4}
+    still = layered(128, 96, 0.6, 5)
+    got = refresh_calls(get_codec("geofp8", **knobs), [still] * 24)
+    assert got == [1, 2, 4, 8, 16, 24]
+    rng = np.random.default_rng(7)
+    turning = [
+        (rng.standard_normal((128, 4)) @ rng.standard_normal((4, 96))).astype(np.float32)
+        + 0.01 * rng.standard_normal((128, 96)).astype(np.float32)
+        for _ in range(12)
+    ]
+    codec = get_codec("geofp8", **knobs)
+    assert refresh_calls(codec, turning) == list(range(1, 13))
+    assert codec.state_info("w")["period"] == 1
+    # fixed periods stay fixed: refresh_max = refresh
+    assert refresh_calls(get_codec("geofp8", refresh=4, refresh_max=4, **knobs), [still] * 12) == [
+        1,
+        5,
+        9,
+    ]
+
+
+def test_the_period_is_state_every_rank_checks_and_a_checkpoint_keeps():
+    knobs = {"min_dim": 8, "min_numel": 0, "side_budget": math.inf}
+    codec = get_codec("geofp8", **knobs)
+    still = layered(128, 96, 0.6, 5)
+    for _ in range(5):
+        simulate_allreduce([codec], [still], key="w")
+    data = codec.state_dict()
+    other = get_codec("geofp8", **knobs)
+    other.load_state_dict(data)
+    assert other.state_info("w")["period"] == codec.state_info("w")["period"] == 4
+    assert other.state_checksum() == codec.state_checksum()
+    for _, st in data["keys"]:
+        st["period"] = 2
+    other.load_state_dict(data)
+    assert other.state_checksum() != codec.state_checksum()

@@ -67,7 +67,8 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
 
     Knobs (:data:`~geocomm.codecs.geo.policy.DEFAULTS`): ``transform``
     (split | hadamard | none), ``k`` (largest rank), ``budget`` (multiply-adds
-    per value and call), ``refresh`` (calls between basis updates),
+    per value and call), ``refresh``/``refresh_max`` (shortest and longest
+    period between basis updates; a key's period adapts in between),
     ``max_side`` (side channel over payload), ``min_dim``/``min_numel``
     (smallest mapped matrix), ``min_share`` (anisotropy needed),
     ``side_budget`` (model-wide side bytes over payload), ``seed``.
@@ -89,6 +90,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         self.transform = config["transform"]
         self.k = _check_int("k", config["k"], 1)
         self.refresh_period = _check_int("refresh", config["refresh"], 1)
+        self.refresh_max = _check_int("refresh_max", config["refresh_max"], self.refresh_period)
         self.min_dim = _check_int("min_dim", config["min_dim"], 1)
         self.min_numel = _check_int("min_numel", config["min_numel"], 0)
         self.seed = _check_int("seed", config["seed"], 0)
@@ -108,6 +110,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
             "k": self.k,
             "budget": self.budget,
             "refresh": self.refresh_period,
+            "refresh_max": self.refresh_max,
             "max_side": self.max_side,
             "min_dim": self.min_dim,
             "min_numel": self.min_numel,
@@ -148,7 +151,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         st.calls += 1
         if st.vt is None:  # the first result measures the basis (the cold start)
             return _MeasurePlan(dims, st)
-        due = st.calls - st.refreshed >= self.refresh_period
+        due = st.calls - st.refreshed >= st.period
         st.use = self._rank_of(key)
         if st.use < 0:  # flat when the round's allocation was made: re-measured
             st.use = 0
@@ -184,13 +187,12 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
                     st.energies,
                     st.total,
                     self.quantizer.wire_size(st.map_shape.m * st.map_shape.n),
+                    st.period,
                 )
                 for key, st in self._state.items()
                 if st.energies
             }
-            allocation = policy.allocate(
-                spectra, self.side_budget, self.refresh_period, self.min_share
-            )
+            allocation = policy.allocate(spectra, self.side_budget, self.min_share)
             for key, st in self._state.items():
                 if st.energies and self._flat(st):
                     allocation[key] = -1
@@ -239,14 +241,19 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
             return  # a non-finite or all-zero result says nothing about the geometry
         if not bool(xp.all(xp.isfinite(w))):
             return
-        st.commit(kernels.orthonormalize(w, self.seed), tuple(energies), energy)
+        vt = kernels.orthonormalize(w, self.seed)
+        period = self.refresh_period
+        if st.vt is not None:
+            overlap = _overlap(vt[: st.use or cap.k, :], st.vt)
+            period = policy.next_period(st.period, overlap, self.refresh_period, self.refresh_max)
+        st.commit(vt, tuple(energies), energy, period)
         self._version += 1
 
     # ---- state --------------------------------------------------------------------
     def _state_for(self, key: Any, dims: MapShape) -> KeyState:
         st = self._state.get(key)
         if st is None or st.map_shape != dims:
-            st = self._state[key] = KeyState(dims)
+            st = self._state[key] = KeyState(dims, period=self.refresh_period)
             self._version += 1
         return st
 
@@ -269,7 +276,8 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
 
     def state_info(self, key: Any) -> dict[str, Any] | None:
         """A copy of the state of ``key`` (None if it has none): ``shape``, ``k``,
-        ``calls``, ``refreshed``, ``share`` and the basis ``vt`` (NumPy)."""
+        ``calls``, ``refreshed``, ``share``, ``energies``, ``total``, ``use``,
+        ``period`` and the basis ``vt`` (NumPy)."""
         st = self._state.get(key)
         return None if st is None else st.to_dict()
 
@@ -338,6 +346,15 @@ def _accumulation(shard: Any, lo: int, coef: Any, dims: MapShape) -> Any:
         kernels.accumulate(shard, lo, dims.n, coef[_shard_rows(shard, lo, dims), :], acc)
     energy = xp.asarray([kernels.sumsq(shard)], dtype=xp.float32)
     return xp.concat([xp.reshape(acc, (-1,)), energy])
+
+
+def _overlap(new: Any, old: Any) -> float:
+    """The mean share of each orthonormal row of ``new`` that lies in the span of
+    ``old``'s rows: ||new old^T||_F^2 / rows, in [0, 1] (fixed-order kernels,
+    so every rank gets the same bits)."""
+    rows, n = new.shape
+    xp = array_namespace(new)
+    return float(kernels.sumsq(kernels.project(xp.reshape(new, (-1,)), 0, n, old))) / rows
 
 
 def _column_energies(coef: Any) -> list[float]:

@@ -40,6 +40,7 @@ DEFAULTS: dict[str, Any] = {
     "k": 32,
     "budget": 40.0,
     "refresh": 1,
+    "refresh_max": 8,
     "max_side": 0.25,
     "min_dim": 64,
     "min_numel": 16384,
@@ -100,25 +101,39 @@ def anisotropic(share: float, dims: MapShape, min_share: float) -> bool:
     return share - dims.k / min(dims.m, dims.n) >= min_share
 
 
-def direction_bytes(dims: MapShape, refresh: int) -> float:
+def direction_bytes(dims: MapShape, period: int) -> float:
     """Side bytes per call of one basis direction of a mapped key: its m fp32
-    coefficients every call, and its n-float refresh sum every ``refresh`` calls."""
-    return 4.0 * (dims.m + dims.n / refresh)
+    coefficients every call, and its n-float refresh sum every ``period`` calls."""
+    return 4.0 * (dims.m + dims.n / period)
+
+
+#: A refresh whose new mapped directions keep at least this share of their
+#: energy in the old basis's span found the geometry standing still: the
+#: key's period doubles (up to ``refresh_max``); below it, the period drops
+#: back to ``refresh`` (the gradient is turning).
+STABLE_OVERLAP = 0.9
+
+
+def next_period(period: int, overlap: float, shortest: int, longest: int) -> int:
+    """The refresh period after a refresh whose bases overlapped by ``overlap``."""
+    return min(2 * period, longest) if overlap >= STABLE_OVERLAP else shortest
 
 
 @dataclass(frozen=True)
 class Spectrum:
     """What a key's state promises: its cap, the energy its result had along each
-    tracked direction (best first), the result's whole energy and its payload bytes."""
+    tracked direction (best first), the result's whole energy, its payload
+    bytes and its refresh period."""
 
     dims: MapShape
     energies: tuple[float, ...]
     total: float
     payload: int
+    period: int = 1
 
 
 def allocate(
-    spectra: Mapping[Any, Spectrum], side_budget: float, refresh: int, min_share: float
+    spectra: Mapping[Any, Spectrum], side_budget: float, min_share: float
 ) -> dict[Any, int]:
     """The rank of every key under one model-wide cap on side bytes.
 
@@ -143,10 +158,10 @@ def allocate(
     for order, key in enumerate(keys):
         sp = spectra[key]
         if sp.total <= 0 or not anisotropic(sum(sp.energies) / sp.total, sp.dims, min_share):
-            # plain, but re-measured every refresh calls: k (m + n) floats
-            spent += 4.0 * sp.dims.k * (sp.dims.m + sp.dims.n) / refresh
+            # plain, but re-measured every period calls: k (m + n) floats
+            spent += 4.0 * sp.dims.k * (sp.dims.m + sp.dims.n) / sp.period
             continue
-        cost, best = direction_bytes(sp.dims, refresh), math.inf
+        cost, best = direction_bytes(sp.dims, sp.period), math.inf
         for j, e in enumerate(sp.energies[: sp.dims.k]):
             best = min(best, e / sp.total + e / mean)
             offers.append((-best / cost, order, j, cost))
