@@ -354,7 +354,7 @@ def _overlap(new: Any, old: Any) -> float:
     so every rank gets the same bits)."""
     rows, n = new.shape
     xp = array_namespace(new)
-    return float(kernels.sumsq(kernels.project(xp.reshape(new, (-1,)), 0, n, old))) / rows
+    return float(kernels.sumsq(kernels.project(xp.reshape(new, (-1,)), 0, n, old))) / float(rows)
 
 
 def _column_energies(coef: Any) -> list[float]:
