@@ -3,12 +3,14 @@
 One process, one thread, one gradient-like matrix (default 4096 x 4096: a
 rank-16 signal with singular values halving every 4 directions, 90% of the
 energy, plus noise). A "call" is what one rank of the all-reduce does to its
-own tensor, with no communication and the quantizer run once each way:
-plan and map (project + subtract), encode, decode, map back (add), and the
-basis refresh every ``refresh`` calls (here on the whole matrix, as on one
-rank; on N ranks each refreshes only its 1/N). The steady-state time is the
-median over 4 x refresh calls. Yardsticks measured in the same run:
-``np.copyto`` of the matrix and the FP8 encode + decode of it.
+own tensor, with no communication and the quantizer run once each way, as
+the collective runs it: plan and projection of the whole tensor, then piece
+by piece (the host stage size, 2**20 values) map into a scratch piece
+(subtract) and encode; piece by piece decode and map back (add); and the
+basis refresh when the key's period is due (here on the whole matrix, as on
+one rank; on N ranks each refreshes only its 1/N). The steady-state time is
+the mean over 2 x refresh_max calls after warm-up. Yardsticks measured in
+the same run: ``np.copyto`` of the matrix and the FP8 encode + decode of it.
 
     python perf/geo_bench.py -J perf/results/geo_bench.json   # table + sweep over k, refresh
 
@@ -35,6 +37,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 
 from geocomm.codecs import get_codec  # noqa: E402
+from geocomm.engine.costs import HOST_STAGE_SIZE  # noqa: E402
 from geocomm.testing import run_refresh_locally  # noqa: E402
 
 
@@ -59,16 +62,23 @@ def median_seconds(fn: Any, reps: int) -> float:
 
 
 class Call:
-    """One rank's GeoFP8 work on one tensor, phase by phase (seconds accumulate)."""
+    """One rank's GeoFP8 work on one tensor, phase by phase, the way the
+    collective does it (seconds accumulate): the plan and the projection of
+    the whole tensor, then piece by piece (the host pipeline's stage size)
+    the map into a scratch piece and its encode; then piece by piece the
+    decode into the result and the map back; then the refresh, when due."""
 
     PHASES = ("plan+map", "encode", "decode", "map back", "refresh")
 
-    def __init__(self, codec: Any, x: np.ndarray):
-        self.codec, self.x = codec, x
+    def __init__(self, codec: Any, x: np.ndarray, piece: int = HOST_STAGE_SIZE):
+        self.codec, self.x, self.piece = codec, x, piece
         self.flat = x.reshape(-1)
-        self.mapped = np.empty_like(self.flat)
+        self.scratch = np.empty(min(piece, self.flat.size), np.float32)
         self.result = np.empty_like(self.flat)
-        self.wire = np.empty(codec.wire_size(self.flat.size), np.uint8)
+        self.pieces = [
+            (lo, min(lo + piece, self.flat.size)) for lo in range(0, self.flat.size, piece)
+        ]
+        self.wire = [np.empty(codec.wire_size(hi - lo), np.uint8) for lo, hi in self.pieces]
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
 
     def _clock(self, phase: str, fn: Any, *args: Any) -> Any:
@@ -79,21 +89,21 @@ class Call:
 
     def __call__(self) -> None:
         codec, flat = self.codec, self.flat
-
-        def map_out() -> Any:
-            plan = codec.plan(flat, self.x.shape, "w", [0, flat.size])
-            if plan is not None:
-                plan.forward(flat, self.mapped)
-            return plan
-
-        plan = self._clock("plan+map", map_out)
-        source = flat if plan is None else self.mapped
-        self._clock("encode", codec.encode_wire, source, self.wire)
-        self._clock("decode", codec.decode_wire, self.wire, self.result)
+        plan = self._clock("plan+map", codec.plan, flat, self.x.shape, "w", [0, flat.size])
         if plan is not None:
-            self._clock("map back", plan.inverse, self.result, 0, plan.side)
-            if plan.refreshes:
-                self._clock("refresh", run_refresh_locally, codec, plan, self.result, plan.side)
+            self._clock("plan+map", plan.begin, flat)
+        for (lo, hi), wire in zip(self.pieces, self.wire, strict=True):
+            source = flat[lo:hi]
+            if plan is not None:
+                source = self.scratch[: hi - lo]
+                self._clock("plan+map", plan.forward_range, flat[lo:hi], lo, source)
+            self._clock("encode", codec.encode_wire, source, wire)
+        for (lo, hi), wire in zip(self.pieces, self.wire, strict=True):
+            self._clock("decode", codec.decode_wire, wire, self.result[lo:hi])
+            if plan is not None:
+                self._clock("map back", plan.inverse, self.result[lo:hi], lo, plan.side)
+        if plan is not None and plan.refreshes:
+            self._clock("refresh", run_refresh_locally, codec, plan, self.result, plan.side)
 
 
 def steady_state(codec: Any, x: np.ndarray) -> tuple[float, dict[str, float], int]:

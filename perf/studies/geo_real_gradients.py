@@ -64,7 +64,8 @@ from geocomm.testing import simulate_allreduce, simulate_reduce_scatter  # noqa:
 
 FP8 = {"id": "fp8", "fmt": "e4m3", "block": 128}
 NVFP4 = {"id": "nvfp4"}
-OPEN = {"budget": 1e9, "max_side": 1e9}  # the sweep sets k and refresh itself
+# the sweep sets k and refresh itself: no cost, side or model-wide cap
+OPEN = {"budget": 1e9, "max_side": 1e9, "side_budget": math.inf}
 SWEEP_K = (4, 8, 12, 16, 24, 32)
 SWEEP_REFRESH = (1, 4, 8)
 BIG = (4096, 4096)
@@ -79,6 +80,11 @@ def variants() -> list[dict[str, Any]]:
         {"label": "nvfp4", "codec": NVFP4, "base": "nvfp4"},
         {"label": "geofp8 (default)", "codec": {"id": "geofp8"}, "base": "fp8 b128"},
         {"label": "geonvfp4 (default)", "codec": {"id": "geonvfp4"}, "base": "nvfp4"},
+        {
+            "label": "geofp8 side_budget 0.15",
+            "codec": {"id": "geofp8", "side_budget": 0.15},
+            "base": "fp8 b128",
+        },
         {"label": "fp8 b32", "codec": {**FP8, "block": 32}, "base": "fp8 b128"},
         {"label": "hadamard", "codec": {"id": "hadamard"}, "base": "fp8 b128"},
         # reduce-scatter only (one quantization; the basis refreshed from shards)
@@ -136,15 +142,18 @@ def metrics(
 
 
 def side_fraction(codec: Any, shapes: list[tuple[int, ...]]) -> float:
-    """Side-channel bytes over quantized payload bytes of one all-reduce of ``shapes``
-    (every eligible matrix counted as mapped: an upper bound)."""
-    payload = side = 0
+    """An upper bound on side bytes over quantized payload bytes per all-reduce of
+    ``shapes``: every eligible matrix mapped at its cap k, its coefficients
+    every call and its refresh sums at the shortest period, at most the
+    codec's model-wide ``side_budget``."""
+    payload = side = 0.0
     for shape in shapes:
         payload += codec.wire_size(math.prod(shape))
         if isinstance(codec, TransformingCodec):
             dims = codec.map_shape(shape)
-            side += 0 if dims is None else 4 * dims.m * dims.k
-    return side / payload
+            if dims is not None:
+                side += 4 * dims.k * (dims.m + dims.n / codec.refresh_period)
+    return min(side / payload, getattr(codec, "side_budget", math.inf))
 
 
 # ---------------------------------------------------------------------------
