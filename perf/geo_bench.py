@@ -3,12 +3,14 @@
 One process, one thread, one gradient-like matrix (default 4096 x 4096: a
 rank-16 signal with singular values halving every 4 directions, 90% of the
 energy, plus noise). A "call" is what one rank of the all-reduce does to its
-own tensor, with no communication and the quantizer run once each way:
-plan and map (project + subtract), encode, decode, map back (add), and the
-basis refresh every ``refresh`` calls (here on the whole matrix, as on one
-rank; on N ranks each refreshes only its 1/N). The steady-state time is the
-median over 4 x refresh calls. Yardsticks measured in the same run:
-``np.copyto`` of the matrix and the FP8 encode + decode of it.
+own tensor, with no communication and the quantizer run once each way, as
+the collective runs it: plan and projection of the whole tensor, then piece
+by piece (the host stage size, 2**20 values) map into a scratch piece
+(subtract) and encode; piece by piece decode and map back (add); and the
+basis refresh when the key's period is due (here on the whole matrix, as on
+one rank; on N ranks each refreshes only its 1/N). The steady-state time is
+the mean over 2 x refresh_max calls after warm-up. Yardsticks measured in
+the same run: ``np.copyto`` of the matrix and the FP8 encode + decode of it.
 
     python perf/geo_bench.py -J perf/results/geo_bench.json   # table + sweep over k, refresh
 
@@ -35,6 +37,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 
 from geocomm.codecs import get_codec  # noqa: E402
+from geocomm.engine.costs import HOST_STAGE_SIZE  # noqa: E402
 from geocomm.testing import run_refresh_locally  # noqa: E402
 
 
@@ -59,16 +62,23 @@ def median_seconds(fn: Any, reps: int) -> float:
 
 
 class Call:
-    """One rank's GeoFP8 work on one tensor, phase by phase (seconds accumulate)."""
+    """One rank's GeoFP8 work on one tensor, phase by phase, the way the
+    collective does it (seconds accumulate): the plan and the projection of
+    the whole tensor, then piece by piece (the host pipeline's stage size)
+    the map into a scratch piece and its encode; then piece by piece the
+    decode into the result and the map back; then the refresh, when due."""
 
     PHASES = ("plan+map", "encode", "decode", "map back", "refresh")
 
-    def __init__(self, codec: Any, x: np.ndarray):
-        self.codec, self.x = codec, x
+    def __init__(self, codec: Any, x: np.ndarray, piece: int = HOST_STAGE_SIZE):
+        self.codec, self.x, self.piece = codec, x, piece
         self.flat = x.reshape(-1)
-        self.mapped = np.empty_like(self.flat)
+        self.scratch = np.empty(min(piece, self.flat.size), np.float32)
         self.result = np.empty_like(self.flat)
-        self.wire = np.empty(codec.wire_size(self.flat.size), np.uint8)
+        self.pieces = [
+            (lo, min(lo + piece, self.flat.size)) for lo in range(0, self.flat.size, piece)
+        ]
+        self.wire = [np.empty(codec.wire_size(hi - lo), np.uint8) for lo, hi in self.pieces]
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
 
     def _clock(self, phase: str, fn: Any, *args: Any) -> Any:
@@ -79,32 +89,38 @@ class Call:
 
     def __call__(self) -> None:
         codec, flat = self.codec, self.flat
-
-        def map_out() -> Any:
-            plan = codec.plan(flat, self.x.shape, "w", [0, flat.size])
-            if plan is not None:
-                plan.forward(flat, self.mapped)
-            return plan
-
-        plan = self._clock("plan+map", map_out)
-        source = flat if plan is None else self.mapped
-        self._clock("encode", codec.encode_wire, source, self.wire)
-        self._clock("decode", codec.decode_wire, self.wire, self.result)
+        plan = self._clock("plan+map", codec.plan, flat, self.x.shape, "w", [0, flat.size])
         if plan is not None:
-            self._clock("map back", plan.inverse, self.result, 0, plan.side)
-            if plan.refreshes:
-                self._clock("refresh", run_refresh_locally, codec, plan, self.result, plan.side)
+            self._clock("plan+map", plan.begin, flat)
+        for (lo, hi), wire in zip(self.pieces, self.wire, strict=True):
+            source = flat[lo:hi]
+            if plan is not None:
+                source = self.scratch[: hi - lo]
+                self._clock("plan+map", plan.forward_range, flat[lo:hi], lo, source)
+            self._clock("encode", codec.encode_wire, source, wire)
+        for (lo, hi), wire in zip(self.pieces, self.wire, strict=True):
+            self._clock("decode", codec.decode_wire, wire, self.result[lo:hi])
+            if plan is not None:
+                self._clock("map back", plan.inverse, self.result[lo:hi], lo, plan.side)
+        if plan is not None and plan.refreshes:
+            self._clock("refresh", run_refresh_locally, codec, plan, self.result, plan.side)
 
 
-def steady_state(codec: Any, x: np.ndarray, refresh: int) -> tuple[float, dict[str, float]]:
-    """(median seconds per call, mean seconds per phase per call) after the cold start."""
+def steady_state(codec: Any, x: np.ndarray) -> tuple[float, dict[str, float], int]:
+    """(mean seconds per call, mean seconds per phase per call, the key's refresh
+    period) over 2 x refresh_max calls after the cold start and the period's
+    adaptation (so refreshes are counted at the rate they happen)."""
     call = Call(codec, x)
-    for _ in range(2 * refresh):  # cold start and a few refreshes
+    calls = 2 * codec.refresh_max
+    for _ in range(2 * calls):
         call()
     call.seconds = dict.fromkeys(Call.PHASES, 0.0)
-    reps = 4 * refresh
-    median = median_seconds(call, reps)
-    return median, {k: v / reps for k, v in call.seconds.items()}
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    mean = (time.perf_counter() - start) / calls
+    period = codec.state_info("w")["period"] if codec.state_info("w") else 0
+    return mean, {k: v / calls for k, v in call.seconds.items()}, period
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     copy_s = median_seconds(lambda: np.copyto(copy, flat), 15)
     fp8_s = median_seconds(fp8_call, 15)
     default = get_codec("geofp8")
-    geo_s, phases = steady_state(default, x, default.refresh_period)
+    geo_s, phases, period = steady_state(default, x)
+    # the same codec on a geometry that turns at every refresh (as the zoo's
+    # real gradients mostly do): the period stays at refresh
+    turning = get_codec("geofp8", refresh_max=default.refresh_period)
+    turning_s, _, _ = steady_state(turning, x)
     dims = default.map_shape(x.shape)
     print(
         f"# {m} x {n}, one core; np.copyto {flat.nbytes / copy_s / 1e9:.2f} GB/s, "
@@ -138,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"# command: python {' '.join(sys.argv)}")
     print(
-        f"default geofp8 (k={dims.k}, refresh={default.refresh_period}): "
-        f"{geo_s * 1e3:.2f} ms = {geo_s / fp8_s:.2f}x fp8"
+        f"default geofp8 (k={dims.k}, refresh period adapted to {period}): "
+        f"{geo_s * 1e3:.2f} ms = {geo_s / fp8_s:.2f}x fp8; refreshed every call: "
+        f"{turning_s * 1e3:.2f} ms = {turning_s / fp8_s:.2f}x"
     )
     for phase, sec in phases.items():
         print(f"  {phase:>9}: {sec * 1e3:7.2f} ms  ({sec / geo_s:5.1%})")
@@ -147,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'k':>4} {'refresh':>8} {'ms':>8} {'x fp8':>7}")
     for k in (int(v) for v in args.ks.split(",")):
         for r in (int(v) for v in args.refreshes.split(",")):
-            codec = get_codec("geofp8", k=k, refresh=r, budget=1e9, max_side=1e9)
-            sec, _ = steady_state(codec, x, r)
+            codec = get_codec("geofp8", k=k, refresh=r, refresh_max=r, budget=1e9, max_side=1e9)
+            sec, _, _ = steady_state(codec, x)
             sweep.append({"k": k, "refresh": r, "seconds": sec, "ratio_to_fp8": sec / fp8_s})
             print(f"{k:>4} {r:>8} {sec * 1e3:>8.2f} {sec / fp8_s:>7.2f}")
     if args.json:
@@ -166,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                 "seconds": geo_s,
                 "ratio_to_fp8": geo_s / fp8_s,
                 "phases_seconds": phases,
+                "period": period,
+                "every_call_seconds": turning_s,
+                "every_call_ratio_to_fp8": turning_s / fp8_s,
             },
             "sweep": sweep,
         }
@@ -187,9 +211,13 @@ def markdown(r: dict[str, Any]) -> str:
         f"measured in the same run: np.copyto {r['copyto_GBps']:.2f} GB/s, FP8 E4M3 block 128 "
         f"encode + decode {r['fp8_seconds'] * 1e3:.2f} ms ({r['fp8_GBps']:.2f} GB/s).",
         "",
-        f"Default geofp8 (k = {d['k']}, refresh every {d['config']['refresh']} calls): "
-        f"{d['seconds'] * 1e3:.2f} ms per call = **{d['ratio_to_fp8']:.2f}x** FP8's time "
-        "(target <= 4x).",
+        f"Default geofp8 (k = {d['k']}; refresh period {d['config']['refresh']} to "
+        f"{d['config']['refresh_max']} calls, adapted here to {d['period']}): "
+        f"{d['seconds'] * 1e3:.2f} ms per call = **{d['ratio_to_fp8']:.2f}x** FP8's time; "
+        f"on a geometry that turns at every refresh (period {d['config']['refresh']}): "
+        f"{d['every_call_seconds'] * 1e3:.2f} ms = **{d['every_call_ratio_to_fp8']:.2f}x** "
+        "(issue 23's target: <= 2.5x). Times are means over 2 x refresh_max calls after "
+        "warm-up, so refreshes count at the rate they happen.",
         "",
         "| phase | ms per call | share |",
         "| --- | --- | --- |",
@@ -197,7 +225,13 @@ def markdown(r: dict[str, Any]) -> str:
     lines += [
         f"| {k} | {v * 1e3:.2f} | {v / d['seconds']:.1%} |" for k, v in d["phases_seconds"].items()
     ]
-    lines += ["", "| k | refresh | ms per call | x FP8 |", "| --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "Fixed refresh periods (refresh = refresh_max), no budget cap on k:",
+        "",
+        "| k | refresh | ms per call | x FP8 |",
+        "| --- | --- | --- | --- |",
+    ]
     lines += [
         f"| {s['k']} | {s['refresh']} | {s['seconds'] * 1e3:.2f} | {s['ratio_to_fp8']:.2f} |"
         for s in r["sweep"]

@@ -23,6 +23,13 @@ block 128 or NVFP4), reduced by the median over steps, then over matrices.
 
     python perf/studies/geo_real_gradients.py -J perf/results/geo_real_gradients.json
     python perf/studies/geo_real_gradients.py --report perf/results/geo_real_gradients.json
+
+``--zoo`` runs the sweep over every source of the gradient zoo instead
+(perf/studies/zoo.py, the measures of perf/studies/geo_zoo.py; every split
+with no byte budget, so each (k, refresh) is itself) and writes the per-source
+table that perf/studies/geo_tradeoff.py joins with perf/geo_bench.py's times:
+
+    python perf/studies/geo_real_gradients.py --zoo -J perf/results/geo_zoo_sweep.json
 """
 
 from __future__ import annotations
@@ -57,10 +64,13 @@ from geocomm.testing import simulate_allreduce, simulate_reduce_scatter  # noqa:
 
 FP8 = {"id": "fp8", "fmt": "e4m3", "block": 128}
 NVFP4 = {"id": "nvfp4"}
-OPEN = {"budget": 1e9, "max_side": 1e9}  # the sweep sets k and refresh itself
+# the sweep sets k and refresh itself: no cost, side or model-wide cap
+OPEN = {"budget": 1e9, "max_side": 1e9, "side_budget": math.inf}
 SWEEP_K = (4, 8, 12, 16, 24, 32)
 SWEEP_REFRESH = (1, 4, 8)
 BIG = (4096, 4096)
+ZOO_K = (2, 4, 8, 12)
+ZOO_REFRESH = (1, 4)
 
 
 def variants() -> list[dict[str, Any]]:
@@ -70,6 +80,11 @@ def variants() -> list[dict[str, Any]]:
         {"label": "nvfp4", "codec": NVFP4, "base": "nvfp4"},
         {"label": "geofp8 (default)", "codec": {"id": "geofp8"}, "base": "fp8 b128"},
         {"label": "geonvfp4 (default)", "codec": {"id": "geonvfp4"}, "base": "nvfp4"},
+        {
+            "label": "geofp8 side_budget 0.15",
+            "codec": {"id": "geofp8", "side_budget": 0.15},
+            "base": "fp8 b128",
+        },
         {"label": "fp8 b32", "codec": {**FP8, "block": 32}, "base": "fp8 b128"},
         {"label": "hadamard", "codec": {"id": "hadamard"}, "base": "fp8 b128"},
         # reduce-scatter only (one quantization; the basis refreshed from shards)
@@ -89,7 +104,7 @@ def variants() -> list[dict[str, Any]]:
     rows += [
         {
             "label": f"split k={k} refresh={r}",
-            "codec": {"id": "geofp8", "k": k, "refresh": r, **OPEN},
+            "codec": {"id": "geofp8", "k": k, "refresh": r, "refresh_max": r, **OPEN},
             "base": "fp8 b128",
             "k": k,
             "refresh": r,
@@ -127,15 +142,18 @@ def metrics(
 
 
 def side_fraction(codec: Any, shapes: list[tuple[int, ...]]) -> float:
-    """Side-channel bytes over quantized payload bytes of one all-reduce of ``shapes``
-    (every eligible matrix counted as mapped: an upper bound)."""
-    payload = side = 0
+    """An upper bound on side bytes over quantized payload bytes per all-reduce of
+    ``shapes``: every eligible matrix mapped at its cap k, its coefficients
+    every call and its refresh sums at the shortest period, at most the
+    codec's model-wide ``side_budget``."""
+    payload = side = 0.0
     for shape in shapes:
         payload += codec.wire_size(math.prod(shape))
         if isinstance(codec, TransformingCodec):
             dims = codec.map_shape(shape)
-            side += 0 if dims is None else 4 * dims.m * dims.k
-    return side / payload
+            if dims is not None:
+                side += 4 * dims.k * (dims.m + dims.n / codec.refresh_period)
+    return min(side / payload, getattr(codec, "side_budget", math.inf))
 
 
 # ---------------------------------------------------------------------------
@@ -352,6 +370,39 @@ def write(result: dict[str, Any], path: Path) -> None:
     plot(result, path.with_suffix(".png"))
 
 
+def run_zoo(args: argparse.Namespace) -> dict[str, Any]:
+    """The (k, refresh) sweep on every zoo source: geo_zoo's measures per source."""
+    import geo_zoo
+    import zoo
+
+    sweep = {f"split k={k} refresh={r}": (k, r) for r in ZOO_REFRESH for k in ZOO_K}
+    configs = {geo_zoo.BASE: FP8, "geofp8 (default)": {"id": "geofp8"}}
+    configs |= {
+        label: {
+            "id": "geofp8",
+            "k": k,
+            "refresh": r,
+            "refresh_max": r,
+            "side_budget": math.inf,
+            **OPEN,
+        }
+        for label, (k, r) in sweep.items()
+    }
+    world = {label: [get_codec(c) for _ in range(args.world)] for label, c in configs.items()}
+    sources = []
+    for src in zoo.select(args.only):
+        summary = geo_zoo.run_source(src, world)["summary"]
+        sources.append({"source": src.name, "summary": summary})
+        print(f"{src.name}: " + ", ".join(f"{lb} {v['median']:.3f}" for lb, v in summary.items()))
+    return {
+        "command": "python " + " ".join(sys.argv),
+        "world": args.world,
+        "configs": configs,
+        "sweep": [{"label": lb, "k": k, "refresh": r} for lb, (k, r) in sweep.items()],
+        "sources": sources,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", choices=sorted(CONFIGS), default="small")
@@ -362,7 +413,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-J", "--json", default="perf/results/geo_real_gradients.json")
     p.add_argument("--report", default=None, help="re-render md and png from this JSON")
+    p.add_argument("--zoo", action="store_true", help="sweep over the gradient zoo instead")
+    p.add_argument("--only", default=None, help="with --zoo: comma-separated source names")
     args = p.parse_args(argv)
+    if args.zoo:
+        default = p.get_default("json")
+        path = Path("perf/results/geo_zoo_sweep.json" if args.json == default else args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(run_zoo(args), indent=1) + "\n")
+        return 0
     if args.report:
         write(json.loads(Path(args.report).read_text()), Path(args.report))
         return 0

@@ -7,6 +7,12 @@ and marks the default. Writes a markdown table and a plot.
 
     python perf/studies/geo_tradeoff.py perf/results/geo_real_gradients.json \\
         perf/results/geo_bench.json -o perf/results/geo_tradeoff
+
+Given the zoo sweep (``geo_real_gradients.py --zoo``) instead, the table has
+one column per zoo source (median per-matrix error over FP8's, and bytes):
+
+    python perf/studies/geo_tradeoff.py perf/results/geo_zoo_sweep.json \\
+        perf/results/geo_bench.json -o perf/results/geo_zoo_tradeoff
 """
 
 from __future__ import annotations
@@ -34,6 +40,41 @@ def join(study: dict[str, Any], bench: dict[str, Any]) -> list[dict[str, Any]]:
                 }
             )
     return rows
+
+
+def zoo_markdown(study: dict[str, Any], bench: dict[str, Any]) -> str:
+    """One row per (k, refresh): the time on one core, and per zoo source the median
+    per-matrix error ratio and the bytes over FP8's."""
+    times = {(s["k"], s["refresh"]): s["ratio_to_fp8"] for s in bench["sweep"]}
+    names = [s["source"] for s in study["sources"]]
+    lines = [
+        "# GeoFP8 on the gradient zoo: error, bytes and time per (k, refresh)",
+        "",
+        f"Error and bytes: `{study['command']}`. Time: `{bench['command']}` "
+        f"({bench['shape'][0]} x {bench['shape'][1]}, one core, over FP8 encode + decode = "
+        f"{bench['fp8_seconds'] * 1e3:.2f} ms; np.copyto {bench['copyto_GBps']:.2f} GB/s in "
+        "the same run). Cells: median per-matrix error / FP8's, and bytes / FP8's.",
+        "",
+        "| k | refresh | time / FP8 | " + " | ".join(names) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in names) + " |",
+    ]
+    for v in study["sweep"]:
+        cells = []
+        for s in study["sources"]:
+            row = s["summary"][v["label"]]
+            cells.append(f"{row['median']:.3f} / {row['bytes_steady']:.3f}")
+        t = times.get((v["k"], v["refresh"]))
+        lines.append(
+            f"| {v['k']} | {v['refresh']} | {'-' if t is None else f'{t:.2f}'} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    d = [f"{s['summary']['geofp8 (default)']['median']:.3f}" for s in study["sources"]]
+    lines.append(
+        f"| default | {bench['default']['config']['refresh']} | "
+        f"{bench['default']['ratio_to_fp8']:.2f} | " + " | ".join(d) + " |"
+    )
+    return "\n".join(lines) + "\n"
 
 
 def markdown(rows: list[dict[str, Any]], study: dict[str, Any], bench: dict[str, Any]) -> str:
@@ -101,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     study = json.loads(Path(args.study).read_text())
     bench = json.loads(Path(args.bench).read_text())
+    if "sources" in study:
+        text = zoo_markdown(study, bench)
+        Path(args.out).with_suffix(".md").write_text(text)
+        print(text)
+        return 0
     rows = join(study, bench)
     out = Path(args.out)
     out.with_suffix(".md").write_text(markdown(rows, study, bench))

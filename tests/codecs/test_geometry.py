@@ -66,8 +66,11 @@ def exact_sum(xs) -> np.ndarray:
 
 
 def geo(size: int = 2, **knobs):
-    """One geofp8 codec per simulated rank; small test matrices are eligible."""
-    return [get_codec("geofp8", **{"min_dim": 8, "min_numel": 0, **knobs}) for _ in range(size)]
+    """One geofp8 codec per simulated rank; small test matrices are eligible, and
+    (unless a test sets it) no model-wide side budget: every key gets its cap, so
+    these tests see the map itself (tests/codecs/test_geo_budget.py: the budget)."""
+    config = {"min_dim": 8, "min_numel": 0, "side_budget": math.inf, **knobs}
+    return [get_codec("geofp8", **config) for _ in range(size)]
 
 
 # ---------------------------------------------------------------------------
@@ -160,11 +163,13 @@ def test_orthonormalize_is_orthonormal_and_deterministic():
 def test_rank_follows_budget_bytes_and_shape():
     config = dict(DEFAULTS)
     fp8_payload = lambda m, n: m * n + 4 * -(-m * n // 128)  # noqa: E731
-    assert rank_for_budget(40, 4) == 12
-    assert map_shape((4096, 4096), config, fp8_payload(4096, 4096)) == MapShape(4096, 4096, 12)
+    # the cap: a split of rank k costs (3 + 1 / refresh) k multiply-adds per value
+    assert rank_for_budget(40, 4) == 12 and rank_for_budget(40, 1) == 10
+    cap = rank_for_budget(DEFAULTS["budget"], DEFAULTS["refresh"])
+    assert map_shape((4096, 4096), config, fp8_payload(4096, 4096)) == MapShape(4096, 4096, cap)
     # 256 columns: the side channel (m k fp32) must fit in a quarter of the payload
     dims = map_shape((688, 256), config, fp8_payload(688, 256))
-    assert dims.k == 12 and 4 * 688 * dims.k <= 0.25 * fp8_payload(688, 256)
+    assert dims.k == cap and 4 * 688 * dims.k <= 0.25 * fp8_payload(688, 256)
     narrow = map_shape((4096, 64), config, fp8_payload(4096, 64))
     assert narrow.k == int(0.25 * fp8_payload(4096, 64) // (4 * 4096))
     assert map_shape((4096,), config, 4096) is None
@@ -330,7 +335,7 @@ def test_shape_change_resets_the_key():
 
 def test_geonvfp4_gain():
     codecs, plain = (
-        [get_codec("geonvfp4", min_dim=8, min_numel=0) for _ in range(2)],
+        [get_codec("geonvfp4", min_dim=8, min_numel=0, side_budget=math.inf) for _ in range(2)],
         [get_codec("nvfp4") for _ in range(2)],
     )
     for step in range(3):

@@ -27,16 +27,19 @@ from geocomm.codecs.geo.maps import HadamardPlan, SplitPlan
 from geocomm.codecs.geo.policy import DEFAULTS, TRANSFORMS, MapShape, anisotropic
 from geocomm.codecs.geo.state import KeyState
 
-#: Power iterations of a key's first refresh, from a fixed-seed random basis.
-COLD_ITERS = 2
+#: Subspace iterations on a key's first result, from a fixed-seed random basis
+#: of OVERSAMPLE more rows than the key tracks (the extra rows soak up the
+#: directions just below the kept ones, so the kept ones converge faster).
+COLD_ITERS = 3
+OVERSAMPLE = 8
 
 #: A refresh round: yields this rank's partial sums, receives their exact sum.
 Rounds = Generator[Any, Any, None]
 
 
 class _MeasurePlan:
-    """No map this call, but a refresh from its result (a key without a basis yet,
-    or one left plain for a flat spectrum and due for a re-measure)."""
+    """No map this call, but a refresh from its result (a key's first call, or
+    one left plain for a flat spectrum and due for a re-measure)."""
 
     side = None
     refreshes = True
@@ -64,9 +67,11 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
 
     Knobs (:data:`~geocomm.codecs.geo.policy.DEFAULTS`): ``transform``
     (split | hadamard | none), ``k`` (largest rank), ``budget`` (multiply-adds
-    per value and call), ``refresh`` (calls between basis updates),
+    per value and call), ``refresh``/``refresh_max`` (shortest and longest
+    period between basis updates; a key's period adapts in between),
     ``max_side`` (side channel over payload), ``min_dim``/``min_numel``
-    (smallest mapped matrix), ``min_share`` (anisotropy needed), ``seed``.
+    (smallest mapped matrix), ``min_share`` (anisotropy needed),
+    ``side_budget`` (model-wide side bytes over payload), ``seed``.
     """
 
     #: knobs listed in get_config (subclasses may expose fewer)
@@ -85,13 +90,18 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         self.transform = config["transform"]
         self.k = _check_int("k", config["k"], 1)
         self.refresh_period = _check_int("refresh", config["refresh"], 1)
+        self.refresh_max = _check_int("refresh_max", config["refresh_max"], self.refresh_period)
         self.min_dim = _check_int("min_dim", config["min_dim"], 1)
         self.min_numel = _check_int("min_numel", config["min_numel"], 0)
         self.seed = _check_int("seed", config["seed"], 0)
         self.budget = _check_float("budget", config["budget"], 0.0, math.inf)
         self.max_side = _check_float("max_side", config["max_side"], 0.0, math.inf)
         self.min_share = _check_float("min_share", config["min_share"], 0.0, 1.0)
+        self.side_budget = _check_float("side_budget", config["side_budget"], 0.0, math.inf)
         self._state: dict[Any, KeyState] = {}
+        self._ranks: tuple[int, dict[Any, int]] = (-1, {})  # (state version, allocation)
+        self._version = 0  # bumps whenever a key's spectrum or the set of keys changes
+        self._planned: set[Any] = set()  # keys planned under the current allocation
 
     # ---- configuration --------------------------------------------------------
     def _knobs(self) -> dict[str, Any]:
@@ -100,10 +110,12 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
             "k": self.k,
             "budget": self.budget,
             "refresh": self.refresh_period,
+            "refresh_max": self.refresh_max,
             "max_side": self.max_side,
             "min_dim": self.min_dim,
             "min_numel": self.min_numel,
             "min_share": self.min_share,
+            "side_budget": self.side_budget,
             "seed": self.seed,
         }
 
@@ -134,15 +146,58 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
             return None
         if self.transform == "hadamard":
             return HadamardPlan(dims, self.seed, bounds)
-        st = self._state_for(("shape", tuple(shape)) if key is None else key, dims)
+        key = ("shape", tuple(shape)) if key is None else key
+        st = self._state_for(key, dims)
         st.calls += 1
-        due = st.vt is None or st.calls - st.refreshed >= self.refresh_period
-        active = st.vt is not None and (
-            st.share is None or anisotropic(st.share, dims, self.min_share)
-        )
-        if active:
-            return SplitPlan(dims, st.vt, refreshes=due, state=st)
-        return _MeasurePlan(dims, st) if due else None
+        if st.vt is None:  # the first result measures the basis (the cold start)
+            return _MeasurePlan(dims, st)
+        due = st.calls - st.refreshed >= st.period
+        st.use = self._rank_of(key)
+        if st.use < 0:  # flat when the round's allocation was made: re-measured
+            st.use = 0
+            return _MeasurePlan(dims, st) if due else None
+        if st.use == 0:
+            return None
+        use = MapShape(dims.m, dims.n, st.use)
+        return SplitPlan(use, st.vt[: st.use, :], refreshes=due, state=st)
+
+    def _rank_of(self, key: Any) -> int:
+        """The key's rank under the allocation of this round of calls: it is made
+        again only when a key comes back (the next step's first tensor), so every
+        call of one step spends from one allocation and the step keeps the cap."""
+        if self._ranks[0] < 0 or (self._ranks[0] != self._version and key in self._planned):
+            self._ranks = (-1, {})
+            self._planned.clear()
+        self._planned.add(key)
+        return self.ranks().get(key, 0)
+
+    def _flat(self, st: KeyState) -> bool:
+        """Whether the key's tracked share beats a flat spectrum by less than min_share."""
+        return st.share is not None and not anisotropic(st.share, st.map_shape, self.min_share)
+
+    def ranks(self) -> dict[Any, int]:
+        """The rank the model-wide budget gives each measured key in this round
+        of calls (:func:`~geocomm.codecs.geo.policy.allocate`; -1: flat, plain
+        and re-measured); a pure function of the keys' states, so equal on
+        ranks whose states are."""
+        if self._ranks[0] < 0:
+            spectra = {
+                key: policy.Spectrum(
+                    st.map_shape,
+                    st.energies,
+                    st.total,
+                    self.quantizer.wire_size(st.map_shape.m * st.map_shape.n),
+                    st.period,
+                )
+                for key, st in self._state.items()
+                if st.energies
+            }
+            allocation = policy.allocate(spectra, self.side_budget, self.min_share)
+            for key, st in self._state.items():
+                if st.energies and self._flat(st):
+                    allocation[key] = -1
+            self._ranks = (self._version, allocation)
+        return self._ranks[1]
 
     def refresh(self, plan: Any, shard: Any, lo: int, side_sum: Any) -> Rounds:
         """The rounds that update the basis of ``plan``'s key from this call's result.
@@ -157,37 +212,49 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         return self._rounds(plan.state, shard, lo, side_sum)
 
     def _rounds(self, st: KeyState, shard: Any, lo: int, coef: Any) -> Rounds:
-        dims = st.map_shape
+        cap = st.map_shape
         xp = array_namespace(shard)
-        if coef is None:  # measure: power iterations from the basis (or a random one)
+        if coef is None:  # measure: subspace iterations from the basis (or a random one)
             cold = st.vt is None
-            vt = (
-                kernels.orthonormalize(xp.zeros((dims.k, dims.n), dtype=xp.float32), self.seed)
-                if cold
-                else st.vt
-            )
+            rows = min(cap.k + OVERSAMPLE, min(cap.m, cap.n)) if cold else cap.k
+            dims = MapShape(cap.m, cap.n, rows)
+            zeros = xp.zeros((rows, cap.n), dtype=xp.float32)
+            vt = kernels.orthonormalize(zeros, self.seed) if cold else st.vt
             iters = COLD_ITERS if cold else 1
             for it in range(iters):
                 coef = xp.reshape(
-                    (yield xp.reshape(_projection(shard, lo, vt, dims), (-1,))), (dims.m, dims.k)
+                    (yield xp.reshape(_projection(shard, lo, vt, dims), (-1,))), (cap.m, rows)
                 )
                 w, energy = _split_energy((yield _accumulation(shard, lo, coef, dims)), dims)
                 if it + 1 < iters:
                     vt = kernels.orthonormalize(w, self.seed)
-        else:
+            energies = _column_energies(coef)[: cap.k]
+            w = w[: cap.k, :]
+        else:  # refresh: one power step of the mapped rows, the rest carried along
+            dims = MapShape(cap.m, cap.n, coef.shape[1])
             w, energy = _split_energy((yield _accumulation(shard, lo, coef, dims)), dims)
-        top = kernels.sumsq(coef)
-        if not (math.isfinite(energy) and math.isfinite(top) and energy > 0):
+            stale = energy / st.total if st.total > 0 else 0.0
+            energies = _column_energies(coef) + [e * stale for e in st.energies[dims.k :]]
+            if dims.k < cap.k:
+                w = xp.concat([w, st.vt[dims.k :, :]], axis=0)
+        if not (math.isfinite(energy) and all(map(math.isfinite, energies)) and energy > 0):
             return  # a non-finite or all-zero result says nothing about the geometry
         if not bool(xp.all(xp.isfinite(w))):
             return
-        st.commit(kernels.orthonormalize(w, self.seed), min(top / energy, 1.0))
+        vt = kernels.orthonormalize(w, self.seed)
+        period = self.refresh_period
+        if st.vt is not None:
+            overlap = _overlap(vt[: st.use or cap.k, :], st.vt)
+            period = policy.next_period(st.period, overlap, self.refresh_period, self.refresh_max)
+        st.commit(vt, tuple(energies), energy, period)
+        self._version += 1
 
     # ---- state --------------------------------------------------------------------
     def _state_for(self, key: Any, dims: MapShape) -> KeyState:
         st = self._state.get(key)
         if st is None or st.map_shape != dims:
-            st = self._state[key] = KeyState(dims)
+            st = self._state[key] = KeyState(dims, period=self.refresh_period)
+            self._version += 1
         return st
 
     def state_checksum(self, key: Any = None) -> int:
@@ -204,10 +271,13 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
     def reset_state(self) -> None:
         """Forget every key's geometry."""
         self._state.clear()
+        self._version += 1
+        self._ranks = (-1, {})
 
     def state_info(self, key: Any) -> dict[str, Any] | None:
         """A copy of the state of ``key`` (None if it has none): ``shape``, ``k``,
-        ``calls``, ``refreshed``, ``share`` and the basis ``vt`` (NumPy)."""
+        ``calls``, ``refreshed``, ``share``, ``energies``, ``total``, ``use``,
+        ``period`` and the basis ``vt`` (NumPy)."""
         st = self._state.get(key)
         return None if st is None else st.to_dict()
 
@@ -228,6 +298,8 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
                 f"state was saved by {data.get('config')}, this codec is {self.get_config()}"
             )
         self._state = {_key(k): KeyState.from_dict(v, xp) for k, v in data["keys"]}
+        self._version += 1
+        self._ranks = (-1, {})
 
     # ---- standalone frames ----------------------------------------------------------
     def frame_body_size(self, shape: tuple[int, ...]) -> int:
@@ -274,6 +346,20 @@ def _accumulation(shard: Any, lo: int, coef: Any, dims: MapShape) -> Any:
         kernels.accumulate(shard, lo, dims.n, coef[_shard_rows(shard, lo, dims), :], acc)
     energy = xp.asarray([kernels.sumsq(shard)], dtype=xp.float32)
     return xp.concat([xp.reshape(acc, (-1,)), energy])
+
+
+def _overlap(new: Any, old: Any) -> float:
+    """The mean share of each orthonormal row of ``new`` that lies in the span of
+    ``old``'s rows: ||new old^T||_F^2 / rows, in [0, 1] (fixed-order kernels,
+    so every rank gets the same bits)."""
+    rows, n = new.shape
+    xp = array_namespace(new)
+    return float(kernels.sumsq(kernels.project(xp.reshape(new, (-1,)), 0, n, old))) / float(rows)
+
+
+def _column_energies(coef: Any) -> list[float]:
+    """The sum of squares of every column of an (m, k) coefficient matrix (fixed order)."""
+    return [kernels.sumsq(coef[:, j]) for j in range(coef.shape[1])]
 
 
 def _split_energy(total: Any, dims: MapShape) -> tuple[Any, float]:

@@ -12,31 +12,40 @@ at values or at the machine. The knobs (defaults in :data:`DEFAULTS`):
 * ``min_dim``, ``min_numel``: smaller matrices go plain (the fixed costs of
   a map outweigh what it saves);
 * ``min_share``: a tensor whose measured top-k energy share beats a flat
-  spectrum's k / min(m, n) by less than this goes plain (it is re-measured
-  every ``refresh`` calls, so it can come back).
+  spectrum's k / min(m, n) by less than this goes plain;
+* ``side_budget``: the model-wide cap on side bytes (the coefficients every
+  call plus the refresh sums, per call) as a fraction of the quantized
+  payload of every mapped key. Within it, :func:`allocate` gives each key the
+  rank k (0: plain) that buys the most error reduction per byte, from the
+  spectra the keys' states track; the cap above is then the most a key may
+  get. ``side_budget`` of inf gives every key its cap (k as above).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-#: Defaults, chosen on real gradients (perf/studies/geo_real_gradients.py; see
-#: docs/design.md, "Choosing the defaults"): a right-sided split of rank 12 at
-#: a 40 multiply-add budget cuts the error of E4M3 block 128 to about 0.37x on
-#: the gradients of the small Llama, and the basis refreshed every 4 calls
-#: loses almost nothing against every call (rank 8: 0.490 vs 0.485).
+#: Defaults, chosen on the gradient zoo (perf/studies/geo_zoo.py,
+#: perf/results/geo_zoo.md): the model-wide side budget of 5% of the payload
+#: spends the bytes where the tracked spectra promise most; a basis refreshed
+#: every call follows the fast-turning gradients of early training (every 4
+#: calls: the small Llama's median 0.93x of FP8's error in its first 8 steps,
+#: every call 0.47x, same bytes); the 40 multiply-add budget caps a key at
+#: rank 10.
 DEFAULTS: dict[str, Any] = {
     "transform": "split",
     "k": 32,
     "budget": 40.0,
-    "refresh": 4,
+    "refresh": 1,
+    "refresh_max": 8,
     "max_side": 0.25,
     "min_dim": 64,
     "min_numel": 16384,
     "min_share": 0.2,
+    "side_budget": 0.05,
     "seed": 0,
 }
 TRANSFORMS = ("split", "hadamard", "none")
@@ -90,3 +99,76 @@ def map_shape(
 def anisotropic(share: float, dims: MapShape, min_share: float) -> bool:
     """Whether a top-k energy share beats a flat spectrum's k / min(m, n) by ``min_share``."""
     return share - dims.k / min(dims.m, dims.n) >= min_share
+
+
+def direction_bytes(dims: MapShape, period: int) -> float:
+    """Side bytes per call of one basis direction of a mapped key: its m fp32
+    coefficients every call, and its n-float refresh sum every ``period`` calls."""
+    return 4.0 * (dims.m + dims.n / period)
+
+
+#: A refresh whose new mapped directions keep at least this share of their
+#: energy in the old basis's span found the geometry standing still: the
+#: key's period doubles (up to ``refresh_max``); below it, the period drops
+#: back to ``refresh`` (the gradient is turning).
+STABLE_OVERLAP = 0.9
+
+
+def next_period(period: int, overlap: float, shortest: int, longest: int) -> int:
+    """The refresh period after a refresh whose bases overlapped by ``overlap``."""
+    return min(2 * period, longest) if overlap >= STABLE_OVERLAP else shortest
+
+
+@dataclass(frozen=True)
+class Spectrum:
+    """What a key's state promises: its cap, the energy its result had along each
+    tracked direction (best first), the result's whole energy, its payload
+    bytes and its refresh period."""
+
+    dims: MapShape
+    energies: tuple[float, ...]
+    total: float
+    payload: int
+    period: int = 1
+
+
+def allocate(
+    spectra: Mapping[Any, Spectrum], side_budget: float, min_share: float
+) -> dict[Any, int]:
+    """The rank of every key under one model-wide cap on side bytes.
+
+    A direction j of a key promises the error energy it removes, relative to
+    the key's (what the per-matrix error ratio feels) plus relative to the
+    mean key's (what the whole model's error feels): e_j / E + e_j / mean(E).
+    Directions go, best promise per side byte first, while the bytes (with
+    the re-measures of the plain flat keys) stay within ``side_budget`` times
+    the payload of all keys; a key's directions
+    are taken in order (promises made non-increasing). Keys whose tracked
+    share beats a flat spectrum by less than ``min_share`` stay plain. Pure
+    Python on values every rank shares, in key order: every rank gets the same.
+    """
+    keys = sorted(spectra, key=repr)
+    totals = [spectra[k].total for k in keys if spectra[k].total > 0]
+    if not keys or not totals:
+        return dict.fromkeys(keys, 0)
+    mean = sum(totals) / len(totals)
+    room = side_budget * sum(spectra[k].payload for k in keys)
+    offers = []
+    spent = 0.0
+    for order, key in enumerate(keys):
+        sp = spectra[key]
+        if sp.total <= 0 or not anisotropic(sum(sp.energies) / sp.total, sp.dims, min_share):
+            # plain, but re-measured every period calls: k (m + n) floats
+            spent += 4.0 * sp.dims.k * (sp.dims.m + sp.dims.n) / sp.period
+            continue
+        cost, best = direction_bytes(sp.dims, sp.period), math.inf
+        for j, e in enumerate(sp.energies[: sp.dims.k]):
+            best = min(best, e / sp.total + e / mean)
+            offers.append((-best / cost, order, j, cost))
+    offers.sort()
+    ranks = dict.fromkeys(keys, 0)
+    for _, order, j, cost in offers:
+        key = keys[order]
+        if ranks[key] == j and spent + cost <= room:
+            ranks[key], spent = j + 1, spent + cost
+    return ranks

@@ -29,9 +29,15 @@ def _host_bytes(a: Any) -> bytes:
 class KeyState:
     """What GeoFP8 knows about one tensor.
 
-    ``vt``: the (k, d) basis, orthonormal rows (None before the first
-    refresh); ``calls``: calls so far; ``refreshed``: the call count at the
-    last refresh; ``share``: the top-k energy share measured then (None before).
+    ``map_shape``: the key's cap (its k: rows tracked); ``vt``: the (k, d)
+    basis, orthonormal rows, best first (None before the first result);
+    ``calls``: calls so far; ``refreshed``: the call count at the last
+    refresh; ``share``: the top-k energy share measured then (None before);
+    ``energies``: the result's energy along each tracked direction then, and
+    ``total`` its whole energy (the spectrum the budget reads); ``use``: the
+    rank the budget gave the key at its last call (its first ``use`` rows map;
+    0: plain); ``period``: calls between its refreshes now (adapted at each
+    refresh, :func:`~geocomm.codecs.geo.policy.next_period`).
     """
 
     map_shape: MapShape
@@ -39,6 +45,10 @@ class KeyState:
     calls: int = 0
     refreshed: int = 0
     share: float | None = None
+    energies: tuple[float, ...] = ()
+    total: float = 0.0
+    use: int = 0
+    period: int = 1
     _basis_crc: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -50,20 +60,27 @@ class KeyState:
         """CRC32 of the whole state (the basis is hashed once, when it changes)."""
         dims = self.map_shape
         head = struct.pack(
-            "<5q?d",
+            f"<7q?d{len(self.energies) + 1}d",
             dims.m,
             dims.n,
             dims.k,
             self.calls,
             self.refreshed,
+            self.use,
+            self.period,
             self.share is not None,
             self.share or 0.0,
+            self.total,
+            *self.energies,
         )
         return zlib.crc32(head, self._basis_crc)
 
-    def commit(self, vt: Any, share: float) -> None:
-        """A refresh result: the new basis and the share it measured."""
-        self.vt, self.share, self.refreshed = vt, float(share), self.calls
+    def commit(self, vt: Any, energies: tuple[float, ...], total: float, period: int) -> None:
+        """A refresh result: the new basis, the energies along its directions, the
+        result's whole energy (the share follows) and the next refresh period."""
+        self.vt, self.refreshed, self.period = vt, self.calls, int(period)
+        self.energies, self.total = tuple(float(e) for e in energies), float(total)
+        self.share = min(sum(self.energies) / self.total, 1.0)
         self._basis_crc = zlib.crc32(_host_bytes(vt))
 
     def to_dict(self) -> dict[str, Any]:
@@ -75,6 +92,10 @@ class KeyState:
             "calls": self.calls,
             "refreshed": self.refreshed,
             "share": self.share,
+            "energies": list(self.energies),
+            "total": self.total,
+            "use": self.use,
+            "period": self.period,
             "vt": None
             if self.vt is None
             else np.frombuffer(_host_bytes(self.vt), "<f4").reshape(dims.k, dims.n).copy(),
@@ -87,6 +108,9 @@ class KeyState:
         st = cls(MapShape(m, n, int(data["k"])))
         st.calls, st.refreshed = int(data["calls"]), int(data["refreshed"])
         st.share = None if data["share"] is None else float(data["share"])
+        st.energies = tuple(float(e) for e in data.get("energies", ()))
+        st.total, st.use = float(data.get("total", 0.0)), int(data.get("use", 0))
+        st.period = int(data.get("period", 1))
         if data["vt"] is not None:
             vt = np.asarray(data["vt"], np.float32)
             if vt.shape != (st.map_shape.k, st.map_shape.n):

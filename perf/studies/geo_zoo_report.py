@@ -1,0 +1,104 @@
+"""The report of perf/studies/geo_zoo.py: markdown tables, the targets and a plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+DEFAULT = "geofp8 (default)"
+#: issue 23's targets, per zoo source (time is perf/geo_bench.py's, on 4096 x 4096)
+TARGETS = {"median": 0.45, "model": 0.4, "bytes_steady": 1.05, "fresh": 0.6}
+
+
+def _fresh_worst(row: dict[str, Any]) -> float:
+    """The largest per-call median over calls 2..8 of a fresh key."""
+    return max(row["fresh"][1:8])
+
+
+def markdown(r: dict[str, Any]) -> str:
+    y0, y1 = r["yardstick"]["before"], r["yardstick"]["after"]
+    lines = [
+        "# GeoFP8 on the gradient zoo",
+        "",
+        f"Command: `{r['command']}`",
+        "",
+        f"Yardstick (one core, same run, before / after): np.copyto "
+        f"{y0['copyto_GBps']:.2f} / {y1['copyto_GBps']:.2f} GB/s; FP8 E4M3 b128 encode of 4M "
+        f"values {y0['fp8_encode_ms_4M']:.2f} / {y1['fp8_encode_ms_4M']:.2f} ms.",
+        "",
+        f"{r['world']} simulated ranks, every source's recorded steps from a fresh codec state "
+        "(perf/studies/zoo.py). Ratios against E4M3 block 128: `median`/`p90` over matrices "
+        "of each matrix's median over calls 2..W; `model`: the whole model's error (all "
+        "parameters), median over calls 2..W; `fresh`: the worst per-call median over "
+        "matrices at calls 2..8; `bytes`: a rank's payload + side + refresh sums over FP8's "
+        "payload, calls 2..W (with call 1's cold start in brackets); `time`: the simulated "
+        "calls' seconds over FP8's.",
+        "",
+        f"## {DEFAULT}",
+        "",
+        "| source | params | median | p90 | model | fresh | bytes | time |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for s in r["sources"]:
+        d = s["summary"][DEFAULT]
+        lines.append(
+            f"| {s['source']} | {s['params'] / 1e6:.2f}M | {d['median']:.3f} | {d['p90']:.3f} | "
+            f"{d['model']:.3f} | {_fresh_worst(d):.3f} | {d['bytes_steady']:.3f} "
+            f"({d['bytes_all']:.3f}) | {d['time']:.2f}x |"
+        )
+    lines += ["", "## Every variant (median / model / bytes)", ""]
+    labels = list(r["variants"])
+    lines += [
+        "| source | " + " | ".join(labels) + " |",
+        "| --- | " + " | ".join("---" for _ in labels) + " |",
+    ]
+    for s in r["sources"]:
+        cells = [
+            f"{v['median']:.3f} / {v['model']:.3f} / {v['bytes_steady']:.3f}"
+            for v in (s["summary"][label] for label in labels)
+        ]
+        lines.append(f"| {s['source']} | " + " | ".join(cells) + " |")
+    lines += ["", "## Targets (issue 23), default config", ""]
+    lines += ["| source | median <= 0.45 | model <= 0.4 | bytes <= 1.05 | fresh <= 0.6 |"]
+    lines += ["| --- | --- | --- | --- | --- |"]
+    for s in r["sources"]:
+        d = s["summary"][DEFAULT]
+        got = {**d, "fresh": _fresh_worst(d)}
+        cells = [f"{got[k]:.3f} {'yes' if got[k] <= t else 'no'}" for k, t in TARGETS.items()]
+        lines.append(f"| {s['source']} | " + " | ".join(cells) + " |")
+    lines += ["", f"Configs: `{json.dumps(r['variants'])}`"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.2, 4.4))
+    for label in r["variants"]:
+        if label == r["base"]:
+            continue
+        pts = [
+            (s["summary"][label]["bytes_steady"], s["summary"][label]["median"])
+            for s in r["sources"]
+        ]
+        ax.scatter(*zip(*pts, strict=True), label=label, s=18)
+    ax.axhline(TARGETS["median"], color="r", ls="--", lw=1, label="median target 0.45")
+    ax.axvline(TARGETS["bytes_steady"], color="r", ls=":", lw=1, label="bytes target 1.05")
+    ax.set_xlabel("bytes per call / FP8's (payload + side + refresh)")
+    ax.set_ylabel("median per-matrix error / FP8's")
+    ax.set_title("GeoFP8 on the gradient zoo (one point per source)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write(result: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    path.with_suffix(".md").write_text(markdown(result))
+    plot(result, path.with_suffix(".png"))
+    print(markdown(result))
