@@ -125,6 +125,9 @@ def node_allreduce(nodes: NodeComms, values: Any, total: Any, across: Across) ->
         [(int(bounds[j]), int(bounds[j + 1]))] if j < nodes.width else []
         for j in range(nodes.local.size)
     ]
+    if nodes.local.size == 1:  # alone in its node: nothing to add or hand out inside it
+        across("allreduce", values, ranges[0], total, 0)
+        return
     mine = node_reduce(nodes.local, values, ranges)
     if nodes.index < nodes.width:
         across("allreduce", mine, ranges[nodes.index], mine, 0)
@@ -151,7 +154,8 @@ def node_reduce_scatter(nodes: NodeComms, values: Any, across: Across) -> Any:
         [(int(flat[m * g + j]), int(flat[m * g + j + 1])) for m in range(layout.nodes)]
         for j in range(g)
     ]
-    mine = node_reduce(nodes.local, values, ranges)
+    # alone in its node, a rank's own values are the node's sums (in owner order)
+    mine = values if g == 1 else node_reduce(nodes.local, values, ranges)
     cross = shard_bounds(mine.size, layout.nodes)
     sizes = [b - a for a, b in ranges[nodes.index]]
     # flat shards shrink by at most one value from rank to rank: cut alike

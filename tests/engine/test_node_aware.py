@@ -102,6 +102,27 @@ def test_allreduce_matches_the_oracle(comm, monkeypatch, name, per_node):
         np.testing.assert_array_equal(y, oracle_allreduce(oracle, xs, layout))
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", list(CODECS))
+def test_one_rank_per_node_is_the_compressed_step_alone(comm, monkeypatch, name):
+    """With one rank per node nothing is added or handed out inside a node: the
+    node-aware all-reduce and reduce-scatter are the compressed step between nodes
+    on the rank's own values (the oracle's), with no copies around it."""
+    monkeypatch.setenv("GEOCOMM_RANKS_PER_NODE", "1")
+    layout = layout_of(comm.size, 1)
+    codec = CODECS[name]()
+    oracle = {(0, n): CODECS[name]() for n in range(layout.nodes)}
+    for call in range(4):
+        xs = gradients(comm.size, call)
+        y = geocomm.allreduce(xs[comm.rank], codec=codec, topology="node")
+        assert same_on_all_ranks(comm, y)
+        np.testing.assert_array_equal(y, oracle_allreduce(oracle, xs, layout))
+    xs = gradients(comm.size, 5)
+    shard = geocomm.reduce_scatter(xs[comm.rank], codec="fp8", topology="node")
+    flat = geocomm.reduce_scatter(xs[comm.rank], codec="fp8", topology="flat")
+    np.testing.assert_array_equal(shard, flat)
+
+
 @pytest.mark.mpi(min_size=3)
 def test_error_feedback_node_aware(comm, monkeypatch):
     """Ranks identical; the first call has no residual (it is the plain codec's), and
