@@ -686,7 +686,8 @@ GC_AVX512 static inline __m512i v_u32(gc_u32 c) { return _mm512_set1_epi32((int)
  * a multiple of 16), where that lies before x[left]. Forced inline: gcc
  * split the loop out of line, found it free of side effects and dropped the
  * calls. */
-GC_AVX512 __attribute__((always_inline)) static inline void v_prefetch(const float *x, size_t len, size_t left)
+GC_AVX512 __attribute__((always_inline)) static inline void v_prefetch(const float *x, size_t len,
+                                                                     size_t left)
 {
     if (left >= GC_PREFETCH_AHEAD + len)
         for (size_t i = 0; i < len; i += 16)
@@ -1068,7 +1069,8 @@ GC_AVX512 static inline void encode_nvfp4_v(const float *x, size_t n, uint8_t *s
 {
     size_t full = n / GC_NVFP4_SUPERBLOCK;
     for (size_t k = 0; k < full; k++) {
-        encode_nvfp4_super_v(x + k * GC_NVFP4_SUPERBLOCK, n - k * GC_NVFP4_SUPERBLOCK, sscales + 4 * k,
+        encode_nvfp4_super_v(x + k * GC_NVFP4_SUPERBLOCK, n - k * GC_NVFP4_SUPERBLOCK,
+                             sscales + 4 * k,
                              bscales + k * GC_NVFP4_BLOCKS, codes + k * GC_NVFP4_SUPERBLOCK / 2);
     }
     size_t start = full * GC_NVFP4_SUPERBLOCK, rest = n % GC_NVFP4_SUPERBLOCK;
@@ -1139,7 +1141,8 @@ GC_AVX512 static inline void encode_mx_v(int fmt, int rceil, const float *restri
     for (size_t g = 0; g < full; g++) {
         const float *xg = x + g * glen;
         uint8_t *sg = scales + GC_MX_GROUP * g, *cg = codes + bytes * GC_MX_GROUP * g;
-        __m512i am[2] = {v_blocks_amax(xg, GC_MX_BLOCK), v_blocks_amax(xg + 16 * GC_MX_BLOCK, GC_MX_BLOCK)};
+        __m512i am[2] = {v_blocks_amax(xg, GC_MX_BLOCK),
+                         v_blocks_amax(xg + 16 * GC_MX_BLOCK, GC_MX_BLOCK)};
         if (_mm512_cmpge_epu32_mask(_mm512_max_epu32(am[0], am[1]), v_u32(0x7f800000u))) {
             encode_mx(fmt, 0, rceil, xg, glen, sg, cg, 0, 0);
             continue;
@@ -1154,7 +1157,8 @@ GC_AVX512 static inline void encode_mx_v(int fmt, int rceil, const float *restri
         }
         for (size_t j = 0; j < GC_MX_GROUP; j += 64 / bytes) {
             __m512i c[8], xb[4];
-            v_prefetch(xg + GC_MX_BLOCK * j, 64 / bytes * GC_MX_BLOCK, n - g * glen - GC_MX_BLOCK * j);
+            v_prefetch(xg + GC_MX_BLOCK * j, 64 / bytes * GC_MX_BLOCK,
+                       n - g * glen - GC_MX_BLOCK * j);
             for (size_t t = 0; t < 64 / bytes * 2; t++) {
                 __m512 f = _mm512_set1_ps(factor[j + t / 2]);
                 __m512 v = _mm512_loadu_ps(xg + GC_MX_BLOCK * j + 16 * t);
@@ -1193,7 +1197,8 @@ GC_AVX512 static inline void v_mx_values(int fmt, const uint8_t *cb, __m512 tabl
     } else {
         __m256i c = _mm256_loadu_si256((const __m256i *)(const void *)cb);
         v[0] = v_fp8_value(fmt == GC_MXFP8_E5M2, _mm512_cvtepu8_epi32(_mm256_castsi256_si128(c)));
-        v[1] = v_fp8_value(fmt == GC_MXFP8_E5M2, _mm512_cvtepu8_epi32(_mm256_extracti128_si256(c, 1)));
+        v[1] = v_fp8_value(fmt == GC_MXFP8_E5M2,
+                           _mm512_cvtepu8_epi32(_mm256_extracti128_si256(c, 1)));
     }
 }
 
@@ -1209,7 +1214,8 @@ GC_AVX512 static inline void decode_mx_v(int fmt, int accumulate, const uint8_t 
     size_t groups = n / (16 * GC_MX_BLOCK);
     for (size_t g = 0; g < groups; g++) {
         float sc[16];
-        _mm512_storeu_ps(sc, v_e8m0_value(_mm_loadu_si128((const __m128i *)(const void *)(scales + 16 * g))));
+        _mm512_storeu_ps(sc, v_e8m0_value(_mm_loadu_si128(
+                                 (const __m128i *)(const void *)(scales + 16 * g))));
         for (size_t j = 0; j < 16; j++) {
             size_t k = 16 * g + j;
             __m512 scale = _mm512_set1_ps(sc[j]), v[2];
@@ -1234,7 +1240,8 @@ GC_AVX512 static inline __m512i v_bf16_code(__m512 v)
 {
     __m512i b = _mm512_castps_si512(v), hi = _mm512_srli_epi32(b, 16);
     __m512i lsb = _mm512_and_si512(hi, v_u32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, v_u32(0x7fffu)), lsb), 16);
+    __m512i rounded =
+        _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, v_u32(0x7fffu)), lsb), 16);
     __m512i nan = _mm512_ternarylogic_epi32(hi, v_u32(0x8000u), v_u32(0x7fc0u), 0xea);
     return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, nan);
 }
