@@ -209,7 +209,7 @@ GC_INLINE void fp8_codes_flat(int e5m2, int sr, int unit, const float *restrict 
 
 /* ---- FP8 ---------------------------------------------------------------- */
 
-/* fp8 codes of (x * pre) * factor for one block (fp8 and MXFP8); element i
+/* fp8 codes of (x * pre) * factor for one block; element i
  * has the global index `index` + i. */
 static inline void fp8_block_codes(int e5m2, int sr, const float *restrict xb, size_t len,
                                    float pre, float factor, uint8_t *restrict cb, gc_u64 key,
@@ -345,20 +345,6 @@ GC_FP8_DECODER(accumulate_e4m3, 0, 1)
 GC_FP8_DECODER(accumulate_e5m2, 1, 1)
 
 /* ---- E2M1 (NVFP4, MXFP4) ------------------------------------------------- */
-
-/* Packed E2M1 codes of (x * pre) * factor for one block of len <= 32 values
- * starting at an even index (element 2i in the low nibble); all codes 0 when
- * the block is not finite. */
-static inline void e2m1_block_codes(int sr, const float *restrict xb, size_t len, float pre,
-                                    float factor, int finite, uint8_t *restrict cb, gc_u64 key,
-                                    gc_u64 index)
-{
-    gc_u8 c[GC_MX_BLOCK] = {0};
-    for (size_t i = 0; i < len; i++)
-        c[i] = finite ? gc_e2m1_code((xb[i] * pre) * factor, sr, gc_rnd_at(sr, key, index + i)) : 0;
-    for (size_t i = 0; i < (len + 1) / 2; i++)
-        cb[i] = (uint8_t)(c[2 * i] | (c[2 * i + 1] << 4));
-}
 
 /* gc_e2m1_value of every 4-bit code, as a table the vectorizer turns into an
  * in-register permute (test_native.c checks it against gc_e2m1_value). */
@@ -515,40 +501,16 @@ GC_CLONES static void decode_nvfp4(int accumulate, const uint8_t *sscales,
 
 /* ---- MX (MXFP8, MXFP4) ---------------------------------------------------- */
 
-/* One block of an MX format: its E8M0 scale (gc_mx_exponent) and the codes
- * of x * 2^-X, one byte each (MXFP8) or packed E2M1 (MXFP4; cb at the
- * block's first code byte). An MXFP4 block holding a non-finite value gets
- * the NaN scale 0xff and codes 0 (E2M1 has no NaN); MXFP8 keeps non-finite
- * values per element, like fp8. Called with a literal length for full
- * blocks so the compiler drops the loop tails. */
-static inline void encode_mx_block(int fmt, int sr, int rceil, const float *restrict xb,
-                                   size_t len, uint8_t *restrict scale, uint8_t *restrict cb,
-                                   gc_u64 key, gc_u64 index)
-{
-    const int e5m2 = fmt == GC_MXFP8_E5M2;
-    const int emax = fmt == GC_MXFP4 ? 2 : e5m2 ? 15 : 8;
-    const float fmax = fmt == GC_MXFP4 ? GC_E2M1_MAX : e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
-    float amax;
-    int finite;
-    block_stats(xb, len, &amax, &finite);
-    int e = gc_mx_exponent(amax, emax, fmax, rceil);
-    float factor = gc_mx_factor(e);
-    if (fmt == GC_MXFP4) {
-        *scale = finite ? (uint8_t)(e + 127) : 0xffu;
-        e2m1_block_codes(sr, xb, len, 1.0f, factor, finite, cb, key, index);
-    } else {
-        *scale = (uint8_t)(e + 127);
-        fp8_block_codes(e5m2, sr, xb, len, 1.0f, factor, cb, key, index);
-    }
-}
-
 /* Blocks per group of the MX encoders. */
 #define GC_MX_GROUP 32
 
-/* Group by group: the amaxes (and finiteness) of the group's blocks, their
- * E8M0 scales and factors (one loop across blocks), then the codes of the
- * whole group in one flat loop: encode_mx_block's arithmetic, value by value
- * (its pre is 1). MXFP4 codes of non-finite blocks are cleared afterwards. */
+/* One E8M0 scale per block (gc_mx_exponent) and the codes of x * 2^-X, one
+ * byte each (MXFP8) or packed E2M1 (MXFP4). An MXFP4 block holding a
+ * non-finite value gets the NaN scale 0xff and codes 0 (E2M1 has no NaN);
+ * MXFP8 keeps non-finite values per element, like fp8. Group by group: the
+ * amaxes (and finiteness) of the group's blocks, their E8M0 scales and
+ * factors (one loop across blocks), then the codes of the whole group in
+ * one flat loop. MXFP4 codes of non-finite blocks are cleared afterwards. */
 GC_INLINE void encode_mx(int fmt, int sr, int rceil, const float *restrict x, size_t n,
                          uint8_t *restrict scales, uint8_t *restrict codes, gc_u64 key,
                          gc_u64 offset)
@@ -696,7 +658,8 @@ GC_CLONES static void decode_bf16(int accumulate, const uint8_t *wire, size_t n,
  * with a tiny amax) run the portable per-block code. Decoders of large
  * outputs write them with non-temporal stores (whole 64-byte lines), which
  * spares reading the lines in first; smaller outputs stay in the cache for
- * whatever reads them next. */
+ * whatever reads them next. Decode+accumulate reads every line of out
+ * anyway, so it stores normally (streaming them measured slower). */
 #if GC_HAVE_AVX512
 #include <immintrin.h>
 
@@ -704,27 +667,31 @@ GC_CLONES static void decode_bf16(int accumulate, const uint8_t *wire, size_t n,
 #define GC_AVX512_FLAT __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"), flatten))
 
 /* Encoders read a group's values twice (amaxes, codes), the second time
- * from L1; asking for the next group's lines meanwhile keeps the memory
- * busy during the codes. Decode+accumulate asks for out this far ahead. */
-#ifndef GC_PREFETCH_GROUPS
-#define GC_PREFETCH_GROUPS 1
-#endif
-#ifndef GC_ACC_STREAM
-#define GC_ACC_STREAM 1
+ * from L1; meanwhile they ask for the values this many floats ahead, a few
+ * lines per block as they go (a burst of a whole group's lines at once kept
+ * fewer of them in flight). Decode+accumulate asks for out GC_PREFETCH_ACC
+ * floats ahead. */
+#ifndef GC_PREFETCH_AHEAD
+#define GC_PREFETCH_AHEAD 4096
 #endif
 #ifndef GC_PREFETCH_ACC
-#define GC_PREFETCH_ACC 512
+#define GC_PREFETCH_ACC 4096
 #endif
 /* Outputs from this many bytes up are written around the cache. */
 #define GC_STREAM_BYTES ((size_t)8 << 20)
 
 GC_AVX512 static inline __m512i v_u32(gc_u32 c) { return _mm512_set1_epi32((int)c); }
 
-/* Ask for the cache lines of x[0 .. len) (len a multiple of 16). */
-GC_AVX512 static inline void v_prefetch(const float *x, size_t len)
+/* Ask for the cache lines of x[GC_PREFETCH_AHEAD + i], i in [0, len) (len
+ * a multiple of 16), where that lies before x[left]. Forced inline: gcc
+ * split the loop out of line, found it free of side effects and dropped the
+ * calls. */
+GC_AVX512 __attribute__((always_inline)) static inline void v_prefetch(const float *x, size_t len,
+                                                                     size_t left)
 {
-    for (size_t i = 0; i < len; i += 16)
-        _mm_prefetch((const char *)(x + i), _MM_HINT_T0);
+    if (left >= GC_PREFETCH_AHEAD + len)
+        for (size_t i = 0; i < len; i += 16)
+            _mm_prefetch((const char *)(x + GC_PREFETCH_AHEAD + i), _MM_HINT_T0);
 }
 
 /* Lane j: the unsigned max of the 16 lanes of v[j]. A transpose by halves:
@@ -796,33 +763,11 @@ GC_AVX512 static inline __m512i v_signed(__m512i xb, unsigned shift, gc_u32 bit,
     return _mm512_ternarylogic_epi32(_mm512_srli_epi32(xb, shift), v_u32(bit), mag, 0xea);
 }
 
-/* gc_e4m3_code / gc_e5m2_code of 16 finite values x (q = scaled x, or its
- * magnitude |x| * factor: the same |q|). */
-GC_AVX512 static inline __m512i v_fp8_code_finite(int e5m2, __m512 q, __m512 x)
+/* The magnitude part of gc_e4m3_code / gc_e5m2_code of 16 finite q >= 0. */
+GC_AVX512 static inline __m512i v_fp8_mag(int e5m2, __m512 q)
 {
-    __m512i mag = e5m2 ? v_round_minifloat(v_min_abs(q, GC_E5M2_MAX), 2, 15)
-                       : v_round_minifloat(v_min_abs(q, GC_E4M3_MAX), 3, 7);
-    return v_signed(_mm512_castps_si512(x), 24, 0x80u, mag);
-}
-
-/* gc_e4m3_code / gc_e5m2_code of any 16 values (q = scaled x), as dwords. */
-GC_AVX512 static inline __m512i v_fp8_code(int e5m2, __m512 q, __m512 x)
-{
-    __m512i xb = _mm512_castps_si512(x);
-    __m512i sign = _mm512_and_si512(_mm512_srli_epi32(xb, 24), v_u32(0x80u));
-    __m512i mag = e5m2 ? v_round_minifloat(v_min_abs(q, GC_E5M2_MAX), 2, 15)
-                       : v_round_minifloat(v_min_abs(q, GC_E4M3_MAX), 3, 7);
-    __m512i expo = _mm512_and_si512(xb, v_u32(0x7f800000u));
-    __mmask16 special = _mm512_cmpeq_epi32_mask(expo, v_u32(0x7f800000u));
-    __m512i code;
-    if (e5m2) {
-        __m512i m = _mm512_add_epi32(_mm512_and_si512(xb, v_u32(0x007fffffu)), v_u32(0x007fffffu));
-        __m512i nan_bit = _mm512_and_si512(_mm512_srli_epi32(m, 23), v_u32(1));
-        code = _mm512_or_si512(v_u32(0x7cu), _mm512_slli_epi32(nan_bit, 1));
-    } else {
-        code = v_u32(0x7fu);
-    }
-    return _mm512_or_si512(sign, _mm512_mask_blend_epi32(special, mag, code));
+    return e5m2 ? v_round_minifloat(_mm512_min_ps(q, _mm512_set1_ps(GC_E5M2_MAX)), 2, 15)
+                : v_round_minifloat(_mm512_min_ps(q, _mm512_set1_ps(GC_E4M3_MAX)), 3, 7);
 }
 
 /* gc_e2m1_code of 16 values q, as dwords. */
@@ -832,12 +777,50 @@ GC_AVX512 static inline __m512i v_e2m1_code(__m512 q)
                     v_round_minifloat(v_min_abs(q, GC_E2M1_MAX), 1, 1));
 }
 
-/* The 8 packed bytes of 16 E2M1 codes (dwords below 16): as 64-bit pairs
- * p = c[2i] | c[2i+1] << 32, byte i is the low byte of p | p >> 28. */
-GC_AVX512 static inline void v_store_nibbles(__m512i c, uint8_t *out)
+/* The 64 dwords of v[0 .. 4) (each 0 .. 255) as bytes, in the 128-bit lane
+ * order of the saturating packs: dword 4 L + k holds v[k]'s dwords 4 L ..
+ * 4 L + 3. Three packs instead of four two-uop truncations. */
+GC_AVX512 static inline __m512i v_pack4(const __m512i *v)
 {
-    __m512i p = _mm512_or_si512(c, _mm512_srli_epi64(c, 28));
-    _mm_storel_epi64((__m128i *)(void *)out, _mm512_cvtepi64_epi8(p));
+    return _mm512_packus_epi16(_mm512_packus_epi32(v[0], v[1]), _mm512_packus_epi32(v[2], v[3]));
+}
+
+/* Bytes of v_pack4's order, bit 7 set where the fp32 bit patterns x[0 .. 4)
+ * are negative (signed saturation keeps the sign: finite positive values
+ * become at most 0x7f). */
+GC_AVX512 static inline __m512i v_pack4_signs(const __m512i *x)
+{
+    return _mm512_packs_epi16(_mm512_packs_epi32(x[0], x[1]), _mm512_packs_epi32(x[2], x[3]));
+}
+
+/* v_pack4's lane order back to element order (dword 4 k + L takes 4 L + k). */
+GC_AVX512 static inline __m512i v_unlane(__m512i p)
+{
+    return _mm512_permutexvar_epi32(
+        _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), p);
+}
+
+/* The 64 bytes of fp8 codes of 64 finite values x[0 .. 4) from their
+ * magnitude codes mag[0 .. 4) (the sign joins after packing). */
+GC_AVX512 static inline __m512i v_fp8_bytes(const __m512i *mag, const __m512i *x)
+{
+    return v_unlane(_mm512_ternarylogic_epi32(v_pack4_signs(x), _mm512_set1_epi8((char)0x80),
+                                              v_pack4(mag), 0xea));
+}
+
+/* The 64 packed bytes of 128 E2M1 codes c[0 .. 8) (dwords below 16): packed
+ * to bytes (v_pack4), each byte pair joined as lo + 16 hi (maddubs: at most
+ * 255), packed again; the words then hold, in lane order, 2 bytes of each
+ * vector per lane (word 8 L + k: vector k, lane L), put back in order. */
+GC_AVX512 static inline __m512i v_nibbles8(const __m512i *c)
+{
+    const __m512i pair = _mm512_set1_epi16(0x1001);
+    __m512i lo = _mm512_maddubs_epi16(v_pack4(c), pair);
+    __m512i hi = _mm512_maddubs_epi16(v_pack4(c + 4), pair);
+    return _mm512_permutexvar_epi16(
+        _mm512_set_epi16(31, 23, 15, 7, 30, 22, 14, 6, 29, 21, 13, 5, 28, 20, 12, 4,
+                         27, 19, 11, 3, 26, 18, 10, 2, 25, 17, 9, 1, 24, 16, 8, 0),
+        _mm512_packus_epi16(lo, hi));
 }
 
 /* gc_e4m3_value / gc_e5m2_value of 16 codes (dwords): the magnitude's
@@ -894,8 +877,7 @@ GC_AVX512 static inline gc_sink sink_open(float *out, size_t n, int accumulate)
 {
     gc_sink s;
     s.out = out;
-    s.stream = n * sizeof(float) >= GC_STREAM_BYTES && ((uintptr_t)out & 3u) == 0
-               && (GC_ACC_STREAM || !accumulate);
+    s.stream = n * sizeof(float) >= GC_STREAM_BYTES && ((uintptr_t)out & 3u) == 0 && !accumulate;
     s.k = (unsigned)(((uintptr_t)out & 63u) / 4u);
     s.line = out - s.k;
     s.prev = _mm512_setzero_ps();
@@ -963,8 +945,6 @@ GC_AVX512 static inline void encode_fp8_128_v(int e5m2, const float *restrict x,
     for (size_t g = 0; g < full; g++) {
         const float *xg = x + g * glen;
         uint8_t *sg = scales + 4 * GC_FP8_GROUP * g, *cg = codes + glen * g;
-        if (g + GC_PREFETCH_GROUPS < full)
-            v_prefetch(xg + GC_PREFETCH_GROUPS * glen, glen);
         __m512i am = v_blocks_amax(xg, 128);
         __m512 a = _mm512_castsi512_ps(am);
         if (_mm512_cmpge_epu32_mask(am, v_u32(0x7f800000u))
@@ -980,16 +960,16 @@ GC_AVX512 static inline void encode_fp8_128_v(int e5m2, const float *restrict x,
         _mm512_storeu_ps((float *)(void *)sg, _mm512_div_ps(a, vfmax));
         for (size_t j = 0; j < 16; j++) {
             __m512 f = _mm512_set1_ps(factor[j]);
-            const float *xb = xg + 128 * j;
-            __m128i c[8];
-            for (int i = 0; i < 8; i++) {
-                __m512 v = _mm512_loadu_ps(xb + 16 * i);
-                c[i] = _mm512_cvtepi32_epi8(v_fp8_code_finite(e5m2, _mm512_mul_ps(_mm512_abs_ps(v), f), v));
+            v_prefetch(xg + 128 * j, 128, n - g * glen - 128 * j);
+            for (size_t i = 0; i < 128; i += 64) {
+                __m512i xb[4], mag[4];
+                for (int t = 0; t < 4; t++) {
+                    __m512 v = _mm512_loadu_ps(xg + 128 * j + i + 16 * t);
+                    xb[t] = _mm512_castps_si512(v);
+                    mag[t] = v_fp8_mag(e5m2, _mm512_mul_ps(_mm512_abs_ps(v), f));
+                }
+                _mm512_storeu_si512((void *)(cg + 128 * j + i), v_fp8_bytes(mag, xb));
             }
-            for (int i = 0; i < 8; i += 4)
-                _mm512_storeu_si512((void *)(cg + 128 * j + 16 * i),
-                                    _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(c[i + 1], c[i])),
-                                                       _mm256_set_m128i(c[i + 3], c[i + 2]), 1));
         }
     }
     if (full * glen < n)
@@ -1025,8 +1005,8 @@ GC_AVX512 static inline void decode_fp8_v(int e5m2, int accumulate, const uint8_
  * scales as encode_nvfp4_super computes them, then each 16-value block's
  * codes from one vector, with its group's choice of x * factor or
  * (x * pre) * factor (encode_nvfp4_super's unit). */
-GC_AVX512 static inline void encode_nvfp4_super_v(const float *restrict x, uint8_t *sscale,
-                                                  uint8_t *restrict bscales,
+GC_AVX512 static inline void encode_nvfp4_super_v(const float *restrict x, size_t left,
+                                                  uint8_t *sscale, uint8_t *restrict bscales,
                                                   uint8_t *restrict codes)
 {
     const float smax = GC_E2M1_MAX * GC_E4M3_MAX;
@@ -1070,12 +1050,16 @@ GC_AVX512 static inline void encode_nvfp4_super_v(const float *restrict x, uint8
         int unit = 1;
         for (size_t j = g; j < g + GC_NVFP4_GROUP; j++)
             unit &= pre[j] == 1.0f;
-        for (size_t j = g; j < g + GC_NVFP4_GROUP; j++) {
-            __m512 v = _mm512_loadu_ps(x + GC_NVFP4_BLOCK * j);
-            if (!unit)
-                v = _mm512_mul_ps(v, _mm512_set1_ps(pre[j]));
-            v_store_nibbles(v_e2m1_code(_mm512_mul_ps(v, _mm512_set1_ps(factor[j]))),
-                            codes + GC_NVFP4_BLOCK / 2 * j);
+        for (size_t j = g; j < g + GC_NVFP4_GROUP; j += 8) {
+            __m512i c[8];
+            v_prefetch(x + GC_NVFP4_BLOCK * j, 8 * GC_NVFP4_BLOCK, left - GC_NVFP4_BLOCK * j);
+            for (size_t t = 0; t < 8; t++) {
+                __m512 v = _mm512_loadu_ps(x + GC_NVFP4_BLOCK * (j + t));
+                if (!unit)
+                    v = _mm512_mul_ps(v, _mm512_set1_ps(pre[j + t]));
+                c[t] = v_e2m1_code(_mm512_mul_ps(v, _mm512_set1_ps(factor[j + t])));
+            }
+            _mm512_storeu_si512((void *)(codes + GC_NVFP4_BLOCK / 2 * j), v_nibbles8(c));
         }
     }
 }
@@ -1085,9 +1069,8 @@ GC_AVX512 static inline void encode_nvfp4_v(const float *x, size_t n, uint8_t *s
 {
     size_t full = n / GC_NVFP4_SUPERBLOCK;
     for (size_t k = 0; k < full; k++) {
-        if (k + 1 < full)
-            v_prefetch(x + (k + 1) * GC_NVFP4_SUPERBLOCK, GC_NVFP4_SUPERBLOCK);
-        encode_nvfp4_super_v(x + k * GC_NVFP4_SUPERBLOCK, sscales + 4 * k,
+        encode_nvfp4_super_v(x + k * GC_NVFP4_SUPERBLOCK, n - k * GC_NVFP4_SUPERBLOCK,
+                             sscales + 4 * k,
                              bscales + k * GC_NVFP4_BLOCKS, codes + k * GC_NVFP4_SUPERBLOCK / 2);
     }
     size_t start = full * GC_NVFP4_SUPERBLOCK, rest = n % GC_NVFP4_SUPERBLOCK;
@@ -1121,9 +1104,28 @@ GC_AVX512 static inline void decode_nvfp4_v(int accumulate, const uint8_t *sscal
 
 /* ---- AVX-512 MX ---- */
 
-/* Whole groups of GC_MX_GROUP blocks as encode_mx does them (stats, E8M0
- * scales and factors across the group, then codes, two vectors a block);
- * the blocks after the last whole group go through encode_mx_block. */
+/* gc_mx_exponent of 16 finite amaxes. */
+GC_AVX512 static inline __m512i v_mx_exponent(__m512 amax, int emax, float fmax, int rceil)
+{
+    __mmask16 sub = _mm512_cmp_ps_mask(amax, _mm512_set1_ps(0x1p-126f), _CMP_LT_OQ);
+    __m512i b = _mm512_castps_si512(_mm512_mask_mul_ps(amax, sub, amax, _mm512_set1_ps(0x1p32f)));
+    __m512i e = _mm512_sub_epi32(_mm512_srli_epi32(b, 23), _mm512_set1_epi32(127 + emax));
+    e = _mm512_mask_sub_epi32(e, sub, e, _mm512_set1_epi32(32));
+    if (rceil)
+        e = _mm512_mask_add_epi32(e,
+                                  _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, v_u32(0x007fffffu)),
+                                                          v_u32(gc_bits(fmax) & 0x007fffffu)),
+                                  e, _mm512_set1_epi32(1));
+    e = _mm512_mask_mov_epi32(_mm512_set1_epi32(-127),
+                              _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ), e);
+    e = _mm512_min_epi32(e, _mm512_set1_epi32(127 - emax));
+    return _mm512_max_epi32(e, _mm512_set1_epi32(-127));
+}
+
+/* Whole groups of GC_MX_GROUP blocks as encode_mx does them: the amaxes,
+ * E8M0 scales and factors 16 blocks at a time, then the codes, 64 bytes at
+ * a time (two MXFP8 blocks, four MXFP4 ones). A group holding a non-finite
+ * value, and the values after the last whole group, go through encode_mx. */
 GC_AVX512 static inline void encode_mx_v(int fmt, int rceil, const float *restrict x, size_t n,
                                          uint8_t *restrict scales, uint8_t *restrict codes)
 {
@@ -1131,95 +1133,136 @@ GC_AVX512 static inline void encode_mx_v(int fmt, int rceil, const float *restri
     const int emax = fmt == GC_MXFP4 ? 2 : e5m2 ? 15 : 8;
     const float fmax = fmt == GC_MXFP4 ? GC_E2M1_MAX : e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
     const size_t glen = GC_MX_GROUP * GC_MX_BLOCK;
+    const size_t bytes = fmt == GC_MXFP4 ? GC_MX_BLOCK / 2 : GC_MX_BLOCK; /* per block */
+#if GC_MX_GROUP != 32
+#error "the AVX-512 MX encoder takes the amaxes of 2 x 16 blocks"
+#endif
     size_t full = n / glen;
     for (size_t g = 0; g < full; g++) {
         const float *xg = x + g * glen;
-        if (g + GC_PREFETCH_GROUPS < full)
-            v_prefetch(xg + GC_PREFETCH_GROUPS * glen, glen);
-        gc_u32 amax[GC_MX_GROUP];
-        int finite[GC_MX_GROUP];
-        float factor[GC_MX_GROUP];
-        int all_finite = 1;
-        blocks_stats(xg, GC_MX_GROUP, GC_MX_BLOCK, GC_MX_BLOCK, amax, finite);
-        for (size_t j = 0; j < GC_MX_GROUP; j++)
-            all_finite &= finite[j];
-        for (size_t j = 0; j < GC_MX_GROUP; j++) {
-            int e = gc_mx_exponent(gc_float(amax[j]), emax, fmax, rceil);
-            factor[j] = gc_mx_factor(e);
-            scales[g * GC_MX_GROUP + j] =
-                fmt != GC_MXFP4 || finite[j] ? (uint8_t)(e + 127) : 0xffu;
+        uint8_t *sg = scales + GC_MX_GROUP * g, *cg = codes + bytes * GC_MX_GROUP * g;
+        __m512i am[2] = {v_blocks_amax(xg, GC_MX_BLOCK),
+                         v_blocks_amax(xg + 16 * GC_MX_BLOCK, GC_MX_BLOCK)};
+        if (_mm512_cmpge_epu32_mask(_mm512_max_epu32(am[0], am[1]), v_u32(0x7f800000u))) {
+            encode_mx(fmt, 0, rceil, xg, glen, sg, cg, 0, 0);
+            continue;
         }
-        for (size_t j = 0; j < GC_MX_GROUP; j++) {
-            __m512 f = _mm512_set1_ps(factor[j]);
-            __m512 v0 = _mm512_loadu_ps(xg + GC_MX_BLOCK * j);
-            __m512 v1 = _mm512_loadu_ps(xg + GC_MX_BLOCK * j + 16);
-            size_t at = (g * GC_MX_GROUP + j) * GC_MX_BLOCK;
-            if (fmt == GC_MXFP4) {
-                __mmask16 keep = finite[j] ? 0xffffu : 0u;
-                v_store_nibbles(_mm512_maskz_mov_epi32(keep, v_e2m1_code(_mm512_mul_ps(v0, f))),
-                                codes + at / 2);
-                v_store_nibbles(_mm512_maskz_mov_epi32(keep, v_e2m1_code(_mm512_mul_ps(v1, f))),
-                                codes + at / 2 + 8);
-            } else if (all_finite) {
-                __m128i c0 = _mm512_cvtepi32_epi8(v_fp8_code_finite(e5m2, _mm512_mul_ps(v0, f), v0));
-                __m128i c1 = _mm512_cvtepi32_epi8(v_fp8_code_finite(e5m2, _mm512_mul_ps(v1, f), v1));
-                _mm256_storeu_si256((__m256i *)(void *)(codes + at), _mm256_set_m128i(c1, c0));
-            } else {
-                __m128i c0 = _mm512_cvtepi32_epi8(v_fp8_code(e5m2, _mm512_mul_ps(v0, f), v0));
-                __m128i c1 = _mm512_cvtepi32_epi8(v_fp8_code(e5m2, _mm512_mul_ps(v1, f), v1));
-                _mm256_storeu_si256((__m256i *)(void *)(codes + at), _mm256_set_m128i(c1, c0));
+        float factor[GC_MX_GROUP];
+        for (int h = 0; h < 2; h++) {
+            __m512i e = v_mx_exponent(_mm512_castsi512_ps(am[h]), emax, fmax, rceil);
+            _mm512_storeu_si512((void *)(factor + 16 * h),
+                                _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(127), e), 23));
+            _mm_storeu_si128((__m128i *)(void *)(sg + 16 * h),
+                             _mm512_cvtepi32_epi8(_mm512_add_epi32(e, _mm512_set1_epi32(127))));
+        }
+        for (size_t j = 0; j < GC_MX_GROUP; j += 64 / bytes) {
+            __m512i c[8], xb[4];
+            v_prefetch(xg + GC_MX_BLOCK * j, 64 / bytes * GC_MX_BLOCK,
+                       n - g * glen - GC_MX_BLOCK * j);
+            for (size_t t = 0; t < 64 / bytes * 2; t++) {
+                __m512 f = _mm512_set1_ps(factor[j + t / 2]);
+                __m512 v = _mm512_loadu_ps(xg + GC_MX_BLOCK * j + 16 * t);
+                if (fmt == GC_MXFP4) {
+                    c[t] = v_e2m1_code(_mm512_mul_ps(v, f));
+                } else {
+                    xb[t] = _mm512_castps_si512(v);
+                    c[t] = v_fp8_mag(e5m2, _mm512_mul_ps(_mm512_abs_ps(v), f));
+                }
             }
+            _mm512_storeu_si512((void *)(cg + bytes * j),
+                                fmt == GC_MXFP4 ? v_nibbles8(c) : v_fp8_bytes(c, xb));
         }
     }
-    for (size_t k = full * GC_MX_GROUP; k < ceil_div(n, GC_MX_BLOCK); k++) {
-        size_t start = k * GC_MX_BLOCK;
-        size_t len = n - start < GC_MX_BLOCK ? n - start : GC_MX_BLOCK;
-        encode_mx_block(fmt, 0, rceil, x + start, len, scales + k,
-                        codes + (fmt == GC_MXFP4 ? start / 2 : start), 0, 0);
+    if (full * glen < n)
+        encode_mx(fmt, 0, rceil, x + full * glen, n - full * glen, scales + GC_MX_GROUP * full,
+                  codes + bytes * GC_MX_GROUP * full, 0, 0);
+}
+
+/* gc_e8m0_value of 16 scale codes. */
+GC_AVX512 static inline __m512 v_e8m0_value(__m128i b)
+{
+    __m512i c = _mm512_cvtepu8_epi32(b);
+    __m512i v = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(c, _mm512_setzero_si512()),
+                                        _mm512_slli_epi32(c, 23), v_u32(0x00400000u));
+    v = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(c, v_u32(0xffu)), v, v_u32(0x7fc00000u));
+    return _mm512_castsi512_ps(v);
+}
+
+/* The values of one MX block's 32 codes at cb, vectors 0 and 1. */
+GC_AVX512 static inline void v_mx_values(int fmt, const uint8_t *cb, __m512 table, __m512 *v)
+{
+    if (fmt == GC_MXFP4) {
+        v[0] = v_e2m1_values(cb, table);
+        v[1] = v_e2m1_values(cb + 8, table);
+    } else {
+        __m256i c = _mm256_loadu_si256((const __m256i *)(const void *)cb);
+        v[0] = v_fp8_value(fmt == GC_MXFP8_E5M2, _mm512_cvtepu8_epi32(_mm256_castsi256_si128(c)));
+        v[1] = v_fp8_value(fmt == GC_MXFP8_E5M2,
+                           _mm512_cvtepu8_epi32(_mm256_extracti128_si256(c, 1)));
     }
 }
 
+/* fmt a constant (one loop per format): 16 blocks at a time, their E8M0
+ * scales decoded in one vector and each broadcast from L1; the blocks after
+ * the last 16 go through decode_mx_block. */
 GC_AVX512 static inline void decode_mx_v(int fmt, int accumulate, const uint8_t *scales,
                                          const uint8_t *codes, size_t n, float *restrict out)
 {
-    const int e5m2 = fmt == GC_MXFP8_E5M2;
+    const size_t bytes = fmt == GC_MXFP4 ? GC_MX_BLOCK / 2 : GC_MX_BLOCK;
     __m512 table = _mm512_loadu_ps(gc_e2m1_table);
     gc_sink s = sink_open(out, n, accumulate);
-    size_t nvec = n / 16;
-    for (size_t m = 0; m < nvec; m++) {
-        __m512 scale = _mm512_set1_ps(gc_e8m0_value(scales[m / 2]));
-        __m512 v;
-        if (fmt == GC_MXFP4)
-            v = v_e2m1_values(codes + 8 * m, table);
-        else
-            v = v_fp8_value(e5m2, _mm512_cvtepu8_epi32(
-                                      _mm_loadu_si128((const __m128i *)(const void *)(codes + 16 * m))));
-        sink_value(&s, m, accumulate, _mm512_mul_ps(v, scale));
+    size_t groups = n / (16 * GC_MX_BLOCK);
+    for (size_t g = 0; g < groups; g++) {
+        float sc[16];
+        _mm512_storeu_ps(sc, v_e8m0_value(_mm_loadu_si128(
+                                 (const __m128i *)(const void *)(scales + 16 * g))));
+        for (size_t j = 0; j < 16; j++) {
+            size_t k = 16 * g + j;
+            __m512 scale = _mm512_set1_ps(sc[j]), v[2];
+            v_mx_values(fmt, codes + bytes * k, table, v);
+            sink_value(&s, 2 * k, accumulate, _mm512_mul_ps(v[0], scale));
+            sink_value(&s, 2 * k + 1, accumulate, _mm512_mul_ps(v[1], scale));
+        }
     }
-    sink_close(&s, nvec);
-    size_t start = 16 * nvec;
-    if (start < n)
-        decode_mx_block(fmt, accumulate, codes + (fmt == GC_MXFP4 ? start / 2 : start), n - start,
-                        gc_e8m0_value(scales[start / GC_MX_BLOCK]), out + start);
+    sink_close(&s, 32 * groups);
+    for (size_t k = 16 * groups; k < ceil_div(n, GC_MX_BLOCK); k++) {
+        size_t start = k * GC_MX_BLOCK;
+        size_t len = n - start < GC_MX_BLOCK ? n - start : GC_MX_BLOCK;
+        decode_mx_block(fmt, accumulate, codes + bytes * k, len, gc_e8m0_value(scales[k]),
+                        out + start);
+    }
 }
 
 /* ---- AVX-512 BF16 ---- */
 
+/* gc_bf16_code of 16 values, as dwords. */
+GC_AVX512 static inline __m512i v_bf16_code(__m512 v)
+{
+    __m512i b = _mm512_castps_si512(v), hi = _mm512_srli_epi32(b, 16);
+    __m512i lsb = _mm512_and_si512(hi, v_u32(1));
+    __m512i rounded =
+        _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, v_u32(0x7fffu)), lsb), 16);
+    __m512i nan = _mm512_ternarylogic_epi32(hi, v_u32(0x8000u), v_u32(0x7fc0u), 0xea);
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, nan);
+}
+
+/* 32 values at a time: one saturating pack (the codes fit 16 bits) and a
+ * permute of its lane order, the input prefetched as the encoders above.
+ * The 64 code bytes go through a sink, as 16 floats: a large output is
+ * streamed (its 2 bytes a value are half the traffic of a copy's writes). */
 GC_AVX512 static inline void encode_bf16_v(const float *restrict x, size_t n, uint8_t *restrict wire)
 {
-    size_t nvec = n / 16;
-    for (size_t m = 0; m < nvec; m++) {
-        __m512i b = _mm512_loadu_si512((const void *)(x + 16 * m));
-        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), v_u32(1));
-        __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, v_u32(0x7fffu)), lsb), 16);
-        __m512i nan = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(b, 16), v_u32(0x8000u)),
-                                      v_u32(0x7fc0u));
-        __mmask16 is_nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, v_u32(0x7fffffffu)),
-                                                   v_u32(0x7f800000u));
-        __m256i c = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, nan));
-        _mm256_storeu_si256((__m256i *)(void *)(wire + 32 * m), c);
+    const __m512i order = _mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0);
+    size_t vecs = n / 32;
+    gc_sink s = sink_open((float *)(void *)wire, 16 * vecs, 0);
+    for (size_t m = 0; m < vecs; m++) {
+        v_prefetch(x + 32 * m, 32, n - 32 * m);
+        __m512i c = _mm512_packus_epi32(v_bf16_code(_mm512_loadu_ps(x + 32 * m)),
+                                        v_bf16_code(_mm512_loadu_ps(x + 32 * m + 16)));
+        sink_put(&s, m, _mm512_castsi512_ps(_mm512_permutexvar_epi64(order, c)));
     }
-    encode_bf16(0, x + 16 * nvec, n % 16, wire + 32 * nvec, 0, 0);
+    sink_close(&s, vecs);
+    encode_bf16(0, x + 32 * vecs, n % 32, wire + 64 * vecs, 0, 0);
 }
 
 GC_AVX512 static inline void decode_bf16_v(int accumulate, const uint8_t *restrict wire, size_t n,
@@ -1371,8 +1414,14 @@ GC_AVX512_FLAT static void encode_v(const gc_call *k, const float *x, size_t n, 
         case GC_BF16:                                                                         \
             decode_bf16_v(acc, c, n, o);                                                      \
             return;                                                                           \
+        case GC_MXFP8_E4M3:                                                                   \
+            decode_mx_v(GC_MXFP8_E4M3, acc, s, c, n, o);                                      \
+            return;                                                                           \
+        case GC_MXFP8_E5M2:                                                                   \
+            decode_mx_v(GC_MXFP8_E5M2, acc, s, c, n, o);                                      \
+            return;                                                                           \
         default:                                                                              \
-            decode_mx_v(fmt, acc, s, c, n, o);                                                \
+            decode_mx_v(GC_MXFP4, acc, s, c, n, o);                                           \
             return;                                                                           \
         }                                                                                     \
     }
