@@ -23,12 +23,10 @@ the two on one plot.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -38,7 +36,7 @@ import numpy as np  # noqa: E402
 
 from geocomm.codecs import get_codec  # noqa: E402
 from geocomm.engine.costs import HOST_STAGE_SIZE  # noqa: E402
-from geocomm.testing import run_refresh_locally  # noqa: E402
+from geocomm.testing import run_refresh_locally, write_results  # noqa: E402
 
 
 def gradient_like(m: int, n: int, seed: int = 0) -> np.ndarray:
@@ -193,10 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "sweep": sweep,
         }
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1) + "\n")
-        path.with_suffix(".md").write_text(markdown(result))
+        write_results(args.json, result, markdown(result))
     return 0
 
 

@@ -28,6 +28,8 @@ import main_summary
 from emulated_link import namespace_problem
 from plot_perf import plot
 
+from geocomm.testing import write_results
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 #: sweep settings per link: (largest size, warm-up calls, timed calls); the links
@@ -122,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     summary["command"] = summary["command"].strip()
     text = main_summary.document(summary)
-    stem.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(text)
+    write_results(stem, summary, text)
     print(text, flush=True)
     return 0
 

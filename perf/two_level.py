@@ -29,6 +29,7 @@ import uuid
 from pathlib import Path
 
 from geocomm.launch import mpiexec_command
+from geocomm.testing import write_results
 
 TCP_ARGS = ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self"]
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -140,11 +141,9 @@ def study(args: argparse.Namespace) -> int:
     )
     report = {"tool": "two_level", "command": command, "rate": args.rate, "size": args.size,
               "machine_cores": os.cpu_count(), "rows": rows}  # fmt: skip
-    results = here / "results"
-    (results / "two_level.json").write_text(json.dumps(report, indent=1) + "\n")
     from two_level_report import markdown
 
-    (results / "two_level.md").write_text(markdown(report))
+    write_results(here / "results" / "two_level", report, markdown(report))
     print(markdown(report))
     return 0
 

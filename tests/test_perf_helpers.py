@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import os
 import sys
 import time
@@ -22,6 +23,7 @@ from geocomm.testing import (
     ring_bytes,
     slowest,
     timed,
+    write_results,
     yardstick,
     yardstick_line,
 )
@@ -155,3 +157,51 @@ def test_namespace_probe_says_why_without_root(monkeypatch):
     emulated_link = _perf_module("emulated_link")
     monkeypatch.setattr(emulated_link.os, "geteuid", lambda: 1000)
     assert "not root" in emulated_link.namespace_problem()
+
+
+def test_write_results_writes_the_record_its_table_and_plot(tmp_path):
+    plotted = []
+    path = write_results(
+        tmp_path / "deeper" / "study.json",
+        {"rows": [1, 2]},
+        "| a |\n",
+        lambda result, png: plotted.append((result["rows"], png)),
+    )
+    assert path == tmp_path / "deeper" / "study.json"
+    assert json.loads(path.read_text()) == {"rows": [1, 2]}
+    assert path.read_text().endswith("]\n}\n")  # indented, one trailing newline
+    assert (tmp_path / "deeper" / "study.md").read_text() == "| a |\n"
+    assert plotted == [([1, 2], tmp_path / "deeper" / "study.png")]
+    # no markdown, no plot: the record alone
+    write_results(tmp_path / "bare", {"x": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare.json", "deeper"]
+
+
+def test_ddp_ceiling_is_first_hook_plus_shared_link_plus_optimizer():
+    sys.path.insert(0, str(PERF / "studies"))
+    try:
+        report = importlib.import_module("ddp_train_report")
+    finally:
+        sys.path.remove(str(PERF / "studies"))
+    ddp = {
+        "link": "1gbit",
+        "ranks": 2,
+        "methods": {
+            "default": {"median_ms": 400.0},
+            "fp8": {
+                "median_ms": 200.0,
+                "bytes_sent_per_step": [6.25e6, 6.25e6],
+                "first_hook_ms": 10.0,
+                "optimizer_ms": 5.0,
+            },
+            "nocomm": {"median_ms": 40.0},  # no hook bytes: no ceiling
+        },
+    }
+    (row,) = report.ceiling_rows(ddp)
+    # 2 ranks x 6.25 MB through one 125 MB/s token bucket = 100 ms
+    assert row["link_ms"] == pytest.approx(100.0)
+    assert row["bound_ms"] == pytest.approx(115.0)
+    assert row["ceiling"] == pytest.approx(400 / 115)
+    assert row["measured"] == pytest.approx(2.0)
+    assert report.link_Bps("500mbit") == 62.5e6 and report.link_Bps("unshaped") is None
+    assert report.ceiling_rows({**ddp, "link": "unshaped"}) == []

@@ -16,7 +16,7 @@ One module per concern, everything importable from ``geocomm.testing``:
 * :mod:`geocomm.testing.perf`: the helpers of ``perf/`` and ``perf/studies/``:
   :func:`parse_size`, :func:`timed`, :func:`slowest`, :func:`ring_bytes`,
   :func:`breakdown`, :func:`emulated_link`, :func:`launch_command`,
-  :func:`busy_loops`, and :func:`yardstick` (two speeds of this machine,
+  :func:`busy_loops`, :func:`write_results`, and :func:`yardstick` (two speeds of this machine,
   printed next to every performance table so readers can scale).
 """
 
@@ -40,6 +40,7 @@ from geocomm.testing.perf import (
     ring_bytes,
     slowest,
     timed,
+    write_results,
     yardstick,
     yardstick_line,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "simulate_reduce_scatter",
     "slowest",
     "timed",
+    "write_results",
     "yardstick",
     "yardstick_line",
 ]

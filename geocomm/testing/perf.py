@@ -4,7 +4,8 @@
 time, nccl-tests style), :func:`ring_bytes`, :func:`breakdown` (encode,
 communication and decode timed apart against the pipelined call),
 :func:`emulated_link` and :func:`launch_command` (how the job was started),
-:func:`busy_loops` (a slower machine), and :func:`yardstick`: two speeds of
+:func:`busy_loops` (a slower machine), :func:`write_results` (a result as
+JSON, markdown and a plot beside them), and :func:`yardstick`: two speeds of
 this machine measured in the run, printed next to every performance table so
 readers can scale.
 """
@@ -12,12 +13,14 @@ readers can scale.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +39,7 @@ __all__ = [
     "ring_bytes",
     "slowest",
     "timed",
+    "write_results",
     "yardstick",
     "yardstick_line",
 ]
@@ -171,6 +175,26 @@ class Yardstick:
             f"np.copyto {self.copy_GBps:.2f} GB/s, fp8 E4M3 block-128 encode "
             f"{self.fp8_encode_GBps:.2f} GB/s ({self.mib} MiB of fp32, one thread)"
         )
+
+
+def write_results(
+    stem: str | Path,
+    result: dict[str, Any],
+    markdown: str | None = None,
+    plot: Callable[[dict[str, Any], Path], None] | None = None,
+) -> Path:
+    """Write ``result`` to ``stem.json`` (the record: indented, one trailing newline),
+    ``markdown`` to ``stem.md`` and, with ``plot``, ``plot(result, stem.png)``;
+    make the folder first. Any suffix of ``stem`` is replaced. Returns the JSON path."""
+    stem = Path(stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    path = stem.with_suffix(".json")
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    if markdown is not None:
+        stem.with_suffix(".md").write_text(markdown)
+    if plot is not None:
+        plot(result, stem.with_suffix(".png"))
+    return path
 
 
 def yardstick(comm: Any = None, mib: int = 64, repeats: int = 5) -> Yardstick | None:

@@ -43,7 +43,7 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 from ddp_train import strip_options  # noqa: E402  (perf/studies/ddp_train.py)
 
-from geocomm.testing import yardstick, yardstick_line  # noqa: E402
+from geocomm.testing import write_results, yardstick, yardstick_line  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 METHODS = ("gloo", "geocomm-fp8", "geocomm-nvfp4")
@@ -148,8 +148,6 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 def write_report(result: dict[str, Any], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     methods = result["job"]["methods"]
     gloo = methods.get("gloo", {}).get("step_s")
     lines = [
@@ -188,7 +186,7 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         '\nThe user\'s change: `DDP(net, process_group=dist.new_group(backend="geocomm"))` '
         '(or `init_process_group("geocomm")`), the codec from `torch_backend.configure`.'
     )
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_results(out, result, "\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

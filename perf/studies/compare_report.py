@@ -17,13 +17,12 @@ numbers.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from geocomm.testing import yardstick_line
+from geocomm.testing import write_results, yardstick_line
 
 MIB = 1 << 20
 LINK_GBPS = {"1gbit": 0.125, "10gbit": 1.25, "25gbit": 3.125}  # nominal GB/s
@@ -450,5 +449,4 @@ def write(result: dict[str, Any], prefix: Path) -> None:
     result["png_busbw"] = f"{prefix.name}_busbw.png"
     result["png_error"] = f"{prefix.name}_error.png"
     plots(result, prefix)
-    Path(f"{prefix}.json").write_text(json.dumps(result, indent=1) + "\n")
-    Path(f"{prefix}.md").write_text(markdown(result))
+    write_results(prefix, result, markdown(result))

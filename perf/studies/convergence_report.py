@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from convergence_plot import plot
 
-from geocomm.testing import yardstick_line
+from geocomm.testing import write_results, yardstick_line
 
 #: the RNE codec, and the variants that should close at least half of its gap to fp32
 VERDICTS = (("nvfp4", ("nvfp4_sr", "nvfp4_ef")), ("fp8_e5m2", ("fp8_e5m2_sr", "fp8_e5m2_ef")))
@@ -405,7 +405,4 @@ def merge(results: list[dict[str, Any]], title: str = "") -> dict[str, Any]:
 
 def write_outputs(result: dict[str, Any], prefix: Path) -> None:
     result["summary"] = summarize(result)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    prefix.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    prefix.with_suffix(".md").write_text(markdown(result))
-    plot(result, prefix.with_suffix(".png"))
+    write_results(prefix, result, markdown(result), plot)

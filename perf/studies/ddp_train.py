@@ -66,6 +66,7 @@ from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 from ddp_train_methods import (  # noqa: E402
+    FIRST_HOOK,
     HOOK_CALLS,
     ddp_model,
     hook_alone,
@@ -126,9 +127,11 @@ def _run_methods(
     for method in methods:
         net, model, state, wrapper, opt, update = ddp_model(cfg, args, method, side, size)
         times, agree, buckets_per_step, losses = [], True, [], []
+        first_hook, optimizer = [], []  # ms into the step; ms of the update
         for step in range(args.warmup + args.steps + args.error_steps):
             tokens, targets = data.batches("train", rank, size, step)
             HOOK_CALLS[0] = 0
+            FIRST_HOOK[0] = None
             measuring = step >= args.warmup + args.steps  # after the timed steps
             if wrapper is not None:
                 wrapper.measure = measuring
@@ -138,6 +141,7 @@ def _run_methods(
             loss = model(tokens, targets)
             opt.zero_grad(set_to_none=False)
             loss.backward()
+            t_update = time.perf_counter()
             update(step)
             elapsed = time.perf_counter() - t
             digests: list[Any] = [None] * size
@@ -145,6 +149,9 @@ def _run_methods(
             agree = agree and all(d == digests[0] for d in digests)
             if args.warmup <= step and not measuring:
                 times.append(elapsed)
+                optimizer.append((elapsed - (t_update - t)) * 1e3)
+                if FIRST_HOOK[0] is not None:
+                    first_hook.append((FIRST_HOOK[0] - t) * 1e3)
                 buckets_per_step.append(HOOK_CALLS[0])
                 losses.append(float(loss.detach()))
         times = max_over_ranks(times, side)
@@ -153,7 +160,10 @@ def _run_methods(
             "step_ms": [t * 1e3 for t in times],
             "ranks_identical": agree,
             "loss_last": losses[-1],
+            "optimizer_ms": float(np.median(max_over_ranks(optimizer, side))),
         }
+        if first_hook:
+            row["first_hook_ms"] = float(np.median(max_over_ranks(first_hook, side)))
         if wrapper is not None and wrapper.steps:
             errors = max_over_ranks(wrapper.rel_errors(), side)
             row["rel_error_measured"] = float(np.median(errors))

@@ -29,6 +29,8 @@ POWERSGD_START = 2
 # DDP rejects a bucket annotation other than dist.GradBucket (a string, with
 # "from __future__ import annotations"), so the hooks below leave it out.
 HOOK_CALLS = [0]
+#: perf_counter() of the step's first hook call (any wrapped method), None before it
+FIRST_HOOK: list[float | None] = [None]
 
 
 def counting_hook(state, bucket):
@@ -104,6 +106,8 @@ def measured_hook(wrapper: MeasuredHook, bucket):
     """Run ``wrapper``'s hook; on measured steps compare its result with the exact average."""
     import torch.distributed as dist
 
+    if FIRST_HOOK[0] is None:
+        FIRST_HOOK[0] = time.perf_counter()
     if not wrapper.measure:
         return wrapper.hook(wrapper.state, bucket)
     exact = bucket.buffer().clone()

@@ -8,13 +8,12 @@ are in ``ddp_train.py``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from geocomm.testing import yardstick_line
+from geocomm.testing import write_results, yardstick_line
 
 
 def verdicts(ddp: dict[str, Any]) -> list[tuple[str, float, str, bool | None]]:
@@ -111,8 +110,76 @@ def ddp_table(methods: dict[str, Any]) -> list[str]:
     return lines
 
 
+def link_Bps(link: str) -> float | None:
+    """Bytes per second of a tc rate ("1gbit", "500mbit"); None when unshaped."""
+    for unit, scale in (("gbit", 1e9), ("mbit", 1e6)):
+        if link.endswith(unit):
+            return float(link[: -len(unit)]) * scale / 8
+    return None
+
+
+def ceiling_rows(ddp: dict[str, Any]) -> list[dict[str, float | str]]:
+    """Per geocomm method, the fastest step its bytes allow on this link.
+
+    The emulated link is one token bucket shared by every rank's traffic, so a
+    step's bytes take ``ranks x bytes sent per rank / rate`` on it however well
+    they overlap; they cannot start before the first bucket is ready (the
+    step's first hook call), and the optimizer runs after the last one. So
+    ``step >= first hook + link + optimizer``, each measured in the same run;
+    the ceiling speed-up is the default's step over that.
+    """
+    rate = link_Bps(ddp["link"])
+    default = ddp["methods"].get("default", {}).get("median_ms")
+    rows: list[dict[str, float | str]] = []
+    if rate is None or default is None:
+        return rows
+    for name, r in ddp["methods"].items():
+        if "bytes_sent_per_step" not in r or "first_hook_ms" not in r:
+            continue
+        wire = ddp["ranks"] * float(np.median(r["bytes_sent_per_step"]))
+        link_ms = wire / rate * 1e3
+        bound = r["first_hook_ms"] + link_ms + r["optimizer_ms"]
+        rows.append(
+            {
+                "method": name,
+                "first_hook_ms": r["first_hook_ms"],
+                "link_MB": wire / 1e6,
+                "link_ms": link_ms,
+                "optimizer_ms": r["optimizer_ms"],
+                "bound_ms": bound,
+                "ceiling": default / bound,
+                "measured": default / r["median_ms"],
+            }
+        )
+    return rows
+
+
+def ceiling_table(ddp: dict[str, Any]) -> list[str]:
+    rows = ceiling_rows(ddp)
+    if not rows:
+        return []
+    lines = [
+        "",
+        f"What the link allows: the step cannot be shorter than the first bucket's "
+        f"readiness (first hook call), plus every rank's bytes through the shared "
+        f"{ddp['link']} link, plus the optimizer (all measured in this run; "
+        "`ceiling_rows` in ddp_train_report.py derives it).",
+        "",
+        "| method | first hook ms | MB on the link / step | link ms | optimizer ms | "
+        "fastest step ms | ceiling speed-up | measured | share of ceiling |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['first_hook_ms']:.1f} | {r['link_MB']:.2f} | "
+            f"{r['link_ms']:.1f} | {r['optimizer_ms']:.1f} | {r['bound_ms']:.1f} | "
+            f"{r['ceiling']:.2f}x | {r['measured']:.2f}x | "
+            f"{r['measured'] / r['ceiling']:.2f} |"
+        )
+    return lines
+
+
 def write_report(result: dict[str, Any], out: Path) -> None:
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [
         f"# Training with geocomm's DDP hook and FSDP2 ({result['host']})",
         "",
@@ -140,6 +207,7 @@ def write_report(result: dict[str, Any], out: Path) -> None:
             f"{ddp['steps']} steps after {ddp['warmup']} (per step the slower rank).",
             "",
             *ddp_table(ddp["methods"]),
+            *ceiling_table(ddp),
         ]
         if "overlap" in ddp:
             big = ddp["overlap"]["config"]
@@ -202,4 +270,4 @@ def write_report(result: dict[str, Any], out: Path) -> None:
             "seed 0 within that span is within seed noise.",
             "",
         ]
-    out.with_suffix(".md").write_text("\n".join(lines))
+    write_results(out, result, "\n".join(lines))

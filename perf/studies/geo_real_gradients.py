@@ -60,7 +60,7 @@ from llama import (  # noqa: E402
 )
 
 from geocomm.codecs import TransformingCodec, get_codec  # noqa: E402
-from geocomm.testing import simulate_allreduce, simulate_reduce_scatter  # noqa: E402
+from geocomm.testing import simulate_allreduce, simulate_reduce_scatter, write_results  # noqa: E402
 
 FP8 = {"id": "fp8", "fmt": "e4m3", "block": 128}
 NVFP4 = {"id": "nvfp4"}
@@ -364,10 +364,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
 
 
 def write(result: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    path.with_suffix(".md").write_text(markdown(result))
-    plot(result, path.with_suffix(".png"))
+    write_results(path, result, markdown(result), plot)
 
 
 def run_zoo(args: argparse.Namespace) -> dict[str, Any]:

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from geocomm.testing import write_results
+
 DEFAULT = "geofp8 (default)"
 #: issue 23's targets, per zoo source (time is perf/geo_bench.py's, on 4096 x 4096)
 TARGETS = {"median": 0.45, "model": 0.4, "bytes_steady": 1.05, "fresh": 0.6}
@@ -97,8 +99,5 @@ def plot(r: dict[str, Any], path: Path) -> None:
 
 
 def write(result: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    path.with_suffix(".md").write_text(markdown(result))
-    plot(result, path.with_suffix(".png"))
+    write_results(path, result, markdown(result), plot)
     print(markdown(result))

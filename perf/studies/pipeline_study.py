@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from geocomm.testing import (
     launch_command,
     parse_size,
     timed,
+    write_results,
     yardstick,
     yardstick_line,
 )
@@ -101,8 +101,6 @@ def main() -> int:
         "rows": rows,
     }
     out = Path(f"{args.out}_n{comm.size}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     lines = [
         f"# Pipelined all-reduce, {count * 4 >> 20} MiB fp32, {comm.size} ranks, "
         f"codec {codec.get_config()}, link: {link}",
@@ -125,7 +123,7 @@ def main() -> int:
         "",
         f"Fastest stage size: {best['stage_size']} values (library default {DEFAULT_STAGE_SIZE}).",
     ]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_results(out, report, "\n".join(lines) + "\n")
     return 0
 
 
