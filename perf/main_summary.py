@@ -23,9 +23,10 @@ TARGET_SIZE = 64 << 20
 SHM_NOTE = (
     "Over shared memory the plain fp32 all-reduce moves its bytes at memory speed: a rank's "
     "copy of 4 bytes per value costs about as much as a codec's encode alone, and a codec "
-    "also decodes, accumulates and runs its pipeline, so every codec loses to plain fp32 "
-    "there, more so the larger the message. Fewer bytes pay only where the link is slower "
-    "than memory: see the emulated links' tables."
+    "also decodes, accumulates and runs its pipeline, so a codec gains little there or "
+    "loses (which one changes from run to run with the memory's speed and MPI's "
+    "shared-memory path). Fewer bytes pay where the link is slower than memory: see the "
+    "emulated links' tables."
 )
 
 LINK_NOTE = (
