@@ -174,7 +174,14 @@ def test_write_results_writes_the_record_its_table_and_plot(tmp_path):
     assert plotted == [([1, 2], tmp_path / "deeper" / "study.png")]
     # no markdown, no plot: the record alone
     write_results(tmp_path / "bare", {"x": 1})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare.json", "deeper"]
+    # a dotted stem keeps its whole name: the suffixes are appended, not substituted
+    write_results(tmp_path / "link_2.5gbit", {"x": 2}, "t\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "bare.json",
+        "deeper",
+        "link_2.5gbit.json",
+        "link_2.5gbit.md",
+    ]
 
 
 def test_ddp_ceiling_is_first_hook_plus_shared_link_plus_optimizer():

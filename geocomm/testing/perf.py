@@ -184,16 +184,18 @@ def write_results(
     plot: Callable[[dict[str, Any], Path], None] | None = None,
 ) -> Path:
     """Write ``result`` to ``stem.json`` (the record: indented, one trailing newline),
-    ``markdown`` to ``stem.md`` and, with ``plot``, ``plot(result, stem.png)``;
-    make the folder first. Any suffix of ``stem`` is replaced. Returns the JSON path."""
-    stem = Path(stem)
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    path = stem.with_suffix(".json")
+    then ``markdown`` to ``stem.md`` and, with ``plot``, ``plot(result, stem.png)``;
+    make the folder first. The suffixes are appended (``compare_2.5gbit`` keeps its
+    name); a trailing ``.json`` on ``stem`` is dropped first. Returns the JSON path."""
+    text = str(stem)
+    base = text[: -len(".json")] if text.endswith(".json") else text
+    path = Path(f"{base}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     if markdown is not None:
-        stem.with_suffix(".md").write_text(markdown)
+        Path(f"{base}.md").write_text(markdown)
     if plot is not None:
-        plot(result, stem.with_suffix(".png"))
+        plot(result, Path(f"{base}.png"))
     return path
 
 

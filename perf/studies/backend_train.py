@@ -148,6 +148,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 def write_report(result: dict[str, Any], out: Path) -> None:
+    write_results(out, result)  # the record first: a failing table loses nothing
     methods = result["job"]["methods"]
     gloo = methods.get("gloo", {}).get("step_s")
     lines = [

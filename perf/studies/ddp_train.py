@@ -143,15 +143,16 @@ def _run_methods(
             loss.backward()
             t_update = time.perf_counter()
             update(step)
-            elapsed = time.perf_counter() - t
+            t_end = time.perf_counter()
+            elapsed = t_end - t
             digests: list[Any] = [None] * size
             dist.all_gather_object(digests, params_digest(net), group=side)
             agree = agree and all(d == digests[0] for d in digests)
             if args.warmup <= step and not measuring:
                 times.append(elapsed)
-                optimizer.append((elapsed - (t_update - t)) * 1e3)
-                if FIRST_HOOK[0] is not None:
-                    first_hook.append((FIRST_HOOK[0] - t) * 1e3)
+                optimizer.append((t_end - t_update) * 1e3)
+                hooked = FIRST_HOOK[0]
+                first_hook.append(float("nan") if hooked is None else (hooked - t) * 1e3)
                 buckets_per_step.append(HOOK_CALLS[0])
                 losses.append(float(loss.detach()))
         times = max_over_ranks(times, side)
@@ -162,8 +163,9 @@ def _run_methods(
             "loss_last": losses[-1],
             "optimizer_ms": float(np.median(max_over_ranks(optimizer, side))),
         }
-        if first_hook:
-            row["first_hook_ms"] = float(np.median(max_over_ranks(first_hook, side)))
+        first_hook = max_over_ranks(first_hook, side)  # every rank: one entry per step
+        if not np.isnan(first_hook).all():
+            row["first_hook_ms"] = float(np.nanmedian(first_hook))
         if wrapper is not None and wrapper.steps:
             errors = max_over_ranks(wrapper.rel_errors(), side)
             row["rel_error_measured"] = float(np.median(errors))

@@ -111,7 +111,8 @@ def ddp_table(methods: dict[str, Any]) -> list[str]:
 
 
 def link_Bps(link: str) -> float | None:
-    """Bytes per second of a tc rate ("1gbit", "500mbit"); None when unshaped."""
+    """Bytes per second of a tc rate as perf/emulated_link.py takes it ("1gbit",
+    "500mbit"); None for anything else ("unshaped"): no ceiling is shown then."""
     for unit, scale in (("gbit", 1e9), ("mbit", 1e6)):
         if link.endswith(unit):
             return float(link[: -len(unit)]) * scale / 8
@@ -180,6 +181,7 @@ def ceiling_table(ddp: dict[str, Any]) -> list[str]:
 
 
 def write_report(result: dict[str, Any], out: Path) -> None:
+    write_results(out, result)  # the record first: a failing table loses nothing
     lines = [
         f"# Training with geocomm's DDP hook and FSDP2 ({result['host']})",
         "",

@@ -101,6 +101,7 @@ def main() -> int:
         "rows": rows,
     }
     out = Path(f"{args.out}_n{comm.size}")
+    write_results(out, report)  # the record first: a failing table loses nothing
     lines = [
         f"# Pipelined all-reduce, {count * 4 >> 20} MiB fp32, {comm.size} ranks, "
         f"codec {codec.get_config()}, link: {link}",
