@@ -117,7 +117,8 @@ def steady_state(codec: Any, x: np.ndarray) -> tuple[float, dict[str, float], in
     for _ in range(calls):
         call()
     mean = (time.perf_counter() - start) / calls
-    period = codec.state_info("w")["period"] if codec.state_info("w") else 0
+    info = codec.state_info("w")
+    period = info["period"] if info else 0
     return mean, {k: v / calls for k, v in call.seconds.items()}, period
 
 
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "sweep": sweep,
         }
-        write_results(args.json, result, markdown(result))
+        write_results(args.json, result, markdown)
     return 0
 
 

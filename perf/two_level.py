@@ -143,7 +143,7 @@ def study(args: argparse.Namespace) -> int:
               "machine_cores": os.cpu_count(), "rows": rows}  # fmt: skip
     from two_level_report import markdown
 
-    write_results(here / "results" / "two_level", report, markdown(report))
+    write_results(here / "results" / "two_level", report, markdown)
     print(markdown(report))
     return 0
 

@@ -174,6 +174,16 @@ def test_write_results_writes_the_record_its_table_and_plot(tmp_path):
     assert plotted == [([1, 2], tmp_path / "deeper" / "study.png")]
     # no markdown, no plot: the record alone
     write_results(tmp_path / "bare", {"x": 1})
+    # a table built by a function runs once the record is on disk: if it fails,
+    # the record of a long run is kept
+    def failing_table(result):
+        assert json.loads((tmp_path / "late.json").read_text()) == result
+        raise RuntimeError("table failed")
+
+    with pytest.raises(RuntimeError, match="table failed"):
+        write_results(tmp_path / "late", {"x": 3}, failing_table)
+    assert json.loads((tmp_path / "late.json").read_text()) == {"x": 3}
+    (tmp_path / "late.json").unlink()
     # a dotted stem keeps its whole name: the suffixes are appended, not substituted
     write_results(tmp_path / "link_2.5gbit", {"x": 2}, "t\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == [

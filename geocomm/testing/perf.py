@@ -180,20 +180,22 @@ class Yardstick:
 def write_results(
     stem: str | Path,
     result: dict[str, Any],
-    markdown: str | None = None,
+    markdown: str | Callable[[dict[str, Any]], str] | None = None,
     plot: Callable[[dict[str, Any], Path], None] | None = None,
 ) -> Path:
     """Write ``result`` to ``stem.json`` (the record: indented, one trailing newline),
-    then ``markdown`` to ``stem.md`` and, with ``plot``, ``plot(result, stem.png)``;
-    make the folder first. The suffixes are appended (``compare_2.5gbit`` keeps its
-    name); a trailing ``.json`` on ``stem`` is dropped first. Returns the JSON path."""
+    then ``markdown`` (a text, or a function of the result, called only once the
+    record is on disk, so a failing table loses nothing) to ``stem.md`` and, with
+    ``plot``, ``plot(result, stem.png)``; make the folder first. The suffixes are
+    appended (``compare_2.5gbit`` keeps its name); a trailing ``.json`` on ``stem``
+    is dropped first. Returns the JSON path."""
     text = str(stem)
     base = text[: -len(".json")] if text.endswith(".json") else text
     path = Path(f"{base}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     if markdown is not None:
-        Path(f"{base}.md").write_text(markdown)
+        Path(f"{base}.md").write_text(markdown if isinstance(markdown, str) else markdown(result))
     if plot is not None:
         plot(result, Path(f"{base}.png"))
     return path

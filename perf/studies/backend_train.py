@@ -148,7 +148,11 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 def write_report(result: dict[str, Any], out: Path) -> None:
-    write_results(out, result)  # the record first: a failing table loses nothing
+    """OUT.json, then OUT.md (:func:`markdown`)."""
+    write_results(out, result, markdown)
+
+
+def markdown(result: dict[str, Any]) -> str:
     methods = result["job"]["methods"]
     gloo = methods.get("gloo", {}).get("step_s")
     lines = [
@@ -187,7 +191,7 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         '\nThe user\'s change: `DDP(net, process_group=dist.new_group(backend="geocomm"))` '
         '(or `init_process_group("geocomm")`), the codec from `torch_backend.configure`.'
     )
-    write_results(out, result, "\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -449,4 +449,4 @@ def write(result: dict[str, Any], prefix: Path) -> None:
     result["png_busbw"] = f"{prefix.name}_busbw.png"
     result["png_error"] = f"{prefix.name}_error.png"
     plots(result, prefix)
-    write_results(prefix, result, markdown(result))
+    write_results(prefix, result, markdown)

@@ -405,4 +405,4 @@ def merge(results: list[dict[str, Any]], title: str = "") -> dict[str, Any]:
 
 def write_outputs(result: dict[str, Any], prefix: Path) -> None:
     result["summary"] = summarize(result)
-    write_results(prefix, result, markdown(result), plot)
+    write_results(prefix, result, markdown, plot)

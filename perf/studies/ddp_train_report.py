@@ -181,7 +181,11 @@ def ceiling_table(ddp: dict[str, Any]) -> list[str]:
 
 
 def write_report(result: dict[str, Any], out: Path) -> None:
-    write_results(out, result)  # the record first: a failing table loses nothing
+    """OUT.json, then OUT.md (:func:`markdown`)."""
+    write_results(out, result, markdown)
+
+
+def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# Training with geocomm's DDP hook and FSDP2 ({result['host']})",
         "",
@@ -272,4 +276,4 @@ def write_report(result: dict[str, Any], out: Path) -> None:
             "seed 0 within that span is within seed noise.",
             "",
         ]
-    write_results(out, result, "\n".join(lines))
+    return "\n".join(lines)

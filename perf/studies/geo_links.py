@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from geocomm.testing import busy_loops, yardstick
+from geocomm.testing import busy_loops, write_results, yardstick
 
 ROOT = Path(__file__).resolve().parents[2]
 #: (warm-up, timed) iterations per codec: enough timed calls for two refresh
@@ -255,15 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         result["runs"] = [x for x in result["runs"] if not x.get("plain_check")]
         result["runs"] += plain_check(args)
         result["plain_command"] = "python " + " ".join(sys.argv)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     else:
         if os.geteuid() != 0:
             print("geo_links: needs root for the emulated links", file=sys.stderr)
             return 2
         result = run(args)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
+    write_results(out, result, markdown)  # --report: the record as it was, the md again
     print(markdown(result))
     return 0
 

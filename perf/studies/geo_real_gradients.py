@@ -364,7 +364,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
 
 
 def write(result: dict[str, Any], path: Path) -> None:
-    write_results(path, result, markdown(result), plot)
+    write_results(path, result, markdown, plot)
 
 
 def run_zoo(args: argparse.Namespace) -> dict[str, Any]:
@@ -380,7 +380,6 @@ def run_zoo(args: argparse.Namespace) -> dict[str, Any]:
             "k": k,
             "refresh": r,
             "refresh_max": r,
-            "side_budget": math.inf,
             **OPEN,
         }
         for label, (k, r) in sweep.items()
@@ -415,9 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.zoo:
         default = p.get_default("json")
-        path = Path("perf/results/geo_zoo_sweep.json" if args.json == default else args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(run_zoo(args), indent=1) + "\n")
+        path = "perf/results/geo_zoo_sweep.json" if args.json == default else args.json
+        write_results(path, run_zoo(args))
         return 0
     if args.report:
         write(json.loads(Path(args.report).read_text()), Path(args.report))

@@ -99,5 +99,5 @@ def plot(r: dict[str, Any], path: Path) -> None:
 
 
 def write(result: dict[str, Any], path: Path) -> None:
-    write_results(path, result, markdown(result), plot)
+    write_results(path, result, markdown, plot)
     print(markdown(result))
