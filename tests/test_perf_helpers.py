@@ -174,6 +174,7 @@ def test_write_results_writes_the_record_its_table_and_plot(tmp_path):
     assert plotted == [([1, 2], tmp_path / "deeper" / "study.png")]
     # no markdown, no plot: the record alone
     write_results(tmp_path / "bare", {"x": 1})
+
     # a table built by a function runs once the record is on disk: if it fails,
     # the record of a long run is kept
     def failing_table(result):
