@@ -370,7 +370,8 @@ def threads() -> int:
 
 def set_simd(level: str) -> str:
     """Use the ``"portable"`` C loops, the ``"avx512"`` ones (where the CPU has them) or the
-    widest available (``"auto"``); returns the level now in use."""
+    widest available (``"auto"``), in the codec and the geometry kernels alike (the
+    bits do not change); returns the level now in use."""
     require()
     if level != "auto" and level not in SIMD_LEVELS:
         raise ValueError(f"simd level must be 'auto' or one of {sorted(SIMD_LEVELS)}")

@@ -6,6 +6,7 @@
  */
 #include "geocomm.h"
 #include "gc_scalar.h"
+#include "gc_simd.h"
 
 #include <pthread.h>
 
@@ -19,12 +20,6 @@
 #define GC_CLONES
 #endif
 
-/* The AVX-512 loops (section below) exist where the clones do: x86-64 gcc. */
-#if defined(GC_USE_CLONES) && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define GC_HAVE_AVX512 1
-#else
-#define GC_HAVE_AVX512 0
-#endif
 
 /* The per-format loops below are written once with the rounding mode as a
  * parameter and inlined into one GC_CLONES wrapper per mode: forced, since a
@@ -663,7 +658,6 @@ GC_CLONES static void decode_bf16(int accumulate, const uint8_t *wire, size_t n,
 #if GC_HAVE_AVX512
 #include <immintrin.h>
 
-#define GC_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 #define GC_AVX512_FLAT __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"), flatten))
 
 /* Encoders read a group's values twice (amaxes, codes), the second time

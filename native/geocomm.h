@@ -85,7 +85,8 @@ int gc_encode_ex(int fmt, const float *x, size_t n, size_t block, uint8_t *wire,
 int gc_decode(int fmt, const uint8_t *wire, size_t n, size_t block, float *out,
               int accumulate);
 
-/* The codec's vector loops: GC_SIMD_PORTABLE (0) the portable C loops,
+/* The vector loops of the codec and of the geometry kernels below:
+ * GC_SIMD_PORTABLE (0) the portable C loops,
  * GC_SIMD_AVX512 (1) AVX-512 loops where the CPU has AVX-512 F/BW/DQ/VL
  * (x86-64 gcc builds; elsewhere, or on a CPU without it, 0), GC_SIMD_AUTO
  * the widest the CPU has (the default), GC_SIMD_CURRENT only asks. Every

@@ -9,6 +9,12 @@
  * a partial first row, whole rows, a partial last row. Projections and
  * accumulations of a segment start their column lanes at the segment's first
  * column, so partial rows give partial dot products that the caller sums.
+ *
+ * Where gc_codec_simd has picked the AVX-512 loops, projections and
+ * expansions of whole rows, and accumulations, run on vectors of 2 GC_LANES
+ * floats (section "AVX-512 loops"): a projection's vector holds the lanes of
+ * two basis rows' dot products, the others' 16 independent columns. The
+ * chains are the same ones, and so are the bits.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -16,6 +22,7 @@
 
 #include "geocomm.h"
 #include "gc_linalg.h"
+#include "gc_simd.h"
 
 #if defined(GC_USE_CLONES) && defined(__x86_64__) && defined(__GNUC__)
 #define GC_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
@@ -135,24 +142,51 @@ static int row_finite(const float *c, size_t k)
     return 1;
 }
 
-/* Rows are computed unmasked (the fast path); a row whose coefficients came
- * out non-finite is recomputed with its non-finite inputs read as 0, which
- * is what the masked definition gives for every row. */
-GC_CLONES static size_t project_segment(const float *x, size_t ldx, size_t rows, size_t cols,
-                                        const float *vt, size_t ldv, size_t k, float *coef)
+/* Rows are computed unmasked (the fast path); project_segment then redoes
+ * every row whose coefficients came out non-finite with its non-finite
+ * inputs read as 0, which is what the masked definition gives for every row. */
+GC_CLONES static void project_rows(const float *x, size_t ldx, size_t rows, size_t cols,
+                                   const float *vt, size_t ldv, size_t k, float *coef)
 {
-    size_t r = 0, redone = 0;
+    size_t r = 0;
     for (; r + 4 <= rows; r += 4)
         project_rows4(x + r * ldx, ldx, cols, vt, ldv, k, coef + r * k, k, 0);
     for (; r < rows; r++)
         project_row(x + r * ldx, cols, vt, ldv, k, coef + r * k, 0);
-    for (r = 0; r < rows; r++) {
+}
+
+GC_CLONES static size_t redo_nonfinite(const float *x, size_t ldx, size_t rows, size_t cols,
+                                       const float *vt, size_t ldv, size_t k, float *coef)
+{
+    size_t redone = 0;
+    for (size_t r = 0; r < rows; r++) {
         if (!row_finite(coef + r * k, k)) {
             project_row(x + r * ldx, cols, vt, ldv, k, coef + r * k, 1);
             redone++;
         }
     }
     return redone;
+}
+
+#if GC_HAVE_AVX512
+static void project_rows_wide(const float *x, size_t ldx, size_t rows, size_t cols,
+                              const float *vt, size_t ldv, size_t k, const float *wp,
+                              float *coef);
+#endif
+
+/* wp: NULL, or vt paired for the wide loops (pair_basis; the segment then
+ * starts at column 0). */
+static size_t project_segment(const float *x, size_t ldx, size_t rows, size_t cols,
+                              const float *vt, size_t ldv, size_t k, float *coef,
+                              const float *wp)
+{
+#if GC_HAVE_AVX512
+    if (wp && rows >= 4)
+        project_rows_wide(x, ldx, rows, cols, vt, ldv, k, wp, coef);
+    else
+#endif
+        project_rows(x, ldx, rows, cols, vt, ldv, k, coef);
+    return redo_nonfinite(x, ldx, rows, cols, vt, ldv, k, coef);
 }
 
 /* ---- expansion: out[r][j] = x[r][j] + sign * chain_l coef[r][l] * vt[l][j] ----- */
@@ -228,9 +262,9 @@ GC_INLINE void expand_panels(const float *x, size_t ldx, size_t panels, const fl
 
 /* Whole rows (from column 0) with the packed basis; a partial last panel and
  * rows that do not start at column 0 take the scalar chain. */
-GC_CLONES static void expand_segment(const float *x, size_t ldx, size_t rows, size_t col,
-                                     size_t cols, const float *coef, const float *vt,
-                                     const float *vp, size_t k, float sign, float *out)
+GC_CLONES static void expand_rows(const float *x, size_t ldx, size_t rows, size_t col,
+                                  size_t cols, const float *coef, const float *vt,
+                                  const float *vp, size_t k, float sign, float *out)
 {
     size_t panels = col == 0 ? cols / GC_PANEL : 0;
     size_t r = 0;
@@ -240,6 +274,28 @@ GC_CLONES static void expand_segment(const float *x, size_t ldx, size_t rows, si
         expand_panels(x + r * ldx, ldx, panels, coef + r * k, vp, k, sign, out + r * ldx, 1);
     for (size_t j = panels * GC_PANEL; j < cols; j++)
         expand_column(x, ldx, j, coef, vt + col, ldx, k, sign, out, rows);
+}
+
+#if GC_HAVE_AVX512
+static void expand_rows_wide(const float *x, size_t ldx, size_t rows, size_t cols,
+                             const float *coef, const float *vt, const float *vp, size_t k,
+                             float sign, float *out);
+#endif
+
+/* wide: the AVX-512 loops may run (they take segments that start at column 0). */
+static void expand_segment(const float *x, size_t ldx, size_t rows, size_t col, size_t cols,
+                           const float *coef, const float *vt, const float *vp, size_t k,
+                           float sign, float *out, int wide)
+{
+#if GC_HAVE_AVX512
+    if (wide && col == 0) {
+        expand_rows_wide(x, ldx, rows, cols, coef, vt, vp, k, sign, out);
+        return;
+    }
+#else
+    (void)wide;
+#endif
+    expand_rows(x, ldx, rows, col, cols, coef, vt, vp, k, sign, out);
 }
 
 /* ---- accumulation: acc[l][j] = chain over rows r of coef[r][l] * x[r][j] ------- */
@@ -274,9 +330,9 @@ GC_INLINE void accumulate_tile(const float *xp, size_t rows, const float *coef, 
     }
 }
 
-GC_CLONES static void accumulate_segment(const float *x, size_t ldx, size_t rows, size_t cols,
-                                         const float *coef, size_t k, float *acc, size_t lda,
-                                         float *scratch)
+GC_CLONES static void accumulate_rows(const float *x, size_t ldx, size_t rows, size_t cols,
+                                      const float *coef, size_t k, float *acc, size_t lda,
+                                      float *scratch)
 {
     size_t panels = cols / GC_ACC_PANEL;
     for (size_t r0 = 0; r0 < rows; r0 += GC_ROW_BLOCK) {
@@ -304,6 +360,235 @@ GC_CLONES static void accumulate_segment(const float *x, size_t ldx, size_t rows
                 acc[l * lda + j] = t;
             }
     }
+}
+
+#if GC_HAVE_AVX512
+static void accumulate_rows_wide(const float *x, size_t ldx, size_t rows, size_t cols,
+                                 const float *coef, size_t k, float *acc, size_t lda);
+#endif
+
+/* wide: the AVX-512 loops may run (they need no scratch). */
+static void accumulate_segment(const float *x, size_t ldx, size_t rows, size_t cols,
+                               const float *coef, size_t k, float *acc, size_t lda,
+                               float *scratch, int wide)
+{
+#if GC_HAVE_AVX512
+    if (wide) {
+        accumulate_rows_wide(x, ldx, rows, cols, coef, k, acc, lda);
+        return;
+    }
+#else
+    (void)wide;
+#endif
+    accumulate_rows(x, ldx, rows, cols, coef, k, acc, lda, scratch);
+}
+
+/* ---- AVX-512 loops -------------------------------------------------------------
+ *
+ * The same chains on vectors of 2 GC_LANES floats, for CPUs with AVX-512
+ * (gc_codec_simd). A projection vector holds the GC_LANES lanes of one row's
+ * dot products with two basis rows (the row's values in both halves, the two
+ * basis rows side by side), so each lane still takes its columns in order;
+ * an expansion's or an accumulation's vector holds 16 columns, each its own
+ * chain. Partial rows, the last basis row of an odd k and the tail columns
+ * run the scalar chains. */
+#if GC_HAVE_AVX512
+#include <immintrin.h>
+
+typedef float gc_wvec __attribute__((vector_size(8 * GC_LANES)));
+
+GC_INLINE gc_wvec wload(const float *p)
+{
+    gc_wvec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+GC_INLINE void wstore(float *p, gc_wvec v) { memcpy(p, &v, sizeof v); }
+
+/* The GC_LANES floats at p, in both halves (one broadcast load). */
+GC_AVX512 GC_INLINE gc_wvec wdup(const float *p)
+{
+    return (gc_wvec)_mm512_broadcast_f32x8(_mm256_loadu_ps(p));
+}
+
+/* The pairs layout of vt (k x n) over its whole chunks of GC_LANES columns:
+ * chunk c of pair p holds vt[2p][8c .. 8c + 8) then vt[2p + 1][8c .. 8c + 8). */
+static size_t paired_size(size_t k, size_t n) { return k / 2 * (n / GC_LANES) * 2 * GC_LANES; }
+
+static void pair_basis(const float *vt, size_t k, size_t n, float *wp)
+{
+    size_t chunks = n / GC_LANES;
+    for (size_t p = 0; p < k / 2; p++)
+        for (size_t c = 0; c < chunks; c++)
+            for (size_t h = 0; h < 2; h++)
+                memcpy(wp + ((p * chunks + c) * 2 + h) * GC_LANES,
+                       vt + (2 * p + h) * n + c * GC_LANES, GC_LANES * sizeof(float));
+}
+
+/* coef[l], coef[l + 1] from a wide lane vector (low half: basis row l). */
+GC_INLINE void finish_pair(gc_wvec acc, const float *x, const float *vt, size_t ldv, size_t l,
+                           size_t full, size_t cols, float *coef)
+{
+    gc_vec half[2];
+    memcpy(half, &acc, sizeof half);
+    for (int h = 0; h < 2; h++)
+        coef[l + h] = finish_dot(half[h], x, vt + (l + h) * ldv, full, cols, 0);
+}
+
+/* Four rows and np (<= 3) pairs of basis rows from pair p0 (4 np vectors in flight). */
+GC_AVX512 GC_INLINE void project_pairs(const float *x, size_t ldx, size_t cols, const float *vt,
+                             size_t ldv, const float *wp, size_t p0, size_t np, float *coef,
+                             size_t ldc)
+{
+    size_t chunks = cols / GC_LANES, full = chunks * GC_LANES, stride = chunks * 2 * GC_LANES;
+    const float *w = wp + p0 * stride;
+    gc_wvec a[4][3] = {{{0}}};
+    for (size_t c = 0; c < chunks; c++) {
+        gc_wvec b[3];
+        for (size_t q = 0; q < np; q++)
+            b[q] = wload(w + q * stride + c * 2 * GC_LANES);
+        for (int r = 0; r < 4; r++) {
+            gc_wvec xr = wdup(x + r * ldx + c * GC_LANES);
+            for (size_t q = 0; q < np; q++)
+                a[r][q] += xr * b[q];
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (size_t q = 0; q < np; q++)
+            finish_pair(a[r][q], x + r * ldx, vt, ldv, 2 * (p0 + q), full, cols,
+                        coef + r * ldc);
+}
+
+/* Four rows: the pairs three at a time, then the rest, then an odd last basis row. */
+GC_AVX512 static void project_rows4_wide(const float *x, size_t ldx, size_t cols,
+                                         const float *vt, size_t ldv, size_t k,
+                                         const float *wp, float *coef, size_t ldc)
+{
+    size_t pairs = k / 2, p = 0;
+    for (; p + 3 <= pairs; p += 3)
+        project_pairs(x, ldx, cols, vt, ldv, wp, p, 3, coef, ldc);
+    if (pairs - p == 2)
+        project_pairs(x, ldx, cols, vt, ldv, wp, p, 2, coef, ldc);
+    else if (pairs - p == 1)
+        project_pairs(x, ldx, cols, vt, ldv, wp, p, 1, coef, ldc);
+    if (k % 2)
+        project_rows4(x, ldx, cols, vt + (k - 1) * ldv, ldv, 1, coef + k - 1, ldc, 0);
+}
+
+GC_AVX512 static void project_rows_wide(const float *x, size_t ldx, size_t rows, size_t cols,
+                                        const float *vt, size_t ldv, size_t k,
+                                        const float *wp, float *coef)
+{
+    size_t r = 0;
+    for (; r + 4 <= rows; r += 4)
+        project_rows4_wide(x + r * ldx, ldx, cols, vt, ldv, k, wp, coef + r * k, k);
+    for (; r < rows; r++)
+        project_row(x + r * ldx, cols, vt, ldv, k, coef + r * k, 0);
+}
+
+/* Up to four rows over whole panels of the packed basis, 16 columns a vector. */
+GC_INLINE void expand_panels_wide(const float *x, size_t ldx, size_t panels, const float *coef,
+                                  const float *vp, size_t k, float sign, float *out,
+                                  size_t nrows)
+{
+    for (size_t p = 0; p < panels; p++) {
+        const float *b = vp + p * k * GC_PANEL;
+        gc_wvec t[4][2] = {{{0}}};
+        for (size_t l = 0; l < k; l++, b += GC_PANEL) {
+            gc_wvec b0 = wload(b), b1 = wload(b + 2 * GC_LANES);
+            for (size_t r = 0; r < nrows; r++) {
+                float c = coef[r * k + l];
+                t[r][0] += c * b0;
+                t[r][1] += c * b1;
+            }
+        }
+        for (size_t r = 0; r < nrows; r++)
+            for (int q = 0; q < 2; q++) {
+                size_t at = r * ldx + p * GC_PANEL + q * 2 * GC_LANES;
+                wstore(out + at, wload(x + at) + sign * t[r][q]);
+            }
+    }
+}
+
+GC_AVX512 static void expand_rows_wide(const float *x, size_t ldx, size_t rows, size_t cols,
+                                       const float *coef, const float *vt, const float *vp,
+                                       size_t k, float sign, float *out)
+{
+    size_t panels = cols / GC_PANEL, r = 0;
+    for (; r + 4 <= rows; r += 4)
+        expand_panels_wide(x + r * ldx, ldx, panels, coef + r * k, vp, k, sign, out + r * ldx, 4);
+    if (r < rows)
+        expand_panels_wide(x + r * ldx, ldx, panels, coef + r * k, vp, k, sign, out + r * ldx,
+                           rows - r);
+    for (size_t j = panels * GC_PANEL; j < cols; j++)
+        expand_column(x, ldx, j, coef, vt, ldx, k, sign, out, rows);
+}
+
+/* acc[l][j .. j + 16) += the chain over `nr` (<= 8) rows of coef[r][l] x[r][j ..]
+ * for every l; the rows' values stay in registers while every l passes. */
+GC_INLINE void accumulate_chunk_wide(const float *x, size_t ldx, size_t nr, size_t j,
+                                     const float *coef, size_t k, float *acc, size_t lda)
+{
+    gc_wvec xr[8];
+    for (size_t r = 0; r < nr; r++)
+        xr[r] = wload(x + r * ldx + j);
+    for (size_t l = 0; l < k; l++) {
+        gc_wvec t = wload(acc + l * lda + j);
+        for (size_t r = 0; r < nr; r++)
+            t += coef[r * k + l] * xr[r];
+        wstore(acc + l * lda + j, t);
+    }
+}
+
+/* The accumulation of a segment straight from its rows, eight at a time, in
+ * row order: each chunk of 16 columns of acc is read and written once per
+ * eight rows (acc, k x n, stays in the L2 cache), so no packed copy is needed. */
+GC_AVX512 static void accumulate_rows_wide(const float *x, size_t ldx, size_t rows,
+                                           size_t cols, const float *coef, size_t k,
+                                           float *acc, size_t lda)
+{
+    size_t full = cols - cols % (2 * GC_LANES);
+    for (size_t r0 = 0; r0 < rows; r0 += 8) {
+        size_t nr = rows - r0 < 8 ? rows - r0 : 8;
+        const float *xb = x + r0 * ldx, *cb = coef + r0 * k;
+        if (nr == 8)
+            for (size_t j = 0; j < full; j += 2 * GC_LANES)
+                accumulate_chunk_wide(xb, ldx, 8, j, cb, k, acc, lda);
+        else
+            for (size_t r = 0; r < nr; r++)
+                for (size_t j = 0; j < full; j += 2 * GC_LANES)
+                    accumulate_chunk_wide(xb + r * ldx, ldx, 1, j, cb + r * k, k, acc, lda);
+        for (size_t j = full; j < cols; j++)
+            for (size_t l = 0; l < k; l++) {
+                float t = acc[l * lda + j];
+                for (size_t r = 0; r < nr; r++)
+                    t = gc_mad(t, cb[r * k + l], xb[r * ldx + j]);
+                acc[l * lda + j] = t;
+            }
+    }
+}
+
+#endif /* GC_HAVE_AVX512 */
+
+/* Whether the AVX-512 loops run (the codec's choice, gc_codec_simd). */
+static int wide_loops(void) { return GC_HAVE_AVX512 && gc_codec_simd(GC_SIMD_CURRENT) == 1; }
+
+/* The pairs layout of vt for the wide projection, or NULL: not wide, nothing
+ * to pair, or out of memory (then the narrow loops run: same bits). */
+static float *paired_basis(const float *vt, size_t k, size_t n)
+{
+#if GC_HAVE_AVX512
+    if (!wide_loops() || k < 2 || n < GC_LANES)
+        return NULL;
+    float *wp = malloc(paired_size(k, n) * sizeof(float));
+    if (wp)
+        pair_basis(vt, k, n, wp);
+    return wp;
+#else
+    (void)vt, (void)k, (void)n;
+    return NULL;
+#endif
 }
 
 /* ---- ranges ------------------------------------------------------------------ */
@@ -355,10 +640,15 @@ int64_t gc_geo_project(const float *x, size_t lo, size_t len, size_t n, const fl
         return GC_EINVAL;
     segment seg[3];
     int count = segments(lo, len, n, seg);
+    float *wp = len >= 4 * n ? paired_basis(vt, k, n) : NULL;
     int64_t redone = 0;
-    for (int s = 0; s < count; s++)
+    for (int s = 0; s < count; s++) {
+        int whole = seg[s].col == 0 && seg[s].cols == n;
         redone += (int64_t)project_segment(x + seg[s].offset, n, seg[s].rows, seg[s].cols,
-                                           vt + seg[s].col, n, k, coef + seg[s].row * k);
+                                           vt + seg[s].col, n, k, coef + seg[s].row * k,
+                                           whole ? wp : NULL);
+    }
+    free(wp);
     return redone;
 }
 
@@ -374,10 +664,11 @@ int gc_geo_expand(const float *x, size_t lo, size_t len, size_t n, const float *
         return GC_ENOMEM;
     segment seg[3];
     int count = segments(lo, len, n, seg);
+    int wide = wide_loops();
     for (int s = 0; s < count; s++)
         expand_segment(x + seg[s].offset, n, seg[s].rows, seg[s].col, seg[s].cols,
                        coef + seg[s].row * k, vt, packed ? packed : vp, k, sign,
-                       out + seg[s].offset);
+                       out + seg[s].offset, wide);
     free(vp);
     return 0;
 }
@@ -394,9 +685,10 @@ int gc_geo_accumulate(const float *x, size_t lo, size_t len, size_t n, const flo
         return GC_ENOMEM;
     segment seg[3];
     int count = segments(lo, len, n, seg);
+    int wide = wide_loops();
     for (int s = 0; s < count; s++)
         accumulate_segment(x + seg[s].offset, n, seg[s].rows, seg[s].cols,
-                           coef + seg[s].row * k, k, acc + seg[s].col, n, scratch);
+                           coef + seg[s].row * k, k, acc + seg[s].col, n, scratch, wide);
     free(scratch);
     return 0;
 }
@@ -404,14 +696,15 @@ int gc_geo_accumulate(const float *x, size_t lo, size_t len, size_t n, const flo
 /* Rows per block of the fused residual: projected, then expanded while in cache. */
 #define GC_RESIDUAL_ROWS 8
 
-GC_CLONES static size_t residual_rows(const float *x, size_t rows, size_t n, const float *vt,
-                                      const float *vp, size_t k, float *coef, float *out)
+static size_t residual_rows(const float *x, size_t rows, size_t n, const float *vt,
+                            const float *vp, const float *wp, size_t k, float *coef, float *out)
 {
     size_t redone = 0;
+    int wide = wide_loops();
     for (size_t r = 0; r < rows; r += GC_RESIDUAL_ROWS) {
         size_t nr = rows - r < GC_RESIDUAL_ROWS ? rows - r : GC_RESIDUAL_ROWS;
-        redone += project_segment(x + r * n, n, nr, n, vt, n, k, coef + r * k);
-        expand_segment(x + r * n, n, nr, 0, n, coef + r * k, vt, vp, k, -1.0f, out + r * n);
+        redone += project_segment(x + r * n, n, nr, n, vt, n, k, coef + r * k, wp);
+        expand_segment(x + r * n, n, nr, 0, n, coef + r * k, vt, vp, k, -1.0f, out + r * n, wide);
     }
     return redone;
 }
@@ -426,7 +719,9 @@ int64_t gc_geo_residual(const float *x, size_t m, size_t n, const float *vt, siz
     float *vp = pack_basis(vt, k, n);
     if (!vp)
         return GC_ENOMEM;
-    size_t redone = residual_rows(x, m, n, vt, vp, k, coef, out);
+    float *wp = m >= 4 ? paired_basis(vt, k, n) : NULL;
+    size_t redone = residual_rows(x, m, n, vt, vp, wp, k, coef, out);
+    free(wp);
     free(vp);
     return (int64_t)redone;
 }

@@ -3,7 +3,9 @@
  * gc_geo_accumulate against a literal, element-by-element transcription of
  * the order that gc_linalg.h defines (bit for bit), over random shapes and
  * ranges that start and end inside rows, with inf and NaN inputs; and the
- * orthonormality of gc_geo_orthonormalize, also for deficient inputs. Run
+ * orthonormality of gc_geo_orthonormalize, also for deficient inputs. The
+ * kernels run on the portable loops and on the AVX-512 ones (where the CPU
+ * has them), which must both give the definition's bits. Run
  * under -Db_sanitize=address,undefined it also checks every access.
  */
 #include <math.h>
@@ -175,8 +177,13 @@ static void test_orthonormalize(void)
 
 int main(void)
 {
-    srand(2026);
-    test_kernels_match_definition();
+    /* the portable loops, then the AVX-512 ones where the CPU has them */
+    for (int level = GC_SIMD_PORTABLE; level <= GC_SIMD_AVX512; level++) {
+        srand(2026);
+        if (gc_codec_simd(level) == level)
+            test_kernels_match_definition();
+    }
+    gc_codec_simd(GC_SIMD_AUTO);
     test_nonfinite_rows();
     test_orthonormalize();
     printf("%d passed, %d failed\n", passed, failed);

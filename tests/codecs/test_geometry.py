@@ -29,6 +29,7 @@ import array_api_strict
 import numpy as np
 import pytest
 
+from geocomm import native
 from geocomm.codecs import decode, get_codec
 from geocomm.codecs.geo import DEFAULTS, kernels
 from geocomm.codecs.geo.policy import MapShape, map_shape, rank_for_budget
@@ -132,6 +133,50 @@ def test_kernels_follow_the_fixed_order(xp, m, n, k, lo, length):
     acc = xp.asarray(acc0.copy())
     kernels.accumulate(xp.asarray(x), lo, n, xp.asarray(coef), acc)
     assert np.array_equal(np.asarray(acc), ref_accumulate(x, lo, n, coef, acc0))
+
+
+@pytest.fixture
+def restore_simd():
+    level = native.simd()
+    yield
+    native.set_simd(level)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "lo", "length"),
+    [
+        (37, 203, 5, 0, 37 * 203),  # whole rows, odd k, tail columns
+        (37, 203, 6, 150, 30 * 203 + 7),  # partial first and last rows
+        (64, 256, 10, 0, 64 * 256),  # two pairs of pairs, one pair left
+        (9, 64, 2, 64, 8 * 64),  # one pair
+        (12, 33, 1, 5, 300),  # no pair: the narrow loops only
+        (6, 8, 4, 0, 48),  # one chunk per row
+    ],
+)
+def test_wide_loops_give_the_portable_bits(m, n, k, lo, length, restore_simd):
+    """The AVX-512 loops (on a CPU that has them; otherwise both runs take the
+    portable loops) hold the same chains, so every kernel's bits are equal,
+    with a non-finite value in the range and with the fused residual."""
+    rng = np.random.default_rng([m, n, k, lo])
+    x = (rng.standard_normal(length) * 10).astype(np.float32)
+    x[length // 5] = np.inf
+    vt = rng.standard_normal((k, n)).astype(np.float32)
+    runs = []
+    for level in ("portable", "auto"):
+        native.set_simd(level)
+        coef = kernels.project(x, lo, n, vt)
+        out = np.empty_like(x)
+        kernels.expand(x, lo, n, coef, vt, -1.0, out)
+        back = np.empty_like(x)
+        kernels.expand(x, lo, n, coef, vt, 1.0, back, kernels.pack(vt))
+        runs.append([coef, out, back])
+        if lo == 0 and length == m * n:
+            fused = np.empty_like(x)
+            runs[-1] += [kernels.residual(x, n, vt, fused), fused]
+    for want, got in zip(*runs, strict=True):
+        assert np.array_equal(want.view(np.uint32), got.view(np.uint32))
+    if length <= 8000:
+        assert np.array_equal(runs[1][0], ref_project(x, lo, n, vt))
 
 
 def test_residual_is_project_then_expand():
