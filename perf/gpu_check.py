@@ -27,8 +27,8 @@ passes when it passed on all of them, and its failures name the rank.
 ``--twin``: no GPU needed. tests/twin (a CPU twin of CuPy: device arrays in host
 memory, streams on worker threads with a stream-order checker, red-zoned
 memory, the project's .cu kernels compiled for the host, cupy.cuda.nccl over
-MPI) goes first on sys.path before anything imports cupy; ``timing``, ``torch``
-and ``ddp`` are reported as skipped (the twin runs no torch CUDA tensors and
+MPI) goes first on sys.path before anything imports cupy; ``timing``, ``torch``,
+``ddp`` and ``backend`` are reported as skipped (the twin runs no torch CUDA tensors and
 measures no device time), and the sizes shrink where only the count was large,
 so a run takes about 30 s at 1-3 ranks on two cores (GEOCOMM_TIMEOUT defaults
 to 120 s there). Sizes (values) of the two profiles, gpu / twin:
@@ -94,6 +94,12 @@ ddp         geocomm's DDP hook on CUDA gradients over a 1-rank NCCL process
             group (fp32, fp16, bf16 models): every bucket it reduced on its
             worker stream == geocomm.allreduce of the same bucket on the CPU
             over MPI (skipped on more than one rank).
+backend     the geocomm torch.distributed backend's NCCL route, a 1-rank group
+            made with new_group(backend="cpu:geocomm,cuda:geocomm"): CUDA
+            all_reduce and reduce_scatter_tensor compressed == geocomm's fp8
+            on the CPU over MPI, bit for bit; int32 SUM, MAX and small tensors
+            exact; DDP with no hook at fp8's error (skipped on more than one
+            rank).
 """
 
 from __future__ import annotations
@@ -118,12 +124,12 @@ import numpy as np  # noqa: E402
 from gpu_check_bytes import check_bytes, check_errors  # noqa: E402
 from gpu_check_collectives import check_collectives, check_nccl  # noqa: E402
 from gpu_check_common import PROFILES, Sizes  # noqa: E402
-from gpu_check_device import check_ddp, check_timing, check_torch  # noqa: E402
+from gpu_check_device import check_backend, check_ddp, check_timing, check_torch  # noqa: E402
 from gpu_check_geofp8 import check_geofp8  # noqa: E402
 from gpu_check_report import markdown, summary_word, write_report  # noqa: E402
 
 #: sections the twin cannot run, and why (reported as skipped under --twin)
-NEEDS_GPU = ("timing", "torch", "ddp")
+NEEDS_GPU = ("timing", "torch", "ddp", "backend")
 TWIN_SKIP_REASON = (
     "needs a real GPU (the twin runs no torch CUDA tensors and measures no device time)"
 )
@@ -269,6 +275,7 @@ SECTIONS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "geofp8": check_geofp8,
     "timing": check_timing,
     "ddp": check_ddp,
+    "backend": check_backend,
 }
 
 
@@ -366,7 +373,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--twin",
         action="store_true",
         help="run on the CPU twin of CuPy (tests/twin): no GPU, smaller sizes, "
-        "timing/torch/ddp skipped",
+        "timing/torch/ddp/backend skipped",
     )
     return p.parse_args(argv)
 

@@ -1,7 +1,10 @@
-"""perf/gpu_check.py's ``ddp`` section (perf/gpu_check_device.py) on the CPU: the
-same comparison (every bucket the hook reduced == geocomm.allreduce of a copy of it
-over MPI, bit for bit, one collective per bucket, fp32/fp16/bf16) with a 1-rank gloo
-group standing in for NCCL, so a GPU run only has to exercise the GPU itself."""
+"""perf/gpu_check.py's ``ddp`` and ``backend`` sections (perf/gpu_check_device.py)
+on the CPU, with a 1-rank gloo group standing in for NCCL, so a GPU run only has to
+exercise the GPU itself: ``ddp``'s comparison (every bucket the hook reduced ==
+geocomm.allreduce of a copy of it over MPI, bit for bit, one collective per bucket,
+fp32/fp16/bf16), and ``backend``'s cases on the geocomm torch.distributed backend
+(compressed all-reduce and reduce-scatter == geocomm's over MPI, exact calls
+unchanged, DDP with no hook at fp8's error) through its gloo route."""
 
 from __future__ import annotations
 
@@ -26,12 +29,17 @@ def single_rank_gloo():
     dist.destroy_process_group()
 
 
-def test_ddp_section_on_cpu(single_rank_gloo):
+def _sections():
     if str(PERF) not in sys.path:  # its sibling gpu_check_common
         sys.path.insert(0, str(PERF))
-    spec = importlib.util.spec_from_file_location("gpu_check_ddp_under_test", SCRIPT)
+    spec = importlib.util.spec_from_file_location("gpu_check_device_under_test", SCRIPT)
     gc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gc)
+    return gc
+
+
+def test_ddp_section_on_cpu(single_rank_gloo):
+    gc = _sections()
     from geocomm.comm.mpi import MPICommunicator
 
     rows = gc.ddp_rows(torch.device("cpu"), MPICommunicator(), seed=5, steps=2)
@@ -39,3 +47,14 @@ def test_ddp_section_on_cpu(single_rank_gloo):
     for row in rows:
         assert row["ok"], row
         assert row["buckets"] >= 3  # DDP's first single bucket, then its rebuilt ones
+
+
+def test_backend_section_on_cpu(single_rank_gloo):
+    gc = _sections()
+    from geocomm.comm.mpi import MPICommunicator
+
+    rows = gc.backend_rows(torch.device("cpu"), MPICommunicator(), seed=5, n=300_001)
+    cases = ["all_reduce", "reduce_scatter_tensor", "exact calls", "ddp without a hook"]
+    assert [r["case"] for r in rows] == cases
+    for row in rows:
+        assert row["ok"], row

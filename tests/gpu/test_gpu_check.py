@@ -36,7 +36,7 @@ SCRIPT = PERF / "gpu_check.py"
 RANKS = (1, 2, 3)
 #: what the twin runs, and what it skips (and must say why)
 RAN = ("bytes", "errors", "nccl", "collectives", "geofp8")
-SKIPPED = ("torch", "timing", "ddp")
+SKIPPED = ("torch", "timing", "ddp", "backend")
 #: one run of the script; the three take about 30 s each on two cores
 RUN_TIMEOUT_S = 600
 
