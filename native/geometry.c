@@ -426,10 +426,26 @@ static void pair_basis(const float *vt, size_t k, size_t n, float *wp)
                        vt + (2 * p + h) * n + c * GC_LANES, GC_LANES * sizeof(float));
 }
 
-/* coef[l], coef[l + 1] from a wide lane vector (low half: basis row l). */
+typedef int32_t gc_wivec __attribute__((vector_size(8 * GC_LANES)));
+
+/* coef[l], coef[l + 1] from a wide lane vector (low half: basis row l). Rows
+ * without tail columns combine the lanes in the vector: lane 0 of each half
+ * becomes (p0 + p4 + ...) in gc_lane_sum's tree, step by step (a0 = p0 + p4,
+ * then a0 + a2, then (a0 + a2) + (a1 + a3)). */
 GC_INLINE void finish_pair(gc_wvec acc, const float *x, const float *vt, size_t ldv, size_t l,
                            size_t full, size_t cols, float *coef)
 {
+    if (full == cols) {
+        const gc_wivec by4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+        const gc_wivec by2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+        const gc_wivec by1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+        gc_wvec a = acc + __builtin_shuffle(acc, by4);
+        gc_wvec b = a + __builtin_shuffle(a, by2);
+        gc_wvec c = b + __builtin_shuffle(b, by1);
+        coef[l] = c[0];
+        coef[l + 1] = c[GC_LANES];
+        return;
+    }
     gc_vec half[2];
     memcpy(half, &acc, sizeof half);
     for (int h = 0; h < 2; h++)
