@@ -48,12 +48,11 @@ def plan_parts(
 class PartsMap:
     """The pipeline's :class:`~geocomm.engine.protocols.RangeMap` over a buffer of tensors.
 
-    ``read`` returns the mapped values of a range, written into ``mapped``
-    (a buffer like ``values``, which it may be) or, with ``mapped`` None,
-    into a scratch that lives until the next read (ranged plans map there and
-    then; whole-tensor plans map their tensor into ``mapped`` up front, so
-    they get a buffer; tensors without a plan are copied unless ``mapped`` is
-    ``values``), plus the error-feedback ``residual`` if there is one;
+    ``read`` returns the mapped values of a range, written into a scratch
+    that lives until the next read (ranged plans map there and then; tensors
+    without a plan are copied), or, where a whole-tensor plan meets the
+    range, into a buffer like ``values`` that those plans map their tensors
+    into up front; plus the error-feedback ``residual`` if there is one;
     ``encoded`` stores in the residual what a quantization lost (decoding
     with ``codec``); ``done`` maps a finished range of ``result`` (which
     starts at ``offset``) back, for ranged plans. Whole-tensor plans are
@@ -63,7 +62,6 @@ class PartsMap:
     def __init__(
         self,
         values: Any,
-        mapped: Any,
         result: Any,
         offset: int,
         parts: list[Any],
@@ -72,7 +70,8 @@ class PartsMap:
         residual: Any = None,
         codec: WireCodec | None = None,
     ):
-        self.values, self.mapped, self.result, self.offset = values, mapped, result, offset
+        self.values, self.result, self.offset = values, result, offset
+        self.mapped: Any = None  # the whole-tensor plans' buffer, if there are any
         self.residual, self.codec = residual, codec
         plans = {
             id(part): (plan, side) for (part, plan), side in zip(planned, side_sums, strict=True)
@@ -81,7 +80,7 @@ class PartsMap:
         self.starts = [p.offset for p in parts]
         self.scratch: Any = None  # an array of the values' module once read needs one
         whole = [(part, plan) for part, plan in planned if not plan.ranged]
-        if whole and self.mapped is None:
+        if whole:
             self.mapped = array_module(values).empty_like(values)
         for part, plan in whole:
             lo, hi = part.offset, part.offset + part.size
@@ -110,7 +109,7 @@ class PartsMap:
         for part, plan, _, a, b in self._overlaps(lo, hi):
             if plan is not None and plan.ranged:
                 plan.forward_range(self.values[a:b], a - part.offset, out[a - lo : b - lo])
-            elif plan is None and self.mapped is not self.values:
+            elif plan is None:
                 out[a - lo : b - lo] = self.values[a:b]
         if self.residual is not None:
             add_into(out, self.residual[lo:hi])

@@ -460,7 +460,7 @@ def test_error_feedback_residuals_match():
 
     def mapper(rank, source, result, offset):
         residual = np.random.default_rng([5, rank]).standard_normal(count).astype(np.float32) * 1e-3
-        return PartsMap(source, result, result, offset, parts, [], [], residual, codec)
+        return PartsMap(source, result, offset, parts, [], [], residual, codec)
 
     host, batched = run_both(codec, xs, chunk=3 * 4096, mapper=mapper)
     for (want, want_map), (got, got_map) in zip(host, batched, strict=True):
