@@ -121,10 +121,11 @@ if str(HERE) not in sys.path:  # the sections' modules beside this file (python 
     sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
+from gpu_check_backend import check_backend  # noqa: E402
 from gpu_check_bytes import check_bytes, check_errors  # noqa: E402
 from gpu_check_collectives import check_collectives, check_nccl  # noqa: E402
 from gpu_check_common import PROFILES, Sizes  # noqa: E402
-from gpu_check_device import check_backend, check_ddp, check_timing, check_torch  # noqa: E402
+from gpu_check_device import check_ddp, check_timing, check_torch  # noqa: E402
 from gpu_check_geofp8 import check_geofp8  # noqa: E402
 from gpu_check_report import markdown, summary_word, write_report  # noqa: E402
 

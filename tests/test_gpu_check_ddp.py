@@ -29,10 +29,10 @@ def single_rank_gloo():
     dist.destroy_process_group()
 
 
-def _sections():
-    if str(PERF) not in sys.path:  # its sibling gpu_check_common
+def _sections(script: Path = SCRIPT):
+    if str(PERF) not in sys.path:  # its siblings gpu_check_common, gpu_check_device
         sys.path.insert(0, str(PERF))
-    spec = importlib.util.spec_from_file_location("gpu_check_device_under_test", SCRIPT)
+    spec = importlib.util.spec_from_file_location(f"{script.stem}_under_test", script)
     gc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gc)
     return gc
@@ -50,7 +50,7 @@ def test_ddp_section_on_cpu(single_rank_gloo):
 
 
 def test_backend_section_on_cpu(single_rank_gloo):
-    gc = _sections()
+    gc = _sections(PERF / "gpu_check_backend.py")
     from geocomm.comm.mpi import MPICommunicator
 
     rows = gc.backend_rows(torch.device("cpu"), MPICommunicator(), seed=5, n=300_001)
