@@ -51,7 +51,8 @@ class PartsMap:
     ``read`` returns the mapped values of a range, written into a scratch
     that lives until the next read (ranged plans map there and then; tensors
     without a plan are copied), or, once any whole-tensor plan exists, into a
-    buffer like ``values`` that those plans map their tensors into up front; plus the error-feedback ``residual`` if there is one;
+    buffer like ``values`` that those plans map their tensors into up front;
+    plus the error-feedback ``residual`` if there is one;
     ``encoded`` stores in the residual what a quantization lost (decoding
     with ``codec``); ``done`` maps a finished range of ``result`` (which
     starts at ``offset``) back, for ranged plans. Whole-tensor plans are
