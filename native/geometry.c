@@ -184,6 +184,8 @@ static size_t project_segment(const float *x, size_t ldx, size_t rows, size_t co
     if (wp && rows >= 4)
         project_rows_wide(x, ldx, rows, cols, vt, ldv, k, wp, coef);
     else
+#else
+    (void)wp;
 #endif
         project_rows(x, ldx, rows, cols, vt, ldv, k, coef);
     return redo_nonfinite(x, ldx, rows, cols, vt, ldv, k, coef);
@@ -696,12 +698,12 @@ int gc_geo_accumulate(const float *x, size_t lo, size_t len, size_t n, const flo
         return GC_EINVAL;
     if (len == 0)
         return 0;
-    float *scratch = malloc(sizeof(float) * GC_ROW_BLOCK * n);
-    if (!scratch)
+    int wide = wide_loops();
+    float *scratch = wide ? NULL : malloc(sizeof(float) * GC_ROW_BLOCK * n);
+    if (!wide && !scratch)
         return GC_ENOMEM;
     segment seg[3];
     int count = segments(lo, len, n, seg);
-    int wide = wide_loops();
     for (int s = 0; s < count; s++)
         accumulate_segment(x + seg[s].offset, n, seg[s].rows, seg[s].cols,
                            coef + seg[s].row * k, k, acc + seg[s].col, n, scratch, wide);

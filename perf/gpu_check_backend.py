@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 from gpu_check_common import all_equal, value_diff
-from gpu_check_device import _torch_bits, torch_cuda_missing
+from gpu_check_device import _torch_bits, one_rank_nccl_section
 
 # ---------------------------------------------------------------------------
 # the torch.distributed backend on CUDA tensors
@@ -20,32 +20,12 @@ from gpu_check_device import _torch_bits, torch_cuda_missing
 def check_backend(ctx: Any, n: int = 300_001) -> dict[str, Any]:
     """The ``geocomm`` torch.distributed backend on CUDA tensors, one rank (its
     NCCL route, issue #21): see :func:`backend_rows`."""
-    if (missing := torch_cuda_missing()) is not None:
-        return missing
-    if ctx.size > 1:
-        return {
-            "ok": True,
-            "status": "skipped",
-            "reason": "a 1-rank process group: run on one rank (the other sections span the ranks)",
-        }
-    import torch
-    import torch.distributed as dist
-
-    device = torch.device("cuda", ctx.cp.cuda.Device().id)
-    torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    rows = backend_rows(device, ctx.mpi(), ctx.args.seed, n)
-    return {
-        "ok": all(r["ok"] for r in rows),
-        "status": "ran",
-        "rows": rows,
-        "failures": [
-            f"{r['case']}: { {k: v for k, v in r.items() if k != 'case'} }"
-            for r in rows
-            if not r["ok"]
-        ],
-    }
+    return one_rank_nccl_section(
+        ctx,
+        "a 1-rank process group",
+        "case",
+        lambda d: backend_rows(d, ctx.mpi(), ctx.args.seed, n),
+    )
 
 
 def backend_rows(device: Any, mpi: Any, seed: int, n: int) -> list[dict[str, Any]]:

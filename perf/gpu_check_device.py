@@ -327,15 +327,19 @@ def check_timing(
 # the DDP hook on CUDA gradients
 
 
-def check_ddp(ctx: Any, steps: int = 3) -> dict[str, Any]:
-    """geocomm_hook in a 1-rank DDP over a NCCL process group: see :func:`ddp_rows`."""
+def one_rank_nccl_section(
+    ctx: Any, what: str, label: str, rows_of: Callable[[Any], list[dict[str, Any]]]
+) -> dict[str, Any]:
+    """A section that runs on a 1-rank NCCL default group (``what`` names it in the
+    skip reason): ``rows_of(device)`` gives its rows, each with ``ok`` and a ``label``
+    field that names it among the failures."""
     if (missing := torch_cuda_missing()) is not None:
         return missing
     if ctx.size > 1:
         return {
             "ok": True,
             "status": "skipped",
-            "reason": "a 1-rank DDP: run on one rank (the other sections span the ranks)",
+            "reason": f"{what}: run on one rank (the other sections span the ranks)",
         }
     import torch
     import torch.distributed as dist
@@ -344,17 +348,24 @@ def check_ddp(ctx: Any, steps: int = 3) -> dict[str, Any]:
     torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    rows = ddp_rows(device, ctx.mpi(), ctx.args.seed, steps)
+    rows = rows_of(device)
     return {
         "ok": all(r["ok"] for r in rows),
         "status": "ran",
         "rows": rows,
         "failures": [
-            f"{r['dtype']}: { {k: v for k, v in r.items() if k != 'dtype'} }"
+            f"{r[label]}: { {k: v for k, v in r.items() if k != label} }"
             for r in rows
             if not r["ok"]
         ],
     }
+
+
+def check_ddp(ctx: Any, steps: int = 3) -> dict[str, Any]:
+    """geocomm_hook in a 1-rank DDP over a NCCL process group: see :func:`ddp_rows`."""
+    return one_rank_nccl_section(
+        ctx, "a 1-rank DDP", "dtype", lambda d: ddp_rows(d, ctx.mpi(), ctx.args.seed, steps)
+    )
 
 
 def ddp_rows(device: Any, mpi: Any, seed: int, steps: int) -> list[dict[str, Any]]:
