@@ -261,12 +261,12 @@ def _compressed(
 ) -> None:
     """Reduce flat float32 ``values`` through a lossy ``codec`` into ``result`` (index
     ``offset`` on: the buffer, or this rank's shard for a reduce-scatter), with the
-    transforming and error-feedback protocols. Unless a whole-tensor plan needs a
-    full buffer, the map writes each piece it reads into a scratch piece that stays
-    in the cache (writing it into the result would
-    cost a pass over memory per call: 20 against 8.5 ms for a 64 MiB geofp8
-    all-reduce on 2 ranks); ``result`` may be ``values`` (a range is read before
-    the pipeline writes it)."""
+    transforming and error-feedback protocols. Ranged maps write each piece they
+    read into a scratch piece that stays in the cache (writing it into the result
+    would cost a pass over memory per call: 20 against 8.5 ms for a 64 MiB geofp8
+    all-reduce on 2 ranks); whole-tensor maps write their tensor into the result
+    when it holds the whole buffer (:class:`PartsMap`). ``result`` may be
+    ``values`` (a range is read before the pipeline writes it)."""
     count = values.size
     bounds = shard_bounds(count, comm.size)
     pieces = Pieces.cut(count, comm.size, stage_size or _default_stage_size(comm, codec, count))

@@ -50,9 +50,11 @@ class PartsMap:
 
     ``read`` returns the mapped values of a range, written into a scratch
     that lives until the next read (ranged plans map there and then; tensors
-    without a plan are copied), or, once any whole-tensor plan exists, into a
-    buffer like ``values`` that those plans map their tensors into up front;
-    plus the error-feedback ``residual`` if there is one;
+    without a plan are copied), plus the error-feedback ``residual`` if there
+    is one. Whole-tensor plans map their tensors up front: into ``result``
+    when it holds the whole buffer (an all-reduce: the pipeline reads a range
+    before it writes it), else into a buffer of the tensor's size; a range
+    inside one such tensor is read from there without a copy.
     ``encoded`` stores in the residual what a quantization lost (decoding
     with ``codec``); ``done`` maps a finished range of ``result`` (which
     starts at ``offset``) back, for ranged plans. Whole-tensor plans are
@@ -71,7 +73,7 @@ class PartsMap:
         codec: WireCodec | None = None,
     ):
         self.values, self.result, self.offset = values, result, offset
-        self.mapped: Any = None  # the whole-tensor plans' buffer, if there are any
+        self.mapped: dict[int, Any] = {}  # what whole-tensor plans mapped, by id(part)
         self.residual, self.codec = residual, codec
         plans = {
             id(part): (plan, side) for (part, plan), side in zip(planned, side_sums, strict=True)
@@ -79,17 +81,21 @@ class PartsMap:
         self.parts = [(p, *plans.get(id(p), (None, None))) for p in parts]
         self.starts = [p.offset for p in parts]
         self.scratch: Any = None  # an array of the values' module once read needs one
-        whole = [(part, plan) for part, plan in planned if not plan.ranged]
-        if whole:
-            self.mapped = array_module(values).empty_like(values)
-        for part, plan in whole:
+        in_result = offset == 0 and result.shape[0] == values.shape[0]
+        for part, plan in planned:
+            if plan.ranged:
+                continue
             lo, hi = part.offset, part.offset + part.size
-            plan.forward(values[lo:hi], self.mapped[lo:hi])
+            target = result[lo:hi] if in_result else array_module(values).empty_like(values[lo:hi])
+            plan.forward(values[lo:hi], target)
+            self.mapped[id(part)] = target
 
     def _target(self, lo: int, hi: int) -> Any:
-        """Where the mapped values of [lo, hi) go."""
-        if self.mapped is not None:
-            return self.mapped[lo:hi]
+        """Where the mapped values of [lo, hi) go: a whole-tensor plan's own mapped
+        values when the range lies inside its tensor, else the scratch."""
+        for part, plan, _, a, b in self._overlaps(lo, hi):
+            if plan is not None and not plan.ranged and (a, b) == (lo, hi):
+                return self.mapped[id(part)][lo - part.offset : hi - part.offset]
         if self.scratch is None or self.scratch.shape[0] < hi - lo:
             self.scratch = array_module(self.values).empty(hi - lo, dtype=np.float32)
         return self.scratch[: hi - lo]
@@ -111,6 +117,8 @@ class PartsMap:
                 plan.forward_range(self.values[a:b], a - part.offset, out[a - lo : b - lo])
             elif plan is None:
                 out[a - lo : b - lo] = self.values[a:b]
+            elif (a, b) != (lo, hi):  # a whole-tensor plan's values, into the scratch
+                out[a - lo : b - lo] = self.mapped[id(part)][a - part.offset : b - part.offset]
         if self.residual is not None:
             add_into(out, self.residual[lo:hi])
         return out
