@@ -156,7 +156,8 @@ def restore_simd():
 def test_wide_loops_give_the_portable_bits(m, n, k, lo, length, restore_simd):
     """The AVX-512 loops (on a CPU that has them; otherwise both runs take the
     portable loops) hold the same chains, so every kernel's bits are equal,
-    with a non-finite value in the range and with the fused residual."""
+    with a non-finite value in the range, with the fused residual, and for the
+    accumulation (once with the inf, once without)."""
     rng = np.random.default_rng([m, n, k, lo])
     x = (rng.standard_normal(length) * 10).astype(np.float32)
     x[length // 5] = np.inf
@@ -169,7 +170,12 @@ def test_wide_loops_give_the_portable_bits(m, n, k, lo, length, restore_simd):
         kernels.expand(x, lo, n, coef, vt, -1.0, out)
         back = np.empty_like(x)
         kernels.expand(x, lo, n, coef, vt, 1.0, back, kernels.pack(vt))
-        runs.append([coef, out, back])
+        acc = np.tile(np.linspace(-1, 1, n, dtype=np.float32), (k, 1))
+        kernels.accumulate(x, lo, n, coef, acc)
+        finite = np.nan_to_num(x, posinf=3.0)
+        acc_finite = np.zeros((k, n), np.float32)
+        kernels.accumulate(finite, lo, n, coef, acc_finite)
+        runs.append([coef, out, back, acc, acc_finite])
         if lo == 0 and length == m * n:
             fused = np.empty_like(x)
             runs[-1] += [kernels.residual(x, n, vt, fused), fused]
