@@ -279,7 +279,7 @@ def _compressed(
             comm, codec, pieces, values, result, offset, gather, rounding_stream=rounding_stream
         )
         return
-    sums = side_sums(comm, planned)
+    sums = side_sums(comm, mapping_codec, planned)
     parts_map = PartsMap(values, result, offset, tensors, planned, sums, residual, codec)
     run_pipeline(
         comm,

@@ -132,8 +132,10 @@ size_t gc_geo_packed_size(size_t k, size_t n);
 int gc_geo_pack(const float *vt, size_t k, size_t n, float *packed);
 
 /* The split residual of a whole m x n matrix in one pass over it:
- * coef = gc_geo_project(x), then out = x - coef vt (gc_geo_expand with sign
- * -1), block of rows by block of rows. Same bits as the two calls. */
+ * coef = gc_geo_project(x) rounded to bfloat16 (nearest even, gc_bf16_code:
+ * the values GeoFP8's side channel carries), then out = x - coef vt
+ * (gc_geo_expand with sign -1), block of rows by block of rows. Same bits as
+ * the three steps. */
 int64_t gc_geo_residual(const float *x, size_t m, size_t n, const float *vt, size_t k,
                         float *coef, float *out);
 

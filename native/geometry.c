@@ -722,6 +722,8 @@ static size_t residual_rows(const float *x, size_t rows, size_t n, const float *
     for (size_t r = 0; r < rows; r += GC_RESIDUAL_ROWS) {
         size_t nr = rows - r < GC_RESIDUAL_ROWS ? rows - r : GC_RESIDUAL_ROWS;
         redone += project_segment(x + r * n, n, nr, n, vt, n, k, coef + r * k, wp);
+        for (size_t i = r * k; i < (r + nr) * k; i++) /* the side channel's bfloat16 */
+            coef[i] = gc_bf16_value(gc_bf16_code(coef[i], 0, 0));
         expand_segment(x + r * n, n, nr, 0, n, coef + r * k, vt, vp, k, -1.0f, out + r * n, wide);
     }
     return redone;

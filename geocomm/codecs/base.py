@@ -164,7 +164,10 @@ class TransformingCodec(StatefulCodec):
       whole rows otherwise);
     * if ``plan.refreshes``, the collective drives the generator
       ``codec.refresh(plan, shard, lo, side_sum)``: every array it yields is
-      summed exactly over the ranks and sent back into it.
+      summed exactly over the ranks and sent back into it;
+    * ``side_format`` ("fp32" or "bf16") is what those exact sums carry: every
+      side and every yielded array holds values of that format (float32
+      arrays), so the wire keeps them exactly at 4 or 2 bytes a value.
 
     The codec never talks to a communicator, and its state changes only from
     summed values, so every rank stays alike; ``state_checksum`` proves it.
@@ -172,6 +175,8 @@ class TransformingCodec(StatefulCodec):
 
     #: the codec that quantizes the mapped values (whose bytes go on the wire)
     quantizer: Codec
+    #: the format of the sides and refresh sums on the wire (see above)
+    side_format: ClassVar[str] = "fp32"
 
     @abstractmethod
     def plan(self, x: Any, shape: Sequence[int], key: Any, bounds: Sequence[int]) -> Any:

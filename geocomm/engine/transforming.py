@@ -142,14 +142,15 @@ class PartsMap:
                 plan.inverse(self.result[a - self.offset : b - self.offset], a - part.offset, side)
 
 
-def side_sums(comm: Communicator, planned: list[tuple[Any, Any]]) -> list[Any]:
-    """The exact sums of the plans' side contributions, one collective for all."""
+def side_sums(comm: Communicator, codec: Any, planned: list[tuple[Any, Any]]) -> list[Any]:
+    """The exact sums of the plans' side contributions, one collective for all, in
+    the codec's ``side_format``."""
     sides = [plan.side for _, plan in planned]
     present = [s for s in sides if s is not None]
     if not present:
         return [None] * len(sides)
     xp = array_module(present[0])
-    total = exact_sum(comm, xp.concatenate([s.reshape(-1) for s in present]))
+    total = exact_sum(comm, xp.concatenate([s.reshape(-1) for s in present]), codec.side_format)
     sums: list[Any] = []
     at = 0
     for s in sides:
@@ -184,7 +185,9 @@ def refresh(
     pending = [(r, v) for r, v in pending if v is not None]
     while pending:
         xp = array_module(pending[0][1])
-        total = exact_sum(comm, xp.concatenate([v.reshape(-1) for _, v in pending]))
+        total = exact_sum(
+            comm, xp.concatenate([v.reshape(-1) for _, v in pending]), codec.side_format
+        )
         nxt, at = [], 0
         for r, v in pending:
             value = _advance(r, total[at : at + v.size].reshape(v.shape))

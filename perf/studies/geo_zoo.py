@@ -14,9 +14,9 @@ Each result is compared with the exact average:
 * whole model: sqrt(sum of squared errors over all parameters) over FP8's,
   median over calls 2..W;
 * bytes: what a rank contributes per call, the quantized payload plus the
-  side channel (4 bytes per coefficient) and the refresh sums (4 bytes per
-  value of every partial sum), over FP8's payload; over calls 2..W and, with
-  the cold start, over all W;
+  side channel and the refresh sums (``side_format``'s bytes per value:
+  bfloat16, 2), over FP8's payload; over calls 2..W and, with the cold
+  start, over all W;
 * time: seconds of all the simulated calls over FP8's (same process, both
   ranks' work and the simulation's; the one-core cost on a 4096 x 4096
   matrix is perf/geo_bench.py's).
@@ -65,13 +65,14 @@ class ByteCount:
 
     def __init__(self, codec: Any):
         self.side = self.rounds = 0
+        per_value = {"fp32": 4, "bf16": 2}[codec.side_format]
         plan, refresh = codec.plan, codec.refresh
 
         def counted_plan(*args: Any, **kwargs: Any) -> Any:
             p = plan(*args, **kwargs)
             dims = getattr(p, "map_shape", None)
             if p is not None and p.side is None and getattr(p, "vt", None) is not None:
-                self.side += 4 * dims.m * dims.k  # SplitPlan: its side is set on forward
+                self.side += per_value * dims.m * dims.k  # SplitPlan: its side is set later
             return p
 
         def counted_refresh(*args: Any, **kwargs: Any) -> Any:
@@ -79,7 +80,7 @@ class ByteCount:
             try:
                 value = next(rounds)
                 while True:
-                    self.rounds += 4 * int(value.size)
+                    self.rounds += per_value * int(value.size)
                     value = rounds.send((yield value))
             except StopIteration:
                 return

@@ -22,10 +22,12 @@ Bounds and why they hold:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 
 import array_api_strict
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -185,16 +187,35 @@ def test_wide_loops_give_the_portable_bits(m, n, k, lo, length, restore_simd):
         assert np.array_equal(runs[1][0], ref_project(x, lo, n, vt))
 
 
-def test_residual_is_project_then_expand():
+def test_residual_is_project_round_then_expand():
+    """The fused residual gives the three steps' bits: the projection rounded to
+    bfloat16 as ml_dtypes rounds (the side channel's values), then the expansion
+    with the rounded coefficients."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal(37 * 70).astype(np.float32)
     vt = kernels.orthonormalize(rng.standard_normal((6, 70)).astype(np.float32), 0)
     out = np.empty_like(x)
     coef = kernels.residual(x, 70, vt, out)
+    projected = kernels.project(x, 0, 70, vt)
+    rounded = projected.astype(ml_dtypes.bfloat16).astype(np.float32)
+    assert not np.array_equal(rounded, projected)  # the rounding is not a no-op here
+    assert np.array_equal(coef, rounded)
     again = np.empty_like(x)
-    kernels.expand(x, 0, 70, kernels.project(x, 0, 70, vt), vt, -1.0, again)
+    kernels.expand(x, 0, 70, rounded, vt, -1.0, again)
     assert np.array_equal(out, again)
-    assert np.array_equal(coef, kernels.project(x, 0, 70, vt))
+
+
+def test_round_bf16_is_ml_dtypes_nearest_even():
+    """kernels.round_bf16 rounds in place as ml_dtypes' bfloat16 cast does, ties,
+    overflow to inf, subnormals and non-finite values included."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(4099) * np.exp(rng.uniform(-100, 88, 4099))).astype(np.float32)
+    x[:6] = [np.inf, -np.inf, np.nan, 3.4e38, 1e-40, 1.0 + 2.0**-8]  # 1 + 2^-8: a tie
+    want = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    got = kernels.round_bf16(x)
+    assert got is x
+    assert np.array_equal(got.view(np.uint32)[3:], want.view(np.uint32)[3:])
+    assert np.isnan(got[2]) and np.array_equal(got[:2], want[:2])
 
 
 def test_orthonormalize_is_orthonormal_and_deterministic():
@@ -218,11 +239,14 @@ def test_rank_follows_budget_bytes_and_shape():
     assert rank_for_budget(40, 4) == 12 and rank_for_budget(40, 1) == 10
     cap = rank_for_budget(DEFAULTS["budget"], DEFAULTS["refresh"])
     assert map_shape((4096, 4096), config, fp8_payload(4096, 4096)) == MapShape(4096, 4096, cap)
-    # 256 columns: the side channel (m k fp32) must fit in a quarter of the payload
+    # 256 columns: the side channel (m k bfloat16) must fit in a quarter of the payload
     dims = map_shape((688, 256), config, fp8_payload(688, 256))
-    assert dims.k == cap and 4 * 688 * dims.k <= 0.25 * fp8_payload(688, 256)
+    assert dims.k == cap and 2 * 688 * dims.k <= 0.25 * fp8_payload(688, 256)
     narrow = map_shape((4096, 64), config, fp8_payload(4096, 64))
-    assert narrow.k == int(0.25 * fp8_payload(4096, 64) // (4 * 4096))
+    assert narrow.k == int(0.25 * fp8_payload(4096, 64) // (2 * 4096)) == 8
+    # a frame also stores the fp32 basis: n more floats per direction
+    framed = map_shape((4096, 64), config, fp8_payload(4096, 64), framed=True)
+    assert framed.k == int(0.25 * fp8_payload(4096, 64) // (2 * 4096 + 4 * 64))
     assert map_shape((4096,), config, 4096) is None
     assert map_shape((32, 1024), config, fp8_payload(32, 1024)) is None  # min_dim
     assert map_shape((64, 200), config, fp8_payload(64, 200)) is None  # min_numel
@@ -462,6 +486,42 @@ def test_collectives_match_the_simulation(comm, codec_id):
         shard = geocomm.reduce_scatter(xs[rank], codec=mine_rs, key="w", stage_size=chunks[1])
         assert np.array_equal(shard, simulate_reduce_scatter(sim_rs, xs, "w")[rank])
     assert mine.state_checksum() == sim[0].state_checksum()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("count", [1000, (1 << 20) // 2 + 3])  # all-gather, then pipeline
+def test_bf16_exact_sum_sends_each_value_once_as_bfloat16(comm, count):
+    """The side channel's sum: every rank's values rounded to bfloat16 (ml_dtypes'
+    nearest even), added in fp32; the small route sends 2 bytes a value
+    where fp32 sends 4, and both routes give every rank the same bits."""
+    from geocomm.engine.exact import SMALL_SUM_VALUES, exact_sum
+    from geocomm.testing import MeteredComm
+
+    size = comm.size
+    rng = np.random.default_rng(11)
+    xs = [rng.standard_normal(count).astype(np.float32) for _ in range(size)]
+    rounded = [x.astype(ml_dtypes.bfloat16).astype(np.float32) for x in xs]
+    metered = MeteredComm(comm)
+    before = xs[comm.rank].copy()
+    got = exact_sum(metered, xs[comm.rank], "bf16")
+    assert np.array_equal(xs[comm.rank], before)  # the input is kept
+    small = count * size <= SMALL_SUM_VALUES
+    if small:
+        want = rounded[0].copy()
+        for r in rounded[1:]:
+            want += r
+        assert np.array_equal(got, want)
+    else:
+        assert np.array_equal(got, exact_sum(comm, rounded[comm.rank]))
+    digest = np.frombuffer(hashlib.sha256(got.tobytes()).digest()[:8], np.int64)
+    assert len(set(comm.allgather_int64(digest).reshape(-1).tolist())) == 1
+    if small and size > 1:
+        assert metered.sent == 2 * count * (size - 1)  # one all-gather: 2 bytes a value
+        fp32 = MeteredComm(comm)
+        exact_sum(fp32, xs[comm.rank])
+        assert fp32.sent == 2 * metered.sent
+    with pytest.raises(ValueError, match="travels as one of"):
+        exact_sum(comm, xs[comm.rank], "fp8")
 
 
 @pytest.mark.mpi(min_size=1)

@@ -76,6 +76,8 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
 
     #: knobs listed in get_config (subclasses may expose fewer)
     _fields: ClassVar[tuple[str, ...]] = tuple(DEFAULTS)
+    #: coefficients and refresh sums are rounded to bfloat16 (kernels.round_bf16)
+    side_format: ClassVar[str] = "bf16"
 
     def __init__(self, quantizer: Codec, **knobs: Any):
         unknown = set(knobs) - set(DEFAULTS)
@@ -330,22 +332,24 @@ def _shard_rows(shard: Any, lo: int, dims: MapShape) -> slice:
 
 
 def _projection(shard: Any, lo: int, vt: Any, dims: MapShape) -> Any:
-    """This rank's part of S V (m, k): its shard's rows, zeros elsewhere."""
+    """This rank's part of S V (m, k): its shard's rows, zeros elsewhere; bfloat16
+    values, as the side channel carries them."""
     xp = array_namespace(shard, vt)
     part = xp.zeros((dims.m, dims.k), dtype=xp.float32)
     if shard.shape[0]:
         part[_shard_rows(shard, lo, dims), :] = kernels.project(shard, lo, dims.n, vt)
-    return part
+    return kernels.round_bf16(part)
 
 
 def _accumulation(shard: Any, lo: int, coef: Any, dims: MapShape) -> Any:
-    """This rank's part of coef^T S (k, n) and of ||S||^2, flat: k n + 1 values."""
+    """This rank's part of coef^T S (k, n) and of ||S||^2, flat: k n + 1 values,
+    rounded to bfloat16 (they only steer the basis and the budget)."""
     xp = array_namespace(shard, coef)
     acc = xp.zeros((dims.k, dims.n), dtype=xp.float32)
     if shard.shape[0]:
         kernels.accumulate(shard, lo, dims.n, coef[_shard_rows(shard, lo, dims), :], acc)
     energy = xp.asarray([kernels.sumsq(shard)], dtype=xp.float32)
-    return xp.concat([xp.reshape(acc, (-1,)), energy])
+    return kernels.round_bf16(xp.concat([xp.reshape(acc, (-1,)), energy]))
 
 
 def _overlap(new: Any, old: Any) -> float:

@@ -4,7 +4,7 @@ A frame has no per-key state to lean on, so ``encode`` computes the basis
 from the tensor itself (the cold-start power iterations of a refresh, on one
 rank) and stores it. Body of a mapped tensor::
 
-    [u32 flag][basis V^T: k x n fp32][coefficients A: m x k fp32][quantized residual]
+    [u32 flag][basis V^T: k x n fp32][coefficients A: m x k bfloat16][quantized residual]
 
 flag 1: the residual is X - A V^T and decoding adds A V^T back; flag 0: no
 map (side zero-filled; a tensor with inf/NaN, whose basis cannot be
@@ -20,11 +20,14 @@ from typing import Any
 
 import numpy as np
 
+from geocomm.codecs.formats import BF16Codec
 from geocomm.codecs.geo import kernels
 from geocomm.codecs.geo.maps import HadamardPlan, SplitPlan
+from geocomm.codecs.geo.policy import SIDE_BYTES
 from geocomm.codecs.geo.state import KeyState
 
 _FLAG = struct.Struct("<I")
+_BF16 = BF16Codec()
 
 
 def run_locally(rounds: Any) -> None:
@@ -41,7 +44,7 @@ def _side_bytes(codec: Any, shape: tuple[int, ...]) -> tuple[Any, int]:
     dims = codec.map_shape(shape, framed=True)
     if dims is None or dims.k == 0:
         return dims, 0
-    return dims, _FLAG.size + 4 * dims.k * (dims.n + dims.m)
+    return dims, _FLAG.size + dims.k * (4 * dims.n + SIDE_BYTES * dims.m)
 
 
 def body_size(codec: Any, shape: tuple[int, ...]) -> int:
@@ -71,8 +74,9 @@ def encode_body(codec: Any, x: np.ndarray, body: np.ndarray) -> None:
     residual = np.empty_like(flat)
     plan.forward(flat, residual)
     body[: _FLAG.size] = np.frombuffer(_FLAG.pack(1), np.uint8)
-    side_values = np.concatenate([np.asarray(state.vt).reshape(-1), plan.side.reshape(-1)])
-    body[_FLAG.size : side] = side_values.astype("<f4").view(np.uint8)
+    basis_end = _FLAG.size + 4 * dims.k * dims.n
+    body[_FLAG.size : basis_end] = np.asarray(state.vt, "<f4").reshape(-1).view(np.uint8)
+    _BF16.encode_wire(np.ascontiguousarray(plan.side, np.float32).reshape(-1), body[basis_end:side])
     codec.quantizer.encode_wire(residual, body[side:])
 
 
@@ -91,9 +95,11 @@ def decode_body(codec: Any, body: np.ndarray, out: np.ndarray) -> None:
         raise ValueError(f"GeoFP8 frame flag is {flag}, expected 0 or 1")
     if flag == 0:
         return
-    values = body[_FLAG.size : side].copy().view("<f4").astype(np.float32)
-    if not np.isfinite(values).all():
+    basis_end = _FLAG.size + 4 * dims.k * dims.n
+    vt = body[_FLAG.size : basis_end].copy().view("<f4").astype(np.float32)
+    coef = np.empty(dims.m * dims.k, np.float32)
+    _BF16.decode_wire(body[basis_end:side], coef)
+    if not (np.isfinite(vt).all() and np.isfinite(coef).all()):
         raise ValueError("GeoFP8 frame side channel holds non-finite values")
-    vt = np.ascontiguousarray(values[: dims.k * dims.n].reshape(dims.k, dims.n))
-    coef = np.ascontiguousarray(values[dims.k * dims.n :].reshape(dims.m, dims.k))
+    vt, coef = vt.reshape(dims.k, dims.n), coef.reshape(dims.m, dims.k)
     kernels.expand(flat, 0, dims.n, coef, vt, 1.0, flat)

@@ -23,8 +23,19 @@ import numpy as np
 from array_api_compat import array_namespace, is_cupy_array
 
 from geocomm import native
+from geocomm.codecs.formats import BF16Codec
 
-__all__ = ["accumulate", "expand", "orthonormalize", "pack", "project", "residual", "rows", "sumsq"]
+__all__ = [
+    "accumulate",
+    "expand",
+    "orthonormalize",
+    "pack",
+    "project",
+    "residual",
+    "round_bf16",
+    "rows",
+    "sumsq",
+]
 
 _THREADS = 256
 _LANES = 8  # GC_LANES of native/gc_linalg.h: threads per projected coefficient
@@ -71,11 +82,38 @@ def expand(
     native.geo_expand(_host(values), lo, n, _host(coef), _host(vt), float(sign), _host(out), packed)
 
 
-def residual(values: Any, n: int, vt: Any, out: Any) -> Any:
-    """The split residual of a whole matrix: returns coef = project(values), writes
-    out = values - coef vt (same bits as the two calls; one pass on the host)."""
+def round_bf16(values: Any) -> Any:
+    """Round float32 ``values`` to bfloat16 in place (nearest even, the bf16
+    codec's bits: ``native/gc_scalar.h``'s gc_bf16_code) and return them.
+
+    GeoFP8's side channel carries bfloat16: its coefficients and refresh sums
+    are rounded here before they are used or sent, so the wire holds them
+    exactly.
+    """
+    if values.size == 0:
+        return values
     if is_cupy_array(values):
-        coef = _cuda_project(values, 0, n, vt)
+        import cupy
+
+        flat = values.reshape(-1)
+        wire = cupy.empty(2 * flat.size, cupy.uint8)
+    else:
+        flat = _host(values).reshape(-1)
+        wire = np.empty(2 * flat.size, np.uint8)
+    _BF16.encode_wire(flat, wire)
+    _BF16.decode_wire(wire, flat)
+    return values
+
+
+_BF16 = BF16Codec()
+
+
+def residual(values: Any, n: int, vt: Any, out: Any) -> Any:
+    """The split residual of a whole matrix: returns coef = project(values) rounded to
+    bfloat16 (:func:`round_bf16`), writes out = values - coef vt (same bits as the
+    three steps; one pass on the host)."""
+    if is_cupy_array(values):
+        coef = round_bf16(_cuda_project(values, 0, n, vt))
         _cuda_expand(values, 0, n, coef, vt, -1.0, out)
         return coef
     xp = array_namespace(values, vt)

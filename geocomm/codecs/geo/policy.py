@@ -8,7 +8,8 @@ at values or at the machine. The knobs (defaults in :data:`DEFAULTS`):
   out, add back on the way in) plus k every ``refresh`` calls (the basis
   update), so k = floor(budget / (3 + 1 / refresh)), capped by ``k``;
 * ``max_side``: bytes of the exact side channel (the summed coefficients,
-  fp32) as a fraction of the quantized payload; k shrinks until it fits;
+  bfloat16; a frame also stores its fp32 basis) as a fraction of the
+  quantized payload; k shrinks until it fits;
 * ``min_dim``, ``min_numel``: smaller matrices go plain (the fixed costs of
   a map outweigh what it saves);
 * ``min_share``: a tensor whose measured top-k energy share beats a flat
@@ -49,6 +50,9 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
 }
 TRANSFORMS = ("split", "hadamard", "none")
+#: Bytes of one value on the side channel: coefficients and refresh sums travel
+#: as bfloat16 (GeoCodec.side_format); a frame's stored basis is fp32 (4).
+SIDE_BYTES = 2
 
 
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int] | None:
@@ -90,9 +94,10 @@ def map_shape(
         return None
     if config["transform"] == "hadamard":
         return MapShape(m, n, 0)
-    per_rank = (m + n) if framed else m  # floats per basis vector on the side channel
+    # side bytes per basis vector: its coefficients, and in a frame the vector itself
+    per_vector = SIDE_BYTES * m + (4 * n if framed else 0)
     k = min(config["k"], min(m, n) // 2, rank_for_budget(config["budget"], config["refresh"]))
-    k = min(k, int(config["max_side"] * payload_bytes // (4 * per_rank)))
+    k = min(k, int(config["max_side"] * payload_bytes // per_vector))
     return MapShape(m, n, k) if k >= 1 else None
 
 
@@ -102,9 +107,9 @@ def anisotropic(share: float, dims: MapShape, min_share: float) -> bool:
 
 
 def direction_bytes(dims: MapShape, period: int) -> float:
-    """Side bytes per call of one basis direction of a mapped key: its m fp32
-    coefficients every call, and its n-float refresh sum every ``period`` calls."""
-    return 4.0 * (dims.m + dims.n / period)
+    """Side bytes per call of one basis direction of a mapped key: its m
+    coefficients every call, and its n-value refresh sum every ``period`` calls."""
+    return SIDE_BYTES * (dims.m + dims.n / period)
 
 
 #: A refresh whose new mapped directions keep at least this share of their
@@ -158,8 +163,8 @@ def allocate(
     for order, key in enumerate(keys):
         sp = spectra[key]
         if sp.total <= 0 or not anisotropic(sum(sp.energies) / sp.total, sp.dims, min_share):
-            # plain, but re-measured every period calls: k (m + n) floats
-            spent += 4.0 * sp.dims.k * (sp.dims.m + sp.dims.n) / sp.period
+            # plain, but re-measured every period calls: k (m + n) values
+            spent += SIDE_BYTES * sp.dims.k * (sp.dims.m + sp.dims.n) / sp.period
             continue
         cost, best = direction_bytes(sp.dims, sp.period), math.inf
         for j, e in enumerate(sp.energies[: sp.dims.k]):
