@@ -163,8 +163,10 @@ class TransformingCodec(StatefulCodec):
       flat range of the result back in place (any range for a ranged plan,
       whole rows otherwise);
     * if ``plan.refreshes``, the collective drives the generator
-      ``codec.refresh(plan, shard, lo, side_sum)``: every array it yields is
-      summed exactly over the ranks and sent back into it;
+      ``codec.refresh(plan, shard, lo, side_sum, alone)``: every array it
+      yields is summed exactly over the ranks and sent back into it; with
+      ``alone`` (an all-reduce, where every rank holds the whole result)
+      ``shard`` is the whole result and every yield is sent back as it is;
     * ``side_format`` ("fp32" or "bf16") is what those exact sums carry: every
       side and every yielded array holds values of that format (float32
       arrays), so the wire keeps them exactly at 4 or 2 bytes a value.
@@ -183,5 +185,7 @@ class TransformingCodec(StatefulCodec):
         """This call's plan for flat float32 ``x`` of a tensor of ``shape``, or None."""
 
     @abstractmethod
-    def refresh(self, plan: Any, shard: Any, lo: int, side_sum: Any) -> Generator[Any, Any, None]:
+    def refresh(
+        self, plan: Any, shard: Any, lo: int, side_sum: Any, alone: bool = False
+    ) -> Generator[Any, Any, None]:
         """Rounds that update the plan's key from this rank's shard of the result."""

@@ -89,6 +89,7 @@ class MapPlan(Protocol):
     def inverse(self, result: Any, start: int, side_sum: Any) -> None: ...
 
 
-#: A refresh (``codec.refresh(plan, shard, start, side_sum)``): yields partial sums, is
-#: sent their exact sum over ranks, until it returns.
+#: A refresh (``codec.refresh(plan, shard, start, side_sum, alone)``): yields partial
+#: sums, is sent their exact sum over ranks (``alone``: the sums as they are), until it
+#: returns.
 RefreshRounds = Generator[Any, Any, None]

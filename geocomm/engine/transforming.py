@@ -163,7 +163,7 @@ def side_sums(comm: Communicator, codec: Any, planned: list[tuple[Any, Any]]) ->
 
 
 def refresh(
-    comm: Communicator,
+    comm: Communicator | None,
     codec: Any,
     planned: list[tuple[Any, Any]],
     side_sums: list[Any],
@@ -173,21 +173,24 @@ def refresh(
 ) -> None:
     """Run the refresh rounds of every plan that asks for one, all tensors' partial
     sums in one exact sum per round. ``result[lo - lo:...]`` is this rank's shard
-    [lo, hi) of the summed buffer, in the tensors' own coordinates."""
+    [lo, hi) of the summed buffer, in the tensors' own coordinates. ``comm``
+    None: every rank holds the whole buffer (an all-reduce) and refreshes from
+    it alone, with the same bits everywhere and nothing sent."""
     rounds = []
+    alone = comm is None
     for (part, plan), side_sum in zip(planned, side_sums, strict=True):
         if not plan.refreshes:
             continue
         a = min(max(lo, part.offset), part.offset + part.size)
         b = min(max(hi, part.offset), part.offset + part.size)
-        rounds.append(codec.refresh(plan, result[a - lo : b - lo], a - part.offset, side_sum))
+        shard = result[a - lo : b - lo]
+        rounds.append(codec.refresh(plan, shard, a - part.offset, side_sum, alone=alone))
     pending = [(r, _advance(r, None)) for r in rounds]
     pending = [(r, v) for r, v in pending if v is not None]
     while pending:
         xp = array_module(pending[0][1])
-        total = exact_sum(
-            comm, xp.concatenate([v.reshape(-1) for _, v in pending]), codec.side_format
-        )
+        partial = xp.concatenate([v.reshape(-1) for _, v in pending])
+        total = partial if comm is None else exact_sum(comm, partial, codec.side_format)
         nxt, at = [], 0
         for r, v in pending:
             value = _advance(r, total[at : at + v.size].reshape(v.shape))

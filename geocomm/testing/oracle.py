@@ -2,7 +2,8 @@
 
 :func:`simulate_allreduce` / :func:`simulate_reduce_scatter` run the
 collectives' algorithm (both quantizations, the owner's own piece exact, the
-transforming-codec protocol with its exact side sums and refresh rounds) on
+transforming-codec protocol with its exact side sums and refresh rounds: a
+reduce-scatter's summed over ranks, an all-reduce's on every rank alone) on
 N simulated ranks, each with its own codec instance, for arrays of any
 namespace that speaks the array API (NumPy, array-api-strict, CuPy). What
 they return is what :func:`geocomm.allreduce` returns on N real ranks, bit
@@ -32,7 +33,7 @@ __all__ = ["roundtrip", "run_refresh_locally", "simulate_allreduce", "simulate_r
 def run_refresh_locally(codec: TransformingCodec, plan: Any, values: Any, side_sum: Any) -> None:
     """A plan's refresh as one rank alone runs it: ``values`` is the whole result
     (the rank's shard is everything) and each partial sum is its own total."""
-    rounds = codec.refresh(plan, values, 0, side_sum)
+    rounds = codec.refresh(plan, values, 0, side_sum, alone=True)
     value = next(rounds, None)
     while value is not None:
         value = _send(rounds, value)
@@ -154,8 +155,9 @@ def simulate_allreduce(codecs: Sequence[Codec], xs: Sequence[Any], key: Any = No
     side_sum = _side_sum(plans)
     if plans[0] is not None:
         plans[0].inverse(total, 0, side_sum)  # identical on every rank: invert once
-    shards = [total[int(bounds[r]) : int(bounds[r + 1])] for r in range(size)]
-    _refresh(codecs, plans, shards, [int(bounds[r]) for r in range(size)], side_sum)
+        if plans[0].refreshes:  # every rank refreshes from the whole result, alone
+            for codec, plan in zip(codecs, plans, strict=True):
+                run_refresh_locally(codec, plan, total, side_sum)
     return xp.reshape(total, shape)
 
 

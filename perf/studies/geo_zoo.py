@@ -14,9 +14,10 @@ Each result is compared with the exact average:
 * whole model: sqrt(sum of squared errors over all parameters) over FP8's,
   median over calls 2..W;
 * bytes: what a rank contributes per call, the quantized payload plus the
-  side channel and the refresh sums (``side_format``'s bytes per value:
-  bfloat16, 2), over FP8's payload; over calls 2..W and, with the cold
-  start, over all W;
+  side channel at ``side_format``'s bytes a value (bfloat16: 2), over FP8's
+  payload (an all-reduce refreshes on every rank from the whole result, so
+  no refresh sums travel); over calls 2..W and, with the cold start, over
+  all W;
 * time: seconds of all the simulated calls over FP8's (same process, both
   ranks' work and the simulation's; the one-core cost on a 4096 x 4096
   matrix is perf/geo_bench.py's).
@@ -77,10 +78,11 @@ class ByteCount:
 
         def counted_refresh(*args: Any, **kwargs: Any) -> Any:
             rounds = refresh(*args, **kwargs)
+            sent = 0 if kwargs.get("alone") else per_value  # alone: nothing travels
             try:
                 value = next(rounds)
                 while True:
-                    self.rounds += per_value * int(value.size)
+                    self.rounds += sent * int(value.size)
                     value = rounds.send((yield value))
             except StopIteration:
                 return

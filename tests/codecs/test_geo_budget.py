@@ -11,7 +11,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 from test_geometry import exact_sum, rel
+from test_geometry import rank_inputs as spiked_inputs
 
 from geocomm.codecs import get_codec
 from geocomm.codecs.geo.policy import (
@@ -185,3 +187,48 @@ def test_the_period_is_state_every_rank_checks_and_a_checkpoint_keeps():
         st["period"] = 2
     other.load_state_dict(data)
     assert other.state_checksum() != codec.state_checksum()
+
+
+def test_the_budget_charges_refresh_sums_only_where_they_travel():
+    """An all-reduce refreshes on every rank from the whole result (no sums), a
+    reduce-scatter sums each owner's part: a direction costs its m bfloat16
+    coefficients, plus its n-value refresh sum every period calls only then."""
+    dims = MapShape(256, 1024, 8)
+    assert direction_bytes(dims, 1, summed=False) == 2 * 256
+    assert direction_bytes(dims, 4, summed=True) == 2 * (256 + 1024 / 4)
+    alone = {"w": Spectrum(dims, (0.5, 0.2, 0.1, 0.05), 1.0, 10 * 256, summed=False)}
+    summed = {"w": Spectrum(dims, (0.5, 0.2, 0.1, 0.05), 1.0, 10 * 256, summed=True)}
+    # a 3-direction room for coefficients alone holds none with the sums on top
+    room = 3 * 2 * 256 / (10 * 256)
+    assert allocate(alone, room, 0.0) == {"w": 3}
+    assert allocate(summed, room, 0.0) == {"w": 0}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_allreduce_sends_no_refresh_sums(comm):
+    """Over MPI: a fresh key's first all-reduce (the cold start's three subspace
+    iterations) sends exactly FP8's bytes, and every later one FP8's plus its
+    bfloat16 coefficients (an all-gather: 2 m k bytes to each peer), refreshes
+    included; its state says so, a reduce-scatter key's says its refreshes sum."""
+    import geocomm
+    from geocomm.testing import MeteredComm
+
+    size, rank = comm.size, comm.rank
+    metered = MeteredComm(comm)
+    geo = get_codec("geofp8", min_dim=8, min_numel=0, refresh_max=1)  # refreshes every call
+    fp8 = get_codec("fp8")
+    for step in range(4):
+        x = spiked_inputs(size, 96, 80, step, noise=0.05)[rank]
+        metered.reset()
+        geocomm.allreduce(x, codec=fp8, comm=metered, check=False)
+        plain = metered.sent
+        metered.reset()
+        geocomm.allreduce(x, codec=geo, key="w", comm=metered, check=False)
+        st = geo.state_info("w")
+        side = 0 if step == 0 else 2 * 96 * st["use"] * (size - 1)
+        assert step == 0 or st["use"] > 0
+        assert metered.sent == plain + side, step
+        assert st["refreshed"] == step + 1 and st["summed"] is False
+    rs = get_codec("geofp8", min_dim=8, min_numel=0)
+    geocomm.reduce_scatter(spiked_inputs(size, 96, 80, 0)[rank], codec=rs, key="w", check=False)
+    assert rs.state_info("w")["summed"] is True

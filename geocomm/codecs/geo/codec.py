@@ -190,6 +190,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
                     st.total,
                     self.quantizer.wire_size(st.map_shape.m * st.map_shape.n),
                     st.period,
+                    st.summed,
                 )
                 for key, st in self._state.items()
                 if st.energies
@@ -201,19 +202,22 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
             self._ranks = (self._version, allocation)
         return self._ranks[1]
 
-    def refresh(self, plan: Any, shard: Any, lo: int, side_sum: Any) -> Rounds:
+    def refresh(self, plan: Any, shard: Any, lo: int, side_sum: Any, alone: bool = False) -> Rounds:
         """The rounds that update the basis of ``plan``'s key from this call's result.
 
         ``shard``: this rank's flat range [lo, lo + shard.size) of the summed
         result in the tensor's own coordinates (before any averaging);
         ``side_sum``: the summed coefficients of the plan (None for a
         measuring plan). Each round yields this rank's partial sums and
-        receives their exact sum over ranks. The state changes only when the
-        sums are finite and the result is not all zero.
+        receives their exact sum over ranks; ``alone``: every rank holds the
+        whole result and refreshes from it, each round's yield is its own
+        total (an all-reduce: no refresh bytes, which the budget then does not
+        charge). The state changes only when the sums are finite and the
+        result is not all zero.
         """
-        return self._rounds(plan.state, shard, lo, side_sum)
+        return self._rounds(plan.state, shard, lo, side_sum, summed=not alone)
 
-    def _rounds(self, st: KeyState, shard: Any, lo: int, coef: Any) -> Rounds:
+    def _rounds(self, st: KeyState, shard: Any, lo: int, coef: Any, summed: bool = False) -> Rounds:
         cap = st.map_shape
         xp = array_namespace(shard)
         if coef is None:  # measure: subspace iterations from the basis (or a random one)
@@ -248,7 +252,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         if st.vt is not None:
             overlap = _overlap(vt[: st.use or cap.k, :], st.vt)
             period = policy.next_period(st.period, overlap, self.refresh_period, self.refresh_max)
-        st.commit(vt, tuple(energies), energy, period)
+        st.commit(vt, tuple(energies), energy, period, summed)
         self._version += 1
 
     # ---- state --------------------------------------------------------------------

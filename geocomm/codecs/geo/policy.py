@@ -106,10 +106,12 @@ def anisotropic(share: float, dims: MapShape, min_share: float) -> bool:
     return share - dims.k / min(dims.m, dims.n) >= min_share
 
 
-def direction_bytes(dims: MapShape, period: int) -> float:
+def direction_bytes(dims: MapShape, period: int, summed: bool = True) -> float:
     """Side bytes per call of one basis direction of a mapped key: its m
-    coefficients every call, and its n-value refresh sum every ``period`` calls."""
-    return SIDE_BYTES * (dims.m + dims.n / period)
+    coefficients every call, and, when its refreshes sum over ranks
+    (``summed``: a reduce-scatter; an all-reduce refreshes from the whole
+    result on every rank), its n-value refresh sum every ``period`` calls."""
+    return SIDE_BYTES * (dims.m + (dims.n / period if summed else 0.0))
 
 
 #: A refresh whose new mapped directions keep at least this share of their
@@ -128,13 +130,14 @@ def next_period(period: int, overlap: float, shortest: int, longest: int) -> int
 class Spectrum:
     """What a key's state promises: its cap, the energy its result had along each
     tracked direction (best first), the result's whole energy, its payload
-    bytes and its refresh period."""
+    bytes, its refresh period and whether its refreshes sum over ranks."""
 
     dims: MapShape
     energies: tuple[float, ...]
     total: float
     payload: int
     period: int = 1
+    summed: bool = True
 
 
 def allocate(
@@ -163,10 +166,11 @@ def allocate(
     for order, key in enumerate(keys):
         sp = spectra[key]
         if sp.total <= 0 or not anisotropic(sum(sp.energies) / sp.total, sp.dims, min_share):
-            # plain, but re-measured every period calls: k (m + n) values
-            spent += SIDE_BYTES * sp.dims.k * (sp.dims.m + sp.dims.n) / sp.period
+            # plain, but re-measured every period calls: k (m + n) values if summed
+            if sp.summed:
+                spent += SIDE_BYTES * sp.dims.k * (sp.dims.m + sp.dims.n) / sp.period
             continue
-        cost, best = direction_bytes(sp.dims, sp.period), math.inf
+        cost, best = direction_bytes(sp.dims, sp.period, sp.summed), math.inf
         for j, e in enumerate(sp.energies[: sp.dims.k]):
             best = min(best, e / sp.total + e / mean)
             offers.append((-best / cost, order, j, cost))

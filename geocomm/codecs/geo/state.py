@@ -37,7 +37,10 @@ class KeyState:
     ``total`` its whole energy (the spectrum the budget reads); ``use``: the
     rank the budget gave the key at its last call (its first ``use`` rows map;
     0: plain); ``period``: calls between its refreshes now (adapted at each
-    refresh, :func:`~geocomm.codecs.geo.policy.next_period`).
+    refresh, :func:`~geocomm.codecs.geo.policy.next_period`); ``summed``:
+    whether its last refresh summed each rank's part over the ranks (a
+    reduce-scatter) rather than every rank refreshing from the whole result
+    (an all-reduce), i.e. whether its refreshes cost side bytes.
     """
 
     map_shape: MapShape
@@ -49,6 +52,7 @@ class KeyState:
     total: float = 0.0
     use: int = 0
     period: int = 1
+    summed: bool = False
     _basis_crc: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -60,7 +64,7 @@ class KeyState:
         """CRC32 of the whole state (the basis is hashed once, when it changes)."""
         dims = self.map_shape
         head = struct.pack(
-            f"<7q?d{len(self.energies) + 1}d",
+            f"<7q??d{len(self.energies) + 1}d",
             dims.m,
             dims.n,
             dims.k,
@@ -69,16 +73,21 @@ class KeyState:
             self.use,
             self.period,
             self.share is not None,
+            self.summed,
             self.share or 0.0,
             self.total,
             *self.energies,
         )
         return zlib.crc32(head, self._basis_crc)
 
-    def commit(self, vt: Any, energies: tuple[float, ...], total: float, period: int) -> None:
+    def commit(
+        self, vt: Any, energies: tuple[float, ...], total: float, period: int, summed: bool
+    ) -> None:
         """A refresh result: the new basis, the energies along its directions, the
-        result's whole energy (the share follows) and the next refresh period."""
+        result's whole energy (the share follows), the next refresh period and
+        whether the refresh summed over ranks."""
         self.vt, self.refreshed, self.period = vt, self.calls, int(period)
+        self.summed = bool(summed)
         self.energies, self.total = tuple(float(e) for e in energies), float(total)
         self.share = min(sum(self.energies) / self.total, 1.0)
         self._basis_crc = zlib.crc32(_host_bytes(vt))
@@ -96,6 +105,7 @@ class KeyState:
             "total": self.total,
             "use": self.use,
             "period": self.period,
+            "summed": self.summed,
             "vt": None
             if self.vt is None
             else np.frombuffer(_host_bytes(self.vt), "<f4").reshape(dims.k, dims.n).copy(),
@@ -111,6 +121,7 @@ class KeyState:
         st.energies = tuple(float(e) for e in data.get("energies", ()))
         st.total, st.use = float(data.get("total", 0.0)), int(data.get("use", 0))
         st.period = int(data.get("period", 1))
+        st.summed = bool(data.get("summed", False))
         if data["vt"] is not None:
             vt = np.asarray(data["vt"], np.float32)
             if vt.shape != (st.map_shape.k, st.map_shape.n):
