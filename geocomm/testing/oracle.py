@@ -157,6 +157,7 @@ def simulate_allreduce(codecs: Sequence[Codec], xs: Sequence[Any], key: Any = No
         plans[0].inverse(total, 0, side_sum)  # identical on every rank: invert once
         if plans[0].refreshes:  # every rank refreshes from the whole result, alone
             for codec, plan in zip(codecs, plans, strict=True):
+                assert isinstance(codec, TransformingCodec)  # only those plan
                 run_refresh_locally(codec, plan, total, side_sum)
     return xp.reshape(total, shape)
 
