@@ -14,9 +14,10 @@ each result Q is compared with the exact average G:
 * ``rel``: ||Q - G|| / ||G||; ``out``: the part of the error outside the
   top-4 singular subspace of G, relative to ||G - G_4||;
 * ``cos``: the cosine between Q and G;
-* ``side``: the side channel a rank sends (the summed coefficients, fp32)
-  over the quantized payload, for the whole model and for one 4096 x 4096
-  gradient (every matrix counted as mapped: an upper bound).
+* ``side``: the side channel a rank sends (its bfloat16 coefficients; an
+  all-reduce sends no refresh sums) over the quantized payload, for the
+  whole model and for one 4096 x 4096 gradient (every matrix counted as
+  mapped: an upper bound).
 
 Ratios are per matrix and step against the variant's base quantizer (E4M3
 block 128 or NVFP4), reduced by the median over steps, then over matrices.
@@ -60,6 +61,7 @@ from llama import (  # noqa: E402
 )
 
 from geocomm.codecs import TransformingCodec, get_codec  # noqa: E402
+from geocomm.codecs.geo.policy import direction_bytes  # noqa: E402
 from geocomm.testing import simulate_allreduce, simulate_reduce_scatter, write_results  # noqa: E402
 
 FP8 = {"id": "fp8", "fmt": "e4m3", "block": 128}
@@ -144,7 +146,7 @@ def metrics(
 def side_fraction(codec: Any, shapes: list[tuple[int, ...]]) -> float:
     """An upper bound on side bytes over quantized payload bytes per all-reduce of
     ``shapes``: every eligible matrix mapped at its cap k, its coefficients
-    every call and its refresh sums at the shortest period, at most the
+    every call (an all-reduce refreshes alone: no refresh sums), at most the
     codec's model-wide ``side_budget``."""
     payload = side = 0.0
     for shape in shapes:
@@ -152,7 +154,7 @@ def side_fraction(codec: Any, shapes: list[tuple[int, ...]]) -> float:
         if isinstance(codec, TransformingCodec):
             dims = codec.map_shape(shape)
             if dims is not None:
-                side += 4 * dims.k * (dims.m + dims.n / codec.refresh_period)
+                side += dims.k * direction_bytes(dims, codec.refresh_period, summed=False)
     return min(side / payload, getattr(codec, "side_budget", math.inf))
 
 

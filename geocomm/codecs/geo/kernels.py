@@ -38,6 +38,7 @@ __all__ = [
 ]
 
 _THREADS = 256
+_BF16 = BF16Codec()  # the side channel's format (GeoCodec.side_format)
 _LANES = 8  # GC_LANES of native/gc_linalg.h: threads per projected coefficient
 
 
@@ -103,9 +104,6 @@ def round_bf16(values: Any) -> Any:
     _BF16.encode_wire(flat, wire)
     _BF16.decode_wire(wire, flat)
     return values
-
-
-_BF16 = BF16Codec()
 
 
 def residual(values: Any, n: int, vt: Any, out: Any) -> Any:

@@ -6,13 +6,13 @@ the tensor's (m, n) view; ranges are [lo, lo + values.size) of those values.
 
 Split, with the orthonormal (k, n) basis V^T of the key's state: this rank's
 coefficients A_i = X_i V (m x k), rounded to bfloat16, travel exactly on the
-side channel (2 bytes each); what is
-quantized is the residual X_i - A_i V^T, whose energy no longer holds the
-dominant directions; the reduced result is Y + (sum_i A_i) V^T. The map never
-needs to be inverted numerically: what is subtracted is added back, so any
-rounding of A_i (bfloat16's included) cancels except for the two fp32
-roundings of the subtraction and the addition; bfloat16 only leaves A_i's
-rounding error, 2^-9 of it at most, in the quantized residual.
+side channel (2 bytes each); what is quantized is the residual X_i - A_i V^T,
+whose energy no longer holds the dominant directions; the reduced result is
+Y + (sum_i A_i) V^T. The map never needs to be inverted numerically: what is
+subtracted is added back, so any rounding of A_i (bfloat16's included)
+cancels except for the two fp32 roundings of the subtraction and the
+addition; bfloat16 only leaves A_i's rounding error, 2^-9 of it at most, in
+the quantized residual.
 
 Hadamard: a randomized Walsh-Hadamard rotation of every row that lies
 entirely inside one shard (so the owner of a reduce-scatter shard can undo
@@ -37,8 +37,9 @@ class SplitPlan:
     """This call's split map of one tensor.
 
     ``side``: this rank's coefficients A_i (m, k), bfloat16 values in float32,
-    the contribution to the exact side sum; ``refreshes``: whether the key's basis is updated from
-    this call's result; ``state``: the key's state (the codec's, opaque here).
+    the contribution to the exact side sum; ``refreshes``: whether the key's
+    basis is updated from this call's result; ``state``: the key's state (the
+    codec's, opaque here).
     ``ranged``: the map works on any flat range once :meth:`begin` has run,
     so the collective maps each piece just before it travels.
     """
