@@ -587,6 +587,20 @@ GC_AVX512 static void accumulate_rows_wide(const float *x, size_t ldx, size_t ro
     }
 }
 
+/* gc_geo_sumsq's GC_LANES fp64 lanes as one vector over the whole chunks:
+ * lane q still adds x[q], x[q + 8], ... in order. A float's square is exact
+ * in fp64, so the fused multiply-add rounds once, as the scalar sum does. */
+GC_AVX512 static void sumsq_lanes_wide(const float *x, size_t full, double *p)
+{
+    _Static_assert(GC_LANES == 8, "one __m512d holds the GC_LANES lanes");
+    __m512d acc = _mm512_loadu_pd(p);
+    for (size_t i = 0; i < full; i += GC_LANES) {
+        __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(x + i));
+        acc = _mm512_fmadd_pd(v, v, acc);
+    }
+    _mm512_storeu_pd(p, acc);
+}
+
 #endif /* GC_HAVE_AVX512 */
 
 /* Whether the AVX-512 loops run (the codec's choice, gc_codec_simd). */
@@ -752,9 +766,14 @@ double gc_geo_sumsq(const float *x, size_t len)
 {
     double p[GC_LANES] = {0};
     size_t full = len - len % GC_LANES;
-    for (size_t i = 0; i < full; i += GC_LANES)
-        for (int q = 0; q < GC_LANES; q++)
-            p[q] += (double)x[i + q] * (double)x[i + q];
+#if GC_HAVE_AVX512
+    if (wide_loops())
+        sumsq_lanes_wide(x, full, p);
+    else
+#endif
+        for (size_t i = 0; i < full; i += GC_LANES)
+            for (int q = 0; q < GC_LANES; q++)
+                p[q] += (double)x[i + q] * (double)x[i + q];
     for (size_t i = full; i < len; i++)
         p[i - full] += (double)x[i] * (double)x[i];
     return ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]));

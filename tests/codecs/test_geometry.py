@@ -159,7 +159,7 @@ def test_wide_loops_give_the_portable_bits(m, n, k, lo, length, restore_simd):
     """The AVX-512 loops (on a CPU that has them; otherwise both runs take the
     portable loops) hold the same chains, so every kernel's bits are equal,
     with a non-finite value in the range, with the fused residual, and for the
-    accumulation (once with the inf, once without)."""
+    accumulation and the sum of squares (once with the inf, once without)."""
     rng = np.random.default_rng([m, n, k, lo])
     x = (rng.standard_normal(length) * 10).astype(np.float32)
     x[length // 5] = np.inf
@@ -177,14 +177,26 @@ def test_wide_loops_give_the_portable_bits(m, n, k, lo, length, restore_simd):
         finite = np.nan_to_num(x, posinf=3.0)
         acc_finite = np.zeros((k, n), np.float32)
         kernels.accumulate(finite, lo, n, coef, acc_finite)
-        runs.append([coef, out, back, acc, acc_finite])
+        sums = np.array([kernels.sumsq(x), kernels.sumsq(finite)])
+        runs.append([coef, out, back, acc, acc_finite, sums])
         if lo == 0 and length == m * n:
             fused = np.empty_like(x)
             runs[-1] += [kernels.residual(x, n, vt, fused), fused]
     for want, got in zip(*runs, strict=True):
         assert np.array_equal(want.view(np.uint32), got.view(np.uint32))
+    assert np.isinf(runs[1][5][0])
     if length <= 8000:
         assert np.array_equal(runs[1][0], ref_project(x, lo, n, vt))
+        assert runs[1][5][1] == ref_sumsq(np.nan_to_num(x, posinf=3.0))
+
+
+def ref_sumsq(x: np.ndarray) -> float:
+    """gc_geo_sumsq's definition: eight fp64 lanes (lane q adds x[q], x[q + 8], ...
+    in order), then ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7))."""
+    p = [0.0] * 8
+    for i, v in enumerate(x.astype(np.float64).tolist()):
+        p[i % 8] += v * v
+    return ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]))
 
 
 def test_residual_is_project_round_then_expand():
