@@ -18,6 +18,13 @@ def _fresh_worst(row: dict[str, Any]) -> float:
     return max(row["fresh"][1:8])
 
 
+def _fresh_median(row: dict[str, Any]) -> float:
+    """The median over calls 2..8 of a fresh key of the per-call median over matrices."""
+    calls = sorted(row["fresh"][1:8])
+    mid = len(calls) // 2
+    return calls[mid] if len(calls) % 2 else (calls[mid - 1] + calls[mid]) / 2
+
+
 def markdown(r: dict[str, Any]) -> str:
     y0, y1 = r["yardstick"]["before"], r["yardstick"]["after"]
     lines = [
@@ -32,21 +39,23 @@ def markdown(r: dict[str, Any]) -> str:
         f"{r['world']} simulated ranks, every source's recorded steps from a fresh codec state "
         "(perf/studies/zoo.py). Ratios against E4M3 block 128: `median`/`p90` over matrices "
         "of each matrix's median over calls 2..W; `model`: the whole model's error (all "
-        "parameters), median over calls 2..W; `fresh`: the worst per-call median over "
-        "matrices at calls 2..8; `bytes`: a rank's payload + side + refresh sums over FP8's "
-        "payload, calls 2..W (with call 1's cold start in brackets); `time`: the simulated "
-        "calls' seconds over FP8's.",
+        "parameters), median over calls 2..W; `fresh`: the per-call median over matrices at "
+        "calls 2..8 of a fresh key, their median and (`worst`) their largest; `bytes`: a "
+        "rank's payload + side (+ a reduce-scatter's refresh sums; an all-reduce sends none) "
+        "over FP8's payload, calls 2..W (with call 1's cold start in brackets); `time`: the "
+        "simulated calls' seconds over FP8's.",
         "",
         f"## {DEFAULT}",
         "",
-        "| source | params | median | p90 | model | fresh | bytes | time |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| source | params | median | p90 | model | fresh | worst | bytes | time |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for s in r["sources"]:
         d = s["summary"][DEFAULT]
         lines.append(
             f"| {s['source']} | {s['params'] / 1e6:.2f}M | {d['median']:.3f} | {d['p90']:.3f} | "
-            f"{d['model']:.3f} | {_fresh_worst(d):.3f} | {d['bytes_steady']:.3f} "
+            f"{d['model']:.3f} | {_fresh_median(d):.3f} | {_fresh_worst(d):.3f} | "
+            f"{d['bytes_steady']:.3f} "
             f"({d['bytes_all']:.3f}) | {d['time']:.2f}x |"
         )
     lines += ["", "## Every variant (median / model / bytes)", ""]
@@ -62,12 +71,16 @@ def markdown(r: dict[str, Any]) -> str:
         ]
         lines.append(f"| {s['source']} | " + " | ".join(cells) + " |")
     lines += ["", "## Targets (issue 23), default config", ""]
-    lines += ["| source | median <= 0.45 | model <= 0.4 | bytes <= 1.05 | fresh <= 0.6 |"]
-    lines += ["| --- | --- | --- | --- | --- |"]
+    lines += [
+        "| source | median <= 0.45 | model <= 0.4 | bytes <= 1.05 | fresh <= 0.6 "
+        "| worst call <= 0.6 |"
+    ]
+    lines += ["| --- | --- | --- | --- | --- | --- |"]
     for s in r["sources"]:
         d = s["summary"][DEFAULT]
-        got = {**d, "fresh": _fresh_worst(d)}
-        cells = [f"{got[k]:.3f} {'yes' if got[k] <= t else 'no'}" for k, t in TARGETS.items()]
+        got = {**d, "fresh": _fresh_median(d), "worst": _fresh_worst(d)}
+        targets = {**TARGETS, "worst": TARGETS["fresh"]}
+        cells = [f"{got[k]:.3f} {'yes' if got[k] <= t else 'no'}" for k, t in targets.items()]
         lines.append(f"| {s['source']} | " + " | ".join(cells) + " |")
     lines += ["", f"Configs: `{json.dumps(r['variants'])}`"]
     return "\n".join(lines) + "\n"
@@ -90,7 +103,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
         ax.scatter(*zip(*pts, strict=True), label=label, s=18)
     ax.axhline(TARGETS["median"], color="r", ls="--", lw=1, label="median target 0.45")
     ax.axvline(TARGETS["bytes_steady"], color="r", ls=":", lw=1, label="bytes target 1.05")
-    ax.set_xlabel("bytes per call / FP8's (payload + side + refresh)")
+    ax.set_xlabel("bytes per call / FP8's (payload + side)")
     ax.set_ylabel("median per-matrix error / FP8's")
     ax.set_title("GeoFP8 on the gradient zoo (one point per source)")
     ax.legend(fontsize=7)
