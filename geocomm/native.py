@@ -221,12 +221,21 @@ def geo_project(x: np.ndarray, lo: int, n: int, vt: np.ndarray) -> tuple[np.ndar
     return coef, int(got)
 
 
+def aligned_empty(count: int) -> np.ndarray:
+    """An uninitialized float32 array of ``count`` values starting on a 64-byte
+    cache line (NumPy's large arrays start 16 bytes past one, which splits
+    every AVX-512 load)."""
+    buf = np.empty(count + 16, np.float32)
+    skip = (-buf.ctypes.data % 64) // 4
+    return buf[skip : skip + count]
+
+
 def geo_pack(vt: np.ndarray) -> np.ndarray:
-    """vt (k, n) in the packed layout gc_geo_expand reads fastest."""
+    """vt (k, n) in the packed layout gc_geo_expand reads fastest, on whole cache lines."""
     k, n = vt.shape
     _f32(vt, "vt")
     require()
-    packed = np.empty(int(_lib.gc_geo_packed_size(k, n)), np.float32)
+    packed = aligned_empty(int(_lib.gc_geo_packed_size(k, n)))
     _lib.gc_geo_pack(
         _ffi.from_buffer("float[]", vt),
         k,
@@ -290,6 +299,61 @@ def geo_residual(x: np.ndarray, n: int, vt: np.ndarray, out: np.ndarray) -> np.n
     if got < 0:
         raise ValueError(f"gc_geo_residual refused its arguments ({got})")
     return coef
+
+
+def _split_args(lo: int, length: int, n: int, coef: np.ndarray, vt: np.ndarray,
+                packed: np.ndarray) -> tuple[Any, ...]:  # fmt: skip
+    """The (lo, len, n, coef, vt, packed, k) arguments of a split call, checked."""
+    k = vt.shape[0]
+    _f32(vt, "vt", k * n)
+    _f32(coef, "coef", geo_rows(lo, length, n) * k)
+    _f32(packed, "packed", int(_lib.gc_geo_packed_size(k, n)))
+    return (
+        lo,
+        length,
+        n,
+        _ffi.from_buffer("float[]", coef),
+        _ffi.from_buffer("float[]", vt),
+        _ffi.from_buffer("float[]", packed),
+        k,
+    )
+
+
+def geo_encode(
+    fmt: int | str,
+    x: np.ndarray,
+    lo: int,
+    n: int,
+    coef: np.ndarray,
+    vt: np.ndarray,
+    packed: np.ndarray,
+    block: int,
+    wire: np.ndarray,
+    *,
+    flags: int = 0,
+    seed: int = 0,
+    rounding_stream: int = 0,
+    offset: int = 0,
+) -> None:
+    """:func:`encode` of x - coef vt over the range (:func:`geo_expand` with sign -1)
+    in one pass: the same bytes, without storing the difference."""
+    fmt = format_id(fmt)
+    _check_f32(x, "x")
+    _check_wire(wire, wire_size(fmt, x.size, block), writable=True)
+    flags = check_flags(fmt, flags)
+    bits = (check_u64(seed, "seed"), check_u64(rounding_stream, "rounding_stream"),
+            check_u64(offset, "offset"))  # fmt: skip
+    rc = _lib.gc_geo_encode(
+        fmt,
+        _ffi.from_buffer("float[]", x),
+        *_split_args(lo, x.size, n, coef, vt, packed),
+        block,
+        _ffi.from_buffer("uint8_t[]", wire, require_writable=True),
+        flags,
+        *bits,
+    )
+    if rc:
+        raise ValueError(f"gc_geo_encode refused its arguments ({rc})")
 
 
 def geo_accumulate(x: np.ndarray, lo: int, n: int, coef: np.ndarray, acc: np.ndarray) -> None:

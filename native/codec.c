@@ -9,6 +9,7 @@
 #include "gc_simd.h"
 
 #include <pthread.h>
+#include <stdlib.h>
 
 /* flatten: every gc_scalar.h function inlines into the loops (gcc left
  * gc_e5m2_code out of line in one clone, a call per value). */
@@ -650,10 +651,10 @@ GC_CLONES static void decode_bf16(int accumulate, const uint8_t *wire, size_t n,
  * portable loops above; test_native.c and tests/codecs compare both paths
  * on random and special inputs. Blocks these loops do not cover (partial
  * blocks and groups, fp8 blocks other than 128 values on encode, blocks
- * with a tiny amax) run the portable per-block code. Decoders of large
- * outputs write them with non-temporal stores (whole 64-byte lines), which
- * spares reading the lines in first; smaller outputs stay in the cache for
- * whatever reads them next. Decode+accumulate reads every line of out
+ * with a tiny amax) run the portable per-block code. Decoders of outputs
+ * from GC_STREAM_BYTES up write them with non-temporal stores (whole 64-byte
+ * lines), which spares reading the lines in first; smaller outputs stay in
+ * the cache for whatever reads them next. Decode+accumulate reads every line of out
  * anyway, so it stores normally (streaming them measured slower). */
 #if GC_HAVE_AVX512
 #include <immintrin.h>
@@ -671,8 +672,10 @@ GC_CLONES static void decode_bf16(int accumulate, const uint8_t *wire, size_t n,
 #ifndef GC_PREFETCH_ACC
 #define GC_PREFETCH_ACC 4096
 #endif
-/* Outputs from this many bytes up are written around the cache. */
-#define GC_STREAM_BYTES ((size_t)8 << 20)
+/* Outputs from this many bytes up are written around the cache: a host
+ * pipeline's pieces of 4 MiB do not stay in a core's caches anyway, and
+ * decoding 4096^2 values by such pieces took 3.7 ms streamed, 9.2 ms stored. */
+#define GC_STREAM_BYTES ((size_t)1 << 20)
 
 GC_AVX512 static inline __m512i v_u32(gc_u32 c) { return _mm512_set1_epi32((int)c); }
 
@@ -1316,6 +1319,14 @@ int gc_codec_threads(int count)
     return __atomic_load_n(&gc_threads, __ATOMIC_RELAXED);
 }
 
+/* The split map before an encode (gc_geo_encode): the call's
+ * values are the elements [lo, lo + n) of a matrix of `cols` columns, mapped
+ * with gc_geo_expand by coef (the range's rows) and the basis vt (packed). */
+typedef struct {
+    size_t lo, cols, k;
+    const float *coef, *vt, *packed;
+} gc_split;
+
 /* One encode or decode call: its arguments, and the range [lo, hi) of
  * values a thread does. */
 typedef struct {
@@ -1325,6 +1336,7 @@ typedef struct {
     float *out;
     uint8_t *wire;
     gc_u64 key, offset;
+    const gc_split *split; /* NULL: the values as they are (encode) */
     size_t lo, hi;
 } gc_call;
 
@@ -1436,11 +1448,11 @@ static int vector_call(const gc_call *k)
     return !k->sr && (!fp8 || k->block == 128);
 }
 
-static void encode_range(const gc_call *k, size_t lo, size_t hi)
+/* Encode the values x (those of [lo, hi) of the call's body). */
+static void encode_values(const gc_call *k, const float *x, size_t lo, size_t hi)
 {
     uint8_t *s, *b, *c;
     sections(k, lo, &s, &b, &c);
-    const float *x = k->x + lo;
     size_t n = hi - lo;
     gc_u64 key = k->key, off = k->offset + lo;
     int sr = k->sr;
@@ -1513,10 +1525,57 @@ static void decode_range(const gc_call *k, size_t lo, size_t hi)
     }
 }
 
+/* Values per thread piece: whole fp8 blocks (groups of GC_FP8_GROUP for
+ * block 128), whole NVFP4 superblocks, whole MX groups. */
+static size_t split_unit(int fmt, size_t block)
+{
+    if ((fmt == GC_E4M3 || fmt == GC_E5M2) && block != 128)
+        return block;
+    return GC_NVFP4_SUPERBLOCK;
+}
+
+/* Values per tile of a split encode: whole split units (split_unit) of at
+ * most this many values when they fit (64 KiB, four rows of 4096 for the
+ * expansion's blocks of four rows: the tile stays in L2 between the map and
+ * the codec). */
+#define GC_SPLIT_TILE ((size_t)16384)
+
+/* Values per tile of the split encode k (0: its unit does not fit a tile). */
+static size_t split_tile(const gc_call *k)
+{
+    size_t unit = split_unit(k->fmt, k->block);
+    return GC_SPLIT_TILE / unit * unit;
+}
+
+/* The split's expansion (gc_geo_expand) of the call's values [a, a + n). */
+static int split_expand(const gc_split *m, const float *x, size_t a, size_t n, float sign,
+                        float *out)
+{
+    size_t row = (m->lo + a) / m->cols - m->lo / m->cols;
+    return gc_geo_expand(x, m->lo + a, n, m->cols, m->coef + row * m->k, m->vt, m->packed, m->k,
+                         sign, out);
+}
+
+/* Encode x - coef vt over [lo, hi), tile by tile. */
+static void split_range(const gc_call *k, size_t lo, size_t hi, size_t tile)
+{
+    float buf[GC_SPLIT_TILE] __attribute__((aligned(64))); /* whole cache lines */
+    for (size_t a = lo; a < hi; a += tile) {
+        size_t b = hi - a < tile ? hi : a + tile;
+        split_expand(k->split, k->x + a, a, b - a, -1.0f, buf);
+        encode_values(k, buf, a, b);
+    }
+}
+
 static void *run_range(void *arg)
 {
     const gc_call *k = arg;
-    (k->decode ? decode_range : encode_range)(k, k->lo, k->hi);
+    if (k->split)
+        split_range(k, k->lo, k->hi, split_tile(k));
+    else if (k->decode)
+        decode_range(k, k->lo, k->hi);
+    else
+        encode_values(k, k->x + k->lo, k->lo, k->hi);
     return NULL;
 }
 
@@ -1559,23 +1618,10 @@ static void run_call(gc_call *k, size_t unit)
     }
 }
 
-/* Values per thread piece: whole fp8 blocks (groups of GC_FP8_GROUP for
- * block 128), whole NVFP4 superblocks, whole MX groups. */
-static size_t split_unit(int fmt, size_t block)
+/* The encode call of gc_encode_ex's arguments (fmt and flags checked). */
+static gc_call encode_call(int fmt, const float *x, size_t n, size_t block, uint8_t *wire,
+                           unsigned flags, uint64_t seed, uint64_t stream, uint64_t offset)
 {
-    if ((fmt == GC_E4M3 || fmt == GC_E5M2) && block != 128)
-        return block;
-    return GC_NVFP4_SUPERBLOCK;
-}
-
-int gc_encode_ex(int fmt, const float *x, size_t n, size_t block, uint8_t *wire, unsigned flags,
-                 uint64_t seed, uint64_t stream, uint64_t offset)
-{
-    if (!known_format(fmt) || (flags & ~(unsigned)(GC_STOCHASTIC | GC_RCEIL))
-        || ((flags & GC_RCEIL) && !is_mx(fmt)))
-        return GC_EINVAL;
-    if (n == 0)
-        return 0;
     gc_call k = {0};
     k.fmt = fmt;
     k.sr = (flags & GC_STOCHASTIC) != 0;
@@ -1587,6 +1633,23 @@ int gc_encode_ex(int fmt, const float *x, size_t n, size_t block, uint8_t *wire,
     k.wire = wire;
     k.key = k.sr ? gc_sr_key(seed, stream) : 0;
     k.offset = offset;
+    return k;
+}
+
+static int flags_ok(int fmt, unsigned flags)
+{
+    return known_format(fmt) && !(flags & ~(unsigned)(GC_STOCHASTIC | GC_RCEIL))
+           && (!(flags & GC_RCEIL) || is_mx(fmt));
+}
+
+int gc_encode_ex(int fmt, const float *x, size_t n, size_t block, uint8_t *wire, unsigned flags,
+                 uint64_t seed, uint64_t stream, uint64_t offset)
+{
+    if (!flags_ok(fmt, flags))
+        return GC_EINVAL;
+    if (n == 0)
+        return 0;
+    gc_call k = encode_call(fmt, x, n, block, wire, flags, seed, stream, offset);
     run_call(&k, split_unit(fmt, k.block));
     return 0;
 }
@@ -1612,5 +1675,33 @@ int gc_decode(int fmt, const uint8_t *wire, size_t n, size_t block, float *out, 
     k.out = out;
     k.wire = (uint8_t *)(uintptr_t)wire; /* read only: decode_range writes to out */
     run_call(&k, split_unit(fmt, k.block));
+    return 0;
+}
+
+/* ---- the split encode: the map and the codec in one pass ------------------ */
+
+int gc_geo_encode(int fmt, const float *x, size_t lo, size_t len, size_t n, const float *coef,
+                  const float *vt, const float *packed, size_t k, size_t block, uint8_t *wire,
+                  unsigned flags, uint64_t seed, uint64_t stream, uint64_t offset)
+{
+    if (!flags_ok(fmt, flags) || n == 0 || k == 0 || (len && !(x && coef && vt && packed && wire)))
+        return GC_EINVAL;
+    if (len == 0)
+        return 0;
+    gc_split map = {lo, n, k, coef, vt, packed};
+    gc_call call = encode_call(fmt, x, len, block, wire, flags, seed, stream, offset);
+    if (split_tile(&call)) {
+        call.split = &map;
+        run_call(&call, split_unit(fmt, call.block));
+        return 0;
+    }
+    /* a unit larger than a tile (one scale for all, long fp8 blocks): map, then encode */
+    float *mapped = malloc(len * sizeof(float));
+    if (!mapped)
+        return GC_ENOMEM;
+    split_expand(&map, x, 0, len, -1.0f, mapped);
+    call.x = mapped;
+    run_call(&call, split_unit(fmt, call.block));
+    free(mapped);
     return 0;
 }

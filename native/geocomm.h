@@ -139,6 +139,14 @@ int gc_geo_pack(const float *vt, size_t k, size_t n, float *packed);
 int64_t gc_geo_residual(const float *x, size_t m, size_t n, const float *vt, size_t k,
                         float *coef, float *out);
 
+/* gc_encode_ex of the range's x - coef vt (gc_geo_expand with sign -1) without
+ * storing the difference: the same bytes as the two calls, in one pass (tile
+ * by tile, whole scaling blocks each; threads as gc_encode_ex). wire holds
+ * gc_wire_size(fmt, len, block); packed is gc_geo_pack(vt). */
+int gc_geo_encode(int fmt, const float *x, size_t lo, size_t len, size_t n, const float *coef,
+                  const float *vt, const float *packed, size_t k, size_t block, uint8_t *wire,
+                  unsigned flags, uint64_t seed, uint64_t stream, uint64_t offset);
+
 /* acc[l][j] += sum over the range's rows r (in order) of coef[r][l] x[r][j];
  * acc is k x n. Non-finite x make acc non-finite. */
 int gc_geo_accumulate(const float *x, size_t lo, size_t len, size_t n, const float *coef,

@@ -214,12 +214,14 @@ int gc_geo_pack(const float *vt, size_t k, size_t n, float *vp)
     return 0;
 }
 
-/* A packed copy of vt (freed by the caller), or NULL when out of memory. */
+/* A packed copy of vt on whole cache lines (freed by the caller), or NULL
+ * when out of memory. */
 static float *pack_basis(const float *vt, size_t k, size_t n)
 {
-    float *vp = malloc(gc_geo_packed_size(k, n) * sizeof(float));
-    if (vp)
-        gc_geo_pack(vt, k, n, vp);
+    void *vp = NULL;
+    if (posix_memalign(&vp, 64, gc_geo_packed_size(k, n) * sizeof(float)))
+        return NULL;
+    gc_geo_pack(vt, k, n, vp);
     return vp;
 }
 
@@ -279,19 +281,19 @@ GC_CLONES static void expand_rows(const float *x, size_t ldx, size_t rows, size_
 }
 
 #if GC_HAVE_AVX512
-static void expand_rows_wide(const float *x, size_t ldx, size_t rows, size_t cols,
+static void expand_rows_wide(const float *x, size_t ldx, size_t rows, size_t col, size_t cols,
                              const float *coef, const float *vt, const float *vp, size_t k,
                              float sign, float *out);
 #endif
 
-/* wide: the AVX-512 loops may run (they take segments that start at column 0). */
+/* wide: the AVX-512 loops run (any segment). */
 static void expand_segment(const float *x, size_t ldx, size_t rows, size_t col, size_t cols,
                            const float *coef, const float *vt, const float *vp, size_t k,
                            float sign, float *out, int wide)
 {
 #if GC_HAVE_AVX512
-    if (wide && col == 0) {
-        expand_rows_wide(x, ldx, rows, cols, coef, vt, vp, k, sign, out);
+    if (wide) {
+        expand_rows_wide(x, ldx, rows, col, cols, coef, vt, vp, k, sign, out);
         return;
     }
 #else
@@ -529,18 +531,30 @@ GC_INLINE void expand_panels_wide(const float *x, size_t ldx, size_t panels, con
     }
 }
 
-GC_AVX512 static void expand_rows_wide(const float *x, size_t ldx, size_t rows, size_t cols,
-                                       const float *coef, const float *vt, const float *vp,
-                                       size_t k, float sign, float *out)
+/* Rows of cols columns from column col (one row when col > 0): the columns up
+ * to the next panel boundary and after the last whole panel take the scalar
+ * chain, the whole panels between run four rows at a time. */
+GC_AVX512 static void expand_rows_wide(const float *x, size_t ldx, size_t rows, size_t col,
+                                       size_t cols, const float *coef, const float *vt,
+                                       const float *vp, size_t k, float sign, float *out)
 {
-    size_t panels = cols / GC_PANEL, r = 0;
+    size_t head = (GC_PANEL - col % GC_PANEL) % GC_PANEL;
+    head = head < cols ? head : cols;
+    size_t panels = (cols - head) / GC_PANEL, r = 0;
+    const float *vb = vp + (col + head) / GC_PANEL * k * GC_PANEL;
+    x += head;
+    out += head;
     for (; r + 4 <= rows; r += 4)
-        expand_panels_wide(x + r * ldx, ldx, panels, coef + r * k, vp, k, sign, out + r * ldx, 4);
+        expand_panels_wide(x + r * ldx, ldx, panels, coef + r * k, vb, k, sign, out + r * ldx, 4);
     if (r < rows)
-        expand_panels_wide(x + r * ldx, ldx, panels, coef + r * k, vp, k, sign, out + r * ldx,
+        expand_panels_wide(x + r * ldx, ldx, panels, coef + r * k, vb, k, sign, out + r * ldx,
                            rows - r);
-    for (size_t j = panels * GC_PANEL; j < cols; j++)
-        expand_column(x, ldx, j, coef, vt, ldx, k, sign, out, rows);
+    x -= head;
+    out -= head;
+    for (size_t j = 0; j < head; j++)
+        expand_column(x, ldx, j, coef, vt + col, ldx, k, sign, out, rows);
+    for (size_t j = head + panels * GC_PANEL; j < cols; j++)
+        expand_column(x, ldx, j, coef, vt + col, ldx, k, sign, out, rows);
 }
 
 /* acc[l][j .. j + 16) += the chain over `nr` (<= 8) rows of coef[r][l] x[r][j ..]

@@ -3,7 +3,8 @@
  * gc_geo_accumulate against a literal, element-by-element transcription of
  * the order that gc_linalg.h defines (bit for bit), over random shapes and
  * ranges that start and end inside rows, with inf and NaN inputs; and the
- * orthonormality of gc_geo_orthonormalize, also for deficient inputs. The
+ * orthonormality of gc_geo_orthonormalize, also for deficient inputs; and
+ * gc_geo_encode against the expansion followed by the encode. The
  * kernels run on the portable loops and on the AVX-512 ones (where the CPU
  * has them), which must both give the definition's bits. Run
  * under -Db_sanitize=address,undefined it also checks every access.
@@ -120,6 +121,49 @@ static void test_kernels_match_definition(void)
     }
 }
 
+/* gc_geo_encode writes the bytes of gc_geo_expand (sign -1) followed by
+ * gc_encode_ex, for ranges of several tiles that start and end inside rows,
+ * with stochastic rounding, and with one scale for the whole range (mapped
+ * whole, then encoded); bad arguments are refused. */
+static void test_split_encode(void)
+{
+    unsigned s = 11;
+    const int fmts[] = {GC_E4M3, GC_E5M2, GC_NVFP4, GC_MXFP8_E4M3, GC_MXFP4, GC_BF16};
+    const size_t blocks[] = {128, 32, 0};
+    size_t n = 301, k = 5, lo = 1234, len = 40000, rows = gc_geo_rows(lo, len, n);
+    float *x = malloc(sizeof(float) * len), *vt = malloc(sizeof(float) * k * n);
+    float *coef = malloc(sizeof(float) * k * rows), *mapped = malloc(sizeof(float) * len);
+    float *packed = malloc(sizeof(float) * gc_geo_packed_size(k, n));
+    for (size_t i = 0; i < len; i++)
+        x[i] = uniform(&s) * 8.0f;
+    x[len / 3] = INFINITY;
+    for (size_t i = 0; i < k * n; i++)
+        vt[i] = uniform(&s);
+    gc_geo_pack(vt, k, n, packed);
+    gc_geo_project(x, lo, len, n, vt, k, coef);
+    gc_geo_expand(x, lo, len, n, coef, vt, packed, k, -1.0f, mapped);
+    for (size_t f = 0; f < sizeof fmts / sizeof fmts[0]; f++)
+        for (size_t b = 0; b < 3; b++)
+            for (unsigned flags = 0; flags <= GC_STOCHASTIC; flags++) {
+                size_t bytes = gc_wire_size(fmts[f], len, blocks[b]);
+                uint8_t *want = malloc(bytes), *got = malloc(bytes);
+                gc_encode_ex(fmts[f], mapped, len, blocks[b], want, flags, 3, 4, lo);
+                CHECK(gc_geo_encode(fmts[f], x, lo, len, n, coef, vt, packed, k, blocks[b], got,
+                                    flags, 3, 4, lo) == 0, "split encode returns 0");
+                CHECK(!memcmp(want, got, bytes), "split encode fmt=%d block=%zu flags=%u",
+                      fmts[f], blocks[b], flags);
+                free(want), free(got);
+            }
+    uint8_t wire[64];
+    CHECK(gc_geo_encode(GC_E4M3, x, lo, 16, n, coef, vt, NULL, k, 128, wire, 0, 0, 0, 0)
+              == GC_EINVAL, "a split encode needs the packed basis");
+    CHECK(gc_geo_encode(99, x, lo, 16, n, coef, vt, packed, k, 128, wire, 0, 0, 0, 0)
+              == GC_EINVAL, "an unknown format is refused");
+    CHECK(gc_geo_encode(GC_E4M3, x, lo, 0, n, coef, vt, packed, k, 128, wire, 0, 0, 0, 0) == 0,
+          "an empty range encodes as nothing");
+    free(x), free(vt), free(coef), free(mapped), free(packed);
+}
+
 static void test_nonfinite_rows(void)
 {
     /* a NaN in one row leaves the other rows' projections untouched and its
@@ -180,8 +224,10 @@ int main(void)
     /* the portable loops, then the AVX-512 ones where the CPU has them */
     for (int level = GC_SIMD_PORTABLE; level <= GC_SIMD_AVX512; level++) {
         srand(2026);
-        if (gc_codec_simd(level) == level)
+        if (gc_codec_simd(level) == level) {
             test_kernels_match_definition();
+            test_split_encode();
+        }
     }
     gc_codec_simd(GC_SIMD_AUTO);
     test_nonfinite_rows();

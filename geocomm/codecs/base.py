@@ -158,7 +158,10 @@ class TransformingCodec(StatefulCodec):
     * ``plan.forward(x, out)`` writes the mapped values and sets ``plan.side``,
       this rank's contribution to an exact side sum (or None); a plan with
       ``ranged`` true also offers ``plan.begin(x)`` (sets ``side``) and then
-      ``plan.forward_range(values, lo, out)`` for any flat range;
+      ``plan.forward_range(values, lo, out)`` for any flat range, and
+      ``plan.encode_range(values, lo, codec, wire, rounding_stream, offset)``,
+      which encodes a range's mapped values with ``codec`` without storing them
+      (True) or leaves that to the caller (False);
     * after the quantized sum, ``plan.inverse(values, lo, side_sum)`` maps a
       flat range of the result back in place (any range for a ranged plan,
       whole rows otherwise);

@@ -15,11 +15,12 @@ rounding ignores them, and its configs (hence frames) do not mention rounding.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
 from geocomm import native
+from geocomm.codecs.base import WireOf
 from geocomm.codecs.frames import FramedCodec
 
 
@@ -124,6 +125,62 @@ class NativeFormat(FramedCodec):
 
     def decode_wire(self, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
         _backend(out).decode(self._fmt, wire, self._block, out, accumulate)
+
+    def encode_split_wire(
+        self, x: np.ndarray, split: Split, wire: np.ndarray, *, rounding_stream: int = 0,
+        offset: int = 0,
+    ) -> None:  # fmt: skip
+        """:meth:`encode_wire` of x - coef vt (``split``, over the range x of its
+        matrix) in one pass, without storing the difference: the same bytes.
+        Host arrays only (the C core)."""
+        native.geo_encode(
+            self._fmt,
+            x,
+            *split,
+            self._block,
+            wire,
+            flags=self._flags,
+            seed=self.seed,
+            rounding_stream=rounding_stream,
+            offset=offset,
+        )
+
+
+class Split(NamedTuple):
+    """A split map over a range of a row-major matrix of ``n`` columns, for
+    :meth:`NativeFormat.encode_split_wire`: the range starts at flat index ``lo``,
+    ``coef`` holds k coefficients per row it touches, ``vt`` the k x n basis,
+    ``packed`` its ``native.geo_pack`` layout (``native/geocomm.h``, gc_geo_encode)."""
+
+    lo: int
+    n: int
+    coef: np.ndarray
+    vt: np.ndarray
+    packed: np.ndarray
+
+
+def inherits(obj: Any, base: type, *names: str) -> bool:
+    """Whether ``obj`` uses ``base``'s own methods ``names`` (no subclass changed them)."""
+    return all(getattr(type(obj), name) is getattr(base, name) for name in names)
+
+
+def sent_codec(codec: Any) -> Any:
+    """The codec whose bytes ``codec`` sends: through the wrappers (WireOf) that pass
+    their wire codec's encode and decode on unchanged."""
+    while isinstance(codec, WireOf) and inherits(codec, WireOf, "encode_wire", "decode_wire"):
+        codec = codec.wire_codec
+    return codec
+
+
+def split_format(codec: Any) -> NativeFormat | None:
+    """The native format ``codec`` sends when its bytes are that format's own (so its
+    split encode gives them), else None."""
+    sent = sent_codec(codec)
+    if isinstance(sent, NativeFormat) and inherits(
+        sent, NativeFormat, "encode_wire", "decode_wire", "wire_size"
+    ):
+        return sent
+    return None
 
 
 class BF16Codec(NativeFormat):

@@ -10,13 +10,12 @@ the CPU; :mod:`geocomm.engine.device` uploads and launches them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from geocomm import cuda, native
-from geocomm.codecs.base import WireOf
-from geocomm.codecs.formats import NativeFormat, NoneCodec
+from geocomm.codecs.formats import NoneCodec, sent_codec, split_format
 from geocomm.engine.layout import Pieces, segments
 from geocomm.engine.protocols import WireCodec
 
@@ -80,15 +79,12 @@ class WireFormat:
 def wire_format(codec: WireCodec) -> WireFormat | None:
     """The native format ``codec`` sends (wrappers send their wire codec's bytes), or
     None when its bytes are its own (then the host-driven pipeline runs it)."""
-    while isinstance(codec, WireOf) and _inherits(codec, WireOf, "encode_wire", "decode_wire"):
-        codec = codec.wire_codec
-    if type(codec) is NoneCodec:
+    if type(sent_codec(codec)) is NoneCodec:
         return WireFormat(RAW)
-    if not isinstance(codec, NativeFormat) or not _inherits(
-        codec, NativeFormat, "encode_wire", "decode_wire", "wire_size"
-    ):
+    native_format = split_format(codec)
+    if native_format is None:
         return None
-    name, block, flags = codec.native_wire()
+    name, block, flags = native_format.native_wire()
     fmt = native.format_id(name)
     family = {
         native.E4M3: FP8,
@@ -106,13 +102,8 @@ def wire_format(codec: WireCodec) -> WireFormat | None:
         block=block,
         rceil=bool(flags & native.RCEIL),
         stochastic=bool(flags & native.STOCHASTIC),
-        seed=codec.seed,
+        seed=native_format.seed,
     )
-
-
-def _inherits(obj: Any, base: type, *names: str) -> bool:
-    """Whether ``obj`` uses ``base``'s own methods ``names`` (no subclass changed them)."""
-    return all(getattr(type(obj), name) is getattr(base, name) for name in names)
 
 
 # ---------------------------------------------------------------------------

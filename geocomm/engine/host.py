@@ -172,12 +172,12 @@ class Pipeline(PieceAccess):
         for j in range(self.comm.size):
             if j != self.me:
                 lo, hi = self.pieces.piece_range(j, s)
-                values, wire = self._read(lo, hi), buf[displs[j] : displs[j] + counts[j]]
-                self.codec.encode_wire(
-                    values, wire, rounding_stream=self.rounding_streams[0], offset=lo
-                )
-                if self.mapper is not None:
-                    self.mapper.encoded(lo, hi, values, wire)
+                wire, stream = buf[displs[j] : displs[j] + counts[j]], self.rounding_streams[0]
+                if self.mapper is None or not self.mapper.encode(lo, hi, self.codec, wire, stream):
+                    values = self._read(lo, hi)
+                    self.codec.encode_wire(values, wire, rounding_stream=stream, offset=lo)
+                    if self.mapper is not None:
+                        self.mapper.encoded(lo, hi, values, wire)
                 self._progress()
 
     def start_alltoall(self, s: int) -> None:

@@ -58,8 +58,10 @@ class RangeMap(Protocol):
     out as ``wire`` (every quantization this rank makes: its pieces of other
     shards, then the sum of its own); ``done(lo, hi)`` says that
     result[lo:hi] (absolute indices) holds its final sum, which the map may
-    then take back in place. Each runs between the pipeline's communication
-    steps, so its work overlaps them.
+    then take back in place. ``encode(lo, hi, codec, wire, rounding_stream)``
+    may stand for read, encode and encoded of a range (True: wire holds its
+    bytes; False: the pipeline takes the steps one by one). Each runs
+    between the pipeline's communication steps, so its work overlaps them.
     """
 
     def read(self, lo: int, hi: int) -> Any: ...
@@ -68,13 +70,17 @@ class RangeMap(Protocol):
 
     def done(self, lo: int, hi: int) -> None: ...
 
+    def encode(self, lo: int, hi: int, codec: Any, wire: Any, rounding_stream: int) -> bool: ...
+
 
 class MapPlan(Protocol):
     """A transforming codec's plan of one tensor (``codec.plan(...)``): ``ranged`` plans
     map piece by piece (``begin`` once, ``forward_range`` per piece), the others the whole
     tensor (``forward``); ``inverse`` maps a final range back with the side sum; ``side``
     is this rank's side contribution (None: none); ``refreshes``: whether refresh rounds
-    follow."""
+    follow. A ranged plan's ``encode_range`` fuses the map with the codec's encode of a
+    range where it can (True) and does nothing where it cannot (False: the caller maps
+    and encodes in two steps)."""
 
     ranged: bool
     refreshes: bool
@@ -87,6 +93,10 @@ class MapPlan(Protocol):
     def forward_range(self, values: Any, start: int, out: Any) -> None: ...
 
     def inverse(self, result: Any, start: int, side_sum: Any) -> None: ...
+
+    def encode_range(
+        self, values: Any, start: int, codec: Any, wire: Any, rounding_stream: int, offset: int
+    ) -> bool: ...
 
 
 #: A refresh (``codec.refresh(plan, shard, start, side_sum, alone)``): yields partial

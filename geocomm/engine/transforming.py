@@ -58,7 +58,9 @@ class PartsMap:
     ``encoded`` stores in the residual what a quantization lost (decoding
     with ``codec``); ``done`` maps a finished range of ``result`` (which
     starts at ``offset``) back, for ranged plans. Whole-tensor plans are
-    inverted by :meth:`finish`.
+    inverted by :meth:`finish`. ``encode`` hands a range that lies inside one
+    ranged plan's tensor to the plan's fused map and encode (no scratch, one
+    pass over the values), unless a residual is kept.
     """
 
     def __init__(
@@ -129,6 +131,28 @@ class PartsMap:
             sent = self.residual[lo:hi]
             self.codec.decode_wire(wire, sent)
             subtract_from(values, sent)  # residual = values - decode(wire)
+
+    def _sole(self, lo: int, hi: int) -> Any:
+        """(part, plan, side sum) when [lo, hi) lies inside one tensor with a ranged
+        plan, else None."""
+        overlaps = list(self._overlaps(lo, hi))
+        if len(overlaps) != 1:
+            return None
+        part, plan, side, a, b = overlaps[0]
+        if plan is None or not plan.ranged or (a, b) != (lo, hi):
+            return None
+        return part, plan, side
+
+    def encode(self, lo: int, hi: int, codec: Any, wire: Any, rounding_stream: int) -> bool:
+        sole = None if self.residual is not None else self._sole(lo, hi)
+        if sole is None:
+            return False
+        part, plan, _ = sole
+        return bool(
+            plan.encode_range(
+                self.values[lo:hi], lo - part.offset, codec, wire, rounding_stream, lo
+            )
+        )
 
     def done(self, lo: int, hi: int) -> None:
         for part, plan, side, a, b in self._overlaps(lo, hi):

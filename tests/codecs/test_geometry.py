@@ -33,6 +33,7 @@ import pytest
 
 from geocomm import native
 from geocomm.codecs import decode, get_codec
+from geocomm.codecs.formats import Split
 from geocomm.codecs.geo import DEFAULTS, kernels
 from geocomm.codecs.geo.policy import MapShape, map_shape, rank_for_budget
 from geocomm.testing import simulate_allreduce, simulate_reduce_scatter
@@ -153,6 +154,7 @@ def restore_simd():
         (9, 64, 2, 64, 8 * 64),  # one pair
         (12, 33, 1, 5, 300),  # no pair: the narrow loops only
         (6, 8, 4, 0, 48),  # one chunk per row
+        (20, 300, 4, 1000, 15 * 300 + 17),  # a first row from inside a panel
     ],
 )
 def test_wide_loops_give_the_portable_bits(m, n, k, lo, length, restore_simd):
@@ -188,6 +190,59 @@ def test_wide_loops_give_the_portable_bits(m, n, k, lo, length, restore_simd):
     if length <= 8000:
         assert np.array_equal(runs[1][0], ref_project(x, lo, n, vt))
         assert runs[1][5][1] == ref_sumsq(np.nan_to_num(x, posinf=3.0))
+
+
+@pytest.fixture
+def restore_threads():
+    count = native.threads()
+    yield
+    native.set_threads(count)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"id": "fp8"},
+        {"id": "fp8", "fmt": "e5m2", "block": 32, "rounding": "stochastic", "seed": 3},
+        {"id": "fp8", "block": 0},  # one scale for the range: mapped whole, then encoded
+        {"id": "nvfp4", "rounding": "stochastic", "seed": 5},
+        {"id": "mxfp8", "scale_rule": "rceil"},
+        {"id": "bf16"},
+    ],
+)
+@pytest.mark.parametrize(
+    ("m", "n", "lo", "length"),
+    [
+        (300, 257, 1000, 40_000),  # partial rows, three tiles
+        (70, 4096, 3 * 4096 + 17, 60 * 4096),  # a long partial first row
+        (1100, 1024, 0, 1100 * 1024),  # whole rows, two threads' share
+    ],
+)
+def test_split_encode_gives_the_bytes_of_map_then_encode(
+    config, m, n, lo, length, restore_simd, restore_threads
+):
+    """gc_geo_encode (the map and the encode of a range in one pass, tile by tile)
+    writes the bytes of expand(sign -1) into a scratch followed by encode_wire, with
+    any rounding, on both loop paths and two threads: every element's map is its
+    own chain and every tile holds whole scaling blocks, so nothing can differ."""
+    codec = get_codec(config)
+    rng = np.random.default_rng([m, n, lo])
+    x = rng.standard_normal(m * n).astype(np.float32)
+    x[lo + length // 3] = np.inf
+    values = x[lo : lo + length]
+    vt = kernels.orthonormalize(rng.standard_normal((6, n)).astype(np.float32), 2)
+    coef = kernels.round_bf16(kernels.project(values, lo, n, vt))
+    mapped = np.empty_like(values)
+    kernels.expand(values, lo, n, coef, vt, -1.0, mapped)
+    want = np.empty(codec.wire_size(length), np.uint8)
+    codec.encode_wire(mapped, want, rounding_stream=9, offset=lo)
+    split = Split(lo, n, coef, vt, kernels.pack(vt))
+    for level, threads in (("portable", 1), ("auto", 1), ("auto", 2)):
+        native.set_simd(level)
+        native.set_threads(threads)
+        got = np.zeros_like(want)
+        codec.encode_split_wire(values, split, got, rounding_stream=9, offset=lo)
+        assert np.array_equal(got, want), (level, threads)
 
 
 def ref_sumsq(x: np.ndarray) -> float:

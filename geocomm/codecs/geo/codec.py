@@ -61,6 +61,12 @@ class _MeasurePlan:
     def inverse(self, values: Any, lo: int, side_sum: Any) -> None:
         return None
 
+    def encode_range(
+        self, values: Any, lo: int, codec: Any, wire: Any, rounding_stream: int, offset: int
+    ) -> bool:
+        codec.encode_wire(values, wire, rounding_stream=rounding_stream, offset=offset)
+        return True  # the values as they are: no copy
+
 
 class GeoCodec(WireOf, FramedCodec, TransformingCodec):
     """A quantizer preceded by a geometry map (see the module docstring).

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from array_api_compat import array_namespace
 
+from geocomm.codecs.formats import Split, split_format
 from geocomm.codecs.geo import kernels
 from geocomm.codecs.geo.policy import MapShape
 
@@ -79,6 +80,27 @@ class SplitPlan:
         r0 = lo // n
         coef = side_sum[r0 : r0 + kernels.rows(lo, values.shape[0], n), :]
         kernels.expand(values, lo, n, coef, self.vt, 1.0, values, self._packed)
+
+    def _split(self, lo: int, length: int, coef: Any) -> Split | None:
+        """The split over [lo, lo + length) with the rows of ``coef`` (None on CuPy:
+        no packed basis, no split encode)."""
+        if self._packed is None:
+            return None
+        n = self.map_shape.n
+        r0 = lo // n
+        return Split(lo, n, coef[r0 : r0 + kernels.rows(lo, length, n), :], self.vt, self._packed)
+
+    def encode_range(
+        self, values: Any, lo: int, codec: Any, wire: Any, rounding_stream: int, offset: int
+    ) -> bool:
+        """``codec.encode_wire`` of :meth:`forward_range`'s values in one pass, without
+        storing them (the same bytes); False, doing nothing, where ``codec`` has no
+        split encode (not a native format, or CuPy arrays)."""
+        fmt, split = split_format(codec), self._split(lo, values.shape[0], self.side)
+        if fmt is None or split is None:
+            return False
+        fmt.encode_split_wire(values, split, wire, rounding_stream=rounding_stream, offset=offset)
+        return True
 
 
 class HadamardPlan:
