@@ -356,6 +356,33 @@ def geo_encode(
         raise ValueError(f"gc_geo_encode refused its arguments ({rc})")
 
 
+def geo_decode(
+    fmt: int | str,
+    wire: np.ndarray,
+    lo: int,
+    n: int,
+    coef: np.ndarray,
+    vt: np.ndarray,
+    packed: np.ndarray,
+    block: int,
+    out: np.ndarray,
+) -> None:
+    """out = :func:`decode` of wire + coef vt over the range (:func:`geo_expand`
+    with sign 1) in one pass: the same values."""
+    fmt = format_id(fmt)
+    _check_f32(out, "out", writable=True)
+    _check_wire(wire, wire_size(fmt, out.size, block))
+    rc = _lib.gc_geo_decode(
+        fmt,
+        _ffi.from_buffer("uint8_t[]", wire),
+        *_split_args(lo, out.size, n, coef, vt, packed),
+        block,
+        _ffi.from_buffer("float[]", out, require_writable=True),
+    )
+    if rc:
+        raise ValueError(f"gc_geo_decode refused its arguments ({rc})")
+
+
 def geo_accumulate(x: np.ndarray, lo: int, n: int, coef: np.ndarray, acc: np.ndarray) -> None:
     """acc (k, n) += coef^T x over the range's rows, in row order."""
     k = acc.shape[0]

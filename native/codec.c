@@ -7,6 +7,7 @@
 #include "geocomm.h"
 #include "gc_scalar.h"
 #include "gc_simd.h"
+#include "gc_internal.h"
 
 #include <pthread.h>
 #include <stdlib.h>
@@ -672,10 +673,6 @@ GC_CLONES static void decode_bf16(int accumulate, const uint8_t *wire, size_t n,
 #ifndef GC_PREFETCH_ACC
 #define GC_PREFETCH_ACC 4096
 #endif
-/* Outputs from this many bytes up are written around the cache: a host
- * pipeline's pieces of 4 MiB do not stay in a core's caches anyway, and
- * decoding 4096^2 values by such pieces took 3.7 ms streamed, 9.2 ms stored. */
-#define GC_STREAM_BYTES ((size_t)1 << 20)
 
 GC_AVX512 static inline __m512i v_u32(gc_u32 c) { return _mm512_set1_epi32((int)c); }
 
@@ -857,58 +854,11 @@ GC_AVX512 static inline __m512 v_e2m1_values(const uint8_t *cb, __m512 table)
     return _mm512_permutexvar_ps(idx, table);
 }
 
-/* Where decoded vectors go: vector m holds out[16 m .. 16 m + 16). With
- * `stream`, whole 64-byte lines are written non-temporally: out lies k
- * floats past a line start, so line m is the last k values of vector m - 1
- * and the first 16 - k of vector m (one two-source permute); the partial
- * first and last lines are written with masked stores. */
-typedef struct {
-    float *out, *line;
-    __m512 prev;
-    __m512i idx;
-    unsigned k;
-    int stream;
-} gc_sink;
-
+/* The decoders' sink (gc_simd.h): outputs from GC_STREAM_BYTES up stream,
+ * unless accumulated. */
 GC_AVX512 static inline gc_sink sink_open(float *out, size_t n, int accumulate)
 {
-    gc_sink s;
-    s.out = out;
-    s.stream = n * sizeof(float) >= GC_STREAM_BYTES && ((uintptr_t)out & 3u) == 0 && !accumulate;
-    s.k = (unsigned)(((uintptr_t)out & 63u) / 4u);
-    s.line = out - s.k;
-    s.prev = _mm512_setzero_ps();
-    s.idx = _mm512_add_epi32(_mm512_set1_epi32(16 - (int)s.k),
-                             _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-    return s;
-}
-
-GC_AVX512 static inline void sink_put(gc_sink *s, size_t m, __m512 v)
-{
-    if (!s->stream) {
-        _mm512_storeu_ps(s->out + 16 * m, v);
-    } else if (s->k == 0) {
-        _mm512_stream_ps(s->out + 16 * m, v);
-    } else {
-        __m512 line = _mm512_permutex2var_ps(s->prev, s->idx, v);
-        if (m == 0)
-            _mm512_mask_storeu_ps(s->line, (__mmask16)(0xffffu << s->k), line);
-        else
-            _mm512_stream_ps(s->line + 16 * m, line);
-        s->prev = v;
-    }
-}
-
-/* After vectors 0 .. m - 1: the rest of the last line, and the fence that
- * orders the streamed lines before whatever the caller does next. */
-GC_AVX512 static inline void sink_close(gc_sink *s, size_t m)
-{
-    if (!s->stream)
-        return;
-    if (s->k && m)
-        _mm512_mask_storeu_ps(s->line + 16 * m, (__mmask16)((1u << s->k) - 1u),
-                              _mm512_permutex2var_ps(s->prev, s->idx, s->prev));
-    _mm_sfence();
+    return sink_open_as(out, n * sizeof(float) >= GC_STREAM_BYTES && !accumulate);
 }
 
 /* Vector m's values, stored or added to out (read before the sink writes). */
@@ -1319,7 +1269,7 @@ int gc_codec_threads(int count)
     return __atomic_load_n(&gc_threads, __ATOMIC_RELAXED);
 }
 
-/* The split map before an encode (gc_geo_encode): the call's
+/* The split map around a call (gc_geo_encode, gc_geo_decode): the call's
  * values are the elements [lo, lo + n) of a matrix of `cols` columns, mapped
  * with gc_geo_expand by coef (the range's rows) and the basis vt (packed). */
 typedef struct {
@@ -1336,7 +1286,7 @@ typedef struct {
     float *out;
     uint8_t *wire;
     gc_u64 key, offset;
-    const gc_split *split; /* NULL: the values as they are (encode) */
+    const gc_split *split; /* NULL: the values as they are */
     size_t lo, hi;
 } gc_call;
 
@@ -1487,11 +1437,11 @@ static void encode_values(const gc_call *k, const float *x, size_t lo, size_t hi
     }
 }
 
-static void decode_range(const gc_call *k, size_t lo, size_t hi)
+/* Decode (or accumulate) the values of [lo, hi) of the call's body into o. */
+static void decode_range(const gc_call *k, size_t lo, size_t hi, float *o)
 {
     uint8_t *s, *b, *c;
     sections(k, lo, &s, &b, &c);
-    float *o = k->out + lo;
     size_t n = hi - lo;
     int acc = k->accumulate;
 #if GC_HAVE_AVX512
@@ -1547,23 +1497,31 @@ static size_t split_tile(const gc_call *k)
     return GC_SPLIT_TILE / unit * unit;
 }
 
-/* The split's expansion (gc_geo_expand) of the call's values [a, a + n). */
+/* The split's expansion of the call's values [a, a + n): gc_geo_expand, or
+ * gc_geo_expand_stream when `stream`. */
 static int split_expand(const gc_split *m, const float *x, size_t a, size_t n, float sign,
-                        float *out)
+                        float *out, int stream)
 {
     size_t row = (m->lo + a) / m->cols - m->lo / m->cols;
-    return gc_geo_expand(x, m->lo + a, n, m->cols, m->coef + row * m->k, m->vt, m->packed, m->k,
-                         sign, out);
+    return (stream ? gc_geo_expand_stream : gc_geo_expand)(
+        x, m->lo + a, n, m->cols, m->coef + row * m->k, m->vt, m->packed, m->k, sign, out);
 }
 
-/* Encode x - coef vt over [lo, hi), tile by tile. */
+/* [lo, hi) tile by tile: encode x - coef vt, or decode and add coef vt (the
+ * sums written around the cache when the call's output is large). */
 static void split_range(const gc_call *k, size_t lo, size_t hi, size_t tile)
 {
     float buf[GC_SPLIT_TILE] __attribute__((aligned(64))); /* whole cache lines */
+    int stream = k->n * sizeof(float) >= GC_STREAM_BYTES;
     for (size_t a = lo; a < hi; a += tile) {
         size_t b = hi - a < tile ? hi : a + tile;
-        split_expand(k->split, k->x + a, a, b - a, -1.0f, buf);
-        encode_values(k, buf, a, b);
+        if (k->decode) {
+            decode_range(k, a, b, buf);
+            split_expand(k->split, buf, a, b - a, 1.0f, k->out + a, stream);
+        } else {
+            split_expand(k->split, k->x + a, a, b - a, -1.0f, buf, 0);
+            encode_values(k, buf, a, b);
+        }
     }
 }
 
@@ -1573,7 +1531,7 @@ static void *run_range(void *arg)
     if (k->split)
         split_range(k, k->lo, k->hi, split_tile(k));
     else if (k->decode)
-        decode_range(k, k->lo, k->hi);
+        decode_range(k, k->lo, k->hi, k->out + k->lo);
     else
         encode_values(k, k->x + k->lo, k->lo, k->hi);
     return NULL;
@@ -1678,7 +1636,7 @@ int gc_decode(int fmt, const uint8_t *wire, size_t n, size_t block, float *out, 
     return 0;
 }
 
-/* ---- the split encode: the map and the codec in one pass ------------------ */
+/* ---- split calls: the map and the codec in one pass ----------------------- */
 
 int gc_geo_encode(int fmt, const float *x, size_t lo, size_t len, size_t n, const float *coef,
                   const float *vt, const float *packed, size_t k, size_t block, uint8_t *wire,
@@ -1699,9 +1657,34 @@ int gc_geo_encode(int fmt, const float *x, size_t lo, size_t len, size_t n, cons
     float *mapped = malloc(len * sizeof(float));
     if (!mapped)
         return GC_ENOMEM;
-    split_expand(&map, x, 0, len, -1.0f, mapped);
+    split_expand(&map, x, 0, len, -1.0f, mapped, 0);
     call.x = mapped;
     run_call(&call, split_unit(fmt, call.block));
     free(mapped);
+    return 0;
+}
+
+int gc_geo_decode(int fmt, const uint8_t *wire, size_t lo, size_t len, size_t n,
+                  const float *coef, const float *vt, const float *packed, size_t k, size_t block,
+                  float *out)
+{
+    if (!known_format(fmt) || n == 0 || k == 0 || (len && !(wire && coef && vt && packed && out)))
+        return GC_EINVAL;
+    if (len == 0)
+        return 0;
+    gc_split map = {lo, n, k, coef, vt, packed};
+    gc_call call = {0};
+    call.fmt = fmt;
+    call.decode = 1;
+    call.simd = gc_codec_simd(GC_SIMD_CURRENT);
+    call.n = len;
+    call.block = fp8_block(len, block);
+    call.out = out;
+    call.wire = (uint8_t *)(uintptr_t)wire; /* read only */
+    if (split_tile(&call))
+        call.split = &map;
+    run_call(&call, split_unit(fmt, call.block));
+    if (!call.split) /* decoded whole (a unit larger than a tile): map back in place */
+        split_expand(&map, out, 0, len, 1.0f, out, 0);
     return 0;
 }

@@ -147,6 +147,13 @@ int gc_geo_encode(int fmt, const float *x, size_t lo, size_t len, size_t n, cons
                   const float *vt, const float *packed, size_t k, size_t block, uint8_t *wire,
                   unsigned flags, uint64_t seed, uint64_t stream, uint64_t offset);
 
+/* out = decode(wire) + coef vt over the range: gc_decode, then gc_geo_expand
+ * with sign 1 in place, in one pass (the same values; a large out is written
+ * around the cache). */
+int gc_geo_decode(int fmt, const uint8_t *wire, size_t lo, size_t len, size_t n,
+                  const float *coef, const float *vt, const float *packed, size_t k, size_t block,
+                  float *out);
+
 /* acc[l][j] += sum over the range's rows r (in order) of coef[r][l] x[r][j];
  * acc is k x n. Non-finite x make acc non-finite. */
 int gc_geo_accumulate(const float *x, size_t lo, size_t len, size_t n, const float *coef,

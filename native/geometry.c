@@ -23,6 +23,7 @@
 #include "geocomm.h"
 #include "gc_linalg.h"
 #include "gc_simd.h"
+#include "gc_internal.h"
 
 #if defined(GC_USE_CLONES) && defined(__x86_64__) && defined(__GNUC__)
 #define GC_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
@@ -507,28 +508,79 @@ GC_AVX512 static void project_rows_wide(const float *x, size_t ldx, size_t rows,
         project_row(x + r * ldx, cols, vt, ldv, k, coef + r * k, 0);
 }
 
+/* The chains of up to four rows over one panel b of the packed basis:
+ * t[r][q] for row r and the panel's 16 columns q. */
+GC_INLINE void panel_chains(const float *b, const float *coef, size_t k, size_t nrows,
+                            gc_wvec t[4][2])
+{
+    for (size_t r = 0; r < nrows; r++)
+        t[r][0] = t[r][1] = (gc_wvec){0};
+    for (size_t l = 0; l < k; l++, b += GC_PANEL) {
+        gc_wvec b0 = wload(b), b1 = wload(b + 2 * GC_LANES);
+        for (size_t r = 0; r < nrows; r++) {
+            float c = coef[r * k + l];
+            t[r][0] += c * b0;
+            t[r][1] += c * b1;
+        }
+    }
+}
+
 /* Up to four rows over whole panels of the packed basis, 16 columns a vector. */
 GC_INLINE void expand_panels_wide(const float *x, size_t ldx, size_t panels, const float *coef,
                                   const float *vp, size_t k, float sign, float *out,
                                   size_t nrows)
 {
     for (size_t p = 0; p < panels; p++) {
-        const float *b = vp + p * k * GC_PANEL;
-        gc_wvec t[4][2] = {{{0}}};
-        for (size_t l = 0; l < k; l++, b += GC_PANEL) {
-            gc_wvec b0 = wload(b), b1 = wload(b + 2 * GC_LANES);
-            for (size_t r = 0; r < nrows; r++) {
-                float c = coef[r * k + l];
-                t[r][0] += c * b0;
-                t[r][1] += c * b1;
-            }
-        }
+        gc_wvec t[4][2];
+        panel_chains(vp + p * k * GC_PANEL, coef, k, nrows, t);
         for (size_t r = 0; r < nrows; r++)
             for (int q = 0; q < 2; q++) {
                 size_t at = r * ldx + p * GC_PANEL + q * 2 * GC_LANES;
                 wstore(out + at, wload(x + at) + sign * t[r][q]);
             }
     }
+}
+
+/* expand_panels_wide into out != x through one streaming sink per row
+ * (vector 2 p + q of a row holds its panel p's columns q). */
+GC_INLINE void stream_panels_wide(const float *x, size_t ldx, size_t panels, const float *coef,
+                                  const float *vp, size_t k, float sign, gc_sink *sink,
+                                  size_t nrows)
+{
+    for (size_t p = 0; p < panels; p++) {
+        gc_wvec t[4][2];
+        panel_chains(vp + p * k * GC_PANEL, coef, k, nrows, t);
+        for (size_t r = 0; r < nrows; r++)
+            for (int q = 0; q < 2; q++) {
+                gc_wvec v = wload(x + r * ldx + p * GC_PANEL + q * 2 * GC_LANES) + sign * t[r][q];
+                sink_put(&sink[r], 2 * p + q, (__m512)v);
+            }
+    }
+}
+
+/* Whole rows from column 0 into out != x, the panels written around the
+ * cache (gc_sink), four rows at a time; the tail columns take the scalar
+ * chain. Same values as expand_rows_wide. */
+GC_AVX512 static void stream_rows_wide(const float *x, size_t ldx, size_t rows, size_t cols,
+                                       const float *coef, const float *vt, const float *vp,
+                                       size_t k, float sign, float *out)
+{
+    size_t panels = cols / GC_PANEL;
+    for (size_t r = 0; r < rows && panels; r += 4) {
+        size_t nr = rows - r < 4 ? rows - r : 4;
+        gc_sink sink[4];
+        for (size_t i = 0; i < nr; i++)
+            sink[i] = sink_open_as(out + (r + i) * ldx, 1);
+        if (nr == 4)
+            stream_panels_wide(x + r * ldx, ldx, panels, coef + r * k, vp, k, sign, sink, 4);
+        else
+            stream_panels_wide(x + r * ldx, ldx, panels, coef + r * k, vp, k, sign, sink, nr);
+        for (size_t i = 0; i < nr; i++)
+            sink_finish(&sink[i], 2 * panels);
+    }
+    _mm_sfence();
+    for (size_t j = panels * GC_PANEL; j < cols; j++)
+        expand_column(x, ldx, j, coef, vt, ldx, k, sign, out, rows);
 }
 
 /* Rows of cols columns from column col (one row when col > 0): the columns up
@@ -717,6 +769,18 @@ int gc_geo_expand(const float *x, size_t lo, size_t len, size_t n, const float *
                        out + seg[s].offset, wide);
     free(vp);
     return 0;
+}
+
+int gc_geo_expand_stream(const float *x, size_t lo, size_t len, size_t n, const float *coef,
+                         const float *vt, const float *packed, size_t k, float sign, float *out)
+{
+#if GC_HAVE_AVX512
+    if (wide_loops() && packed && x != out && len && lo % n == 0 && len % n == 0) {
+        stream_rows_wide(x, n, len / n, n, coef, vt, packed, k, sign, out);
+        return 0;
+    }
+#endif
+    return gc_geo_expand(x, lo, len, n, coef, vt, packed, k, sign, out);
 }
 
 int gc_geo_accumulate(const float *x, size_t lo, size_t len, size_t n, const float *coef,

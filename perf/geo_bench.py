@@ -6,7 +6,7 @@ energy, plus noise). A "call" is what one rank of the all-reduce does to its
 own tensor, with no communication and the quantizer run once each way, as
 the collective runs it: plan and projection of the whole tensor, then piece
 by piece (the host stage size, 2**20 values) map (subtract) and encode in
-one pass; piece by piece decode and map back (add); and the
+one pass; piece by piece decode and map back (add) in one pass; and the
 basis refresh when the key's period is due (here on the whole matrix, as on
 one rank; on N ranks each refreshes only its 1/N). The steady-state time is
 the mean over 2 x refresh_max calls after warm-up. Yardsticks measured in
@@ -64,10 +64,10 @@ class Call:
     collective does it (seconds accumulate): the plan and the projection of
     the whole tensor; then piece by piece (the host pipeline's stage size)
     the map and encode of the piece in one pass (the plan's split encode);
-    then piece by piece the decode into the result and the map back; then
-    the refresh, when due."""
+    then piece by piece the decode and the map back in one pass; then the
+    refresh, when due."""
 
-    PHASES = ("plan", "map+encode", "decode", "map back", "refresh")
+    PHASES = ("plan", "map+encode", "decode+map back", "refresh")
 
     def __init__(self, codec: Any, x: np.ndarray, piece: int = HOST_STAGE_SIZE):
         self.codec, self.x, self.piece = codec, x, piece
@@ -95,9 +95,10 @@ class Call:
             if plan is None or not self._clock("map+encode", plan.encode_range, *args):
                 self._clock("map+encode", codec.encode_wire, flat[lo:hi], wire)
         for (lo, hi), wire in zip(self.pieces, self.wire, strict=True):
-            self._clock("decode", codec.decode_wire, wire, self.result[lo:hi])
-            if plan is not None:
-                self._clock("map back", plan.inverse, self.result[lo:hi], lo, plan.side)
+            out = self.result[lo:hi]
+            args = (wire, codec, out, lo, plan.side) if plan is not None else ()
+            if plan is None or not self._clock("decode+map back", plan.decode_range, *args):
+                self._clock("decode+map back", codec.decode_wire, wire, out)
         if plan is not None and plan.refreshes:
             self._clock("refresh", run_refresh_locally, codec, plan, self.result, plan.side)
 

@@ -164,7 +164,9 @@ class TransformingCodec(StatefulCodec):
       (True) or leaves that to the caller (False);
     * after the quantized sum, ``plan.inverse(values, lo, side_sum)`` maps a
       flat range of the result back in place (any range for a ranged plan,
-      whole rows otherwise);
+      whole rows otherwise); ranged plans also offer
+      ``plan.decode_range(wire, codec, out, lo, side_sum)``: decode and
+      inverse in one pass (True), or nothing (False);
     * if ``plan.refreshes``, the collective drives the generator
       ``codec.refresh(plan, shard, lo, side_sum, alone)``: every array it
       yields is summed exactly over the ranks and sent back into it; with

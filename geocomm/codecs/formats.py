@@ -145,10 +145,15 @@ class NativeFormat(FramedCodec):
             offset=offset,
         )
 
+    def decode_split_wire(self, wire: np.ndarray, split: Split, out: np.ndarray) -> None:
+        """out = :meth:`decode_wire` + coef vt (``split``, over the range out of its
+        matrix) in one pass: the same values. Host arrays only."""
+        native.geo_decode(self._fmt, wire, *split, self._block, out)
+
 
 class Split(NamedTuple):
-    """A split map over a range of a row-major matrix of ``n`` columns, for
-    :meth:`NativeFormat.encode_split_wire`: the range starts at flat index ``lo``,
+    """A split map over a range of a row-major matrix of ``n`` columns, for the
+    split calls of :class:`NativeFormat`: the range starts at flat index ``lo``,
     ``coef`` holds k coefficients per row it touches, ``vt`` the k x n basis,
     ``packed`` its ``native.geo_pack`` layout (``native/geocomm.h``, gc_geo_encode)."""
 
@@ -174,7 +179,7 @@ def sent_codec(codec: Any) -> Any:
 
 def split_format(codec: Any) -> NativeFormat | None:
     """The native format ``codec`` sends when its bytes are that format's own (so its
-    split encode gives them), else None."""
+    split calls give them), else None."""
     sent = sent_codec(codec)
     if isinstance(sent, NativeFormat) and inherits(
         sent, NativeFormat, "encode_wire", "decode_wire", "wire_size"

@@ -239,7 +239,11 @@ class Pipeline(PieceAccess):
         buf = self.ag_recv[s % 2]
         for j in range(self.comm.size):
             lo, hi = self.pieces.piece_range(j, s)
-            self.codec.decode_wire(buf[displs[j] : displs[j] + counts[j]], self._local(lo, hi))
+            wire = buf[displs[j] : displs[j] + counts[j]]
+            if self.mapper is not None and hi > lo and self.mapper.decode(lo, hi, self.codec, wire):
+                self._progress()
+                continue
+            self.codec.decode_wire(wire, self._local(lo, hi))
             self._progress()
             self._done(lo, hi)
 

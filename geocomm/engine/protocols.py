@@ -60,8 +60,10 @@ class RangeMap(Protocol):
     result[lo:hi] (absolute indices) holds its final sum, which the map may
     then take back in place. ``encode(lo, hi, codec, wire, rounding_stream)``
     may stand for read, encode and encoded of a range (True: wire holds its
-    bytes; False: the pipeline takes the steps one by one). Each runs
-    between the pipeline's communication steps, so its work overlaps them.
+    bytes), ``decode(lo, hi, codec, wire)`` for the decode of a final range
+    and done (True); False: the pipeline takes the steps one by one. Each
+    runs between the pipeline's communication steps, so its work overlaps
+    them.
     """
 
     def read(self, lo: int, hi: int) -> Any: ...
@@ -72,15 +74,17 @@ class RangeMap(Protocol):
 
     def encode(self, lo: int, hi: int, codec: Any, wire: Any, rounding_stream: int) -> bool: ...
 
+    def decode(self, lo: int, hi: int, codec: Any, wire: Any) -> bool: ...
+
 
 class MapPlan(Protocol):
     """A transforming codec's plan of one tensor (``codec.plan(...)``): ``ranged`` plans
     map piece by piece (``begin`` once, ``forward_range`` per piece), the others the whole
     tensor (``forward``); ``inverse`` maps a final range back with the side sum; ``side``
     is this rank's side contribution (None: none); ``refreshes``: whether refresh rounds
-    follow. A ranged plan's ``encode_range`` fuses the map with the codec's encode of a
-    range where it can (True) and does nothing where it cannot (False: the caller maps
-    and encodes in two steps)."""
+    follow. A ranged plan's ``encode_range`` and ``decode_range`` fuse the map with the
+    codec's encode or decode of a range where they can (True) and do nothing where they
+    cannot (False: the caller maps and codes in two steps)."""
 
     ranged: bool
     refreshes: bool
@@ -97,6 +101,8 @@ class MapPlan(Protocol):
     def encode_range(
         self, values: Any, start: int, codec: Any, wire: Any, rounding_stream: int, offset: int
     ) -> bool: ...
+
+    def decode_range(self, wire: Any, codec: Any, out: Any, start: int, side_sum: Any) -> bool: ...
 
 
 #: A refresh (``codec.refresh(plan, shard, start, side_sum, alone)``): yields partial

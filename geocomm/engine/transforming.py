@@ -58,9 +58,10 @@ class PartsMap:
     ``encoded`` stores in the residual what a quantization lost (decoding
     with ``codec``); ``done`` maps a finished range of ``result`` (which
     starts at ``offset``) back, for ranged plans. Whole-tensor plans are
-    inverted by :meth:`finish`. ``encode`` hands a range that lies inside one
-    ranged plan's tensor to the plan's fused map and encode (no scratch, one
-    pass over the values), unless a residual is kept.
+    inverted by :meth:`finish`. ``encode`` and ``decode`` hand a range that
+    lies inside one ranged plan's tensor to the plan's fused calls (the map
+    and the codec in one pass; no scratch), ``encode`` unless a residual is
+    kept.
     """
 
     def __init__(
@@ -153,6 +154,14 @@ class PartsMap:
                 self.values[lo:hi], lo - part.offset, codec, wire, rounding_stream, lo
             )
         )
+
+    def decode(self, lo: int, hi: int, codec: Any, wire: Any) -> bool:
+        sole = self._sole(lo, hi)
+        if sole is None:
+            return False
+        part, plan, side = sole
+        out = self.result[lo - self.offset : hi - self.offset]
+        return bool(plan.decode_range(wire, codec, out, lo - part.offset, side))
 
     def done(self, lo: int, hi: int) -> None:
         for part, plan, side, a, b in self._overlaps(lo, hi):

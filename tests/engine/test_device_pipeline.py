@@ -431,6 +431,9 @@ class RecordingMap:
 
     def encode(self, lo, hi, codec, wire, rounding_stream):
         return False  # the steps one by one, so each is recorded
+
+    def decode(self, lo, hi, codec, wire):
+        return False
         self.result[lo - self.offset : hi - self.offset] *= np.float32(0.5)
 
 

@@ -67,6 +67,10 @@ class _MeasurePlan:
         codec.encode_wire(values, wire, rounding_stream=rounding_stream, offset=offset)
         return True  # the values as they are: no copy
 
+    def decode_range(self, wire: Any, codec: Any, out: Any, lo: int, side_sum: Any) -> bool:
+        codec.decode_wire(wire, out)
+        return True
+
 
 class GeoCodec(WireOf, FramedCodec, TransformingCodec):
     """A quantizer preceded by a geometry map (see the module docstring).

@@ -83,7 +83,7 @@ class SplitPlan:
 
     def _split(self, lo: int, length: int, coef: Any) -> Split | None:
         """The split over [lo, lo + length) with the rows of ``coef`` (None on CuPy:
-        no packed basis, no split encode)."""
+        no packed basis, no split calls)."""
         if self._packed is None:
             return None
         n = self.map_shape.n
@@ -95,11 +95,20 @@ class SplitPlan:
     ) -> bool:
         """``codec.encode_wire`` of :meth:`forward_range`'s values in one pass, without
         storing them (the same bytes); False, doing nothing, where ``codec`` has no
-        split encode (not a native format, or CuPy arrays)."""
+        split calls (not a native format, or CuPy arrays)."""
         fmt, split = split_format(codec), self._split(lo, values.shape[0], self.side)
         if fmt is None or split is None:
             return False
         fmt.encode_split_wire(values, split, wire, rounding_stream=rounding_stream, offset=offset)
+        return True
+
+    def decode_range(self, wire: Any, codec: Any, out: Any, lo: int, side_sum: Any) -> bool:
+        """``codec.decode_wire`` into ``out``, then :meth:`inverse`, in one pass (the
+        same values); False, doing nothing, as :meth:`encode_range`."""
+        fmt, split = split_format(codec), self._split(lo, out.shape[0], side_sum)
+        if fmt is None or split is None:
+            return False
+        fmt.decode_split_wire(wire, split, out)
         return True
 
 
