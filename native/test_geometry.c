@@ -4,7 +4,8 @@
  * the order that gc_linalg.h defines (bit for bit), over random shapes and
  * ranges that start and end inside rows, with inf and NaN inputs; and the
  * orthonormality of gc_geo_orthonormalize, also for deficient inputs; and
- * gc_geo_encode against the expansion followed by the encode. The
+ * gc_geo_encode and gc_geo_decode against the expansion and the codec's
+ * calls one after the other. The
  * kernels run on the portable loops and on the AVX-512 ones (where the CPU
  * has them), which must both give the definition's bits. Run
  * under -Db_sanitize=address,undefined it also checks every access.
@@ -124,8 +125,9 @@ static void test_kernels_match_definition(void)
 /* gc_geo_encode writes the bytes of gc_geo_expand (sign -1) followed by
  * gc_encode_ex, for ranges of several tiles that start and end inside rows,
  * with stochastic rounding, and with one scale for the whole range (mapped
- * whole, then encoded); bad arguments are refused. */
-static void test_split_encode(void)
+ * whole, then encoded); gc_geo_decode the values of gc_decode followed by
+ * gc_geo_expand (sign 1); bad arguments are refused. */
+static void test_split_calls(void)
 {
     unsigned s = 11;
     const int fmts[] = {GC_E4M3, GC_E5M2, GC_NVFP4, GC_MXFP8_E4M3, GC_MXFP4, GC_BF16};
@@ -134,6 +136,7 @@ static void test_split_encode(void)
     float *x = malloc(sizeof(float) * len), *vt = malloc(sizeof(float) * k * n);
     float *coef = malloc(sizeof(float) * k * rows), *mapped = malloc(sizeof(float) * len);
     float *packed = malloc(sizeof(float) * gc_geo_packed_size(k, n));
+    float *back = malloc(sizeof(float) * len), *sums = malloc(sizeof(float) * len);
     for (size_t i = 0; i < len; i++)
         x[i] = uniform(&s) * 8.0f;
     x[len / 3] = INFINITY;
@@ -152,6 +155,14 @@ static void test_split_encode(void)
                                     flags, 3, 4, lo) == 0, "split encode returns 0");
                 CHECK(!memcmp(want, got, bytes), "split encode fmt=%d block=%zu flags=%u",
                       fmts[f], blocks[b], flags);
+                gc_decode(fmts[f], want, len, blocks[b], back, 0);
+                gc_geo_expand(back, lo, len, n, coef, vt, packed, k, 1.0f, back);
+                CHECK(gc_geo_decode(fmts[f], want, lo, len, n, coef, vt, packed, k, blocks[b],
+                                    sums) == 0, "split decode returns 0");
+                int same = 1;
+                for (size_t i = 0; i < len; i++)
+                    same &= isnan(back[i]) ? isnan(sums[i]) : !memcmp(back + i, sums + i, 4);
+                CHECK(same, "split decode fmt=%d block=%zu", fmts[f], blocks[b]);
                 free(want), free(got);
             }
     uint8_t wire[64];
@@ -161,7 +172,9 @@ static void test_split_encode(void)
               == GC_EINVAL, "an unknown format is refused");
     CHECK(gc_geo_encode(GC_E4M3, x, lo, 0, n, coef, vt, packed, k, 128, wire, 0, 0, 0, 0) == 0,
           "an empty range encodes as nothing");
-    free(x), free(vt), free(coef), free(mapped), free(packed);
+    CHECK(gc_geo_decode(GC_E4M3, wire, lo, 16, n, coef, vt, NULL, k, 128, sums) == GC_EINVAL,
+          "a split decode needs the packed basis");
+    free(x), free(vt), free(coef), free(mapped), free(packed), free(back), free(sums);
 }
 
 static void test_nonfinite_rows(void)
@@ -226,7 +239,7 @@ int main(void)
         srand(2026);
         if (gc_codec_simd(level) == level) {
             test_kernels_match_definition();
-            test_split_encode();
+            test_split_calls();
         }
     }
     gc_codec_simd(GC_SIMD_AUTO);

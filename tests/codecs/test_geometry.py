@@ -218,13 +218,15 @@ def restore_threads():
         (1100, 1024, 0, 1100 * 1024),  # whole rows, two threads' share
     ],
 )
-def test_split_encode_gives_the_bytes_of_map_then_encode(
+def test_split_calls_give_the_bits_of_map_then_code(
     config, m, n, lo, length, restore_simd, restore_threads
 ):
     """gc_geo_encode (the map and the encode of a range in one pass, tile by tile)
     writes the bytes of expand(sign -1) into a scratch followed by encode_wire, with
-    any rounding, on both loop paths and two threads: every element's map is its
-    own chain and every tile holds whole scaling blocks, so nothing can differ."""
+    any rounding, on both loop paths and two threads; gc_geo_decode gives the bits
+    of decode_wire followed by expand(sign 1) in place (whole rows: written around
+    the cache). Every element's map is its own chain and every tile holds whole
+    scaling blocks, so nothing can differ."""
     codec = get_codec(config)
     rng = np.random.default_rng([m, n, lo])
     x = rng.standard_normal(m * n).astype(np.float32)
@@ -236,6 +238,9 @@ def test_split_encode_gives_the_bytes_of_map_then_encode(
     kernels.expand(values, lo, n, coef, vt, -1.0, mapped)
     want = np.empty(codec.wire_size(length), np.uint8)
     codec.encode_wire(mapped, want, rounding_stream=9, offset=lo)
+    back = np.empty_like(values)
+    codec.decode_wire(want, back)
+    kernels.expand(back, lo, n, coef, vt, 1.0, back)
     split = Split(lo, n, coef, vt, kernels.pack(vt))
     for level, threads in (("portable", 1), ("auto", 1), ("auto", 2)):
         native.set_simd(level)
@@ -243,6 +248,9 @@ def test_split_encode_gives_the_bytes_of_map_then_encode(
         got = np.zeros_like(want)
         codec.encode_split_wire(values, split, got, rounding_stream=9, offset=lo)
         assert np.array_equal(got, want), (level, threads)
+        out = np.full_like(values, np.nan)
+        codec.decode_split_wire(want, split, out)
+        assert np.array_equal(out.view(np.uint32), back.view(np.uint32)), (level, threads)
 
 
 def ref_sumsq(x: np.ndarray) -> float:
