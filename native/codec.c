@@ -674,7 +674,6 @@ GC_CLONES static void decode_bf16(int accumulate, const uint8_t *wire, size_t n,
 #define GC_PREFETCH_ACC 4096
 #endif
 
-GC_AVX512 static inline __m512i v_u32(gc_u32 c) { return _mm512_set1_epi32((int)c); }
 
 /* Ask for the cache lines of x[GC_PREFETCH_AHEAD + i], i in [0, len) (len
  * a multiple of 16), where that lies before x[left]. Forced inline: gcc
@@ -817,32 +816,6 @@ GC_AVX512 static inline __m512i v_nibbles8(const __m512i *c)
         _mm512_packus_epi16(lo, hi));
 }
 
-/* gc_e4m3_value / gc_e5m2_value of 16 codes (dwords): the magnitude's
- * normal pattern or its subnormal multiple of the quantum, NaN (and E5M2's
- * inf) codes replaced, then the sign bit set (what -v does). */
-GC_AVX512 static inline __m512 v_fp8_value(int e5m2, __m512i c)
-{
-    const int mbits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
-    __m512i mag = _mm512_and_si512(c, v_u32(0x7fu));
-    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, v_u32(0x80u)), 24);
-    __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(mag, (unsigned)(23 - mbits)),
-                                      v_u32((gc_u32)(127 - bias) << 23));
-    __m512 quantum = _mm512_castsi512_ps(v_u32((gc_u32)(127 + 1 - bias - mbits) << 23));
-    __m512i sub = _mm512_castps_si512(_mm512_mul_ps(
-        _mm512_cvtepi32_ps(_mm512_and_si512(mag, v_u32((1u << mbits) - 1u))), quantum));
-    __mmask16 is_normal = _mm512_test_epi32_mask(mag, v_u32(0x7fu << mbits & 0x7fu));
-    __m512i v = _mm512_mask_blend_epi32(is_normal, sub, normal);
-    if (e5m2) {
-        v = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(mag, v_u32(0x7cu)), v,
-                                    v_u32(0x7f800000u));
-        v = _mm512_mask_blend_epi32(_mm512_cmpgt_epu32_mask(mag, v_u32(0x7cu)), v,
-                                    v_u32(0x7fc00000u));
-    } else {
-        v = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(mag, v_u32(0x7fu)), v,
-                                    v_u32(0x7fc00000u));
-    }
-    return _mm512_castsi512_ps(_mm512_or_si512(v, sign));
-}
 
 /* gc_e2m1_table[c] of the 16 codes packed in 8 bytes (element 2i low). */
 GC_AVX512 static inline __m512 v_e2m1_values(const uint8_t *cb, __m512 table)
@@ -1484,13 +1457,13 @@ static size_t split_unit(int fmt, size_t block)
     return GC_NVFP4_SUPERBLOCK;
 }
 
-/* Values per tile of a split encode: whole split units (split_unit) of at
- * most this many values when they fit (64 KiB, four rows of 4096 for the
- * expansion's blocks of four rows: the tile stays in L2 between the map and
- * the codec). */
-#define GC_SPLIT_TILE ((size_t)16384)
+/* Values per tile of a split call: whole split units (split_unit) of at
+ * most this many values when they fit (128 KiB, eight rows of 4096 for the
+ * streaming expansion's blocks of eight rows: the tile stays in L2 between
+ * the map and the codec). */
+#define GC_SPLIT_TILE ((size_t)32768)
 
-/* Values per tile of the split encode k (0: its unit does not fit a tile). */
+/* Values per tile of the split call k (0: its unit does not fit a tile). */
 static size_t split_tile(const gc_call *k)
 {
     size_t unit = split_unit(k->fmt, k->block);
@@ -1507,6 +1480,21 @@ static int split_expand(const gc_split *m, const float *x, size_t a, size_t n, f
         x, m->lo + a, n, m->cols, m->coef + row * m->k, m->vt, m->packed, m->k, sign, out);
 }
 
+/* Decode [a, b) of an fp8 body and add coef vt in one pass, the sums written
+ * around the cache (gc_geo_decode_fp8_stream); 0 where that does not apply. */
+static int split_decode_fp8(const gc_call *k, size_t a, size_t b)
+{
+    if ((k->fmt != GC_E4M3 && k->fmt != GC_E5M2) || !vector_call(k))
+        return 0;
+    const gc_split *m = k->split;
+    uint8_t *s, *bs, *c;
+    sections(k, a, &s, &bs, &c);
+    size_t row = (m->lo + a) / m->cols - m->lo / m->cols;
+    return gc_geo_decode_fp8_stream(k->fmt == GC_E5M2, s, c, k->block, m->lo + a, b - a, m->cols,
+                                    m->coef + row * m->k, m->packed, m->k, 1.0f, k->out + a)
+           == 0;
+}
+
 /* [lo, hi) tile by tile: encode x - coef vt, or decode and add coef vt (the
  * sums written around the cache when the call's output is large). */
 static void split_range(const gc_call *k, size_t lo, size_t hi, size_t tile)
@@ -1516,6 +1504,8 @@ static void split_range(const gc_call *k, size_t lo, size_t hi, size_t tile)
     for (size_t a = lo; a < hi; a += tile) {
         size_t b = hi - a < tile ? hi : a + tile;
         if (k->decode) {
+            if (stream && split_decode_fp8(k, a, b))
+                continue;
             decode_range(k, a, b, buf);
             split_expand(k->split, buf, a, b - a, 1.0f, k->out + a, stream);
         } else {

@@ -26,6 +26,35 @@
 #include <stddef.h>
 #include <stdint.h>
 
+GC_AVX512 static inline __m512i v_u32(uint32_t c) { return _mm512_set1_epi32((int)c); }
+
+/* gc_e4m3_value / gc_e5m2_value of 16 codes (dwords): the magnitude's
+ * normal pattern or its subnormal multiple of the quantum, NaN (and E5M2's
+ * inf) codes replaced, then the sign bit set (what -v does). */
+GC_AVX512 static inline __m512 v_fp8_value(int e5m2, __m512i c)
+{
+    const int mbits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+    __m512i mag = _mm512_and_si512(c, v_u32(0x7fu));
+    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, v_u32(0x80u)), 24);
+    __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(mag, (unsigned)(23 - mbits)),
+                                      v_u32((uint32_t)(127 - bias) << 23));
+    __m512 quantum = _mm512_castsi512_ps(v_u32((uint32_t)(127 + 1 - bias - mbits) << 23));
+    __m512i sub = _mm512_castps_si512(_mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_and_si512(mag, v_u32((1u << mbits) - 1u))), quantum));
+    __mmask16 is_normal = _mm512_test_epi32_mask(mag, v_u32(0x7fu << mbits & 0x7fu));
+    __m512i v = _mm512_mask_blend_epi32(is_normal, sub, normal);
+    if (e5m2) {
+        v = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(mag, v_u32(0x7cu)), v,
+                                    v_u32(0x7f800000u));
+        v = _mm512_mask_blend_epi32(_mm512_cmpgt_epu32_mask(mag, v_u32(0x7cu)), v,
+                                    v_u32(0x7fc00000u));
+    } else {
+        v = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(mag, v_u32(0x7fu)), v,
+                                    v_u32(0x7fc00000u));
+    }
+    return _mm512_castsi512_ps(_mm512_or_si512(v, sign));
+}
+
 /* Where a loop's vectors go: vector m holds out[16 m .. 16 m + 16), put in
  * order m = 0, 1, ... With `stream`, whole 64-byte lines are written
  * non-temporally: out lies k floats past a line start, so line m is the

@@ -533,10 +533,10 @@ GC_AVX512 static void project_rows_wide(const float *x, size_t ldx, size_t rows,
         project_row(x + r * ldx, cols, vt, ldv, k, coef + r * k, 0);
 }
 
-/* The chains of up to four rows over one panel b of the packed basis:
- * t[r][q] for row r and the panel's 16 columns q. */
+/* The chains of nrows rows over one panel b of the packed basis: t[r][q] for
+ * row r and the panel's 16 columns q. */
 GC_INLINE void panel_chains(const float *b, const float *coef, size_t k, size_t nrows,
-                            gc_wvec t[4][2])
+                            gc_wvec (*t)[2])
 {
     for (size_t r = 0; r < nrows; r++)
         t[r][0] = t[r][1] = (gc_wvec){0};
@@ -566,14 +566,20 @@ GC_INLINE void expand_panels_wide(const float *x, size_t ldx, size_t panels, con
     }
 }
 
-/* expand_panels_wide into out != x through one streaming sink per row
- * (vector 2 p + q of a row holds its panel p's columns q). */
+/* Rows a streaming expansion takes at a time: eight rows' sixteen chains
+ * share each basis vector loaded (4096^2 values at k = 10 streamed in 4.2
+ * ms, four rows at a time 5.2). */
+#define GC_STREAM_ROWS 8
+
+/* Up to GC_STREAM_ROWS rows over whole panels into out != x through one
+ * streaming sink per row (vector 2 p + q of a row holds its panel p's
+ * columns q). */
 GC_INLINE void stream_panels_wide(const float *x, size_t ldx, size_t panels, const float *coef,
                                   const float *vp, size_t k, float sign, gc_sink *sink,
                                   size_t nrows)
 {
     for (size_t p = 0; p < panels; p++) {
-        gc_wvec t[4][2];
+        gc_wvec t[GC_STREAM_ROWS][2];
         panel_chains(vp + p * k * GC_PANEL, coef, k, nrows, t);
         for (size_t r = 0; r < nrows; r++)
             for (int q = 0; q < 2; q++) {
@@ -583,21 +589,73 @@ GC_INLINE void stream_panels_wide(const float *x, size_t ldx, size_t panels, con
     }
 }
 
+/* stream_panels_wide whose rows' values are decoded fp8 codes (row r's at
+ * codes + r * ldx; one fp32 scale per 2^shift values at scales, 2^shift >=
+ * 16, so a vector never straddles two blocks), each decoded as codec.c's
+ * decoders do. */
+GC_AVX512 GC_INLINE void stream_fp8_panels_wide(int e5m2, const uint8_t *codes, const uint8_t *scales,
+                                                unsigned shift, size_t ldx, size_t panels,
+                                      const float *coef, const float *vp, size_t k, float sign,
+                                      gc_sink *sink, size_t nrows)
+{
+    for (size_t p = 0; p < panels; p++) {
+        gc_wvec t[GC_STREAM_ROWS][2];
+        panel_chains(vp + p * k * GC_PANEL, coef, k, nrows, t);
+        for (size_t r = 0; r < nrows; r++)
+            for (int q = 0; q < 2; q++) {
+                size_t e = r * ldx + p * GC_PANEL + q * 2 * GC_LANES;
+                __m512i c = _mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(const void *)(codes + e)));
+                float scale;
+                memcpy(&scale, scales + 4 * (e >> shift), sizeof scale);
+                gc_wvec d = (gc_wvec)_mm512_mul_ps(v_fp8_value(e5m2, c), _mm512_set1_ps(scale));
+                sink_put(&sink[r], 2 * p + q, (__m512)(d + sign * t[r][q]));
+            }
+    }
+}
+
+/* Whole rows of cols columns (a multiple of GC_PANEL) decoded from fp8 into
+ * out as stream_fp8_panels_wide, GC_STREAM_ROWS rows at a time. */
+GC_AVX512 static void stream_fp8_rows_wide(int e5m2, const uint8_t *codes, const uint8_t *scales,
+                                           unsigned shift, size_t rows, size_t cols,
+                                           const float *coef, const float *vp, size_t k,
+                                           float sign, float *out)
+{
+    size_t panels = cols / GC_PANEL;
+    for (size_t r = 0; r < rows; r += GC_STREAM_ROWS) {
+        size_t nr = rows - r < GC_STREAM_ROWS ? rows - r : GC_STREAM_ROWS;
+        gc_sink sink[GC_STREAM_ROWS] = {{0}}; /* opened below: the first nr */
+        for (size_t i = 0; i < nr; i++)
+            sink[i] = sink_open_as(out + (r + i) * cols, 1);
+        const uint8_t *cr = codes + r * cols;
+        if (nr == GC_STREAM_ROWS)
+            stream_fp8_panels_wide(e5m2, cr, scales + 4 * ((r * cols) >> shift), shift, cols,
+                                   panels, coef + r * k, vp, k, sign, sink, GC_STREAM_ROWS);
+        else
+            stream_fp8_panels_wide(e5m2, cr, scales + 4 * ((r * cols) >> shift), shift, cols,
+                                   panels, coef + r * k, vp, k, sign, sink, nr);
+        for (size_t i = 0; i < nr; i++)
+            sink_finish(&sink[i], 2 * panels);
+    }
+    _mm_sfence();
+}
+
 /* Whole rows from column 0 into out != x, the panels written around the
- * cache (gc_sink), four rows at a time; the tail columns take the scalar
- * chain. Same values as expand_rows_wide. */
+ * cache (gc_sink), GC_STREAM_ROWS rows at a time; the tail columns take the
+ * scalar chain. Same values as expand_rows_wide. */
 GC_AVX512 static void stream_rows_wide(const float *x, size_t ldx, size_t rows, size_t cols,
                                        const float *coef, const float *vt, const float *vp,
                                        size_t k, float sign, float *out)
 {
     size_t panels = cols / GC_PANEL;
-    for (size_t r = 0; r < rows && panels; r += 4) {
-        size_t nr = rows - r < 4 ? rows - r : 4;
-        gc_sink sink[4];
+    for (size_t r = 0; r < rows && panels; r += GC_STREAM_ROWS) {
+        size_t nr = rows - r < GC_STREAM_ROWS ? rows - r : GC_STREAM_ROWS;
+        gc_sink sink[GC_STREAM_ROWS] = {{0}}; /* opened below: the first nr */
         for (size_t i = 0; i < nr; i++)
             sink[i] = sink_open_as(out + (r + i) * ldx, 1);
-        if (nr == 4)
-            stream_panels_wide(x + r * ldx, ldx, panels, coef + r * k, vp, k, sign, sink, 4);
+        if (nr == GC_STREAM_ROWS)
+            stream_panels_wide(x + r * ldx, ldx, panels, coef + r * k, vp, k, sign, sink,
+                               GC_STREAM_ROWS);
         else
             stream_panels_wide(x + r * ldx, ldx, panels, coef + r * k, vp, k, sign, sink, nr);
         for (size_t i = 0; i < nr; i++)
@@ -807,6 +865,26 @@ int gc_geo_expand_stream(const float *x, size_t lo, size_t len, size_t n, const 
     }
 #endif
     return gc_geo_expand(x, lo, len, n, coef, vt, packed, k, sign, out);
+}
+
+int gc_geo_decode_fp8_stream(int e5m2, const uint8_t *scales, const uint8_t *codes, size_t block,
+                             size_t lo, size_t len, size_t n, const float *coef,
+                             const float *packed, size_t k, float sign, float *out)
+{
+#if GC_HAVE_AVX512
+    unsigned shift = 4;
+    while (shift < 40 && ((size_t)1 << shift) < block)
+        shift++;
+    if (wide_loops() && packed && len && lo % n == 0 && len % n == 0 && n % GC_PANEL == 0
+        && ((size_t)1 << shift) == block && (sign == 1.0f || sign == -1.0f)) {
+        stream_fp8_rows_wide(e5m2, codes, scales, shift, len / n, n, coef, packed, k, sign, out);
+        return 0;
+    }
+#else
+    (void)e5m2, (void)scales, (void)codes, (void)block, (void)lo, (void)len, (void)n;
+    (void)coef, (void)packed, (void)k, (void)sign, (void)out;
+#endif
+    return 1;
 }
 
 int gc_geo_accumulate(const float *x, size_t lo, size_t len, size_t n, const float *coef,
