@@ -150,17 +150,25 @@ def encode(
     ``flags``: STOCHASTIC and/or RCEIL; with STOCHASTIC the random bits of
     element i come from (seed, rounding_stream, offset + i).
     """
-    fmt = format_id(fmt)
-    _check_f32(x, "x")
-    _check_wire(wire, wire_size(fmt, x.size, block), writable=True)
-    flags = check_flags(fmt, flags)
+    fmt, flags, bits = _encode_args(fmt, x, block, wire, flags, seed, rounding_stream, offset)
     source = _ffi.from_buffer("float[]", x)
     target = _ffi.from_buffer("uint8_t[]", wire, require_writable=True)
-    bits = (check_u64(seed, "seed"), check_u64(rounding_stream, "rounding_stream"),
-            check_u64(offset, "offset"))  # fmt: skip
     rc = _lib.gc_encode_ex(fmt, source, x.size, block, target, flags, *bits)
     if rc:
         raise ValueError(f"the native core refused format {fmt} with flags {flags} ({rc})")
+
+
+def _encode_args(
+    fmt: int | str, x: np.ndarray, block: int, wire: np.ndarray, flags: int, seed: int,
+    rounding_stream: int, offset: int,
+) -> tuple[int, int, tuple[int, int, int]]:  # fmt: skip
+    """An encode's checked (format id, flags, (seed, rounding_stream, offset))."""
+    fmt = format_id(fmt)
+    _check_f32(x, "x")
+    _check_wire(wire, wire_size(fmt, x.size, block), writable=True)
+    bits = (check_u64(seed, "seed"), check_u64(rounding_stream, "rounding_stream"),
+            check_u64(offset, "offset"))  # fmt: skip
+    return fmt, check_flags(fmt, flags), bits
 
 
 def decode(
@@ -337,12 +345,7 @@ def geo_encode(
 ) -> None:
     """:func:`encode` of x - coef vt over the range (:func:`geo_expand` with sign -1)
     in one pass: the same bytes, without storing the difference."""
-    fmt = format_id(fmt)
-    _check_f32(x, "x")
-    _check_wire(wire, wire_size(fmt, x.size, block), writable=True)
-    flags = check_flags(fmt, flags)
-    bits = (check_u64(seed, "seed"), check_u64(rounding_stream, "rounding_stream"),
-            check_u64(offset, "offset"))  # fmt: skip
+    fmt, flags, bits = _encode_args(fmt, x, block, wire, flags, seed, rounding_stream, offset)
     rc = _lib.gc_geo_encode(
         fmt,
         _ffi.from_buffer("float[]", x),

@@ -15,7 +15,7 @@ rounding ignores them, and its configs (hence frames) do not mention rounding.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, TypedDict
 
 import numpy as np
 
@@ -59,6 +59,15 @@ def _backend(array: Any) -> Any:
 
 
 ROUNDINGS = ("nearest", "stochastic")
+
+
+class RoundingArgs(TypedDict):
+    """The rounding keywords of ``native.encode`` and ``native.geo_encode``."""
+
+    flags: int
+    seed: int
+    rounding_stream: int
+    offset: int
 
 
 class NativeFormat(FramedCodec):
@@ -113,14 +122,13 @@ class NativeFormat(FramedCodec):
         self, x: np.ndarray, wire: np.ndarray, *, rounding_stream: int = 0, offset: int = 0
     ) -> None:
         _backend(x).encode(
-            self._fmt,
-            x,
-            self._block,
-            wire,
-            flags=self._flags,
-            seed=self.seed,
-            rounding_stream=rounding_stream,
-            offset=offset,
+            self._fmt, x, self._block, wire, **self._rounding_args(rounding_stream, offset)
+        )
+
+    def _rounding_args(self, rounding_stream: int, offset: int) -> RoundingArgs:
+        """The rounding keywords of the cores' encodes for one call."""
+        return RoundingArgs(
+            flags=self._flags, seed=self.seed, rounding_stream=rounding_stream, offset=offset
         )
 
     def decode_wire(self, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
@@ -134,15 +142,7 @@ class NativeFormat(FramedCodec):
         matrix) in one pass, without storing the difference: the same bytes.
         Host arrays only (the C core)."""
         native.geo_encode(
-            self._fmt,
-            x,
-            *split,
-            self._block,
-            wire,
-            flags=self._flags,
-            seed=self.seed,
-            rounding_stream=rounding_stream,
-            offset=offset,
+            self._fmt, x, *split, self._block, wire, **self._rounding_args(rounding_stream, offset)
         )
 
     def decode_split_wire(self, wire: np.ndarray, split: Split, out: np.ndarray) -> None:

@@ -139,10 +139,12 @@ def test_kernels_follow_the_fixed_order(xp, m, n, k, lo, length):
 
 
 @pytest.fixture
-def restore_simd():
-    level = native.simd()
+def restore_native():
+    """The native core's loop path and thread count as they were before the test."""
+    level, count = native.simd(), native.threads()
     yield
     native.set_simd(level)
+    native.set_threads(count)
 
 
 @pytest.mark.parametrize(
@@ -157,7 +159,7 @@ def restore_simd():
         (20, 300, 4, 1000, 15 * 300 + 17),  # a first row from inside a panel
     ],
 )
-def test_wide_loops_give_the_portable_bits(m, n, k, lo, length, restore_simd):
+def test_wide_loops_give_the_portable_bits(m, n, k, lo, length, restore_native):
     """The AVX-512 loops (on a CPU that has them; otherwise both runs take the
     portable loops) hold the same chains, so every kernel's bits are equal,
     with a non-finite value in the range, with the fused residual, and for the
@@ -192,13 +194,6 @@ def test_wide_loops_give_the_portable_bits(m, n, k, lo, length, restore_simd):
         assert runs[1][5][1] == ref_sumsq(np.nan_to_num(x, posinf=3.0))
 
 
-@pytest.fixture
-def restore_threads():
-    count = native.threads()
-    yield
-    native.set_threads(count)
-
-
 @pytest.mark.parametrize(
     "config",
     [
@@ -218,9 +213,7 @@ def restore_threads():
         (1100, 1024, 0, 1100 * 1024),  # whole rows, two threads' share
     ],
 )
-def test_split_calls_give_the_bits_of_map_then_code(
-    config, m, n, lo, length, restore_simd, restore_threads
-):
+def test_split_calls_give_the_bits_of_map_then_code(config, m, n, lo, length, restore_native):
     """gc_geo_encode (the map and the encode of a range in one pass, tile by tile)
     writes the bytes of expand(sign -1) into a scratch followed by encode_wire, with
     any rounding, on both loop paths and two threads; gc_geo_decode gives the bits
