@@ -1260,6 +1260,7 @@ typedef struct {
     uint8_t *wire;
     gc_u64 key, offset;
     const gc_split *split; /* NULL: the values as they are */
+    float *tile;           /* split calls: this thread's GC_SPLIT_TILE floats */
     size_t lo, hi;
 } gc_call;
 
@@ -1499,7 +1500,7 @@ static int split_decode_fp8(const gc_call *k, size_t a, size_t b)
  * sums written around the cache when the call's output is large). */
 static void split_range(const gc_call *k, size_t lo, size_t hi, size_t tile)
 {
-    float buf[GC_SPLIT_TILE] __attribute__((aligned(64))); /* whole cache lines */
+    float *buf = k->tile;
     int stream = k->n * sizeof(float) >= GC_STREAM_BYTES;
     for (size_t a = lo; a < hi; a += tile) {
         size_t b = hi - a < tile ? hi : a + tile;
@@ -1534,13 +1535,21 @@ static void *run_range(void *arg)
  * pieces of `unit` values (so every byte is what one thread writes; the
  * calling thread does the first range). A thread that cannot start leaves
  * its range to the calling thread. */
-static void run_call(gc_call *k, size_t unit)
+/* Threads the call k runs on (run_call). */
+static size_t call_threads(const gc_call *k, size_t unit)
 {
     size_t units = ceil_div(k->n, unit);
     size_t t = (size_t)gc_codec_threads(0);
     size_t most = k->n / GC_THREAD_MIN_VALUES;
     t = t < most ? t : most;
     t = t < units ? t : units;
+    return t ? t : 1;
+}
+
+static void run_call(gc_call *k, size_t unit)
+{
+    size_t units = ceil_div(k->n, unit);
+    size_t t = call_threads(k, unit);
     if (t <= 1) {
         k->lo = 0;
         k->hi = k->n;
@@ -1552,6 +1561,7 @@ static void run_call(gc_call *k, size_t unit)
     int started[GC_MAX_THREADS] = {0};
     for (size_t i = 0; i < t; i++) {
         part[i] = *k;
+        part[i].tile = k->tile ? k->tile + i * GC_SPLIT_TILE : NULL;
         part[i].lo = units * i / t * unit;
         part[i].hi = i + 1 < t ? units * (i + 1) / t * unit : k->n;
     }
@@ -1628,6 +1638,20 @@ int gc_decode(int fmt, const uint8_t *wire, size_t n, size_t block, float *out, 
 
 /* ---- split calls: the map and the codec in one pass ----------------------- */
 
+/* Run the split call k with a tile on cache lines for each of its threads
+ * (on the heap: threads' stacks may be small). */
+static int run_split(gc_call *k)
+{
+    size_t unit = split_unit(k->fmt, k->block);
+    void *tiles = NULL;
+    if (posix_memalign(&tiles, 64, call_threads(k, unit) * GC_SPLIT_TILE * sizeof(float)))
+        return GC_ENOMEM;
+    k->tile = tiles;
+    run_call(k, unit);
+    free(tiles);
+    return 0;
+}
+
 int gc_geo_encode(int fmt, const float *x, size_t lo, size_t len, size_t n, const float *coef,
                   const float *vt, const float *packed, size_t k, size_t block, uint8_t *wire,
                   unsigned flags, uint64_t seed, uint64_t stream, uint64_t offset)
@@ -1640,8 +1664,7 @@ int gc_geo_encode(int fmt, const float *x, size_t lo, size_t len, size_t n, cons
     gc_call call = encode_call(fmt, x, len, block, wire, flags, seed, stream, offset);
     if (split_tile(&call)) {
         call.split = &map;
-        run_call(&call, split_unit(fmt, call.block));
-        return 0;
+        return run_split(&call);
     }
     /* a unit larger than a tile (one scale for all, long fp8 blocks): map, then encode */
     float *mapped = malloc(len * sizeof(float));
@@ -1671,10 +1694,11 @@ int gc_geo_decode(int fmt, const uint8_t *wire, size_t lo, size_t len, size_t n,
     call.block = fp8_block(len, block);
     call.out = out;
     call.wire = (uint8_t *)(uintptr_t)wire; /* read only */
-    if (split_tile(&call))
+    if (split_tile(&call)) {
         call.split = &map;
-    run_call(&call, split_unit(fmt, call.block));
-    if (!call.split) /* decoded whole (a unit larger than a tile): map back in place */
-        split_expand(&map, out, 0, len, 1.0f, out, 0);
+        return run_split(&call);
+    }
+    run_call(&call, split_unit(fmt, call.block)); /* a unit larger than a tile: */
+    split_expand(&map, out, 0, len, 1.0f, out, 0); /* decode whole, then map back */
     return 0;
 }
