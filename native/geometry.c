@@ -589,21 +589,22 @@ GC_INLINE void stream_panels_wide(const float *x, size_t ldx, size_t panels, con
     }
 }
 
-/* stream_panels_wide whose rows' values are decoded fp8 codes (row r's at
- * codes + r * ldx; one fp32 scale per 2^shift values at scales, 2^shift >=
- * 16, so a vector never straddles two blocks), each decoded as codec.c's
- * decoders do. */
-GC_AVX512 GC_INLINE void stream_fp8_panels_wide(int e5m2, const uint8_t *codes, const uint8_t *scales,
-                                                unsigned shift, size_t ldx, size_t panels,
-                                      const float *coef, const float *vp, size_t k, float sign,
-                                      gc_sink *sink, size_t nrows)
+/* stream_panels_wide whose rows' values are decoded fp8 codes: element e
+ * of the body (row r's first at base + r * ldx) has its code at codes[e] and
+ * its fp32 scale at scales + 4 (e >> shift) (2^shift >= 16 values a scale,
+ * so a vector never straddles two blocks), decoded as codec.c's decoders do. */
+GC_AVX512 GC_INLINE void stream_fp8_panels_wide(int e5m2, const uint8_t *codes,
+                                                const uint8_t *scales, unsigned shift, size_t base,
+                                                size_t ldx, size_t panels, const float *coef,
+                                                const float *vp, size_t k, float sign,
+                                                gc_sink *sink, size_t nrows)
 {
     for (size_t p = 0; p < panels; p++) {
         gc_wvec t[GC_STREAM_ROWS][2];
         panel_chains(vp + p * k * GC_PANEL, coef, k, nrows, t);
         for (size_t r = 0; r < nrows; r++)
             for (int q = 0; q < 2; q++) {
-                size_t e = r * ldx + p * GC_PANEL + q * 2 * GC_LANES;
+                size_t e = base + r * ldx + p * GC_PANEL + q * 2 * GC_LANES;
                 __m512i c = _mm512_cvtepu8_epi32(
                     _mm_loadu_si128((const __m128i *)(const void *)(codes + e)));
                 float scale;
@@ -615,7 +616,8 @@ GC_AVX512 GC_INLINE void stream_fp8_panels_wide(int e5m2, const uint8_t *codes, 
 }
 
 /* Whole rows of cols columns (a multiple of GC_PANEL) decoded from fp8 into
- * out as stream_fp8_panels_wide, GC_STREAM_ROWS rows at a time. */
+ * out as stream_fp8_panels_wide (codes and scales: the sections from the
+ * rows' first value), GC_STREAM_ROWS rows at a time. */
 GC_AVX512 static void stream_fp8_rows_wide(int e5m2, const uint8_t *codes, const uint8_t *scales,
                                            unsigned shift, size_t rows, size_t cols,
                                            const float *coef, const float *vp, size_t k,
@@ -627,13 +629,12 @@ GC_AVX512 static void stream_fp8_rows_wide(int e5m2, const uint8_t *codes, const
         gc_sink sink[GC_STREAM_ROWS] = {{0}}; /* opened below: the first nr */
         for (size_t i = 0; i < nr; i++)
             sink[i] = sink_open_as(out + (r + i) * cols, 1);
-        const uint8_t *cr = codes + r * cols;
         if (nr == GC_STREAM_ROWS)
-            stream_fp8_panels_wide(e5m2, cr, scales + 4 * ((r * cols) >> shift), shift, cols,
-                                   panels, coef + r * k, vp, k, sign, sink, GC_STREAM_ROWS);
+            stream_fp8_panels_wide(e5m2, codes, scales, shift, r * cols, cols, panels,
+                                   coef + r * k, vp, k, sign, sink, GC_STREAM_ROWS);
         else
-            stream_fp8_panels_wide(e5m2, cr, scales + 4 * ((r * cols) >> shift), shift, cols,
-                                   panels, coef + r * k, vp, k, sign, sink, nr);
+            stream_fp8_panels_wide(e5m2, codes, scales, shift, r * cols, cols, panels,
+                                   coef + r * k, vp, k, sign, sink, nr);
         for (size_t i = 0; i < nr; i++)
             sink_finish(&sink[i], 2 * panels);
     }

@@ -200,6 +200,7 @@ def test_wide_loops_give_the_portable_bits(m, n, k, lo, length, restore_native):
         {"id": "fp8"},
         {"id": "fp8", "fmt": "e5m2", "block": 32, "rounding": "stochastic", "seed": 3},
         {"id": "fp8", "block": 0},  # one scale for the range: mapped whole, then encoded
+        {"id": "fp8", "block": 1024},  # a block longer than eight rows of 64
         {"id": "nvfp4", "rounding": "stochastic", "seed": 5},
         {"id": "mxfp8", "scale_rule": "rceil"},
         {"id": "bf16"},
@@ -211,6 +212,7 @@ def test_wide_loops_give_the_portable_bits(m, n, k, lo, length, restore_native):
         (300, 257, 1000, 40_000),  # partial rows, three tiles
         (70, 4096, 3 * 4096 + 17, 60 * 4096),  # a long partial first row
         (1100, 1024, 0, 1100 * 1024),  # whole rows, two threads' share
+        (4096, 64, 0, 4096 * 64),  # whole rows of 64 (1 MiB: decoded inside the expansion)
     ],
 )
 def test_split_calls_give_the_bits_of_map_then_code(config, m, n, lo, length, restore_native):
