@@ -655,8 +655,8 @@ GC_CLONES static void decode_bf16(int accumulate, const uint8_t *wire, size_t n,
  * with a tiny amax) run the portable per-block code. Decoders of outputs
  * from GC_STREAM_BYTES up write them with non-temporal stores (whole 64-byte
  * lines), which spares reading the lines in first; smaller outputs stay in
- * the cache for whatever reads them next. Decode+accumulate reads every line of out
- * anyway, so it stores normally (streaming them measured slower). */
+ * the cache for whatever reads them next. Decode+accumulate reads every line
+ * of out anyway, so it stores normally (streaming them measured slower). */
 #if GC_HAVE_AVX512
 #include <immintrin.h>
 
