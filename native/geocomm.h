@@ -149,7 +149,8 @@ int gc_geo_encode(int fmt, const float *x, size_t lo, size_t len, size_t n, cons
 
 /* out = decode(wire) + coef vt over the range: gc_decode, then gc_geo_expand
  * with sign 1 in place, in one pass (the same values; a large out is written
- * around the cache). */
+ * around the cache). wire holds gc_wire_size(fmt, len, block); packed is
+ * gc_geo_pack(vt). */
 int gc_geo_decode(int fmt, const uint8_t *wire, size_t lo, size_t len, size_t n,
                   const float *coef, const float *vt, const float *packed, size_t k, size_t block,
                   float *out);
