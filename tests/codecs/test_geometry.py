@@ -248,6 +248,37 @@ def test_split_calls_give_the_bits_of_map_then_code(config, m, n, lo, length, re
         assert np.array_equal(out.view(np.uint32), back.view(np.uint32)), (level, threads)
 
 
+def test_split_calls_refuse_bad_arguments():
+    """The split calls check what the C core cannot: dtypes, contiguity, the
+    coefficients' rows, the packed basis's size and the wire's; nothing is
+    written when they refuse."""
+    n, k = 64, 3
+    x = np.ones(10 * n, np.float32)
+    vt = kernels.orthonormalize(np.eye(k, n, dtype=np.float32), 1)
+    coef, packed = np.ones((10, k), np.float32), kernels.pack(vt)
+    wire = np.zeros(native.wire_size("e4m3", x.size, 128), np.uint8)
+    ok = (x, 0, n, coef, vt, packed, 128, wire)
+    native.geo_encode("e4m3", *ok)
+    bad = {
+        "x float64": (x.astype(np.float64), *ok[1:]),
+        "x strided": (np.ones(20 * n, np.float32)[::2], *ok[1:]),
+        "coef rows": (x, 0, n, coef[:9], vt, packed, 128, wire),
+        "packed size": (x, 0, n, coef, vt, packed[:-1], 128, wire),
+        "wire short": (x, 0, n, coef, vt, packed, 128, wire[:-1]),
+    }
+    for name, args in bad.items():
+        wire[:] = 7
+        with pytest.raises((TypeError, ValueError)):
+            native.geo_encode("e4m3", *args)
+        assert np.all(wire == 7), name
+    out = np.full(x.size, np.nan, np.float32)
+    with pytest.raises(ValueError):
+        native.geo_decode("e4m3", wire[:-1], 0, n, coef, vt, packed, 128, out)
+    with pytest.raises(ValueError):
+        native.geo_decode("e4m3", wire, 0, n, coef, vt, packed[:-1], 128, out)
+    assert np.all(np.isnan(out))
+
+
 def ref_sumsq(x: np.ndarray) -> float:
     """gc_geo_sumsq's definition: eight fp64 lanes (lane q adds x[q], x[q + 8], ...
     in order), then ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7))."""
