@@ -1471,14 +1471,19 @@ static size_t split_tile(const gc_call *k)
     return GC_SPLIT_TILE / unit * unit;
 }
 
+/* The coefficients of the row that holds the call's value a. */
+static const float *split_coef(const gc_split *m, size_t a)
+{
+    return m->coef + ((m->lo + a) / m->cols - m->lo / m->cols) * m->k;
+}
+
 /* The split's expansion of the call's values [a, a + n): gc_geo_expand, or
  * gc_geo_expand_stream when `stream`. */
 static int split_expand(const gc_split *m, const float *x, size_t a, size_t n, float sign,
                         float *out, int stream)
 {
-    size_t row = (m->lo + a) / m->cols - m->lo / m->cols;
     return (stream ? gc_geo_expand_stream : gc_geo_expand)(
-        x, m->lo + a, n, m->cols, m->coef + row * m->k, m->vt, m->packed, m->k, sign, out);
+        x, m->lo + a, n, m->cols, split_coef(m, a), m->vt, m->packed, m->k, sign, out);
 }
 
 /* Decode [a, b) of an fp8 body and add coef vt in one pass, the sums written
@@ -1490,9 +1495,8 @@ static int split_decode_fp8(const gc_call *k, size_t a, size_t b)
     const gc_split *m = k->split;
     uint8_t *s, *bs, *c;
     sections(k, a, &s, &bs, &c);
-    size_t row = (m->lo + a) / m->cols - m->lo / m->cols;
     return gc_geo_decode_fp8_stream(k->fmt == GC_E5M2, s, c, k->block, m->lo + a, b - a, m->cols,
-                                    m->coef + row * m->k, m->packed, m->k, 1.0f, k->out + a)
+                                    split_coef(m, a), m->packed, m->k, 1.0f, k->out + a)
            == 0;
 }
 

@@ -164,6 +164,21 @@ class Split(NamedTuple):
     packed: np.ndarray
 
 
+def round_trip(codec: Any, values: Any, out: Any) -> Any:
+    """out = flat float32 ``values`` as ``codec``'s wire carries them (encoded, then
+    decoded; ``out`` may be ``values``); returns out. NumPy or CuPy arrays."""
+    size = codec.wire_size(values.size)
+    if type(values).__module__.startswith("cupy"):
+        import cupy
+
+        wire = cupy.empty(size, cupy.uint8)
+    else:
+        wire = np.empty(size, np.uint8)
+    codec.encode_wire(values, wire)
+    codec.decode_wire(wire, out)
+    return out
+
+
 def inherits(obj: Any, base: type, *names: str) -> bool:
     """Whether ``obj`` uses ``base``'s own methods ``names`` (no subclass changed them)."""
     return all(getattr(type(obj), name) is getattr(base, name) for name in names)

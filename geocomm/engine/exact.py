@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from geocomm.codecs.formats import BF16Codec, NoneCodec
+from geocomm.codecs.formats import BF16Codec, NoneCodec, round_trip
 from geocomm.comm.base import Communicator, wait_ordered
 from geocomm.engine import device
 from geocomm.engine.host import Pipeline
@@ -85,10 +85,7 @@ def _as_sent(wire: Any, values: Any, out: Any) -> Any:
     if wire is _PLAIN:
         out[...] = values
         return out
-    coded = array_module(values).empty(wire.wire_size(values.size), dtype=np.uint8)
-    wire.encode_wire(values, coded)
-    wire.decode_wire(coded, out)
-    return out
+    return round_trip(wire, values, out)
 
 
 def _gathered_sum(comm: Communicator, wire: Any, source: Any, total: Any) -> Any:

@@ -240,7 +240,7 @@ class Pipeline(PieceAccess):
         for j in range(self.comm.size):
             lo, hi = self.pieces.piece_range(j, s)
             wire = buf[displs[j] : displs[j] + counts[j]]
-            if self.mapper is not None and hi > lo and self.mapper.decode(lo, hi, self.codec, wire):
+            if self.mapper is not None and self.mapper.decode(lo, hi, self.codec, wire):
                 self._progress()
                 continue
             self.codec.decode_wire(wire, self._local(lo, hi))

@@ -23,7 +23,7 @@ import numpy as np
 from array_api_compat import array_namespace, is_cupy_array
 
 from geocomm import native
-from geocomm.codecs.formats import BF16Codec
+from geocomm.codecs.formats import BF16Codec, round_trip
 
 __all__ = [
     "accumulate",
@@ -93,16 +93,8 @@ def round_bf16(values: Any) -> Any:
     """
     if values.size == 0:
         return values
-    if is_cupy_array(values):
-        import cupy
-
-        flat = values.reshape(-1)
-        wire = cupy.empty(2 * flat.size, cupy.uint8)
-    else:
-        flat = _host(values).reshape(-1)
-        wire = np.empty(2 * flat.size, np.uint8)
-    _BF16.encode_wire(flat, wire)
-    _BF16.decode_wire(wire, flat)
+    flat = (values if is_cupy_array(values) else _host(values)).reshape(-1)
+    round_trip(_BF16, flat, flat)
     return values
 
 
