@@ -271,7 +271,7 @@ def _compressed(
     bounds = shard_bounds(count, comm.size)
     pieces = Pieces.cut(count, comm.size, stage_size or _default_stage_size(comm, codec, count))
     mapping_codec, residual = stateful_parts(codec, kind, tensors, count, array_module(values))
-    planned = plan_parts(mapping_codec, values, tensors, bounds)
+    planned = plan_parts(comm, mapping_codec, values, tensors, bounds)
     rounding_stream = calls.rounding_stream(codec, tensors)
     gather = kind == "allreduce"
     if not planned and residual is None:

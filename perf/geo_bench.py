@@ -6,9 +6,11 @@ energy, plus noise). A "call" is what one rank of the all-reduce does to its
 own tensor, with no communication and the quantizer run once each way, as
 the collective runs it: plan and projection of the whole tensor, then piece
 by piece (the host stage size, 2**20 values) map (subtract) and encode in
-one pass; piece by piece decode and map back (add) in one pass; and the
-basis refresh when the key's period is due (here on the whole matrix, as on
-one rank; on N ranks each refreshes only its 1/N). The steady-state time is
+one pass; piece by piece decode and map back (add) in one pass; and, when
+the key's period is due, the basis's power step on the call's own values
+before the projection (project on the old basis and accumulate; its sum is
+this one rank's part). A "refresh" (a measure from the result) happens only
+in the cold start. The steady-state time is
 the mean over 2 x refresh_max calls after warm-up. Yardsticks measured in
 the same run: ``np.copyto`` of the matrix and the FP8 encode + decode of it.
 
@@ -36,6 +38,7 @@ import numpy as np  # noqa: E402
 
 from geocomm.codecs import get_codec  # noqa: E402
 from geocomm.engine.costs import HOST_STAGE_SIZE  # noqa: E402
+from geocomm.engine.transforming import run_rounds  # noqa: E402
 from geocomm.testing import run_refresh_locally, write_results  # noqa: E402
 
 
@@ -67,7 +70,7 @@ class Call:
     then piece by piece the decode and the map back in one pass; then the
     refresh, when due."""
 
-    PHASES = ("plan", "map+encode", "decode+map back", "refresh")
+    PHASES = ("plan", "step", "map+encode", "decode+map back", "refresh")
 
     def __init__(self, codec: Any, x: np.ndarray, piece: int = HOST_STAGE_SIZE):
         self.codec, self.x, self.piece = codec, x, piece
@@ -88,6 +91,8 @@ class Call:
     def __call__(self) -> None:
         codec, flat = self.codec, self.flat
         plan = self._clock("plan", codec.plan, flat, self.x.shape, "w", [0, flat.size])
+        if plan is not None and plan.steps:  # one rank: the sum is its own part
+            self._clock("step", run_rounds, None, codec, [codec.step(plan, flat)])
         if plan is not None:
             self._clock("plan", plan.begin, flat)
         for (lo, hi), wire in zip(self.pieces, self.wire, strict=True):

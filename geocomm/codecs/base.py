@@ -167,6 +167,10 @@ class TransformingCodec(StatefulCodec):
       whole rows otherwise); ranged plans also offer
       ``plan.decode_range(wire, codec, out, lo, side_sum)``: decode and
       inverse in one pass (True), or nothing (False);
+    * before any of that, if ``plan.steps``, the collective drives the
+      generator ``codec.step(plan, x)`` (the plan's basis turns towards this
+      call's values): every array it yields is summed exactly over the ranks
+      and sent back into it, all tensors' arrays of a round in one sum;
     * if ``plan.refreshes``, the collective drives the generator
       ``codec.refresh(plan, shard, lo, side_sum, alone)``: every array it
       yields is summed exactly over the ranks and sent back into it; with
@@ -188,6 +192,12 @@ class TransformingCodec(StatefulCodec):
     @abstractmethod
     def plan(self, x: Any, shape: Sequence[int], key: Any, bounds: Sequence[int]) -> Any:
         """This call's plan for flat float32 ``x`` of a tensor of ``shape``, or None."""
+
+    def step(self, plan: Any, x: Any) -> Generator[Any, Any, None]:
+        """Rounds that update the plan's basis from this rank's values ``x`` before the
+        map (only plans with ``steps``; a codec whose plans never step need not
+        offer it)."""
+        raise NotImplementedError(f"{type(self).__name__} plans do not step")
 
     @abstractmethod
     def refresh(

@@ -1,9 +1,10 @@
 """How the collectives drive a transforming codec (docs/design.md, "Transforming codecs").
 
 The codec plans and maps; this module runs its protocol for a buffer of
-tensors: :func:`plan_parts` plans every tensor and runs the whole-tensor
-steps, :func:`side_sums` sums the plans' side contributions exactly in one
-collective, :class:`PartsMap` maps pieces for the pipeline as they travel
+tensors: :func:`plan_parts` plans every tensor, runs the basis steps of the
+plans that take one (one exact sum per round for all tensors) and the
+whole-tensor steps, :func:`side_sums` sums the plans' side contributions
+exactly in one collective, :class:`PartsMap` maps pieces for the pipeline as they travel
 and back as their sums become final, and :func:`refresh` runs the refresh
 rounds of all tensors, one exact sum per round.
 """
@@ -22,14 +23,16 @@ from geocomm.engine.protocols import WireCodec
 
 
 def plan_parts(
-    codec: Any, values: Any, parts: list[Any], bounds: np.ndarray
+    comm: Communicator, codec: Any, values: Any, parts: list[Any], bounds: np.ndarray
 ) -> list[tuple[Any, Any]]:
     """Plan every part with ``codec`` (None: no part is mapped); return the (part, plan)
     pairs that have a plan.
 
-    Ranged plans run their whole-tensor step (``begin``: the coefficients of
-    the side channel) now and map piece by piece later (:class:`PartsMap`);
-    the others map their whole tensor when the map is built.
+    Plans with ``steps`` first run the codec's ``step`` rounds over ``comm``
+    (their bases turn towards this call's gradients). Ranged plans then run
+    their whole-tensor step (``begin``: the coefficients of the side channel)
+    and map piece by piece later (:class:`PartsMap`); the others map their
+    whole tensor when the map is built.
     """
     planned: list[tuple[Any, Any]] = []
     if codec is None:
@@ -37,11 +40,17 @@ def plan_parts(
     for part in parts:
         lo, hi = part.offset, part.offset + part.size
         plan = codec.plan(values[lo:hi], part.shape, part.key, bounds)
-        if plan is None:
-            continue
+        if plan is not None:
+            planned.append((part, plan))
+    steps = [
+        codec.step(plan, values[part.offset : part.offset + part.size])
+        for part, plan in planned
+        if plan.steps
+    ]
+    run_rounds(comm, codec, steps)
+    for part, plan in planned:
         if plan.ranged:
-            plan.begin(values[lo:hi])
-        planned.append((part, plan))
+            plan.begin(values[part.offset : part.offset + part.size])
     return planned
 
 
@@ -218,6 +227,14 @@ def refresh(
         b = min(max(hi, part.offset), part.offset + part.size)
         shard = result[a - lo : b - lo]
         rounds.append(codec.refresh(plan, shard, a - part.offset, side_sum, alone=alone))
+    run_rounds(comm, codec, rounds)
+
+
+def run_rounds(comm: Communicator | None, codec: Any, rounds: list[Any]) -> None:
+    """Drive generators of rounds in lockstep: each round's yields of all of them
+    travel in one exact sum in the codec's ``side_format`` and every sum goes back
+    into its generator, until all have returned. ``comm`` None: every yield is its
+    own total (nothing is sent)."""
     pending = [(r, _advance(r, None)) for r in rounds]
     pending = [(r, v) for r, v in pending if v is not None]
     while pending:
@@ -234,7 +251,7 @@ def refresh(
 
 
 def _advance(rounds: Any, total: Any) -> Any:
-    """The next partial sums of a refresh (None once it is done)."""
+    """The next partial sums of a generator of rounds (None once it is done)."""
     try:
         return next(rounds) if total is None else rounds.send(total)
     except StopIteration:

@@ -65,19 +65,28 @@ def _ordered_sum(values: Sequence[Any]) -> Any:
 def _plans(
     codecs: Sequence[Codec], xs: Sequence[Any], shape: tuple[int, ...], key: Any, bounds: Any
 ) -> tuple[list[Any], list[Any]]:
-    """Every rank's plan and mapped flat values (its input when there is no plan)."""
-    plans, mapped = [], []
+    """Every rank's plan and mapped flat values (its input when there is no plan),
+    after the plans' basis steps (their rounds summed over the ranks in order)."""
+    plans, flats, steppers = [], [], []
     for codec, x in zip(codecs, xs, strict=True):
         xp = array_namespace(x)
         flat = xp.reshape(xp.astype(x, xp.float32), (-1,))
         plan = (
             codec.plan(flat, shape, key, bounds) if isinstance(codec, TransformingCodec) else None
         )
+        plans.append(plan)
+        flats.append(flat)
+        if plan is not None and plan.steps:
+            assert isinstance(codec, TransformingCodec)  # only those plan
+            steppers.append(codec.step(plan, flat))
+    if steppers:
+        _lockstep(steppers)
+    mapped = []
+    for plan, flat in zip(plans, flats, strict=True):
         out = flat
         if plan is not None:
-            out = xp.empty_like(flat)
+            out = array_namespace(flat).empty_like(flat)
             plan.forward(flat, out)
-        plans.append(plan)
         mapped.append(out)
     return plans, mapped
 
@@ -100,10 +109,16 @@ def _refresh(
     """Drive every rank's refresh rounds in lockstep, summing their yields in order."""
     if plans[0] is None or not plans[0].refreshes:
         return
-    rounds = [
-        c.refresh(p, s, lo, side_sum)
-        for c, p, s, lo in zip(codecs, plans, shards, los, strict=True)
-    ]
+    _lockstep(
+        [
+            c.refresh(p, s, lo, side_sum)
+            for c, p, s, lo in zip(codecs, plans, shards, los, strict=True)
+        ]
+    )
+
+
+def _lockstep(rounds: Sequence[Any]) -> None:
+    """Drive every rank's generator of rounds in lockstep, summing their yields in order."""
     values = [next(r, None) for r in rounds]
     while values[0] is not None:
         xp = array_namespace(values[0])

@@ -146,7 +146,7 @@ def metrics(
 def side_fraction(codec: Any, shapes: list[tuple[int, ...]]) -> float:
     """An upper bound on side bytes over quantized payload bytes per all-reduce of
     ``shapes``: every eligible matrix mapped at its cap k, its coefficients
-    every call (an all-reduce refreshes alone: no refresh sums), at most the
+    every call and its power-step sums every refresh period, at most the
     codec's model-wide ``side_budget``."""
     payload = side = 0.0
     for shape in shapes:
@@ -154,7 +154,7 @@ def side_fraction(codec: Any, shapes: list[tuple[int, ...]]) -> float:
         if isinstance(codec, TransformingCodec):
             dims = codec.map_shape(shape)
             if dims is not None:
-                side += dims.k * direction_bytes(dims, codec.refresh_period, summed=False)
+                side += dims.k * direction_bytes(dims, codec.refresh_period)
     return min(side / payload, getattr(codec, "side_budget", math.inf))
 
 

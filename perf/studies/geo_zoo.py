@@ -62,12 +62,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 class ByteCount:
     """Counts what one rank's transforming codec adds to the wire: the coefficients
-    of every plan and the partial sums of every refresh round."""
+    of every plan and the partial sums of every power step and refresh round."""
 
     def __init__(self, codec: Any):
         self.side = self.rounds = 0
         per_value = {"fp32": 4, "bf16": 2}[codec.side_format]
-        plan, refresh = codec.plan, codec.refresh
+        plan, refresh, step = codec.plan, codec.refresh, codec.step
 
         def counted_plan(*args: Any, **kwargs: Any) -> Any:
             p = plan(*args, **kwargs)
@@ -76,9 +76,7 @@ class ByteCount:
                 self.side += per_value * dims.m * dims.k  # SplitPlan: its side is set later
             return p
 
-        def counted_refresh(*args: Any, **kwargs: Any) -> Any:
-            rounds = refresh(*args, **kwargs)
-            sent = 0 if kwargs.get("alone") else per_value  # alone: nothing travels
+        def counted(rounds: Any, sent: int) -> Any:
             try:
                 value = next(rounds)
                 while True:
@@ -87,7 +85,14 @@ class ByteCount:
             except StopIteration:
                 return
 
-        codec.plan, codec.refresh = counted_plan, counted_refresh
+        def counted_refresh(*args: Any, **kwargs: Any) -> Any:
+            sent = 0 if kwargs.get("alone") else per_value  # alone: nothing travels
+            return counted(refresh(*args, **kwargs), sent)
+
+        def counted_step(*args: Any) -> Any:
+            return counted(step(*args), per_value)  # a power step always sums over ranks
+
+        codec.plan, codec.refresh, codec.step = counted_plan, counted_refresh, counted_step
 
     def take(self) -> int:
         total, self.side, self.rounds = self.side + self.rounds, 0, 0

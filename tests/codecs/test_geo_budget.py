@@ -189,46 +189,60 @@ def test_the_period_is_state_every_rank_checks_and_a_checkpoint_keeps():
     assert other.state_checksum() != codec.state_checksum()
 
 
-def test_the_budget_charges_refresh_sums_only_where_they_travel():
-    """An all-reduce refreshes on every rank from the whole result (no sums), a
-    reduce-scatter sums each owner's part: a direction costs its m bfloat16
-    coefficients, plus its n-value refresh sum every period calls only then."""
+def test_the_budget_charges_the_power_steps_and_the_re_measures_that_travel():
+    """A mapped direction costs its m bfloat16 coefficients every call and its
+    n-value power-step sum every period calls (the step sums over ranks in an
+    all-reduce as in a reduce-scatter); a flat key's re-measure costs
+    k (m + n) values a period only where it sums (a reduce-scatter: an
+    all-reduce measures from the whole result on every rank)."""
     dims = MapShape(256, 1024, 8)
-    assert direction_bytes(dims, 1, summed=False) == 2 * 256
-    assert direction_bytes(dims, 4, summed=True) == 2 * (256 + 1024 / 4)
-    alone = {"w": Spectrum(dims, (0.5, 0.2, 0.1, 0.05), 1.0, 10 * 256, summed=False)}
-    summed = {"w": Spectrum(dims, (0.5, 0.2, 0.1, 0.05), 1.0, 10 * 256, summed=True)}
-    # a 3-direction room for coefficients alone holds none with the sums on top
-    room = 3 * 2 * 256 / (10 * 256)
-    assert allocate(alone, room, 0.0) == {"w": 3}
-    assert allocate(summed, room, 0.0) == {"w": 0}
+    assert direction_bytes(dims, 1) == 2 * (256 + 1024)
+    assert direction_bytes(dims, 4) == 2 * (256 + 1024 / 4)
+    payload = 10 * 256
+    energies = (0.5, 0.2, 0.1, 0.05)
+    every_call = {"w": Spectrum(dims, energies, 1.0, payload, period=1)}
+    every_4th = {"w": Spectrum(dims, energies, 1.0, payload, period=4)}
+    # room for three directions' coefficients: none once every call's step sum
+    # counts, one when the step comes every 4th call (2 (256 + 256) bytes)
+    room = 3 * 2 * 256 / payload
+    assert allocate(every_call, room, 0.0) == {"w": 0}
+    assert allocate(every_4th, room, 0.0) == {"w": 1}
+    # a flat key (share 0.08, a flat spectrum's 8 / 256 + less than 0.2) stays plain,
+    # and its re-measure takes the room only where it sums
+    one = direction_bytes(dims, 4) / (2 * payload)
+    for summed, want in ((False, 1), (True, 0)):
+        flat = Spectrum(dims, (0.01,) * 8, 1.0, payload, period=4, summed=summed)
+        assert allocate({**every_4th, "z": flat}, one, 0.2) == {"w": want, "z": 0}
 
 
 @pytest.mark.mpi(min_size=2)
-def test_an_allreduce_sends_no_refresh_sums(comm):
+def test_an_allreduce_sends_the_coefficients_and_the_power_steps(comm):
     """Over MPI: a fresh key's first all-reduce (the cold start's three subspace
-    iterations) sends exactly FP8's bytes, and every later one FP8's plus its
-    bfloat16 coefficients (an all-gather: 2 m k bytes to each peer), refreshes
-    included; its state says so, a reduce-scatter key's says its refreshes sum."""
+    iterations on the whole result, on every rank alone) sends exactly FP8's
+    bytes; every later one FP8's plus the power step's sums (use n + use + 1
+    values) and the coefficients (m use), bfloat16 all-gathers (2 bytes a value
+    to each peer). The state says whether its last basis update summed."""
     import geocomm
     from geocomm.testing import MeteredComm
 
     size, rank = comm.size, comm.rank
     metered = MeteredComm(comm)
-    geo = get_codec("geofp8", min_dim=8, min_numel=0, refresh_max=1)  # refreshes every call
+    geo = get_codec("geofp8", min_dim=8, min_numel=0, refresh_max=1)  # steps every call
     fp8 = get_codec("fp8")
+    m, n = 96, 80
     for step in range(4):
-        x = spiked_inputs(size, 96, 80, step, noise=0.05)[rank]
+        x = spiked_inputs(size, m, n, step, noise=0.05)[rank]
         metered.reset()
         geocomm.allreduce(x, codec=fp8, comm=metered, check=False)
         plain = metered.sent
         metered.reset()
         geocomm.allreduce(x, codec=geo, key="w", comm=metered, check=False)
         st = geo.state_info("w")
-        side = 0 if step == 0 else 2 * 96 * st["use"] * (size - 1)
-        assert step == 0 or st["use"] > 0
+        use = st["use"]
+        side = 0 if step == 0 else 2 * (m * use + use * n + use + 1) * (size - 1)
+        assert step == 0 or use > 0
         assert metered.sent == plain + side, step
-        assert st["refreshed"] == step + 1 and st["summed"] is False
+        assert st["refreshed"] == step + 1 and st["summed"] is (step > 0)
     rs = get_codec("geofp8", min_dim=8, min_numel=0)
-    geocomm.reduce_scatter(spiked_inputs(size, 96, 80, 0)[rank], codec=rs, key="w", check=False)
+    geocomm.reduce_scatter(spiked_inputs(size, m, n, 0)[rank], codec=rs, key="w", check=False)
     assert rs.state_info("w")["summed"] is True

@@ -336,15 +336,16 @@ def test_orthonormalize_is_orthonormal_and_deterministic():
 def test_rank_follows_budget_bytes_and_shape():
     config = dict(DEFAULTS)
     fp8_payload = lambda m, n: m * n + 4 * -(-m * n // 128)  # noqa: E731
-    # the cap: a split of rank k costs (3 + 1 / refresh) k multiply-adds per value
-    assert rank_for_budget(40, 4) == 12 and rank_for_budget(40, 1) == 10
+    # the cap: a split of rank k costs (3 + 2 / refresh) k multiply-adds per value
+    assert rank_for_budget(40, 4) == 11 and rank_for_budget(40, 1) == 8
     cap = rank_for_budget(DEFAULTS["budget"], DEFAULTS["refresh"])
     assert map_shape((4096, 4096), config, fp8_payload(4096, 4096)) == MapShape(4096, 4096, cap)
-    # 256 columns: the side channel (m k bfloat16) must fit in a quarter of the payload
+    # 256 columns: the side channel ((m + n) k bfloat16 a call: coefficients and
+    # step sums) must fit in a quarter of the payload
     dims = map_shape((688, 256), config, fp8_payload(688, 256))
-    assert dims.k == cap and 2 * 688 * dims.k <= 0.25 * fp8_payload(688, 256)
-    narrow = map_shape((4096, 64), config, fp8_payload(4096, 64))
-    assert narrow.k == int(0.25 * fp8_payload(4096, 64) // (2 * 4096)) == 8
+    assert dims.k == cap and 2 * (688 + 256) * dims.k <= 0.25 * fp8_payload(688, 256)
+    narrow = map_shape((4096, 64), {**config, "k": 16}, fp8_payload(4096, 64))
+    assert narrow.k == int(0.25 * fp8_payload(4096, 64) // (2 * (4096 + 64))) == 8
     # a frame also stores the fp32 basis: n more floats per direction
     framed = map_shape((4096, 64), config, fp8_payload(4096, 64), framed=True)
     assert framed.k == int(0.25 * fp8_payload(4096, 64) // (2 * 4096 + 4 * 64))
@@ -353,7 +354,9 @@ def test_rank_follows_budget_bytes_and_shape():
     assert map_shape((64, 200), config, fp8_payload(64, 200)) is None  # min_numel
     assert map_shape((256, 256), {**config, "budget": 2.0}, fp8_payload(256, 256)) is None
     assert (
-        map_shape((4, 8, 32), {**config, "min_dim": 1, "min_numel": 0}, fp8_payload(4, 256)).n
+        map_shape(
+            (4, 8, 32), {**config, "min_dim": 1, "min_numel": 0, "max_side": 1}, fp8_payload(4, 256)
+        ).n
         == 256
     )  # N-d: (shape[0], prod(rest))
 

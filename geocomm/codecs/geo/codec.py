@@ -43,6 +43,7 @@ class _MeasurePlan:
 
     side = None
     refreshes = True
+    steps = False
     ranged = True
 
     def __init__(self, dims: MapShape, state: KeyState):
@@ -171,7 +172,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         if st.use == 0:
             return None
         use = MapShape(dims.m, dims.n, st.use)
-        return SplitPlan(use, st.vt[: st.use, :], refreshes=due, state=st)
+        return SplitPlan(use, st.vt[: st.use, :], steps=due, state=st)
 
     def _rank_of(self, key: Any) -> int:
         """The key's rank under the allocation of this round of calls: it is made
@@ -212,49 +213,79 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
             self._ranks = (self._version, allocation)
         return self._ranks[1]
 
+    def step(self, plan: Any, x: Any) -> Rounds:
+        """The round that turns ``plan``'s basis one power step towards this call's
+        gradients before they are mapped (a plan with ``steps``).
+
+        ``x``: this rank's flat values of the tensor. Yields this rank's
+        X_i^T X_i V (k, n) for the plan's k mapped rows V, its energy along each
+        of them and its whole energy; is sent their exact sum over ranks, whose
+        orthonormal rows become the plan's basis and the key's (the tracked rows
+        the plan does not map are carried along). The state changes only when
+        the sums are finite and not all zero; else the plan keeps its basis.
+        """
+        st, dims = plan.state, plan.map_shape
+        xp = array_namespace(x)
+        coef = kernels.project(x, 0, dims.n, plan.vt)
+        acc = xp.zeros((dims.k, dims.n), dtype=xp.float32)
+        kernels.accumulate(x, 0, dims.n, coef, acc)
+        energies = xp.asarray([*_column_energies(coef), kernels.sumsq(x)], dtype=xp.float32)
+        part = kernels.round_bf16(xp.concat([xp.reshape(acc, (-1,)), energies]))
+        total = yield part
+        w = xp.reshape(total[: dims.k * dims.n], (dims.k, dims.n))
+        sums = [float(v) for v in total[dims.k * dims.n :]]
+        mapped, energy = sums[:-1], sums[-1]
+        if not (all(map(math.isfinite, sums)) and energy > 0 and bool(xp.all(xp.isfinite(w)))):
+            return  # a non-finite or all-zero input says nothing about the geometry
+        cap = st.map_shape
+        stale = energy / st.total if st.total > 0 else 0.0
+        carried = [e * stale for e in st.energies[dims.k :]]
+        if dims.k < cap.k:
+            w = xp.concat([w, st.vt[dims.k :, :]], axis=0)
+        vt = kernels.orthonormalize(w, self.seed)
+        overlap = _overlap(vt[: dims.k, :], st.vt)
+        period = policy.next_period(st.period, overlap, self.refresh_period, self.refresh_max)
+        st.commit(vt, (*mapped, *carried), energy, period, summed=True)
+        self._version += 1
+        plan.vt = vt[: dims.k, :]
+
     def refresh(self, plan: Any, shard: Any, lo: int, side_sum: Any, alone: bool = False) -> Rounds:
-        """The rounds that update the basis of ``plan``'s key from this call's result.
+        """The rounds that measure the basis of a measuring plan's key (its first call,
+        or a flat key's re-measure) from this call's result.
 
         ``shard``: this rank's flat range [lo, lo + shard.size) of the summed
         result in the tensor's own coordinates (before any averaging);
-        ``side_sum``: the summed coefficients of the plan (None for a
-        measuring plan). Each round yields this rank's partial sums and
-        receives their exact sum over ranks; ``alone``: every rank holds the
-        whole result and refreshes from it, each round's yield is its own
-        total (an all-reduce: no refresh bytes, which the budget then does not
-        charge). The state changes only when the sums are finite and the
-        result is not all zero.
+        ``side_sum``: None (a measuring plan sends no side). Each round yields
+        this rank's partial sums and receives their exact sum over ranks;
+        ``alone``: every rank holds the whole result and measures from it,
+        each round's yield is its own total (an all-reduce: no bytes, which
+        the budget then does not charge). The state changes only when the sums
+        are finite and the result is not all zero.
         """
-        return self._rounds(plan.state, shard, lo, side_sum, summed=not alone)
+        return self._measure(plan.state, shard, lo, summed=not alone)
 
-    def _rounds(self, st: KeyState, shard: Any, lo: int, coef: Any, summed: bool = False) -> Rounds:
+    def _measure(self, st: KeyState, shard: Any, lo: int, summed: bool = False) -> Rounds:
+        """Subspace iterations on the result from the key's basis (one), or from a
+        fixed-seed random one (COLD_ITERS, OVERSAMPLE more rows, the top k kept)."""
         cap = st.map_shape
         xp = array_namespace(shard)
-        if coef is None:  # measure: subspace iterations from the basis (or a random one)
-            cold = st.vt is None
-            rows = min(cap.k + OVERSAMPLE, min(cap.m, cap.n)) if cold else cap.k
-            dims = MapShape(cap.m, cap.n, rows)
-            zeros = xp.zeros((rows, cap.n), dtype=xp.float32)
-            vt = kernels.orthonormalize(zeros, self.seed) if cold else st.vt
-            iters = COLD_ITERS if cold else 1
-            for it in range(iters):
-                coef = xp.reshape(
-                    (yield xp.reshape(_projection(shard, lo, vt, dims), (-1,))), (cap.m, rows)
-                )
-                w, energy = _split_energy((yield _accumulation(shard, lo, coef, dims)), dims)
-                if it + 1 < iters:
-                    vt = kernels.orthonormalize(w, self.seed)
-            energies = _column_energies(coef)[: cap.k]
-            w = w[: cap.k, :]
-        else:  # refresh: one power step of the mapped rows, the rest carried along
-            dims = MapShape(cap.m, cap.n, coef.shape[1])
+        cold = st.vt is None
+        rows = min(cap.k + OVERSAMPLE, min(cap.m, cap.n)) if cold else cap.k
+        dims = MapShape(cap.m, cap.n, rows)
+        zeros = xp.zeros((rows, cap.n), dtype=xp.float32)
+        vt = kernels.orthonormalize(zeros, self.seed) if cold else st.vt
+        iters = COLD_ITERS if cold else 1
+        for it in range(iters):
+            coef = xp.reshape(
+                (yield xp.reshape(_projection(shard, lo, vt, dims), (-1,))), (cap.m, rows)
+            )
             w, energy = _split_energy((yield _accumulation(shard, lo, coef, dims)), dims)
-            stale = energy / st.total if st.total > 0 else 0.0
-            energies = _column_energies(coef) + [e * stale for e in st.energies[dims.k :]]
-            if dims.k < cap.k:
-                w = xp.concat([w, st.vt[dims.k :, :]], axis=0)
+            if it + 1 < iters:
+                vt = kernels.orthonormalize(w, self.seed)
+        energies = _column_energies(coef)[: cap.k]
         if not (math.isfinite(energy) and all(map(math.isfinite, energies)) and energy > 0):
             return  # a non-finite or all-zero result says nothing about the geometry
+        w = w[: cap.k, :]
         if not bool(xp.all(xp.isfinite(w))):
             return
         vt = kernels.orthonormalize(w, self.seed)

@@ -65,12 +65,12 @@ def encode_body(codec: Any, x: np.ndarray, body: np.ndarray) -> None:
         codec.quantizer.encode_wire(flat, body)
         return
     state = KeyState(dims)
-    run_locally(codec._rounds(state, flat, 0, None))
+    run_locally(codec._measure(state, flat, 0))
     if state.vt is None:  # nothing to measure (inf/NaN): no map
         body[:side] = 0
         codec.quantizer.encode_wire(flat, body[side:])
         return
-    plan = SplitPlan(dims, state.vt, refreshes=False)
+    plan = SplitPlan(dims, state.vt, steps=False)
     residual = np.empty_like(flat)
     plan.forward(flat, residual)
     body[: _FLAG.size] = np.frombuffer(_FLAG.pack(1), np.uint8)

@@ -38,17 +38,19 @@ class SplitPlan:
     """This call's split map of one tensor.
 
     ``side``: this rank's coefficients A_i (m, k), bfloat16 values in float32,
-    the contribution to the exact side sum; ``refreshes``: whether the key's
-    basis is updated from this call's result; ``state``: the key's state (the
-    codec's, opaque here).
+    the contribution to the exact side sum; ``steps``: whether the basis takes
+    a power step towards this call's gradients before the map (the codec's
+    ``step`` rounds, which replace :attr:`vt`); ``state``: the key's state
+    (the codec's, opaque here). A split plan never refreshes from the result.
     ``ranged``: the map works on any flat range once :meth:`begin` has run,
     so the collective maps each piece just before it travels.
     """
 
     ranged = True
+    refreshes = False
 
-    def __init__(self, dims: MapShape, vt: Any, refreshes: bool, state: Any = None):
-        self.map_shape, self.vt, self.refreshes, self.state = dims, vt, refreshes, state
+    def __init__(self, dims: MapShape, vt: Any, steps: bool, state: Any = None):
+        self.map_shape, self.vt, self.steps, self.state = dims, vt, steps, state
         self.side: Any = None
         self._packed: Any = None
 
@@ -119,7 +121,7 @@ class HadamardPlan:
     """
 
     side = None
-    refreshes = False
+    refreshes = steps = False
     ranged = False  # a row is rotated as a whole
 
     def __init__(self, dims: MapShape, seed: int, bounds: Sequence[int]):

@@ -5,17 +5,18 @@ at values or at the machine. The knobs (defaults in :data:`DEFAULTS`):
 
 * ``budget``: multiply-adds per value and call the geometry may spend. A
   split map of rank k costs 3k per call (project and subtract on the way
-  out, add back on the way in) plus k every ``refresh`` calls (the basis
-  update), so k = floor(budget / (3 + 1 / refresh)), capped by ``k``;
-* ``max_side``: bytes of the exact side channel (the summed coefficients,
-  bfloat16; a frame also stores its fp32 basis) as a fraction of the
-  quantized payload; k shrinks until it fits;
+  out, add back on the way in) plus 2k every ``refresh`` calls (the basis's
+  power step on the call's own gradients: project on the old basis, then
+  accumulate), so k = floor(budget / (3 + 2 / refresh)), capped by ``k``;
+* ``max_side``: bytes of the exact side channel (the summed coefficients and
+  the power steps' sums, bfloat16; a frame stores its coefficients and its
+  fp32 basis) as a fraction of the quantized payload; k shrinks until it fits;
 * ``min_dim``, ``min_numel``: smaller matrices go plain (the fixed costs of
   a map outweigh what it saves);
 * ``min_share``: a tensor whose measured top-k energy share beats a flat
   spectrum's k / min(m, n) by less than this goes plain;
 * ``side_budget``: the model-wide cap on side bytes (the coefficients every
-  call plus the refresh sums, per call) as a fraction of the quantized
+  call plus the power steps' sums, per call) as a fraction of the quantized
   payload of every mapped key. Within it, :func:`allocate` gives each key the
   rank k (0: plain) that buys the most error reduction per byte, from the
   spectra the keys' states track; the cap above is then the most a key may
@@ -35,7 +36,7 @@ from typing import Any
 #: every call follows the fast-turning gradients of early training (every 4
 #: calls: the small Llama's median 0.93x of FP8's error in its first 8 steps,
 #: every call 0.47x, same bytes); the 40 multiply-add budget caps a key at
-#: rank 10.
+#: rank 8.
 DEFAULTS: dict[str, Any] = {
     "transform": "split",
     "k": 32,
@@ -73,8 +74,8 @@ class MapShape:
 
 
 def rank_for_budget(budget: float, refresh: int) -> int:
-    """The largest split rank whose cost (3 + 1 / refresh) k fits in ``budget``."""
-    return int(budget // (3 + 1 / refresh))
+    """The largest split rank whose cost (3 + 2 / refresh) k fits in ``budget``."""
+    return int(budget // (3 + 2 / refresh))
 
 
 def map_shape(
@@ -94,9 +95,12 @@ def map_shape(
         return None
     if config["transform"] == "hadamard":
         return MapShape(m, n, 0)
-    # side bytes per basis vector: its coefficients, and in a frame the vector itself
-    per_vector = SIDE_BYTES * m + (4 * n if framed else 0)
+    # side bytes per basis vector: in a frame its coefficients and the vector itself,
+    # in a collective its coefficients and its power-step sums
     k = min(config["k"], min(m, n) // 2, rank_for_budget(config["budget"], config["refresh"]))
+    per_vector: float = SIDE_BYTES * m + 4 * n
+    if not framed:
+        per_vector = direction_bytes(MapShape(m, n, k), config["refresh"])
     k = min(k, int(config["max_side"] * payload_bytes // per_vector))
     return MapShape(m, n, k) if k >= 1 else None
 
@@ -106,12 +110,12 @@ def anisotropic(share: float, dims: MapShape, min_share: float) -> bool:
     return share - dims.k / min(dims.m, dims.n) >= min_share
 
 
-def direction_bytes(dims: MapShape, period: int, summed: bool = True) -> float:
+def direction_bytes(dims: MapShape, period: int) -> float:
     """Side bytes per call of one basis direction of a mapped key: its m
-    coefficients every call, and, when its refreshes sum over ranks
-    (``summed``: a reduce-scatter; an all-reduce refreshes from the whole
-    result on every rank), its n-value refresh sum every ``period`` calls."""
-    return SIDE_BYTES * (dims.m + (dims.n / period if summed else 0.0))
+    coefficients every call and its n-value power-step sum every ``period``
+    calls (a mapped key's basis steps on the call's own gradients, summed
+    over ranks, in an all-reduce as in a reduce-scatter)."""
+    return SIDE_BYTES * (dims.m + dims.n / period)
 
 
 #: A refresh whose new mapped directions keep at least this share of their
@@ -130,7 +134,7 @@ def next_period(period: int, overlap: float, shortest: int, longest: int) -> int
 class Spectrum:
     """What a key's state promises: its cap, the energy its result had along each
     tracked direction (best first), the result's whole energy, its payload
-    bytes, its refresh period and whether its refreshes sum over ranks."""
+    bytes, its refresh period and whether its basis updates sum over ranks."""
 
     dims: MapShape
     energies: tuple[float, ...]
@@ -170,7 +174,7 @@ def allocate(
             if sp.summed:
                 spent += SIDE_BYTES * sp.dims.k * (sp.dims.m + sp.dims.n) / sp.period
             continue
-        cost, best = direction_bytes(sp.dims, sp.period, sp.summed), math.inf
+        cost, best = direction_bytes(sp.dims, sp.period), math.inf
         for j, e in enumerate(sp.energies[: sp.dims.k]):
             best = min(best, e / sp.total + e / mean)
             offers.append((-best / cost, order, j, cost))
