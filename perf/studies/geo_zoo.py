@@ -73,7 +73,8 @@ class ByteCount:
             p = plan(*args, **kwargs)
             dims = getattr(p, "map_shape", None)
             if p is not None and p.side is None and getattr(p, "vt", None) is not None:
-                self.side += per_value * dims.m * dims.k  # SplitPlan: its side is set later
+                # SplitPlan: its side is set later; a step adds a row of energies
+                self.side += per_value * (dims.m + int(p.steps)) * dims.k
             return p
 
         def counted(rounds: Any, sent: int) -> Any:

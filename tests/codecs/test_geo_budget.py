@@ -219,9 +219,10 @@ def test_the_budget_charges_the_power_steps_and_the_re_measures_that_travel():
 def test_an_allreduce_sends_the_coefficients_and_the_power_steps(comm):
     """Over MPI: a fresh key's first all-reduce (the cold start's three subspace
     iterations on the whole result, on every rank alone) sends exactly FP8's
-    bytes; every later one FP8's plus the power step's sums (use n + use + 1
-    values) and the coefficients (m use), bfloat16 all-gathers (2 bytes a value
-    to each peer). The state says whether its last basis update summed."""
+    bytes; every later one FP8's plus the power step's sums (use n + 1 values)
+    and the coefficients with their column energies ((m + 1) use), bfloat16
+    all-gathers (2 bytes a value to each peer). The state says whether its
+    last basis update summed."""
     import geocomm
     from geocomm.testing import MeteredComm
 
@@ -239,7 +240,7 @@ def test_an_allreduce_sends_the_coefficients_and_the_power_steps(comm):
         geocomm.allreduce(x, codec=geo, key="w", comm=metered, check=False)
         st = geo.state_info("w")
         use = st["use"]
-        side = 0 if step == 0 else 2 * (m * use + use * n + use + 1) * (size - 1)
+        side = 0 if step == 0 else 2 * ((m + 1) * use + use * n + 1) * (size - 1)
         assert step == 0 or use > 0
         assert metered.sent == plain + side, step
         assert st["refreshed"] == step + 1 and st["summed"] is (step > 0)

@@ -218,51 +218,65 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         gradients before they are mapped (a plan with ``steps``).
 
         ``x``: this rank's flat values of the tensor. Yields this rank's
-        X_i^T X_i V (k, n) for the plan's k mapped rows V, its energy along each
-        of them and its whole energy; is sent their exact sum over ranks, whose
-        orthonormal rows become the plan's basis and the key's (the tracked rows
-        the plan does not map are carried along). The state changes only when
-        the sums are finite and not all zero; else the plan keeps its basis.
+        X_i^T X_i V (k, n) for the plan's k mapped rows V and its energy
+        ||X_i||^2; is sent their exact sum over ranks, whose orthonormal rows
+        become the plan's basis (the tracked rows the plan does not map are
+        carried along). The key's state takes the new basis after the call
+        (:meth:`refresh`), with the energy the ranks' values have along each
+        new direction (the plan's side sums it). Nothing changes when the sums
+        are not finite or all zero: the plan keeps its basis.
         """
         st, dims = plan.state, plan.map_shape
         xp = array_namespace(x)
         coef = kernels.project(x, 0, dims.n, plan.vt)
         acc = xp.zeros((dims.k, dims.n), dtype=xp.float32)
         kernels.accumulate(x, 0, dims.n, coef, acc)
-        energies = xp.asarray([*_column_energies(coef), kernels.sumsq(x)], dtype=xp.float32)
-        part = kernels.round_bf16(xp.concat([xp.reshape(acc, (-1,)), energies]))
-        total = yield part
+        energy = xp.asarray([kernels.energy(x)], dtype=xp.float32)
+        total = yield kernels.round_bf16(xp.concat([xp.reshape(acc, (-1,)), energy]))
         w = xp.reshape(total[: dims.k * dims.n], (dims.k, dims.n))
-        sums = [float(v) for v in total[dims.k * dims.n :]]
-        mapped, energy = sums[:-1], sums[-1]
-        if not (all(map(math.isfinite, sums)) and energy > 0 and bool(xp.all(xp.isfinite(w)))):
+        whole = float(total[dims.k * dims.n])
+        if not (math.isfinite(whole) and whole > 0 and bool(xp.all(xp.isfinite(w)))):
             return  # a non-finite or all-zero input says nothing about the geometry
         cap = st.map_shape
-        stale = energy / st.total if st.total > 0 else 0.0
-        carried = [e * stale for e in st.energies[dims.k :]]
         if dims.k < cap.k:
             w = xp.concat([w, st.vt[dims.k :, :]], axis=0)
         vt = kernels.orthonormalize(w, self.seed)
         overlap = _overlap(vt[: dims.k, :], st.vt)
         period = policy.next_period(st.period, overlap, self.refresh_period, self.refresh_max)
-        st.commit(vt, (*mapped, *carried), energy, period, summed=True)
-        self._version += 1
-        plan.vt = vt[: dims.k, :]
+        plan.stepped(vt, whole, period)
 
     def refresh(self, plan: Any, shard: Any, lo: int, side_sum: Any, alone: bool = False) -> Rounds:
-        """The rounds that measure the basis of a measuring plan's key (its first call,
-        or a flat key's re-measure) from this call's result.
+        """The rounds that update the key of ``plan`` after the call: a measuring
+        plan's (its first call, or a flat key's re-measure) from this call's result,
+        a stepped split plan's from its summed side (no rounds).
 
         ``shard``: this rank's flat range [lo, lo + shard.size) of the summed
         result in the tensor's own coordinates (before any averaging);
-        ``side_sum``: None (a measuring plan sends no side). Each round yields
+        ``side_sum``: the plan's summed side (None for a measuring plan). Each round yields
         this rank's partial sums and receives their exact sum over ranks;
         ``alone``: every rank holds the whole result and measures from it,
         each round's yield is its own total (an all-reduce: no bytes, which
         the budget then does not charge). The state changes only when the sums
         are finite and the result is not all zero.
         """
-        return self._measure(plan.state, shard, lo, summed=not alone)
+        if isinstance(plan, SplitPlan):  # a stepped plan: its side summed the energies
+            self._commit_step(plan, side_sum)
+            return
+        yield from self._measure(plan.state, shard, lo, summed=not alone)
+
+    def _commit_step(self, plan: SplitPlan, side_sum: Any) -> None:
+        """The key's state after a power step: the plan's new basis, the energy
+        along each mapped direction (the side sum's last row: every rank's
+        values), the tracked rows it does not map carried along with their
+        energies scaled to the new whole energy."""
+        st, (vt, whole, period) = plan.state, plan.pending
+        mapped = [float(e) for e in side_sum[plan.map_shape.m, :]]
+        if not all(map(math.isfinite, mapped)):
+            return
+        stale = whole / st.total if st.total > 0 else 0.0
+        carried = [e * stale for e in st.energies[plan.map_shape.k :]]
+        st.commit(vt, (*mapped, *carried), whole, period, summed=True)
+        self._version += 1
 
     def _measure(self, st: KeyState, shard: Any, lo: int, summed: bool = False) -> Rounds:
         """Subspace iterations on the result from the key's basis (one), or from a

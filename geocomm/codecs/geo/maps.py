@@ -38,29 +38,52 @@ class SplitPlan:
     """This call's split map of one tensor.
 
     ``side``: this rank's coefficients A_i (m, k), bfloat16 values in float32,
-    the contribution to the exact side sum; ``steps``: whether the basis takes
+    the contribution to the exact side sum (after a step, with a last row of
+    their column energies); ``steps``: whether the basis takes
     a power step towards this call's gradients before the map (the codec's
     ``step`` rounds, which replace :attr:`vt`); ``state``: the key's state
-    (the codec's, opaque here). A split plan never refreshes from the result.
+    (the codec's, opaque here). ``refreshes`` once a step found a new basis:
+    the codec's ``refresh`` then hands it to the state (no rounds).
     ``ranged``: the map works on any flat range once :meth:`begin` has run,
     so the collective maps each piece just before it travels.
     """
 
     ranged = True
-    refreshes = False
 
     def __init__(self, dims: MapShape, vt: Any, steps: bool, state: Any = None):
         self.map_shape, self.vt, self.steps, self.state = dims, vt, steps, state
         self.side: Any = None
+        self.pending: Any = None  # after a step: (basis, energy, period) for the state
         self._packed: Any = None
+
+    @property
+    def refreshes(self) -> bool:
+        """Whether the key's state takes a new basis after the call (a step found one)."""
+        return self.pending is not None
+
+    def stepped(self, vt: Any, energy: float, period: int) -> None:
+        """The step's result: ``vt`` (the key's tracked rows, the mapped ones first)
+        maps from now on; the state takes it after the call with the summed
+        ``energy`` and ``period``. Call before :meth:`begin`."""
+        self.vt, self.pending = vt[: self.map_shape.k, :], (vt, energy, period)
 
     def begin(self, x: Any) -> None:
         """A = X V, rounded to bfloat16, for this rank's flat values x: sets :attr:`side`.
 
         Non-finite values of x do not enter A (they stay at their positions).
         """
-        self.side = kernels.round_bf16(kernels.project(x, 0, self.map_shape.n, self.vt))
+        self._set_side(kernels.project(x, 0, self.map_shape.n, self.vt))
         self._packed = kernels.pack(self.vt)  # every piece expands with it
+
+    def _set_side(self, coef: Any) -> None:
+        """side = coef rounded to bfloat16; after a step one more row follows: the
+        energy of each column (what the state records once it is summed)."""
+        coef = kernels.round_bf16(coef)
+        if self.pending is not None:
+            xp = array_namespace(coef)
+            energies = xp.asarray([[kernels.sumsq(coef[:, j]) for j in range(coef.shape[1])]])
+            coef = xp.concat([coef, kernels.round_bf16(xp.astype(energies, xp.float32))], axis=0)
+        self.side = coef
 
     def forward_range(self, values: Any, lo: int, out: Any) -> None:
         """out = X - A V^T over the range ``values`` starting at ``lo`` (after begin)."""
@@ -74,7 +97,7 @@ class SplitPlan:
 
         ``out`` may be ``x``.
         """
-        self.side = kernels.residual(x, self.map_shape.n, self.vt, out)
+        self._set_side(kernels.residual(x, self.map_shape.n, self.vt, out))
 
     def inverse(self, values: Any, lo: int, side_sum: Any) -> None:
         """values += (sum_i A_i) V^T over the range starting at ``lo``, in place."""
