@@ -131,7 +131,9 @@ def energy(values: Any) -> float:
     every rank then shares): fp64 on the host, fp32 on the device for CuPy (each
     device may compute it its own way: only the exact sum is used)."""
     if is_cupy_array(values):
-        return float(values @ values)  # fp32 on the device: no copy of the gradient
+        import cupy
+
+        return float(cupy.dot(values, values))  # on the device: no copy of the gradient
     return sumsq(values)
 
 
