@@ -111,7 +111,7 @@ class Call:
 def steady_state(codec: Any, x: np.ndarray) -> tuple[float, dict[str, float], int]:
     """(mean seconds per call, mean seconds per phase per call, the key's refresh
     period) over 2 x refresh_max calls after the cold start and the period's
-    adaptation (so refreshes are counted at the rate they happen)."""
+    adaptation (so the power steps are counted at the rate they happen)."""
     call = Call(codec, x)
     calls = 2 * codec.refresh_max
     for _ in range(2 * calls):
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     fp8_s = median_seconds(fp8_call, 15)
     default = get_codec("geofp8")
     geo_s, phases, period = steady_state(default, x)
-    # the same codec on a geometry that turns at every refresh (as the zoo's
+    # the same codec on a geometry that turns at every power step (as the zoo's
     # real gradients mostly do): the period stays at refresh
     turning = get_codec("geofp8", refresh_max=default.refresh_period)
     turning_s, _, _ = steady_state(turning, x)
@@ -214,10 +214,10 @@ def markdown(r: dict[str, Any]) -> str:
         f"Default geofp8 (k = {d['k']}; refresh period {d['config']['refresh']} to "
         f"{d['config']['refresh_max']} calls, adapted here to {d['period']}): "
         f"{d['seconds'] * 1e3:.2f} ms per call = **{d['ratio_to_fp8']:.2f}x** FP8's time; "
-        f"on a geometry that turns at every refresh (period {d['config']['refresh']}): "
+        f"on a geometry that turns at every power step (period {d['config']['refresh']}): "
         f"{d['every_call_seconds'] * 1e3:.2f} ms = **{d['every_call_ratio_to_fp8']:.2f}x** "
         "(issue 23's target: <= 2.5x). Times are means over 2 x refresh_max calls after "
-        "warm-up, so refreshes count at the rate they happen.",
+        "warm-up, so the basis's power steps (phase `step`) count at the rate they happen.",
         "",
         "| phase | ms per call | share |",
         "| --- | --- | --- |",

@@ -81,12 +81,14 @@ class MapPlan(Protocol):
     """A transforming codec's plan of one tensor (``codec.plan(...)``): ``ranged`` plans
     map piece by piece (``begin`` once, ``forward_range`` per piece), the others the whole
     tensor (``forward``); ``inverse`` maps a final range back with the side sum; ``side``
-    is this rank's side contribution (None: none); ``refreshes``: whether refresh rounds
-    follow. A ranged plan's ``encode_range`` and ``decode_range`` fuse the map with the
-    codec's encode or decode of a range where they can (True) and do nothing where they
-    cannot (False: the caller maps and codes in two steps)."""
+    is this rank's side contribution (None: none); ``steps``: whether step rounds come
+    first (``codec.step(plan, values)``, before ``begin``/``forward``); ``refreshes``:
+    whether refresh rounds follow. A ranged plan's ``encode_range`` and ``decode_range``
+    fuse the map with the codec's encode or decode of a range where they can (True) and
+    do nothing where they cannot (False: the caller maps and codes in two steps)."""
 
     ranged: bool
+    steps: bool
     refreshes: bool
     side: Any
 
@@ -105,7 +107,7 @@ class MapPlan(Protocol):
     def decode_range(self, wire: Any, codec: Any, out: Any, start: int, side_sum: Any) -> bool: ...
 
 
-#: A refresh (``codec.refresh(plan, shard, start, side_sum, alone)``): yields partial
-#: sums, is sent their exact sum over ranks (``alone``: the sums as they are), until it
-#: returns.
+#: A step (``codec.step(plan, values)``) or a refresh (``codec.refresh(plan, shard,
+#: start, side_sum, alone)``): yields partial sums, is sent their exact sum over ranks
+#: (``alone``: the sums as they are), until it returns.
 RefreshRounds = Generator[Any, Any, None]

@@ -1,12 +1,15 @@
 """The GeoFP8 codecs: a quantizer behind a geometry map with per-key state.
 
 :class:`GeoCodec` is a :class:`~geocomm.codecs.base.TransformingCodec`: the
-collective asks it for this call's :meth:`plan` of each tensor, moves the
-mapped values through the quantizer and the plan's side contribution through
-an exact sum, inverts, and then runs the :meth:`refresh` rounds (each one a
-small exact sum the collective performs) that update the key's basis from the
-result. The codec never talks to a communicator. docs/design.md, "GeoFP8",
-has the maths; :mod:`~geocomm.codecs.geo.policy` the per-tensor choices.
+collective asks it for this call's :meth:`plan` of each tensor, runs the
+:meth:`step` rounds of the plans whose basis takes a power step on this
+call's gradients (each round one small exact sum the collective performs),
+moves the mapped values through the quantizer and the plan's side
+contribution through an exact sum, inverts, and then runs the
+:meth:`refresh` rounds that hand a step's basis to the key's state or
+measure a basis from the result. The codec never talks to a communicator.
+docs/design.md, "GeoFP8", has the maths; :mod:`~geocomm.codecs.geo.policy`
+the per-tensor choices.
 """
 
 from __future__ import annotations
@@ -231,7 +234,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         coef = kernels.project(x, 0, dims.n, plan.vt)
         acc = xp.zeros((dims.k, dims.n), dtype=xp.float32)
         kernels.accumulate(x, 0, dims.n, coef, acc)
-        energy = xp.asarray([kernels.energy(x)], dtype=xp.float32)
+        energy = xp.asarray([kernels.sumsq(x)], dtype=xp.float32)
         total = yield kernels.round_bf16(xp.concat([xp.reshape(acc, (-1,)), energy]))
         w = xp.reshape(total[: dims.k * dims.n], (dims.k, dims.n))
         whole = float(total[dims.k * dims.n])

@@ -27,7 +27,6 @@ from geocomm.codecs.formats import BF16Codec, round_trip
 
 __all__ = [
     "accumulate",
-    "energy",
     "expand",
     "orthonormalize",
     "pack",
@@ -124,17 +123,6 @@ def sumsq(values: Any) -> float:
     if is_cupy_array(values):
         values = values.get()
     return native.geo_sumsq(np.ascontiguousarray(_host(values), np.float32).reshape(-1))
-
-
-def energy(values: Any) -> float:
-    """This rank's own sum of squares of ``values``, for a sum over ranks (which
-    every rank then shares): fp64 on the host, fp32 on the device for CuPy (each
-    device may compute it its own way: only the exact sum is used)."""
-    if is_cupy_array(values):
-        import cupy
-
-        return float(cupy.dot(values, values))  # on the device: no copy of the gradient
-    return sumsq(values)
 
 
 def orthonormalize(rows_: Any, seed: int) -> Any:

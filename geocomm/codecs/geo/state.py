@@ -31,16 +31,18 @@ class KeyState:
 
     ``map_shape``: the key's cap (its k: rows tracked); ``vt``: the (k, d)
     basis, orthonormal rows, best first (None before the first result);
-    ``calls``: calls so far; ``refreshed``: the call count at the last
-    refresh; ``share``: the top-k energy share measured then (None before);
-    ``energies``: the result's energy along each tracked direction then, and
-    ``total`` its whole energy (the spectrum the budget reads); ``use``: the
-    rank the budget gave the key at its last call (its first ``use`` rows map;
-    0: plain); ``period``: calls between its refreshes now (adapted at each
-    refresh, :func:`~geocomm.codecs.geo.policy.next_period`); ``summed``:
-    whether its last refresh summed each rank's part over the ranks (a
-    reduce-scatter) rather than every rank refreshing from the whole result
-    (an all-reduce), i.e. whether its refreshes cost side bytes.
+    ``calls``: calls so far; ``refreshed``: the call count at the last basis
+    update (a power step, or a measure from the result); ``share``: the
+    top-k energy share measured then (None before); ``energies``: the energy
+    along each tracked direction then, and ``total`` the whole energy (every
+    rank's values after a step, the result after a measure: the spectrum the
+    budget reads); ``use``: the rank the budget gave the key at its last call
+    (its first ``use`` rows map; 0: plain); ``period``: calls between its
+    basis updates now (adapted at each,
+    :func:`~geocomm.codecs.geo.policy.next_period`); ``summed``: whether its
+    last update summed each rank's part over the ranks (a power step, or a
+    measure in a reduce-scatter) rather than every rank measuring from the
+    whole result (an all-reduce), i.e. whether it cost side bytes.
     """
 
     map_shape: MapShape
@@ -83,9 +85,9 @@ class KeyState:
     def commit(
         self, vt: Any, energies: tuple[float, ...], total: float, period: int, summed: bool
     ) -> None:
-        """A refresh result: the new basis, the energies along its directions, the
-        result's whole energy (the share follows), the next refresh period and
-        whether the refresh summed over ranks."""
+        """A basis update: the new basis, the energies along its directions, the
+        whole energy (the share follows), the next period and whether the
+        update summed over ranks."""
         self.vt, self.refreshed, self.period = vt, self.calls, int(period)
         self.summed = bool(summed)
         self.energies, self.total = tuple(float(e) for e in energies), float(total)

@@ -633,21 +633,6 @@ def any(a: ndarray, axis: Any = None, out: Any = None, keepdims: bool = False) -
     return _reduction(np.any, "any", a, axis, np.bool_, keepdims)
 
 
-def dot(a: ndarray, b: ndarray, out: Any = None) -> ndarray:
-    """The inner product of two 1-D arrays (a 0-d array, as CuPy's); other ranks are
-    not twinned."""
-    if a.ndim != 1 or b.ndim != 1 or out is not None:
-        _not_implemented("dot beyond two 1-D arrays")(a, b)
-    result = empty((), np.result_type(a.dtype, b.dtype))
-    _run(
-        lambda: np.copyto(result._view(), np.dot(_ftz(a._view()), _ftz(b._view()))),
-        "a dot product",
-        [a, b],
-        [result],
-    )
-    return result
-
-
 def may_share_memory(a: Any, b: Any, max_work: Any = None) -> bool:
     if not (isinstance(a, ndarray) and isinstance(b, ndarray)):
         return False
