@@ -14,8 +14,8 @@ each result Q is compared with the exact average G:
 * ``rel``: ||Q - G|| / ||G||; ``out``: the part of the error outside the
   top-4 singular subspace of G, relative to ||G - G_4||;
 * ``cos``: the cosine between Q and G;
-* ``side``: the side channel a rank sends (its bfloat16 coefficients; an
-  all-reduce sends no refresh sums) over the quantized payload, for the
+* ``side``: the side channel a rank sends (its bfloat16 coefficients and
+  power-step sums) over the quantized payload, for the
   whole model and for one 4096 x 4096 gradient (every matrix counted as
   mapped: an upper bound).
 

@@ -15,9 +15,9 @@ Each result is compared with the exact average:
   median over calls 2..W;
 * bytes: what a rank contributes per call, the quantized payload plus the
   side channel at ``side_format``'s bytes a value (bfloat16: 2), over FP8's
-  payload (an all-reduce refreshes on every rank from the whole result, so
-  no refresh sums travel); over calls 2..W and, with the cold start, over
-  all W;
+  payload (the coefficients with their energies and the power steps' sums;
+  an all-reduce measures a cold key from the whole result on every rank,
+  sending nothing); over calls 2..W and, with the cold start, over all W;
 * time: seconds of all the simulated calls over FP8's (same process, both
   ranks' work and the simulation's; the one-core cost on a 4096 x 4096
   matrix is perf/geo_bench.py's).

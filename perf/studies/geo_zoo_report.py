@@ -41,7 +41,7 @@ def markdown(r: dict[str, Any]) -> str:
         "of each matrix's median over calls 2..W; `model`: the whole model's error (all "
         "parameters), median over calls 2..W; `fresh`: the per-call median over matrices at "
         "calls 2..8 of a fresh key, their median and (`worst`) their largest; `bytes`: a "
-        "rank's payload + side (+ a reduce-scatter's refresh sums; an all-reduce sends none) "
+        "rank's payload + side (coefficients, their energies and the power steps' sums) "
         "over FP8's payload, calls 2..W (with call 1's cold start in brackets); `time`: the "
         "simulated calls' seconds over FP8's.",
         "",

@@ -90,7 +90,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
 
     #: knobs listed in get_config (subclasses may expose fewer)
     _fields: ClassVar[tuple[str, ...]] = tuple(DEFAULTS)
-    #: coefficients and refresh sums are rounded to bfloat16 (kernels.round_bf16)
+    #: coefficients, step and refresh sums are rounded to bfloat16 (kernels.round_bf16)
     side_format: ClassVar[str] = "bf16"
 
     def __init__(self, quantizer: Codec, **knobs: Any):

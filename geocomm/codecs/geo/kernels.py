@@ -87,7 +87,7 @@ def round_bf16(values: Any) -> Any:
     """Round float32 ``values`` to bfloat16 in place (nearest even, the bf16
     codec's bits: ``native/gc_scalar.h``'s gc_bf16_code) and return them.
 
-    GeoFP8's side channel carries bfloat16: its coefficients and refresh sums
+    GeoFP8's side channel carries bfloat16: its coefficients, step and refresh sums
     are rounded here before they are used or sent, so the wire holds them
     exactly.
     """

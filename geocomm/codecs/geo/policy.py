@@ -32,11 +32,10 @@ from typing import Any
 
 #: Defaults, chosen on the gradient zoo (perf/studies/geo_zoo.py,
 #: perf/results/geo_zoo.md): the model-wide side budget of 5% of the payload
-#: spends the bytes where the tracked spectra promise most; a basis refreshed
-#: every call follows the fast-turning gradients of early training (every 4
-#: calls: the small Llama's median 0.93x of FP8's error in its first 8 steps,
-#: every call 0.47x, same bytes); the 40 multiply-add budget caps a key at
-#: rank 8.
+#: spends the bytes where the tracked spectra promise most; a basis that takes
+#: its power step every call follows the fast-turning gradients (every 4
+#: calls: zoo medians 0.17-0.58x FP8's error, every call 0.06-0.41x, about the
+#: same bytes); the 40 multiply-add budget caps a key at rank 8.
 DEFAULTS: dict[str, Any] = {
     "transform": "split",
     "k": 32,
@@ -51,7 +50,7 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
 }
 TRANSFORMS = ("split", "hadamard", "none")
-#: Bytes of one value on the side channel: coefficients and refresh sums travel
+#: Bytes of one value on the side channel: coefficients, step and refresh sums travel
 #: as bfloat16 (GeoCodec.side_format); a frame's stored basis is fp32 (4).
 SIDE_BYTES = 2
 
