@@ -4,9 +4,10 @@ The codec plans and maps; this module runs its protocol for a buffer of
 tensors: :func:`plan_parts` plans every tensor, runs the basis steps of the
 plans that take one (one exact sum per round for all tensors) and the
 whole-tensor steps, :func:`side_sums` sums the plans' side contributions
-exactly in one collective, :class:`PartsMap` maps pieces for the pipeline as they travel
-and back as their sums become final, and :func:`refresh` runs the refresh
-rounds of all tensors, one exact sum per round.
+exactly in one collective, :class:`PartsMap` maps pieces for the pipeline
+as they travel and back as their sums become final, and :func:`refresh`
+runs the refresh rounds of all tensors, one exact sum per round
+(:func:`run_rounds` drives the steps' and the refreshes' rounds).
 """
 
 from __future__ import annotations
