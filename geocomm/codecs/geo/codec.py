@@ -232,12 +232,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         st, dims = plan.state, plan.map_shape
         xp = array_namespace(x)
         coef = kernels.project(x, 0, dims.n, plan.vt)
-        acc = xp.zeros((dims.k, dims.n), dtype=xp.float32)
-        kernels.accumulate(x, 0, dims.n, coef, acc)
-        energy = xp.asarray([kernels.sumsq(x)], dtype=xp.float32)
-        total = yield kernels.round_bf16(xp.concat([xp.reshape(acc, (-1,)), energy]))
-        w = xp.reshape(total[: dims.k * dims.n], (dims.k, dims.n))
-        whole = float(total[dims.k * dims.n])
+        w, whole = _split_energy((yield _accumulation(x, 0, coef, dims)), dims)
         if not (math.isfinite(whole) and whole > 0 and bool(xp.all(xp.isfinite(w)))):
             return  # a non-finite or all-zero input says nothing about the geometry
         cap = st.map_shape
@@ -299,7 +294,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
             w, energy = _split_energy((yield _accumulation(shard, lo, coef, dims)), dims)
             if it + 1 < iters:
                 vt = kernels.orthonormalize(w, self.seed)
-        energies = _column_energies(coef)[: cap.k]
+        energies = kernels.column_sumsq(coef)[: cap.k]
         if not (math.isfinite(energy) and all(map(math.isfinite, energies)) and energy > 0):
             return  # a non-finite or all-zero result says nothing about the geometry
         w = w[: cap.k, :]
@@ -421,11 +416,6 @@ def _overlap(new: Any, old: Any) -> float:
     rows, n = new.shape
     xp = array_namespace(new)
     return float(kernels.sumsq(kernels.project(xp.reshape(new, (-1,)), 0, n, old))) / float(rows)
-
-
-def _column_energies(coef: Any) -> list[float]:
-    """The sum of squares of every column of an (m, k) coefficient matrix (fixed order)."""
-    return [kernels.sumsq(coef[:, j]) for j in range(coef.shape[1])]
 
 
 def _split_energy(total: Any, dims: MapShape) -> tuple[Any, float]:

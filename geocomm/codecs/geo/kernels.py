@@ -27,6 +27,7 @@ from geocomm.codecs.formats import BF16Codec, round_trip
 
 __all__ = [
     "accumulate",
+    "column_sumsq",
     "expand",
     "orthonormalize",
     "pack",
@@ -123,6 +124,11 @@ def sumsq(values: Any) -> float:
     if is_cupy_array(values):
         values = values.get()
     return native.geo_sumsq(np.ascontiguousarray(_host(values), np.float32).reshape(-1))
+
+
+def column_sumsq(coef: Any) -> list[float]:
+    """:func:`sumsq` of every column of an (m, k) coefficient matrix."""
+    return [sumsq(coef[:, j]) for j in range(coef.shape[1])]
 
 
 def orthonormalize(rows_: Any, seed: int) -> Any:

@@ -81,7 +81,7 @@ class SplitPlan:
         coef = kernels.round_bf16(coef)
         if self.pending is not None:
             xp = array_namespace(coef)
-            energies = xp.asarray([[kernels.sumsq(coef[:, j]) for j in range(coef.shape[1])]])
+            energies = xp.asarray([kernels.column_sumsq(coef)])
             coef = xp.concat([coef, kernels.round_bf16(xp.astype(energies, xp.float32))], axis=0)
         self.side = coef
 
