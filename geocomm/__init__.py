@@ -4,10 +4,10 @@ The codec layer works without MPI; the collectives need mpi4py (``pip install
 geocomm[mpi]``). ``geocomm.native_available`` says whether the C core is built.
 """
 
-from geocomm.adapters import allgather, allreduce, reduce_scatter
+from geocomm.api import allgather, allreduce, get_comm, init, reduce_scatter
 from geocomm.codecs import Codec, decode, get_codec, register_codec, registered_ids
-from geocomm.collectives import CollectiveMismatchError, get_comm, init
-from geocomm.native import available as native_available
+from geocomm.engine.call import CollectiveMismatchError
+from geocomm.kernels.native import available as native_available
 
 __version__ = "0.1.0"
 

@@ -37,7 +37,7 @@
  * contraction of a*b+c into an FMA), -ftz=false (subnormals are codes and
  * scales too) and -prec-div=true (IEEE division for amax / FMAX). The decode
  * multiply-add is written with __fmul_rn/__fadd_rn as well, which are never
- * contracted. geocomm/cuda.py compiles this file with NVRTC itself (CuPy's
+ * contracted. geocomm/kernels/cuda.py compiles this file with NVRTC itself (CuPy's
  * RawModule would append -ftz=true).
  *
  * fp8 kernels take nblocks = ceil(n / block) from the caller: a 64-bit

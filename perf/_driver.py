@@ -33,20 +33,13 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from lab import breakdown, emulated_link, launch_command, parse_size, timed, yardstick
 
 import geocomm
+from geocomm.api import get_comm, resolve_codec
 from geocomm.codecs import TransformingCodec, bounds
-from geocomm.collectives import get_comm, resolve_codec
-from geocomm.deprecation import DeprecatedOption
-from geocomm.testing import (
-    MeteredComm,
-    breakdown,
-    emulated_link,
-    launch_command,
-    parse_size,
-    timed,
-    yardstick,
-)
+from geocomm.engine.costs import codec_for
+from geocomm.testing import MeteredComm
 
 DTYPES = {"float": np.float32, "half": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -88,9 +81,6 @@ def parse_args(name: str, argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="values per pipeline stage (default: the backend's)",
     )
-    p.add_argument(
-        "--chunk", dest="stage_size", type=int, action=DeprecatedOption, help=argparse.SUPPRESS
-    )  # the old name of --stage-size
     p.add_argument(
         "--breakdown",
         action="store_true",
@@ -204,8 +194,8 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
     comm = get_comm()
     rank, size = comm.rank, comm.size
     codec = resolve_codec({"id": args.codec, **json.loads(args.codec_args)})
-    big = codec.for_count(
-        args.maxbytes // np.dtype(DTYPES[args.datatype]).itemsize, comm.backend, size
+    big = codec_for(
+        codec, args.maxbytes // np.dtype(DTYPES[args.datatype]).itemsize, comm.backend, size
     )
     kind = (
         args.input
@@ -244,7 +234,7 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
         for _ in range(args.warmup_iters):
             call()
         seconds = timed(comm, call, args.iters)
-        used = codec.for_count(count, comm.backend, size)  # what carried it ("auto" switches)
+        used = codec_for(codec, count, comm.backend, size)  # what carried it ("auto" switches)
         metered = MeteredComm(comm)
         result = call(comm=metered)
         wire = max(int(r[0]) for r in comm.allgather_int64(np.array([metered.sent])))

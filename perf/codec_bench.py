@@ -43,8 +43,8 @@ import ml_dtypes
 import numpy as np
 
 import geocomm
-from geocomm import native
 from geocomm.codecs import reference as ref
+from geocomm.kernels import native
 
 SEED = 20261129
 FORMATS = [("e4m3", 128), ("e5m2", 128), ("nvfp4", 0), ("bf16", 0), ("mxfp8_e4m3", 0), ("mxfp4", 0)]

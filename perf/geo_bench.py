@@ -35,11 +35,12 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")  # the yardsticks' numpy calls stay on one core too
 
 import numpy as np  # noqa: E402
+from lab import write_results  # noqa: E402
 
 from geocomm.codecs import get_codec  # noqa: E402
 from geocomm.engine.costs import HOST_STAGE_SIZE  # noqa: E402
 from geocomm.engine.transforming import run_rounds  # noqa: E402
-from geocomm.testing import run_refresh_locally, write_results  # noqa: E402
+from geocomm.testing import run_refresh_locally  # noqa: E402
 
 
 def gradient_like(m: int, n: int, seed: int = 0) -> np.ndarray:

@@ -60,7 +60,7 @@ bytes       GPU encode == C core encode (== NumPy reference for small inputs)
             format and walk, both roundings: one launch over seven pieces at
             odd offsets (one empty), the multi-piece decode, and the owner's
             sum of its piece and three received bodies, encoded and as fp32.
-errors      geocomm.cuda's argument checks raise like the C core's (an
+errors      geocomm.kernels.cuda's argument checks raise like the C core's (an
             unknown format id: one past the largest of the C core's ids).
 nccl        NCCLCommunicator over the ranks: alltoallv/allgatherv byte round
             trips, allreduce sum/max, allgather_int64, barrier, and a raw
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.twin:
         use_twin()
-    from geocomm import cuda, native
+    from geocomm.kernels import cuda, native
 
     if not cuda.available:
         try:

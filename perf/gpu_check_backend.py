@@ -43,7 +43,7 @@ def backend_rows(device: Any, mpi: Any, seed: int, n: int) -> list[dict[str, Any
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import geocomm
-    from geocomm.adapters import torch_backend as tb
+    from geocomm.adapters.torch import backend as tb
 
     torch.manual_seed(seed % 2**31)
     tb.configure(codec="fp8", min_numel=4096)

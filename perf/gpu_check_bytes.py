@@ -1,5 +1,5 @@
 """perf/gpu_check.py's single-process sections: ``bytes`` (the codec kernels and the
-batched pipeline kernels == the C core, byte for byte) and ``errors`` (geocomm.cuda's
+batched pipeline kernels == the C core, byte for byte) and ``errors`` (geocomm.kernels.cuda's
 argument checks raise like the C core's)."""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def check_case(
     cp: Any, fmt: str, block: int, name: str, x: np.ndarray, base: np.ndarray, variant: str = ""
 ) -> dict[str, Any]:
     """One format/block/input: GPU vs C core (vs reference for small inputs)."""
-    from geocomm import cuda, native
     from geocomm.codecs import reference as ref
+    from geocomm.kernels import cuda, native
 
     code = native.FORMATS[fmt]
     n = x.size
@@ -267,15 +267,15 @@ def check_bytes(
 
 def unknown_format_id() -> int:
     """An id that names no format: one past the largest of the C core's ids."""
-    from geocomm import native
+    from geocomm.kernels import native
 
     return max(native.FORMATS.values()) + 1
 
 
 def check_errors(ctx: Any) -> dict[str, Any]:
-    """The argument checks of geocomm.cuda raise like geocomm.native (every rank: no
+    """The argument checks of geocomm.kernels.cuda raise like geocomm.kernels.native (every rank: no
     collective, no kernel runs)."""
-    from geocomm import cuda
+    from geocomm.kernels import cuda
 
     cp = ctx.cp
     x = cp.zeros(100, cp.float32)

@@ -134,7 +134,7 @@ def _host_input(dtype: str, values: np.ndarray) -> np.ndarray:
 def _to_device(cp: Any, host: np.ndarray) -> Any:
     """The device operand the collective sees: the array itself, or for
     bfloat16 (no CuPy dtype) its bits widened to float32, as the torch adapter does."""
-    from geocomm.adapters.arrays import bf16_bits_to_float32
+    from geocomm.api.arrays import bf16_bits_to_float32
 
     if host.dtype.name == "bfloat16":
         return bf16_bits_to_float32(cp.asarray(host.view(np.uint16)))
@@ -145,7 +145,7 @@ def _to_host(cp: Any, result: Any, dtype: str) -> np.ndarray:
     """A device result as a host array of ``dtype`` (bfloat16: rounded like the adapter)."""
     import ml_dtypes
 
-    from geocomm.adapters.arrays import float32_to_bf16_bits
+    from geocomm.api.arrays import float32_to_bf16_bits
 
     if dtype == "bfloat16":
         return cp.asnumpy(float32_to_bf16_bits(result)).view(ml_dtypes.bfloat16)
@@ -157,12 +157,12 @@ def run_collective(
 ) -> Any:
     """One geocomm collective through the public API (adapters included), as the
     first call with its codec and key: stochastic rounding numbers the calls with
-    a codec and key in the process; :func:`geocomm.collectives.reset_call_counts` gives
+    a codec and key in the process; :func:`geocomm.engine.call.reset_call_counts` gives
     the MPI call and the NCCL call of one process the same number)."""
     import geocomm
-    from geocomm import collectives
+    from geocomm.engine import call as calls
 
-    collectives.reset_call_counts()
+    calls.reset_call_counts()
     fn = {
         "allreduce": geocomm.allreduce,
         "reduce_scatter": geocomm.reduce_scatter,
@@ -206,7 +206,7 @@ def lockstep(
     results = []
     for xp in (cp, np):
         pipes, outs = [], []
-        for r, comm in enumerate(loopback(size, "nccl")):
+        for r, comm in enumerate(loopback(size, "nccl", device_arrays=True)):
             lo, hi = int(pieces.bounds[r]), int(pieces.bounds[r + 1])
             out = xp.full(count if gather else hi - lo, np.nan, dtype=np.float32)
             args = (pieces, xp.asarray(xs[r]), out, 0 if gather else lo, gather)

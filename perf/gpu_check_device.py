@@ -264,7 +264,7 @@ def time_stage_cost(
 
 def time_kernels(ctx: Any, size_mib: int, repeats: int) -> list[dict[str, Any]]:
     """Encode, decode and decode+accumulate alone (CUDA events on one stream)."""
-    from geocomm import cuda
+    from geocomm.kernels import cuda
 
     cp = ctx.cp
     n = size_mib * (1 << 20) // 4

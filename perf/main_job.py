@@ -26,9 +26,8 @@ from typing import Any
 
 import main_summary
 from emulated_link import namespace_problem
+from lab import write_results
 from plot_perf import plot
-
-from geocomm.testing import write_results
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

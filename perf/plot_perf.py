@@ -17,8 +17,7 @@ import json
 from pathlib import Path
 
 import matplotlib
-
-from geocomm.testing import yardstick_line
+from lab import yardstick_line
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt

@@ -28,8 +28,9 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from lab import write_results
+
 from geocomm.launch import mpiexec_command
-from geocomm.testing import write_results
 
 TCP_ARGS = ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self"]
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")

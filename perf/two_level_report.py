@@ -3,9 +3,8 @@ planning model's prediction of every point (perf/plan_model.py --emulation)."""
 
 from __future__ import annotations
 
+from lab import yardstick_line
 from plan_model import emulated
-
-from geocomm.testing import yardstick_line
 
 
 def markdown(report: dict, intra_Bps: float | None = None) -> str:

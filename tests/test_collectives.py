@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import geocomm
-from geocomm import get_codec
+from geocomm import CollectiveMismatchError, get_codec
 from geocomm.codecs import bounds
-from geocomm.collectives import CollectiveMismatchError, shard_bounds
+from geocomm.engine.layout import shard_bounds
 
 pytestmark = pytest.mark.mpi
 

@@ -2,7 +2,7 @@
 modules degrade cleanly without CuPy.
 
 ``nvcc`` (no GPU needed) compiles the exact translation units that
-geocomm.cuda and geocomm.engine.device hand to NVRTC (the codec's kernels,
+geocomm.kernels.cuda and geocomm.engine.device hand to NVRTC (the codec's kernels,
 and the batched pipeline's, native/gc_pipeline.cu), with warnings as errors,
 so a CUDA compile error fails CI. A PTX scan then checks the flags that bit-exactness rests on: no
 fused multiply-add, no flush-to-zero, no approximate division. Whether the
@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 import geocomm.comm.nccl as nccl_mod
-import geocomm.cuda as gcuda
-from geocomm import cuda_build, native
+import geocomm.kernels.cuda as gcuda
 from geocomm.engine import device as gpu_pipeline
+from geocomm.kernels import cuda_build, native
 
 
 def _nvcc() -> str | None:
@@ -42,7 +42,7 @@ def _nvcc() -> str | None:
 NVCC = _nvcc()
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc (CUDA toolkit) not found")
 
-# The options of geocomm.cuda.NVRTC_OPTIONS, spelled for nvcc.
+# The options of geocomm.kernels.cuda.NVRTC_OPTIONS, spelled for nvcc.
 NVCC_FLAGS = [
     "-fmad=false",
     "-ftz=false",
@@ -61,7 +61,7 @@ def _run_nvcc(args: list[str], cwd: Path) -> None:
 
 
 #: The NVRTC units and the entry points each must hold: the codec's kernels
-#: (geocomm.cuda) and the batched pipeline's (geocomm.engine.device, which
+#: (geocomm.kernels.cuda) and the batched pipeline's (geocomm.engine.device, which
 #: includes the codec's helpers).
 UNITS = {
     "codec": (
@@ -398,8 +398,8 @@ def test_format_names_and_ids():
 WITHOUT_NATIVE = """
 import numpy as np
 import geocomm
-import geocomm.cuda as gcuda
-from geocomm import cuda_build, native
+import geocomm.kernels.cuda as gcuda
+from geocomm.kernels import cuda_build, native
 
 assert native.available is False
 for read in (lambda: native.E4M3, lambda: native.FORMATS, lambda: native.STOCHASTIC,

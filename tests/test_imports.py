@@ -4,6 +4,9 @@ Every module of geocomm/ is parsed with ``ast`` (nothing is imported); each
 ``import geocomm...`` and ``from geocomm... import ...``, relative ones and
 those inside functions included, is an edge. The test fails on
 
+* an import that runs upward through the layers (:data:`LAYERS`: kernels, then
+  codecs and transports, which know nothing of each other, the engine, the API,
+  the adapters),
 * a cycle (reported as the chain of modules),
 * a private name (leading underscore, not a dunder) imported from another
   module, unless the module is listed in :data:`PRIVATE_MODULES` with a reason,
@@ -25,9 +28,22 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 #: Private modules another module may import, with the reason.
 PRIVATE_MODULES = {
-    "geocomm._native": "the cffi extension the build writes; geocomm.native is its only user",
-    "geocomm.adapters._torch_grads": "what the DDP hook and FSDP2 share, private to adapters/",
+    "geocomm._native": "the cffi extension the build writes; geocomm.kernels.native uses it",
 }
+#: The layers, bottom first: a module imports from its own layer or those below it.
+#: Layers of one rank (a tuple) stand side by side and import nothing of each other.
+LAYERS: list[tuple[str, ...]] = [
+    ("geocomm._native",),
+    ("geocomm.kernels",),
+    ("geocomm.codecs",),
+    ("geocomm.comm",),
+    ("geocomm.engine",),
+    ("geocomm.api",),
+    ("geocomm.testing", "geocomm.adapters"),
+    ("geocomm", "geocomm.launch"),
+]
+#: Pairs of layers that must not import each other although the order allows one way.
+APART = [("geocomm.codecs", "geocomm.comm")]
 #: Modules that may import geocomm.testing (none in production code).
 TESTING = "geocomm.testing"
 
@@ -170,6 +186,65 @@ def cycles(graph: dict[str, set[str]], known: set[str]) -> list[list[str]]:
     return found
 
 
+def layer_of(module: str) -> tuple[int, str]:
+    """(rank in :data:`LAYERS`, the layer's name) of a module of geocomm."""
+    best = (-1, "")
+    for rank, names in enumerate(LAYERS):
+        for name in names:
+            inside = module == name or module.startswith(name + ".")
+            if inside and len(name) > len(best[1]):
+                best = (rank, name)
+    return best
+
+
+def layer_problems(root: pathlib.Path, package: str = "geocomm") -> list[str]:
+    """Every import that runs upward through :data:`LAYERS` or across an :data:`APART`
+    pair or between two layers of one rank."""
+    problems = []
+    files = sorted((root / package).rglob("*.py"))
+    names = {module_name(f, root): f for f in files}
+    for module, path in names.items():
+        rank, layer = layer_of(module)
+        for target, _, line in imports_of(path, module, set(names), package):
+            if target == package and module != package:
+                problems.append(f"{path.relative_to(root)}:{line}: imports the package root")
+                continue
+            target_rank, target_layer = layer_of(target)
+            apart = {layer, target_layer} in [set(p) for p in APART]
+            side = target_rank == rank and target_layer != layer
+            if target_rank > rank or apart or side:
+                problems.append(
+                    f"{path.relative_to(root)}:{line}: {layer} imports {target} ({target_layer})"
+                )
+    return problems
+
+
+def test_layers_import_downward():
+    """Each module imports from its own layer or the layers below (docs/design.md,
+    "Architecture"); the checker itself fails on a planted upward import."""
+    assert all(layer_of(module_name(f, ROOT))[0] >= 0 for f in (ROOT / "geocomm").rglob("*.py"))
+    problems = layer_problems(ROOT)
+    assert not problems, "\n".join(problems)
+
+
+def test_layer_checker_finds_an_upward_import(tmp_path):
+    root = _plant(
+        tmp_path,
+        {
+            "geocomm/__init__.py": "",
+            "geocomm/codecs/__init__.py": "",
+            "geocomm/codecs/auto.py": "from geocomm.engine import costs\n",  # upward
+            "geocomm/comm/base.py": "from geocomm.codecs import auto\n",  # across
+            "geocomm/engine/__init__.py": "",
+            "geocomm/engine/costs.py": "from geocomm.codecs import auto\n",  # downward
+        },
+    )
+    assert layer_problems(root) == [
+        "geocomm/codecs/auto.py:1: geocomm.codecs imports geocomm.engine.costs (geocomm.engine)",
+        "geocomm/comm/base.py:1: geocomm.comm imports geocomm.codecs.auto (geocomm.codecs)",
+    ]
+
+
 def test_geocomm_imports_go_one_way():
     problems = check_package(ROOT, "geocomm", PRIVATE_MODULES)
     assert not problems, "\n".join(problems)
@@ -184,7 +259,7 @@ def test_codec_roles_stand_apart():
     frames = {
         t for t, _, _ in imports_of(path / "frames.py", "geocomm.codecs.frames", set(), "geocomm")
     }
-    assert frames <= {"geocomm.codecs.base", "geocomm.deprecation"}, frames
+    assert frames <= {"geocomm.codecs.base"}, frames
 
 
 def test_perf_imports_only_public_geocomm_names():

@@ -1,5 +1,5 @@
-"""The perf helpers of geocomm.testing: sizes, ring bytes, timing across ranks, yardstick,
-background load."""
+"""The perf tools' helpers (perf/lab.py): sizes, ring bytes, timing across ranks, yardstick,
+background load; and the main job's summary."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from geocomm import get_codec
-from geocomm.testing import (
+PERF = Path(__file__).resolve().parents[1] / "perf"
+sys.path.insert(0, str(PERF))  # perf/ scripts import their siblings (lab.py) by name
+
+from lab import (  # noqa: E402
     Yardstick,
     breakdown,
     busy_loops,
@@ -27,6 +29,8 @@ from geocomm.testing import (
     yardstick,
     yardstick_line,
 )
+
+from geocomm import get_codec  # noqa: E402
 
 
 def test_parse_size_binary_multiples():
@@ -95,12 +99,8 @@ def test_breakdown_times_every_phase(comm, gather):
 
 # --- the main job's summary (perf/main_summary.py) and its namespace probe
 
-PERF = Path(__file__).resolve().parents[1] / "perf"
-
 
 def _perf_module(name: str):
-    if str(PERF) not in sys.path:  # perf/ scripts import their siblings by name
-        sys.path.insert(0, str(PERF))
     return importlib.import_module(name)
 
 

@@ -1,5 +1,3 @@
-"""Framework adapters: any array kind in and out; PyTorch DDP and FSDP2 in ``.torch``."""
-
-from geocomm.adapters.arrays import allgather, allreduce, as_array, reduce_scatter
-
-__all__ = ["allgather", "allreduce", "as_array", "reduce_scatter"]
+"""Framework adapters: PyTorch's DDP comm hook, FSDP2's reduce-scatter and a
+torch.distributed backend (:mod:`geocomm.adapters.torch`). Array kinds of every
+framework go in and out of the collectives in :mod:`geocomm.api.arrays`."""

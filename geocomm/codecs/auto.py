@@ -6,10 +6,11 @@ what fewer bytes save, so the plain all-reduce is used; at and above it the
 ``codec`` given (default ``fp8``). The choice depends only on the element
 count, the backend and the rank count, which every rank shares, so all ranks
 choose alike. By default (``crossover_bytes=None``) the crossover is the
-backend's (:func:`geocomm.engine.costs.crossover_bytes`): measured for host
-backends (perf/results/crossover.md), modelled for devices, where a launch
+backend's: measured for host backends, modelled for devices, where a launch
 costs microseconds and the link moves hundreds of GB/s; a number fixes it for
-every backend.
+every backend. The engine's cost model makes the choice
+(:func:`geocomm.engine.costs.codec_for`); this class only holds the
+configuration.
 """
 
 from __future__ import annotations
@@ -21,12 +22,6 @@ import numpy as np
 from geocomm.codecs.base import Codec
 from geocomm.codecs.formats import NoneCodec
 from geocomm.codecs.frames import FramedCodec
-from geocomm.engine import costs
-
-#: The host backends' crossover (measured: see geocomm.engine.costs.HOST_CROSSOVER_BYTES).
-DEFAULT_CROSSOVER_BYTES = costs.HOST_CROSSOVER_BYTES
-#: Values whose wire size gives the inner codec's wire bytes per fp32 byte (the model's ratio).
-_RATIO_VALUES = 1 << 20
 
 
 class AutoCodec(FramedCodec):
@@ -56,19 +51,10 @@ class AutoCodec(FramedCodec):
             "crossover_bytes": self.crossover_bytes,
         }
 
-    def crossover_for(self, backend: str | None = None, size: int = 2) -> int | None:
-        """fp32 bytes from which ``count`` values go compressed on ``size`` ranks of
-        ``backend`` (None: never): the configured number, else the backend's."""
-        if self.crossover_bytes is not None:
-            return self.crossover_bytes
-        ratio = self.inner.wire_size(_RATIO_VALUES) / (4 * _RATIO_VALUES)
-        return costs.crossover_bytes(backend, size, ratio)
-
-    def for_count(self, count: int, backend: str | None = None, size: int = 2) -> Codec:
-        """The codec used for ``count`` values on ``size`` ranks of ``backend``: plain
-        below the crossover (:meth:`crossover_for`)."""
-        crossover = self.crossover_for(backend, size)
-        return self.inner if crossover is not None and 4 * count >= crossover else self._plain
+    @property
+    def plain(self) -> Codec:
+        """The codec below the crossover: the plain collective."""
+        return self._plain
 
     # standalone frames and the wire API use the compressing codec
     def wire_size(self, n: int) -> int:

@@ -80,12 +80,6 @@ class Codec(ABC):
     def decode_wire(self, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
         """Decode ``out.size`` values from ``wire`` into ``out`` (``+=`` if accumulate)."""
 
-    def for_count(self, count: int, backend: str | None = None, size: int = 2) -> Codec:
-        """The codec that carries a message of ``count`` values on ``size`` ranks of
-        the communicator ``backend`` (``Communicator.backend``): itself; ``auto``
-        chooses by size. Depends on what every rank shares only, so all choose alike."""
-        return self
-
     # ---- frame bodies (override when the body depends on more than the count) --
     def frame_body_size(self, shape: tuple[int, ...]) -> int:
         """Bytes of the frame body for an array of ``shape``."""

@@ -19,7 +19,6 @@ residuals. A signature whose size changes starts from a zero residual.
 
 from __future__ import annotations
 
-import warnings
 import zlib
 from typing import Any
 
@@ -44,16 +43,6 @@ class ErrorFeedbackCodec(WireOf, FramedCodec, StatefulCodec):
     def mapping_codec(self) -> TransformingCodec | None:
         """The inner codec when it maps tensors (GeoFP8), else None."""
         return self.inner if isinstance(self.inner, TransformingCodec) else None
-
-    @property
-    def transform(self) -> TransformingCodec | None:
-        """Deprecated: :attr:`mapping_codec` (CONTRIBUTING.md, "Names")."""
-        warnings.warn(
-            "ErrorFeedbackCodec.transform is deprecated, use mapping_codec",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.mapping_codec
 
     def get_config(self) -> dict[str, Any]:
         return {**self.inner.get_config(), "error_feedback": True}

@@ -19,9 +19,9 @@ from typing import Any, ClassVar, NamedTuple, TypedDict
 
 import numpy as np
 
-from geocomm import native
 from geocomm.codecs.base import WireOf
 from geocomm.codecs.frames import FramedCodec
+from geocomm.kernels import native
 
 
 class NoneCodec(FramedCodec):
@@ -52,7 +52,7 @@ class NoneCodec(FramedCodec):
 def _backend(array: Any) -> Any:
     """The codec core for ``array``: the C core for NumPy, the CUDA kernels for CuPy."""
     if type(array).__module__.startswith("cupy"):
-        from geocomm import cuda
+        from geocomm.kernels import cuda
 
         return cuda
     return native

@@ -22,7 +22,6 @@ import ml_dtypes
 import numpy as np
 
 from geocomm.codecs.base import Codec
-from geocomm.deprecation import renamed_keywords
 
 MAGIC = b"GEOC"
 FRAME_VERSION = 1
@@ -137,17 +136,6 @@ class FramedCodec(Codec):
     """A :class:`~geocomm.codecs.base.Codec` whose ``encode``/``decode`` write and read
     the frame above, its body from the codec's ``encode_frame_body`` /
     ``decode_frame_body``. The base of every built-in codec."""
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Every implementation of :meth:`encode_wire` still accepts ``stream=``, the
-        old name of ``rounding_stream=``, with a DeprecationWarning."""
-        super().__init_subclass__(**kwargs)
-        method = cls.__dict__.get("encode_wire")
-        if method is not None and not hasattr(method, "__renamed_keywords__"):
-            # wraps the subclass method itself (the deprecated alias), once per class
-            cls.encode_wire = renamed_keywords(  # type: ignore[method-assign]
-                stream="rounding_stream"
-            )(method)
 
     def encode(self, x: np.ndarray) -> np.ndarray:
         x = check_float_array(x)

@@ -22,8 +22,6 @@ import functools
 import ml_dtypes
 import numpy as np
 
-from geocomm.deprecation import renamed_keywords
-
 F32 = np.float32
 FMAX = {"e4m3": F32(448.0), "e5m2": F32(57344.0)}
 FP8_DTYPE = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
@@ -386,7 +384,6 @@ def wire_size(fmt: str, n: int, block: int = 0) -> int:
     return -(-n // MX_BLOCK) + (-(-n // 2) if fmt == "mxfp4" else n)
 
 
-@renamed_keywords(stream="rounding_stream")
 def encode(
     fmt: str,
     x: np.ndarray,

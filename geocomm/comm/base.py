@@ -96,11 +96,18 @@ def wait_ordered(request: Request, what: str, rank: int) -> None:
 
 @runtime_checkable
 class Communicator(Protocol):
-    """Rank, size and byte-moving collectives over flat contiguous arrays."""
+    """Rank, size and byte-moving collectives over flat contiguous arrays.
+
+    ``backend`` names the transport ("mpi", "nccl", "gloo", ...: the cost model's
+    key, :mod:`geocomm.engine.costs`); ``device_arrays`` says whether it moves
+    device (CuPy) arrays, which the engine then keeps on the device (a host
+    communicator gets CuPy arrays staged through host memory).
+    """
 
     rank: int
     size: int
     backend: str
+    device_arrays: bool
 
     def alltoallv(
         self,

@@ -23,6 +23,7 @@ class MeteredComm:
     def __init__(self, comm: Any, parent: MeteredComm | None = None):
         self.comm = comm
         self.rank, self.size, self.backend = comm.rank, comm.size, comm.backend
+        self.device_arrays = comm.device_arrays
         self.sent = 0
         self.calls = 0
         self.parent = parent  # a sub-communicator's counts go to its parent's too

@@ -59,6 +59,7 @@ class MPICommunicator:
     """
 
     backend = "mpi"
+    device_arrays = False  # MPI is not assumed CUDA-aware
 
     def __init__(self, comm: Any = None):
         mpi = require_mpi()

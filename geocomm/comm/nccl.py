@@ -151,6 +151,7 @@ class NCCLCommunicator:
     """
 
     backend = "nccl"
+    device_arrays = True
 
     def __init__(self, comm: Any = None):
         cupy, nccl = require_nccl()

@@ -216,7 +216,7 @@ def _may_overlap(a: Any, b: Any) -> bool:
 def _detached(dist: Any, group: Any) -> bool:
     """Whether ``group`` is a ``ProcessGroup`` that torch.distributed's registry does not
     know: one built from a store with a backend registered on it by hand, as
-    :mod:`geocomm.adapters.torch_backend` builds for its own traffic (the collectives
+    :mod:`geocomm.adapters.torch.backend` builds for its own traffic (the collectives
     accept such a group; ``get_rank`` and ``get_backend`` do not)."""
     if group is None or not isinstance(group, dist.ProcessGroup):
         return False
@@ -231,15 +231,14 @@ class TorchDistCommunicator:
     """:class:`geocomm.comm.Communicator` over a torch.distributed group.
 
     ``device_arrays``: whether the collectives keep CuPy arrays on the device
-    (``backend`` "nccl"; see the module docstring): None (default) means
-    exactly when the group's backend is NCCL; True for any group that can move
-    the device arrays' memory; False needs a group that moves host memory.
+    (see the module docstring): None (default) means exactly when the group's
+    backend is NCCL; True for any group that can move the device arrays' memory;
+    False needs a group that moves host memory. ``backend`` is the group's
+    ("nccl" or "gloo").
     ``group`` may also be a ``ProcessGroup`` outside torch.distributed's registry
     (made from a store, its backend registered by hand); rank, size and backend
     then come from the group object, and no default group is needed.
     """
-
-    backend = "torch"
 
     def __init__(self, group: Any = None, *, device_arrays: bool | None = None):
         import torch
@@ -269,8 +268,7 @@ class TorchDistCommunicator:
                 "a NCCL group moves device arrays only"
             )
         self.device_arrays = bool(device_arrays)
-        # "nccl" tells the collectives to keep CuPy arrays on the device
-        self.backend = "nccl" if self.device_arrays else "torch"
+        self.backend = "nccl" if nccl else "gloo"
         # where the metadata all-gather's tensors live
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")

@@ -1,7 +1,7 @@
 """What a backend costs: the model behind the stage size and ``auto``'s crossover
-(docs/design.md, "The collective").
+(docs/design.md, "The collective"), and the codec ``auto`` chooses by it.
 
-Host backends (``mpi``, ``torch`` on CPU tensors, anything not listed in
+Host backends (``mpi``, ``gloo``, anything not listed in
 :data:`DEVICE`) keep the numbers measured on the machine they were tuned on
 (perf/results/crossover.md): :data:`HOST_STAGE_SIZE` values per pipeline
 stage and a crossover of :data:`HOST_CROSSOVER_BYTES`. A device backend
@@ -31,6 +31,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
+
+from geocomm.codecs.auto import AutoCodec
 
 #: Host backends: values of the whole buffer per pipeline stage, measured on a
 #: 2-core machine (a stage there costs microseconds; 1M values keep the codec's
@@ -137,6 +140,25 @@ def crossover_bytes(backend: str | None, size: int, ratio: float = FP8_RATIO) ->
             break
         found = 1 << shift
     return found
+
+
+def codec_for(codec: Any, count: int, backend: str | None = None, size: int = 2) -> Any:
+    """The codec that carries ``count`` values on ``size`` ranks of ``backend``: ``codec``
+    itself, except ``auto`` (:class:`geocomm.codecs.auto.AutoCodec`), which is its
+    compressing codec from its crossover on (its own ``crossover_bytes``, else
+    :func:`crossover_bytes` for the inner codec's wire ratio) and the plain codec below.
+    Depends on what every rank shares only, so all ranks choose alike."""
+    if not isinstance(codec, AutoCodec):
+        return codec
+    crossover = codec.crossover_bytes
+    if crossover is None:
+        ratio = codec.inner.wire_size(_RATIO_VALUES) / (4 * _RATIO_VALUES)
+        crossover = crossover_bytes(backend, size, ratio)
+    return codec.inner if crossover is not None and 4 * count >= crossover else codec.plain
+
+
+#: Values whose wire size gives a codec's wire bytes per fp32 byte (the model's ratio).
+_RATIO_VALUES = 1 << 20
 
 
 # ---------------------------------------------------------------------------

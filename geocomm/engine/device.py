@@ -52,7 +52,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from geocomm import cuda, cuda_build, native
 from geocomm.comm.base import Communicator
 from geocomm.engine.device_tables import (
     BF16,
@@ -85,6 +84,7 @@ from geocomm.engine.layout import (
     run_schedule,
 )
 from geocomm.engine.protocols import RangeMap, WireCodec
+from geocomm.kernels import cuda, cuda_build, native
 
 _SOURCE = "gc_pipeline.cu"
 _INCLUDE_LINE = '#include "gc_cuda.cu"'
@@ -444,9 +444,11 @@ class BatchedPipeline(PieceAccess):
 
 def batched_format(comm: Communicator, codec: WireCodec, source: Any) -> WireFormat | None:
     """The :class:`WireFormat` to run a call on with :class:`BatchedPipeline`, or None
-    when the host-driven pipeline runs it: the batched one takes CuPy arrays over NCCL
-    whose codec sends a native format's bytes (:func:`wire_format`). Both give the same
-    bits; the caller (the collectives, :func:`geocomm.engine.exact.exact_sum`) decides."""
-    if array_module(source) is np or comm.backend != "nccl":
+    when the host-driven pipeline runs it: the batched one takes CuPy arrays over a
+    communicator of device arrays whose codec sends a native format's bytes
+    (:func:`wire_format`). Both give the same bits; the caller
+    (:func:`geocomm.engine.run.run_pipeline`, :func:`geocomm.engine.exact.exact_sum`)
+    decides."""
+    if array_module(source) is np or not comm.device_arrays:
         return None
     return wire_format(codec)

@@ -14,10 +14,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from geocomm import cuda, native
 from geocomm.codecs.formats import NoneCodec, sent_codec, split_format
 from geocomm.engine.layout import Pieces, segments
 from geocomm.engine.protocols import WireCodec
+from geocomm.kernels import cuda, native
 
 #: The columns of a segment table (native/gc_pipeline.cu: GC_SEG_<NAME>).
 FIELDS = ("values", "count", "wire", "index", "amax", "scales", "block", "tiles")
@@ -71,9 +71,7 @@ class WireFormat:
         """The kernels' stochastic-rounding key of ``rounding_stream`` (0: nearest)."""
         if not self.stochastic:
             return 0
-        from geocomm.codecs.reference import sr_key
-
-        return sr_key(self.seed, rounding_stream)
+        return native.sr_key(self.seed, rounding_stream)
 
 
 def wire_format(codec: WireCodec) -> WireFormat | None:
@@ -118,7 +116,7 @@ def team_walk(fmt: WireFormat) -> bool:
 def body_layout(fmt: WireFormat, n: int) -> tuple[int, int, int]:
     """(scales, block, tiles) of a body of ``n`` values: the GC_SEG_SCALES, GC_SEG_BLOCK
     and GC_SEG_TILES of its row. The fp8 tile walk caps the block at n (block 0 is
-    one scale for the body), as geocomm.cuda.fp8_launch does."""
+    one scale for the body), as geocomm.kernels.cuda.fp8_launch does."""
     if n == 0:
         return 0, 0, 0
     if fmt.family == FP8:

@@ -26,14 +26,14 @@ _WIRE = {"fp32": _PLAIN, "bf16": BF16Codec()}
 def add_into(acc: Any, values: Any) -> None:
     """``acc += values`` in fp32, the same bits on every device: one IEEE addition per
     value, rounded to nearest, subnormals kept. NumPy arrays add in place with NumPy;
-    CuPy arrays with :func:`geocomm.cuda.add` (CuPy's own ``+=`` is compiled with
+    CuPy arrays with :func:`geocomm.kernels.cuda.add` (CuPy's own ``+=`` is compiled with
     ``-ftz=true`` and flushes subnormals, so the GPU would disagree with the CPU).
     ``acc``, ``values``: C-contiguous float32 arrays of one size and kind; ``values``
     may be ``acc`` itself, else it must not overlap it."""
     if array_module(acc) is np:
         np.add(acc, values, out=acc)
     else:
-        from geocomm import cuda
+        from geocomm.kernels import cuda
 
         cuda.add(acc, values)
 
@@ -121,13 +121,13 @@ def subtract_from(values: Any, decoded: Any) -> None:
     on every device: IEEE fp32, rounded to nearest, subnormals kept. NumPy computes
     ``-1 * decoded + values`` as it always has (the IEEE difference; of two NaNs it
     keeps decoded's, as ``np.subtract`` would not); CuPy arrays go through
-    :func:`geocomm.cuda.subtract` (CuPy's own arithmetic flushes subnormals; GPU NaNs
+    :func:`geocomm.kernels.cuda.subtract` (CuPy's own arithmetic flushes subnormals; GPU NaNs
     are canonical anyway). C-contiguous float32 arrays of one size and kind, apart."""
     if array_module(decoded) is np:
         np.multiply(decoded, -1, out=decoded)
         np.add(decoded, values, out=decoded)
     else:
-        from geocomm import cuda
+        from geocomm.kernels import cuda
 
         cuda.subtract(decoded, values, decoded)
 
@@ -138,6 +138,6 @@ def divide(values: Any, size: int) -> None:
     if array_module(values) is np:
         values /= values.dtype.type(size)
     else:
-        from geocomm import cuda
+        from geocomm.kernels import cuda
 
         cuda.divide(values, size)

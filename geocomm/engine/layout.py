@@ -2,7 +2,7 @@
 rounding streams and the stage size (docs/design.md, "The collective").
 
 Pure functions of their arguments: every rank computes the same numbers. The
-bottom of :mod:`geocomm.engine`; it imports only :mod:`geocomm.engine.costs`.
+bottom of :mod:`geocomm.engine` with :mod:`geocomm.engine.costs`, which it imports.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from geocomm.engine import costs
+from geocomm.kernels.native import mix64
 
 #: Values of the whole buffer per pipeline stage (all shards together) on host
 #: backends; devices take :func:`stage_size`.
@@ -23,17 +24,6 @@ DEFAULT_STAGE_SIZE = costs.HOST_STAGE_SIZE
 #: blocks of 16), and every scale covers the same values whatever stage_size
 #: is: the results' bits do not depend on the stage size.
 PIECE_ALIGN = 4096
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def mix64(z: int) -> int:
-    """SplitMix64's finalizer: a 64-bit mix with every input bit reaching every output bit."""
-    z &= _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
 
 
 def quantization_stream(call: int, rank: int, quantization: int) -> int:

@@ -1,6 +1,4 @@
-"""Helpers for tests, studies and perf tools: simulated ranks, metering, timing.
-
-One module per concern, everything importable from ``geocomm.testing``:
+"""Helpers for tests and studies: simulated ranks and loopback ranks.
 
 * :mod:`geocomm.testing.oracle`: :func:`simulate_allreduce` /
   :func:`simulate_reduce_scatter`, the collectives' result on N simulated
@@ -13,11 +11,9 @@ One module per concern, everything importable from ``geocomm.testing``:
 * :mod:`geocomm.testing.loopback`: :func:`loopback` and :func:`run_lockstep`,
   N ranks' pipelines in one process, phase by phase, over communicators that
   copy between the ranks' buffers (NumPy or CuPy).
-* :mod:`geocomm.testing.perf`: the helpers of ``perf/`` and ``perf/studies/``:
-  :func:`parse_size`, :func:`timed`, :func:`slowest`, :func:`ring_bytes`,
-  :func:`breakdown`, :func:`emulated_link`, :func:`launch_command`,
-  :func:`busy_loops`, :func:`write_results`, and :func:`yardstick` (two speeds of this machine,
-  printed next to every performance table so readers can scale).
+
+The measurement helpers of the perf tools and studies (timers, yardsticks,
+result files) are not part of the package: they live in ``perf/lab.py``.
 """
 
 from __future__ import annotations
@@ -30,40 +26,14 @@ from geocomm.testing.oracle import (
     simulate_allreduce,
     simulate_reduce_scatter,
 )
-from geocomm.testing.perf import (
-    Yardstick,
-    breakdown,
-    busy_loops,
-    emulated_link,
-    launch_command,
-    parse_size,
-    ring_bytes,
-    slowest,
-    timed,
-    write_results,
-    yardstick,
-    yardstick_line,
-)
 
 __all__ = [
     "LoopbackComm",
     "MeteredComm",
-    "Yardstick",
-    "breakdown",
-    "busy_loops",
-    "emulated_link",
-    "launch_command",
     "loopback",
-    "parse_size",
-    "ring_bytes",
     "roundtrip",
     "run_lockstep",
     "run_refresh_locally",
     "simulate_allreduce",
     "simulate_reduce_scatter",
-    "slowest",
-    "timed",
-    "write_results",
-    "yardstick",
-    "yardstick_line",
 ]

@@ -61,12 +61,16 @@ class LoopbackComm:
     The k-th collective call of every rank forms one exchange; when the last
     rank posts it, every segment is copied to its receiver (on the current
     stream for CuPy buffers), so the send buffers are read as they were when
-    posted, as NCCL reads them in stream order. ``backend`` is what the
-    communicator reports (the batched pipeline checks only ``wait_stream``).
+    posted, as NCCL reads them in stream order. ``backend`` and ``device_arrays``
+    are what the communicator reports (the cost model's key; whether the engine
+    keeps CuPy arrays on the device).
     """
 
-    def __init__(self, hub: list[_Exchange], rank: int, size: int, backend: str):
+    def __init__(
+        self, hub: list[_Exchange], rank: int, size: int, backend: str, device_arrays: bool
+    ):
         self.hub, self.rank, self.size, self.backend = hub, rank, size, backend
+        self.device_arrays = device_arrays
         self.calls = 0
 
     def alltoallv(self, send, send_counts, send_displs, recv, recv_counts, recv_displs):
@@ -86,10 +90,12 @@ class LoopbackComm:
         )
 
 
-def loopback(size: int, backend: str = "loopback") -> list[LoopbackComm]:
+def loopback(
+    size: int, backend: str = "loopback", *, device_arrays: bool = False
+) -> list[LoopbackComm]:
     """``size`` communicators of one loopback group, rank 0 first."""
     hub: list[_Exchange] = []
-    return [LoopbackComm(hub, rank, size, backend) for rank in range(size)]
+    return [LoopbackComm(hub, rank, size, backend, device_arrays) for rank in range(size)]
 
 
 def run_lockstep(pipelines: Sequence[Any]) -> None:

@@ -22,6 +22,8 @@ and exact calls). Writes ``OUT.json`` and ``OUT.md`` (default
 from __future__ import annotations
 
 import os
+import pathlib
+import sys
 
 # One BLAS/OpenMP thread per rank before NumPy and torch load: the ranks fill the cores.
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -33,7 +35,6 @@ import json  # noqa: E402
 import platform  # noqa: E402
 import shlex  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict  # noqa: E402
@@ -43,7 +44,8 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 from ddp_train import strip_options  # noqa: E402  (perf/studies/ddp_train.py)
 
-from geocomm.testing import write_results, yardstick, yardstick_line  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # perf/lab.py
+from lab import write_results, yardstick, yardstick_line  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 METHODS = ("gloo", "geocomm-fp8", "geocomm-nvfp4")
@@ -73,12 +75,12 @@ def _method(args: argparse.Namespace, method: str, rank: int, size: int) -> dict
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from geocomm.adapters import torch_backend
+    from geocomm.adapters.torch import backend
 
     group = None
     if method != "gloo":  # "geocomm-CODEC"
-        torch_backend.configure(codec=method.split("-", 1)[1], check=not args.no_check)
-        group = dist.new_group(backend=torch_backend.NAME)
+        backend.configure(codec=method.split("-", 1)[1], check=not args.no_check)
+        group = dist.new_group(backend=backend.NAME)
     net = _model(args.width, args.layers)
     model = DDP(net, process_group=group, bucket_cap_mb=args.bucket_mb)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -109,7 +111,7 @@ def _method(args: argparse.Namespace, method: str, rank: int, size: int) -> dict
         "params": [p.detach().numpy().ravel().copy() for p in net.parameters()],
     }
     if group is not None:
-        stats = torch_backend.stats(group)
+        stats = backend.stats(group)
         result["stats"] = {
             "sent_per_step": stats.sent / args.steps,
             "baseline_per_step": stats.baseline / args.steps,
@@ -189,7 +191,7 @@ def markdown(result: dict[str, Any]) -> str:
             )
     lines.append(
         '\nThe user\'s change: `DDP(net, process_group=dist.new_group(backend="geocomm"))` '
-        '(or `init_process_group("geocomm")`), the codec from `torch_backend.configure`.'
+        '(or `init_process_group("geocomm")`), the codec from `backend.configure`.'
     )
     return "\n".join(lines) + "\n"
 

@@ -40,6 +40,8 @@ exact|| / ||exact|| against the fp64 sum (avg for DDP) of all ranks' inputs.
 from __future__ import annotations
 
 import os
+import pathlib
+import sys
 
 # One BLAS/OpenMP thread per rank before NumPy and torch load: the ranks fill the cores.
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -51,7 +53,6 @@ import json  # noqa: E402
 import platform  # noqa: E402
 import shlex  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -61,15 +62,10 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 
 import geocomm  # noqa: E402
-from geocomm.testing import (  # noqa: E402
-    MeteredComm,
-    emulated_link,
-    parse_size,
-    ring_bytes,
-    slowest,
-    timed,
-    yardstick,
-)
+from geocomm.testing import MeteredComm  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # perf/lab.py
+from lab import emulated_link, parse_size, ring_bytes, slowest, timed, yardstick  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 COLS = 1024

@@ -17,12 +17,15 @@ numbers.
 
 from __future__ import annotations
 
+import pathlib
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from geocomm.testing import write_results, yardstick_line
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # perf/lab.py
+from lab import write_results, yardstick_line
 
 MIB = 1 << 20
 LINK_GBPS = {"1gbit": 0.125, "10gbit": 1.25, "25gbit": 3.125}  # nominal GB/s

@@ -63,6 +63,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import pathlib
 import platform
 import shlex
 import subprocess
@@ -97,7 +98,11 @@ from convergence_setup import CODECS, DEFAULT_MODEL, NAMES, REGIMES, codec_confi
 
 import geocomm  # noqa: E402
 import geocomm.codecs.geo  # noqa: E402
-from geocomm.testing import MeteredComm, yardstick  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # perf/lab.py
+from lab import yardstick  # noqa: E402
+
+from geocomm.testing import MeteredComm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 import geocomm
+from geocomm.engine.costs import codec_for
 from geocomm.engine.layout import DEFAULT_STAGE_SIZE, Pieces, wire_bytes
 
 # ---------------------------------------------------------------------------
@@ -23,7 +24,7 @@ def payload_bytes(codec: Any, model: torch.nn.Module, comm: Any) -> int:
     channels): :func:`geocomm.engine.layout.wire_bytes` of every parameter's pieces."""
     return sum(
         wire_bytes(
-            codec.for_count(p.numel()),
+            codec_for(codec, p.numel()),
             Pieces.cut(p.numel(), comm.size, DEFAULT_STAGE_SIZE),
             comm.rank,
         )

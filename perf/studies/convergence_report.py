@@ -9,13 +9,16 @@ produces a result is in ``convergence.py``, which ``--report`` calls here.
 from __future__ import annotations
 
 import json
+import pathlib
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from convergence_plot import plot
 
-from geocomm.testing import write_results, yardstick_line
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # perf/lab.py
+from lab import write_results, yardstick_line
 
 #: the RNE codec, and the variants that should close at least half of its gap to fp32
 VERDICTS = (("nvfp4", ("nvfp4_sr", "nvfp4_ef")), ("fp8_e5m2", ("fp8_e5m2_sr", "fp8_e5m2_ef")))

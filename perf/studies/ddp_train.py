@@ -46,6 +46,8 @@ measured in the same run. Only geocomm's public API is used.
 from __future__ import annotations
 
 import os
+import pathlib
+import sys
 
 # One BLAS/OpenMP thread per rank before NumPy and torch load: the ranks fill the cores.
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -57,7 +59,6 @@ import json  # noqa: E402
 import platform  # noqa: E402
 import shlex  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, replace  # noqa: E402
@@ -75,8 +76,8 @@ from ddp_train_methods import (  # noqa: E402
 from ddp_train_report import write_report  # noqa: E402
 from fsdp_train import init_dist, run_fsdp  # noqa: E402
 
-from geocomm.deprecation import DeprecatedOption  # noqa: E402
-from geocomm.testing import busy_loops, yardstick  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # perf/lab.py
+from lab import busy_loops, yardstick  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -316,13 +317,6 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="values per pipeline stage of the hook (default: the hook's)",
     )
-    p.add_argument(
-        "--chunk-elems",
-        dest="stage_size",
-        type=int,
-        action=DeprecatedOption,
-        help=argparse.SUPPRESS,
-    )  # the old name of --stage-size
     p.add_argument("--fsdp-steps", type=int, default=100)
     p.add_argument("--fsdp-seeds", type=int, default=3)
     p.add_argument("--fsdp-batch", type=int, default=0, help="sequences per rank (0: config's)")

@@ -8,12 +8,15 @@ are in ``ddp_train.py``.
 
 from __future__ import annotations
 
+import pathlib
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from geocomm.testing import write_results, yardstick_line
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # perf/lab.py
+from lab import write_results, yardstick_line
 
 
 def verdicts(ddp: dict[str, Any]) -> list[tuple[str, float, str, bool | None]]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from geocomm.testing import busy_loops, write_results, yardstick
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # perf/lab.py
+from lab import busy_loops, write_results, yardstick
 
 ROOT = Path(__file__).resolve().parents[2]
 #: (warm-up, timed) iterations per codec: enough timed calls for two refresh

@@ -36,6 +36,8 @@ table that perf/studies/geo_tradeoff.py joins with perf/geo_bench.py's times:
 from __future__ import annotations
 
 import os
+import pathlib
+import sys
 
 # one BLAS and torch thread: the study runs on one core, repeatably
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -44,7 +46,6 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -62,7 +63,11 @@ from llama import (  # noqa: E402
 
 from geocomm.codecs import TransformingCodec, get_codec  # noqa: E402
 from geocomm.codecs.geo.policy import direction_bytes  # noqa: E402
-from geocomm.testing import simulate_allreduce, simulate_reduce_scatter, write_results  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # perf/lab.py
+from lab import write_results  # noqa: E402
+
+from geocomm.testing import simulate_allreduce, simulate_reduce_scatter  # noqa: E402
 
 FP8 = {"id": "fp8", "fmt": "e4m3", "block": 128}
 NVFP4 = {"id": "nvfp4"}

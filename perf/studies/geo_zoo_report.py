@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import pathlib
+import sys
 from pathlib import Path
 from typing import Any
 
-from geocomm.testing import write_results
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # perf/lab.py
+from lab import write_results
 
 DEFAULT = "geofp8 (default)"
 #: issue 23's targets, per zoo source (time is perf/geo_bench.py's, on 4096 x 4096)

@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import pathlib
 import sys
 from pathlib import Path
 
 import numpy as np
 
 import geocomm
-from geocomm.deprecation import DeprecatedOption
+from geocomm.engine.costs import codec_for
 from geocomm.engine.layout import DEFAULT_STAGE_SIZE
-from geocomm.testing import (
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # perf/lab.py
+from lab import (
     breakdown,
     emulated_link,
     launch_command,
@@ -42,9 +45,6 @@ def main() -> int:
     p.add_argument("--size", type=parse_size, default=parse_size("64M"), help="bytes of fp32")
     p.add_argument("--codec", default="fp8")
     p.add_argument(
-        "--chunks", dest="stage_sizes", action=DeprecatedOption, help=argparse.SUPPRESS
-    )  # the old name of --stage-sizes
-    p.add_argument(
         "--stage-sizes",
         default="65536,262144,1048576,4194304,16777216",
         help="values per pipeline stage, comma separated",
@@ -54,7 +54,7 @@ def main() -> int:
     args = p.parse_args()
     comm = geocomm.get_comm()
     count = args.size // 4
-    codec = geocomm.get_codec(args.codec).for_count(count)
+    codec = codec_for(geocomm.get_codec(args.codec), count)
     ruler = yardstick(comm)
     x = np.random.default_rng([comm.rank, 7]).standard_normal(count, np.float32)
     rows = []

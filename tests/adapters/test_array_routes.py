@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from geocomm import native
-from geocomm.adapters import arrays
+from geocomm.api import arrays
+from geocomm.kernels import native
 
 
 def special_bits() -> np.ndarray:

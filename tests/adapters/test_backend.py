@@ -1,4 +1,4 @@
-"""The torch.distributed backend "geocomm" (geocomm.adapters.torch_backend).
+"""The torch.distributed backend "geocomm" (geocomm.adapters.torch.backend).
 
 MPI tests (any number of ranks >= 2) make geocomm groups with
 ``new_group(backend="geocomm")`` beside the suite's gloo default group. The
@@ -22,10 +22,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import geocomm
-from geocomm.adapters import torch_backend as tb
+from geocomm import CollectiveMismatchError
+from geocomm.adapters.torch import backend as tb
 from geocomm.adapters.torch import init_distributed_from_mpi
 from geocomm.codecs.bounds import FP32_UNIT, allreduce_bound
-from geocomm.collectives import CollectiveMismatchError
 
 MIN_NUMEL = 1024  # the tests' models are small
 
@@ -276,7 +276,7 @@ def test_state_dict_round_trip_and_world_size_check(comm):
 @pytestmark_mpi
 @pytest.mark.parametrize("codec", ["fp8", "geofp8"])
 def test_mismatch_raises_on_every_rank_and_the_group_goes_on(comm, codec):
-    """fp8 checks when the call is made (adapters/backend_checks.py), geofp8 (stateful)
+    """fp8 checks when the call is made (adapters/torch/backend/checks.py), geofp8 (stateful)
     on the worker; either way before any payload moves: a 2000-value fp8 payload
     is over 2000 bytes, a check's all-gather 64 bytes per peer."""
     group = _geocomm_group(codec=codec)

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from geocomm import collectives
 from geocomm.adapters.torch import (
     GeocommHookState,
     compress_fsdp,
@@ -26,6 +25,7 @@ from geocomm.adapters.torch import (
     init_distributed_from_mpi,
 )
 from geocomm.codecs import get_codec
+from geocomm.engine import call as calls
 
 pytestmark = [pytest.mark.mpi(min_size=2)]
 
@@ -76,7 +76,7 @@ class _DDPJob:
     """A fresh DDP job (model, Adam, hook state with a codec of its own)."""
 
     def __init__(self, config: dict):
-        collectives.reset_call_counts()
+        calls.reset_call_counts()
         self.net = _net()
         self.state = GeocommHookState(self.net, codec=get_codec(config), error_sample=0)
         self.model = DDP(self.net)
@@ -157,7 +157,7 @@ def test_loading_into_another_job_raises(comm):
 
 
 def _fsdp_job(config: dict, before_shard: bool):
-    collectives.reset_call_counts()
+    calls.reset_call_counts()
     net = _net()
     fsdp = compress_fsdp(net, get_codec(config), error_sample=0) if before_shard else None
     for layer in net:

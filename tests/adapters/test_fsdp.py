@@ -10,9 +10,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import geocomm
+from geocomm import CollectiveMismatchError
 from geocomm.adapters.torch import compress_fsdp, init_distributed_from_mpi
 from geocomm.codecs.bounds import FP32_UNIT, allreduce_bound, reduce_scatter_bound
-from geocomm.collectives import CollectiveMismatchError
 from geocomm.engine.layout import DEFAULT_STAGE_SIZE, Pieces, wire_bytes
 
 pytestmark = [pytest.mark.mpi(min_size=2)]

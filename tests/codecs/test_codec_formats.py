@@ -1,7 +1,7 @@
 """Bit-level tests of the fp8 (E4M3FN, E5M2), NVFP4 and BF16 wire bodies.
 
 Three implementations must agree (docs/design.md, "Formats"): the native C core
-(``geocomm.native``), the NumPy reference (``geocomm.codecs.reference``)
+(``geocomm.kernels.native``), the NumPy reference (``geocomm.codecs.reference``)
 and ml_dtypes' casts once the documented scaling and clamp are applied. The
 tests below check, in that order: every code decodes like ml_dtypes; native
 and reference give the same bytes for random and edge inputs; the payload is
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import geocomm
-from geocomm import native
 from geocomm.codecs import reference as ref
+from geocomm.kernels import native
 
 # Non-finite and overflowing inputs are the point of many tests here; NumPy's
 # "invalid value / overflow encountered" warnings about them are expected.
@@ -386,10 +386,10 @@ def test_every_small_length_matches_reference(fmt, block):
 
 def test_wire_sizes_agree_in_all_three_implementations():
     # The layout is written once per implementation: gc_wire_size (C core),
-    # geocomm.cuda.wire_size (the CUDA kernels' layout) and the reference's
+    # geocomm.kernels.cuda.wire_size (the CUDA kernels' layout) and the reference's
     # wire_size. Every format, counts around every block, MX block and NVFP4
     # superblock boundary, and blocks that split, equal or exceed n.
-    from geocomm import cuda
+    from geocomm.kernels import cuda
 
     rng = np.random.default_rng(15)
     counts = {0, 1, 2, 3, 10**6 + 3, 2**31 + 5, *rng.integers(1, 10**7, 40).tolist()}

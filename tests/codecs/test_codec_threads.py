@@ -17,8 +17,8 @@ import sys
 import numpy as np
 import pytest
 
-from geocomm import native
 from geocomm.codecs import reference as ref
+from geocomm.kernels import native
 
 pytestmark = pytest.mark.skipif(not native.available, reason="native core not built")
 
@@ -139,7 +139,7 @@ def test_thread_count_from_environment():
     with pytest.raises(ValueError):
         native.threads_from_env({"GEOCOMM_CODEC_THREADS": "0"})
     env = {k: v for k, v in os.environ.items() if k not in native.THREAD_VARIABLES}
-    code = "from geocomm import native; print(native.threads())"
+    code = "from geocomm.kernels import native; print(native.threads())"
     for extra, want in (
         ({}, "1"),
         ({"OMP_NUM_THREADS": "2"}, "2"),

@@ -30,9 +30,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import geocomm
-from geocomm import native
 from geocomm.codecs import bounds
 from geocomm.codecs import reference as ref
+from geocomm.kernels import native
 
 GOLDEN = pathlib.Path(__file__).resolve().parent / "golden"
 HEAD = struct.Struct("<4sBBBBIQ")
@@ -611,7 +611,7 @@ def test_fuzz_structured_headers(magic, version, dtype, shape, config, body, bod
 WITHOUT_NATIVE = """
     import numpy as np
     import geocomm
-    from geocomm.native import NativeBuildMissing
+    from geocomm.kernels.native import NativeBuildMissing
 
     assert geocomm.native_available is False, "the block did not take"
     x = np.ones(5, np.float32)

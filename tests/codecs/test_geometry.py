@@ -31,11 +31,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from geocomm import native
 from geocomm.codecs import decode, get_codec
 from geocomm.codecs.formats import Split
 from geocomm.codecs.geo import DEFAULTS, kernels
 from geocomm.codecs.geo.policy import MapShape, map_shape, rank_for_budget
+from geocomm.kernels import native
 from geocomm.testing import simulate_allreduce, simulate_reduce_scatter
 
 NAMESPACES = [np, array_api_strict]
@@ -724,7 +724,7 @@ def comm_sum(comm, flat):
 @pytest.mark.mpi(min_size=2)
 def test_diverged_state_is_caught(comm):
     import geocomm
-    from geocomm.collectives import CollectiveMismatchError
+    from geocomm import CollectiveMismatchError
 
     codec = get_codec("geofp8", min_dim=8, min_numel=0)
     x = spiked(64, 64, seed=comm.rank)

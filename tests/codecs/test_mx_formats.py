@@ -39,9 +39,9 @@ from test_codec_formats import (
 )
 
 import geocomm
-from geocomm import native
 from geocomm.codecs import bounds
 from geocomm.codecs import reference as ref
+from geocomm.kernels import native
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 

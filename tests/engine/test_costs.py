@@ -132,23 +132,25 @@ def test_never_when_the_codec_is_slower_than_the_link_it_saves():
 def test_auto_takes_the_backends_crossover():
     auto = AutoCodec()
     assert auto.get_config()["crossover_bytes"] is None
-    assert auto.crossover_for("mpi", 2) == backends.HOST_CROSSOVER_BYTES
-    assert auto.crossover_for("nccl", 8) == backends.crossover_bytes(
-        "nccl", 8, auto.inner.wire_size(1 << 20) / (4 << 20)
-    )
-    assert auto.crossover_for("nccl", 1) is None
+    codec_for = backends.codec_for
     # one rank on a device: never compress
-    assert auto.for_count(10**9, "nccl", 1).lossless
-    cross = auto.crossover_for("nccl", 8)
-    assert auto.for_count(cross // 4, "nccl", 8) is auto.inner
-    assert auto.for_count(cross // 4 - 1, "nccl", 8).lossless
+    assert backends.crossover_bytes("nccl", 1) is None
+    assert codec_for(auto, 10**9, "nccl", 1).lossless
+    cross = backends.crossover_bytes("nccl", 8, auto.inner.wire_size(1 << 20) / (4 << 20))
+    assert cross is not None
+    assert codec_for(auto, cross // 4, "nccl", 8) is auto.inner
+    assert codec_for(auto, cross // 4 - 1, "nccl", 8).lossless
     # host: as measured, whatever the size
-    assert auto.for_count(MIB // 2, "mpi", 2) is auto.inner
-    assert auto.for_count(MIB // 2 - 1, "mpi", 2).lossless
+    assert backends.HOST_CROSSOVER_BYTES == MIB * 2
+    assert codec_for(auto, MIB // 2, "mpi", 2) is auto.inner
+    assert codec_for(auto, MIB // 2 - 1, "mpi", 2).lossless
     # a configured crossover holds for every backend
     fixed = AutoCodec(crossover_bytes=4000)
-    assert fixed.for_count(1000, "nccl", 1) is fixed.inner
-    assert fixed.for_count(999, "mpi", 8).lossless
+    assert codec_for(fixed, 1000, "nccl", 1) is fixed.inner
+    assert codec_for(fixed, 999, "mpi", 8).lossless
+    # every other codec carries itself
+    fp8 = geocomm.get_codec("fp8")
+    assert codec_for(fp8, 1, "mpi", 2) is fp8
     assert geocomm.get_codec(fixed.get_config()) == fixed
     for bad in (-1, 1.5, "2M"):
         with pytest.raises(ValueError, match="crossover_bytes"):

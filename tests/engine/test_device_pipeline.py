@@ -19,17 +19,17 @@ import numpy as np
 import pytest
 
 import geocomm
-from geocomm import cuda, cuda_build, native
 from geocomm.codecs.formats import FP8Codec
 from geocomm.codecs.geo import kernels
 from geocomm.codecs.geo.maps import SplitPlan
 from geocomm.codecs.geo.policy import MapShape
-from geocomm.collectives import Part
 from geocomm.engine import device as gp
 from geocomm.engine import device_tables as gpl
+from geocomm.engine.call import Part
 from geocomm.engine.host import Pipeline
 from geocomm.engine.layout import Pieces
 from geocomm.engine.transforming import PartsMap
+from geocomm.kernels import cuda, cuda_build, native
 from geocomm.testing import loopback, run_lockstep
 
 pytestmark = pytest.mark.skipif(not native.available, reason="native core not built")
@@ -327,7 +327,7 @@ def run_both(codec, xs, chunk, gather=True, in_place=False, mapper=None, roundin
     fmt = gpl.wire_format(codec)
     results = []
     for batched in (False, True):
-        comms = loopback(size, "nccl")
+        comms = loopback(size, "nccl", device_arrays=True)
         pipes, outs = [], []
         for r, comm in enumerate(comms):
             lo, hi = int(pieces.bounds[r]), int(pieces.bounds[r + 1])
@@ -525,10 +525,10 @@ def test_split_encode_gives_the_bytes_of_map_then_encode(name, monkeypatch):
 
 def test_run_pipeline_takes_the_host_path_for_numpy():
     """NumPy arrays never reach the batched pipeline, whatever the backend says."""
-    comm = loopback(1, "nccl")[0]
+    comm = loopback(1, "nccl", device_arrays=True)[0]
     x = rank_inputs(1, 5000)[0]
     out = np.empty_like(x)
-    from geocomm.collectives import run_pipeline
+    from geocomm.engine.run import run_pipeline
 
     run_pipeline(comm, codec_of("fp8"), Pieces.cut(5000, 1, 4096), x, out, 0, True)
     want = np.empty_like(x)
@@ -664,6 +664,7 @@ class CountingComm:
     def __init__(self, comm, log):
         self.comm, self.log = comm, log
         self.rank, self.size, self.backend = comm.rank, comm.size, comm.backend
+        self.device_arrays = comm.device_arrays
 
     def alltoallv(self, *args):
         request, log = self.comm.alltoallv(*args), self.log
@@ -695,7 +696,7 @@ def test_batched_pipeline_never_waits_on_the_host(gather):
     fmt = gpl.wire_format(codec_of("fp8"))
     logs = [[] for _ in range(size)]
     pipes = []
-    for r, comm in enumerate(loopback(size, "nccl")):
+    for r, comm in enumerate(loopback(size, "nccl", device_arrays=True)):
         lo, hi = int(pieces.bounds[r]), int(pieces.bounds[r + 1])
         out = np.empty(count if gather else hi - lo, np.float32)
         pipes.append(

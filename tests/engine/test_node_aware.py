@@ -3,7 +3,7 @@
 Ranks are grouped into nodes by ``GEOCOMM_RANKS_PER_NODE``; the oracle is the
 algorithm written out on simulated ranks: exact fp32 node sums in local rank
 order, then :func:`geocomm.testing.simulate_allreduce` of each shard over the
-nodes, with the shard keys of :func:`geocomm.calls.shard_parts`.
+nodes, with the shard keys of :func:`geocomm.engine.call.shard_parts`.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import numpy as np
 import pytest
 
 import geocomm
-from geocomm import get_codec
-from geocomm.calls import Part, shard_parts
-from geocomm.collectives import CollectiveMismatchError
+from geocomm import CollectiveMismatchError, get_codec
 from geocomm.comm.nodes import NodeLayout
 from geocomm.engine import costs
+from geocomm.engine.call import Part, shard_parts
 from geocomm.engine.layout import shard_bounds
 from geocomm.testing import simulate_allreduce, simulate_reduce_scatter
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import geocomm
-from geocomm import collectives
+from geocomm.engine import call as calls
 from geocomm.engine.layout import PIECE_ALIGN, Pieces
 
 COUNT = 300_007  # shards of odd lengths; 2^15 gives several stages, 2^20 one
@@ -62,7 +62,7 @@ def test_pieces_start_at_multiples_of_4096_in_their_shard():
 @pytest.fixture
 def saved_counts():
     """The test resets the stochastic-rounding call counts; later tests get theirs back."""
-    with collectives.saved_call_counts():
+    with calls.saved_call_counts():
         yield
 
 
@@ -84,7 +84,7 @@ def test_stage_size_does_not_change_the_bits(comm, saved_counts, kind, rounding,
     x = rank_input(comm.rank)
     results = []
     for chunk in chunks:
-        collectives.reset_call_counts()  # a fresh stochastic-rounding count
+        calls.reset_call_counts()  # a fresh stochastic-rounding count
         results.append(_run(kind, x, codec, chunk))
     for other in results[1:]:
         assert results[0].dtype == other.dtype == np.float32

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-from geocomm.adapters import torch_backend  # registers the backend "geocomm"
+from geocomm.adapters.torch import backend  # registers the backend "geocomm"
 
 dist.init_process_group("geocomm")            # under torchrun; the Trainer uses this group
 
@@ -20,7 +20,7 @@ args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=10, use_cpu=Tr
                          report_to=[], save_strategy="no", disable_tqdm=True)
 Trainer(model=model, args=args, train_dataset=data).train()
 
-stats = torch_backend.stats()
+stats = backend.stats()
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
 print(f"rank {dist.get_rank()}: {stats.compressed} compressed all-reduces, ratio "
       f"{stats.ratio:.2f}, parameters {digest.hexdigest()[:16]}")

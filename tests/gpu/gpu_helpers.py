@@ -24,8 +24,8 @@ def twice(call):
     """(device result, host result) of ``call(device: bool)`` run as the same call twice:
     stochastic rounding draws from a stream counted per (config, keys) call, so the
     host's count is put back before the host call repeats the device's."""
-    from geocomm import collectives
+    from geocomm.engine import call as calls
 
-    with collectives.saved_call_counts():
+    with calls.saved_call_counts():
         device = call(True)
     return device, call(False)

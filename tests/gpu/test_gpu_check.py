@@ -140,7 +140,7 @@ def test_collectives_span_the_ranks(run):
 def test_unknown_format_check_is_fixed(run):
     """The errors section's unknown format is no format (format 7 is MXFP4, whose
     encode succeeds): the check passes on a correct build."""
-    from geocomm import native
+    from geocomm.kernels import native
 
     if run.ranks != 1:
         pytest.skip("shown once")
@@ -210,7 +210,7 @@ def test_without_twin_and_gpu_exits_2(tmp_path):
 
 
 def test_block_list_covers_the_kernel_switches():
-    from geocomm import cuda
+    from geocomm.kernels import cuda
 
     common = _load("gpu_check_common")
     blocks = set(common.FP8_BLOCKS)
@@ -314,8 +314,8 @@ def fake_cupy() -> types.SimpleNamespace:
 def stand_ins(gc, monkeypatch):
     """A Context on fake CuPy whose 'NCCL' communicator is MPI, and the CUDA codec
     and batched kernels replaced by the C core (what the kernels must equal)."""
-    from geocomm import cuda, native
     from geocomm.engine import device as gpu_pipeline
+    from geocomm.kernels import cuda, native
 
     def fmt_id(fmt):
         return native.FORMATS[fmt] if isinstance(fmt, str) else fmt
@@ -342,7 +342,7 @@ def stand_ins(gc, monkeypatch):
 
 
 def test_bytes_section_names_a_wrong_byte(stand_ins, monkeypatch):
-    from geocomm import cuda, native
+    from geocomm.kernels import cuda, native
 
     gcb, common = _load("gpu_check_bytes"), _load("gpu_check_common")
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from gpu_helpers import inputs
 
-from geocomm import cuda, native
 from geocomm.codecs.geo import kernels as geo
 from geocomm.engine import device as gp
 from geocomm.engine import device_tables as gpl
+from geocomm.kernels import cuda, native
 
 #: ragged counts: not multiples of any block (16, 32, 128, 256 threads, 4096)
 COUNTS = (1, 2, 15, 17, 33, 127, 255, 257, 1025, 4097, 12_301)

@@ -88,7 +88,7 @@ def reference_comm(request, device_comm, mpi_comm):
     """The communicator of the NumPy reference: MPI, except for the plain all-reduce
     (codec "none") over torch, which is gloo's sum."""
     name = request.node.callspec.params.get("name")
-    if name == "none" and device_comm.backend == "nccl" and hasattr(device_comm, "group"):
+    if name == "none" and device_comm.device_arrays and hasattr(device_comm, "group"):
         return request.getfixturevalue("gloo_comm")
     return mpi_comm
 

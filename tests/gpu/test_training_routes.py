@@ -1,7 +1,7 @@
 """The DDP hook's and FSDP2's collectives on device arrays == on NumPy, bitwise.
 
 On a GPU the hook and ``compress_fsdp`` hand each bucket to
-``GradReducer``, which runs ``geocomm.adapters.arrays.allreduce`` /
+``GradReducer``, which runs ``geocomm.api.allreduce`` /
 ``reduce_scatter`` with the bucket's ``parts`` (one per tensor; FSDP2: one
 per rank's chunk of each parameter), op "avg", over a metered
 ``TorchDistCommunicator`` of a NCCL group. Here the same calls, with the
@@ -20,8 +20,7 @@ import pytest
 from gpu_helpers import inputs, twice
 
 import geocomm
-from geocomm.adapters import _torch_grads as grads
-from geocomm.adapters import arrays
+from geocomm.adapters.torch import grads
 from geocomm.testing import MeteredComm
 
 pytestmark = [pytest.mark.mpi]
@@ -49,7 +48,7 @@ def comms():
         init_distributed_from_mpi("gloo")
     device = TorchDistCommunicator(dist.new_group(backend="gloo"), device_arrays=True)
     host = TorchDistCommunicator(dist.new_group(backend="gloo"))
-    assert device.backend == "nccl" and host.backend == "torch"
+    assert device.device_arrays and not host.device_arrays
     return MeteredComm(device), MeteredComm(host)
 
 
@@ -93,13 +92,13 @@ def reduce_bucket(layout, values, codec, comm, kind):
         parts = group.parts() if group_codec is codec else None
         if kind == "allreduce":
             results.append(
-                arrays.allreduce(
+                geocomm.api.allreduce(
                     flat, codec=group_codec, op="avg", out=flat, parts=parts, comm=comm, check=False
                 )
             )
         else:
             results.append(
-                arrays.reduce_scatter(
+                geocomm.api.reduce_scatter(
                     flat, codec=group_codec, op="avg", parts=parts, comm=comm, check=False
                 )
             )

@@ -8,7 +8,7 @@ reports (barrier divergence, bad shuffle masks, deadlock, argument and
 configuration checks), the floating-point options (-ftz, -fmad) and the
 compile cache. The project's own units are then built exactly as geocomm
 builds them (``kernel_source()`` with ``NVRTC_OPTIONS``) and launched with the
-arguments geocomm.cuda passes: their bytes must equal the NumPy reference
+arguments geocomm.kernels.cuda passes: their bytes must equal the NumPy reference
 (geocomm.codecs.reference) and, where the compiled core is importable (the
 installed package, ``python -P``), the C core.
 """
@@ -39,10 +39,10 @@ except ImportError:  # a real CuPy was imported: load the twin's runtime by its 
     _kernels = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_kernels)
 
-from geocomm import cuda, native  # noqa: E402
 from geocomm.codecs import reference  # noqa: E402
 from geocomm.codecs.geo import kernels as geo  # noqa: E402
 from geocomm.engine import device as gpu_pipeline  # noqa: E402
+from geocomm.kernels import cuda, native  # noqa: E402
 
 LaunchError, CompileError = _kernels.LaunchError, _kernels.CompileError
 u64, u32, i32 = np.uint64, np.uint32, np.int32
@@ -823,7 +823,7 @@ def twin_encode(
     offset: int = 0,
     rceil: bool = False,
 ) -> np.ndarray:
-    """geocomm.cuda.encode's launches, on NumPy buffers (seed: stochastic rounding)."""
+    """geocomm.kernels.cuda.encode's launches, on NumPy buffers (seed: stochastic rounding)."""
     n = x.size
     wire = np.full(reference.wire_size(fmt, n, block), 0xA5, np.uint8)  # unwritten shows
     sr = i32(seed is not None)
@@ -869,7 +869,7 @@ def twin_encode(
 def twin_decode(
     codec, fmt: str, wire: np.ndarray, n: int, block: int, out: np.ndarray | None = None
 ) -> np.ndarray:
-    """geocomm.cuda.decode's launches (accumulating onto ``out`` when given)."""
+    """geocomm.kernels.cuda.decode's launches (accumulating onto ``out`` when given)."""
     acc = i32(out is not None)
     out = np.full(n, np.nan, np.float32) if out is None else out
     if fmt == "bf16":

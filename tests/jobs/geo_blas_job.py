@@ -33,4 +33,4 @@ rows = comm.allgather_int64(np.array([crc, blas], np.int64))
 if rank == 0:
     print(f"geofp8 results identical on all ranks: {len(set(rows[:, 0])) == 1}")
     print(f"numpy matmul identical on all ranks: {len(set(rows[:, 1])) == 1}")
-    print(f"state checksum {geocomm.collectives.resolve_codec('geofp8').state_checksum()}")
+    print(f"state checksum {geocomm.api.resolve_codec('geofp8').state_checksum()}")

@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from geocomm import cuda, native
+from geocomm.kernels import cuda, native
 
 F32 = np.float32
 LENGTHS = (0, 1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 129, 1000, 4097, (1 << 20) + 3)

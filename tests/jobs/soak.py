@@ -20,8 +20,9 @@ import sys
 import numpy as np
 
 import geocomm
+from geocomm.api import resolve_codec
 from geocomm.codecs import bounds
-from geocomm.collectives import resolve_codec, shard_bounds
+from geocomm.engine.layout import shard_bounds
 
 CODECS = ["none", "bf16", "fp8", {"id": "fp8", "fmt": "e5m2", "block": 0}, "nvfp4"]
 

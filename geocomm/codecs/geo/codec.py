@@ -260,7 +260,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         if isinstance(plan, SplitPlan):  # a stepped plan: its side summed the energies
             self._commit_step(plan, side_sum)
             return
-        yield from self._measure(plan.state, shard, lo, summed=not alone)
+        yield from self.measure(plan.state, shard, lo, summed=not alone)
 
     def _commit_step(self, plan: SplitPlan, side_sum: Any) -> None:
         """The key's state after a power step: the plan's new basis, the energy
@@ -276,7 +276,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         st.commit(vt, (*mapped, *carried), whole, period, summed=True)
         self._version += 1
 
-    def _measure(self, st: KeyState, shard: Any, lo: int, summed: bool = False) -> Rounds:
+    def measure(self, st: KeyState, shard: Any, lo: int, summed: bool = False) -> Rounds:
         """Subspace iterations on the result from the key's basis (one), or from a
         fixed-seed random one (COLD_ITERS, OVERSAMPLE more rows, the top k kept)."""
         cap = st.map_shape

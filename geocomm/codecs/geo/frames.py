@@ -65,7 +65,7 @@ def encode_body(codec: Any, x: np.ndarray, body: np.ndarray) -> None:
         codec.quantizer.encode_wire(flat, body)
         return
     state = KeyState(dims)
-    run_locally(codec._measure(state, flat, 0))
+    run_locally(codec.measure(state, flat, 0))
     if state.vt is None:  # nothing to measure (inf/NaN): no map
         body[:side] = 0
         codec.quantizer.encode_wire(flat, body[side:])

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 from array_api_compat import array_namespace, is_cupy_array
 
-from geocomm import native
 from geocomm.codecs.formats import BF16Codec, round_trip
+from geocomm.kernels import native
 
 __all__ = [
     "accumulate",
@@ -155,7 +155,7 @@ def orthonormalize(rows_: Any, seed: int) -> Any:
 @functools.cache
 def _source() -> str:
     """gc_geometry.cu with gc_linalg.h and gc_scalar.h inlined (one NVRTC unit)."""
-    from geocomm import cuda_build
+    from geocomm.kernels import cuda_build
 
     directory = cuda_build.source_dir()
     text = (directory / "gc_geometry.cu").read_text()
@@ -166,7 +166,7 @@ def _source() -> str:
 
 
 def _kernel(cupy: Any, name: str) -> Any:
-    from geocomm import cuda_build
+    from geocomm.kernels import cuda_build
 
     return cuda_build.kernel(cupy, name, _source)
 

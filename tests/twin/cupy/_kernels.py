@@ -1,6 +1,6 @@
 """The CuPy twin's "NVRTC" and kernel launcher: CUDA translation units built for the host.
 
-:func:`compile_source` takes one CUDA translation unit (as geocomm.cuda builds
+:func:`compile_source` takes one CUDA translation unit (as geocomm.kernels.cuda builds
 it, headers inlined) and NVRTC's options, and compiles it with g++ (C++) into
 a shared library against ``tests/twin/cuda_twin.h``, which maps CUDA's device
 built-ins to the host and holds the block scheduler. It returns an opaque

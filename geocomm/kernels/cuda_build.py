@@ -1,4 +1,4 @@
-"""How geocomm's CUDA units are found, compiled and loaded (for :mod:`geocomm.cuda`,
+"""How geocomm's CUDA units are found, compiled and loaded (for :mod:`geocomm.kernels.cuda`,
 the GeoFP8 kernels and the device pipeline).
 
 ``probe()`` says whether CuPy imports and sees a CUDA device (cached);
@@ -64,12 +64,13 @@ def require() -> Any:
 def source_dir() -> Path:
     """Where gc_scalar.h and gc_cuda.cu live: installed beside this module, or the source tree."""
     here = Path(__file__).resolve().parent
-    for candidate in (here / "_kernels", here.parent / "native"):
+    tree = here.parent.parent / "native"
+    for candidate in (here / "sources", tree):
         if all((candidate / name).is_file() for name in _SOURCES):
             return candidate
     raise FileNotFoundError(
-        f"geocomm's CUDA kernel sources {_SOURCES} are neither installed in {here / '_kernels'} "
-        f"nor in a source tree at {here.parent / 'native'}; reinstall geocomm"
+        f"geocomm's CUDA kernel sources {_SOURCES} are neither installed in {here / 'sources'} "
+        f"nor in a source tree at {tree}; reinstall geocomm"
     )
 
 

@@ -1,6 +1,6 @@
 """CuPy face of the codec: the CUDA kernels of ``native/gc_cuda.cu``.
 
-Mirrors :mod:`geocomm.native` for CuPy arrays: ``wire_size``,
+Mirrors :mod:`geocomm.kernels.native` for CuPy arrays: ``wire_size``,
 ``encode(fmt, x, block, wire, stream=None, *, flags=0, seed=0,
 rounding_stream=0, offset=0)`` and ``decode(fmt, wire, block, out, accumulate=False,
 stream=None)`` write the same wire bodies (``native/geocomm.h``) as the C
@@ -9,30 +9,35 @@ core, byte for byte, because both run the arithmetic of
 rounding stream is ``rounding_stream``. Decoded values are bitwise equal too,
 except NaN payloads: GPU arithmetic returns the canonical NaN, so only the
 positions of NaNs are guaranteed to agree. Format ids, flags and layout
-constants are the C core's (``geocomm.native``, from the compiled
-cdef); this module forwards them (``geocomm.cuda.E4M3`` ...). ``divide`` is
+constants are the C core's (``geocomm.kernels.native``, from the compiled
+cdef); this module forwards them (``geocomm.kernels.cuda.E4M3`` ...). ``divide`` is
 the IEEE division of op="avg", ``add`` and ``subtract`` the fp32 sums and
 differences of the collectives (CuPy's own arithmetic flushes subnormals).
 
 Importing this module never imports CuPy. ``available`` (computed on first
 access) says whether CuPy imports and sees a CUDA device; every function that
 needs CuPy raises :class:`CudaUnavailable` (an ImportError) saying what is
-missing. :mod:`geocomm.cuda_build` finds, compiles (NVRTC) and loads the
+missing. :mod:`geocomm.kernels.cuda_build` finds, compiles (NVRTC) and loads the
 kernels.
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from geocomm import native
-from geocomm.cuda_build import NVRTC_OPTIONS, CudaUnavailable, kernel, kernel_source, probe, require
-from geocomm.deprecation import renamed_keywords
+from geocomm.kernels import native
+from geocomm.kernels.cuda_build import (
+    NVRTC_OPTIONS,
+    CudaUnavailable,
+    kernel,
+    kernel_source,
+    probe,
+    require,
+)
 
 __all__ = [
     "NVRTC_OPTIONS",
@@ -58,8 +63,6 @@ TILE = 4096
 #: Largest fp8 block handled by one team (<= one warp) of lanes in a single pass.
 TEAM_MAX = 1024
 _GRID_MAX = 2**31 - 1
-#: Deprecated names and their new ones.
-_RENAMED = {"fp8_plan": "fp8_launch", "Fp8Plan": "Fp8Launch"}
 
 
 def __getattr__(name: str) -> Any:
@@ -67,18 +70,11 @@ def __getattr__(name: str) -> Any:
         return probe()[0] is not None
     if name in (*native.CDEF_NAMES, "FORMATS", "MX_FORMATS"):  # the C core's constants
         return getattr(native, name)
-    if name in _RENAMED:  # old names of the fp8 launch plan (CONTRIBUTING.md, "Names")
-        warnings.warn(
-            f"geocomm.cuda.{name} is deprecated, use {_RENAMED[name]}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return globals()[_RENAMED[name]]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---------------------------------------------------------------------------
-# argument checks (as in geocomm.native)
+# argument checks (as in geocomm.kernels.native)
 
 
 def wire_size(fmt: int | str, n: int, block: int = 0) -> int:
@@ -207,7 +203,6 @@ def _amax_tiles(cupy: Any, x: Any, n: int, block: int) -> Any:
     return amax
 
 
-@renamed_keywords(rng_stream="rounding_stream")
 def encode(
     fmt: int | str,
     x: Any,
@@ -239,9 +234,7 @@ def encode(
         return
     sr = np.int32(bool(flags & native.STOCHASTIC))
     if sr:
-        from geocomm.codecs.reference import sr_key  # the key of gc_sr_key, computed once
-
-        key = sr_key(seed, rounding_stream)
+        key = native.sr_key(seed, rounding_stream)
     else:
         key = 0
     rounding = (sr, _u64(key), _u64(offset))

@@ -3,7 +3,7 @@
 What a compressed job carries across a save and a resume, besides the model and
 the optimizer: the codec's state (GeoFP8's bases and call counts, error
 feedback's residuals; :meth:`StatefulCodec.state_dict`), the call counts that
-draw stochastic rounding's streams (:func:`geocomm.calls.call_counts`), and
+draw stochastic rounding's streams (:func:`geocomm.engine.call.call_counts`), and
 what the state was made for (world size, parameter names and shapes), so a
 state loaded into another job fails with a clear error instead of silently
 restarting GeoFP8 or mapping residuals onto the wrong gradients.
@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from geocomm import calls
 from geocomm.codecs import Codec, StatefulCodec
+from geocomm.engine import call as calls
 
 VERSION = 1
 

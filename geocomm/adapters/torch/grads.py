@@ -1,6 +1,6 @@
 """What the DDP hook and the FSDP2 reduce-scatter share: how a flat gradient buffer
 becomes (at most) one compressed and one plain collective, when the ranks compare
-metadata (the per-step telemetry is :mod:`geocomm.adapters.telemetry`).
+metadata (the per-step telemetry is :mod:`geocomm.adapters.torch.telemetry`).
 
 A buffer holds ``rows`` rows of ``width`` values; every row lists the same
 tensors in the same order (a DDP bucket: one row of whole parameters; an
@@ -24,14 +24,13 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from geocomm.adapters import arrays
-from geocomm.adapters.telemetry import BucketStats, ErrorSample, Telemetry
-from geocomm.collectives import CollectiveMismatchError, Part, check_consistent, resolve_codec
+from geocomm import api
+from geocomm.adapters.torch.telemetry import BucketStats, ErrorSample, Telemetry
+from geocomm.api import resolve_codec
 from geocomm.comm.metered import MeteredComm
-from geocomm.comm.torchdist import TorchDistCommunicator
-from geocomm.deprecation import renamed_keywords
+from geocomm.engine.call import CollectiveMismatchError, Part
+from geocomm.engine.checks import check_consistent
 
 LOG = logging.getLogger("geocomm.torch")
 
@@ -81,7 +80,7 @@ class Selection:
 
 @dataclass(frozen=True)
 class Entry(Part):
-    """One tensor of a row, a :class:`~geocomm.collectives.Part` (values ``offset``
+    """One tensor of a row, a :class:`~geocomm.engine.call.Part` (values ``offset``
     on, viewed as ``shape``; ``key`` for the codec's per-tensor state) with the
     ``name`` :class:`Selection` matches."""
 
@@ -174,8 +173,8 @@ class BufferLayout:
     def numel(self) -> int:
         return self.rows * self.width
 
-    def fingerprint_parts(self) -> list[Part]:
-        """Every tensor as a :class:`~geocomm.collectives.Part` for the metadata check:
+    def fingerprint_parts(self) -> tuple[Part, ...]:
+        """Every tensor as a :class:`~geocomm.engine.call.Part` for the metadata check:
         compressed ones under their codec key, plain ones marked as plain."""
         plain = {e.offset for e in self.plain.entries} if self.plain else set()
         parts = []
@@ -189,7 +188,7 @@ class BufferLayout:
                         ("plain", key) if e.offset in plain else key,
                     )
                 )
-        return parts
+        return tuple(parts)
 
 
 # ---------------------------------------------------------------------------
@@ -228,7 +227,6 @@ class GradReducer:
     every rank).
     """
 
-    @renamed_keywords(chunk_elems="stage_size")
     def __init__(
         self,
         codec: Any,
@@ -357,7 +355,7 @@ class GradReducer:
                 if group is layout.compressed
                 else None
             )
-            arrays.allreduce(values, op=op, out=values, **self._options(group, codec))
+            api.allreduce(values, op=op, out=values, **self._options(group, codec))
             if sample is not None:
                 rel_error = sample.estimate(values, 0, self.comm.size, op == "avg", True)
             group.put(rows, values)
@@ -395,7 +393,7 @@ class GradReducer:
                 if group is layout.compressed
                 else None
             )
-            shard = arrays.reduce_scatter(values, op=op, **self._options(group, codec))
+            shard = api.reduce_scatter(values, op=op, **self._options(group, codec))
             if sample is not None:
                 rel_error = sample.estimate(shard, lo, size, op == "avg", False)
             group.put(out_rows, shard)
@@ -403,14 +401,3 @@ class GradReducer:
         return self._finish(
             start, index, "reduce_scatter", layout, source.dtype, collectives, rel_error
         )
-
-
-def dedicated_comm(group: Any = None, device: str = "cpu") -> TorchDistCommunicator:
-    """A communicator over a new process group with the ranks of ``group`` (default:
-    the world): gloo for ``device="cpu"``, NCCL for ``"cuda"``. Every rank of
-    ``group`` must call it, in the same order as its other ``new_group`` calls."""
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-    return TorchDistCommunicator(
-        dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=True)
-    )

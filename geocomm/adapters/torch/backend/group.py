@@ -3,8 +3,8 @@
     import geocomm.adapters.torch                # registers the backend "geocomm"
     dist.init_process_group("geocomm")           # or "cpu:geocomm,cuda:geocomm"
     model = DDP(net)                             # no hook: the backend compresses
-    geocomm.adapters.torch_backend.configure(codec="geofp8", min_numel=65536)
-    geocomm.adapters.torch_backend.stats()       # bytes sent, compressed and exact calls
+    geocomm.adapters.torch.backend.configure(codec="geofp8", min_numel=65536)
+    geocomm.adapters.torch.backend.stats()       # bytes sent, compressed and exact calls
 
 The process group wraps an exact backend (gloo for CPU tensors, NCCL for CUDA
 ones, made from the group's store under a prefix of their own). ``all_reduce``
@@ -37,8 +37,8 @@ and ``j`` then counts the calls of a size within the step: every call site
 keeps a key of its own. The counts never depend on memory addresses, so the
 keys agree across ranks whenever the calls do. Ranks compare each call's
 count, dtype, op, codec and key before it moves (``check``, on by default;
-started when the call is made, adapters/backend_checks.py);
-calls that differ raise :class:`~geocomm.collectives.CollectiveMismatchError`
+started when the call is made, adapters/torch/backend/checks.py);
+calls that differ raise :class:`~geocomm.CollectiveMismatchError`
 on every rank. What the check cannot see: one rank compressing a call
 another sends exact (different ``min_numel``, dtype or op) waits on two
 different inner backends until the group's timeout.
@@ -58,26 +58,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from geocomm.adapters import arrays, checkpoint
-from geocomm.adapters.backend_checks import EarlyChecks
-from geocomm.adapters.backend_exact import ExactCalls
-from geocomm.adapters.backend_parts import (
+from geocomm import api
+from geocomm.adapters.torch import checkpoints
+from geocomm.adapters.torch.backend.checks import EarlyChecks
+from geocomm.adapters.torch.backend.config import (
     FLOATS,
     BackendConfig,
     BackendStats,
-    FutureWork,
     Keys,
-    ProcessGroupBase,
     env_config,
-    first_tensor,
     new_config,
-    op_name,
 )
-from geocomm.adapters.worker import Worker
+from geocomm.adapters.torch.backend.exact import ExactCalls
+from geocomm.adapters.torch.backend.work import FutureWork, ProcessGroupBase, first_tensor, op_name
+from geocomm.adapters.torch.worker import Worker
+from geocomm.api import resolve_codec
 from geocomm.codecs.base import Codec
-from geocomm.collectives import CollectiveMismatchError, resolve_codec
 from geocomm.comm.metered import MeteredComm
 from geocomm.comm.torchdist import TorchDistCommunicator
+from geocomm.engine import costs
+from geocomm.engine.call import CollectiveMismatchError
 
 __all__ = [
     "NAME",
@@ -246,10 +246,10 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
         """Queue ``run(options)`` (the collective's keywords codec, key, comm, check,
         stage_size) for the worker; the work's value is ``result`` once it ran. Key,
         codec and settings are fixed now, in call order; so is the metadata check
-        started (adapters/backend_checks.py)."""
+        started (adapters/torch/backend/checks.py)."""
         key = self._key(kind, tensor)
         config, codec, comm = self.config, self.codec, self._device(tensor).comm
-        resolved = codec.for_count(tensor.numel(), comm.backend, comm.size)
+        resolved = costs.codec_for(codec, tensor.numel(), comm.backend, comm.size)
         wait_check = self._checks.start(kind, tensor, op, resolved, key) if config.check else None
         state_check = config.check and not EarlyChecks.complete(resolved)
         itemsize = tensor.element_size()
@@ -291,7 +291,7 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
         tensor = tensors[0]
 
         def run(options: dict[str, Any]) -> None:
-            arrays.allreduce(tensor, op=op, out=tensor, **options)
+            api.allreduce(tensor, op=op, out=tensor, **options)
 
         return self._submit("all_reduce", tensor, op, run, tensors)
 
@@ -299,7 +299,7 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
         self, output: torch.Tensor, flat: torch.Tensor, op: str, keep: list
     ) -> FutureWork:
         def run(options: dict[str, Any]) -> None:
-            shard = arrays.reduce_scatter(flat.view(-1), op=op, **options)
+            shard = api.reduce_scatter(flat.view(-1), op=op, **options)
             output.view(-1).copy_(shard)
 
         return self._submit("reduce_scatter", flat, op, run, keep)
@@ -396,12 +396,12 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
     def state_dict(self) -> dict[str, Any]:
         """This rank's codec state (GeoFP8 bases and call counts, error-feedback
         residuals, stochastic rounding's call counts: torch tensors and plain values,
-        adapters/checkpoint.py) with the group's size, rank and key counters. Flushes
+        adapters/torch/checkpoints.py) with the group's size, rank and key counters. Flushes
         queued compressed calls first."""
         self.flush()
         with self._lock:
             steps = self._keys.steps
-        state = checkpoint.codec_state(self.codec, self._size, [])
+        state = checkpoints.codec_state(self.codec, self._size, [])
         return {**state, "backend": NAME, "rank": self._rank, "steps": steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -410,14 +410,14 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
         or codec."""
         if state.get("backend") != NAME:
             raise ValueError(f"not a geocomm backend state (backend {state.get('backend')!r})")
-        checkpoint.check_world_size(state.get("world_size"), self._size, "the geocomm backend")
+        checkpoints.check_world_size(state.get("world_size"), self._size, "the geocomm backend")
         if state["rank"] != self._rank:
             raise ValueError(
                 f"the state was saved by rank {state['rank']}, this is rank {self._rank} "
                 "(each rank loads its own)"
             )
         self.flush()
-        checkpoint.load_codec_state(self.codec, state, [], "the geocomm backend")
+        checkpoints.load_codec_state(self.codec, state, [], "the geocomm backend")
         with self._lock:
             manual = self._keys.manual
             self._keys = Keys()

@@ -1,7 +1,6 @@
-"""PyTorch integration: an asynchronous bucketed DDP hook, FSDP2, torch.distributed set-up.
+"""The DDP communication hook: asynchronous, bucketed, compressed.
 
     import geocomm.adapters.torch as gt
-    gt.init_distributed_from_mpi()               # under mpirun (torchrun sets env itself)
     model = DDP(net)
     state = gt.GeocommHookState(net, codec="geofp8")
     model.register_comm_hook(state, gt.geocomm_hook)
@@ -29,68 +28,25 @@ stream) and the bytes move through a NCCL process group (or a communicator
 passed as ``comm=``, e.g. :class:`geocomm.comm.nccl.NCCLCommunicator`). The
 future is device-aware, so DDP's stream waits for the worker's stream before
 it reads the result. fp32, fp16 and bf16 gradients.
-
-FSDP2 (``fully_shard``): :func:`compress_fsdp` (in
-:mod:`geocomm.adapters.torch_fsdp`, re-exported here) installs a compressed
-reduce-scatter and, for replicas, an all-reduce hook.
 """
 
 # No "from __future__ import annotations": DDP compares the hook's bucket
 # annotation with dist.GradBucket itself, not with a string.
 import contextlib
-import os
-import socket
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from geocomm.adapters import checkpoint
-from geocomm.adapters._torch_grads import (
-    BufferLayout,
-    Entry,
-    GradReducer,
-    Selection,
-    dedicated_comm,
-)
-from geocomm.adapters.telemetry import BucketStats, StepStats, Telemetry
-from geocomm.adapters.worker import Worker
-from geocomm.collectives import resolve_codec
-from geocomm.deprecation import renamed_keywords
+from geocomm.adapters.torch import checkpoints
+from geocomm.adapters.torch.distributed import dedicated_comm
+from geocomm.adapters.torch.grads import BufferLayout, Entry, GradReducer, Selection
+from geocomm.adapters.torch.telemetry import BucketStats, StepStats, Telemetry
+from geocomm.adapters.torch.worker import Worker
+from geocomm.api import resolve_codec
 
-__all__ = [
-    "BucketStats",
-    "GeocommHookState",
-    "Selection",
-    "StepStats",
-    "Telemetry",
-    "dedicated_comm",
-    "geocomm_hook",
-    "init_distributed_from_mpi",
-]
-
-
-def init_distributed_from_mpi(backend: str = "gloo", port: int | None = None) -> None:
-    """``dist.init_process_group`` for a job started by mpirun/mpiexec.
-
-    Rank and size come from MPI; rank 0's host and a free port are broadcast
-    over MPI so no environment needs to be prepared by hand.
-    """
-    if dist.is_initialized():
-        return
-    from mpi4py import MPI
-
-    world = MPI.COMM_WORLD
-    address = None
-    if world.rank == 0:
-        with socket.socket() as s:
-            s.bind(("", port or 0))
-            address = (socket.gethostname(), s.getsockname()[1])
-    host, chosen = world.bcast(address, root=0)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1" if world.size == 1 else host)
-    os.environ.setdefault("MASTER_PORT", str(chosen))
-    dist.init_process_group(backend, rank=world.rank, world_size=world.size)
+__all__ = ["GeocommHookState", "geocomm_hook"]
 
 
 def _module_device(module: torch.nn.Module) -> torch.device:
@@ -129,7 +85,6 @@ class GeocommHookState:
     buckets from rank 0), so every rank decides alike when to check.
     """
 
-    @renamed_keywords(chunk_elems="stage_size")
     def __init__(
         self,
         module: torch.nn.Module,
@@ -170,7 +125,7 @@ class GeocommHookState:
             )
         device = self.device if self.device is not None else _module_device(self.module)
         comm = dedicated_comm(self.group, device.type)
-        checkpoint.check_world_size(self._expected_size, comm.size, "GeocommHookState")
+        checkpoints.check_world_size(self._expected_size, comm.size, "GeocommHookState")
         return comm
 
     def _start(self, device: torch.device) -> None:
@@ -286,18 +241,18 @@ class GeocommHookState:
         call counts, error-feedback residuals, stochastic rounding's call counts, and
         the world size and parameters it belongs to. Call between steps."""
         size = self.reducer.comm.size if self.reducer.connected else _group_size(self.group)
-        return checkpoint.codec_state(self.codec, size, checkpoint.parameter_layout(self.module))
+        return checkpoints.codec_state(self.codec, size, checkpoints.parameter_layout(self.module))
 
     def load_state_dict(self, data: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output before the first step of a resumed job;
         ValueError if it was saved for another codec, parameter layout or world size."""
-        saved_size = checkpoint.load_codec_state(
-            self.codec, data, checkpoint.parameter_layout(self.module), "GeocommHookState",
-            checkpoint.namespace(_module_device(self.module)),
+        saved_size = checkpoints.load_codec_state(
+            self.codec, data, checkpoints.parameter_layout(self.module), "GeocommHookState",
+            checkpoints.namespace(_module_device(self.module)),
         )  # fmt: skip
         size = self.reducer.comm.size if self.reducer.connected else _group_size(self.group)
         if size is not None:
-            checkpoint.check_world_size(saved_size, size, "GeocommHookState")
+            checkpoints.check_world_size(saved_size, size, "GeocommHookState")
         self._expected_size = saved_size
 
     def close(self) -> None:
@@ -315,17 +270,3 @@ def geocomm_hook(
     ``model.register_comm_hook(state, geocomm_hook)``.
     """
     return state.submit(bucket.buffer(), bucket.parameters(), bucket.index(), bucket.is_last())
-
-
-def __getattr__(name: str) -> Any:
-    # FSDP2 lives in its own module (it imports torch.distributed.fsdp, public in torch >=
-    # 2.6); re-exported lazily so the DDP hook works with older torch
-    if name in ("compress_fsdp", "GeocommReduceScatter", "GeocommAllReduceHook", "FSDPCompression"):
-        from geocomm.adapters import torch_fsdp
-
-        return getattr(torch_fsdp, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-# registers the torch.distributed backend "geocomm" (init_process_group("geocomm"))
-from geocomm.adapters import torch_backend as _backend  # noqa: E402,F401

@@ -1,7 +1,7 @@
 """The torch.distributed backend's metadata check, started when a call is made.
 
-A compressed call's check (:func:`geocomm.calls.check_consistent`: one tiny
-all-gather of every rank's :func:`~geocomm.calls.call_fingerprint`) run on the
+A compressed call's check (:func:`geocomm.engine.checks.check_consistent`: one tiny
+all-gather of every rank's :func:`~geocomm.engine.call.call_fingerprint`) run on the
 worker just before the call would leave the link idle for a round trip after
 every call, behind the previous call's bytes. :class:`EarlyChecks` instead
 starts the all-gather on a gloo group of its own when the call is submitted, in
@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from geocomm.adapters._torch_grads import NUMPY_DTYPES
-from geocomm.calls import call_fingerprint, parts_of, raise_on_mismatch
+from geocomm.adapters.torch.grads import NUMPY_DTYPES
+from geocomm.api.calls import parts_of, requested_topology
 from geocomm.codecs.base import Codec, StatefulCodec
-from geocomm.collectives import requested_topology
+from geocomm.engine.call import call_fingerprint, raise_on_mismatch
 
 #: what an early check's ``wait`` is: raises CollectiveMismatchError if ranks differ
 Wait = Callable[[], None]
@@ -60,7 +60,6 @@ class EarlyChecks:
             codec,
             parts_of(shape, tensor.numel(), key, None),
             requested_topology(None),
-            with_state=False,
         )
         send = torch.from_numpy(row)
         rows = torch.empty((self.size, row.size), dtype=torch.int64)

@@ -25,8 +25,8 @@ Details that are easy to get wrong:
   memory (device type 2, managed 13) goes to ``cupy.from_dlpack``, host memory
   (1, pinned 3 and 11) to ``numpy.from_dlpack``; anything else is a TypeError.
 
-This module converts; :mod:`geocomm.collectives` computes on NumPy (or CuPy)
-arrays and knows nothing of frameworks.
+This module converts; :mod:`geocomm.api.collectives` builds the call and the
+engine computes on NumPy (or CuPy) arrays, knowing nothing of frameworks.
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from geocomm import collectives
-from geocomm.deprecation import renamed_keywords
+from geocomm.engine.layout import array_module
 
 Restore = Callable[[Any], Any]
 
@@ -74,7 +73,7 @@ def _module_of(x: Any) -> str:
 
 
 def _xp(array: Any) -> Any:
-    return collectives.array_module(array)
+    return array_module(array)
 
 
 def bf16_bits_to_float32(bits: Any) -> Any:
@@ -287,68 +286,52 @@ def _out_operand(out: Any, x: Any, x_operand: _Operand, name: str = "out") -> _O
     return _operand(out, name)
 
 
-def _is_cupy(array: Any) -> bool:
-    return _module_of(array) == "cupy"
+class Operands:
+    """A call's array arguments as the engine sees them, for the duration of a ``with``
+    block: ``x`` (NumPy or CuPy, sharing the caller's memory where it can) and
+    ``out`` (the array ``out=`` is written through, or None). Inside the block,
+    geocomm's device work runs on torch's current stream when the caller passed torch
+    CUDA tensors (:func:`_torch_stream`). :meth:`finish` hands a result back as the
+    caller's kind."""
 
+    def __init__(self, x: Any, out: Any = None):
+        self._x_in, self._out_in = x, out
+        self._stack = contextlib.ExitStack()
 
-def _run(fn: Callable, x: Any, out: Any, **kwargs: Any) -> Any:
-    with _torch_stream(x, out):
-        operand = _operand(x, "x")
-        target = _out_operand(out, x, operand) if out is not None else None
-        if _is_cupy(operand.array):
-            result = _run_cupy(fn, operand.array, target, **kwargs)
-        else:
-            result = (
-                fn(operand.array, **kwargs)
-                if target is None
-                else fn(operand.array, out=target.array, **kwargs)
-            )
-        if target is None:
-            return operand.restore(result)
-        if target.commit is not None:
-            target.commit()
-        return out
+    def __enter__(self) -> Operands:
+        self._stack.enter_context(_torch_stream(self._x_in, self._out_in))
+        self._operand = _operand(self._x_in, "x")
+        self._target = (
+            _out_operand(self._out_in, self._x_in, self._operand)
+            if self._out_in is not None
+            else None
+        )
+        return self
 
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
 
-def _run_cupy(fn: Callable, array: Any, target: _Operand | None, **kwargs: Any) -> Any:
-    """CuPy arrays: the NCCL backend works on the device; the MPI backend
-    stages through host memory (MPI is not assumed CUDA-aware). Returns the
-    result array (``target.array`` when writing to ``out``)."""
-    cupy = _cupy()
-    comm = collectives.get_comm(kwargs.pop("comm", None))
-    if comm.backend == "nccl":
-        if target is None:
-            return fn(array, comm=comm, **kwargs)
-        return fn(array, out=target.array, comm=comm, **kwargs)
-    result = fn(cupy.asnumpy(array), comm=comm, **kwargs)
-    if target is None:
-        return cupy.asarray(result)
-    target.array[...] = cupy.asarray(result)
-    return target.array
+    @property
+    def x(self) -> Any:
+        return self._operand.array
 
+    @property
+    def out(self) -> Any:
+        return None if self._target is None else self._target.array
 
-@renamed_keywords(chunk_elems="stage_size")
-def allreduce(x: Any, codec: Any = None, op: str = "sum", out: Any = None, **kwargs: Any) -> Any:
-    """:func:`geocomm.collectives.allreduce` for any array kind (see module docstring)."""
-    return _run(collectives.allreduce, x, out, codec=codec, op=op, **kwargs)
-
-
-@renamed_keywords(chunk_elems="stage_size")
-def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", **kwargs: Any) -> Any:
-    """:func:`geocomm.collectives.reduce_scatter` for any array kind."""
-    return _run(collectives.reduce_scatter, x, None, codec=codec, op=op, **kwargs)
-
-
-def allgather(x: Any, codec: Any = None, **kwargs: Any) -> Any:
-    """:func:`geocomm.collectives.allgather` for any array kind."""
-    return _run(collectives.allgather, x, None, codec=codec, **kwargs)
+    def finish(self, result: Any) -> Any:
+        """The caller's result: ``out`` (its values written through, for ``out=``) or
+        ``result`` (a NumPy or CuPy array) as the caller's kind."""
+        if self._target is None:
+            return self._operand.restore(result)
+        if self._target.commit is not None:
+            self._target.commit()
+        return self._out_in
 
 
 __all__ = [
-    "allgather",
-    "allreduce",
+    "Operands",
     "as_array",
     "bf16_bits_to_float32",
     "float32_to_bf16_bits",
-    "reduce_scatter",
 ]

@@ -16,6 +16,7 @@ import torch
 
 from geocomm.codecs import TransformingCodec
 from geocomm.codecs.checks import roundtrip
+from geocomm.engine import costs
 
 LOG = logging.getLogger("geocomm.torch")
 
@@ -175,7 +176,7 @@ class ErrorSample:
             index = (starts[:, None] + np.arange(SAMPLE_RUN)).reshape(-1)
         self.index = torch.from_numpy(index).to(values.device)
         local = values[self.index].float().cpu().numpy()
-        quantizer = codec.for_count(values.numel())  # what the collective chooses
+        quantizer = costs.codec_for(codec, values.numel())  # what the collective chooses
         if isinstance(quantizer, TransformingCodec):
             quantizer = quantizer.quantizer
         err = roundtrip(quantizer, local).astype(np.float64) - local

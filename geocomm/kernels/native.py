@@ -1,5 +1,5 @@
 """The compiled C core (``geocomm._native``) with checked arguments: the CPU twin of
-:mod:`geocomm.cuda`.
+:mod:`geocomm.kernels.cuda`.
 
 ``available`` says whether the extension was built; every function raises
 :class:`NativeBuildMissing` with a message saying how to build it when it was
@@ -21,8 +21,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-
-from geocomm.deprecation import renamed_keywords
 
 try:
     from geocomm._native import ffi as _ffi
@@ -98,6 +96,24 @@ def wire_size(fmt: int | str, n: int, block: int = 0) -> int:
     return int(_lib.gc_wire_size(fmt, n, block))
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def mix64(z: int) -> int:
+    """SplitMix64's finalizer (``gc_mix64``): a 64-bit mix with every input bit reaching
+    every output bit."""
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def sr_key(seed: int, rounding_stream: int) -> int:
+    """``gc_sr_key``: the stochastic-rounding key of (seed, rounding stream), computed
+    once per call for the kernels, which take it as an argument."""
+    return mix64(mix64(seed) ^ rounding_stream)
+
+
 def _check_f32(x: np.ndarray, name: str, writable: bool = False) -> None:
     if not isinstance(x, np.ndarray) or x.dtype != np.float32 or not x.flags.c_contiguous:
         raise TypeError(f"{name} must be a C-contiguous float32 numpy array")
@@ -133,7 +149,6 @@ def check_flags(fmt: int | str, flags: int) -> int:
     return flags
 
 
-@renamed_keywords(rng_stream="rounding_stream")
 def encode(
     fmt: int | str,
     x: np.ndarray,

@@ -1,4 +1,4 @@
-"""The calls the torch.distributed backend (adapters/torch_backend.py) passes on exact,
+"""The calls the torch.distributed backend (adapters/torch/backend/group.py) passes on exact,
 through the wrapped gloo or NCCL backend: integer and MAX/MIN reductions, small
 tensors, broadcast, all-gather, all-to-all, point to point, barriers. Averages on
 the CPU run as a sum and a division, since gloo has no AVG."""
@@ -11,11 +11,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from geocomm.adapters.backend_parts import all_of, first_tensor, then_work
+from geocomm.adapters.torch.backend.work import all_of, first_tensor, then_work
 
 
 class ExactCalls:
-    """The exact half of :class:`~geocomm.adapters.torch_backend.GeocommProcessGroup`:
+    """The exact half of :class:`~geocomm.adapters.torch.backend.GeocommProcessGroup`:
     every call goes to ``self._exact(call, args)``, the inner backend for the
     tensors' device."""
 

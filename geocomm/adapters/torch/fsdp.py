@@ -49,12 +49,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from geocomm.adapters import _torch_grads as grads
-from geocomm.adapters import checkpoint
-from geocomm.adapters.telemetry import StepStats, Telemetry
+from geocomm.adapters.torch import checkpoints, grads
+from geocomm.adapters.torch.distributed import dedicated_comm
+from geocomm.adapters.torch.telemetry import StepStats, Telemetry
+from geocomm.api import resolve_codec
 from geocomm.codecs import Codec
-from geocomm.collectives import resolve_codec
-from geocomm.deprecation import renamed_keywords
 
 try:  # the interface set_custom_reduce_scatter names; FSDP only calls allocate and __call__
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatter
@@ -119,23 +118,23 @@ class FSDPCompression:
         :meth:`~geocomm.adapters.torch.GeocommHookState.state_dict` (GeoFP8 bases and
         call counts, error-feedback residuals, rounding call counts, world size and
         parameters). Call between steps on every rank: each saves its own."""
-        layout = checkpoint.parameter_layout(self.model)
-        return checkpoint.codec_state(self.codec, self.world_size(), layout)
+        layout = checkpoints.parameter_layout(self.model)
+        return checkpoints.codec_state(self.codec, self.world_size(), layout)
 
     def load_state_dict(self, data: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output before the first step of a resumed job;
         ValueError for another codec, parameter layout or world size."""
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
-        xp = checkpoint.namespace(device)
-        self._expected_size = checkpoint.load_codec_state(
-            self.codec, data, checkpoint.parameter_layout(self.model), "compress_fsdp", xp
+        xp = checkpoints.namespace(device)
+        self._expected_size = checkpoints.load_codec_state(
+            self.codec, data, checkpoints.parameter_layout(self.model), "compress_fsdp", xp
         )
         self._check_size()
 
     def _check_size(self) -> None:
         size = self.world_size()
         if size is not None:
-            checkpoint.check_world_size(self._expected_size, size, "compress_fsdp")
+            checkpoints.check_world_size(self._expected_size, size, "compress_fsdp")
 
     @property
     def last_step(self) -> StepStats | None:
@@ -268,7 +267,6 @@ def _chunk_shape(shape: Sequence[int], dim: int, size: int) -> tuple[int, ...]:
     return tuple(chunk)
 
 
-@renamed_keywords(chunk_elems="stage_size")
 def compress_fsdp(
     model: nn.Module,
     codec: Any = "fp8",
@@ -353,14 +351,14 @@ def _install(owner: FSDPCompression, settings: _Settings) -> None:
             base = (
                 settings.comm
                 if settings.comm is not None
-                else grads.dedicated_comm(mesh.get_group(mesh_dim), device.type)
+                else dedicated_comm(mesh.get_group(mesh_dim), device.type)
             )
             shard_reducer = grads.GradReducer(codec, base, *options)
             if settings.replicate_group is not None or settings.replicate_comm is not None:
                 base = (
                     settings.replicate_comm
                     if settings.replicate_comm is not None
-                    else grads.dedicated_comm(settings.replicate_group, device.type)
+                    else dedicated_comm(settings.replicate_group, device.type)
                 )
                 replica_reducer = grads.GradReducer(shard_reducer.codec, base, *options)
         if size != shard_reducer.comm.size:

@@ -1,0 +1,48 @@
+"""Process groups for geocomm's torch integrations: ``init_process_group`` from MPI,
+and the dedicated groups geocomm's traffic travels on."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from geocomm.comm.torchdist import TorchDistCommunicator
+
+__all__ = ["dedicated_comm", "init_distributed_from_mpi"]
+
+
+def init_distributed_from_mpi(backend: str = "gloo", port: int | None = None) -> None:
+    """``dist.init_process_group`` for a job started by mpirun/mpiexec.
+
+    Rank and size come from MPI; rank 0's host and a free port are broadcast
+    over MPI so no environment needs to be prepared by hand.
+    """
+    if dist.is_initialized():
+        return
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    address = None
+    if world.rank == 0:
+        with socket.socket() as s:
+            s.bind(("", port or 0))
+            address = (socket.gethostname(), s.getsockname()[1])
+    host, chosen = world.bcast(address, root=0)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1" if world.size == 1 else host)
+    os.environ.setdefault("MASTER_PORT", str(chosen))
+    dist.init_process_group(backend, rank=world.rank, world_size=world.size)
+
+
+def dedicated_comm(group: Any = None, device: str = "cpu") -> TorchDistCommunicator:
+    """A communicator over a new process group with the ranks of ``group`` (default:
+    the world): gloo for ``device="cpu"``, NCCL for ``"cuda"``. Every rank of
+    ``group`` must call it, in the same order as its other ``new_group`` calls."""
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    return TorchDistCommunicator(
+        dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=True)
+    )

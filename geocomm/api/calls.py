@@ -1,0 +1,339 @@
+"""From a caller's arguments to a :class:`~geocomm.engine.call.Call` (docs/design.md,
+"The collective").
+
+:func:`prepare` checks the arguments (array type and dtype, op, out, codec,
+parts, topology), resolves what the environment and the communicator decide
+(the codec for this count, the default communicator, ``GEOCOMM_CHECK``,
+``GEOCOMM_TOPOLOGY``) and describes the call as a
+:class:`~geocomm.engine.call.Signature`, cached: a call with the same arguments
+(count, dtype, op, codec, keys, communicator, ...) gets the same signature back,
+and with it everything the engine derived from it at its first call. Then it
+picks the call's result array and draws its rounding stream.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypedDict
+
+import numpy as np
+
+from geocomm.codecs import Codec, get_codec
+from geocomm.codecs.frames import DTYPE_CODES
+from geocomm.comm.base import Communicator
+from geocomm.engine import costs
+from geocomm.engine.call import KINDS, OPS, TOPOLOGIES, Call, Part, Signature, new_call
+from geocomm.engine.layout import array_module, shard_bounds
+
+if TYPE_CHECKING:
+    pass
+
+#: Signatures kept per communicator for calls made again (least recently used dropped first).
+SIGNATURES_KEPT = 1024
+
+
+class Options(TypedDict, total=False):
+    """The keywords :func:`~geocomm.allreduce` and :func:`~geocomm.reduce_scatter` share.
+
+    Attributes:
+        key: names the tensor for stateful codecs (GeoFP8's map, error feedback's
+            residual); default: its shape.
+        parts: several tensors instead: a sequence of ``(key, shape)`` that tiles the
+            flat buffer in order (a DDP bucket), each mapped on its own.
+        comm: the communicator (default: :func:`geocomm.get_comm`).
+        stage_size: values of the whole buffer per pipeline stage (default: the
+            backend's; the bits do not depend on it).
+        check: compare the call across ranks first (default: ``GEOCOMM_CHECK``, else
+            on); a mismatch raises :class:`geocomm.CollectiveMismatchError`.
+        topology: "flat", "node" (exact inside each node, compressed between nodes) or
+            "auto" (the cost model's choice; default ``GEOCOMM_TOPOLOGY``, else "auto").
+    """
+
+    key: Any
+    parts: Sequence[tuple[Any, Sequence[int]]] | None
+    comm: Communicator | None
+    stage_size: int | None
+    check: bool | None
+    topology: str | None
+
+
+# ---------------------------------------------------------------------------
+# codecs and communicators
+
+_codecs: dict[str, Codec] = {}
+_default_comm: Communicator | None = None
+
+
+def resolve_codec(codec: Any) -> Codec:
+    """A codec instance for an id, config or Codec; ids and configs map to one cached
+    instance each, so stateful codecs keep their per-key state across calls."""
+    if isinstance(codec, Codec):
+        return codec
+    config = get_codec(codec).get_config()
+    name = json.dumps(config, sort_keys=True)
+    if name not in _codecs:
+        _codecs[name] = get_codec(config)
+    return _codecs[name]
+
+
+def init(comm: Any = None, backend: str = "mpi") -> Communicator:
+    """Set and return the default communicator.
+
+    Args:
+        comm: a geocomm Communicator, an mpi4py communicator, or None for
+            ``MPI.COMM_WORLD``.
+        backend: "mpi" (host arrays; CuPy arrays are staged through host memory) or
+            "nccl" (CuPy arrays stay on the device).
+
+    Returns:
+        The communicator the collectives use when no ``comm=`` is given.
+    """
+    global _default_comm
+    if comm is not None and isinstance(comm, Communicator):
+        _default_comm = comm
+    elif backend == "mpi":
+        from geocomm.comm.mpi import MPICommunicator
+
+        _default_comm = MPICommunicator(comm)
+    elif backend == "nccl":
+        from geocomm.comm.nccl import NCCLCommunicator
+
+        _default_comm = NCCLCommunicator(comm)
+    else:
+        raise ValueError(f"unknown backend {backend!r} (expected 'mpi' or 'nccl')")
+    return _default_comm
+
+
+def get_comm(comm: Communicator | None = None) -> Communicator:
+    """``comm`` if given, else the default communicator (made by :func:`init` on first use)."""
+    if comm is not None:
+        return comm
+    return _default_comm if _default_comm is not None else init()
+
+
+# ---------------------------------------------------------------------------
+# argument checks
+
+
+def check_array(x: Any, name: str = "x") -> Any:
+    """x if it is a NumPy or CuPy array of a supported float dtype, else TypeError."""
+    if not isinstance(x, np.ndarray) and array_module(x) is np:
+        raise TypeError(f"{name} must be a numpy or cupy array, got {type(x).__name__}")
+    if x.dtype not in DTYPE_CODES:
+        raise TypeError(
+            f"{name} has dtype {x.dtype}; geocomm collectives take float32, "
+            "float16, bfloat16 or (codec 'none') float64"
+        )
+    return x
+
+
+def check_out(out: Any, x: Any) -> None:
+    """TypeError or ValueError unless ``out`` (if given) can receive a result like ``x``."""
+    if out is None:
+        return
+    if type(out) is not type(x):
+        raise TypeError(
+            f"out must be an array like x ({type(x).__name__}), got {type(out).__name__}"
+        )
+    if out.shape != x.shape or out.dtype != x.dtype:
+        raise ValueError(f"out is {out.dtype}{list(out.shape)}, expected {x.dtype}{list(x.shape)}")
+    if not getattr(out.flags, "writeable", True):
+        raise ValueError("out is read-only")
+
+
+def parts_of(shape: tuple[int, ...], count: int, key: Any, parts: Any) -> tuple[Part, ...]:
+    """The tensors of the buffer: ``parts`` is a sequence of (key, shape) that tiles
+    the flat buffer in order; without it the buffer is one tensor of ``shape``.
+    A key of None stands for the tensor's shape."""
+    if parts is None:
+        return (Part(0, tuple(shape), ("shape", tuple(shape)) if key is None else key),)
+    if key is not None:
+        raise TypeError("pass either key= or parts=, not both")
+    result, offset = [], 0
+    for entry in parts:
+        try:
+            name, part_shape = entry
+            part_shape = tuple(int(d) for d in part_shape)
+        except (TypeError, ValueError):
+            raise TypeError(f"parts entries must be (key, shape) pairs, got {entry!r}") from None
+        if any(d < 0 for d in part_shape):
+            raise ValueError(f"part {name!r} has a negative dimension: {part_shape}")
+        result.append(Part(offset, part_shape, ("shape", part_shape) if name is None else name))
+        offset += math.prod(part_shape)
+    if offset != count:
+        raise ValueError(f"parts hold {offset} values, the buffer {count}")
+    return tuple(result)
+
+
+def requested_topology(topology: str | None) -> str:
+    """``topology``, or ``GEOCOMM_TOPOLOGY``, or "auto"; checked."""
+    value = topology if topology is not None else os.environ.get("GEOCOMM_TOPOLOGY") or "auto"
+    if value not in TOPOLOGIES:
+        raise ValueError(f"topology must be one of {TOPOLOGIES}, got {value!r}")
+    return value
+
+
+def check_enabled(check: bool | None) -> bool:
+    """``check``, or ``GEOCOMM_CHECK`` ("0", "false", "no" turn it off), else True."""
+    if check is not None:
+        return check
+    return os.environ.get("GEOCOMM_CHECK", "1") not in ("0", "false", "no")
+
+
+# ---------------------------------------------------------------------------
+# signatures and calls
+
+#: Per communicator (held weakly), the signatures of recent calls by their arguments.
+_signatures: weakref.WeakKeyDictionary[Any, collections.OrderedDict[tuple[Any, ...], Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def signature(kind: str, x: Any, codec: Any, op: str, options: Options) -> Signature:
+    """The :class:`Signature` of a call of ``kind`` on ``x`` (a checked NumPy or CuPy
+    array): the cached one when the same arguments came before."""
+    unknown = set(options) - set(Options.__annotations__)
+    if unknown:
+        raise TypeError(f"geocomm.{kind}() got unexpected keyword arguments {sorted(unknown)}")
+    comm = get_comm(options.get("comm"))
+    check = check_enabled(options.get("check"))
+    topology = requested_topology(options.get("topology"))
+    key = _cache_key(kind, x, codec, op, options, check, topology)
+    cache = _signatures.get(comm) if key is not None else None
+    if cache is not None and key is not None:
+        cached = cache.get(key)
+        if cached is not None:
+            cache.move_to_end(key)
+            return cached[0]
+    result = _describe(kind, x, codec, op, options, comm, check, topology)
+    if key is not None:
+        try:
+            cache = _signatures.setdefault(comm, collections.OrderedDict())
+        except TypeError:  # a communicator without weak references: nothing kept
+            return result
+        cache[key] = (result, codec)  # the codec argument kept: its id is in the key
+        if len(cache) > SIGNATURES_KEPT:
+            cache.popitem(last=False)
+    return result
+
+
+def _describe(kind: str, x: Any, codec: Any, op: str, options: Options, comm: Communicator,
+              check: bool, topology: str) -> Signature:  # fmt: skip
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    resolved = resolve_codec(codec)
+    if x.dtype == np.float64 and not resolved.lossless:
+        raise TypeError(
+            "float64 arrays are not compressed (the formats start from float32); cast to "
+            "float32 first or use codec='none' for an exact float64 reduction"
+        )
+    stage_size = options.get("stage_size")
+    if stage_size is not None and stage_size <= 0:
+        raise ValueError(f"stage_size must be positive, got {stage_size}")
+    key, parts = options.get("key"), options.get("parts")
+    if kind == "allgather":
+        key, parts = None, None
+    return Signature(
+        kind, x.size, x.dtype, op, costs.codec_for(resolved, x.size, comm.backend, comm.size), comm,
+        parts_of(x.shape, x.size, key, parts), topology, stage_size, check,
+    )  # fmt: skip
+
+
+def _cache_key(kind: str, x: Any, codec: Any, op: str, options: Options, check: bool,
+               topology: str) -> tuple[Any, ...] | None:  # fmt: skip
+    """What decides a call's signature, hashable; None when something is not (then the
+    call is described afresh)."""
+    if isinstance(codec, Codec):
+        codec_key: Any = ("instance", id(codec))
+    elif isinstance(codec, dict):
+        try:
+            codec_key = json.dumps(codec, sort_keys=True)
+        except TypeError:
+            return None
+    else:
+        codec_key = codec
+    parts = options.get("parts")
+    try:
+        parts_key = None if parts is None else tuple((k, tuple(s)) for k, s in parts)
+        key = (kind, x.shape, x.dtype, array_module(x) is np, op, codec_key,
+               options.get("key"), parts_key, options.get("stage_size"), check,
+               topology)  # fmt: skip
+        hash(key)
+    except (TypeError, ValueError):
+        return None
+    return key
+
+
+def prepare(kind: str, x: Any, out: Any, codec: Any, op: str, options: Options) -> Call:
+    """The :class:`Call` of a collective on ``x`` (NumPy or CuPy) with ``out`` (an array
+    like ``x``, or None): checked, its signature cached, its flat float32 source, its
+    result array (``out``'s memory where the engine can write it directly) and its
+    rounding stream."""
+    x = check_array(x)
+    check_out(out, x)
+    sig = signature(kind, x, codec, op, options)
+    xp = array_module(x)
+    exact = sig.codec.lossless
+    dtype = np.float64 if x.dtype == np.float64 else np.float32
+    source = xp.ascontiguousarray(x, dtype=dtype).reshape(-1)
+    comm = sig.comm
+    if kind == "allgather":
+        result = xp.empty((comm.size, sig.count), dtype)
+    elif kind == "reduce_scatter":
+        bounds = shard_bounds(sig.count, comm.size)
+        result = xp.empty(int(bounds[comm.rank + 1] - bounds[comm.rank]), dtype)
+    else:
+        # the compressed pipeline writes a range only once it has read it, so it may
+        # run in place; MPI and NCCL reductions need distinct buffers
+        result = _direct_result(out, dtype, source, same_ok=not exact)
+        if result is None:
+            result = xp.empty(sig.count, dtype)
+    return new_call(sig, source, result)
+
+
+def output(call: Call, x: Any, out: Any) -> Any:
+    """What the collective returns, from the finished ``call`` on ``x``: ``out`` (written
+    unless the engine wrote it directly) or a new array of x's dtype (all-reduce: x's
+    shape; reduce-scatter: this rank's flat shard; all-gather: ``(size, *x.shape)``)."""
+    kind, result = call.signature.kind, call.result
+    if kind == "allgather":
+        return result.reshape((call.signature.comm.size, *x.shape)).astype(x.dtype, copy=False)
+    if kind == "reduce_scatter":
+        return result.astype(x.dtype, copy=False)
+    result = result.reshape(x.shape)
+    if out is None:
+        return result.astype(x.dtype, copy=False)
+    if not _same_memory(out, result):
+        out[...] = result
+    return out
+
+
+def _direct_result(out: Any, dtype: Any, source: Any, same_ok: bool) -> Any:
+    """A flat view of ``out`` to reduce into, when out is C-contiguous, of
+    ``dtype``, and either apart from ``source`` or (``same_ok``) exactly the
+    same memory; else None (reduce into scratch and copy)."""
+    if out is None or out.dtype != dtype or not out.flags.c_contiguous or out.size == 0:
+        return None
+    if array_module(out).may_share_memory(out, source) and not (
+        same_ok and _same_memory(out, source)
+    ):
+        return None
+    return out.reshape(-1)
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    """Whether a and b view the same contiguous memory (nothing to copy)."""
+    if a.size == 0:
+        return True
+    if array_module(a) is np:
+        pa, pb = a.__array_interface__["data"][0], b.__array_interface__["data"][0]
+    else:
+        pa, pb = a.data.ptr, b.data.ptr
+    return pa == pb and a.nbytes == b.nbytes and b.flags.c_contiguous and a.flags.c_contiguous

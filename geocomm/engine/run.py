@@ -1,0 +1,277 @@
+"""Running a call (docs/design.md, "The collective"): the engine's front.
+
+:func:`run` takes a :class:`~geocomm.engine.call.Call` from the API layer and
+chooses how it runs:
+
+* a lossless codec: the communicator's own exact all-reduce (float64 too);
+* an all-gather: every rank encodes its values once, every rank decodes all;
+* an all-reduce or reduce-scatter: node-aware when the signature's topology
+  and the cost model say so (:mod:`geocomm.engine.hierarchical`), else flat:
+  the staged pipeline, on the device (:class:`~geocomm.engine.device.DevicePlan`:
+  CuPy arrays over a device communicator whose codec sends a native format) or
+  on the host (:class:`~geocomm.engine.host.Pipeline`), with the transforming
+  codecs' and error feedback's protocols (:mod:`geocomm.engine.transforming`).
+
+What a signature needs beyond the call itself (the node communicators, the
+pieces, the device plan) is made at its first call and kept in
+``signature.plans`` for the next ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from geocomm.codecs import Codec, ErrorFeedbackCodec, TransformingCodec
+from geocomm.comm.base import Communicator, wait_ordered
+from geocomm.comm.nodes import NodeComms, node_comms, node_layout
+from geocomm.engine import checks, costs, device
+from geocomm.engine.call import Call, Part, Signature, new_call, shard_parts
+from geocomm.engine.exact import divide
+from geocomm.engine.hierarchical import node_allreduce, node_reduce_scatter
+from geocomm.engine.host import Pipeline
+from geocomm.engine.layout import PIECE_ALIGN, Pieces, array_module, segments, shard_bounds
+from geocomm.engine.layout import stage_size as backend_stage_size
+from geocomm.engine.transforming import PartsMap, plan_parts, refresh, side_sums
+
+_NODES = "nodes"
+
+
+def run(call: Call) -> None:
+    """Run ``call``: afterwards ``call.result`` holds the result, bitwise identical on
+    every rank (for CuPy arrays: queued on the current stream, like any CuPy
+    operation). Raises CollectiveMismatchError when the ranks' calls differ."""
+    signature = call.signature
+    if array_module(call.source) is not np and not signature.comm.device_arrays:
+        _staged(call)
+        return
+    checks.verify(call)
+    if signature.codec.lossless:
+        _exact(call)
+    elif signature.kind == "allgather":
+        _gathered(call)
+    else:
+        _reduced(call)
+    if signature.op == "avg":
+        divide(call.result, signature.comm.size)
+
+
+def _staged(call: Call) -> None:
+    """CuPy arrays on a communicator of host memory (MPI is not assumed CUDA-aware):
+    the call runs on host copies, and the result goes back to the device."""
+    import cupy
+
+    source = cupy.asnumpy(call.source)
+    result = np.empty(call.result.shape, call.result.dtype)
+    run(Call(call.signature, source, result, call.rounding_stream))
+    call.result[...] = cupy.asarray(result)
+
+
+# ---------------------------------------------------------------------------
+# exact calls and all-gathers
+
+
+def _exact(call: Call) -> None:
+    """The lossless codec: the communicator's own reduction (``source`` and ``result``
+    apart), or an all-gather of the values' bytes."""
+    signature, source = call.signature, call.source
+    comm = signature.comm
+    if signature.kind == "allgather":
+        _gather_bytes(comm, source.view(np.uint8), call.result.reshape(-1).view(np.uint8))
+    elif signature.kind == "allreduce":
+        comm.allreduce(source, call.result, "sum")
+    else:
+        total = array_module(source).empty_like(source)
+        comm.allreduce(source, total, "sum")
+        lo, hi = _shard(signature.count, comm)
+        call.result[...] = total[lo:hi]
+
+
+def _gathered(call: Call) -> None:
+    """All-gather through a lossy codec: each rank encodes its own values once; every
+    rank decodes all of them from the same bytes."""
+    signature, xp = call.signature, array_module(call.source)
+    comm, codec = signature.comm, signature.codec
+    seg = codec.wire_size(signature.count)
+    send = xp.empty(seg, np.uint8)
+    codec.encode_wire(call.source, send, rounding_stream=call.rounding_stream)
+    recv = xp.empty(comm.size * seg, np.uint8)
+    _gather_bytes(comm, send, recv)
+    rows = call.result.reshape(comm.size, signature.count)
+    for j in range(comm.size):
+        codec.decode_wire(recv[j * seg : (j + 1) * seg], rows[j])
+
+
+def _gather_bytes(comm: Communicator, send: Any, recv: Any) -> None:
+    counts, displs = segments([send.size] * comm.size)
+    wait_ordered(comm.allgatherv(send, recv, counts, displs), "an all-gather", comm.rank)
+
+
+def _shard(count: int, comm: Communicator) -> tuple[int, int]:
+    bounds = shard_bounds(count, comm.size)
+    return int(bounds[comm.rank]), int(bounds[comm.rank + 1])
+
+
+# ---------------------------------------------------------------------------
+# reductions: node-aware or flat
+
+
+def _reduced(call: Call) -> None:
+    signature = call.signature
+    nodes = _two_levels(signature)
+    if nodes is None:
+        if isinstance(signature.codec, ErrorFeedbackCodec):
+            checks.verify_flat_state(call)
+        lo = 0 if signature.kind == "allreduce" else _shard(signature.count, signature.comm)[0]
+        compressed(
+            signature.comm, signature.codec, signature.kind, call.source, signature.parts,
+            call.result, lo, signature.stage_size, call.rounding_stream,
+        )  # fmt: skip
+        return
+    across = _Across(nodes, signature)
+    if signature.kind == "allreduce":
+        node_allreduce(nodes, call.source, call.result, across)
+    else:
+        call.result[...] = node_reduce_scatter(nodes, call.source, across)
+
+
+def _two_levels(signature: Signature) -> NodeComms | None:
+    """The node communicators when ``signature`` runs node-aware, else None (flat):
+    never for "flat", on one rank, an unknown layout, one node or one rank per node, or
+    a communicator without sub-communicators; for "auto" when the cost model
+    (:func:`geocomm.engine.costs.node_aware_pays`) says so. Every input is the same on
+    every rank (the layout is gathered), so every rank decides alike. Decided at the
+    signature's first call (the environment's link speeds then)."""
+    if _NODES in signature.plans:
+        nodes: NodeComms | None = signature.plans[_NODES]
+        return nodes
+    comm, codec = signature.comm, signature.codec
+    nodes = None
+    if signature.topology != "flat" and comm.size > 1:
+        layout = node_layout(comm)
+        if layout is not None and not layout.trivial:
+            ratio = codec.wire_size(PIECE_ALIGN) / (4 * PIECE_ALIGN)
+            pays = signature.topology == "node" or costs.node_aware_pays(
+                comm.backend, 4.0 * signature.count, layout.sizes(), ratio, dict(os.environ)
+            )
+            nodes = node_comms(comm, layout) if pays else None
+    signature.plans[_NODES] = nodes
+    return nodes
+
+
+class _Across:
+    """The compressed step between nodes, as :mod:`geocomm.engine.hierarchical` calls it:
+    ``across(kind, values, ranges, result, offset)`` reduces ``values`` (the node's
+    exact sums of ``ranges`` of the buffer, end to end) over ``nodes.cross`` as tensors
+    of their own (keys and state of their own: :func:`shard_parts`), checked like any
+    call when the signature is."""
+
+    def __init__(self, nodes: NodeComms, signature: Signature):
+        self.nodes, self.signature = nodes, signature
+        self.signatures: dict[tuple[str, tuple[tuple[int, int], ...]], Signature] = {}
+
+    def __call__(
+        self, kind: str, values: Any, ranges: list[tuple[int, int]], result: Any, offset: int
+    ) -> None:
+        key = (kind, tuple(ranges))
+        cross = self.signatures.get(key)
+        if cross is None:
+            s = self.signature
+            cross = self.signatures[key] = Signature(
+                kind, values.size, np.dtype(np.float32), "sum", s.codec, self.nodes.cross,
+                shard_parts(s.parts, ranges), "flat", s.stage_size, s.check,
+            )  # fmt: skip
+        call = new_call(cross, values, result)
+        checks.verify(call)
+        compressed(
+            cross.comm, cross.codec, kind, values, cross.parts, result, offset,
+            cross.stage_size, call.rounding_stream,
+        )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------
+# the flat compressed pipeline
+
+
+def compressed(
+    comm: Communicator,
+    codec: Codec,
+    kind: str,
+    values: Any,
+    parts: tuple[Part, ...],
+    result: Any,
+    offset: int,
+    stage_size: int | None,
+    rounding_stream: int,
+) -> None:
+    """Reduce flat float32 ``values`` through a lossy ``codec`` into ``result`` (index
+    ``offset`` on: the buffer, or this rank's shard for a reduce-scatter), with the
+    transforming and error-feedback protocols. Ranged maps write each piece they
+    read into a scratch piece that stays in the cache; whole-tensor maps write their
+    tensor into the result when it holds the whole buffer (:class:`PartsMap`).
+    ``result`` may be ``values`` (a range is read before the pipeline writes it)."""
+    count = values.size
+    bounds = shard_bounds(count, comm.size)
+    pieces = Pieces.cut(count, comm.size, stage_size or default_stage_size(comm, codec, count))
+    mapping_codec, residual = _stateful(codec, kind, parts, count, array_module(values))
+    planned = plan_parts(comm, mapping_codec, values, list(parts), bounds)
+    gather = kind == "allreduce"
+    if not planned and residual is None:
+        run_pipeline(comm, codec, pieces, values, result, offset, gather, None, rounding_stream)
+        return
+    sums = side_sums(comm, mapping_codec, planned)
+    parts_map = PartsMap(values, result, offset, list(parts), planned, sums, residual, codec)
+    run_pipeline(comm, codec, pieces, values, result, offset, gather, parts_map, rounding_stream)
+    parts_map.finish(offset, offset + result.size)
+    if gather and offset == 0 and result.size == count:  # every rank holds the whole sum
+        refresh(None, mapping_codec, planned, sums, result, 0, count)
+        return
+    lo, hi = int(bounds[comm.rank]), int(bounds[comm.rank + 1])
+    refresh(comm, mapping_codec, planned, sums, result[lo - offset : hi - offset], lo, hi)
+
+
+def run_pipeline(
+    comm: Communicator,
+    codec: Codec,
+    pieces: Pieces,
+    source: Any,
+    result: Any,
+    result_offset: int,
+    gather: bool,
+    mapper: Any = None,
+    rounding_stream: int = 0,
+) -> None:
+    """One call's pipeline: the device's batched one where
+    :func:`~geocomm.engine.device.batched_format` allows (work left queued on the
+    current stream), else the host-driven :class:`~geocomm.engine.host.Pipeline`;
+    both give the same bits."""
+    fmt = device.batched_format(comm, codec, source)
+    if fmt is not None:
+        device.BatchedPipeline(
+            comm, fmt, pieces, source, result, result_offset, gather, mapper, rounding_stream
+        ).run()
+    else:
+        Pipeline(
+            comm, codec, pieces, source, result, result_offset, gather, mapper, rounding_stream
+        ).run()
+
+
+def default_stage_size(comm: Communicator, codec: Codec, count: int) -> int:
+    """The backend's stage size for ``count`` values (docs/design.md, "The collective")."""
+    return backend_stage_size(
+        comm.backend, count, comm.size, codec.wire_size(PIECE_ALIGN) / (4 * PIECE_ALIGN)
+    )
+
+
+def _stateful(
+    codec: Codec, kind: str, parts: tuple[Part, ...], count: int, xp: Any
+) -> tuple[TransformingCodec | None, Any]:
+    """(the codec that maps the tensors or None, the error-feedback residual of this
+    call's tensors or None)."""
+    if isinstance(codec, ErrorFeedbackCodec):
+        name = json.dumps([kind, [(repr(p.key), p.shape) for p in parts]])
+        return codec.mapping_codec, codec.residual(name, count, xp)
+    return (codec if isinstance(codec, TransformingCodec) else None), None
