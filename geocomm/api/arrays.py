@@ -286,47 +286,51 @@ def _out_operand(out: Any, x: Any, x_operand: _Operand, name: str = "out") -> _O
     return _operand(out, name)
 
 
+def _plain(array: Any) -> bool:
+    """Whether ``array`` is a NumPy or CuPy ndarray (nothing to convert, nothing to restore)."""
+    kind = type(array)
+    return kind is np.ndarray or (kind.__name__ == "ndarray" and _module_of(array) == "cupy")
+
+
 class Operands:
     """A call's array arguments as the engine sees them, for the duration of a ``with``
     block: ``x`` (NumPy or CuPy, sharing the caller's memory where it can) and
     ``out`` (the array ``out=`` is written through, or None). Inside the block,
     geocomm's device work runs on torch's current stream when the caller passed torch
     CUDA tensors (:func:`_torch_stream`). :meth:`finish` hands a result back as the
-    caller's kind."""
+    caller's kind. NumPy and CuPy arrays pass through untouched."""
+
+    __slots__ = ("_operand", "_out_in", "_stack", "_target", "_x_in", "out", "x")
 
     def __init__(self, x: Any, out: Any = None):
         self._x_in, self._out_in = x, out
-        self._stack = contextlib.ExitStack()
+        self._stack: contextlib.ExitStack | None = None
 
     def __enter__(self) -> Operands:
-        self._stack.enter_context(_torch_stream(self._x_in, self._out_in))
-        self._operand = _operand(self._x_in, "x")
-        self._target = (
-            _out_operand(self._out_in, self._x_in, self._operand)
-            if self._out_in is not None
-            else None
-        )
+        x, out = self._x_in, self._out_in
+        if _plain(x) and (out is None or _plain(out)):
+            self.x, self.out = x, out
+            self._operand = self._target = None
+            return self
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(_torch_stream(x, out))
+        operand = self._operand = _operand(x, "x")
+        target = self._target = _out_operand(out, x, operand) if out is not None else None
+        self.x, self.out = operand.array, None if target is None else target.array
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stack.close()
-
-    @property
-    def x(self) -> Any:
-        return self._operand.array
-
-    @property
-    def out(self) -> Any:
-        return None if self._target is None else self._target.array
+        if self._stack is not None:
+            self._stack.close()
 
     def finish(self, result: Any) -> Any:
         """The caller's result: ``out`` (its values written through, for ``out=``) or
         ``result`` (a NumPy or CuPy array) as the caller's kind."""
-        if self._target is None:
-            return self._operand.restore(result)
-        if self._target.commit is not None:
-            self._target.commit()
-        return self._out_in
+        if self._out_in is not None:
+            if self._target is not None and self._target.commit is not None:
+                self._target.commit()
+            return self._out_in
+        return result if self._operand is None else self._operand.restore(result)
 
 
 __all__ = [

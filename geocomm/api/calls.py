@@ -282,7 +282,8 @@ def prepare(kind: str, x: Any, out: Any, codec: Any, op: str, options: Options) 
     xp = array_module(x)
     exact = sig.codec.lossless
     dtype = np.float64 if x.dtype == np.float64 else np.float32
-    source = xp.ascontiguousarray(x, dtype=dtype).reshape(-1)
+    flat = x.ndim == 1 and x.dtype == dtype and x.flags.c_contiguous
+    source = x if flat else xp.ascontiguousarray(x, dtype=dtype).reshape(-1)
     comm = sig.comm
     if kind == "allgather":
         result = xp.empty((comm.size, sig.count), dtype)
@@ -307,11 +308,12 @@ def output(call: Call, x: Any, out: Any) -> Any:
         return result.reshape((call.signature.comm.size, *x.shape)).astype(x.dtype, copy=False)
     if kind == "reduce_scatter":
         return result.astype(x.dtype, copy=False)
+    if out is not None and (out is result or _same_memory(out, result)):
+        return out  # the engine wrote into out's memory
     result = result.reshape(x.shape)
     if out is None:
         return result.astype(x.dtype, copy=False)
-    if not _same_memory(out, result):
-        out[...] = result
+    out[...] = result
     return out
 
 
@@ -321,11 +323,14 @@ def _direct_result(out: Any, dtype: Any, source: Any, same_ok: bool) -> Any:
     same memory; else None (reduce into scratch and copy)."""
     if out is None or out.dtype != dtype or not out.flags.c_contiguous or out.size == 0:
         return None
+    flat = out if out.ndim == 1 else out.reshape(-1)
+    if out is source or flat is source:
+        return flat if same_ok else None
     if array_module(out).may_share_memory(out, source) and not (
         same_ok and _same_memory(out, source)
     ):
         return None
-    return out.reshape(-1)
+    return flat
 
 
 def _same_memory(a: Any, b: Any) -> bool:

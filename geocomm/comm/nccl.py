@@ -49,8 +49,10 @@ missing.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -170,6 +172,7 @@ class NCCLCommunicator:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.aborted = self.closed = False
         self.queued: collections.deque = collections.deque()  # (monotonic time, event)
+        self._capturing = False
         abort.register(self)
 
     # -- helpers ---------------------------------------------------------------
@@ -217,7 +220,8 @@ class NCCLCommunicator:
     def _start(self) -> None:
         """Order the communicator stream after the work queued so far on the current stream."""
         self._check_usable()
-        self._check_overdue()
+        if not self._capturing:
+            self._check_overdue()
         self.stream.wait_event(self._cupy.cuda.get_current_stream().record())
 
     def _copy(self, dst: Any, dst_off: int, src: Any, src_off: int, nbytes: int) -> None:
@@ -255,8 +259,30 @@ class NCCLCommunicator:
             finally:
                 nccl.groupEnd()
             done = self.stream.record()
-            self.queued.append((time.monotonic(), done))
+            if not self._capturing:  # an event of a graph under capture is no real event
+                self.queued.append((time.monotonic(), done))
             return _NCCLRequest(done, (send, recv), self.abort_local)
+
+    # -- CUDA graphs --------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """The transfers started inside are being captured into a CUDA graph (the caller
+        captures the current stream): they are not queued work to watch, and nothing is
+        queried meanwhile. A graph launch is watched through :meth:`track`."""
+        self._check_usable()
+        self._check_overdue()
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
+
+    def track(self, stream: Any) -> None:
+        """Watch the work queued on ``stream`` so far (a launched graph's transfers) like
+        this communicator's own: overdue after ``GEOCOMM_TIMEOUT``, waited for by
+        :meth:`synchronize`."""
+        self.queued.append((time.monotonic(), stream.record()))
 
     # -- Communicator protocol -------------------------------------------------
 
@@ -317,6 +343,13 @@ class NCCLCommunicator:
         wait(MPIRequest(self.mpi_comm.Iallgather(values, rows)), "a metadata all-gather", self.rank)
         return rows
 
+    def start_allgather_int64(self, values: np.ndarray) -> tuple[MPIRequest, np.ndarray]:
+        """Start the all-gather of a small host int64 vector over MPI: (its request,
+        the (size, len) rows it fills); the caller tests or waits for the request."""
+        values = np.ascontiguousarray(values, np.int64)
+        rows = np.empty((self.size, values.size), np.int64)
+        return MPIRequest(self.mpi_comm.Iallgather(values, rows)), rows
+
     def barrier(self) -> None:
         """Wait for this rank's queued transfers, then for every rank (MPI barrier);
         each wait is bounded by GEOCOMM_TIMEOUT."""
@@ -332,10 +365,12 @@ class NCCLCommunicator:
 
     def _drain(self) -> None:
         """Wait (at most GEOCOMM_TIMEOUT, then abort) for the work queued on the
-        communicator stream; unlike stream.synchronize(), never forever."""
+        communicator stream and the graph launches it tracks; unlike
+        stream.synchronize(), never forever."""
         with self.device:
-            done = _NCCLRequest(self.stream.record(), (), self.abort_local)
-        wait(done, "the queued NCCL transfers", self.rank)
+            events = [self.stream.record(), *(event for _, event in self.queued)]
+        for event in events:
+            wait(_NCCLRequest(event, (), self.abort_local), "the queued NCCL transfers", self.rank)
         self.queued.clear()
 
     def abort_local(self) -> None:

@@ -108,6 +108,11 @@ class Signature:
         return comm
 
     @functools.cached_property
+    def stochastic(self) -> bool:
+        """Whether the codec rounds stochastically (each call then draws a rounding stream)."""
+        return self.codec.get_config().get("rounding") == "stochastic"
+
+    @functools.cached_property
     def fingerprint(self) -> np.ndarray:
         """The int64 row that identifies this call across ranks, the codec state left
         out (:func:`fingerprint`)."""
@@ -136,6 +141,8 @@ class Call:
 
 def new_call(signature: Signature, source: Any, result: Any) -> Call:
     """A :class:`Call` of ``signature``, its rounding stream drawn from the call counts."""
+    if not signature.stochastic:
+        return Call(signature, source, result)
     return Call(signature, source, result, rounding_stream(signature.codec, signature.parts))
 
 

@@ -68,6 +68,7 @@ from geocomm.engine.device_tables import (
     VALUES,
     WIRE,
     Exchange,
+    StageTables,
     WireFormat,
     body_layout,
     call_tables,
@@ -83,7 +84,7 @@ from geocomm.engine.layout import (
     quantization_stream,
     run_schedule,
 )
-from geocomm.engine.protocols import RangeMap, WireCodec
+from geocomm.engine.protocols import Capturable, RangeMap, WireCodec
 from geocomm.kernels import cuda, cuda_build, native
 
 _SOURCE = "gc_pipeline.cu"
@@ -94,11 +95,22 @@ _INCLUDE_LINE = '#include "gc_cuda.cu"'
 # kernels
 
 
-class Segments(NamedTuple):
-    """A segment table: host rows (for the grids) and the device copy the kernels read."""
+class Segments:
+    """A segment table: host rows (for the grids), the device copy the kernels read, and
+    the launch grid of each walk over them, computed once."""
 
-    rows: np.ndarray
-    device: Any
+    __slots__ = ("device", "grids", "rows")
+
+    def __init__(self, rows: np.ndarray, device: Any):
+        self.rows, self.device = rows, device
+        self.grids: dict[tuple[str, int], tuple[int, int] | None] = {}
+
+    def grid(self, walk: str, fmt: WireFormat) -> tuple[int, int] | None:
+        """:func:`launch_grid` of ``walk`` over these rows (None: no value to launch for)."""
+        key = (walk, fmt.block)
+        if key not in self.grids:
+            self.grids[key] = launch_grid(walk, self.rows, fmt)
+        return self.grids[key]
 
 
 class Incoming(NamedTuple):
@@ -142,7 +154,7 @@ class CudaKernels:
     def encode(self, fmt: WireFormat, x: Any, seg: Segments, wire: Any, amax: Any,
                incoming: Incoming | None = None, rounding_stream: int = 0) -> None:  # fmt: skip
         walk = encode_walk(fmt)
-        grid = launch_grid(walk, seg.rows, fmt)
+        grid = seg.grid(walk, fmt)
         if grid is None:
             return
         inc = incoming or Incoming(wire, 0, 0)  # a valid pointer the kernel never reads
@@ -172,7 +184,7 @@ class CudaKernels:
             )
 
     def reduce(self, fmt: WireFormat, x: Any, seg: Segments, incoming: Incoming, out: Any) -> None:
-        grid = launch_grid("value", seg.rows, fmt)
+        grid = seg.grid("value", fmt)
         if grid is not None:
             self._kernel("gc_pipe_reduce")(
                 grid,
@@ -191,7 +203,7 @@ class CudaKernels:
 
     def decode(self, fmt: WireFormat, wire: Any, seg: Segments, out: Any) -> None:
         walk = decode_walk(fmt)
-        grid = launch_grid(walk, seg.rows, fmt)
+        grid = seg.grid(walk, fmt)
         if grid is None:
             return
         e5m2 = np.int32(fmt.e5m2)
@@ -276,16 +288,151 @@ class HostKernels:
 
 
 # ---------------------------------------------------------------------------
-# the pipeline
+# the plan of a call, made once per signature
+
+
+class StagePlan(NamedTuple):
+    """One stage of a :class:`DevicePlan`: its three segment tables and two exchanges."""
+
+    send: Segments
+    own: Segments
+    gather: Segments
+    tables: StageTables
+
+
+class DevicePlan:
+    """Everything the device calls of one signature share, made at its first call.
+
+    The segment tables of every stage (built on the host, uploaded once), the launch
+    grids, the kernels' buffers (double-buffered all-to-all and all-gather bodies,
+    the staging buffer of mapped calls, the fp8 tile walk's amax slots) and, per pair of
+    source and result arrays, the CUDA graph of a call: after a call ran eagerly once
+    with the same arrays, the next one is captured (CuPy stream capture, the NCCL
+    transfers included) and every later one replays it with one graph launch. Graphs
+    need a communicator that can be captured (``capturing()``, NCCL's), round-to-nearest
+    rounding (a stochastic key changes every call) and no map; other calls run eagerly,
+    still without allocating or synchronizing.
+
+    ``kernels``: :class:`CudaKernels` (default) or :class:`HostKernels` (NumPy arrays,
+    tests). The plan's buffers are used by one call at a time: a call on another stream
+    than the last one first waits for the last one's work.
+    """
+
+    #: CUDA graphs kept per plan (by source and result arrays), oldest dropped first.
+    GRAPHS_KEPT = 4
+
+    def __init__(
+        self,
+        comm: Communicator,
+        fmt: WireFormat,
+        pieces: Pieces,
+        result_offset: int,
+        gather: bool,
+        staged: bool,
+        xp: Any,
+        kernels: Any = None,
+    ):
+        self.comm, self.fmt, self.pieces = comm, fmt, pieces
+        self.result_offset, self.gather, self.staged = result_offset, gather, staged
+        self.xp = xp
+        self.kernels = CudaKernels() if kernels is None else kernels
+        tables = self.tables = call_tables(fmt, pieces, comm.rank, result_offset, gather, staged)
+        self.table = xp.asarray(tables.rows)  # one upload for every stage of every call
+        self.stages = [
+            StagePlan(self._segments(s.send), self._segments(s.own), self._segments(s.gather), s)
+            for s in tables.stages
+        ]
+        self.a2a_send = [xp.empty(tables.send_bytes, np.uint8) for _ in range(2)]
+        self.a2a_recv = [xp.empty(tables.recv_bytes, np.uint8) for _ in range(2)]
+        self.ag_buf = [xp.empty(tables.gather_bytes, np.uint8) for _ in range(2)]
+        # staged mapped values (None when no piece is staged: then encode reads none)
+        self.staging: Any = xp.empty(tables.staged, np.float32) if tables.staged else None
+        self.amax = xp.zeros(max(tables.amax, 1), np.uint32)
+        self.graphs: dict[tuple[int, int], Any] = {}
+        self._eager_last: tuple[int, int] | None = None
+        self._capture_stream: Any = None
+        self._last_stream: Any = None
+        self.capturable = (
+            xp is not np and isinstance(comm, Capturable) and not fmt.stochastic and not staged
+        )
+
+    def _segments(self, span: slice) -> Segments:
+        return Segments(self.tables.rows[span], self.table[span])
+
+    def run(
+        self, source: Any, result: Any, mapper: RangeMap | None = None, rounding_stream: int = 0
+    ) -> None:
+        """One call from ``source`` into ``result``, queued on the current stream: replayed
+        from its CUDA graph when it has one, captured when the same arrays ran eagerly
+        the call before, else eager."""
+        self._follow_stream()
+        if mapper is not None or not self.capturable:
+            BatchedPipeline.of(self, source, result, mapper, rounding_stream).run()
+            return
+        key = (int(source.data.ptr), int(result.data.ptr))
+        graph = self.graphs.get(key)
+        if graph is None and self._eager_last != key:
+            self._eager_last = key  # arrays seen once: run eagerly; capture on a repeat
+            BatchedPipeline.of(self, source, result).run()
+            return
+        stream = self.xp.cuda.get_current_stream()
+        if graph is None:
+            graph = self._capture(source, result)
+            if graph is None:
+                return
+            self.graphs[key] = graph
+            while len(self.graphs) > self.GRAPHS_KEPT:
+                self.graphs.pop(next(iter(self.graphs)))
+        graph.launch(stream=stream)
+        assert isinstance(self.comm, Capturable)
+        self.comm.track(stream)
+
+    def _follow_stream(self) -> None:
+        """Order this call after the plan's last call when the current stream changed
+        (the buffers are the plan's, not the stream's)."""
+        if self.xp is np:
+            return
+        stream = self.xp.cuda.get_current_stream()
+        last = self._last_stream
+        if last is not None and last.ptr != stream.ptr:
+            stream.wait_event(last.record())
+        self._last_stream = stream
+
+    def _capture(self, source: Any, result: Any) -> Any:
+        """The CUDA graph of one call from ``source`` into ``result`` (captured on a stream
+        of the plan's own: the current stream may be the legacy default stream, which
+        cannot be captured), or None when capture failed: the call then ran eagerly and
+        the plan stops capturing."""
+        cupy = self.xp
+        if self._capture_stream is None:
+            self._capture_stream = cupy.cuda.Stream(non_blocking=True)
+        capture = self._capture_stream
+        graph = None
+        assert isinstance(self.comm, Capturable)
+        with self.comm.capturing():
+            capture.begin_capture()
+            try:
+                with capture:
+                    BatchedPipeline.of(self, source, result).run()
+            finally:
+                try:
+                    graph = capture.end_capture()
+                except Exception:  # capture broken by an unsupported operation
+                    graph = None
+        if graph is None:
+            self.capturable = False
+            BatchedPipeline.of(self, source, result).run()
+        return graph
 
 
 class BatchedPipeline(PieceAccess):
     """The staged algorithm of :class:`~geocomm.engine.host.Pipeline` (same phases, same
     schedule, :func:`~geocomm.engine.layout.run_schedule`; same bits) with one launch
-    per phase and stage and no host waits; see the module docstring. ``fmt``: the
-    codec's :func:`wire_format`; ``kernels``: :class:`CudaKernels` for CuPy arrays
-    (default), :class:`HostKernels` for NumPy arrays (tests); ``comm``'s requests must
-    offer ``wait_stream()``.
+    per phase and stage and no host waits, over a :class:`DevicePlan`'s tables and
+    buffers; see the module docstring. ``fmt``: the codec's :func:`wire_format`;
+    ``kernels``: :class:`CudaKernels` for CuPy arrays (default), :class:`HostKernels` for
+    NumPy arrays (tests); ``comm``'s requests must offer ``wait_stream()``. Made this
+    way it plans its call alone; :meth:`of` runs a call of an existing plan.
     """
 
     def __init__(
@@ -300,36 +447,46 @@ class BatchedPipeline(PieceAccess):
         mapper: RangeMap | None = None,
         rounding_stream: int = 0,
         kernels: Any = None,
+        plan: DevicePlan | None = None,
     ):
-        self.comm, self.fmt, self.pieces = comm, fmt, pieces
+        if plan is None:
+            xp = array_module(source)
+            plan = DevicePlan(
+                comm, fmt, pieces, result_offset, gather, mapper is not None, xp, kernels
+            )
+        self.plan = plan
+        self.comm, self.fmt, self.pieces = plan.comm, plan.fmt, plan.pieces
         self.source, self.result, self.mapper = source, result, mapper
-        self.result_offset, self.gather = result_offset, gather
-        self.me = comm.rank
-        self.kernels = CudaKernels() if kernels is None else kernels
+        self.result_offset, self.gather = plan.result_offset, plan.gather
+        self.me = plan.comm.rank
+        self.kernels = plan.kernels
         self.rounding_streams = (
-            quantization_stream(rounding_stream, comm.rank, 1),
-            quantization_stream(rounding_stream, comm.rank, 2),
+            quantization_stream(rounding_stream, self.me, 1),
+            quantization_stream(rounding_stream, self.me, 2),
         )
         # the owner's sum goes straight into its encoding unless something needs it as fp32
-        self.fused = gather and mapper is None
-        xp = array_module(source)
-        tables = self.tables = call_tables(
-            fmt, pieces, comm.rank, result_offset, gather, staged=mapper is not None
-        )
-        self.table = xp.asarray(tables.rows)  # one upload for every stage
-        self.a2a_send = [xp.empty(tables.send_bytes, np.uint8) for _ in range(2)]
-        self.a2a_recv = [xp.empty(tables.recv_bytes, np.uint8) for _ in range(2)]
-        self.ag_buf = [xp.empty(tables.gather_bytes, np.uint8) for _ in range(2)]
-        # staged mapped values (None when no piece is staged: then encode reads none)
-        self.staging: Any = xp.empty(tables.staged, np.float32) if tables.staged else None
-        self.amax = xp.zeros(max(tables.amax, 1), np.uint32)
+        self.fused = plan.gather and mapper is None
+        if plan.tables.amax:  # the fp8 tile walk's slots start at zero every call
+            plan.amax.fill(0)
         self.a2a_req: dict[int, Any] = {}
         self.ag_req: dict[int, Any] = {}
 
-    # -- helpers ------------------------------------------------------------
-    def _segments(self, span: slice) -> Segments:
-        return Segments(self.tables.rows[span], self.table[span])
+    @classmethod
+    def of(
+        cls,
+        plan: DevicePlan,
+        source: Any,
+        result: Any,
+        mapper: RangeMap | None = None,
+        rounding_stream: int = 0,
+    ) -> BatchedPipeline:
+        """A call of ``plan`` from ``source`` into ``result``."""
+        return cls(
+            plan.comm, plan.fmt, plan.pieces, source, result, plan.result_offset, plan.gather,
+            mapper, rounding_stream, plan=plan,
+        )  # fmt: skip
 
+    # -- helpers ------------------------------------------------------------
     def _wait(self, requests: dict[int, Any], s: int) -> None:
         """Order the current stream after stage ``s``'s transfer (no host wait)."""
         request = requests.pop(s, None)
@@ -353,17 +510,17 @@ class BatchedPipeline(PieceAccess):
 
     # -- phases ---------------------------------------------------------------
     def encode_stage(self, s: int) -> None:
-        stage = self.tables.stages[s]
-        seg = self._segments(stage.send)
+        plan = self.plan
+        seg = plan.stages[s].send
         x = self.source
         if self.mapper is not None:  # map every piece; a read may reuse its memory: stage it
-            x = self.staging
+            x = plan.staging
             for (lo, hi), row in zip(self._send_pieces(s), seg.rows, strict=True):
                 at = int(row[VALUES])
                 x[at : at + hi - lo] = self.mapper.read(lo, hi)
-        wire = self.a2a_send[s % 2]
+        wire = plan.a2a_send[s % 2]
         self.kernels.encode(
-            self.fmt, x, seg, wire, self.amax, rounding_stream=self.rounding_streams[0]
+            self.fmt, x, seg, wire, plan.amax, rounding_stream=self.rounding_streams[0]
         )
         if self.mapper is not None:
             for (lo, hi), row in zip(self._send_pieces(s), seg.rows, strict=True):
@@ -373,8 +530,9 @@ class BatchedPipeline(PieceAccess):
                 )
 
     def start_alltoall(self, s: int) -> None:
-        exchange = self.tables.stages[s].alltoall
-        request = self._exchange(self.a2a_send[s % 2], self.a2a_recv[s % 2], exchange)
+        plan = self.plan
+        exchange = plan.stages[s].tables.alltoall
+        request = self._exchange(plan.a2a_send[s % 2], plan.a2a_recv[s % 2], exchange)
         if request is not None:
             self.a2a_req[s] = request
 
@@ -382,61 +540,62 @@ class BatchedPipeline(PieceAccess):
         """The owner's piece (exact) plus the N - 1 received bodies in rank order: encoded
         at once (fused), or stored as fp32 in the result (reduce-scatter, maps)."""
         self._wait(self.a2a_req, s)
-        stage = self.tables.stages[s]
+        plan, stage = self.plan, self.plan.stages[s]
         lo, hi = self.pieces.piece_range(self.me, s)
         own = self._read(lo, hi)
-        incoming = Incoming(self.a2a_recv[s % 2], self.comm.size - 1, stage.own_bytes)
-        seg = self._segments(stage.own)
+        incoming = Incoming(plan.a2a_recv[s % 2], self.comm.size - 1, stage.tables.own_bytes)
         if self.fused:
             self.kernels.encode(
                 self.fmt,
                 own,
-                seg,
-                self.ag_buf[s % 2],
-                self.amax,
+                stage.own,
+                plan.ag_buf[s % 2],
+                plan.amax,
                 incoming,
                 rounding_stream=self.rounding_streams[1],
             )
             return
-        self.kernels.reduce(self.fmt, own, seg, incoming, self._local(lo, hi))
+        self.kernels.reduce(self.fmt, own, stage.own, incoming, self._local(lo, hi))
         if not self.gather:  # reduce-scatter: the owner's sum is final
             self._done(lo, hi)
 
     def reencode_stage(self, s: int) -> None:
         if self.fused:  # done by reduce_stage
             return
-        stage = self.tables.stages[s]
+        plan, stage = self.plan, self.plan.stages[s]
         lo, hi = self.pieces.piece_range(self.me, s)
-        values, seg = self._local(lo, hi), self._segments(stage.own)
+        values = self._local(lo, hi)
         self.kernels.encode(
             self.fmt,
             values,
-            seg,
-            self.ag_buf[s % 2],
-            self.amax,
+            stage.own,
+            plan.ag_buf[s % 2],
+            plan.amax,
             rounding_stream=self.rounding_streams[1],
         )
         if self.mapper is not None:
-            at = int(seg.rows[0, WIRE])
-            self.mapper.encoded(lo, hi, values, self.ag_buf[s % 2][at : at + stage.own_bytes])
+            at = int(stage.own.rows[0, WIRE])
+            wire = plan.ag_buf[s % 2][at : at + stage.tables.own_bytes]
+            self.mapper.encoded(lo, hi, values, wire)
 
     def start_allgather(self, s: int) -> None:
-        buf = self.ag_buf[s % 2]
-        request = self._exchange(buf, buf, self.tables.stages[s].allgather)
+        buf = self.plan.ag_buf[s % 2]
+        request = self._exchange(buf, buf, self.plan.stages[s].tables.allgather)
         if request is not None:
             self.ag_req[s] = request
 
     def decode_stage(self, s: int) -> None:
         self._wait(self.ag_req, s)
-        self.kernels.decode(
-            self.fmt, self.ag_buf[s % 2], self._segments(self.tables.stages[s].gather), self.result
-        )
+        plan = self.plan
+        self.kernels.decode(self.fmt, plan.ag_buf[s % 2], plan.stages[s].gather, self.result)
         for j in range(self.comm.size):
             self._done(*self.pieces.piece_range(j, s))
 
     def release(self) -> None:
-        """Nothing to give back: the buffers return to CuPy's pool with this object,
-        on the current stream, which by then waits for every transfer."""
+        """Nothing to give back: the buffers are the plan's, and the next call on the
+        current stream is ordered after this one's transfers (each phase that reads
+        what a transfer brought waited for it; :meth:`DevicePlan.run` orders a call on
+        another stream after the last one)."""
 
     def run(self) -> None:
         run_schedule(self)

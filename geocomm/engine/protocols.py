@@ -11,7 +11,8 @@ and :class:`RefreshRounds`. Nothing here imports the rest of geocomm.
 from __future__ import annotations
 
 from collections.abc import Generator
-from typing import Any, Protocol
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
 
 
 class WireCodec(Protocol):
@@ -111,3 +112,15 @@ class MapPlan(Protocol):
 #: start, side_sum, alone)``): yields partial sums, is sent their exact sum over ranks
 #: (``alone``: the sums as they are), until it returns.
 RefreshRounds = Generator[Any, Any, None]
+
+
+@runtime_checkable
+class Capturable(Protocol):
+    """A device communicator whose transfers can be captured into a CUDA graph (NCCL's):
+    ``capturing()`` is the context in which they are (no bookkeeping of events that only
+    exist in the graph), ``track(stream)`` takes note of the work a graph launch queued
+    on ``stream``, so its transfers' timeouts are watched like any other."""
+
+    def capturing(self) -> AbstractContextManager[None]: ...
+
+    def track(self, stream: Any) -> None: ...

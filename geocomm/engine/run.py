@@ -30,6 +30,7 @@ from geocomm.comm.base import Communicator, wait_ordered
 from geocomm.comm.nodes import NodeComms, node_comms, node_layout
 from geocomm.engine import checks, costs, device
 from geocomm.engine.call import Call, Part, Signature, new_call, shard_parts
+from geocomm.engine.device_tables import wire_format
 from geocomm.engine.exact import divide
 from geocomm.engine.hierarchical import node_allreduce, node_reduce_scatter
 from geocomm.engine.host import Pipeline
@@ -37,7 +38,7 @@ from geocomm.engine.layout import PIECE_ALIGN, Pieces, array_module, segments, s
 from geocomm.engine.layout import stage_size as backend_stage_size
 from geocomm.engine.transforming import PartsMap, plan_parts, refresh, side_sums
 
-_NODES = "nodes"
+_NODES, _ACROSS, _FLAT = "nodes", "across", "flat"
 
 
 def run(call: Call) -> None:
@@ -126,12 +127,11 @@ def _reduced(call: Call) -> None:
         if isinstance(signature.codec, ErrorFeedbackCodec):
             checks.verify_flat_state(call)
         lo = 0 if signature.kind == "allreduce" else _shard(signature.count, signature.comm)[0]
-        compressed(
-            signature.comm, signature.codec, signature.kind, call.source, signature.parts,
-            call.result, lo, signature.stage_size, call.rounding_stream,
-        )  # fmt: skip
+        compressed(signature, call.source, call.result, lo, call.rounding_stream)
         return
-    across = _Across(nodes, signature)
+    across = signature.plans.get(_ACROSS)
+    if across is None:
+        across = signature.plans[_ACROSS] = _Across(nodes, signature)
     if signature.kind == "allreduce":
         node_allreduce(nodes, call.source, call.result, across)
     else:
@@ -186,50 +186,79 @@ class _Across:
             )  # fmt: skip
         call = new_call(cross, values, result)
         checks.verify(call)
-        compressed(
-            cross.comm, cross.codec, kind, values, cross.parts, result, offset,
-            cross.stage_size, call.rounding_stream,
-        )  # fmt: skip
+        compressed(cross, values, result, offset, call.rounding_stream)
 
 
 # ---------------------------------------------------------------------------
 # the flat compressed pipeline
 
 
+class FlatPlan:
+    """The flat compressed path of one signature, made at its first call: shard bounds,
+    pieces, and the device plans (:class:`~geocomm.engine.device.DevicePlan`, one for
+    calls with a map and one without) when its arrays live on the device."""
+
+    def __init__(self, signature: Signature, offset: int):
+        comm, codec, count = signature.comm, signature.codec, signature.count
+        self.comm, self.codec, self.kind, self.offset = comm, codec, signature.kind, offset
+        self.gather = signature.kind == "allreduce"
+        self.bounds = shard_bounds(count, comm.size)
+        stage = signature.stage_size or default_stage_size(comm, codec, count)
+        self.pieces = Pieces.cut(count, comm.size, stage)
+        self.fmt = wire_format(codec) if comm.device_arrays else None
+        self.device_plans: dict[bool, device.DevicePlan] = {}
+        #: whether calls may map their tensors or keep residuals (a stateful codec)
+        self.stateful = isinstance(codec, (TransformingCodec, ErrorFeedbackCodec))
+
+    def pipeline(self, source: Any, result: Any, mapper: Any, rounding_stream: int) -> None:
+        """One pass of the staged algorithm: on the device when the arrays live there and
+        the codec sends a native format, else on the host; the same bits."""
+        if self.fmt is None or array_module(source) is np:
+            Pipeline(
+                self.comm, self.codec, self.pieces, source, result, self.offset, self.gather,
+                mapper, rounding_stream,
+            ).run()  # fmt: skip
+            return
+        staged = mapper is not None
+        plan = self.device_plans.get(staged)
+        if plan is None:
+            plan = self.device_plans[staged] = device.DevicePlan(
+                self.comm, self.fmt, self.pieces, self.offset, self.gather, staged,
+                array_module(source),
+            )  # fmt: skip
+        plan.run(source, result, mapper, rounding_stream)
+
+
 def compressed(
-    comm: Communicator,
-    codec: Codec,
-    kind: str,
-    values: Any,
-    parts: tuple[Part, ...],
-    result: Any,
-    offset: int,
-    stage_size: int | None,
-    rounding_stream: int,
+    signature: Signature, source: Any, result: Any, offset: int, rounding_stream: int
 ) -> None:
-    """Reduce flat float32 ``values`` through a lossy ``codec`` into ``result`` (index
-    ``offset`` on: the buffer, or this rank's shard for a reduce-scatter), with the
-    transforming and error-feedback protocols. Ranged maps write each piece they
+    """Reduce flat float32 ``source`` through the signature's lossy codec into ``result``
+    (index ``offset`` on: the buffer, or this rank's shard for a reduce-scatter), with
+    the transforming and error-feedback protocols. Ranged maps write each piece they
     read into a scratch piece that stays in the cache; whole-tensor maps write their
     tensor into the result when it holds the whole buffer (:class:`PartsMap`).
-    ``result`` may be ``values`` (a range is read before the pipeline writes it)."""
-    count = values.size
-    bounds = shard_bounds(count, comm.size)
-    pieces = Pieces.cut(count, comm.size, stage_size or default_stage_size(comm, codec, count))
-    mapping_codec, residual = _stateful(codec, kind, parts, count, array_module(values))
-    planned = plan_parts(comm, mapping_codec, values, list(parts), bounds)
-    gather = kind == "allreduce"
+    ``result`` may be ``source`` (a range is read before the pipeline writes it)."""
+    plan: FlatPlan | None = signature.plans.get(_FLAT)
+    if plan is None:
+        plan = signature.plans[_FLAT] = FlatPlan(signature, offset)
+    if not plan.stateful:
+        plan.pipeline(source, result, None, rounding_stream)
+        return
+    comm, codec, parts = plan.comm, plan.codec, signature.parts
+    count = signature.count
+    mapping_codec, residual = _stateful(codec, plan.kind, parts, count, array_module(source))
+    planned = plan_parts(comm, mapping_codec, source, list(parts), plan.bounds)
     if not planned and residual is None:
-        run_pipeline(comm, codec, pieces, values, result, offset, gather, None, rounding_stream)
+        plan.pipeline(source, result, None, rounding_stream)
         return
     sums = side_sums(comm, mapping_codec, planned)
-    parts_map = PartsMap(values, result, offset, list(parts), planned, sums, residual, codec)
-    run_pipeline(comm, codec, pieces, values, result, offset, gather, parts_map, rounding_stream)
+    parts_map = PartsMap(source, result, offset, list(parts), planned, sums, residual, codec)
+    plan.pipeline(source, result, parts_map, rounding_stream)
     parts_map.finish(offset, offset + result.size)
-    if gather and offset == 0 and result.size == count:  # every rank holds the whole sum
+    if plan.gather and offset == 0 and result.size == count:  # every rank holds the whole sum
         refresh(None, mapping_codec, planned, sums, result, 0, count)
         return
-    lo, hi = int(bounds[comm.rank]), int(bounds[comm.rank + 1])
+    lo, hi = int(plan.bounds[comm.rank]), int(plan.bounds[comm.rank + 1])
     refresh(comm, mapping_codec, planned, sums, result[lo - offset : hi - offset], lo, hi)
 
 
@@ -244,10 +273,10 @@ def run_pipeline(
     mapper: Any = None,
     rounding_stream: int = 0,
 ) -> None:
-    """One call's pipeline: the device's batched one where
+    """One call's pipeline, planned for this call alone: the device's batched one where
     :func:`~geocomm.engine.device.batched_format` allows (work left queued on the
-    current stream), else the host-driven :class:`~geocomm.engine.host.Pipeline`;
-    both give the same bits."""
+    current stream), else the host-driven :class:`~geocomm.engine.host.Pipeline`; both
+    give the same bits."""
     fmt = device.batched_format(comm, codec, source)
     if fmt is not None:
         device.BatchedPipeline(

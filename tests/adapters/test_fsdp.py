@@ -263,3 +263,38 @@ def test_bad_codec_fails_before_any_collective(comm):
     model = _sharded()
     with pytest.raises(KeyError, match="nope"):
         compress_fsdp(model, "nope")
+
+
+def test_a_parameter_without_gradient_keeps_its_place_or_names_the_torch_it_needs(comm):
+    """A module whose parameter gets no gradient: from torch 2.13 FSDP fills in zeros
+    (set_reduce_scatter_unused_params) and the step runs with the module's full layout;
+    older releases leave the parameter out of the buffer, and the call raises a
+    ValueError that names torch 2.13 instead of reducing values under the wrong keys.
+    CI runs this on the support window's oldest (2.9) and newest release."""
+    from geocomm.adapters.torch import support
+
+    class Partly(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = torch.nn.Linear(64, 64), torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    init_distributed_from_mpi()
+    torch.manual_seed(5)
+    model = Partly()
+    fully_shard(model)
+    fsdp = compress_fsdp(model, "fp8")
+    x, _ = _batch(dist.get_rank(), 0)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+
+    if support.torch_version() >= (2, 13):
+        step()
+        assert fsdp.last_step is not None and fsdp.unused_params
+        assert float(model.unused.weight.grad.to_local().abs().sum()) == 0.0
+    else:
+        with pytest.raises(ValueError, match=r"torch >= 2\.13"):
+            step()

@@ -11,6 +11,8 @@
   (:func:`compress_fsdp`);
 * :mod:`~geocomm.adapters.torch.backend`: the torch.distributed backend "geocomm",
   registered when this package is imported;
+* :mod:`~geocomm.adapters.torch.support`: the torch releases supported (2.9 to 2.15)
+  and what each can do;
 * :mod:`~geocomm.adapters.torch.grads`: what the hook and FSDP2 share (bucket layouts,
   the reducer); :mod:`~geocomm.adapters.torch.telemetry`: bytes, times and error
   estimates per step; :mod:`~geocomm.adapters.torch.checkpoints`: codec state in
@@ -18,17 +20,24 @@
   :mod:`~geocomm.adapters.torch.worker`: the thread the hook and the backend run on.
 """
 
-from geocomm.adapters.torch import backend
-from geocomm.adapters.torch.ddp import GeocommHookState, geocomm_hook
-from geocomm.adapters.torch.distributed import dedicated_comm, init_distributed_from_mpi
-from geocomm.adapters.torch.fsdp import (
+from geocomm.adapters.torch import support
+
+support.check_torch()  # before anything reaches for an API the window's oldest torch has
+
+from geocomm.adapters.torch import backend  # noqa: E402  (registers the backend "geocomm")
+from geocomm.adapters.torch.ddp import GeocommHookState, geocomm_hook  # noqa: E402
+from geocomm.adapters.torch.distributed import (  # noqa: E402
+    dedicated_comm,
+    init_distributed_from_mpi,
+)
+from geocomm.adapters.torch.fsdp import (  # noqa: E402
     FSDPCompression,
     GeocommAllReduceHook,
     GeocommReduceScatter,
     compress_fsdp,
 )
-from geocomm.adapters.torch.grads import Selection
-from geocomm.adapters.torch.telemetry import BucketStats, StepStats, Telemetry
+from geocomm.adapters.torch.grads import Selection  # noqa: E402
+from geocomm.adapters.torch.telemetry import BucketStats, StepStats, Telemetry  # noqa: E402
 
 __all__ = [
     "BucketStats",

@@ -9,7 +9,7 @@
     ...
     fsdp.last_step                               # bytes, ratio, error estimate
 
-FSDP2's public hooks (torch >= 2.7; this is written against 2.13):
+FSDP2's public hooks (torch 2.9 to 2.15, :mod:`geocomm.adapters.torch.support`):
 
 * ``FSDPModule.set_custom_reduce_scatter(comm)``: FSDP calls
   ``comm(output_tensor, input_tensor, group, op)`` once per module and
@@ -30,11 +30,13 @@ FSDP2's public hooks (torch >= 2.7; this is written against 2.13):
   shard rank)``). Do not use a 2-D HSDP mesh with it: FSDP's own replica
   all-reduce would then run as well.
 
-FSDP includes zero gradients for parameters without one
+From torch 2.13 FSDP includes zero gradients for parameters without one
 (``set_reduce_scatter_unused_params(True)``), so every call has the module's
-full layout. Calls run on the calling thread: FSDP waits for the reduce-scatter
-anyway (on GPUs, geocomm's kernels are ordered on FSDP's reduce-scatter
-stream, and the bytes travel through a NCCL group).
+full layout. Older releases leave such parameters out of the buffer: a call whose
+buffer is short then raises, naming torch 2.13 (every rank alike, since the
+layout is FSDP's on every rank). Calls run on the calling thread: FSDP waits for
+the reduce-scatter anyway (on GPUs, geocomm's kernels are ordered on FSDP's
+reduce-scatter stream, and the bytes travel through a NCCL group).
 """
 
 from __future__ import annotations
@@ -49,16 +51,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from geocomm.adapters.torch import checkpoints, grads
+# the interface set_custom_reduce_scatter names (private, the same from torch 2.9 to 2.15);
+# FSDP only calls allocate and __call__
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatter
+
+from geocomm.adapters.torch import checkpoints, grads, support
 from geocomm.adapters.torch.distributed import dedicated_comm
 from geocomm.adapters.torch.telemetry import StepStats, Telemetry
 from geocomm.api import resolve_codec
 from geocomm.codecs import Codec
-
-try:  # the interface set_custom_reduce_scatter names; FSDP only calls allocate and __call__
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatter
-except ImportError:  # pragma: no cover - other torch versions
-    _ReduceScatter = object  # type: ignore[assignment,misc]
 
 __all__ = ["FSDPCompression", "GeocommAllReduceHook", "GeocommReduceScatter", "compress_fsdp"]
 
@@ -99,6 +100,8 @@ class FSDPCompression:
         self.reduce_scatters: list[GeocommReduceScatter] = []
         self.all_reduce_hooks: list[GeocommAllReduceHook] = []
         self.installed = False
+        #: whether FSDP fills in zeros for parameters without a gradient (torch >= 2.13)
+        self.unused_params = False
         self._expected = 0
         self._done = 0
         self._expected_size: int | None = None
@@ -188,6 +191,14 @@ class GeocommReduceScatter(_ModuleReduction, _ReduceScatter):
             raise ValueError(
                 f"FSDP reduce-scatter over {group.size()} ranks, geocomm's "
                 f"communicator has {self.reducer.comm.size}"
+            )
+        if input_tensor.numel() < self.layout.numel and not self.owner.unused_params:
+            raise ValueError(
+                f"FSDP module {self.index}: a parameter got no gradient, and torch "
+                f"{torch.__version__} leaves such parameters out of FSDP's reduce-scatter "
+                "(compress_fsdp keeps every parameter's key and place from torch 2.13 on, "
+                "where set_reduce_scatter_unused_params fills in zeros); use torch >= 2.13 "
+                "or give every parameter a gradient in every step"
             )
         self.reducer.reduce_scatter(
             self.layout,
@@ -378,14 +389,17 @@ def _install(owner: FSDPCompression, settings: _Settings) -> None:
         if size > 1:
             layout = grads.BufferLayout(entries, selection, rows=size)
             rs = GeocommReduceScatter(layout, shard_reducer, index, owner)
-            module.set_custom_reduce_scatter(rs)
+            support.require(module, "set_custom_reduce_scatter", "2.9", "compress_fsdp")(rs)
             owner.reduce_scatters.append(rs)
             owner._expect(1)
-        module.set_reduce_scatter_unused_params(True, recurse=False)
+        unused = getattr(module, "set_reduce_scatter_unused_params", None)  # torch >= 2.13
+        if unused is not None:
+            unused(True, recurse=False)
+        owner.unused_params = unused is not None
         if replica_reducer is not None:
             layout = grads.BufferLayout(replica_entries, selection)
             hook = GeocommAllReduceHook(layout, replica_reducer, index, owner)
-            module.set_all_reduce_hook(hook)
+            support.require(module, "set_all_reduce_hook", "2.7", "compress_fsdp")(hook)
             owner.all_reduce_hooks.append(hook)
             owner._expect(1)
     owner.installed = True

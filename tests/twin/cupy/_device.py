@@ -19,6 +19,21 @@ with T and queued the work on S afterwards. Anything else is a race on a
 real GPU, and the twin raises :class:`StreamOrderError` naming both
 operations. The host's own reads (``get``) and writes (``set``, ``asarray``)
 follow the same rule against its clock, which grows on ``synchronize``.
+
+Graphs. ``Stream.begin_capture`` makes a stream record its work instead of
+queuing it; a stream that waits on an event recorded under capture joins the
+capture. ``end_capture`` refuses a capture whose joined streams the origin did
+not wait for again (CUDA's "unjoined" error) and returns a :class:`Graph`;
+``Graph.launch(stream)`` replays every captured operation, in capture order, on
+streams of the graph's own, with the events between them, after the launch
+stream's earlier work and before its later work. The checker runs on the
+replay, so a graph whose nodes miss a dependency fails like eager work would.
+Under capture the host may not synchronize with a capturing stream, query a
+captured event, or read device memory on a capturing stream.
+
+Counters. :data:`cupy._memory.counters` counts allocations, launches, captured
+operations, graph launches, event records and host synchronizations, so tests
+can state what a steady-state call costs the host.
 """
 
 from __future__ import annotations
@@ -173,19 +188,29 @@ class Event:
         self._passed.set()  # never recorded: complete, as in CUDA
         self.clock: dict[int, int] = {}
         self.stream: Stream | None = None
+        self.capture: _Capture | None = None  # recorded under that capture
 
     def record(self, stream: Stream | None = None) -> None:
         (stream or current_stream()).record(self)
 
+    def _not_captured(self, what: str) -> None:
+        if self.capture is not None:
+            raise CUDARuntimeError(
+                f"cudaErrorStreamCaptureUnsupported: {what} of an event recorded under capture"
+            )
+
     @property
     def done(self) -> bool:
         check_failure()
+        self._not_captured("a query")
         return self._passed.is_set()
 
     def query(self) -> bool:
         return self.done
 
     def synchronize(self) -> None:
+        self._not_captured("a synchronization")
+        _memory.count("syncs")
         while not self._passed.wait(0.05):
             check_failure()
         check_failure()
@@ -210,6 +235,7 @@ class Stream:
         self._queue: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._worker: threading.Thread | None = None
+        self.capture: _Capture | None = None
         _streams_by_ptr[self.ptr] = self
 
     def __repr__(self) -> str:
@@ -258,8 +284,23 @@ class Stream:
         reads: Iterable[Access] = (),
         writes: Iterable[Access] = (),
     ) -> None:
-        """Queue ``fn`` (run later by the worker, in order); check its accesses now."""
+        """Queue ``fn`` (run later by the worker, in order); check its accesses now. Under
+        capture: record it in the graph instead."""
         check_failure()
+        if self.capture is not None:
+            self.capture.add(("op", self, fn, what, list(reads), list(writes)))
+            _memory.count("captured")
+            return
+        _memory.count("launches")
+        self._enqueue(fn, what, reads, writes)
+
+    def _enqueue(
+        self,
+        fn: Callable[[], None],
+        what: str,
+        reads: Iterable[Access] = (),
+        writes: Iterable[Access] = (),
+    ) -> None:
         with _clock_lock:
             _merge(self.clock, _host_clock)  # what the host did or waited for comes first
             self.seq += 1
@@ -275,8 +316,17 @@ class Stream:
             self._cv.notify_all()
 
     def record(self, event: Event | None = None) -> Event:
+        _memory.count("events")
+        return self._record(event)
+
+    def _record(self, event: Event | None = None) -> Event:
         check_failure()
         event = event or Event()
+        if self.capture is not None:
+            event.capture, event.stream = self.capture, self
+            self.capture.add(("record", self, event))
+            return event
+        event.capture = None
         event._passed = passed = threading.Event()
         with _clock_lock:
             _merge(self.clock, _host_clock)
@@ -293,6 +343,9 @@ class Stream:
 
     def wait_event(self, event: Event) -> None:
         check_failure()
+        if event.capture is not None or self.capture is not None:
+            self._wait_captured(event)
+            return
         with _clock_lock:
             _merge(self.clock, event.clock)
         passed = event._passed
@@ -305,13 +358,63 @@ class Stream:
         block.what = "an event wait"  # type: ignore[attr-defined]
         self._push(block)
 
+    def _wait_captured(self, event: Event) -> None:
+        """A wait under capture: on an event of the capture (joining it, if this stream
+        was not capturing yet); an event recorded outside is refused, as in CUDA."""
+        capture = event.capture
+        if capture is None:
+            raise CUDARuntimeError(
+                "cudaErrorStreamCaptureIsolation: a capturing stream waits for an event "
+                "recorded outside the capture"
+            )
+        if self.capture is None:
+            capture.join(self)
+        elif self.capture is not capture:
+            raise CUDARuntimeError("cudaErrorStreamCaptureMerge: two captures would merge")
+        capture.add(("wait", self, event))
+
+    def _not_capturing(self, what: str) -> None:
+        if self.capture is not None:
+            raise CUDARuntimeError(f"cudaErrorStreamCaptureUnsupported: {what} under capture")
+
+    # -- graphs ----------------------------------------------------------------
+    def begin_capture(self, mode: Any = None) -> None:
+        check_failure()
+        if self.ptr == 0:
+            raise RuntimeError("cannot capture on the default (legacy) stream")
+        if self.capture is not None:
+            raise CUDARuntimeError("cudaErrorIllegalState: the stream is capturing already")
+        self.capture = _Capture(self)
+
+    def is_capturing(self) -> bool:
+        return self.capture is not None
+
+    def end_capture(self) -> Graph:
+        capture = self.capture
+        if capture is None or capture.origin is not self:
+            raise CUDARuntimeError(
+                "cudaErrorStreamCaptureWrongThread: capture did not begin on this stream"
+            )
+        try:
+            capture.check_joined()
+        finally:
+            for stream in capture.streams:
+                stream.capture = None
+        return Graph(capture.nodes)
+
     @property
     def done(self) -> bool:
         check_failure()
+        self._not_capturing("a query")
         with self._cv:
             return not self._queue
 
     def synchronize(self) -> None:
+        self._not_capturing("a synchronization")
+        _memory.count("syncs")
+        self._synchronize()
+
+    def _synchronize(self) -> None:
         with self._cv:
             while self._queue:
                 self._cv.wait(0.05)
@@ -349,6 +452,83 @@ class ExternalStream(Stream):
         return stream_of(ptr)
 
 
+class _Capture:
+    """The work of a capture in capture order: ``("op", stream, fn, what, reads,
+    writes)``, ``("record", stream, event)``, ``("wait", stream, event)``."""
+
+    def __init__(self, origin: Stream):
+        self.origin = origin
+        self.streams: list[Stream] = [origin]
+        self.nodes: list[tuple] = []
+        self.last: dict[int, int] = {}  # a stream's last node
+        self.recorded: dict[int, int] = {}  # an event's record node
+        self.joined: dict[int, int] = {}  # the last node of a stream the origin waited for
+
+    def join(self, stream: Stream) -> None:
+        stream.capture = self
+        self.streams.append(stream)
+
+    def add(self, node: tuple) -> None:
+        stream, at = node[1], len(self.nodes)
+        if node[0] == "record":
+            self.recorded[id(node[2])] = at
+        elif node[0] == "wait" and stream is self.origin:
+            recorder = node[2].stream.ptr
+            self.joined[recorder] = max(self.joined.get(recorder, -1), self.recorded[id(node[2])])
+        self.last[stream.ptr] = at
+        self.nodes.append(node)
+
+    def check_joined(self) -> None:
+        """CUDA's rule: every stream that joined the capture ends with work the origin
+        waited for."""
+        for stream in self.streams[1:]:
+            if self.joined.get(stream.ptr, -1) < self.last.get(stream.ptr, -1):
+                raise CUDARuntimeError(
+                    f"cudaErrorStreamCaptureUnjoined: {_name(stream.ptr)} joined the capture "
+                    "and the capturing stream did not wait for its last work"
+                )
+
+
+class Graph:
+    """A captured graph (``cupy.cuda.graph.Graph``): ``launch(stream)`` replays it."""
+
+    def __init__(self, nodes: list[tuple]):
+        self.nodes = nodes
+        self._streams: dict[int, Stream] = {}  # a captured stream's replay stream
+
+    def _replay_stream(self, captured: Stream) -> Stream:
+        stream = self._streams.get(captured.ptr)
+        if stream is None:
+            stream = self._streams[captured.ptr] = Stream(non_blocking=True)
+        return stream
+
+    def launch(self, stream: Stream | None = None) -> None:
+        check_failure()
+        stream = stream or current_stream()
+        if stream.capture is not None:
+            raise NotImplementedError("twin: a graph launched under capture")
+        _memory.count("graph_launches")
+        start = stream._record()
+        used = {node[1].ptr: self._replay_stream(node[1]) for node in self.nodes}
+        for replay in used.values():
+            replay.wait_event(start)
+        events: dict[int, Event] = {}
+        for node in self.nodes:
+            replay = used[node[1].ptr]
+            if node[0] == "op":
+                _, _, fn, what, reads, writes = node
+                replay._enqueue(fn, f"{what} (graph)", reads, writes)
+            elif node[0] == "record":
+                events[id(node[2])] = replay._record()
+            else:
+                replay.wait_event(events[id(node[2])])
+        for replay in used.values():
+            stream.wait_event(replay._record())
+
+    def upload(self, stream: Stream | None = None) -> None:
+        """Nothing to prepare on the twin."""
+
+
 Stream.null = Stream(null=True)
 
 
@@ -376,8 +556,13 @@ def current_stream() -> Stream:
 
 
 def synchronize_all() -> None:
-    for stream in list(_streams_by_ptr.values()):
-        stream.synchronize()
+    """The device synchronization: every stream (none may be capturing)."""
+    streams = list(_streams_by_ptr.values())
+    for stream in streams:
+        stream._not_capturing("a device synchronization")
+    _memory.count("syncs")
+    for stream in streams:
+        stream._synchronize()
 
 
 def access(array: Any) -> Access:

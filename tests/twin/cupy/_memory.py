@@ -14,6 +14,7 @@ allocation (NCCL and memcpy take raw pointers).
 from __future__ import annotations
 
 import bisect
+import collections
 import threading
 import weakref
 
@@ -24,6 +25,20 @@ REDZONE = 256
 #: The byte every guard and every fresh payload holds: 0x7E7E7E7E is a large finite
 #: float32 (8.4e37), so a stray read changes an amax instead of vanishing as a zero.
 POISON = 0x7E
+
+
+#: What the host asked of the device, counted for the tests of geocomm's steady state:
+#: ``allocations`` (every device allocation), ``launches`` (work queued on a stream:
+#: kernels, copies, fills, NCCL groups), ``captured`` (work captured into a graph),
+#: ``graph_launches``, ``events`` (records), ``syncs`` (the host waiting for the device:
+#: stream, event and device synchronizations, copies to the host).
+counters: collections.Counter[str] = collections.Counter()
+_counters_lock = threading.Lock()
+
+
+def count(kind: str) -> None:
+    with _counters_lock:
+        counters[kind] += 1
 
 
 class OutOfBounds(RuntimeError):
@@ -40,6 +55,7 @@ class Allocation:
         if nbytes < 0:
             raise ValueError(f"cannot allocate {nbytes} bytes")
         self.id = next(Allocation._ids)
+        count("allocations")
         self.nbytes = int(nbytes)
         self.raw = np.full(self.nbytes + 2 * REDZONE, POISON, np.uint8)
         self.ptr = int(self.raw.ctypes.data) + REDZONE

@@ -1,0 +1,136 @@
+"""What one steady-state compressed all-reduce asks of the host, on the GPU path.
+
+Per call, after warm-up calls with the same arrays: geocomm's Python function calls
+(``sys.setprofile``, functions of the geocomm package only), device allocations,
+host synchronizations, launches (kernels, copies, NCCL groups queued one by one),
+graph launches and event records. The device counts come from the CPU twin of CuPy
+(``tests/twin``: it counts what reaches its device), so this runs without a GPU and
+gives the same numbers on every machine; a real GPU gives the Python calls only.
+
+    python -m geocomm.launch -n 1 -- env PYTHONPATH=tests/twin \\
+        python perf/host_work.py --out perf/results/host_work
+
+``--before FILE`` adds the columns of an earlier run's JSON (the same script run on
+an older checkout) to the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: values per call: 64 pipeline stages of 4096 values at the smallest stage size
+COUNT = 64 * 4096
+STAGES = (1, 8, 64)
+CODECS = {"fp8": "fp8", "nvfp4": "nvfp4", "fp8 stochastic": {"id": "fp8", "rounding": "stochastic"}}
+WARMUP = 3
+
+
+def geocomm_calls(run: Any) -> int:
+    """Python function calls into the geocomm package while ``run()`` runs."""
+    import geocomm
+
+    package = os.path.dirname(geocomm.__file__)
+    calls = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call" and frame.f_code.co_filename.startswith(package):
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def device_counts() -> dict[str, int]:
+    """The twin's counters (empty on a real GPU)."""
+    try:
+        from cupy import _memory
+    except ImportError:
+        return {}
+    return dict(getattr(_memory, "counters", {}))
+
+
+def measure(comm: Any, cupy: Any, codec: Any, stages: int) -> dict[str, int]:
+    import geocomm
+
+    rng = np.random.default_rng(comm.rank)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        x = cupy.asarray(rng.standard_normal(COUNT).astype(np.float32))
+        out = cupy.empty_like(x)
+
+        def call() -> None:
+            geocomm.allreduce(x, codec=codec, comm=comm, out=out, stage_size=COUNT // stages)
+
+        for _ in range(WARMUP):
+            call()
+        before = device_counts()
+        python = geocomm_calls(call)
+        after = device_counts()
+        stream.synchronize()
+    row = {"python_calls": python}
+    for kind in ("allocations", "syncs", "launches", "graph_launches", "events"):
+        row[kind] = after.get(kind, 0) - before.get(kind, 0)
+    return row
+
+
+def markdown(rows: list[dict[str, Any]], before: list[dict[str, Any]] | None) -> str:
+    kinds = ("python_calls", "allocations", "syncs", "launches", "graph_launches", "events")
+    old = {(r["codec"], r["stages"]): r for r in before or []}
+    head = ["codec", "stages"] + [k.replace("_", " ") for k in kinds]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        cells = [r["codec"], str(r["stages"])]
+        for k in kinds:
+            was = old.get((r["codec"], r["stages"]), {}).get(k)
+            cells.append(f"{was} -> {r[k]}" if was is not None else str(r[k]))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="write OUT.json and OUT.md")
+    p.add_argument("--before", help="an earlier run's JSON, shown beside this one")
+    args = p.parse_args()
+    import cupy
+
+    from geocomm.comm.nccl import NCCLCommunicator
+
+    comm = NCCLCommunicator()
+    rows = []
+    for name, codec in CODECS.items():
+        for stages in STAGES:
+            rows.append({"codec": name, "stages": stages, **measure(comm, cupy, codec, stages)})
+    before = json.loads(Path(args.before).read_text())["rows"] if args.before else None
+    table = markdown(rows, before)
+    if comm.rank == 0:
+        print(table)
+        if args.out:
+            twin = bool(getattr(cupy, "TWIN", False))
+            report = {"count": COUNT, "ranks": comm.size, "twin": twin, "rows": rows}
+            Path(args.out + ".json").write_text(json.dumps(report, indent=1) + "\n")
+            Path(args.out + ".md").write_text(
+                f"# Host work per steady-state call\n\n{COUNT} float32 values, {comm.size} "
+                f"rank(s), {'the CPU twin of CuPy' if twin else 'a GPU'}, after {WARMUP} "
+                "calls with the same arrays. Command: `python -m geocomm.launch -n 1 -- env "
+                "PYTHONPATH=tests/twin python perf/host_work.py --out perf/results/host_work"
+                f"{' --before BEFORE.json' if before else ''}`.\n\n" + table
+            )
+    comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""What a steady-state device call costs the host, counted on the twin (docs/design.md,
+"The collective"): no allocation, no host synchronization, and one graph launch (or,
+where no graph can be kept, exactly the launches its plan names), at any rank count.
+
+A call's signature is planned at its first call (tables, buffers: the allocations);
+the second call with the same arrays is captured into a CUDA graph; every later call
+replays it. The twin counts what reaches the device (``cupy._memory.counters``) and
+checks the stream order of the graph's replay like any eager work, and these tests
+compare each call's result with NumPy over MPI, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+from gpu_helpers import ON_TWIN, inputs
+
+import geocomm
+from geocomm.comm.mpi import MPICommunicator
+
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(not ON_TWIN, reason="the twin counts what a call costs the host"),
+]
+
+#: stage sizes that give 1, 8 and 64 pipeline stages for COUNT values on one rank
+COUNT = 64 * 4096
+
+
+@pytest.fixture(scope="module")
+def comms():
+    from geocomm.comm.nccl import NCCLCommunicator
+
+    comm = NCCLCommunicator()
+    yield comm, MPICommunicator()
+    comm.close()
+
+
+@contextlib.contextmanager
+def counted():
+    """The twin's counters over the body: {kind: count} of what changed."""
+    from cupy import _memory
+
+    before = dict(_memory.counters)
+    got: dict[str, int] = {}
+    yield got
+    for kind, value in _memory.counters.items():
+        if value != before.get(kind, 0):
+            got[kind] = value - before.get(kind, 0)
+
+
+def reference(comms, x, codec, **options):
+    return geocomm.allreduce(x, codec=codec, comm=comms[1], **options)
+
+
+def device_call(cp, comms, d, out, codec, **options):
+    return geocomm.allreduce(d, codec=codec, comm=comms[0], out=out, **options)
+
+
+@pytest.mark.parametrize("stages", [1, 8, 64])
+@pytest.mark.parametrize("codec", ["fp8", "nvfp4", {"id": "fp8", "block": 0}, "mxfp8"])
+def test_a_steady_call_is_one_graph_launch(cp, comms, codec, stages):
+    """From the third call with the same arrays on, a call launches one graph and queues
+    nothing else, allocates nothing and never waits for the device: everything it needs
+    was made at its first call and captured at its second."""
+    comm = comms[0]
+    x = inputs(comm.rank, COUNT)
+    stage_size = COUNT // stages
+    want = reference(comms, x, codec, stage_size=stage_size)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        d, out = cp.asarray(x), cp.empty(COUNT, cp.float32)
+        costs = []
+        for _ in range(4):
+            with counted() as cost:
+                device_call(cp, comms, d, out, codec, stage_size=stage_size)
+            costs.append(cost)
+            assert np.array_equal(out.get().view(np.uint32), want.view(np.uint32))
+    first, captured, *steady = costs
+    assert first.get("allocations", 0) > 0, "the first call plans the signature"
+    assert captured.get("captured", 0) > 0 and captured.get("graph_launches") == 1
+    for cost in steady:
+        # one graph launch, and the event that watches it for timeouts
+        assert cost == {"graph_launches": 1, "events": 1}, cost
+
+
+@pytest.mark.parametrize("stages", [1, 8])
+def test_a_stochastic_call_launches_its_plan_and_nothing_else(cp, comms, stages):
+    """Stochastic rounding draws a new key every call, which a graph would freeze: such a
+    call runs eagerly, still without allocating or synchronizing, and launches exactly
+    what its plan holds: per stage the fused sum and re-encode and the decode, and with
+    peers the encode of their pieces and the NCCL all-to-all and all-gather."""
+    comm = comms[0]
+    codec = {"id": "fp8", "rounding": "stochastic", "seed": 3}
+    x = inputs(comm.rank, COUNT)
+    stage_size = COUNT // stages
+    from geocomm.engine import call as calls
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        d, out = cp.asarray(x), cp.empty(COUNT, cp.float32)
+        for i in range(3):
+            with calls.saved_call_counts():
+                want = reference(comms, x, codec, stage_size=stage_size)
+            with counted() as cost:
+                device_call(cp, comms, d, out, codec, stage_size=stage_size)
+            assert np.array_equal(out.get().view(np.uint32), want.view(np.uint32)), i
+    per_stage = 2 + (3 if comm.size > 1 else 0)
+    assert cost.get("allocations", 0) == 0 and cost.get("syncs", 0) == 0, cost
+    assert cost.get("launches") == per_stage * stages, cost
+    assert "graph_launches" not in cost
+
+
+def test_a_changed_signature_or_array_is_planned_again(cp, comms):
+    """A new count is a new signature (planned: it allocates); new arrays of a known
+    signature run eagerly once, then get a graph of their own; the old arrays keep
+    theirs."""
+    comm = comms[0]
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        a, out_a = cp.asarray(inputs(comm.rank, COUNT)), cp.empty(COUNT, cp.float32)
+        for _ in range(3):
+            device_call(cp, comms, a, out_a, "fp8")
+        b, out_b = cp.asarray(inputs(comm.rank, COUNT, tag=1)), cp.empty(COUNT, cp.float32)
+        with counted() as new_arrays:
+            device_call(cp, comms, b, out_b, "fp8")
+        with counted() as old_arrays:
+            device_call(cp, comms, a, out_a, "fp8")
+        small, out_small = cp.asarray(inputs(comm.rank, 5000)), cp.empty(5000, cp.float32)
+        with counted() as new_count:
+            device_call(cp, comms, small, out_small, "fp8")
+        got = out_b.get()
+    assert new_arrays.get("allocations", 0) == 0 and new_arrays.get("launches", 0) > 0
+    assert "graph_launches" not in new_arrays, "arrays seen once run eagerly"
+    assert old_arrays == {"graph_launches": 1, "events": 1}, old_arrays
+    assert new_count.get("allocations", 0) > 0, "a new signature makes its plan"
+    want = reference(comms, inputs(comm.rank, COUNT, tag=1), "fp8")
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("same_out", [False, True])
+def test_a_call_on_another_stream_waits_for_the_plans_last_one(cp, comms, same_out):
+    """The plan's buffers are reused by every call of its signature: a call on another
+    stream must not touch them before the last call's work on its stream is done. Calls
+    alternate between two streams with no host wait in between; the twin's
+    stream-order checker raises if one call's kernels or transfers touch the buffers
+    unordered with the other's; every result stays exact. With one ``out`` for every
+    call, the calls replay one graph on both streams."""
+    comm = comms[0]
+    x = inputs(comm.rank, COUNT)
+    want = reference(comms, x, "nvfp4")
+    d = cp.asarray(x)
+    outs = (
+        [cp.empty(COUNT, cp.float32)] * 6
+        if same_out
+        else [cp.empty(COUNT, cp.float32) for _ in range(6)]
+    )
+    cp.cuda.Device().synchronize()
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
+    for i, out in enumerate(outs):
+        with streams[i % 2]:
+            device_call(cp, comms, d, out, "nvfp4")
+    cp.cuda.Device().synchronize()
+    for i, out in enumerate(outs):
+        assert np.array_equal(out.get().view(np.uint32), want.view(np.uint32)), i
