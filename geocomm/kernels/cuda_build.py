@@ -46,13 +46,26 @@ def probe() -> tuple[Any, str]:
     return cupy, ""
 
 
+def cuda_extra() -> str:
+    """The install line of geocomm's GPU extra for this machine's CUDA: ``geocomm[cuda13]``
+    (cupy-cuda13x, nvidia-nccl-cu13) or ``geocomm[cuda12]``, by the CUDA major version of
+    an installed CuPy; both, when no CuPy says which."""
+    try:
+        import cupy
+
+        major = int(cupy.cuda.runtime.runtimeGetVersion()) // 1000
+    except Exception:  # no CuPy, or one that cannot load its CUDA runtime
+        return "pip install 'geocomm[cuda12]' (CUDA 12) or 'geocomm[cuda13]' (CUDA 13)"
+    return f"pip install 'geocomm[cuda{major}]'"
+
+
 def require() -> Any:
     """The cupy module, or :class:`CudaUnavailable` naming what is missing."""
     cupy, why = probe()
     if cupy is None:
         raise CudaUnavailable(
-            "geocomm's GPU codec needs CuPy and a CUDA device: pip install 'geocomm[cupy]' "
-            f"(cupy-cuda12x) on a machine with an NVIDIA GPU. {why}."
+            f"geocomm's GPU codec needs CuPy and a CUDA device: {cuda_extra()} on a machine "
+            f"with an NVIDIA GPU. {why}."
         )
     return cupy
 

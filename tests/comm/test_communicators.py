@@ -164,3 +164,18 @@ def test_init_sets_the_default_to_any_mpi4py_communicator():
         )
     finally:
         geocomm.init(previous)
+
+
+def test_nccl_from_either_wheel_is_found(tmp_path):
+    """nvidia-nccl-cu12 and nvidia-nccl-cu13 both put libnccl.so.2 at nvidia/nccl/lib of
+    their site directory: the first such file on the path is the one loaded before
+    CuPy's NCCL binding, and none is found where no wheel is installed."""
+    from geocomm.comm.nccl import nccl_wheel_library
+
+    empty, site = tmp_path / "empty", tmp_path / "site"
+    library = site / "nvidia" / "nccl" / "lib" / "libnccl.so.2"
+    library.parent.mkdir(parents=True)
+    library.write_bytes(b"")
+    empty.mkdir()
+    assert nccl_wheel_library([str(empty)]) is None
+    assert nccl_wheel_library([str(empty), str(site)]) == library

@@ -165,3 +165,42 @@ def test_a_call_on_another_stream_waits_for_the_plans_last_one(cp, comms, same_o
     cp.cuda.Device().synchronize()
     for i, out in enumerate(outs):
         assert np.array_equal(out.get().view(np.uint32), want.view(np.uint32)), i
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_steady_call_that_differs_across_ranks_fails_on_every_rank():
+    """Later calls of a known signature compare their fingerprint without waiting for the
+    other ranks: a rank whose call differs (here rank 1 asks for an average where the
+    others repeat their sum) fails at once, since its signature is new and checked
+    before it moves. The others find the mismatch once rank 1's row has arrived, at
+    the latest when more than IN_FLIGHT checks are open; a call found to differ after
+    it moved aborts the communicator (its transfers cannot complete), one found before
+    it moved does not. (The communicator runs over a duplicate of MPI's world: the
+    checks left open on it never meet another test's collectives.)"""
+    import cupy as cp
+    from mpi4py import MPI
+
+    from geocomm.comm.nccl import NCCLCommunicator
+    from geocomm.engine.checks import IN_FLIGHT
+
+    comm = NCCLCommunicator(MPI.COMM_WORLD.Dup())
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        d, out = cp.asarray(inputs(comm.rank, COUNT)), cp.empty(COUNT, cp.float32)
+        for _ in range(2):
+            geocomm.allreduce(d, codec="fp8", comm=comm, out=out)
+        if comm.rank == 1:
+            with pytest.raises(geocomm.CollectiveMismatchError, match="op"):
+                geocomm.allreduce(d, codec="fp8", op="avg", comm=comm, out=out)
+            assert not comm.aborted
+            return
+        raised_at = None
+        for call in range(IN_FLIGHT + 2):
+            try:
+                geocomm.allreduce(d, codec="fp8", comm=comm, out=out)
+            except geocomm.CollectiveMismatchError as exc:
+                assert "op" in str(exc)
+                raised_at = call
+                break
+    assert raised_at is not None, "a mismatch is found within IN_FLIGHT + 1 calls"
+    assert comm.aborted == (raised_at > 0)  # aborted only when the mismatched call moved
