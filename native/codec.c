@@ -383,7 +383,7 @@ GC_INLINE void encode_nvfp4_super(int sr, const float *restrict x, size_t len, u
     size_t nblocks = ceil_div(len, GC_NVFP4_BLOCK);
     size_t last = len - (nblocks - 1) * GC_NVFP4_BLOCK;
     gc_u32 bamax[GC_NVFP4_BLOCKS];
-    int finite[GC_NVFP4_BLOCKS];
+    int finite[GC_NVFP4_BLOCKS], kept[GC_NVFP4_BLOCKS];
     float pre[GC_NVFP4_BLOCKS], factor[GC_NVFP4_BLOCKS];
     gc_u8 c[GC_NVFP4_SUPERBLOCK + 1];
     blocks_stats(x, nblocks, GC_NVFP4_BLOCK, last, bamax, finite);
@@ -398,11 +398,14 @@ GC_INLINE void encode_nvfp4_super(int sr, const float *restrict x, size_t len, u
     for (size_t j = 0; j < nblocks; j++) {
         gc_u8 sc = gc_nvfp4_scale_code(gc_float(bamax[j]), spre, sfactor, finite[j], sr);
         bscales[j] = sc;
-        factor[j] = gc_quant_factor(gc_e4m3_value(sc) * scale, 1.0f, &pre[j]);
+        float bscale = gc_e4m3_value(sc) * scale;
+        kept[j] = gc_nvfp4_keeps_codes(bscale);
+        factor[j] = gc_quant_factor(bscale, 1.0f, &pre[j]);
     }
     /* codes in groups of blocks, with pre and factor spread to one per value
      * so that the code loop runs flat over the group (no per-block
-     * overhead); codes of non-finite blocks are cleared afterwards */
+     * overhead); codes of blocks that keep none (a zero or NaN scale) are
+     * cleared afterwards */
     for (size_t g = 0; g < nblocks; g += GC_NVFP4_GROUP) {
         size_t count = nblocks - g < GC_NVFP4_GROUP ? nblocks - g : GC_NVFP4_GROUP;
         size_t start = g * GC_NVFP4_BLOCK;
@@ -433,12 +436,12 @@ GC_INLINE void encode_nvfp4_super(int sr, const float *restrict x, size_t len, u
         else
             e2m1_codes_flat(sr, 0, x + start, glen, pe, fe, c + start, key, index + start);
     }
-    int all_finite = 1;
+    int all_kept = 1;
     for (size_t j = 0; j < nblocks; j++)
-        all_finite &= finite[j];
-    if (!all_finite)
+        all_kept &= kept[j];
+    if (!all_kept)
         for (size_t j = 0; j < nblocks; j++)
-            if (!finite[j])
+            if (!kept[j])
                 memset(c + j * GC_NVFP4_BLOCK, 0,
                        j + 1 < nblocks ? GC_NVFP4_BLOCK : last);
     c[len] = 0; /* the high nibble of an odd length's last byte */
@@ -958,13 +961,13 @@ GC_AVX512 static inline void encode_nvfp4_super_v(const float *restrict x, size_
         __m512i sc = v_round_minifloat(v_min_abs(sv, GC_E4M3_MAX), 3, 7);
         _mm_storeu_si128((__m128i *)(void *)(bscales + j), _mm512_cvtepi32_epi8(sc));
         __m512 val = _mm512_mul_ps(v_fp8_value(0, sc), _mm512_set1_ps(scale));
-        __m512 p = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(val, _mm512_set1_ps(0x1p-100f),
-                                                           _CMP_LT_OQ),
-                                        one, _mm512_set1_ps(0x1p64f));
+        __mmask16 kept = _mm512_cmp_ps_mask(val, zero, _CMP_GT_OQ); /* gc_nvfp4_keeps_codes */
+        __m512 p = _mm512_mask_blend_ps(
+            kept & _mm512_cmp_ps_mask(val, _mm512_set1_ps(0x1p-100f), _CMP_LT_OQ), one,
+            _mm512_set1_ps(0x1p64f));
         _mm512_storeu_ps(pre + j, p);
-        _mm512_storeu_ps(factor + j,
-                         _mm512_mask_blend_ps(_mm512_cmp_ps_mask(val, zero, _CMP_GT_OQ), zero,
-                                              _mm512_div_ps(one, _mm512_mul_ps(val, p))));
+        __m512 inverse = _mm512_div_ps(one, _mm512_mul_ps(val, p));
+        _mm512_storeu_ps(factor + j, _mm512_mask_blend_ps(kept, zero, inverse));
     }
     for (size_t g = 0; g < GC_NVFP4_BLOCKS; g += GC_NVFP4_GROUP) {
         int unit = 1;
@@ -977,7 +980,10 @@ GC_AVX512 static inline void encode_nvfp4_super_v(const float *restrict x, size_
                 __m512 v = _mm512_loadu_ps(x + GC_NVFP4_BLOCK * (j + t));
                 if (!unit)
                     v = _mm512_mul_ps(v, _mm512_set1_ps(pre[j + t]));
-                c[t] = v_e2m1_code(_mm512_mul_ps(v, _mm512_set1_ps(factor[j + t])));
+                /* factor > 0 exactly where the block keeps its codes; the
+                 * others get q = +0, code 0 */
+                __mmask16 keep = factor[j + t] > 0.0f ? 0xffff : 0;
+                c[t] = v_e2m1_code(_mm512_maskz_mul_ps(keep, v, _mm512_set1_ps(factor[j + t])));
             }
             _mm512_storeu_si512((void *)(codes + GC_NVFP4_BLOCK / 2 * j), v_nibbles8(c));
         }

@@ -295,13 +295,15 @@ extern "C" __global__ void gc_nvfp4_encode(const float *x, gc_u64 n, const gc_u3
     float scale = super_amax / smax;
     int finite = bad == 0;
     gc_u8 sc = gc_nvfp4_scale_code(gc_float(m), spre, sfactor, finite, sr);
+    float bscale = gc_e4m3_value(sc) * scale;
+    int kept = gc_nvfp4_keeps_codes(bscale);
     float pre;
-    float factor = gc_quant_factor(gc_e4m3_value(sc) * scale, 1.0f, &pre);
-    gc_u32 c0 = finite ? gc_e2m1_code((x0 * pre) * factor, sr, gc_rnd_at(sr, key, offset + 2 * p))
-                       : 0u;
-    gc_u32 c1 = finite && has1 ? gc_e2m1_code((x1 * pre) * factor, sr,
-                                              gc_rnd_at(sr, key, offset + 2 * p + 1))
-                               : 0u;
+    float factor = gc_quant_factor(bscale, 1.0f, &pre);
+    gc_u32 c0 = kept ? gc_e2m1_code((x0 * pre) * factor, sr, gc_rnd_at(sr, key, offset + 2 * p))
+                     : 0u;
+    gc_u32 c1 = kept && has1 ? gc_e2m1_code((x1 * pre) * factor, sr,
+                                            gc_rnd_at(sr, key, offset + 2 * p + 1))
+                             : 0u;
 
     codes[p] = (unsigned char)(c0 | (c1 << 4));
     if ((p & (GC_NVFP4_BLOCK / 2 - 1)) == 0)

@@ -161,14 +161,14 @@ GC_DEV gc_u32 gc_pair_amax(float x0, float x1, unsigned int lanes, int *finite)
 
 /* The E2M1 code byte of values x0 (global rounding index `index`) and x1 (absent
  * unless has1), quantized as (x * pre) * factor (MX: pre 1, exact); 0 for a block
- * that is not finite. */
+ * that keeps no codes (MX: not finite; NVFP4: gc_nvfp4_keeps_codes). */
 GC_DEV unsigned char gc_e2m1_pair(float x0, float x1, int has1, float pre, float factor,
-                                  int finite, int sr, gc_u64 key, gc_u64 index)
+                                  int kept, int sr, gc_u64 key, gc_u64 index)
 {
-    gc_u32 c0 = finite ? gc_e2m1_code((x0 * pre) * factor, sr, gc_rnd_at(sr, key, index)) : 0u;
-    gc_u32 c1 = finite && has1 ? gc_e2m1_code((x1 * pre) * factor, sr,
-                                              gc_rnd_at(sr, key, index + 1))
-                               : 0u;
+    gc_u32 c0 = kept ? gc_e2m1_code((x0 * pre) * factor, sr, gc_rnd_at(sr, key, index)) : 0u;
+    gc_u32 c1 = kept && has1 ? gc_e2m1_code((x1 * pre) * factor, sr,
+                                            gc_rnd_at(sr, key, index + 1))
+                             : 0u;
     return (unsigned char)(c0 | (c1 << 4));
 }
 
@@ -337,10 +337,11 @@ extern "C" __global__ void gc_pipe_nvfp4_encode(const float *x, const gc_u64 *ta
         if (p >= npairs)
             continue;
         gc_u8 sc = gc_nvfp4_scale_code(gc_float(bm), spre, sfactor, finite, sr);
+        float bscale = gc_e4m3_value(sc) * scale;
         float pre;
-        float factor = gc_quant_factor(gc_e4m3_value(sc) * scale, 1.0f, &pre);
-        codes[p] = gc_e2m1_pair(v[2 * r], v[2 * r + 1], 2 * p + 1 < n, pre, factor, finite, sr,
-                                key, s.index + 2 * p);
+        float factor = gc_quant_factor(bscale, 1.0f, &pre);
+        codes[p] = gc_e2m1_pair(v[2 * r], v[2 * r + 1], 2 * p + 1 < n, pre, factor,
+                                gc_nvfp4_keeps_codes(bscale), sr, key, s.index + 2 * p);
         if ((p & (lanes - 1)) == 0)
             bscales[p / lanes] = sc;
     }

@@ -15,6 +15,12 @@
  *   E4M3FN, keeps its inf/NaN code in E5M2.
  * When amax is tiny (< 2^-100) FMAX / amax would overflow, so both factors
  * are pre-multiplied by 2^64 (exact, a power of two); see gc_quant_factor.
+ * q = (x * pre) * factor is finite for every finite x (a block of amax 0 has
+ * pre 1 and factor 0, so never 0 * inf); it is NaN only for a non-finite x,
+ * whose code never comes from q (fp8 specials, NVFP4 and MXFP4 blocks of
+ * codes 0), so no NaN's sign, which CPUs and GPUs set differently, reaches
+ * a code. No float is ever converted to an integer type: codes come from
+ * bit patterns.
  *
  * Every code function takes `sr` and `rnd`: sr == 0 rounds to nearest even
  * (rnd unused), sr != 0 rounds stochastically with the 32 random bits rnd
@@ -225,12 +231,14 @@ GC_FN float gc_bf16_value(gc_u32 c) { return gc_float(c << 16); }
 
 /*
  * Factor that maps a block with maximum |x| = amax onto [-fmax, fmax]:
- * q = (x * *pre) * factor. *pre is 1, or 2^64 when amax is so small that
- * fmax / amax would overflow. Returns 0 for amax == 0 (all codes 0).
+ * q = (x * *pre) * factor. *pre is 1, or 2^64 when amax is so small (but
+ * not 0) that fmax / amax would overflow. Returns 0 with *pre 1 for
+ * amax == 0 (or NaN): q is then +-0 for any finite x, never 2^64 x * 0,
+ * which is 0 * inf (NaN) for |x| > 2^64.
  */
 GC_FN float gc_quant_factor(float amax, float fmax, float *pre)
 {
-    float p = amax < 0x1p-100f ? 0x1p64f : 1.0f;
+    float p = (amax > 0.0f) & (amax < 0x1p-100f) ? 0x1p64f : 1.0f;
     *pre = p;
     return amax > 0.0f ? fmax / (amax * p) : 0.0f;
 }
@@ -258,6 +266,17 @@ GC_FN gc_u8 gc_nvfp4_scale_code(float bamax, float tpre, float tfactor, int bloc
     c = (gc_u8)(c + (up && c < 0x7eu && below));
     return block_finite ? c : (gc_u8)0x7fu;
 }
+
+/*
+ * Whether an NVFP4 block writes the codes of its values. bscale is the
+ * block's decoded scale, gc_e4m3_value(scale code) * superblock scale: a
+ * block decodes to code * bscale, so where bscale is 0 (scale code 0: the
+ * block's amax is at most 2^-10 / 448 of its superblock's, nearest rounding
+ * only; or a superblock scale of 0) or NaN (code 0x7f: the block holds a
+ * non-finite value) its codes carry nothing, and every one is written 0
+ * (+0) instead (docs/design.md, "Formats").
+ */
+GC_FN int gc_nvfp4_keeps_codes(float bscale) { return bscale > 0.0f; }
 
 /* ---- MX (OCP Microscaling v1.0) ---------------------------------------------
  *

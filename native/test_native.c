@@ -212,6 +212,44 @@ static void test_nonfinite(void)
         CHECK(isfinite(y[i]) == (i >= 32), "nvfp4: blocks 0 and 1 non-finite, 2 finite (%d)", i);
 }
 
+/* NVFP4 blocks whose decoded scale is 0 write codes 0 (gc_nvfp4_keeps_codes),
+ * on the vector and the portable path: a superblock of amax 3.4e38 whose
+ * blocks 1-3 are small against it (scale code 0), among them values above
+ * 2^64 (once coded from 0 * inf = NaN) and negative values and zeros, and a
+ * second superblock of fp32 subnormals (superblock scale 0). Each such block
+ * decodes to +0 exactly; the others keep their codes. */
+static void test_nvfp4_zero_scale(void)
+{
+    enum { SB = GC_NVFP4_SUPERBLOCK, N = SB + 40, NB = (N + 15) / 16 };
+    static float x[N], y[N];
+    static uint8_t w[8 + NB + (N + 1) / 2], w1[sizeof w];
+    for (int i = 0; i < N; i++)
+        x[i] = i < SB ? sinf((float)i) * 1e37f : ldexpf(i % 2 ? -1.0f : 1.0f, -149 + i % 3);
+    x[0] = 3.4e38f;
+    const float small[] = {1e25f, -465.0f, 57344.0f, -1e21f, -0.0f, 1.0f, -1e30f, 0.0f};
+    for (int i = 16; i < 64; i++)
+        x[i] = i < 32 ? small[i % 8] : i < 48 ? ldexpf(i % 2 ? -1.0f : 1.0f, 66 + i % 34) : -0.0f;
+    for (int level = 0; level < 2; level++) {
+        gc_codec_simd(level ? GC_SIMD_AUTO : GC_SIMD_PORTABLE);
+        CHECK(gc_encode(GC_NVFP4, x, N, 0, level ? w1 : w) == 0, "encode nvfp4");
+    }
+    CHECK(!memcmp(w, w1, sizeof w), "nvfp4 zero scales: the vector path's bytes");
+    const uint8_t *bscales = w + 8, *codes = bscales + NB;
+    CHECK(bscales[1] == 0 && bscales[2] == 0 && bscales[3] == 0, "blocks 1-3 have scale code 0");
+    gc_decode(GC_NVFP4, w, N, 0, y, 0);
+    for (int j = 0; j < NB; j++) {
+        int zero = (j >= 1 && j <= 3) || j >= SB / 16; /* its decoded scale is 0 */
+        int clear = 1;
+        for (int i = 16 * j; i < 16 * j + 16 && i < N; i++) {
+            uint32_t bits;
+            memcpy(&bits, &y[i], sizeof bits);
+            clear &= ((codes[i / 2] >> (4 * (i % 2))) & 0xfu) == 0 && bits == 0;
+        }
+        CHECK(clear == zero, "nvfp4 block %d: codes 0 and values +0 iff its scale is 0", j);
+    }
+    gc_codec_simd(GC_SIMD_AUTO);
+}
+
 static void test_accumulate(void)
 {
     float x[300], acc[300], once[300];
@@ -361,6 +399,7 @@ int main(void)
     test_stochastic_neighbours();
     test_nvfp4_superblocks();
     test_nonfinite();
+    test_nvfp4_zero_scale();
     test_accumulate();
     test_random_wires();
     test_paths();

@@ -110,8 +110,8 @@ def _amax(rows: np.ndarray) -> np.ndarray:
 
 
 def _quant_factor(amax: np.ndarray, fmax: np.float32) -> tuple[np.ndarray, np.ndarray]:
-    """(pre, factor) so that (x * pre) * factor maps amax onto fmax; 0 for amax 0."""
-    pre = np.where(amax < TINY, PRESCALE, F32(1)).astype(F32)
+    """(pre, factor) so that (x * pre) * factor maps amax onto fmax; (1, 0) for amax 0."""
+    pre = np.where((amax > 0) & (amax < TINY), PRESCALE, F32(1)).astype(F32)
     with np.errstate(divide="ignore", invalid="ignore"):
         factor = np.where(amax > 0, fmax / (amax * pre), F32(0)).astype(F32)
     return pre, factor
@@ -226,7 +226,8 @@ def encode_nvfp4(x: np.ndarray, rnd: np.ndarray | None = None) -> np.ndarray:
     values (relative to its superblock's scale), packed E2M1 codes.
 
     With ``rnd`` (stochastic rounding) the block scales round up instead of to
-    nearest, so no value exceeds 6 block scales and none saturates.
+    nearest, so no value exceeds 6 block scales and none saturates. A block whose
+    decoded scale (E4M3 scale times superblock scale) is 0 or NaN writes codes 0.
     """
     n = x.size
     if n == 0:
@@ -246,11 +247,12 @@ def encode_nvfp4(x: np.ndarray, rnd: np.ndarray | None = None) -> np.ndarray:
         scode = _e4m3_ceil(s, _amax(rows) > 0)
     scode = np.where(finite, scode, np.uint8(0x7F)).astype(np.uint8)
     eff = _e4m3_values(scode) * sscale[owner]
-    pre, factor = _quant_factor(np.where(finite, eff, F32(0)).astype(F32), F32(1))
+    kept = eff > 0  # false for a zero or NaN block scale (gc_nvfp4_keeps_codes)
+    pre, factor = _quant_factor(np.where(kept, eff, F32(0)).astype(F32), F32(1))
     q = _scaled(rows, pre, factor)
     rnd_rows = _rows_of(rnd, NVFP4_BLOCK)
     codes = _cast_saturated(q, q, E2M1_MAX, ml_dtypes.float4_e2m1fn, rnd_rows).copy()
-    codes[~finite] = 0
+    codes[~kept] = 0
     packed = _pack_nibbles(codes.ravel()[:n])
     return np.concatenate([sscale.astype("<f4").view(np.uint8), scode, packed])
 

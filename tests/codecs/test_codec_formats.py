@@ -14,6 +14,7 @@ Every test is deterministic (fixed seeds) and runs on every MPI rank alike.
 from __future__ import annotations
 
 import itertools
+import pathlib
 
 import ml_dtypes
 import numpy as np
@@ -596,6 +597,47 @@ def test_nvfp4_nonfinite_in_partial_last_block_and_zero_tensor():
     y = roundtrip("nvfp4", np.array([0.0] * 17 + [np.inf, 0.0], F32))
     np.testing.assert_array_equal(np.isnan(y), [False] * 16 + [True] * 3)
     assert np.all(y[:16] == 0)
+
+
+GOLDEN = pathlib.Path(__file__).resolve().parent / "golden"
+
+
+def nvfp4_zero_scale_tensor() -> np.ndarray:
+    """Whole superblocks (the AVX-512 path's) holding blocks of scale code 0: the
+    golden input nvfp4_zero_scale repeated (every 224 values hold its amax 3.4e38),
+    then the subnormal superblock of nvfp4_zero_superscale (superblock scale 0)."""
+    tiles = np.resize(np.load(GOLDEN / "nvfp4_zero_scale.npy").ravel(), 2 * NVFP4_SUPERBLOCK)
+    return np.concatenate([tiles, np.load(GOLDEN / "nvfp4_zero_superscale.npy").ravel()])
+
+
+@pytest.mark.parametrize("simd", ["portable", "auto"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_nvfp4_zero_scale_blocks_write_codes_0(simd, rounding):
+    # A block whose decoded scale (E4M3 scale times superblock scale) is 0 writes
+    # every code 0 and decodes to +0 exactly (gc_nvfp4_keeps_codes); its values
+    # above 2^64 once came from (x * 2^64) * 0, a NaN whose sign x86 sets.
+    assert np.isnan((F32(1e25) * F32(2.0**64)) * F32(0))
+    x = nvfp4_zero_scale_tensor()
+    key = {"rounding": "stochastic", "seed": 8} if rounding == "stochastic" else {}
+    previous = native.simd()
+    try:
+        native.set_simd(simd)
+        check_native_matches_reference("nvfp4", x, 0, **key)
+        wire = native_encode("nvfp4", x, **key)
+    finally:
+        native.set_simd(previous)
+    sscales, bscales, packed = nvfp4_sections(wire, x.size)
+    owner = np.arange(bscales.size) * 16 // NVFP4_SUPERBLOCK
+    scale = bscales.view(ml_dtypes.float8_e4m3fn).astype(F32) * sscales.view("<f4")[owner]
+    zero = np.repeat(scale == 0, 16)[: x.size]
+    # the input has such blocks: with negative values, and (nearest rounding; the
+    # stochastic one rounds a non-zero block's scale up) with values above 2^64
+    assert np.any(zero & np.signbit(x))
+    assert np.any(zero & (np.abs(x) > 2.0**64)) == (rounding == "nearest")
+    codes = np.stack([packed & 0xF, packed >> 4], axis=1).reshape(-1)[: x.size]
+    assert np.all(codes[zero] == 0)
+    y = native_decode("nvfp4", wire, x.size)
+    assert np.all(y[zero].view(np.uint32) == 0)  # +0, whatever the input's sign
 
 
 def test_bf16_keeps_inf_and_nan():

@@ -9,6 +9,8 @@ kernel that writes one element past its data (a bound check loosened from
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gpu_helpers import inputs
@@ -99,32 +101,64 @@ def test_batched_kernels_match_their_host_contract(cp, name, stochastic):
         }
     fmt = gpl.wire_format(geocomm.get_codec(config))
     counts = (5000, 0, 7, 4096 * 3 + 11, 129)
+    x = inputs(7, sum(counts), tag=5)
+    got, want, host_seg, dev_seg = batched_encode(cp, fmt, x, counts)
+    assert np.array_equal(got, want), f"{name}: batched encode"
+    ref = inputs(8, x.size, tag=6)
+    out = cp.asarray(ref)
+    gp.HostKernels().decode(fmt, want, host_seg, ref)
+    gp.CudaKernels().decode(fmt, cp.asarray(want), dev_seg, out)
+    assert same_values(out.get(), ref), f"{name}: batched decode"
+
+
+def batched_encode(cp, fmt, x: np.ndarray, counts: tuple[int, ...]) -> tuple:
+    """x cut into pieces of ``counts`` values, encoded in one launch of the batched
+    kernels and by the C core running their contract: (device bytes, host bytes,
+    host segments, device segments)."""
     pieces, at, wire_at = [], 0, 0
     for i, n in enumerate(counts):
         pieces.append(gpl.Piece(at, n, wire_at, 10_000 * i + 3))
         at, wire_at = at + n, wire_at + fmt.wire_size(n)
     rows, amax_slots = gpl.segment_rows(fmt, pieces)
-    x = inputs(7, at, tag=5)
     host_seg = gp.Segments(rows, rows)
     dev_seg = gp.Segments(rows, cp.asarray(rows))
     want = np.zeros(wire_at, np.uint8)
     gp.HostKernels().encode(fmt, x, host_seg, want, None, rounding_stream=11)
     wire = cp.zeros(wire_at, cp.uint8)
-    kernels = gp.CudaKernels()
-    kernels.encode(
-        fmt,
-        cp.asarray(x),
-        dev_seg,
-        wire,
-        cp.zeros(max(amax_slots, 1), cp.uint32),
-        rounding_stream=11,
+    scratch = cp.zeros(max(amax_slots, 1), cp.uint32)
+    gp.CudaKernels().encode(fmt, cp.asarray(x), dev_seg, wire, scratch, rounding_stream=11)
+    return wire.get(), want, host_seg, dev_seg
+
+
+#: the golden inputs with NVFP4 blocks of decoded scale 0 (tests/codecs/golden/make_golden.py)
+GOLDEN = Path(__file__).resolve().parents[1] / "codecs" / "golden"
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_nvfp4_zero_scale_blocks_match_the_c_core(cp, stochastic):
+    """Blocks whose decoded scale is 0 (a superblock of amax 3.4e38, values above
+    2^64 among them; a superblock of subnormals) write codes 0 in the codec kernel
+    and the batched one alike, the C core's bytes exactly. On the twin, as on a GPU,
+    the old rule's (x * 2^64) * 0 was the canonical NaN and gave +6, not the C
+    core's -6 (issue 39)."""
+    import geocomm
+
+    config = {"id": "nvfp4", **({"rounding": "stochastic", "seed": 3} if stochastic else {})}
+    x = np.concatenate(
+        [
+            np.resize(np.load(GOLDEN / "nvfp4_zero_scale.npy").ravel(), 3 * 4096 + 5),
+            np.load(GOLDEN / "nvfp4_zero_superscale.npy").ravel(),
+        ]
     )
-    assert np.array_equal(wire.get(), want), f"{name}: batched encode"
-    ref = inputs(8, at, tag=6)
-    out = cp.asarray(ref)
-    gp.HostKernels().decode(fmt, want, host_seg, ref)
-    kernels.decode(fmt, cp.asarray(want), dev_seg, out)
-    assert same_values(out.get(), ref), f"{name}: batched decode"
+    flags = native.STOCHASTIC if stochastic else 0
+    want = np.zeros(native.wire_size("nvfp4", x.size, 0), np.uint8)
+    native.encode("nvfp4", x, 0, want, flags=flags, seed=3, rounding_stream=4)
+    wire = cp.empty(want.size, cp.uint8)
+    cuda.encode("nvfp4", cp.asarray(x), 0, wire, flags=flags, seed=3, rounding_stream=4)
+    assert np.array_equal(wire.get(), want)
+    fmt = gpl.wire_format(geocomm.get_codec(config))
+    got, want, _, _ = batched_encode(cp, fmt, x, (4096 + 5, 2 * 4096, x.size - 3 * 4096 - 5))
+    assert np.array_equal(got, want)
 
 
 @pytest.mark.parametrize("lo,length", [(0, 96 * 40), (37, 1000), (40 * 3 - 1, 2), (5, 0)])

@@ -45,15 +45,19 @@
  * Barrier identity is the source line (__builtin_LINE() of the call, in the
  * unit's own numbering), so two barriers on one line count as one.
  *
- * Floating point: fp32/fp64 arithmetic is the host's IEEE arithmetic (SSE on
- * x86-64). The __f*_rn / __d*_rn intrinsics pass their operands and result
- * through empty asm statements so that -ffp-contract=fast can never fuse
- * them (CUDA never contracts them either). With gctwin_module_ftz (NVRTC's
- * -ftz=true) a launch sets MXCSR.FTZ|DAZ (aarch64: FPCR.FZ), which flushes
- * subnormal fp32 inputs and results as the GPU does; the host flag would also
- * flush fp64, so the __d*_rn intrinsics clear it around their operation
- * (plain fp64 operators in a -ftz=true kernel do flush: a known difference).
- * The caller's floating-point control word is restored after the launch.
+ * Floating point: fp32 is CUDA's, not the host's: `float` in a kernel unit
+ * names gctwin::f32 (cuda_twin_fp32.h, which lists how a GPU's fp32 differs
+ * from SSE's and what the twin does about each: NaN results, conversions to
+ * integers, min/max, -ftz). Its arithmetic and fp64's are the host's IEEE
+ * arithmetic (SSE on x86-64). The __f*_rn / __d*_rn intrinsics pass their
+ * operands and result through empty asm statements so that
+ * -ffp-contract=fast can never fuse them (CUDA never contracts them either).
+ * With gctwin_module_ftz (NVRTC's -ftz=true) a launch sets MXCSR.FTZ|DAZ
+ * (aarch64: FPCR.FZ), which flushes subnormal fp32 inputs and results as the
+ * GPU does; the host flag would also flush fp64, so the __d*_rn intrinsics
+ * clear it around their operation (plain fp64 operators in a -ftz=true
+ * kernel do flush: a known difference). The caller's floating-point control
+ * word is restored after the launch.
  *
  * Not provided: dynamic shared memory (extern __shared__), textures,
  * cooperative groups, clock(), half precision, _rz/_ru/_rd rounding, memory
@@ -139,8 +143,6 @@ struct dim3 {
         N v = {x, y, z, w};                                                                        \
         return v;                                                                                  \
     }
-GCTWIN_VEC2(float, float2)
-GCTWIN_VEC4(float, float4)
 GCTWIN_VEC2(int, int2)
 GCTWIN_VEC4(int, int4)
 GCTWIN_VEC2(unsigned int, uint2)
@@ -492,7 +494,6 @@ GCTWIN_SHUFFLES(long long)
 GCTWIN_SHUFFLES(unsigned long long)
 GCTWIN_SHUFFLES(float)
 GCTWIN_SHUFFLES(double)
-#undef GCTWIN_SHUFFLES
 
 inline void __threadfence(void) {}
 inline void __threadfence_block(void) {}
@@ -931,29 +932,21 @@ inline double arith64(int op, double a, double b)
 
 } // namespace gctwin
 
-inline float __fadd_rn(float a, float b) { return gctwin::arith(gctwin::ADD, a, b); }
-inline float __fsub_rn(float a, float b) { return gctwin::arith(gctwin::SUB, a, b); }
-inline float __fmul_rn(float a, float b) { return gctwin::arith(gctwin::MUL, a, b); }
-inline float __fdiv_rn(float a, float b) { return gctwin::arith(gctwin::DIV, a, b); }
-inline float __frcp_rn(float a) { return gctwin::arith(gctwin::DIV, 1.0f, a); }
-inline float __fsqrt_rn(float a) { return gctwin::opaque(sqrtf(gctwin::opaque(a))); }
-inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
-inline float __fdividef(float a, float b) { return a / b; }
+/* CUDA's fp32: the f32 type that `float` names in a kernel unit (see the end of
+ * this file), its operators, conversions, intrinsics and math functions. */
+#include "cuda_twin_fp32.h"
+GCTWIN_SHUFFLES(::gctwin::f32)
+#undef GCTWIN_SHUFFLES
+
 inline double __dadd_rn(double a, double b) { return gctwin::arith64(gctwin::ADD, a, b); }
 inline double __dsub_rn(double a, double b) { return gctwin::arith64(gctwin::SUB, a, b); }
 inline double __dmul_rn(double a, double b) { return gctwin::arith64(gctwin::MUL, a, b); }
 inline double __ddiv_rn(double a, double b) { return gctwin::arith64(gctwin::DIV, a, b); }
 inline double __drcp_rn(double a) { return gctwin::arith64(gctwin::DIV, 1.0, a); }
 inline double __fma_rn(double a, double b, double c) { return fma(a, b, c); }
-inline float rsqrtf(float a) { return 1.0f / sqrtf(a); }
-inline float __saturatef(float a) { return a > 0.0f ? (a < 1.0f ? a : 1.0f) : 0.0f; }
 
 /* ---- bit casts and integer intrinsics ---------------------------------------------------- */
 
-inline unsigned int __float_as_uint(float f) { return gctwin::to_bits(f) & 0xffffffffu; }
-inline float __uint_as_float(unsigned int u) { return gctwin::from_bits<float>(u); }
-inline int __float_as_int(float f) { return (int)__float_as_uint(f); }
-inline float __int_as_float(int i) { return __uint_as_float((unsigned int)i); }
 inline long long __double_as_longlong(double d) { return (long long)gctwin::to_bits(d); }
 inline double __longlong_as_double(long long i)
 {
@@ -993,8 +986,8 @@ GCTWIN_MINMAX(unsigned long)
 GCTWIN_MINMAX(long long)
 GCTWIN_MINMAX(unsigned long long)
 #undef GCTWIN_MINMAX
-inline float min(float a, float b) { return fminf(a, b); }
-inline float max(float a, float b) { return fmaxf(a, b); }
+inline gctwin::f32 min(float a, float b) { return gctwin::ptx_min(a, b); }
+inline gctwin::f32 max(float a, float b) { return gctwin::ptx_max(a, b); }
 inline double min(double a, double b) { return fmin(a, b); }
 inline double max(double a, double b) { return fmax(a, b); }
 
@@ -1031,6 +1024,7 @@ GCTWIN_ATOMIC_INT(long long)
 GCTWIN_ATOMIC_INT(unsigned long long)
 #undef GCTWIN_ATOMIC_INT
 GCTWIN_ATOMIC(atomicExch, float, val)
+GCTWIN_ATOMIC(atomicExch, gctwin::f32, val)
 GCTWIN_ATOMIC(atomicAdd, double, old + val)
 GCTWIN_ATOMIC(atomicInc, unsigned int, old >= val ? 0u : old + 1u)
 GCTWIN_ATOMIC(atomicDec, unsigned int, (old == 0u || old > val) ? val : old - 1u)
@@ -1042,8 +1036,12 @@ inline float gctwin_flush(float f) { return fabsf(f) < FLT_MIN ? copysignf(0.0f,
 inline float atomicAdd(float *address, float val)
 {
     float old = *address;
-    *address = gctwin_flush(gctwin_flush(old) + gctwin_flush(val));
+    *address = gctwin::canonical(gctwin_flush(gctwin_flush(old) + gctwin_flush(val)));
     return old;
+}
+inline gctwin::f32 atomicAdd(gctwin::f32 *address, gctwin::f32 val)
+{
+    return atomicAdd(&address->v, val.v);
 }
 
 /* ---- the kernel wrappers' helpers ------------------------------------------------------------ */
@@ -1095,6 +1093,7 @@ GCTWIN_TYPE_NAME(unsigned long, "unsigned long")
 GCTWIN_TYPE_NAME(long long, "long long")
 GCTWIN_TYPE_NAME(unsigned long long, "unsigned long long")
 GCTWIN_TYPE_NAME(float, "float")
+GCTWIN_TYPE_NAME(f32, "float")
 GCTWIN_TYPE_NAME(double, "double")
 #undef GCTWIN_TYPE_NAME
 
@@ -1123,5 +1122,9 @@ template <class... A> inline const char *signature(void (*)(A...))
 }
 
 } // namespace gctwin
+
+/* The unit's `float` is CUDA's fp32 (cuda_twin_fp32.h); last, so that no
+ * header sees it. */
+#define float ::gctwin::f32
 
 #endif /* GCTWIN_CUDA_TWIN_H */

@@ -44,6 +44,14 @@ CASES: dict[str, tuple[dict, str, tuple[int, ...]]] = {
         "float32",
         (5, 27),
     ),
+    # NVFP4 blocks whose decoded scale is 0 (docs/design.md, "Formats"): inputs below
+    "nvfp4_zero_scale": ({"id": "nvfp4"}, "float32", (7, 32)),
+    "nvfp4_zero_scale_sr": (
+        {"id": "nvfp4", "rounding": "stochastic", "seed": 5},
+        "float32",
+        (7, 32),
+    ),
+    "nvfp4_zero_superscale": ({"id": "nvfp4"}, "float32", (3, 16)),
 }
 
 
@@ -58,6 +66,46 @@ def make_input(seed: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     return x.astype(dtype).reshape(shape)
 
 
+def zero_scale_input(seed: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """NVFP4 blocks of scale code 0 among ordinary ones, in one superblock of amax
+    3.4e38: 16-value blocks of values near 1e37 (non-zero scale codes), then block 1
+    (small values and zeros of both signs beside values above 2^64, for which the
+    old (x * 2^64) * 0 was NaN), block 2 (values 1e20 to 1e30 of both signs), block
+    3 (negative zeros), block 4 (values near 1 of both signs) and blocks 5 and 6 on
+    either side of the scale code 0 / 1 threshold (block amax 2^-10 and 2^-9 of the
+    superblock's over 448)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(int(np.prod(shape))) * 1e37
+    blocks = x.reshape(-1, 16)
+    x[0] = 3.4e38
+    blocks[1] = [1e25, -465, 57344, -1e21, -0.0, 1.0, -1e30, 0.0] * 2
+    blocks[2] = rng.choice([-1, 1], 16) * 10.0 ** rng.uniform(20, 30, 16)
+    blocks[3] = -0.0
+    blocks[4] = rng.uniform(-2, 2, 16)
+    for j, k in ((5, -10), (6, -9)):
+        blocks[j] = rng.uniform(-1, 1, 16) * 3.4e38 * 2.0**k / 448
+        blocks[j, 0] = 3.4e38 * 2.0**k / 448
+    return x.astype(dtype).reshape(shape)
+
+
+def zero_superscale_input(seed: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A superblock of fp32 subnormals of both signs (amax 2^-146), whose fp32
+    superblock scale amax / 2688 is 0, and negative zeros."""
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape))
+    x = rng.choice([-1, 1], n) * rng.integers(0, 9, n) * 2.0**-149
+    x[rng.choice(n, 4, replace=False)] = -0.0
+    return x.astype(dtype).reshape(shape)
+
+
+#: cases whose input is not make_input's
+INPUTS = {
+    "nvfp4_zero_scale": zero_scale_input,
+    "nvfp4_zero_scale_sr": zero_scale_input,
+    "nvfp4_zero_superscale": zero_superscale_input,
+}
+
+
 def main(names: list[str]) -> None:
     from geocomm import get_codec
 
@@ -67,7 +115,7 @@ def main(names: list[str]) -> None:
     for seed, (name, (config, dtype, shape)) in enumerate(CASES.items()):
         if name not in names and (names or (HERE / f"{name}.bin").exists()):
             continue
-        x = make_input(seed, dtype, shape)
+        x = INPUTS.get(name, make_input)(seed, dtype, shape)
         frame = get_codec(config).encode(x)
         np.save(HERE / f"{name}.npy", x)
         (HERE / f"{name}.bin").write_bytes(frame.tobytes())

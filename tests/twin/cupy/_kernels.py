@@ -3,8 +3,9 @@
 :func:`compile_source` takes one CUDA translation unit (as geocomm.kernels.cuda builds
 it, headers inlined) and NVRTC's options, and compiles it with g++ (C++) into
 a shared library against ``tests/twin/cuda_twin.h``, which maps CUDA's device
-built-ins to the host and holds the block scheduler. It returns an opaque
-*image* (bytes) that :func:`load` turns into an :class:`Image`;
+built-ins to the host and holds the block scheduler (with ``cuda_twin_fp32.h``,
+which makes the unit's ``float`` CUDA's fp32). It returns an opaque *image*
+(bytes) that :func:`load` turns into an :class:`Image`;
 ``Image.function(name)`` gives a :class:`Kernel` whose :meth:`Kernel.launch`
 runs the whole grid synchronously on the calling thread, with CUDA's thread,
 barrier and warp-shuffle semantics (see cuda_twin.h for the execution model
@@ -25,8 +26,8 @@ Contract
     The unit is always built with ``-O2 -fPIC -fno-fast-math``. Results are
     cached on disk (``$GEOCOMM_TWIN_CACHE`` or ``<tempdir>/geocomm-twin-<uid>``)
     under a hash of the source (as given and preprocessed, so headers found
-    through ``-I`` count), the options, the g++ flags, cuda_twin.h, this file
-    and the compiler's identity. Concurrent processes are safe: one compiles
+    through ``-I`` count), the options, the g++ flags, the twin's headers, this
+    file and the compiler's identity. Concurrent processes are safe: one compiles
     under a lock file while the others wait, and every library is written
     under a temporary name and ``os.replace``d into place.
 
@@ -94,6 +95,8 @@ __all__ = [
 #: cuda_twin.h lives in tests/twin, one level above this package
 TWIN_DIR = Path(__file__).resolve().parents[1]
 HEADER = TWIN_DIR / "cuda_twin.h"
+#: the headers a unit is built against (all of them key the cache)
+HEADERS = (HEADER, TWIN_DIR / "cuda_twin_fp32.h")
 IMAGE_MAGIC = b"GEOCOMM-TWIN-IMAGE-1\n"
 
 GRID_MAX = (2**31 - 1, 65535, 65535)
@@ -485,11 +488,11 @@ def compile_source(source: str, name: str, options: Sequence[str]) -> bytes:
     # reached through -I count
     scan = [cxx, "-E", "-P", "-x", "c++", f"-std={opts.std}", *_macro_flags(opts), "-"]
     preprocessed = _run(scan, f"preprocessing {name}", source)
-    header = HEADER.read_text()
+    headers = "".join(h.read_text() for h in HEADERS)
     digest = hashlib.sha256()
     for part in (
         Path(__file__).read_text(),
-        header,
+        headers,
         _compiler_identity(cxx),
         json.dumps([list(options), flags, name]),
         source,
