@@ -11,7 +11,10 @@ gives the same numbers on every machine; a real GPU gives the Python calls only.
         python perf/host_work.py --out perf/results/host_work
 
 ``--before FILE`` adds the columns of an earlier run's JSON (the same script run on
-an older checkout) to the table.
+an older checkout) to the table. perf/results/host_work_before.json is this script
+run on commit 1618988 (before the call object and the device plans), installed
+beside the tree: ``git archive 1618988 | tar -x -C OLD && pip install --no-deps
+--target OLDPKG OLD``, then the command above with ``PYTHONPATH=OLDPKG:tests/twin``.
 """
 
 from __future__ import annotations
@@ -121,12 +124,14 @@ def main() -> int:
             twin = bool(getattr(cupy, "TWIN", False))
             report = {"count": COUNT, "ranks": comm.size, "twin": twin, "rows": rows}
             Path(args.out + ".json").write_text(json.dumps(report, indent=1) + "\n")
+            before_arg = f" --before {args.before}" if before else ""
             Path(args.out + ".md").write_text(
                 f"# Host work per steady-state call\n\n{COUNT} float32 values, {comm.size} "
                 f"rank(s), {'the CPU twin of CuPy' if twin else 'a GPU'}, after {WARMUP} "
                 "calls with the same arrays. Command: `python -m geocomm.launch -n 1 -- env "
                 "PYTHONPATH=tests/twin python perf/host_work.py --out perf/results/host_work"
-                f"{' --before BEFORE.json' if before else ''}`.\n\n" + table
+                f"{before_arg}`. A cell of two numbers is before -> after (the docstring of "
+                "perf/host_work.py says how the before column was made).\n\n" + table
             )
     comm.close()
     return 0
