@@ -27,11 +27,13 @@ passes when it passed on all of them, and its failures name the rank.
 ``--twin``: no GPU needed. tests/twin (a CPU twin of CuPy: device arrays in host
 memory, streams on worker threads with a stream-order checker, red-zoned
 memory, the project's .cu kernels compiled for the host, cupy.cuda.nccl over
-MPI) goes first on sys.path before anything imports cupy; ``timing``, ``torch``,
-``ddp`` and ``backend`` are reported as skipped (the twin runs no torch CUDA tensors and
-measures no device time), and the sizes shrink where only the count was large,
-so a run takes about 30 s at 1-3 ranks on two cores (GEOCOMM_TIMEOUT defaults
-to 120 s there). Sizes (values) of the two profiles, gpu / twin:
+MPI) goes first on sys.path before anything imports cupy; ``torch``, ``ddp``,
+``fsdp`` and ``backend`` are reported as skipped (the twin runs no torch CUDA
+tensors); ``timing`` runs at 1 MiB and reports its rows, but the twin has no
+device clock, so its must-shows are reported and not enforced there; the sizes
+shrink where only the count was large, so a run takes about 45 s at 1-3 ranks on
+two cores (GEOCOMM_TIMEOUT defaults to 120 s there). Sizes (values) of the two
+profiles, gpu / twin:
 
     bytes: wide input            1,000,003 / 200,003
            edge values              65,537 / 65,537
@@ -43,6 +45,7 @@ to 120 s there). Sizes (values) of the two profiles, gpu / twin:
     collectives: per rank          100,003 / 60,013  (stages of 4096 values)
                  loopback ranks     60,007 / 20,011
     geofp8: matrix            2048 x 4096 / 512 x 1024, 6 steps in both
+    timing: fp32 per call      64 and 256 MiB / 1 MiB
 
 Sections:
 
@@ -85,15 +88,23 @@ geofp8      the geometry kernels on ragged ranges with inf/NaN == the C core;
             several steps (the basis refreshed on the way), == the same
             sequence on NumPy over MPI, state checksums included.
 timing      the batched fp8 pipeline vs plain NCCL all-reduce vs a CuPy copy
-            (the device's copy bandwidth) at 64 and 256 MiB: wall time and
-            device time (calls queued ahead of the device), and the codec
-            throughput against the copy's, which must reach 0.5 (issue #14);
-            the cost of a pipeline stage against the backend model's; the
-            single-body codec kernels alone.
+            (the device's copy bandwidth) at 64 and 256 MiB: wall, host and
+            device time per steady-state call (perf/gpu_clock.py); must-shows
+            (issue 38): the codec throughput reaches 0.7 of the copy's and the
+            host spends at most 30 us per call; the cost of a pipeline stage
+            against the backend model's; every single-body codec kernel alone,
+            its traffic against the copy's.
 ddp         geocomm's DDP hook on CUDA gradients over a 1-rank NCCL process
             group (fp32, fp16, bf16 models): every bucket it reduced on its
             worker stream == geocomm.allreduce of the same bucket on the CPU
-            over MPI (skipped on more than one rank).
+            over MPI; then the README's DDP example, compressed against
+            uncompressed (perf/gpu_check_examples.py) (skipped on more than one
+            rank).
+fsdp        the README's FSDP2 example on CUDA over a 1-rank NCCL group,
+            compressed (fp8, the replica all-reduce hook): every call == the
+            CPU over MPI, bit for bit, the exact calls exact, the losses within
+            fp8's bound of the uncompressed run (issue 39; skipped on more
+            than one rank).
 backend     the geocomm torch.distributed backend's NCCL route, a 1-rank group
             made with new_group(backend="cpu:geocomm,cuda:geocomm"): CUDA
             all_reduce and reduce_scatter_tensor compressed == geocomm's fp8
@@ -125,15 +136,15 @@ from gpu_check_backend import check_backend  # noqa: E402
 from gpu_check_bytes import check_bytes, check_errors  # noqa: E402
 from gpu_check_collectives import check_collectives, check_nccl  # noqa: E402
 from gpu_check_common import PROFILES, Sizes  # noqa: E402
-from gpu_check_device import check_ddp, check_timing, check_torch  # noqa: E402
+from gpu_check_device import check_torch  # noqa: E402
+from gpu_check_examples import check_ddp, check_fsdp  # noqa: E402
 from gpu_check_geofp8 import check_geofp8  # noqa: E402
 from gpu_check_report import markdown, summary_word, write_report  # noqa: E402
+from gpu_check_timing import check_timing  # noqa: E402
 
 #: sections the twin cannot run, and why (reported as skipped under --twin)
-NEEDS_GPU = ("timing", "torch", "ddp", "backend")
-TWIN_SKIP_REASON = (
-    "needs a real GPU (the twin runs no torch CUDA tensors and measures no device time)"
-)
+NEEDS_GPU = ("torch", "ddp", "fsdp", "backend")
+TWIN_SKIP_REASON = "needs a real GPU (the twin runs no torch CUDA tensors)"
 
 
 def fail_exit(message: str, code: int) -> None:
@@ -196,9 +207,6 @@ class Context:
 
             self._mpi = MPICommunicator(self.world)
         return self._mpi
-
-    def sync(self) -> None:
-        self.cp.cuda.Device().synchronize()
 
     def close(self) -> None:
         if self._nccl is not None:
@@ -276,6 +284,7 @@ SECTIONS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "geofp8": check_geofp8,
     "timing": check_timing,
     "ddp": check_ddp,
+    "fsdp": check_fsdp,
     "backend": check_backend,
 }
 
@@ -374,14 +383,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--twin",
         action="store_true",
         help="run on the CPU twin of CuPy (tests/twin): no GPU, smaller sizes, "
-        "timing/torch/ddp/backend skipped",
+        "torch/ddp/fsdp/backend skipped, timing not enforced",
     )
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.twin:
+def gpu_path(twin: bool, what: str) -> Any:
+    """The cupy module geocomm's GPU path runs on (the twin with ``twin``), after
+    checking that path and the native C core are there; exit status 2 (nothing to
+    ``what``) otherwise."""
+    if twin:
         use_twin()
     from geocomm.kernels import cuda, native
 
@@ -389,13 +400,19 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cuda.require()
         except ImportError as exc:
-            fail_exit(f"no GPU path to check: {exc}", 2)
+            fail_exit(f"no GPU path to {what}: {exc}", 2)
     if not native.available:
         fail_exit("the native C core (geocomm._native) is not built; pip install . first", 2)
     import cupy as cp
 
-    if args.twin and not getattr(cp, "TWIN", False):
+    if twin and not getattr(cp, "TWIN", False):
         fail_exit(f"--twin: cupy is {cp.__file__}, not the twin in {TWIN_PATH}", 2)
+    return cp
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cp = gpu_path(args.twin, "check")
     from mpi4py import MPI
 
     t0 = time.monotonic()

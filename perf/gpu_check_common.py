@@ -86,6 +86,8 @@ class Sizes:
     lockstep_n: int  # collectives: values per loopback rank
     geo_shape: tuple[int, int]  # geofp8: the matrix of each all-reduce
     geo_steps: int  # geofp8: all-reduces in the sequence (basis refreshed every 4)
+    timing_mib: tuple[float, ...]  # timing: MiB of fp32 per timed call
+    timing_calls: int  # timing: calls per measurement
 
 
 PROFILES = {
@@ -101,6 +103,8 @@ PROFILES = {
         lockstep_n=60_007,
         geo_shape=(2048, 4096),
         geo_steps=6,
+        timing_mib=(64, 256),
+        timing_calls=10,
     ),
     # the CPU twin of CuPy (tests/twin): the same formats, blocks, walks and ragged
     # sizes; fewer values where only the count was large
@@ -115,6 +119,8 @@ PROFILES = {
         lockstep_n=20_011,
         geo_shape=(512, 1024),
         geo_steps=6,
+        timing_mib=(1,),
+        timing_calls=2,
     ),
 }
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_check_common import REFERENCE_MAX_N
-from gpu_check_device import MUST_SHOW_VS_COPY
+from gpu_check_timing import MUST_SHOW_HOST_S, MUST_SHOW_VS_COPY
 
 
 def summary_word(result: dict[str, Any]) -> str:
@@ -82,49 +82,90 @@ def markdown(report: dict[str, Any]) -> str:
             f"{'yes' if r['in_place'] else 'no'} | {'yes' if r['ok'] else 'NO'} |"
             for r in rows
         ]
-    timing = sections.get("timing", {})
-    if timing.get("pipeline"):
-        lines += [
-            "",
-            "## Timing (1 rank; GB/s = fp32 tensor bytes / time)",
-            "",
-            "Wall: per call, host included. Device: per call queued ahead of the device "
-            "(gpu_check.gpu_seconds); vs copy: device GB/s over the copy's, the codec "
-            f"throughput (must reach {MUST_SHOW_VS_COPY} for fp8).",
-            "",
-            "| MiB | operation | stages | wall ms | wall GB/s | device ms | device GB/s "
-            "| vs copy |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        lines += [
-            f"| {r['size_MiB']} | {r['op']} | {r['stages'] or ''} | "
-            f"{r['seconds'] * 1e3:.3f} | {r['GBps']:.0f} | {r['gpu_seconds'] * 1e3:.3f} | "
-            f"{r['gpu_GBps']:.0f} | {r['vs_copy']:.2f}"
-            f"{'' if r['host_out_of_the_way'] else ' (host-bound)'} |"
-            for r in timing["pipeline"]
-        ]
-        stage = timing.get("stage_cost")
-        if stage:
-            model = stage["model_stage_s"]
-            lines += [
-                "",
-                f"Stage cost: {stage['stage_s'] * 1e6:.0f} us per stage "
-                f"({stage['size_MiB']} MiB in 1 and {stage['stages']} stages); "
-                f"the backend model assumes {model * 1e6:.0f} us."
-                if model
-                else "",
-            ]
-        lines += [
-            "",
-            "| format | block | kernel | ms | fp32 GB/s |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        lines += [
-            f"| {r['fmt']} | {r['block']} | {r['op']} | {r['seconds'] * 1e3:.3f} | "
-            f"{r['fp32_GBps']:.0f} |"
-            for r in timing["kernels"]
-        ]
+    lines += timing_lines(sections.get("timing", {}))
+    for name in ("ddp", "fsdp"):
+        lines += example_lines([r for r in sections.get(name, {}).get("rows", []) if "losses" in r])
     return "\n".join(lines) + "\n"
+
+
+def host_bound(row: dict[str, Any]) -> str:
+    """A mark for a row whose calls waited for the device (gpu_clock's ``gated``)."""
+    return " (host-bound)" if row.get("gated") is False else ""
+
+
+def kernel_lines(kernels: list[dict[str, Any]]) -> list[str]:
+    """The table of the single-body kernels (gpu_check_timing.time_kernels)."""
+    lines = [
+        "| format | block | kernel | MiB | device us | fp32 GB/s | traffic / copy's |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    return lines + [
+        f"| {r['fmt']} | {r['block']} | {r['op']} | {r['size_MiB']} | {r['device_s'] * 1e6:.1f} | "
+        f"{r['device_GBps']:.3g} | {r['vs_copy_traffic']:.2f}{host_bound(r)} |"
+        for r in kernels
+    ]
+
+
+def timing_lines(timing: dict[str, Any]) -> list[str]:
+    """The ``timing`` section's tables (empty when it did not run)."""
+    if not timing.get("pipeline"):
+        return []
+    lines = [
+        "",
+        "## Timing (1 rank; GB/s = fp32 tensor bytes / time)",
+        "",
+        "Per steady-state call (perf/gpu_clock.py): wall, calls queued back to back and "
+        "one synchronization; host, the host's own time with the device held; device: "
+        f"{timing['device_clock']} around the queued calls. vs copy: device GB/s over "
+        f"the copy's; must-shows for fp8: vs copy >= {MUST_SHOW_VS_COPY}, host <= "
+        f"{MUST_SHOW_HOST_S * 1e6:.0f} us.",
+    ]
+    if not timing.get("enforced", True):
+        lines += ["", f"**Not enforced**: {timing.get('note', '')}."]
+    lines += [
+        "",
+        "| MiB | operation | stages | wall us | host us | device us | device GB/s | vs copy |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {r['size_MiB']} | {r['op']} | {r['stages'] or ''} | {r['wall_s'] * 1e6:.1f} | "
+        f"{r['host_s'] * 1e6:.1f} | {r['device_s'] * 1e6:.1f} | {r['device_GBps']:.3g} | "
+        f"{r['vs_copy']:.2f}{host_bound(r)} |"
+        for r in timing["pipeline"]
+    ]
+    stage = timing.get("stage_cost")
+    if stage and stage["model_stage_s"]:
+        lines += [
+            "",
+            f"Stage cost: {stage['stage_s'] * 1e6:.0f} us per stage "
+            f"({stage['size_MiB']} MiB in 1 and {stage['stages']} stages); "
+            f"the backend model assumes {stage['model_stage_s'] * 1e6:.0f} us.",
+        ]
+    return [*lines, "", *kernel_lines(timing["kernels"])]
+
+
+def example_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The README examples' rows of ``ddp`` and ``fsdp`` (gpu_check_examples.py)."""
+    if not rows:
+        return []
+    lines = [
+        "",
+        f"## {rows[0]['example']} on the device (1 rank, fp8 against uncompressed)",
+        "",
+        "| calls | == CPU over MPI | exact calls exact | within fp8's bound | "
+        "largest loss gap (limit) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+
+    def yes(field: dict[str, Any] | None) -> str:
+        return "yes" if field and field.get("equal") else "NO"
+
+    return lines + [
+        f"| {r.get('calls', 0)} | {yes(r.get('vs_cpu_mpi'))} | {yes(r.get('exact_calls_exact'))}"
+        f" | {yes(r.get('within_fp8_bound'))} | {r['losses']['largest_relative_gap']:.2%} "
+        f"({r['losses']['limit']:.1%}) |"
+        for r in rows
+    ]
 
 
 def write_report(report: dict[str, Any], out: Path) -> None:

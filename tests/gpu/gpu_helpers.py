@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import cupy
 import numpy as np
 
@@ -29,3 +31,12 @@ def twice(call):
     with calls.saved_call_counts():
         device = call(True)
     return device, call(False)
+
+
+def on_ranks(command: list[str], ranks: int, timeout_s: int) -> list[str]:
+    """``command`` (argv) as run on ``ranks`` ranks: itself on one, else under
+    ``geocomm.launch``, which ends the job after ``timeout_s``."""
+    if ranks == 1:
+        return command
+    launch = [sys.executable, "-P", "-m", "geocomm.launch", "-n", str(ranks)]
+    return [*launch, "--timeout", str(timeout_s), "--", *command]
