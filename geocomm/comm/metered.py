@@ -7,6 +7,8 @@ side-channel bytes with it (also importable as ``geocomm.testing.MeteredComm``).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -17,7 +19,10 @@ class MeteredComm:
 
     ``sent``: bytes this rank passed to all-to-alls and all-gathers (its own
     segments only, as a network would see them), ``calls``: number of
-    collective calls; :meth:`reset` zeroes both.
+    collective calls; :meth:`reset` zeroes both. Over a communicator whose transfers
+    can be captured into CUDA graphs it can be too (``capturing``, ``track``): a
+    capture counts nothing, and every launch of its graph counts what the capture
+    would have.
     """
 
     def __init__(self, comm: Any, parent: MeteredComm | None = None):
@@ -31,13 +36,33 @@ class MeteredComm:
             self.node_key = comm.node_key
         if hasattr(comm, "subgroups"):
             self.subgroups = self._subgroups
+        if hasattr(comm, "start_allgather_int64"):
+            self.start_allgather_int64 = comm.start_allgather_int64
+        if hasattr(comm, "capturing"):
+            self.capturing, self.track = self._capturing, self._track
 
-    def _count(self, nbytes: int) -> None:
+    def _count(self, nbytes: int, calls: int = 1) -> None:
         meter: MeteredComm | None = self
         while meter is not None:
-            meter.calls += 1
+            meter.calls += calls
             meter.sent += nbytes
             meter = meter.parent
+
+    @contextlib.contextmanager
+    def _capturing(self) -> Iterator[list[int]]:
+        """The wrapped communicator's capture; yields [bytes, calls] of what was captured
+        (counted by :meth:`_track` at each launch, not now)."""
+        sent, calls = self.sent, self.calls
+        captured = [0, 0]
+        with self.comm.capturing():
+            yield captured
+        captured[:] = [self.sent - sent, self.calls - calls]
+        self._count(-captured[0], -captured[1])
+
+    def _track(self, stream: Any, captured: list[int] | None = None) -> None:
+        if captured is not None:
+            self._count(*captured)
+        self.comm.track(stream)
 
     def _subgroups(self, groups: list[list[int]]) -> MeteredComm:
         """The wrapped communicator's sub-communicator, metered into this one too."""

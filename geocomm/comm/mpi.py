@@ -85,10 +85,16 @@ class MPICommunicator:
         wait(MPIRequest(req), "an all-reduce", self.rank)
 
     def allgather_int64(self, values: np.ndarray) -> np.ndarray:
+        request, rows = self.start_allgather_int64(values)
+        wait(request, "a metadata all-gather", self.rank)
+        return rows
+
+    def start_allgather_int64(self, values: np.ndarray) -> tuple[MPIRequest, np.ndarray]:
+        """Start the all-gather of a small int64 vector: (its request, the (size, len)
+        rows it fills once complete)."""
         values = np.ascontiguousarray(values, np.int64)
         rows = np.empty((self.size, values.size), np.int64)
-        wait(MPIRequest(self.comm.Iallgather(values, rows)), "a metadata all-gather", self.rank)
-        return rows
+        return MPIRequest(self.comm.Iallgather(values, rows)), rows
 
     def barrier(self) -> None:
         wait(MPIRequest(self.comm.Ibarrier()), "a barrier", self.rank)

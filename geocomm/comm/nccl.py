@@ -1,8 +1,13 @@
-"""NCCL communicator over CuPy arrays (``cupy.cuda.nccl``); MPI only bootstraps it.
+"""NCCL communicator over CuPy arrays (``cupy.cuda.nccl``); a host communicator
+bootstraps it.
 
-Rank 0 creates the NCCL unique id and broadcasts it over the given mpi4py
-communicator (default ``MPI.COMM_WORLD``); each process drives the GPU
-``local rank % device count``. Encoded bytes travel as ``ncclUint8`` with
+The host communicator (MPI, by default over ``MPI.COMM_WORLD``; or a
+torch.distributed gloo group, for jobs that torchrun or a framework started)
+carries what is not GPU data: rank 0's NCCL unique id to every rank, the
+collectives' small metadata all-gathers, barriers, and ending the job on a
+failure. Over MPI each process drives the GPU ``local rank % device count``;
+over torch.distributed the device ``LOCAL_RANK`` names, else CuPy's current
+one. Encoded bytes travel as ``ncclUint8`` with
 grouped ``ncclSend``/``ncclRecv`` per peer (the rank's own segment is a
 device-to-device copy); NCCL is never asked to sum codes.
 
@@ -31,7 +36,7 @@ Failures and timeouts: since a collective returns with its transfers queued,
 * ``synchronize()``, ``barrier()`` and ``close()`` block until the queued
   transfers complete, at most the timeout, then abort and raise likewise, as
   does a request's ``wait()``;
-* the MPI side (the collectives' metadata all-gather, barrier) waits with the
+* the host side (the collectives' metadata all-gather, barrier) waits with the
   same timeout, so a rank whose peer died fails at its next call there.
 
 A caller that synchronizes the device itself (``cupy.cuda.Device().
@@ -52,6 +57,8 @@ import collections
 import contextlib
 import ctypes
 import functools
+import os
+import pickle
 import sys
 import time
 from collections.abc import Iterator
@@ -61,8 +68,8 @@ from typing import Any
 import numpy as np
 
 from geocomm.comm import abort
-from geocomm.comm.base import CollectiveTimeout, timeout_seconds, wait
-from geocomm.comm.mpi import MPIRequest, require_mpi
+from geocomm.comm.base import CollectiveTimeout, Communicator, timeout_seconds, wait
+from geocomm.comm.mpi import require_mpi
 from geocomm.kernels import cuda_build
 
 _OPS = {"sum": "NCCL_SUM", "max": "NCCL_MAX"}
@@ -168,30 +175,61 @@ def _local_rank(mpi: Any, comm: Any) -> int:
         node.Free()
 
 
+#: int64 words that carry a pickled NCCL unique id from rank 0 (its length first)
+_ID_WORDS = 256
+
+
+def _shared_from_rank_0(host: Communicator, value: Any) -> Any:
+    """Rank 0's ``value`` on every rank of ``host``, through one int64 all-gather (the
+    value pickled: an NCCL unique id of a few hundred bytes, or the twin's)."""
+    words = np.zeros(_ID_WORDS, np.int64)
+    if host.rank == 0:
+        data = pickle.dumps(value)
+        if len(data) > 8 * (_ID_WORDS - 1):
+            raise ValueError(f"a unique id of {len(data)} bytes does not fit the broadcast")
+        words[0] = len(data)
+        words[1:].view(np.uint8)[: len(data)] = np.frombuffer(data, np.uint8)
+    row = host.allgather_int64(words)[0]
+    return pickle.loads(row[1:].view(np.uint8)[: int(row[0])].tobytes())
+
+
 class NCCLCommunicator:
     """:class:`geocomm.comm.Communicator` over NCCL for CuPy arrays.
 
-    ``comm`` is the mpi4py communicator whose processes form the NCCL clique
-    (default ``MPI.COMM_WORLD``); it broadcasts the unique id and carries
-    ``allgather_int64`` and ``barrier``.
+    Args:
+        host: the communicator of host memory whose processes form the NCCL clique
+            and that carries its bootstrap, metadata all-gathers, barriers and the
+            job's end: an mpi4py communicator, a geocomm host communicator
+            (:class:`~geocomm.comm.mpi.MPICommunicator`, or a
+            :class:`~geocomm.comm.torchdist.TorchDistCommunicator` over a gloo group
+            under torchrun), or None for ``MPI.COMM_WORLD``.
+        device: the CUDA device index (default: see the module docstring).
     """
 
     backend = "nccl"
     device_arrays = True
 
-    def __init__(self, comm: Any = None):
+    def __init__(self, host: Any = None, device: int | None = None):
         cupy, nccl = require_nccl()
-        mpi = require_mpi()
         self._cupy, self._nccl = cupy, nccl
-        self.mpi_comm = mpi.COMM_WORLD if comm is None else comm
-        self.rank: int = self.mpi_comm.Get_rank()
-        self.size: int = self.mpi_comm.Get_size()
-        self.device = cupy.cuda.Device(
-            _local_rank(mpi, self.mpi_comm) % cupy.cuda.runtime.getDeviceCount()
-        )
+        if host is None or not isinstance(host, Communicator):
+            from geocomm.comm.mpi import MPICommunicator
+
+            mpi = require_mpi()
+            host = MPICommunicator(mpi.COMM_WORLD if host is None else host)
+            if device is None:
+                device = _local_rank(mpi, host.comm)
+        elif device is None:
+            local = os.environ.get("LOCAL_RANK", "")
+            device = int(local) if local.isdigit() else cupy.cuda.Device().id
+        if host.device_arrays:
+            raise ValueError("an NCCL communicator's host side moves host memory")
+        self.host: Communicator = host
+        self.rank: int = host.rank
+        self.size: int = host.size
+        self.device = cupy.cuda.Device(device % cupy.cuda.runtime.getDeviceCount())
         self.device.use()
-        uid = nccl.get_unique_id() if self.rank == 0 else None
-        uid = self.mpi_comm.bcast(uid, root=0)
+        uid = _shared_from_rank_0(host, nccl.get_unique_id() if self.rank == 0 else None)
         self.nccl_comm = nccl.NcclCommunicator(self.size, uid, self.rank)
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.aborted = self.closed = False
@@ -290,7 +328,7 @@ class NCCLCommunicator:
     # -- CUDA graphs --------------------------------------------------------------
 
     @contextlib.contextmanager
-    def capturing(self) -> Iterator[None]:
+    def capturing(self) -> Iterator[None]:  # yields no record: nothing to count again
         """The transfers started inside are being captured into a CUDA graph (the caller
         captures the current stream): they are not queued work to watch, and nothing is
         queried meanwhile. A graph launch is watched through :meth:`track`."""
@@ -302,7 +340,7 @@ class NCCLCommunicator:
         finally:
             self._capturing = False
 
-    def track(self, stream: Any) -> None:
+    def track(self, stream: Any, captured: Any = None) -> None:
         """Watch the work queued on ``stream`` so far (a launched graph's transfers) like
         this communicator's own: overdue after ``GEOCOMM_TIMEOUT``, waited for by
         :meth:`synchronize`."""
@@ -360,25 +398,20 @@ class NCCLCommunicator:
             )
 
     def allgather_int64(self, values: np.ndarray) -> np.ndarray:
-        """All-gather of a small host int64 vector over MPI (waits at most
-        GEOCOMM_TIMEOUT); returns (size, len) rows."""
-        values = np.ascontiguousarray(values, np.int64)
-        rows = np.empty((self.size, values.size), np.int64)
-        wait(MPIRequest(self.mpi_comm.Iallgather(values, rows)), "a metadata all-gather", self.rank)
-        return rows
+        """All-gather of a small host int64 vector over the host communicator (waits at
+        most GEOCOMM_TIMEOUT); returns (size, len) rows."""
+        return self.host.allgather_int64(values)
 
-    def start_allgather_int64(self, values: np.ndarray) -> tuple[MPIRequest, np.ndarray]:
-        """Start the all-gather of a small host int64 vector over MPI: (its request,
-        the (size, len) rows it fills); the caller tests or waits for the request."""
-        values = np.ascontiguousarray(values, np.int64)
-        rows = np.empty((self.size, values.size), np.int64)
-        return MPIRequest(self.mpi_comm.Iallgather(values, rows)), rows
+    def start_allgather_int64(self, values: np.ndarray) -> tuple[Any, np.ndarray]:
+        """Start the all-gather of a small host int64 vector over the host communicator:
+        (its request, the (size, len) rows it fills); the caller tests or waits for it."""
+        return self.host.start_allgather_int64(values)  # type: ignore[attr-defined]
 
     def barrier(self) -> None:
-        """Wait for this rank's queued transfers, then for every rank (MPI barrier);
-        each wait is bounded by GEOCOMM_TIMEOUT."""
+        """Wait for this rank's queued transfers, then for every rank (the host's
+        barrier); each wait is bounded by GEOCOMM_TIMEOUT."""
         self.synchronize()
-        wait(MPIRequest(self.mpi_comm.Ibarrier()), "a barrier", self.rank)
+        self.host.barrier()
 
     def synchronize(self) -> None:
         """Block until this rank's queued transfers completed: at most GEOCOMM_TIMEOUT,
@@ -406,11 +439,11 @@ class NCCLCommunicator:
                 self.nccl_comm.abort()
 
     def abort(self, code: int = 1) -> None:
-        """Abort NCCL, then MPI_Abort the job (does not return)."""
+        """Abort NCCL, then end the job through the host communicator (does not return)."""
         try:
             self.abort_local()
         finally:
-            abort.mpi_abort(self.mpi_comm, code)
+            self.host.abort(code)  # type: ignore[attr-defined]
 
     def close(self) -> None:
         """Finish queued transfers and free the NCCL communicator (no-op once

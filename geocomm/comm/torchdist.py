@@ -436,14 +436,25 @@ class TorchDistCommunicator:
             self._dist.all_reduce(tensor, op=ops[op], group=self.group)
 
     def allgather_int64(self, values: np.ndarray) -> np.ndarray:
+        request, rows = self.start_allgather_int64(values)
+        wait(request, "a metadata all-gather", self.rank)
+        return rows
+
+    def start_allgather_int64(self, values: np.ndarray) -> tuple[_Work, np.ndarray]:
+        """Start the all-gather of a small int64 vector: (its request, the (size, len)
+        rows it fills once complete; a NCCL group's rows are copied to the host then)."""
         values = np.ascontiguousarray(values, np.int64)
         rows = np.empty((self.size, values.size), np.int64)
         send = self._t(values).to(self.device)
         gathered = self._t(rows.reshape(-1)).to(self.device)
-        self._all_gather(gathered, send, group=self.group)
+        work = self._all_gather(gathered, send, group=self.group, async_op=True)
+        finish = None
         if self.device.type != "cpu":
-            rows.reshape(-1)[...] = gathered.cpu().numpy()
-        return rows
+
+            def finish() -> None:
+                rows.reshape(-1)[...] = gathered.cpu().numpy()
+
+        return _Work(work, finish, (send, gathered)), rows
 
     def barrier(self) -> None:
         self._dist.barrier(group=self.group)

@@ -53,6 +53,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from geocomm.comm.base import Communicator
+from geocomm.engine.arithmetic import divide
 from geocomm.engine.device_tables import (
     BF16,
     BLOCK,
@@ -348,8 +349,8 @@ class DevicePlan:
         # staged mapped values (None when no piece is staged: then encode reads none)
         self.staging: Any = xp.empty(tables.staged, np.float32) if tables.staged else None
         self.amax = xp.zeros(max(tables.amax, 1), np.uint32)
-        self.graphs: dict[tuple[int, int], Any] = {}
-        self._eager_last: tuple[int, int] | None = None
+        self.graphs: dict[tuple[int, int, int], tuple[Any, Any]] = {}  # (graph, its record)
+        self._eager_last: tuple[int, int, int] | None = None
         self._capture_stream: Any = None
         self._last_stream: Any = None
         self.capturable = (
@@ -360,32 +361,39 @@ class DevicePlan:
         return Segments(self.tables.rows[span], self.table[span])
 
     def run(
-        self, source: Any, result: Any, mapper: RangeMap | None = None, rounding_stream: int = 0
+        self,
+        source: Any,
+        result: Any,
+        mapper: RangeMap | None = None,
+        rounding_stream: int = 0,
+        divisor: int = 0,
     ) -> None:
         """One call from ``source`` into ``result``, queued on the current stream: replayed
         from its CUDA graph when it has one, captured when the same arrays ran eagerly
-        the call before, else eager."""
+        the call before, else eager. ``divisor``: divide the result by it afterwards (an
+        average; 0: no division), in the graph too."""
         self._follow_stream()
         if mapper is not None or not self.capturable:
-            BatchedPipeline.of(self, source, result, mapper, rounding_stream).run()
+            BatchedPipeline.of(self, source, result, mapper, rounding_stream, divisor).run()
             return
-        key = (int(source.data.ptr), int(result.data.ptr))
-        graph = self.graphs.get(key)
-        if graph is None and self._eager_last != key:
+        key = (int(source.data.ptr), int(result.data.ptr), divisor)
+        kept = self.graphs.get(key)
+        if kept is None and self._eager_last != key:
             self._eager_last = key  # arrays seen once: run eagerly; capture on a repeat
-            BatchedPipeline.of(self, source, result).run()
+            BatchedPipeline.of(self, source, result, divisor=divisor).run()
             return
         stream = self.xp.cuda.get_current_stream()
-        if graph is None:
-            graph = self._capture(source, result)
-            if graph is None:
+        if kept is None:
+            kept = self._capture(source, result, divisor)
+            if kept is None:
                 return
-            self.graphs[key] = graph
+            self.graphs[key] = kept
             while len(self.graphs) > self.GRAPHS_KEPT:
                 self.graphs.pop(next(iter(self.graphs)))
+        graph, captured = kept
         graph.launch(stream=stream)
         assert isinstance(self.comm, Capturable)
-        self.comm.track(stream)
+        self.comm.track(stream, captured)
 
     def _follow_stream(self) -> None:
         """Order this call after the plan's last call when the current stream changed
@@ -398,22 +406,22 @@ class DevicePlan:
             stream.wait_event(last.record())
         self._last_stream = stream
 
-    def _capture(self, source: Any, result: Any) -> Any:
-        """The CUDA graph of one call from ``source`` into ``result`` (captured on a stream
-        of the plan's own: the current stream may be the legacy default stream, which
-        cannot be captured), or None when capture failed: the call then ran eagerly and
-        the plan stops capturing."""
+    def _capture(self, source: Any, result: Any, divisor: int) -> tuple[Any, Any] | None:
+        """(the CUDA graph of one call from ``source`` into ``result``, the communicator's
+        record of the capture), captured on a stream of the plan's own (the current
+        stream may be the legacy default stream, which cannot be captured); None when
+        capture failed: the call then ran eagerly and the plan stops capturing."""
         cupy = self.xp
         if self._capture_stream is None:
             self._capture_stream = cupy.cuda.Stream(non_blocking=True)
         capture = self._capture_stream
         graph = None
         assert isinstance(self.comm, Capturable)
-        with self.comm.capturing():
+        with self.comm.capturing() as captured:
             capture.begin_capture()
             try:
                 with capture:
-                    BatchedPipeline.of(self, source, result).run()
+                    BatchedPipeline.of(self, source, result, divisor=divisor).run()
             finally:
                 try:
                     graph = capture.end_capture()
@@ -421,8 +429,9 @@ class DevicePlan:
                     graph = None
         if graph is None:
             self.capturable = False
-            BatchedPipeline.of(self, source, result).run()
-        return graph
+            BatchedPipeline.of(self, source, result, divisor=divisor).run()
+            return None
+        return graph, captured
 
 
 class BatchedPipeline(PieceAccess):
@@ -448,6 +457,7 @@ class BatchedPipeline(PieceAccess):
         rounding_stream: int = 0,
         kernels: Any = None,
         plan: DevicePlan | None = None,
+        divisor: int = 0,
     ):
         if plan is None:
             xp = array_module(source)
@@ -470,6 +480,7 @@ class BatchedPipeline(PieceAccess):
             plan.amax.fill(0)
         self.a2a_req: dict[int, Any] = {}
         self.ag_req: dict[int, Any] = {}
+        self.divisor = divisor
 
     @classmethod
     def of(
@@ -479,11 +490,13 @@ class BatchedPipeline(PieceAccess):
         result: Any,
         mapper: RangeMap | None = None,
         rounding_stream: int = 0,
+        divisor: int = 0,
     ) -> BatchedPipeline:
-        """A call of ``plan`` from ``source`` into ``result``."""
+        """A call of ``plan`` from ``source`` into ``result`` (divided by ``divisor`` after
+        the last stage, unless 0)."""
         return cls(
             plan.comm, plan.fmt, plan.pieces, source, result, plan.result_offset, plan.gather,
-            mapper, rounding_stream, plan=plan,
+            mapper, rounding_stream, plan=plan, divisor=divisor,
         )  # fmt: skip
 
     # -- helpers ------------------------------------------------------------
@@ -592,10 +605,12 @@ class BatchedPipeline(PieceAccess):
             self._done(*self.pieces.piece_range(j, s))
 
     def release(self) -> None:
-        """Nothing to give back: the buffers are the plan's, and the next call on the
-        current stream is ordered after this one's transfers (each phase that reads
-        what a transfer brought waited for it; :meth:`DevicePlan.run` orders a call on
-        another stream after the last one)."""
+        """The average's division, if any. Nothing to give back: the buffers are the
+        plan's, and the next call on the current stream is ordered after this one's
+        transfers (each phase that reads what a transfer brought waited for it;
+        :meth:`DevicePlan.run` orders a call on another stream after the last one)."""
+        if self.divisor:
+            divide(self.result, self.divisor)
 
     def run(self) -> None:
         run_schedule(self)

@@ -1,9 +1,6 @@
-"""Exact sums over ranks and the IEEE fp32 arithmetic every device shares
-(docs/design.md, "The collective" and "Transforming codecs").
-
+"""Exact sums over ranks (docs/design.md, "The collective" and "Transforming codecs"):
 :func:`exact_sum` is the lossless, rank-ordered sum the side channels of
-transforming codecs use; :func:`add_into`, :func:`subtract_from` and
-:func:`divide` compute in IEEE fp32 with the same bits on NumPy and CuPy arrays.
+transforming codecs use.
 """
 
 from __future__ import annotations
@@ -15,27 +12,13 @@ import numpy as np
 from geocomm.codecs.formats import BF16Codec, NoneCodec, round_trip
 from geocomm.comm.base import Communicator, wait_ordered
 from geocomm.engine import device
+from geocomm.engine.arithmetic import add_into
 from geocomm.engine.host import Pipeline
 from geocomm.engine.layout import DEFAULT_STAGE_SIZE, Pieces, array_module, segments
 
 _PLAIN = NoneCodec()
 #: the exact sums' wire formats (a transforming codec's ``side_format``)
 _WIRE = {"fp32": _PLAIN, "bf16": BF16Codec()}
-
-
-def add_into(acc: Any, values: Any) -> None:
-    """``acc += values`` in fp32, the same bits on every device: one IEEE addition per
-    value, rounded to nearest, subnormals kept. NumPy arrays add in place with NumPy;
-    CuPy arrays with :func:`geocomm.kernels.cuda.add` (CuPy's own ``+=`` is compiled with
-    ``-ftz=true`` and flushes subnormals, so the GPU would disagree with the CPU).
-    ``acc``, ``values``: C-contiguous float32 arrays of one size and kind; ``values``
-    may be ``acc`` itself, else it must not overlap it."""
-    if array_module(acc) is np:
-        np.add(acc, values, out=acc)
-    else:
-        from geocomm.kernels import cuda
-
-        cuda.add(acc, values)
 
 
 #: An exact sum of at most this many values times ranks is one all-gather (every
@@ -114,30 +97,3 @@ def _gathered_sum(comm: Communicator, wire: Any, source: Any, total: Any) -> Any
         else:
             add_into(total, row)
     return total
-
-
-def subtract_from(values: Any, decoded: Any) -> None:
-    """``decoded = values - decoded`` in place (what a quantization lost), the same bits
-    on every device: IEEE fp32, rounded to nearest, subnormals kept. NumPy computes
-    ``-1 * decoded + values`` as it always has (the IEEE difference; of two NaNs it
-    keeps decoded's, as ``np.subtract`` would not); CuPy arrays go through
-    :func:`geocomm.kernels.cuda.subtract` (CuPy's own arithmetic flushes subnormals; GPU NaNs
-    are canonical anyway). C-contiguous float32 arrays of one size and kind, apart."""
-    if array_module(decoded) is np:
-        np.multiply(decoded, -1, out=decoded)
-        np.add(decoded, values, out=decoded)
-    else:
-        from geocomm.kernels import cuda
-
-        cuda.subtract(decoded, values, decoded)
-
-
-def divide(values: Any, size: int) -> None:
-    """values /= size in place, one IEEE division per value on every device (CuPy's
-    own elementwise kernels flush subnormals to zero, so CuPy arrays get ours)."""
-    if array_module(values) is np:
-        values /= values.dtype.type(size)
-    else:
-        from geocomm.kernels import cuda
-
-        cuda.divide(values, size)

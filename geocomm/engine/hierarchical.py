@@ -21,7 +21,7 @@ import numpy as np
 
 from geocomm.comm.base import Communicator, wait, wait_ordered
 from geocomm.comm.nodes import NodeComms
-from geocomm.engine.exact import add_into
+from geocomm.engine.arithmetic import add_into
 from geocomm.engine.layout import array_module, segments, shard_bounds
 
 Ranges = list[list[tuple[int, int]]]

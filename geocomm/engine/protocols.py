@@ -118,9 +118,11 @@ RefreshRounds = Generator[Any, Any, None]
 class Capturable(Protocol):
     """A device communicator whose transfers can be captured into a CUDA graph (NCCL's):
     ``capturing()`` is the context in which they are (no bookkeeping of events that only
-    exist in the graph), ``track(stream)`` takes note of the work a graph launch queued
-    on ``stream``, so its transfers' timeouts are watched like any other."""
+    exist in the graph); it gives a record of the capture (or None) to pass to
+    ``track(stream, captured)`` after each launch of the graph, which takes note of the
+    work the launch queued on ``stream`` (its transfers' timeouts are watched like any
+    other; a meter counts the captured bytes again)."""
 
-    def capturing(self) -> AbstractContextManager[None]: ...
+    def capturing(self) -> AbstractContextManager[Any]: ...
 
-    def track(self, stream: Any) -> None: ...
+    def track(self, stream: Any, captured: Any = None) -> None: ...

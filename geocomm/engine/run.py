@@ -29,9 +29,9 @@ from geocomm.codecs import Codec, ErrorFeedbackCodec, TransformingCodec
 from geocomm.comm.base import Communicator, wait_ordered
 from geocomm.comm.nodes import NodeComms, node_comms, node_layout
 from geocomm.engine import checks, costs, device
+from geocomm.engine.arithmetic import divide
 from geocomm.engine.call import Call, Part, Signature, new_call, shard_parts
 from geocomm.engine.device_tables import wire_format
-from geocomm.engine.exact import divide
 from geocomm.engine.hierarchical import node_allreduce, node_reduce_scatter
 from geocomm.engine.host import Pipeline
 from geocomm.engine.layout import PIECE_ALIGN, Pieces, array_module, segments, shard_bounds
@@ -50,13 +50,14 @@ def run(call: Call) -> None:
         _staged(call)
         return
     checks.verify(call)
+    averaged = False
     if signature.codec.lossless:
         _exact(call)
     elif signature.kind == "allgather":
         _gathered(call)
     else:
-        _reduced(call)
-    if signature.op == "avg":
+        averaged = _reduced(call)
+    if signature.op == "avg" and not averaged:
         divide(call.result, signature.comm.size)
 
 
@@ -120,15 +121,17 @@ def _shard(count: int, comm: Communicator) -> tuple[int, int]:
 # reductions: node-aware or flat
 
 
-def _reduced(call: Call) -> None:
+def _reduced(call: Call) -> bool:
+    """A compressed all-reduce or reduce-scatter; True when it also averaged (the
+    device pipeline divides inside its CUDA graph)."""
     signature = call.signature
     nodes = _two_levels(signature)
     if nodes is None:
         if isinstance(signature.codec, ErrorFeedbackCodec):
             checks.verify_flat_state(call)
         lo = 0 if signature.kind == "allreduce" else _shard(signature.count, signature.comm)[0]
-        compressed(signature, call.source, call.result, lo, call.rounding_stream)
-        return
+        divisor = signature.comm.size if signature.op == "avg" else 0
+        return compressed(signature, call.source, call.result, lo, call.rounding_stream, divisor)
     across = signature.plans.get(_ACROSS)
     if across is None:
         across = signature.plans[_ACROSS] = _Across(nodes, signature)
@@ -136,6 +139,7 @@ def _reduced(call: Call) -> None:
         node_allreduce(nodes, call.source, call.result, across)
     else:
         call.result[...] = node_reduce_scatter(nodes, call.source, across)
+    return False
 
 
 def _two_levels(signature: Signature) -> NodeComms | None:
@@ -186,7 +190,7 @@ class _Across:
             )  # fmt: skip
         call = new_call(cross, values, result)
         checks.verify(call)
-        compressed(cross, values, result, offset, call.rounding_stream)
+        compressed(cross, values, result, offset, call.rounding_stream)  # a sum: no divisor
 
 
 # ---------------------------------------------------------------------------
@@ -210,15 +214,18 @@ class FlatPlan:
         #: whether calls may map their tensors or keep residuals (a stateful codec)
         self.stateful = isinstance(codec, (TransformingCodec, ErrorFeedbackCodec))
 
-    def pipeline(self, source: Any, result: Any, mapper: Any, rounding_stream: int) -> None:
+    def pipeline(
+        self, source: Any, result: Any, mapper: Any, rounding_stream: int, divisor: int = 0
+    ) -> bool:
         """One pass of the staged algorithm: on the device when the arrays live there and
-        the codec sends a native format, else on the host; the same bits."""
+        the codec sends a native format, else on the host; the same bits. ``divisor``:
+        the device pipeline divides the result by it (an average); True if it did."""
         if self.fmt is None or array_module(source) is np:
             Pipeline(
                 self.comm, self.codec, self.pieces, source, result, self.offset, self.gather,
                 mapper, rounding_stream,
             ).run()  # fmt: skip
-            return
+            return False
         staged = mapper is not None
         plan = self.device_plans.get(staged)
         if plan is None:
@@ -226,40 +233,47 @@ class FlatPlan:
                 self.comm, self.fmt, self.pieces, self.offset, self.gather, staged,
                 array_module(source),
             )  # fmt: skip
-        plan.run(source, result, mapper, rounding_stream)
+        plan.run(source, result, mapper, rounding_stream, divisor)
+        return bool(divisor)
 
 
 def compressed(
-    signature: Signature, source: Any, result: Any, offset: int, rounding_stream: int
-) -> None:
+    signature: Signature,
+    source: Any,
+    result: Any,
+    offset: int,
+    rounding_stream: int,
+    divisor: int = 0,
+) -> bool:
     """Reduce flat float32 ``source`` through the signature's lossy codec into ``result``
     (index ``offset`` on: the buffer, or this rank's shard for a reduce-scatter), with
     the transforming and error-feedback protocols. Ranged maps write each piece they
     read into a scratch piece that stays in the cache; whole-tensor maps write their
     tensor into the result when it holds the whole buffer (:class:`PartsMap`).
-    ``result`` may be ``source`` (a range is read before the pipeline writes it)."""
+    ``result`` may be ``source`` (a range is read before the pipeline writes it).
+    ``divisor``: divide the result by it where the device pipeline can (a call with
+    no map); True if it did."""
     plan: FlatPlan | None = signature.plans.get(_FLAT)
     if plan is None:
         plan = signature.plans[_FLAT] = FlatPlan(signature, offset)
     if not plan.stateful:
-        plan.pipeline(source, result, None, rounding_stream)
-        return
+        return plan.pipeline(source, result, None, rounding_stream, divisor)
     comm, codec, parts = plan.comm, plan.codec, signature.parts
     count = signature.count
     mapping_codec, residual = _stateful(codec, plan.kind, parts, count, array_module(source))
     planned = plan_parts(comm, mapping_codec, source, list(parts), plan.bounds)
     if not planned and residual is None:
-        plan.pipeline(source, result, None, rounding_stream)
-        return
+        return plan.pipeline(source, result, None, rounding_stream, divisor)
     sums = side_sums(comm, mapping_codec, planned)
     parts_map = PartsMap(source, result, offset, list(parts), planned, sums, residual, codec)
     plan.pipeline(source, result, parts_map, rounding_stream)
     parts_map.finish(offset, offset + result.size)
     if plan.gather and offset == 0 and result.size == count:  # every rank holds the whole sum
         refresh(None, mapping_codec, planned, sums, result, 0, count)
-        return
+        return False
     lo, hi = int(plan.bounds[comm.rank]), int(plan.bounds[comm.rank + 1])
     refresh(comm, mapping_codec, planned, sums, result[lo - offset : hi - offset], lo, hi)
+    return False
 
 
 def run_pipeline(

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from geocomm.comm.base import Communicator
-from geocomm.engine.exact import add_into, exact_sum, subtract_from
+from geocomm.engine.arithmetic import add_into, subtract_from
+from geocomm.engine.exact import exact_sum
 from geocomm.engine.layout import array_module
 from geocomm.engine.protocols import WireCodec
 

@@ -28,7 +28,7 @@ from geocomm.comm import torchdist
 from geocomm.comm.base import wait, wait_ordered
 from geocomm.engine import device as gp
 from geocomm.engine import device_tables as gpl
-from geocomm.engine.exact import add_into, subtract_from
+from geocomm.engine.arithmetic import add_into, subtract_from
 from geocomm.engine.host import Pipeline
 from geocomm.engine.layout import Pieces
 from geocomm.kernels import cuda

@@ -12,6 +12,7 @@ compare each call's result with NumPy over MPI, bit for bit.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import numpy as np
 import pytest
@@ -204,3 +205,50 @@ def test_a_steady_call_that_differs_across_ranks_fails_on_every_rank():
                 break
     assert raised_at is not None, "a mismatch is found within IN_FLIGHT + 1 calls"
     assert comm.aborted == (raised_at > 0)  # aborted only when the mismatched call moved
+    if comm.aborted:  # its stuck transfers fail, and the streams drain, within this test
+        from cupy import _device
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (
+            _device._failure and all(not s._queue for s in list(_device._streams_by_ptr.values()))
+        ):
+            time.sleep(0.01)
+
+
+def test_the_ddp_hooks_calls_replay_over_nccl_bootstrapped_by_torch(cp):
+    """What the DDP hook runs for a CUDA bucket (dedicated_comm's communicator: geocomm's
+    NCCL over a gloo group of torch.distributed, metered; one compressed all-reduce of
+    the bucket with a key per parameter, averaged in place): from the third step on a
+    bucket replays one graph and allocates nothing, the meter still counts every
+    step's bytes, and the result is NumPy's over MPI, bit for bit."""
+    import torch.distributed as dist
+
+    from geocomm.adapters.torch import init_distributed_from_mpi
+    from geocomm.comm.nccl import NCCLCommunicator
+    from geocomm.comm.torchdist import TorchDistCommunicator
+    from geocomm.testing import MeteredComm
+
+    init_distributed_from_mpi("gloo")
+    host = TorchDistCommunicator(dist.new_group(backend="gloo"))
+    comm = MeteredComm(NCCLCommunicator(host))
+    parts = [("w1", (256, 64)), ("b1", (256,)), ("w2", (3, 256))]
+    count = sum(int(np.prod(s)) for _, s in parts)
+    x = inputs(comm.rank, count, tag=5)
+    want = geocomm.allreduce(x, codec="fp8", op="avg", parts=parts, comm=MPICommunicator())
+    stream = cp.cuda.Stream(non_blocking=True)
+    sent, costs = [], []
+    with stream:
+        bucket = cp.empty(count, cp.float32)
+        for _ in range(4):
+            bucket.set(x)
+            before = comm.sent
+            with counted() as cost:
+                geocomm.allreduce(bucket, codec="fp8", op="avg", out=bucket, parts=parts,
+                                  comm=comm, check=False)  # fmt: skip
+            costs.append(cost)
+            sent.append(comm.sent - before)
+            assert np.array_equal(bucket.get().view(np.uint32), want.view(np.uint32))
+    # every step sends the same bytes, whether eager, captured or replayed
+    assert len(set(sent)) == 1 and (sent[0] > 0) == (comm.size > 1), sent
+    # the steady step: the graph and the average's one kernel... all inside the graph
+    assert costs[-1] == {"graph_launches": 1, "events": 1}, costs[-1]

@@ -23,9 +23,11 @@ index order). geocomm's traffic uses a process group of its own
 
 CUDA gradients: the hook records an event on the gradients' stream (torch's
 current stream); the worker runs on a stream of its own that waits for that
-event, geocomm's CuPy kernels run on it (CuPy ``ExternalStream`` on torch's
-stream) and the bytes move through a NCCL process group (or a communicator
-passed as ``comm=``, e.g. :class:`geocomm.comm.nccl.NCCLCommunicator`). The
+event, geocomm's CuPy kernels run on it (CuPy's wrapper of torch's stream) and
+the bytes move through geocomm's NCCL communicator, bootstrapped over a gloo
+group of its own (:func:`~geocomm.adapters.torch.distributed.dedicated_comm`; or
+a communicator passed as ``comm=``). A bucket's buffer is the same every step,
+so from its third step on a bucket's collective replays as one CUDA graph. The
 future is device-aware, so DDP's stream waits for the worker's stream before
 it reads the result. fp32, fp16 and bf16 gradients.
 """
@@ -124,7 +126,7 @@ class GeocommHookState:
                 "default process group is not initialized yet (dist.init_process_group)"
             )
         device = self.device if self.device is not None else _module_device(self.module)
-        comm = dedicated_comm(self.group, device.type)
+        comm = dedicated_comm(self.group, device)
         checkpoints.check_world_size(self._expected_size, comm.size, "GeocommHookState")
         return comm
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from geocomm.comm.base import Communicator
 from geocomm.comm.torchdist import TorchDistCommunicator
 
 __all__ = ["dedicated_comm", "init_distributed_from_mpi"]
@@ -37,12 +38,30 @@ def init_distributed_from_mpi(backend: str = "gloo", port: int | None = None) ->
     dist.init_process_group(backend, rank=world.rank, world_size=world.size)
 
 
-def dedicated_comm(group: Any = None, device: str = "cpu") -> TorchDistCommunicator:
-    """A communicator over a new process group with the ranks of ``group`` (default:
-    the world): gloo for ``device="cpu"``, NCCL for ``"cuda"``. Every rank of
-    ``group`` must call it, in the same order as its other ``new_group`` calls."""
+def dedicated_comm(group: Any = None, device: Any = "cpu") -> Communicator:
+    """A communicator of its own over the ranks of ``group`` (default: the world), for
+    tensors on ``device``.
+
+    Args:
+        group: the torch.distributed group whose ranks take part.
+        device: a torch device (or its name): CPU tensors travel over a new gloo group;
+            CUDA tensors over geocomm's NCCL communicator (CuPy), on that device,
+            bootstrapped over a new gloo group. Its transfers can be captured, so a
+            steady call replays as one CUDA graph (docs/design.md, "The collective").
+
+    Returns:
+        A :class:`~geocomm.comm.torchdist.TorchDistCommunicator` (CPU) or
+        :class:`~geocomm.comm.nccl.NCCLCommunicator` (CUDA). Every rank of ``group`` must
+        call it, in the same order as its other ``new_group`` calls.
+    """
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-    return TorchDistCommunicator(
-        dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=True)
+    host = TorchDistCommunicator(
+        dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
     )
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host
+    from geocomm.comm.nccl import NCCLCommunicator
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return NCCLCommunicator(host, device=index)

@@ -362,14 +362,14 @@ def _install(owner: FSDPCompression, settings: _Settings) -> None:
             base = (
                 settings.comm
                 if settings.comm is not None
-                else dedicated_comm(mesh.get_group(mesh_dim), device.type)
+                else dedicated_comm(mesh.get_group(mesh_dim), device)
             )
             shard_reducer = grads.GradReducer(codec, base, *options)
             if settings.replicate_group is not None or settings.replicate_comm is not None:
                 base = (
                     settings.replicate_comm
                     if settings.replicate_comm is not None
-                    else dedicated_comm(settings.replicate_group, device.type)
+                    else dedicated_comm(settings.replicate_group, device)
                 )
                 replica_reducer = grads.GradReducer(shard_reducer.codec, base, *options)
         if size != shard_reducer.comm.size:

@@ -1,0 +1,54 @@
+"""IEEE fp32 arithmetic with the same bits on every device (docs/design.md, "The
+collective"): NumPy's on host arrays; the kernels of :mod:`geocomm.kernels.cuda` on
+CuPy arrays, whose own elementwise kernels flush subnormals to zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from geocomm.engine.layout import array_module
+
+
+def add_into(acc: Any, values: Any) -> None:
+    """``acc += values`` in fp32, the same bits on every device: one IEEE addition per
+    value, rounded to nearest, subnormals kept. NumPy arrays add in place with NumPy;
+    CuPy arrays with :func:`geocomm.kernels.cuda.add` (CuPy's own ``+=`` is compiled with
+    ``-ftz=true`` and flushes subnormals, so the GPU would disagree with the CPU).
+    ``acc``, ``values``: C-contiguous float32 arrays of one size and kind; ``values``
+    may be ``acc`` itself, else it must not overlap it."""
+    if array_module(acc) is np:
+        np.add(acc, values, out=acc)
+    else:
+        from geocomm.kernels import cuda
+
+        cuda.add(acc, values)
+
+
+def subtract_from(values: Any, decoded: Any) -> None:
+    """``decoded = values - decoded`` in place (what a quantization lost), the same bits
+    on every device: IEEE fp32, rounded to nearest, subnormals kept. NumPy computes
+    ``-1 * decoded + values`` as it always has (the IEEE difference; of two NaNs it
+    keeps decoded's, as ``np.subtract`` would not); CuPy arrays go through
+    :func:`geocomm.kernels.cuda.subtract` (CuPy's own arithmetic flushes subnormals; GPU NaNs
+    are canonical anyway). C-contiguous float32 arrays of one size and kind, apart."""
+    if array_module(decoded) is np:
+        np.multiply(decoded, -1, out=decoded)
+        np.add(decoded, values, out=decoded)
+    else:
+        from geocomm.kernels import cuda
+
+        cuda.subtract(decoded, values, decoded)
+
+
+def divide(values: Any, size: int) -> None:
+    """values /= size in place, one IEEE division per value on every device (CuPy's
+    own elementwise kernels flush subnormals to zero, so CuPy arrays get ours)."""
+    if array_module(values) is np:
+        values /= values.dtype.type(size)
+    else:
+        from geocomm.kernels import cuda
+
+        cuda.divide(values, size)
