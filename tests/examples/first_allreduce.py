@@ -8,6 +8,7 @@ import geocomm
 
 if "RANK" in os.environ:                       # torchrun: ranks from torch.distributed
     import torch.distributed as dist
+
     from geocomm.comm.torchdist import TorchDistCommunicator
 
     dist.init_process_group("gloo")
