@@ -120,8 +120,8 @@ def parse(words: list[str]) -> list[tuple[str, list[str], list[str]]]:
     """(program, options, paths) of a command and of the commands it launches after
     ``--``. ``program``: "module:NAME", a script's path, "torchrun", "pip" or "" (no
     check of options); ``paths``: the positional words that name repository files."""
-    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # VAR=value prefixes
-        words = words[1:]
+    while words and (words[0] == "env" or re.fullmatch(r"[A-Z_]+=\S*", words[0])):
+        words = words[1:]  # env and VAR=value prefixes
     if not words:
         return []
     if "--" in words:
