@@ -10,7 +10,7 @@ a two-core machine to the same core halves the speed), and a rank that fails
 ends the job. ``--timeout`` bounds the whole run. Like torchrun, it gives each
 rank an equal share of the cores for BLAS/OpenMP threads unless
 OMP_NUM_THREADS/OPENBLAS_NUM_THREADS are set: N ranks each starting one
-BLAS thread per core made GeoFP8's geometry 10-100x slower (measured).
+BLAS thread per core oversubscribe the cores many times over.
 """
 
 from __future__ import annotations

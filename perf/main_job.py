@@ -1,6 +1,7 @@
 """The main job (``bash perf/run_main.sh``): compressed all-reduce against plain fp32 MPI.
 
-    python perf/main_job.py                       # what run_main.sh runs
+    python perf/main_job.py                       # what run_main.sh runs: into perf/out/
+    python perf/main_job.py --publish             # into perf/results/ (committed)
     python perf/main_job.py --links shm --codecs fp8 --max 1M   # a short look
 
 Sweeps ``perf/all_reduce_perf.py`` for plain fp32 (``--codec none``) and
@@ -13,6 +14,10 @@ against the derived error bounds and writes its JSON report to
 (:mod:`main_summary`) is printed and written to ``OUT/main_n{ranks}.md`` and
 ``.json``, with a plot per link, ``OUT/main_{link}_n{ranks}.png``. Where no
 namespace can be made, it says why and what the shared-memory numbers mean.
+
+OUT is ``perf/out/`` (not tracked), so a run leaves the repository as it was;
+``--publish`` writes to ``perf/results/`` instead, to refresh the committed
+results on purpose, and ``--out`` anywhere else. The last line says where.
 """
 
 from __future__ import annotations
@@ -27,10 +32,11 @@ from typing import Any
 import main_summary
 from emulated_link import namespace_problem
 from lab import write_results
-from plot_perf import plot
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+#: where a run writes: its own untracked folder, or the committed results with --publish
+SCRATCH, PUBLISHED = HERE / "out", HERE / "results"
 #: sweep settings per link: (largest size, warm-up calls, timed calls); the links
 #: are slow, so fewer calls there (one 64 MiB fp32 call takes ~1 s at 1 Gbit/s)
 SWEEPS = {"shm": ("64M", 3, 10), "10gbit": ("64M", 2, 6), "1gbit": ("64M", 1, 4)}
@@ -75,20 +81,41 @@ def run_link(link: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def draw(link: str, reports: list[dict[str, Any]], ranks: int, out: Path) -> None:
     """The link's plot, ``out/main_{link}_n{ranks}.png``."""
+    from plot_perf import plot  # matplotlib (the perf extra) only when drawing
+
     where = "shared memory" if link == "shm" else f"emulated {link} link"
     title = f"all-reduce, {ranks} ranks, {where}"
     plot(reports, out / f"main_{link}_n{ranks}.png", title, short=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The job's arguments; ``out`` is the folder it writes to."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--links", default="shm,10gbit,1gbit", help="shm and/or tc rates")
     p.add_argument("--codecs", default=",".join(CODECS), help="none first: the baseline")
     p.add_argument("-n", "--ranks", type=int, default=2)
     p.add_argument("--max", default=None, help="largest size (default: per link)")
-    p.add_argument("--out", type=Path, default=HERE / "results")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--out", type=Path, default=SCRATCH, help="folder (default: perf/out)")
+    where.add_argument(
+        "--publish",
+        action="store_const",
+        dest="out",
+        const=PUBLISHED,
+        help="write to perf/results/, the committed results",
+    )
     p.add_argument("--report", action="store_true", help="re-render the md and plots from the JSON")
     args = p.parse_args(argv)
+    if args.codecs.split(",")[0] != "none":
+        p.error("--codecs must start with none (plain fp32, the baseline)")
+    unknown = set(args.links.split(",")) - set(SWEEPS)
+    if unknown:
+        p.error(f"unknown links {sorted(unknown)}; known: {', '.join(SWEEPS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     stem = args.out / f"main_n{args.ranks}"
     if args.report:
         summary = json.loads(stem.with_suffix(".json").read_text())
@@ -99,12 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         text = main_summary.document(summary)
         stem.with_suffix(".md").write_text(text)
         print(text)
+        print(written(stem), flush=True)
         return 0
-    if args.codecs.split(",")[0] != "none":
-        p.error("--codecs must start with none (plain fp32, the baseline)")
-    unknown = set(args.links.split(",")) - set(SWEEPS)
-    if unknown:
-        p.error(f"unknown links {sorted(unknown)}; known: {', '.join(SWEEPS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     links = args.links.split(",")
     shaped = [link for link in links if link != "shm"]
@@ -125,7 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     text = main_summary.document(summary)
     write_results(stem, summary, text)
     print(text, flush=True)
+    print(written(stem), flush=True)
     return 0
+
+
+def written(stem: Path) -> str:
+    """The closing line: where the summary, the plots and the reports are."""
+    folder = stem.parent.resolve()
+    shown = folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder
+    line = f"# main job: summary {stem.name}.md and .json, plots and reports in {shown}/"
+    if folder == SCRATCH:
+        line += " (not tracked; bash perf/run_main.sh --publish writes to perf/results/)"
+    return line
 
 
 if __name__ == "__main__":

@@ -8,30 +8,40 @@
 # in C, INT_MIN on x86, saturated on a GPU) and float-divide-by-zero (IEEE
 # defines it, but 0 / 0 is a NaN whose sign differs between x86 and GPUs), so
 # they are added: the core does neither.
+#
+# Only geocomm is built again: the sanitized package goes into its own folder
+# (build-asan/python), first on PYTHONPATH, and everything else (torch, the
+# test tools) comes from the test environment, .venv (GEOCOMM_VENV), which
+# tools/setup_venv.sh makes if it is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-VENV=${GEOCOMM_ASAN_VENV:-.venv-asan}
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+VENV=${GEOCOMM_VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  source tools/setup_venv.sh test
+fi
 VENV="$(cd "$VENV" && pwd)"
 PY="$VENV/bin/python"
+export PATH="$VENV/bin:$PATH"   # meson, ninja and cffi-gen-src
+# the sanitizers, for the C tests' build and the Python package's alike
 FLOAT_CHECKS=-fsanitize=float-cast-overflow,float-divide-by-zero
-SAN=(-Csetup-args=-Db_sanitize=address,undefined -Csetup-args=-Db_lundef=false
-  "-Csetup-args=-Dc_args=$FLOAT_CHECKS")
-"$PY" -m pip install -q --upgrade pip
-"$PY" -m pip install -q meson ninja "cffi>=2.1"
+SANITIZE=(-Db_sanitize=address,undefined -Db_lundef=false "-Dc_args=$FLOAT_CHECKS")
+# the build tools, beside the test environment's cffi (pyproject's build-system)
+"$PY" -m pip install -q "meson-python>=0.16" "meson>=1.3" ninja
 # C tests
 rm -rf build-asan
-PATH="$VENV/bin:$PATH" "$VENV/bin/meson" setup build-asan -Db_sanitize=address,undefined \
-  -Db_lundef=false "-Dc_args=$FLOAT_CHECKS" -Dnative_tests=true -Dbuildtype=debugoptimized \
-  >/dev/null
-PATH="$VENV/bin:$PATH" "$VENV/bin/meson" test -C build-asan --print-errorlogs
+meson setup build-asan "${SANITIZE[@]}" -Dnative_tests=true -Dbuildtype=debugoptimized >/dev/null
+meson test -C build-asan --print-errorlogs
 # Python tests against the sanitized extension
-"$PY" -m pip install -q "torch==2.13.0" ".[test]" "${SAN[@]}" --no-build-isolation 2>/dev/null \
-  || "$PY" -m pip install -q "torch==2.13.0" ".[test]" "${SAN[@]}"
-PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)"
-LD_PRELOAD="$PRELOAD" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
-  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-  "$PY" -P -m pytest -q -p no:cacheprovider -m "not mpi" tests/codecs/test_codec_formats.py \
+PACKAGE="$PWD/build-asan/python"
+"$PY" -m pip install -q --no-deps --no-build-isolation --target "$PACKAGE" . \
+  "${SANITIZE[@]/#/-Csetup-args=}"
+export PYTHONPATH="$PACKAGE"
+export LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)"
+export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+# the tests must see the sanitized core, not the one installed in the environment
+"$PY" -P -c "import geocomm.kernels.native as n, sys
+sys.exit(not (n.available and n.__file__.startswith('$PACKAGE/')))" \
+  || { echo "run_sanitized.sh: the sanitized core in $PACKAGE does not load" >&2; exit 1; }
+"$PY" -P -m pytest -q -p no:cacheprovider -m "not mpi" tests/codecs/test_codec_formats.py \
   tests/codecs/test_mx_formats.py tests/codecs/test_stochastic_rounding.py \
   tests/codecs/test_frames.py tests/codecs/test_geometry.py

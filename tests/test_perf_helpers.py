@@ -7,6 +7,7 @@ import dataclasses
 import importlib
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -151,6 +152,22 @@ def test_summary_refuses_a_link_without_baseline_or_with_mixed_ranks():
     mixed = [_report("none", {1024: 1.0}), _report("fp8", {1024: 1.0}, ranks=4)]
     with pytest.raises(ValueError, match="rank counts"):
         summary.link_table("10gbit", mixed, "launch")
+
+
+def test_main_job_writes_to_an_untracked_folder_unless_published():
+    main_job = _perf_module("main_job")
+    assert main_job.parse_args([]).out == PERF / "out"
+    assert main_job.parse_args(["--publish"]).out == PERF / "results"
+    with pytest.raises(SystemExit):
+        main_job.parse_args(["--publish", "--out", "elsewhere"])
+    # git ignores the default folder, so a run leaves the repository clean
+    root = PERF.parent
+    if (root / ".git").exists():
+        ignored = subprocess.run(["git", "check-ignore", "-q", "perf/out/main_n2.md"], cwd=root)
+        assert ignored.returncode == 0
+    assert "/perf/out/" in (root / ".gitignore").read_text().splitlines()
+    assert "not tracked" in main_job.written(PERF / "out" / "main_n2")
+    assert "not tracked" not in main_job.written(PERF / "results" / "main_n2")
 
 
 def test_namespace_probe_says_why_without_root(monkeypatch):

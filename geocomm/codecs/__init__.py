@@ -36,7 +36,18 @@ for _cls in (
 
 
 def decode(buf: Any, out: np.ndarray | None = None) -> np.ndarray:
-    """Decode any geocomm frame with the codec its header names."""
+    """Decode any geocomm frame with the codec its header names.
+
+    Args:
+        buf: a frame (uint8 array or any bytes-like object) from :meth:`Codec.encode`.
+        out: an array of the frame's shape and any float dtype to fill, or None.
+
+    Returns:
+        ``out``, or a new NumPy array of the frame's shape and dtype.
+
+    Raises:
+        ValueError: a malformed or corrupted frame, or one naming an unknown codec.
+    """
     return get_codec(parse_frame(buf, frame_body_size).config).decode(buf, out=out)
 
 

@@ -38,7 +38,13 @@ class Codec(ABC):
     # ---- configuration ----------------------------------------------------
     @abstractmethod
     def get_config(self) -> dict[str, Any]:
-        """JSON-able parameters including ``"id"``; ``from_config`` inverts it."""
+        """The codec's parameters.
+
+        Returns:
+            A JSON-able dict with the codec's ``"id"`` and every parameter;
+            :meth:`from_config` (and :func:`geocomm.get_codec`) make an equal codec
+            from it, and two codecs are equal when their configs are.
+        """
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Codec:
@@ -67,18 +73,30 @@ class Codec(ABC):
     def encode_wire(
         self, x: np.ndarray, wire: np.ndarray, *, rounding_stream: int = 0, offset: int = 0
     ) -> None:
-        """Encode flat contiguous float32 ``x`` into ``wire[:wire_size(x.size)]``.
+        """Encode values into a headerless wire body (the collectives' API).
 
-        Stochastic rounding draws the random bits of ``x[i]`` from (the
-        codec's seed, ``rounding_stream``, ``offset + i``), both integers in [0, 2^64):
-        ``offset`` is the global index of ``x[0]``, so encoding pieces with
-        their offsets gives each element the bits of one whole call. Codecs
-        that round to nearest ignore both.
+        Args:
+            x: flat, contiguous float32 values.
+            wire: uint8 array of at least ``wire_size(x.size)`` bytes; the first
+                ``wire_size(x.size)`` are written.
+            rounding_stream: stochastic rounding's stream, an integer in [0, 2^64).
+            offset: the global index of ``x[0]`` in [0, 2^64): the random bits of
+                ``x[i]`` are drawn from (the codec's seed, ``rounding_stream``,
+                ``offset + i``), so encoding pieces with their offsets gives every
+                element the bits of one whole call. Codecs that round to nearest
+                ignore both.
         """
 
     @abstractmethod
     def decode_wire(self, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
-        """Decode ``out.size`` values from ``wire`` into ``out`` (``+=`` if accumulate)."""
+        """Decode a wire body written by :meth:`encode_wire`.
+
+        Args:
+            wire: uint8 array holding at least ``wire_size(out.size)`` bytes.
+            out: flat, contiguous float32 array: ``out.size`` values are decoded.
+            accumulate: add the decoded values to ``out`` (``+=``) instead of
+                overwriting it.
+        """
 
     # ---- frame bodies (override when the body depends on more than the count) --
     def frame_body_size(self, shape: tuple[int, ...]) -> int:
@@ -96,12 +114,35 @@ class Codec(ABC):
     # ---- standalone API (FramedCodec in geocomm.codecs.frames implements it) --
     @abstractmethod
     def encode(self, x: np.ndarray) -> np.ndarray:
-        """Self-describing frame (uint8 array) of x; any shape, a float dtype."""
+        """Encode an array as a self-describing frame.
+
+        Args:
+            x: NumPy array of any shape, float32, float16, bfloat16 or float64.
+
+        Returns:
+            A uint8 array: magic, version, dtype, shape, this codec's config, the
+            body and a CRC32 (:func:`geocomm.decode` reads it without the codec).
+
+        Raises:
+            TypeError: ``x`` is not a NumPy array of a supported float dtype.
+        """
 
     @abstractmethod
     def decode(self, buf: Any, out: np.ndarray | None = None) -> np.ndarray:
-        """Array from a frame of this codec; ``out`` (right shape, any float dtype) is
-        filled; ValueError on a malformed frame or one of another codec."""
+        """Decode a frame written by this codec's :meth:`encode`.
+
+        Args:
+            buf: the frame (uint8 array or any bytes-like object).
+            out: an array of the frame's shape and any supported float dtype to fill,
+                or None.
+
+        Returns:
+            ``out``, or a new array of the frame's shape and dtype.
+
+        Raises:
+            ValueError: a malformed or corrupted frame, one of another codec or
+                config, or an ``out`` of another shape or read-only.
+        """
 
 
 class WireOf:

@@ -18,7 +18,27 @@ _entry_points_loaded = False
 
 
 def register_codec(cls: type[Codec]) -> type[Codec]:
-    """Register a Codec subclass under its ``codec_id`` (usable as a decorator)."""
+    """Register a codec class under its ``codec_id``, so :func:`get_codec` finds it.
+
+    Usable as a class decorator. A class registered under an id already taken
+    replaces the earlier one.
+
+    Args:
+        cls: a subclass of :class:`~geocomm.codecs.base.Codec` with a ``codec_id``.
+
+    Returns:
+        ``cls`` itself.
+
+    Raises:
+        TypeError: ``cls`` is not a Codec subclass.
+
+    Example::
+
+        @geocomm.register_codec
+        class MyCodec(FramedCodec):
+            codec_id = "mine"
+            ...
+    """
     if not (isinstance(cls, type) and issubclass(cls, Codec)):
         raise TypeError(f"{cls!r} is not a Codec subclass")
     _registry[cls.codec_id] = cls
@@ -41,11 +61,29 @@ def registered_ids() -> list[str]:
 
 
 def get_codec(codec: str | dict[str, Any] | Codec | None, **params: Any) -> Codec:
-    """A codec from an id (plus params), a config dict, or a Codec (returned as is).
+    """A codec by id or config.
 
-    ``None`` means ``"none"``. Unknown ids raise ``KeyError`` listing the known ones.
-    ``error_feedback=True`` wraps a lossy codec in
-    :class:`~geocomm.codecs.feedback.ErrorFeedbackCodec`.
+    Args:
+        codec: a registered id ("fp8", "nvfp4", "geofp8", ...), a config dict with an
+            ``"id"`` (what :meth:`Codec.get_config` returns), a Codec (returned as it
+            is), or None for "none".
+        **params: the codec's parameters, over those of a config dict
+            (``fmt="e5m2"``, ``block=0``, ``rounding="stochastic"``, ...);
+            ``error_feedback=True`` wraps a lossy codec in
+            :class:`~geocomm.codecs.feedback.ErrorFeedbackCodec`.
+
+    Returns:
+        A new codec instance; ``get_codec(c.get_config()) == c`` for every codec ``c``.
+
+    Raises:
+        KeyError: an unknown id (the message lists the known ones).
+        TypeError: ``codec`` of another type, parameters given with a Codec, or a
+            parameter the codec does not take.
+        ValueError: a parameter value the codec refuses.
+
+    Example::
+
+        codec = geocomm.get_codec("fp8", fmt="e4m3", block=128)
     """
     if isinstance(codec, Codec):
         if params:

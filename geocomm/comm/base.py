@@ -57,7 +57,7 @@ def wait(request: Request, what: str, rank: int, timeout: float | None = None) -
     A request with ``wait_for(seconds) -> bool`` (one that completes on a
     thread of its own, like torch.distributed's) is slept on instead of
     polled: a waiting worker thread then leaves the CPU to the training it
-    overlaps (polling cost the DDP hook's worker 20 ms of CPU per step)."""
+    overlaps (polling took the DDP hook's worker CPU time that backward needs)."""
     limit = timeout_seconds() if timeout is None else timeout
     if request.test():
         return

@@ -39,9 +39,8 @@ from geocomm.codecs.auto import AutoCodec
 #: 2-core machine (a stage there costs microseconds; 1M values keep the codec's
 #: loops long and three stages of scratch small).
 HOST_STAGE_SIZE = 1 << 20
-#: Host backends: measured on an emulated 10 Gbit/s link, 2 ranks
-#: (perf/results/crossover.md): plain wins up to 256 KiB, ties at 1 MiB, fp8 is
-#: 3.8x faster at 4 MiB.
+#: Host backends: the middle of the crossover measured on an emulated 10 Gbit/s link,
+#: 2 ranks, where plain fp32 wins below it and fp8 above (perf/results/crossover.md).
 HOST_CROSSOVER_BYTES = 2 << 20
 #: Wire bytes per fp32 byte the model assumes when the codec is not known (fp8, block 128).
 FP8_RATIO = (1 + 4 / 128) / 4

@@ -65,26 +65,44 @@ def _group_size(group: Any) -> int | None:
 class GeocommHookState:
     """The state of :func:`geocomm_hook`: codec, communicator, parameter policy, telemetry.
 
-    ``module``: the module DDP wraps (its parameter names are the GeoFP8 keys
-    and what ``exclude`` matches). ``codec``: id, config or Codec. ``group``:
-    the ranks that take part (default: the world); geocomm talks over a new
-    process group over them (gloo, or NCCL for CUDA gradients), made at the
-    first bucket, on the thread that calls the hook, so the state may be built
-    before the default process group exists and before DDP wraps the module
-    (as Lightning's ``DDPStrategy(ddp_comm_state=...)`` does). ``comm``: a
-    geocomm communicator to use instead. ``exclude``, ``min_numel``: see
-    :class:`Selection` (excluded parameters of a bucket share one exact
-    collective). ``check``: metadata comparison across ranks (None: on the
-    first call of each bucket layout, every call under ``GEOCOMM_CHECK=1``;
-    True: every call; False: never). ``error_sample``: values per bucket for
-    the error estimate (0: off). ``stage_size``: pipeline stage size
-    (default: the collectives' choice for the backend, see docs/design.md,
-    "Training integration").
-    ``history``, ``log_every``: see :class:`Telemetry`.
+    geocomm talks over a process group of its own over ``group``'s ranks (gloo,
+    or NCCL for CUDA gradients), made at the first bucket on the thread that
+    calls the hook, so the state may be built before the default process group
+    exists and before DDP wraps the module (as Lightning's
+    ``DDPStrategy(ddp_comm_state=...)`` does).
 
-    Bucket layouts are the same on every rank whenever DDP calls the hook
-    (DDP verifies parameter shapes at construction and broadcasts rebuilt
-    buckets from rank 0), so every rank decides alike when to check.
+    Args:
+        module: the module DDP wraps; its parameter names are GeoFP8's keys and what
+            ``exclude`` matches.
+        codec: codec id, config or Codec (default "fp8").
+        group: the process group whose ranks take part (default: the world).
+        check: compare the bucket's metadata across ranks: None (default) on the
+            first call of each bucket layout, every call under ``GEOCOMM_CHECK=1``;
+            True every call; False never.
+        comm: a geocomm communicator to use instead of the state's own group.
+        exclude: name patterns (:func:`fnmatch.fnmatchcase`) of parameters that
+            travel exact (:class:`~geocomm.adapters.torch.Selection`); a bucket's
+            excluded parameters share one exact collective.
+        min_numel: parameters with fewer values travel exact too.
+        error_sample: values per bucket for the error estimate (0: none).
+        stage_size: values per pipeline stage (default: the collectives' choice for
+            the backend; docs/design.md, "Training integration").
+        history: steps :attr:`telemetry` keeps.
+        log_every: log every n-th step to the ``geocomm.torch`` logger (0: never).
+
+    Attributes:
+        last_step: the last finished step's :class:`~geocomm.adapters.torch.StepStats`
+            (bytes sent, ratio, collectives, estimated error), None before one.
+        telemetry: every kept step (:class:`~geocomm.adapters.torch.Telemetry`).
+
+    Bucket layouts are the same on every rank whenever DDP calls the hook (DDP
+    verifies parameter shapes at construction and broadcasts rebuilt buckets
+    from rank 0), so every rank decides alike when to check.
+
+    Example::
+
+        state = GeocommHookState(net, codec="geofp8", exclude=("*norm*",))
+        model.register_comm_hook(state, geocomm_hook)
     """
 
     def __init__(
@@ -265,10 +283,19 @@ class GeocommHookState:
 def geocomm_hook(
     state: GeocommHookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: the compressed average of ``bucket``, computed asynchronously.
+    """DDP communication hook: the compressed average of ``bucket``, asynchronous.
 
-    Returns at once; the future completes with the bucket's buffer when it
-    holds the average (bitwise identical on every rank). Register with
-    ``model.register_comm_hook(state, geocomm_hook)``.
+    The bucket is queued to the state's worker thread, which reduces it with one
+    compressed all-reduce (plus one exact one for excluded parameters) while
+    backward goes on. Register with ``model.register_comm_hook(state, geocomm_hook)``.
+
+    Args:
+        state: the hook's :class:`GeocommHookState`.
+        bucket: the DDP gradient bucket.
+
+    Returns:
+        A future, at once, that completes with the bucket's buffer once it holds
+        the average over the ranks, bitwise identical on every rank (device-aware
+        on CUDA: DDP's stream waits for it without blocking the host).
     """
     return state.submit(bucket.buffer(), bucket.parameters(), bucket.index(), bucket.is_last())

@@ -17,10 +17,21 @@ __all__ = ["dedicated_comm", "init_distributed_from_mpi"]
 
 
 def init_distributed_from_mpi(backend: str = "gloo", port: int | None = None) -> None:
-    """``dist.init_process_group`` for a job started by mpirun/mpiexec.
+    """``dist.init_process_group`` for a job started by an MPI launcher.
 
-    Rank and size come from MPI; rank 0's host and a free port are broadcast
-    over MPI so no environment needs to be prepared by hand.
+    Rank and size come from MPI; rank 0's host and a free port are broadcast over
+    MPI, so no environment needs to be prepared by hand (``MASTER_ADDR`` and
+    ``MASTER_PORT`` already set are kept). Does nothing when torch.distributed
+    is already initialized.
+
+    Args:
+        backend: the process group's backend: "gloo" (CPU), "nccl" (CUDA), or
+            "geocomm" (the compressed backend, :mod:`geocomm.adapters.torch.backend`).
+        port: rank 0's port (default: a free one).
+
+    Example::
+
+        init_distributed_from_mpi("gloo")     # under mpirun or geocomm.launch
     """
     if dist.is_initialized():
         return

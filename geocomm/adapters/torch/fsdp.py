@@ -296,17 +296,38 @@ def compress_fsdp(
     """Make every FSDP2 module of ``model`` reduce its gradients through geocomm.
 
     Call on every rank, at the same point: after ``fully_shard`` (the hooks go in
-    now), or before it (even before the default process group exists): then
-    they go in at the model's first forward, on every rank alike. ``codec``:
-    id, config or Codec. ``comm``: communicator over the shard ranks (default:
-    a new process group over FSDP's mesh group); ``replicate_group`` (or
-    ``replicate_comm``): the ranks holding the same shard, for a compressed
-    all-reduce hook after the reduce-scatter. ``exclude``, ``min_numel``: see
-    :class:`~geocomm.adapters.torch.Selection` (a module's excluded chunks
-    share one exact collective). ``check``, ``error_sample``, ``stage_size``,
-    ``history``, ``log_every``: as for
-    :class:`~geocomm.adapters.torch.GeocommHookState`. Returns the
-    :class:`FSDPCompression` with the telemetry.
+    now), or before it, even before the default process group exists (they go
+    in at the model's first forward, on every rank alike).
+
+    Args:
+        model: the model, whose ``fully_shard`` modules get a compressed
+            reduce-scatter each (FSDP2's ``set_custom_reduce_scatter``).
+        codec: codec id, config or Codec (default "fp8").
+        replicate_group: the ranks holding the same shard (HSDP-style replicas):
+            a compressed all-reduce of each reduced shard over them
+            (``set_all_reduce_hook``); None: no replicas.
+        comm: a geocomm communicator over the shard ranks (default: a new process
+            group over FSDP's mesh group).
+        replicate_comm: a geocomm communicator over the replicas, instead of
+            ``replicate_group``.
+        exclude: name patterns of parameters whose chunks travel exact
+            (:class:`~geocomm.adapters.torch.Selection`); a module's excluded
+            chunks share one exact collective.
+        min_numel: parameters with fewer values travel exact too.
+        check, error_sample, stage_size, history, log_every: as for
+            :class:`~geocomm.adapters.torch.GeocommHookState`.
+
+    Returns:
+        The :class:`FSDPCompression`: ``last_step`` and ``telemetry`` per step,
+        ``state_dict`` / ``load_state_dict`` for checkpoints.
+
+    Raises:
+        ValueError: (at the first forward) the model has no ``fully_shard`` module.
+
+    Example::
+
+        fully_shard(model)
+        fsdp = compress_fsdp(model, codec="geofp8")
     """
     codec = resolve_codec(codec)  # a bad codec fails here, before any collective
     owner = FSDPCompression(Telemetry(history, log_every), model, codec)

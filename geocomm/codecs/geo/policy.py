@@ -33,9 +33,9 @@ from typing import Any
 #: Defaults, chosen on the gradient zoo (perf/studies/geo_zoo.py,
 #: perf/results/geo_zoo.md): the model-wide side budget of 5% of the payload
 #: spends the bytes where the tracked spectra promise most; a basis that takes
-#: its power step every call follows the fast-turning gradients (every 4
-#: calls: zoo medians 0.17-0.58x FP8's error, every call 0.06-0.41x, about the
-#: same bytes); the 40 multiply-add budget caps a key at rank 8.
+#: its power step every call while the geometry turns follows the fast-turning
+#: gradients (a fixed period of 4 calls errs more on most of the zoo's sources, for
+#: about the same bytes); the 40 multiply-add budget caps a key at rank 8.
 DEFAULTS: dict[str, Any] = {
     "transform": "split",
     "k": 32,

@@ -56,6 +56,11 @@ def env_config() -> dict[str, Any]:
     return fields
 
 
+#: what :func:`~geocomm.adapters.torch.backend.control.configure` set without a group:
+#: the fields of the groups made afterwards
+configured: dict[str, Any] = {}
+
+
 def new_config(configured: dict[str, Any]) -> BackendConfig:
     """A new group's configuration: ``configured`` (what configure() set), over the
     environment's, over the defaults."""

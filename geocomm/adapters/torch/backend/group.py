@@ -21,7 +21,7 @@ same on every rank), so DDP's backward goes on while a bucket is encoded and
 sent; the call returns a work at once. Their bytes travel over a second exact
 backend of their own (another store prefix) through a
 :class:`~geocomm.comm.torchdist.TorchDistCommunicator` wrapped in a
-:class:`~geocomm.comm.metered.MeteredComm` (:func:`stats`), so they never
+:class:`~geocomm.comm.metered.MeteredComm` (``backend.stats``), so they never
 interleave with the exact calls, whose order gloo pairs by.
 
 Keys (the codec state of GeoFP8 and error feedback, the rounding streams): a
@@ -32,7 +32,7 @@ current step has seen already, so ``j`` is 0 and each size keeps one key:
 DDP's buckets (fixed sizes, the same order every step) and FSDP2's
 reduce-scatters keep their keys from step to step, but tensors of one size
 share a key (and a GeoFP8 basis or error-feedback residual). Calling
-:func:`step` once per step (after ``optimizer.step()``) ends steps there only,
+``backend.step()`` once per step (after ``optimizer.step()``) ends steps there only,
 and ``j`` then counts the calls of a size within the step: every call site
 keeps a key of its own. The counts never depend on memory addresses, so the
 keys agree across ranks whenever the calls do. Ranks compare each call's
@@ -66,7 +66,7 @@ from geocomm.adapters.torch.backend.config import (
     BackendConfig,
     BackendStats,
     Keys,
-    env_config,
+    configured,
     new_config,
 )
 from geocomm.adapters.torch.backend.exact import ExactCalls
@@ -79,23 +79,10 @@ from geocomm.comm.torchdist import TorchDistCommunicator
 from geocomm.engine import costs
 from geocomm.engine.call import CollectiveMismatchError
 
-__all__ = [
-    "NAME",
-    "BackendConfig",
-    "BackendStats",
-    "GeocommProcessGroup",
-    "configure",
-    "load_state_dict",
-    "state_dict",
-    "stats",
-    "step",
-]
+__all__ = ["NAME", "GeocommProcessGroup"]
 
 #: the backend's name for ``init_process_group`` and ``new_group``
 NAME = "geocomm"
-
-
-_configured: dict[str, Any] = {}  # what configure() set without a group
 
 
 def _detached_group(backend: Any, store: Any, rank: int, size: int, cuda: bool) -> Any:
@@ -143,7 +130,7 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
         super().__init__(rank, size)
         self.group_id, self.timeout = group_id, timeout
         self.ranks = list(ranks) or list(range(size))
-        self.config = new_config(_configured)
+        self.config = new_config(configured)
         self.codec: Codec = resolve_codec(self.config.codec)
         self._keys = Keys()
         self._stats = BackendStats()
@@ -422,66 +409,6 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
             manual = self._keys.manual
             self._keys = Keys()
             self._keys.steps, self._keys.manual = int(state["steps"]), manual
-
-
-# ---------------------------------------------------------------------------
-# module-level access
-
-
-def _group(group: Any = None) -> GeocommProcessGroup:
-    if group is None:
-        if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised")
-        group = dist.distributed_c10d._get_default_group()
-    if not isinstance(group, GeocommProcessGroup):
-        raise TypeError(
-            f"not a geocomm process group: {type(group).__name__} (make it with "
-            f'init_process_group("{NAME}") or new_group(backend="{NAME}"))'
-        )
-    return group
-
-
-def configure(group: Any = None, **fields: Any) -> BackendConfig:
-    """Set :class:`BackendConfig` fields (``codec``, ``min_numel``, ``compress``,
-    ``check``, ``stage_size``).
-
-    Without ``group``: for the geocomm groups made afterwards (over
-    ``GEOCOMM_CODEC`` and ``GEOCOMM_MIN_NUMEL``); returns the configuration a
-    new group would get. With ``group`` (a geocomm process group): that group's,
-    now; every rank must call it at the same point.
-    """
-    if group is not None:
-        return _group(group).configure(**fields)
-    trial = BackendConfig(**{**env_config(), **_configured, **fields})
-    resolve_codec(trial.codec)  # a bad codec fails here
-    _configured.update(fields)
-    return trial
-
-
-def reset_configuration() -> None:
-    """Forget what :func:`configure` set for new groups (the environment and defaults again)."""
-    _configured.clear()
-
-
-def stats(group: Any = None) -> BackendStats:
-    """The counters of ``group`` (default: the default group)."""
-    return _group(group).stats()
-
-
-def step(group: Any = None) -> None:
-    """Begin a new step of ``group``'s keys now (see the module docstring); every rank
-    must call it at the same point."""
-    _group(group).new_step()
-
-
-def state_dict(group: Any = None) -> dict[str, Any]:
-    """``group``'s codec state on this rank (:meth:`GeocommProcessGroup.state_dict`)."""
-    return _group(group).state_dict()
-
-
-def load_state_dict(state: dict[str, Any], group: Any = None) -> None:
-    """Restore :func:`state_dict` output into ``group`` (the same world size and rank)."""
-    _group(group).load_state_dict(state)
 
 
 def _create(options: Any, backend_options: Any = None) -> GeocommProcessGroup:
