@@ -97,10 +97,10 @@ timing      the batched fp8 pipeline vs plain NCCL all-reduce vs a CuPy copy
 ddp         geocomm's DDP hook on CUDA gradients over a 1-rank NCCL process
             group (fp32, fp16, bf16 models): every bucket it reduced on its
             worker stream == geocomm.allreduce of the same bucket on the CPU
-            over MPI; then the README's DDP example, compressed against
+            over MPI; then docs/torch.md's DDP example, compressed against
             uncompressed (perf/gpu_check_examples.py) (skipped on more than one
             rank).
-fsdp        the README's FSDP2 example on CUDA over a 1-rank NCCL group,
+fsdp        docs/torch.md's FSDP2 example on CUDA over a 1-rank NCCL group,
             compressed (fp8, the replica all-reduce hook): every call == the
             CPU over MPI, bit for bit, the exact calls exact, the losses within
             fp8's bound of the uncompressed run (issue 39; skipped on more

@@ -1,7 +1,7 @@
 """perf/gpu_check.py's torch sections' parts: ``torch`` (torch CUDA tensors through
 geocomm over NCCL), the 1-rank NCCL group the torch.distributed sections run on,
 and the ``ddp`` section's bucket check (geocomm's DDP hook on CUDA gradients); the
-section ``ddp`` and ``fsdp`` with the README's examples are in gpu_check_examples.py,
+section ``ddp`` and ``fsdp`` with docs/torch.md's examples are in gpu_check_examples.py,
 ``backend`` in gpu_check_backend.py, ``timing`` in gpu_check_timing.py. The CuPy twin
 runs no torch CUDA tensors: ``--twin`` skips ``torch``, ``ddp``, ``fsdp`` and
 ``backend``.
@@ -149,7 +149,7 @@ def one_rank_nccl_section(
 
 
 def mlp(outputs: int) -> Any:
-    """A 512-1024-1024-``outputs`` GELU MLP (ddp_rows'; the README's FSDP2 example's
+    """A 512-1024-1024-``outputs`` GELU MLP (ddp_rows'; docs/torch.md's FSDP2 example's
     with 10 outputs), made from torch's current seed."""
     import torch
 

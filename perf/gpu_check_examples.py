@@ -1,11 +1,11 @@
 """perf/gpu_check.py's ``ddp`` and ``fsdp`` sections: geocomm's DDP hook and FSDP2 on
-CUDA over a 1-rank NCCL default group, the README's training examples among them.
+CUDA over a 1-rank NCCL default group, docs/torch.md's training examples among them.
 
 ``ddp``: the hook's buckets in fp32, fp16 and bf16 models (gpu_check_device.ddp_rows),
-then the README's DDP example (tests/examples/train_ddp.py). ``fsdp`` (issue 39): the
-README's FSDP2 example (tests/examples/train_fsdp.py). Each example runs as the README
+then docs/torch.md's DDP example (tests/examples/train_ddp.py). ``fsdp`` (issue 39):
+docs/torch.md's FSDP2 example (tests/examples/train_fsdp.py). Each example runs as docs/torch.md
 writes it (its model, seed, batches, AdamW at lr 1e-3, 20 steps) on ``device``,
-twice: uncompressed, and compressed with fp8, the README's codec for DDP (its FSDP2
+twice: uncompressed, and compressed with fp8, docs/torch.md's codec for DDP (its FSDP2
 example shows "geofp8"; fp8 here, whose bound the check applies). The row holds:
 
 * ``vs_cpu_mpi``: every compressed collective's result == geocomm's fp8 average of
@@ -48,13 +48,13 @@ from gpu_check_device import (
     one_rank_reference,
 )
 
-#: the README examples' loop length
+#: the examples' loop length (docs/torch.md)
 STEPS = 20
 
 
 def check_ddp(ctx: Any, steps: int = 3) -> dict[str, Any]:
     """geocomm_hook in a 1-rank DDP over a NCCL process group: the buckets of
-    :func:`gpu_check_device.ddp_rows`, then the README example (:func:`ddp_example_row`)."""
+    :func:`gpu_check_device.ddp_rows`, then docs/torch.md's example (:func:`ddp_example_row`)."""
     return one_rank_nccl_section(
         ctx,
         "a 1-rank DDP",
@@ -64,7 +64,7 @@ def check_ddp(ctx: Any, steps: int = 3) -> dict[str, Any]:
 
 
 def check_fsdp(ctx: Any) -> dict[str, Any]:
-    """The README's FSDP2 example on a 1-rank NCCL group, compressed: :func:`fsdp_rows`."""
+    """docs/torch.md's FSDP2 example on a 1-rank NCCL group, compressed: :func:`fsdp_rows`."""
     return one_rank_nccl_section(ctx, "a 1-rank FSDP2", "dtype", lambda d: fsdp_rows(d, ctx.mpi()))
 
 
@@ -187,7 +187,7 @@ def example_row(name: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 
 def ddp_example_row(device: Any, mpi: Any, steps: int = STEPS) -> dict[str, Any]:
-    """The README's DDP example (tests/examples/train_ddp.py) on ``device``: the module
+    """docs/torch.md's DDP example (tests/examples/train_ddp.py) on ``device``: the module
     docstring's row."""
 
     def run() -> dict[str, Any]:
@@ -237,7 +237,7 @@ def ddp_example_row(device: Any, mpi: Any, steps: int = STEPS) -> dict[str, Any]
 
 
 def fsdp_rows(device: Any, mpi: Any, steps: int = STEPS) -> list[dict[str, Any]]:
-    """The README's FSDP2 example (tests/examples/train_fsdp.py) on ``device``, one
+    """docs/torch.md's FSDP2 example (tests/examples/train_fsdp.py) on ``device``, one
     rank: the module docstring's row."""
 
     def run() -> dict[str, Any]:
