@@ -1,6 +1,7 @@
-"""IEEE fp32 arithmetic with the same bits on every device (docs/design.md, "The
-collective"): NumPy's on host arrays; the kernels of :mod:`geocomm.kernels.cuda` on
-CuPy arrays, whose own elementwise kernels flush subnormals to zero.
+"""IEEE fp32 arithmetic with the same bits on every device
+(docs/design.md, "The collective"): NumPy's on host arrays; the kernels of
+:mod:`geocomm.kernels.cuda` on CuPy arrays, whose own elementwise kernels flush
+subnormals to zero.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ hanging or returning garbage.
 * The first call of a signature, and every call on a communicator that moves
   host memory, compares at once: one tiny all-gather, then the call.
 * Later calls on a device communicator (one offering
-  ``start_allgather_int64``: NCCL's, over MPI) post the all-gather and go on,
+  ``start_allgather_int64``: NCCL's, over its host communicator) post the
+  all-gather and go on,
   so the host never waits for the other ranks' hosts; each call first looks at
   the checks still in flight without blocking, and waits for the oldest once
   more than :data:`IN_FLIGHT` are. A mismatch found then raises on that later
@@ -55,7 +56,7 @@ def verify(call: Call) -> None:
         return
     comm = signature.comm
     row = fingerprint(signature) if _has_state(signature) else signature.fingerprint
-    start = getattr(comm, "start_allgather_int64", None)
+    start = getattr(comm, "start_allgather_int64", None) if comm.device_arrays else None
     pending = _in_flight.get(comm)
     if start is None or _CHECKED not in signature.plans:
         if pending:

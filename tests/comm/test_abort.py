@@ -242,10 +242,14 @@ def fake_nccl_comm(log: list, size: int = 2):
     """An NCCLCommunicator built around fakes (the constructor needs CuPy and a GPU)."""
     from geocomm.comm.nccl import NCCLCommunicator
 
+    from geocomm.comm.mpi import MPICommunicator
+
+    host = MPICommunicator.__new__(MPICommunicator)  # its MPI side: a fake MPI communicator
+    host.comm, host.rank, host.size = _MpiComm(log), 0, size
     comm = NCCLCommunicator.__new__(NCCLCommunicator)
     comm.rank, comm.size = 0, size
     comm.device = contextlib.nullcontext()
-    comm.nccl_comm, comm.mpi_comm = _NcclHandle(log), _MpiComm(log)
+    comm.nccl_comm, comm.host = _NcclHandle(log), host
     comm.aborted = comm.closed = False
     comm.queued = collections.deque()
     return comm
