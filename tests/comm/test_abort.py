@@ -240,9 +240,8 @@ class _PendingMpiRequest:
 
 def fake_nccl_comm(log: list, size: int = 2):
     """An NCCLCommunicator built around fakes (the constructor needs CuPy and a GPU)."""
-    from geocomm.comm.nccl import NCCLCommunicator
-
     from geocomm.comm.mpi import MPICommunicator
+    from geocomm.comm.nccl import NCCLCommunicator
 
     host = MPICommunicator.__new__(MPICommunicator)  # its MPI side: a fake MPI communicator
     host.comm, host.rank, host.size = _MpiComm(log), 0, size
