@@ -199,6 +199,9 @@ def test_a_steady_call_that_differs_across_ranks_fails_on_every_rank():
         d, out = cp.asarray(inputs(comm.rank, COUNT)), cp.empty(COUNT, cp.float32)
         for _ in range(2):
             geocomm.allreduce(d, codec="fp8", comm=comm, out=out)
+        # the matching calls finish first: an abort drops what its rank has queued, and
+        # a peer's transfers of a call the aborting rank dropped would wait for good
+        stream.synchronize()
         if comm.rank == 1:
             with pytest.raises(geocomm.CollectiveMismatchError, match="op"):
                 geocomm.allreduce(d, codec="fp8", op="avg", comm=comm, out=out)

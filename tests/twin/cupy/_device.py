@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -78,6 +80,9 @@ def check_failure() -> None:
 # ---------------------------------------------------------------------------
 # clocks
 
+
+#: Seconds a synchronization waits for a stream that makes no progress before it raises.
+STUCK_S = float(os.environ.get("GEOCOMM_TWIN_STUCK_S", "120"))
 
 HOST = -1  # the host's clock index (streams are >= 0: the null stream is 0)
 _clock_lock = threading.RLock()
@@ -415,11 +420,20 @@ class Stream:
         self._synchronize()
 
     def _synchronize(self) -> None:
+        """Wait for the queue to drain; a queue stuck for STUCK_S seconds (a transfer
+        whose peer never comes) raises, naming what it is stuck on, instead of hanging."""
+        deadline = time.monotonic() + STUCK_S
         with self._cv:
             while self._queue:
                 self._cv.wait(0.05)
                 if _failure:
                     break
+                if time.monotonic() > deadline:
+                    head = getattr(self._queue[0], "what", "an operation")
+                    raise CUDARuntimeError(
+                        f"twin: {_name(self.ptr)} did not drain within {STUCK_S:.0f} s: it "
+                        f"waits in {head} ({len(self._queue)} operations queued)"
+                    )
         check_failure()
         with _clock_lock:
             _merge(_host_clock, self.clock)
