@@ -50,6 +50,7 @@ from geocomm.codecs.geo.policy import (
     whiten_scale,
 )
 from geocomm.engine.layout import shard_bounds
+from geocomm.engine.transforming import run_rounds
 from geocomm.kernels import native
 from geocomm.testing import simulate_allreduce, simulate_reduce_scatter
 
@@ -618,7 +619,11 @@ def test_whitening_inverts_without_quantization():
     simulate_allreduce([codec], xs, key="w")  # the cold start measures both bases
     x = activation_gradients(1, 96, 80, 1)[0].reshape(-1)
     plan = codec.plan(x, (96, 80), "w", [0, x.size])
-    assert isinstance(plan, WhitenPlan) and plan.whitened() is not None
+    assert isinstance(plan, WhitenPlan) and plan.steps
+    with pytest.raises(RuntimeError, match="before its step"):
+        plan.side  # noqa: B018  (the basis may still turn: no side yet)
+    run_rounds(None, codec, [codec.step(plan, x)])  # one rank: its sums are the totals
+    assert plan.whitened() is not None
     out = np.empty_like(x)
     plan.forward(x, out)
     plan.inverse(out, 0, plan.side)

@@ -296,6 +296,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         xp = array_namespace(x)
         coef = kernels.project(x, 0, dims.n, plan.vt)
         w, whole = _split_energy((yield _accumulation(x, 0, coef, dims)), dims)
+        plan.settled = True  # the basis is final from here on (a plan's side may be read)
         if not (math.isfinite(whole) and whole > 0 and bool(xp.all(xp.isfinite(w)))):
             return  # a non-finite or all-zero input says nothing about the geometry
         cap = st.map_shape

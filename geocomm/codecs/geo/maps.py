@@ -99,6 +99,7 @@ class SplitPlan:
 
     def __init__(self, dims: MapShape, vt: Any, steps: bool, state: Any = None):
         self.map_shape, self.vt, self.steps, self.state = dims, vt, steps, state
+        self.settled = not steps  # the codec's step sets it once the basis is final
         self.side: Any = None
         self.pending: Any = None  # after a step: (basis, energy, period) for the state
         self._packed: Any = None
@@ -215,6 +216,7 @@ class WhitenPlan:
         remeasure: bool = False,
     ):
         self.map_shape, self.vt, self.steps, self.state = dims, vt, steps, state
+        self.settled = not steps  # the codec's step sets it once the basis is final
         self.pending: Any = None
         self.remeasure = remeasure
         self._values, self._whitening, self._rows = values, whitening, rows
@@ -234,6 +236,8 @@ class WhitenPlan:
         when nothing is split; computed when first read."""
         if self.map_shape.k == 0:
             return None
+        if not self.settled:
+            raise RuntimeError("a plan's side was read before its step rounds ended")
         if self._side is None:
             coef = kernels.project(self._values, 0, self.map_shape.n, self.vt)
             self._side = _with_energies(coef, self.pending)
@@ -256,11 +260,12 @@ class WhitenPlan:
         if k:  # the measured rows with the mapped ones taken out (Gram-Schmidt, mapped first)
             rest = kernels.orthonormalize(xp.concat([self.vt, wt], axis=0), self._seed)[k:]
         # each row's energy under the model: e_j along the measured rows, the bulk elsewhere
-        c = kernels.host_copy(kernels.project(xp.reshape(rest, (-1,)), 0, n, wt)).astype(np.float64)
-        inside = (c * c).sum(axis=1)
+        # (correctly rounded sums, not a BLAS: every rank gets the same bits)
+        c = kernels.host_copy(kernels.project(xp.reshape(rest, (-1,)), 0, n, wt)).tolist()
         model = [
-            float(np.dot(c[i] * c[i], energies)) + bulk * max(1.0 - float(inside[i]), 0.0)
-            for i in range(c.shape[0])
+            math.fsum(x * x * e for x, e in zip(row, energies, strict=True))
+            + bulk * max(1.0 - math.fsum(x * x for x in row), 0.0)
+            for row in c
         ]
         best = sorted(range(len(model)), key=lambda i: -model[i])[: self._rows]
         scales = {i: whiten_scale(model[i], bulk, self._alpha) for i in best}
