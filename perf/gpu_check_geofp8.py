@@ -64,8 +64,7 @@ def check_geofp8(
     steps = ctx.sizes.geo_steps if steps is None else steps
     cp, nccl, mpi = ctx.cp, ctx.nccl(), ctx.mpi()
     rows: list[dict[str, Any]] = ctx.on_root(lambda: check_kernels(ctx)) or []
-    # "auto" whitens CuPy arrays and splits host ones: the host twin pins the GPU's kind
-    on_gpu, on_cpu = geocomm.get_codec("geofp8"), geocomm.get_codec("geofp8", device="gpu")
+    on_gpu, on_cpu = geocomm.get_codec("geofp8"), geocomm.get_codec("geofp8")
     for step in range(steps):
         row: dict[str, Any] = {"step": step}
         got = state = None

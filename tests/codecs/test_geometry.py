@@ -42,6 +42,7 @@ from geocomm.codecs.formats import Split
 from geocomm.codecs.geo import DEFAULTS, GeoCodec, kernels
 from geocomm.codecs.geo.maps import WhitenPlan
 from geocomm.codecs.geo.policy import (
+    DEVICE_GEOMETRY,
     WHITEN_FLOOR,
     MapShape,
     map_shape,
@@ -630,21 +631,22 @@ def test_whitening_inverts_without_quantization():
     assert rel(out, x) < 1e-5
 
 
-def test_whitening_follows_the_device_kind():
-    """``transform="auto"`` splits host arrays and whitens a GPU's; ``device``
-    pins the kind, so a host codec can run the GPU's geometry (and its bits)."""
-    host, pinned = get_codec("geofp8"), get_codec("geofp8", device="gpu")
-    assert host.geometry(False) == "split" and host.geometry(True) == "whiten"
-    assert pinned.geometry(False) == "whiten"
-    assert get_codec("geofp8", transform="split").geometry(True) == "split"
-    xs = activation_gradients(2, 96, 80, 0)
-    auto, gpu = geo(2), geo(2, device="gpu")
+def test_the_geometry_follows_the_transform_and_the_device_kind():
+    """``transform="auto"`` takes each device kind's geometry from DEVICE_GEOMETRY
+    (the split on both, for their cost); ``whiten`` whitens on either."""
+    for device in ("cpu", "gpu"):
+        assert get_codec("geofp8", device=device).geometry(False) == DEVICE_GEOMETRY[device]
+    host = get_codec("geofp8")
+    assert host.geometry(False) == DEVICE_GEOMETRY["cpu"]
+    assert host.geometry(True) == DEVICE_GEOMETRY["gpu"]
+    assert get_codec("geofp8", transform="whiten").geometry(False) == "whiten"
+    auto, white = geo(2), geo(2, transform="whiten")
     for call in range(3):
         xs = activation_gradients(2, 96, 80, call)
         simulate_allreduce(auto, xs, key="w")
-        simulate_allreduce(gpu, xs, key="w")
-    assert auto[0].state_info("w")["wt"] is None  # the host never measures a whitening
-    assert gpu[0].state_info("w")["wt"] is not None
+        simulate_allreduce(white, xs, key="w")
+    assert auto[0].state_info("w")["wt"] is None  # the split never measures a whitening
+    assert white[0].state_info("w")["wt"] is not None
 
 
 def test_a_reduce_scatter_measures_no_whitening():
@@ -814,7 +816,7 @@ def test_parts_map_each_tensor_on_its_own(comm):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("config", [{"id": "hadamard"}, {"id": "geofp8", "device": "gpu"}])
+@pytest.mark.parametrize("config", [{"id": "hadamard"}, {"id": "geofp8", "transform": "whiten"}])
 def test_whole_tensor_maps_in_a_bucket(comm, config):
     """Hadamard and the whitening map each tensor of a bucket up front (into the
     result when it holds the whole buffer, else into a buffer of the tensor's

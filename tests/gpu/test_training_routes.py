@@ -118,8 +118,7 @@ def _device_concat(pieces):
     [
         "fp8",
         "nvfp4",
-        # the GPU's geometry on both sides (the host reference pins device "gpu")
-        {"id": "geofp8", "min_dim": 8, "min_numel": 0, "refresh": 2, "device": "gpu"},
+        {"id": "geofp8", "min_dim": 8, "min_numel": 0, "refresh": 2},
         {"id": "fp8", "error_feedback": True},
     ],
 )

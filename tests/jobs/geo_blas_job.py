@@ -4,9 +4,9 @@
             -n 1 -x OPENBLAS_NUM_THREADS=2 -x OPENBLAS_CORETYPE=Sandybridge python ...
 
 50 geofp8 all-reduces of a 1024 x 1024 matrix (a fixed rank-48 signal of
-falling strength plus fresh noise per call), with the host's geometry (the split) and with
-the GPU's (``device="gpu"``: the split and the whitening, whose basis every
-rank measures from the result). Rank 0 prints whether every result was
+falling strength plus fresh noise per call), with the default geometry (the split) and with
+the whitening (``transform="whiten"``: the split and the whitening, whose
+basis every rank measures from the result). Rank 0 prints whether every result was
 bitwise identical on all ranks, and, as a control, whether NumPy's own
 matrix product of the same operands gave the same bits on all ranks (with
 these BLAS settings it need not).
@@ -25,7 +25,7 @@ u = np.linalg.qr(rng.standard_normal((1024, 48)))[0].astype(np.float32)
 v = np.linalg.qr(rng.standard_normal((1024, 48)))[0].astype(np.float32)
 # 48 directions of falling strength: the split takes the first, the whitening the next
 signal = (u * np.float32(40.0 / (1.0 + np.arange(48)))) @ v.T
-whitening = geocomm.get_codec("geofp8", device="gpu")
+whitening = geocomm.get_codec("geofp8", transform="whiten")
 crc = white = 0
 for call in range(50):
     noise = np.random.default_rng([call, rank]).standard_normal((1024, 1024), np.float32)

@@ -26,8 +26,7 @@ at values or at the machine. The knobs (defaults in :data:`DEFAULTS`):
   ``whiten`` input-side directions of the rest down before quantizing (up
   after), by (bulk / energy) ** ``alpha`` each, from a basis every rank
   measures from the last result (no bytes in an all-reduce); ``auto`` picks
-  by ``device`` (:data:`DEVICE_GEOMETRY`: the host keeps the split, whose
-  cost fits its budget; a GPU whitens);
+  by ``device`` (:data:`DEVICE_GEOMETRY`);
 * ``device``: ``cpu``, ``gpu`` or ``auto`` (the kind of the arrays planned:
   CuPy is a GPU).
 """
@@ -45,10 +44,10 @@ from typing import Any
 #: the bytes where the tracked spectra promise most; a basis that takes its
 #: power step every call while the geometry turns follows the fast-turning
 #: gradients (a fixed period of 4 calls errs more on most sources); the 40
-#: multiply-add budget caps a key's split at rank 8; whitening, where the
-#: device's arithmetic pays for it, scales 32 more directions by the fourth
-#: root of their energy over the bulk's (the exponent that minimizes the
-#: error of an isotropic quantizer, docs/design.md "Whitening").
+#: multiply-add budget caps a key's split at rank 8; the whitening, where it
+#: is asked for, scales 32 more directions by the fourth root of their energy
+#: over the bulk's (the exponent that minimizes the error of an isotropic
+#: quantizer, docs/design.md "Whitening").
 DEFAULTS: dict[str, Any] = {
     "transform": "auto",
     "k": 32,
@@ -67,12 +66,14 @@ DEFAULTS: dict[str, Any] = {
 }
 TRANSFORMS = ("auto", "split", "whiten", "hadamard", "none")
 DEVICES = ("auto", "cpu", "gpu")
-#: The geometry ``transform="auto"`` applies on each kind of device. Whitening
-#: wins at equal bytes on the held-out zoo on every device (the error does not
-#: depend on it); on a host its multiply-adds (about 6 per whitened direction and
-#: value) cost several times FP8's pass, past the host's budget, so the host keeps
-#: the split; on a GPU they are cheap next to the link (perf/results/geo_heldout.md).
-DEVICE_GEOMETRY = {"cpu": "split", "gpu": "whiten"}
+#: The geometry ``transform="auto"`` applies on each kind of device. The whitening
+#: wins at equal bytes on the held-out zoo (the error does not depend on the
+#: device) but costs more than either kind's budget: on a host, measured, many
+#: times FP8's pass; on a GPU, modelled, past 1.5x FP8's call, its Gram-Schmidt
+#: runs on the host at every call (docs/design.md, "Choosing the defaults"). Both
+#: keep the split until the orthonormalization runs on the device; ``transform=
+#: "whiten"`` asks for the whitening anywhere.
+DEVICE_GEOMETRY = {"cpu": "split", "gpu": "split"}
 #: Whitening exponents: powers of one half, so a scale is a chain of square roots
 #: (correctly rounded everywhere: every rank gets the same bits, whatever its libm).
 ALPHAS = (0.5, 0.25, 0.125, 0.0625)
