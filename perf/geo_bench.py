@@ -14,6 +14,13 @@ in the cold start. The steady-state time is
 the mean over 2 x refresh_max calls after warm-up. Yardsticks measured in
 the same run: ``np.copyto`` of the matrix and the FP8 encode + decode of it.
 
+The whitening (``transform="whiten"``, the GPU's default geometry) is timed
+too, on this core: its plan maps whole tensors (the map before the pieces
+are encoded, the map back after they are decoded), and every call measures
+its basis from the result (the refresh). On a host this is what keeps the
+split the host's default; a GPU's cost is modelled in
+perf/results/geo_heldout.md, not measured here.
+
     python perf/geo_bench.py -J perf/results/geo_bench.json   # table + sweep over k, refresh
 
 The sweep reports the time of every (k, refresh) against FP8; the error of
@@ -94,6 +101,9 @@ class Call:
         plan = self._clock("plan", codec.plan, flat, self.x.shape, "w", [0, flat.size])
         if plan is not None and plan.steps:  # one rank: the sum is its own part
             self._clock("step", run_rounds, None, codec, [codec.step(plan, flat)])
+        if plan is not None and not plan.ranged:
+            self._whole(plan)
+            return
         if plan is not None:
             self._clock("plan", plan.begin, flat)
         for (lo, hi), wire in zip(self.pieces, self.wire, strict=True):
@@ -107,6 +117,18 @@ class Call:
                 self._clock("decode+map back", codec.decode_wire, wire, out)
         if plan is not None and plan.refreshes:
             self._clock("refresh", run_refresh_locally, codec, plan, self.result, plan.side)
+
+    def _whole(self, plan: Any) -> None:
+        """A whole-tensor plan (the whitening): map, encode the pieces, decode them,
+        map back, refresh."""
+        mapped = self.result  # the collective maps into the result when it holds the buffer
+        self._clock("map+encode", plan.forward, self.flat, mapped)
+        for (lo, hi), wire in zip(self.pieces, self.wire, strict=True):
+            self._clock("map+encode", self.codec.encode_wire, mapped[lo:hi], wire)
+        for (lo, hi), wire in zip(self.pieces, self.wire, strict=True):
+            self._clock("decode+map back", self.codec.decode_wire, wire, self.result[lo:hi])
+        self._clock("decode+map back", plan.inverse, self.result, 0, plan.side)
+        self._clock("refresh", run_refresh_locally, self.codec, plan, self.result, plan.side)
 
 
 def steady_state(codec: Any, x: np.ndarray) -> tuple[float, dict[str, float], int]:
@@ -155,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     # real gradients mostly do): the period stays at refresh
     turning = get_codec("geofp8", refresh_max=default.refresh_period)
     turning_s, _, _ = steady_state(turning, x)
+    whiten = get_codec("geofp8", transform="whiten")
+    whiten_s, whiten_phases, _ = steady_state(whiten, x)
     dims = default.map_shape(x.shape)
     print(
         f"# {m} x {n}, one core; np.copyto {flat.nbytes / copy_s / 1e9:.2f} GB/s, "
@@ -168,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for phase, sec in phases.items():
         print(f"  {phase:>9}: {sec * 1e3:7.2f} ms  ({sec / geo_s:5.1%})")
+    print(f"whitening (the GPU's geometry) here: {whiten_s * 1e3:.2f} ms = {whiten_s / fp8_s:.2f}x")
     sweep = []
     print(f"\n{'k':>4} {'refresh':>8} {'ms':>8} {'x fp8':>7}")
     for k in (int(v) for v in args.ks.split(",")):
@@ -194,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
                 "period": period,
                 "every_call_seconds": turning_s,
                 "every_call_ratio_to_fp8": turning_s / fp8_s,
+            },
+            "whiten": {
+                "config": whiten.get_config(),
+                "seconds": whiten_s,
+                "ratio_to_fp8": whiten_s / fp8_s,
+                "phases_seconds": whiten_phases,
             },
             "sweep": sweep,
         }
@@ -226,6 +257,18 @@ def markdown(r: dict[str, Any]) -> str:
     lines += [
         f"| {k} | {v * 1e3:.2f} | {v / d['seconds']:.1%} |" for k, v in d["phases_seconds"].items()
     ]
+    w = r.get("whiten")
+    if w:
+        lines += [
+            "",
+            f"The whitening (transform `whiten`, {w['config']['whiten']} directions, the GPU's "
+            f"default geometry) on this core: {w['seconds'] * 1e3:.2f} ms per call = "
+            f"**{w['ratio_to_fp8']:.2f}x** FP8's time (the host keeps the split):",
+            "",
+            "| phase | ms per call |",
+            "| --- | --- |",
+            *(f"| {k} | {v * 1e3:.2f} |" for k, v in w["phases_seconds"].items()),
+        ]
     lines += [
         "",
         "Fixed refresh periods (refresh = refresh_max), no budget cap on k:",

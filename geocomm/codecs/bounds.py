@@ -54,6 +54,7 @@ import numpy as np
 
 from geocomm.codecs.base import Codec, TransformingCodec
 from geocomm.codecs.geo.codec import GeoCodec
+from geocomm.codecs.geo.policy import WHITEN_FLOOR, whiten_rows
 
 _E4M3 = (2.0**-4, 2.0**-10 / 448 + 2.0**-20, 2.0**-141)
 _E5M2 = (2.0**-3, 2.0**-17 / 57344 + 2.0**-20, 2.0**-134)
@@ -179,7 +180,12 @@ def transformed_bound(inputs: list[np.ndarray], codec: Codec, gather: bool = Tru
     and adds back once for the sum differ by the rounding of k-term chains,
     at most 2 (k + 2) 2^-24 sqrt(n) sum_i ||X_i||_F (for the Hadamard
     rotation k is its depth, log2 n additions per value). The bound also holds
-    for tensors the codec leaves plain (rho_i >= max |x|).
+    for tensors the codec leaves plain (rho_i >= max |x|). A codec that
+    whitens (r directions, scales d_j in [WHITEN_FLOOR, 1]) maps each residual
+    row by I + U diag(d - 1) U^T, whose norm is at most 1, so the above holds
+    for what it quantizes; its inverse multiplies the quantization error (and
+    the sums' and its own 2r-term chains' rounding, counted in k) by at most
+    1 / WHITEN_FLOOR.
     """
     u, c, d = error_constants(codec)
     slack = 1 + 2.0**-10
@@ -202,6 +208,15 @@ def transformed_bound(inputs: list[np.ndarray], codec: Codec, gather: bool = Tru
     n = cols
     dims = codec.map_shape(shape) if isinstance(codec, GeoCodec) else None
     k = 0 if dims is None else (dims.k or int(np.log2(n)) + 1)
+    amplified = 1.0
+    if (
+        dims is not None
+        and dims.k
+        and isinstance(codec, GeoCodec)
+        and codec.geometry(False) == "whiten"
+    ):
+        k += 2 * whiten_rows(dims, codec.whiten)[0]
+        amplified = 1.0 / WHITEN_FLOOR
     mapped = 2 * (k + 2) * FP32_UNIT * np.sqrt(n) * sum(norms)
-    result: float = e1 + e2 + sums + mapped
+    result: float = amplified * (e1 + e2 + sums + mapped)
     return result

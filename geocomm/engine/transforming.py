@@ -41,7 +41,9 @@ def plan_parts(
         return planned
     for part in parts:
         lo, hi = part.offset, part.offset + part.size
-        plan = codec.plan(values[lo:hi], part.shape, part.key, bounds)
+        # the shard offsets as the tensor sees them: from its first value, within it
+        local = np.clip(np.asarray(bounds) - lo, 0, part.size)
+        plan = codec.plan(values[lo:hi], part.shape, part.key, local)
         if plan is not None:
             planned.append((part, plan))
     steps = [

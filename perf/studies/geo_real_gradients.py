@@ -391,15 +391,14 @@ def run_zoo(args: argparse.Namespace) -> dict[str, Any]:
         }
         for label, (k, r) in sweep.items()
     }
-    world = {label: [get_codec(c) for _ in range(args.world)] for label, c in configs.items()}
     sources = []
     for src in zoo.select(args.only):
-        summary = geo_zoo.run_source(src, world)["summary"]
+        summary = geo_zoo.run_source(src, geo_zoo.codecs_for(configs, src.world))["summary"]
         sources.append({"source": src.name, "summary": summary})
         print(f"{src.name}: " + ", ".join(f"{lb} {v['median']:.3f}" for lb, v in summary.items()))
     return {
         "command": "python " + " ".join(sys.argv),
-        "world": args.world,
+        "world": sorted({src.world for src in zoo.select(args.only)}),
         "configs": configs,
         "sweep": [{"label": lb, "k": k, "refresh": r} for lb, (k, r) in sweep.items()],
         "sources": sources,
@@ -417,7 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-J", "--json", default="perf/results/geo_real_gradients.json")
     p.add_argument("--report", default=None, help="re-render md and png from this JSON")
     p.add_argument("--zoo", action="store_true", help="sweep over the gradient zoo instead")
-    p.add_argument("--only", default=None, help="with --zoo: comma-separated source names")
+    p.add_argument(
+        "--only", default="tuning", help="with --zoo: comma-separated source names or halves"
+    )
     args = p.parse_args(argv)
     if args.zoo:
         default = p.get_default("json")

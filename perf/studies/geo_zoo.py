@@ -1,7 +1,8 @@
 """GeoFP8 on every gradient of the zoo: error, bytes and time per source, against FP8.
 
 For every source of perf/studies/zoo.py (cached per-rank gradients of
-consecutive training steps), every variant's codec, one per simulated rank,
+consecutive training steps; by default its tuning half), every variant's
+codec, one per simulated rank (as many as the source has),
 reduces every parameter of every recorded step with
 :func:`geocomm.testing.simulate_allreduce` (the bits of that many real
 ranks) with ``key=name``, from a fresh state at the window's first step.
@@ -71,9 +72,10 @@ class ByteCount:
 
         def counted_plan(*args: Any, **kwargs: Any) -> Any:
             p = plan(*args, **kwargs)
-            dims = getattr(p, "map_shape", None)
-            if p is not None and p.side is None and getattr(p, "vt", None) is not None:
-                # SplitPlan: its side is set later; a step adds a row of energies
+            if getattr(p, "vt", None) is not None:
+                # a split (or whitening) plan's coefficients, not read here: its side is
+                # made after the step rounds; a step adds a row of energies
+                dims = p.map_shape
                 self.side += per_value * (dims.m + int(p.steps)) * dims.k
             return p
 
@@ -100,10 +102,16 @@ class ByteCount:
         return total
 
 
-def run_source(src: zoo.Source, world_codecs: dict[str, list[Any]]) -> dict[str, Any]:
-    """Every variant on one source: per-call errors, bytes and seconds."""
+def run_source(
+    src: zoo.Source, world_codecs: dict[str, list[Any]], view: Any = None
+) -> dict[str, Any]:
+    """Every variant on one source: per-call errors, bytes and seconds. ``view``: a
+    function of (name, array) that gives the array the codecs see instead (a layout
+    experiment; default the array as stored)."""
     z = zoo.load(src)
     names, steps = z["names"], z["steps"]
+    if view is not None:
+        steps = [[{n: view(n, g[n]) for n in names} for g in ranks] for ranks in steps]
     shapes = {n: steps[0][0][n].shape for n in names}
     mats = [n for n in names if len(shapes[n]) >= 2]
     payload = sum(world_codecs[BASE][0].wire_size(math.prod(shapes[n])) for n in names)
@@ -112,6 +120,7 @@ def run_source(src: zoo.Source, world_codecs: dict[str, list[Any]]) -> dict[str,
         own = sum(codecs[0].wire_size(math.prod(shapes[n])) for n in names) - payload
         counter = ByteCount(codecs[0]) if isinstance(codecs[0], TransformingCodec) else None
         rel = {n: [] for n in mats}
+        sq: dict[str, list[float]] = {n: [] for n in names}  # squared error per call
         model_err, model_ref, extra, seconds = [], [], [], 0.0
         for ranks in steps:
             err2 = ref2 = 0.0
@@ -124,12 +133,19 @@ def run_source(src: zoo.Source, world_codecs: dict[str, list[Any]]) -> dict[str,
                 e = float(np.sum((q.astype(np.float64) - g) ** 2))
                 total = float(np.sum(g * g))
                 err2, ref2 = err2 + e, ref2 + total
+                sq[n].append(e)
                 if n in rel:
                     rel[n].append(math.sqrt(e / total) if total > 0 else 0.0)
             model_err.append(math.sqrt(err2 / ref2))
             model_ref.append(ref2)
             extra.append(own + (counter.take() if counter else 0))
-        out[label] = {"rel": rel, "model": model_err, "extra_bytes": extra, "seconds": seconds}
+        out[label] = {
+            "rel": rel,
+            "sq": sq,
+            "model": model_err,
+            "extra_bytes": extra,
+            "seconds": seconds,
+        }
     for codecs in world_codecs.values():
         for c in codecs:
             if isinstance(c, TransformingCodec):
@@ -141,6 +157,7 @@ def run_source(src: zoo.Source, world_codecs: dict[str, list[Any]]) -> dict[str,
         "matrices": len(mats),
         "loss": [z["loss"][0], z["loss"][-1]],
         "payload_bytes": payload,
+        "shapes": shapes,
         "raw": out,
         "summary": summarize(out, mats, payload),
     }
@@ -189,15 +206,18 @@ def yardstick() -> dict[str, float]:
     return {"copyto_GBps": x.nbytes / copy_s / 1e9, "fp8_encode_ms_4M": enc_s * 1e3}
 
 
+def codecs_for(variants: dict[str, dict[str, Any]], world: int) -> dict[str, list[Any]]:
+    """One codec per simulated rank for every variant."""
+    return {label: [get_codec(cfg) for _ in range(world)] for label, cfg in variants.items()}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    world_codecs = {
-        label: [get_codec(cfg) for _ in range(args.world)] for label, cfg in VARIANTS.items()
-    }
     before = yardstick()
     sources = []
     for src in zoo.select(args.only):
         start = time.perf_counter()
-        result = run_source(src, world_codecs)
+        result = run_source(src, codecs_for(VARIANTS, src.world))
+        result.pop("shapes")
         if not args.keep_raw:
             result.pop("raw")
         sources.append(result)
@@ -210,7 +230,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     return {
         "command": "python " + " ".join(sys.argv),
-        "world": args.world,
+        "world": sorted({src.world for src in zoo.select(args.only)}),
         "variants": VARIANTS,
         "base": BASE,
         "yardstick": {"before": before, "after": yardstick()},
@@ -220,8 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default=None, help="comma-separated zoo source names")
-    p.add_argument("--world", type=int, default=2, help="simulated ranks (the zoo's)")
+    p.add_argument("--only", default="tuning", help="comma-separated zoo source names or halves")
     p.add_argument("--keep-raw", action="store_true", help="keep per-call errors in the JSON")
     p.add_argument("-J", "--json", default="perf/results/geo_zoo.json")
     p.add_argument("--report", default=None, help="re-render md and png from this JSON")

@@ -39,7 +39,8 @@ def markdown(r: dict[str, Any]) -> str:
         f"{y0['copyto_GBps']:.2f} / {y1['copyto_GBps']:.2f} GB/s; FP8 E4M3 b128 encode of 4M "
         f"values {y0['fp8_encode_ms_4M']:.2f} / {y1['fp8_encode_ms_4M']:.2f} ms.",
         "",
-        f"{r['world']} simulated ranks, every source's recorded steps from a fresh codec state "
+        f"{r['world']} simulated ranks (the source's), every source's recorded steps from a "
+        "fresh codec state "
         "(perf/studies/zoo.py). Ratios against E4M3 block 128: `median`/`p90` over matrices "
         "of each matrix's median over calls 2..W; `model`: the whole model's error (all "
         "parameters), median over calls 2..W; `fresh`: the per-call median over matrices at "

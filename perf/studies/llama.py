@@ -1,7 +1,8 @@
 """A small Llama-style byte-level decoder for gradient studies (PyTorch, CPU).
 
-Pre-norm blocks (RMSNorm), rotary positions, multi-head causal attention,
-SwiGLU MLP, tied or untied embeddings, vocabulary of the 256 byte values.
+Pre-norm blocks (RMSNorm), rotary positions (or a learned table of absolute
+positions), multi-head causal attention, SwiGLU MLP, tied or untied
+embeddings, vocabulary of the 256 byte values.
 The training text is the English of ``pydoc_data.topics`` (the help topics
 that ship with CPython, ~0.46 MB), so nothing is downloaded.
 
@@ -48,6 +49,7 @@ class LlamaConfig:
     seq_len: int = 128
     batch: int = 8
     tied: bool = False
+    positions: str = "rotary"  # or "learned": a table added to the token embeddings
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
@@ -56,6 +58,8 @@ class LlamaConfig:
         for name in ("d_model", "n_layers", "n_heads", "ff", "seq_len", "batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.positions not in ("rotary", "learned"):
+            raise ValueError(f"positions must be rotary or learned, got {self.positions!r}")
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
             raise ValueError(
                 f"d_model {self.d_model} must split into {self.n_heads} heads "
@@ -66,6 +70,8 @@ class LlamaConfig:
         """Name -> shape of every parameter, as ``build_model`` names them."""
         d, f = self.d_model, self.ff
         shapes: dict[str, tuple[int, ...]] = {"embed.weight": (VOCAB, d)}
+        if self.positions == "learned":
+            shapes["pos.weight"] = (self.seq_len, d)
         for i in range(self.n_layers):
             p = f"blocks.{i}."
             shapes[p + "attn_norm.weight"] = (d,)
@@ -173,15 +179,21 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(VOCAB, cfg.d_model)
+        learned = cfg.positions == "learned"
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model) if learned else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = None if cfg.tied else nn.Linear(cfg.d_model, VOCAB, bias=False)
         cos, sin = rotary_tables(cfg.seq_len, cfg.d_model // cfg.n_heads, cfg.rope_base)
+        if learned:  # no rotation: cos 1 and sin 0 leave every pair as it is, exactly
+            cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
+        if self.pos is not None:
+            x = x + self.pos.weight[: tokens.shape[1]]
         for block in self.blocks:
             x = block(x, self.cos, self.sin)
         x = self.norm(x)

@@ -1,5 +1,11 @@
 """The gradient zoo: per-rank gradients of several models and regimes, made once and cached.
 
+Two halves: :data:`TUNING`, the sources GeoFP8's defaults are chosen on, and
+:data:`HELDOUT`, sources no default was chosen on, added afterwards with
+what the tuning half lacks (learned position tables, 4 and 8 ranks, 512
+tokens per rank, OPT, GPT-NeoX and an LSTM, later steps); the studies
+report them side by side (perf/studies/geo_heldout.py).
+
 A source is a model (perf/studies/zoo_models.py) at a width, a per-rank
 micro-batch of ``tokens`` bytes and a phase: ``early`` records the first
 ``window`` steps from the initial weights, ``late`` trains ``late`` steps
@@ -14,7 +20,8 @@ Cache: ``$GEOCOMM_ZOO_CACHE`` (default ``$TMPDIR/geocomm_zoo``, outside the
 repository), one ``.npz`` per source named by its config's hash.
 
     python perf/studies/zoo.py            # make (or find) every source, list them
-    python perf/studies/zoo.py --only gpt2-256-2k-late
+    python perf/studies/zoo.py --only gpt2-256-2k-late32
+    python perf/studies/zoo.py --only heldout
 """
 
 from __future__ import annotations
@@ -57,16 +64,18 @@ class Source:
     @property
     def name(self) -> str:
         phase = f"late{self.late}" if self.late else "early"
-        return f"{self.model}-{self.width}-{self.tokens // 1024}k-{phase}"
+        ranks = f"-x{self.world}" if self.world != 2 else ""
+        return f"{self.model}-{self.width}-{self.tokens / 1024:g}k-{phase}{ranks}"
 
     def key(self) -> str:
         text = json.dumps({**asdict(self), "version": ZOO_VERSION}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-#: The zoo: the byte-level Llama at two widths, GPT-2 and Llama from Hugging Face
-#: configs, an MLP and a conv net; ~2K and ~16K tokens per rank; early and late.
-SOURCES: tuple[Source, ...] = (
+#: The tuning half: the byte-level Llama at three widths, GPT-2 and Llama from
+#: Hugging Face configs, an MLP and a conv net; 2K and 16K tokens per rank on 2
+#: ranks; early and late (the zoo the defaults were first chosen on).
+TUNING: tuple[Source, ...] = (
     Source("llama", 256, 2048),
     Source("llama", 256, 2048, late=32),
     Source("llama", 128, 16384),
@@ -76,6 +85,23 @@ SOURCES: tuple[Source, ...] = (
     Source("mlp", 512, 2048, late=32),
     Source("conv", 128, 16384, late=16),
 )
+#: The held-out half (chosen before any of it was measured): the Llama with learned
+#: positions (the model of issue 40: 2 ranks of 2K tokens late in training, and 8
+#: ranks of 512 tokens early), GPT-2 on 8 ranks of 512 tokens, OPT and GPT-NeoX, the
+#: Hugging Face Llama at width 384 on 4 ranks, an LSTM on 16K tokens, an MLP with a
+#: 1024 x 1024 layer; 12 recorded steps each.
+HELDOUT: tuple[Source, ...] = (
+    Source("llama-pos", 256, 2048, late=96, window=12),
+    Source("llama-pos", 256, 512, window=12, world=8),
+    Source("gpt2", 192, 512, late=64, window=12, world=8),
+    Source("opt", 256, 4096, late=48, window=12),
+    Source("neox", 320, 4096, window=12, world=4),
+    Source("hf-llama", 384, 1024, late=64, window=12, world=4),
+    Source("lstm", 256, 16384, late=24, window=12),
+    Source("mlp", 1024, 2048, late=48, window=12, world=4),
+)
+SOURCES: tuple[Source, ...] = TUNING + HELDOUT
+HALVES = {"tuning": TUNING, "heldout": HELDOUT}
 
 
 def cache_dir() -> Path:
@@ -145,12 +171,13 @@ def load(src: Source, verbose: bool = True) -> dict[str, Any]:
 
 
 def select(only: str | None) -> list[Source]:
-    """The sources named in the comma-separated ``only`` (all when None)."""
+    """The sources named in the comma-separated ``only`` (all when None); a name may
+    be a half, ``tuning`` or ``heldout``."""
     if not only:
         return list(SOURCES)
     wanted = only.split(",")
-    chosen = [s for s in SOURCES if s.name in wanted]
-    missing = set(wanted) - {s.name for s in chosen}
+    chosen = [s for s in SOURCES if s.name in wanted or any(s in HALVES.get(w, ()) for w in wanted)]
+    missing = set(wanted) - {s.name for s in chosen} - set(HALVES)
     if missing:
         raise SystemExit(
             f"unknown zoo sources {sorted(missing)}; known {[s.name for s in SOURCES]}"

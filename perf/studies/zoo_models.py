@@ -5,10 +5,14 @@ mean cross-entropy of the next byte, so one training loop and one text
 (:class:`llama.TextData`) serve them all:
 
 * ``llama``: the project's byte-level Llama (perf/studies/llama.py);
-* ``gpt2``, ``hf-llama``: Hugging Face GPT-2 and Llama built from their
-  configs (``transformers``; nothing downloaded, weights from the seed);
+  ``llama-pos`` the same with a learned table of absolute positions instead
+  of rotary ones;
+* ``gpt2``, ``hf-llama``, ``opt``, ``neox``: Hugging Face GPT-2, Llama, OPT
+  and GPT-NeoX built from their configs (``transformers``; nothing
+  downloaded, weights from the seed);
 * ``mlp``: a next-byte MLP over the embeddings of the 8 previous bytes;
-* ``conv``: a causal, dilated 1-D convolutional net over byte embeddings.
+* ``conv``: a causal, dilated 1-D convolutional net over byte embeddings;
+* ``lstm``: a two-layer LSTM over byte embeddings.
 """
 
 from __future__ import annotations
@@ -63,6 +67,21 @@ class CausalConvNet(nn.Module):
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
+class ByteLSTM(nn.Module):
+    """Embed, two LSTM layers of ``width``, a linear head."""
+
+    def __init__(self, width: int, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.lstm = nn.LSTM(width, width, layers, batch_first=True)
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.lstm(self.embed(tokens))
+        logits = self.head(hidden)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
 class HFNextByte(nn.Module):
     """A Hugging Face causal LM (from a config) behind the next-byte loss."""
 
@@ -83,6 +102,27 @@ def _hf(kind: str, width: int, seq_len: int) -> nn.Module:
             vocab_size=VOCAB, n_positions=seq_len, n_embd=width, n_layer=4, n_head=4
         )
         return HFNextByte(transformers.GPT2LMHeadModel(cfg))
+    if kind == "opt":  # learned positions (two rows of offset), ReLU MLP, tied head
+        cfg = transformers.OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=width,
+            word_embed_proj_dim=width,
+            ffn_dim=4 * width,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            max_position_embeddings=seq_len,
+        )
+        return HFNextByte(transformers.OPTForCausalLM(cfg))
+    if kind == "neox":  # fused query-key-value, partial rotary, parallel residual
+        cfg = transformers.GPTNeoXConfig(
+            vocab_size=VOCAB,
+            hidden_size=width,
+            intermediate_size=4 * width,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            max_position_embeddings=seq_len,
+        )
+        return HFNextByte(transformers.GPTNeoXForCausalLM(cfg))
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=width,
@@ -98,15 +138,18 @@ def _hf(kind: str, width: int, seq_len: int) -> nn.Module:
 
 def build(kind: str, width: int, seq_len: int, seed: int) -> nn.Module:
     """The model ``kind`` at ``width``, weights from ``seed`` alone (torch RNG left as it was)."""
-    if kind == "llama":
-        cfg = LlamaConfig(d_model=width, ff=width * 43 // 16, seq_len=seq_len)
+    if kind in ("llama", "llama-pos"):
+        positions = "learned" if kind == "llama-pos" else "rotary"
+        cfg = LlamaConfig(d_model=width, ff=width * 43 // 16, seq_len=seq_len, positions=positions)
         return build_model(cfg, seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if kind in ("gpt2", "hf-llama"):
+        if kind in ("gpt2", "hf-llama", "opt", "neox"):
             return _hf(kind, width, seq_len)
         if kind == "mlp":
             return NextByteMLP(width)
         if kind == "conv":
             return CausalConvNet(width)
+        if kind == "lstm":
+            return ByteLSTM(width)
     raise ValueError(f"unknown zoo model {kind!r}")

@@ -1,8 +1,9 @@
 """GeoFP8's results do not depend on a rank's BLAS: a real job with mixed settings.
 
 One rank runs with one OpenBLAS thread, the other with two and another
-OPENBLAS_CORETYPE; 50 geofp8 all-reduces must give bitwise identical results
-on both and never trip the state check (tests/jobs/geo_blas_job.py). It holds by
+OPENBLAS_CORETYPE; 50 geofp8 all-reduces, with the split and with the
+whitening, must give bitwise identical results on both and never trip the
+state check (tests/jobs/geo_blas_job.py). It holds by
 construction: every number that enters the map or the state comes from the
 fixed-order native kernels, never from a BLAS. Single-process test: it
 launches its own mpiexec (MPMD, one environment per rank).
@@ -43,4 +44,5 @@ def test_mixed_blas_ranks_agree_bit_for_bit():
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "geofp8 results identical on all ranks: True" in out, out
+    assert "geofp8 whitening results identical on all ranks: True" in out, out
     assert "CollectiveMismatchError" not in out

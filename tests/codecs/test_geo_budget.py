@@ -216,19 +216,22 @@ def test_the_budget_charges_the_power_steps_and_the_re_measures_that_travel():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_an_allreduce_sends_the_coefficients_and_the_power_steps(comm):
+@pytest.mark.parametrize("transform", ["split", "whiten"])
+def test_an_allreduce_sends_the_coefficients_and_the_power_steps(comm, transform):
     """Over MPI: a fresh key's first all-reduce (the cold start's three subspace
     iterations on the whole result, on every rank alone) sends exactly FP8's
     bytes; every later one FP8's plus the power step's sums (use n + 1 values)
     and the coefficients with their column energies ((m + 1) use), bfloat16
-    all-gathers (2 bytes a value to each peer). The state says whether its
-    last basis update summed."""
+    all-gathers (2 bytes a value to each peer). The whitening sends nothing
+    more: every rank measures its basis from the whole result alone. The state
+    says whether its last basis update summed."""
     import geocomm
     from geocomm.testing import MeteredComm
 
     size, rank = comm.size, comm.rank
     metered = MeteredComm(comm)
-    geo = get_codec("geofp8", min_dim=8, min_numel=0, refresh_max=1)  # steps every call
+    # steps every call
+    geo = get_codec("geofp8", min_dim=8, min_numel=0, refresh_max=1, transform=transform)
     fp8 = get_codec("fp8")
     m, n = 96, 80
     for step in range(4):
@@ -244,6 +247,7 @@ def test_an_allreduce_sends_the_coefficients_and_the_power_steps(comm):
         assert step == 0 or use > 0
         assert metered.sent == plain + side, step
         assert st["refreshed"] == step + 1 and st["summed"] is (step > 0)
+        assert (st["wt"] is not None) is (transform == "whiten")
     rs = get_codec("geofp8", min_dim=8, min_numel=0)
     geocomm.reduce_scatter(spiked_inputs(size, m, n, 0)[rank], codec=rs, key="w", check=False)
     assert rs.state_info("w")["summed"] is True

@@ -168,12 +168,14 @@ def test_allreduce_in_place_and_out(cp, device_comm, mpi_comm):
     "config",
     [
         {"id": "geofp8", "min_dim": 8, "min_numel": 0, "refresh": 2},
+        {"id": "geofp8", "min_dim": 8, "min_numel": 0, "refresh": 2, "transform": "whiten"},
         {"id": "geofp8", "min_dim": 8, "min_numel": 0, "refresh": 2, "error_feedback": True},
     ],
 )
 def test_geofp8_with_refreshes(cp, device_comm, mpi_comm, config):
     """Five calls per key (cold start, then refreshes every 2 calls), two keys in one
-    buffer (as a DDP bucket) and a reduce-scatter: results and state checksums agree."""
+    buffer (as a DDP bucket) and a reduce-scatter: results and state checksums agree,
+    for the split and for the whitening."""
     dev, host = codec_pair(config)
     parts = [("w1", (96, 80)), ("w2", (40, 64))]
     n = 96 * 80 + 40 * 64

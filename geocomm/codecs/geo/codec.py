@@ -20,14 +20,22 @@ from collections.abc import Generator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
-from array_api_compat import array_namespace
+from array_api_compat import array_namespace, is_cupy_array
 
 from geocomm.codecs.base import Codec, TransformingCodec, WireOf
 from geocomm.codecs.formats import FP8Codec, NVFP4Codec
 from geocomm.codecs.frames import FramedCodec
 from geocomm.codecs.geo import kernels, policy
-from geocomm.codecs.geo.maps import HadamardPlan, SplitPlan
-from geocomm.codecs.geo.policy import DEFAULTS, TRANSFORMS, MapShape, anisotropic
+from geocomm.codecs.geo.maps import HadamardPlan, SplitPlan, WhitenPlan
+from geocomm.codecs.geo.policy import (
+    ALPHAS,
+    DEFAULTS,
+    DEVICES,
+    TRANSFORMS,
+    MapShape,
+    anisotropic,
+    whiten_rows,
+)
 from geocomm.codecs.geo.state import KeyState
 
 #: Subspace iterations on a key's first result, from a fixed-seed random basis
@@ -42,15 +50,16 @@ Rounds = Generator[Any, Any, None]
 
 class _MeasurePlan:
     """No map this call, but a refresh from its result (a key's first call, or
-    one left plain for a flat spectrum and due for a re-measure)."""
+    one left plain for a flat spectrum and due for a re-measure); ``whiten``:
+    rows of a whitening basis the first call measures too (0: none)."""
 
     side = None
     refreshes = True
     steps = False
     ranged = True
 
-    def __init__(self, dims: MapShape, state: KeyState):
-        self.map_shape, self.state = dims, state
+    def __init__(self, dims: MapShape, state: KeyState, whiten: int = 0):
+        self.map_shape, self.state, self.whiten = dims, state, whiten
 
     def begin(self, x: Any) -> None:
         return None
@@ -80,12 +89,14 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
     """A quantizer preceded by a geometry map (see the module docstring).
 
     Knobs (:data:`~geocomm.codecs.geo.policy.DEFAULTS`): ``transform``
-    (split | hadamard | none), ``k`` (largest rank), ``budget`` (multiply-adds
-    per value and call), ``refresh``/``refresh_max`` (shortest and longest
-    period between basis updates; a key's period adapts in between),
-    ``max_side`` (side channel over payload), ``min_dim``/``min_numel``
-    (smallest mapped matrix), ``min_share`` (anisotropy needed),
-    ``side_budget`` (model-wide side bytes over payload), ``seed``.
+    (auto | split | whiten | hadamard | none), ``k`` (largest rank), ``budget``
+    (multiply-adds per value and call of the split), ``refresh``/``refresh_max``
+    (shortest and longest period between basis updates; a key's period adapts
+    in between), ``max_side`` (side channel over payload),
+    ``min_dim``/``min_numel`` (smallest mapped matrix), ``min_share``
+    (anisotropy needed), ``side_budget`` (model-wide side bytes over payload),
+    ``whiten`` (directions whitened) and ``alpha`` (their exponent), ``device``
+    (auto | cpu | gpu: the kind ``transform="auto"`` picks for), ``seed``.
     """
 
     #: knobs listed in get_config (subclasses may expose fewer)
@@ -102,8 +113,14 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         config = {**DEFAULTS, **knobs}
         if config["transform"] not in TRANSFORMS:
             raise ValueError(f"transform must be one of {TRANSFORMS}, got {config['transform']!r}")
+        if config["device"] not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {config['device']!r}")
+        if config["alpha"] not in ALPHAS or isinstance(config["alpha"], bool):
+            raise ValueError(f"alpha must be one of {ALPHAS}, got {config['alpha']!r}")
         self.quantizer = self.wire_codec = quantizer  # the bytes are the quantizer's
-        self.transform = config["transform"]
+        self.transform, self.device = config["transform"], config["device"]
+        self.whiten = _check_int("whiten", config["whiten"], 0)
+        self.alpha = float(config["alpha"])
         self.k = _check_int("k", config["k"], 1)
         self.refresh_period = _check_int("refresh", config["refresh"], 1)
         self.refresh_max = _check_int("refresh_max", config["refresh_max"], self.refresh_period)
@@ -132,6 +149,9 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
             "min_numel": self.min_numel,
             "min_share": self.min_share,
             "side_budget": self.side_budget,
+            "whiten": self.whiten,
+            "alpha": self.alpha,
+            "device": self.device,
             "seed": self.seed,
         }
 
@@ -149,26 +169,40 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         payload = self.quantizer.wire_size(math.prod(shape))
         return policy.map_shape(shape, self._knobs(), payload, framed)
 
+    def geometry(self, device_arrays: bool) -> str:
+        """The geometry this codec applies to host arrays (``device_arrays`` False)
+        or to a GPU's (True): ``transform``, with ``auto`` resolved by ``device``
+        (:data:`~geocomm.codecs.geo.policy.DEVICE_GEOMETRY`)."""
+        device = self.device
+        if device == "auto":
+            device = "gpu" if device_arrays else "cpu"
+        return policy.geometry(self.transform, device)
+
     def plan(self, x: Any, shape: Sequence[int], key: Any, bounds: Sequence[int]) -> Any:
         """This call's plan for the flat float32 values ``x`` of a tensor of ``shape``.
 
         ``key`` names the tensor (None: its shape does); ``bounds`` are the
-        collective's N + 1 shard offsets. Local: decides from shape, config
-        and the key's state only, so every rank decides alike. None means
-        plain quantization and no state.
+        collective's N + 1 shard offsets relative to the tensor's first value.
+        Local: decides from shape, config, the kind of ``x`` and the key's
+        state only, so every rank decides alike. None means plain
+        quantization and no state.
         """
         dims = self.map_shape(shape)
         if dims is None:
             return None
-        if self.transform == "hadamard":
+        geometry = self.geometry(is_cupy_array(x))
+        if geometry == "hadamard":
             return HadamardPlan(dims, self.seed, bounds)
         key = ("shape", tuple(shape)) if key is None else key
         st = self._state_for(key, dims)
         st.calls += 1
+        whiten = whiten_rows(dims, self.whiten) if geometry == "whiten" else (0, 0)
         if st.vt is None:  # the first result measures the basis (the cold start)
-            return _MeasurePlan(dims, st)
+            return _MeasurePlan(dims, st, whiten[1])
         due = st.calls - st.refreshed >= st.period
         st.use = self._rank_of(key)
+        if whiten[0]:
+            return self._whiten_plan(x, dims, st, due, whiten, bounds)
         if st.use < 0:  # flat when the round's allocation was made: re-measured
             st.use = 0
             return _MeasurePlan(dims, st) if due else None
@@ -176,6 +210,35 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
             return None
         use = MapShape(dims.m, dims.n, st.use)
         return SplitPlan(use, st.vt[: st.use, :], steps=due, state=st)
+
+    def _whiten_plan(
+        self,
+        x: Any,
+        dims: MapShape,
+        st: KeyState,
+        due: bool,
+        whiten: tuple[int, int],
+        bounds: Sequence[int],
+    ) -> WhitenPlan:
+        """The split (the key's rank under the allocation, possibly 0) and the
+        whitening of the state's measured basis; a flat key is plain in the split
+        and re-measured when due, as a split key is."""
+        remeasure = st.use < 0 and due
+        st.use = max(st.use, 0)
+        return WhitenPlan(
+            MapShape(dims.m, dims.n, st.use),
+            st.vt[: st.use, :],
+            steps=due and st.use > 0,
+            state=st,
+            values=x,
+            whitening=(st.wt, st.wenergies, st.wbulk) if st.wt is not None else None,
+            rows=whiten[0],
+            basis_rows=whiten[1],
+            alpha=self.alpha,
+            seed=self.seed,
+            bounds=bounds,
+            remeasure=remeasure,
+        )
 
     def _rank_of(self, key: Any) -> int:
         """The key's rank under the allocation of this round of calls: it is made
@@ -233,6 +296,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         xp = array_namespace(x)
         coef = kernels.project(x, 0, dims.n, plan.vt)
         w, whole = _split_energy((yield _accumulation(x, 0, coef, dims)), dims)
+        plan.settled = True  # the basis is final from here on (a plan's side may be read)
         if not (math.isfinite(whole) and whole > 0 and bool(xp.all(xp.isfinite(w)))):
             return  # a non-finite or all-zero input says nothing about the geometry
         cap = st.map_shape
@@ -257,12 +321,21 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         the budget then does not charge). The state changes only when the sums
         are finite and the result is not all zero.
         """
+        if isinstance(plan, WhitenPlan):
+            if plan.pending is not None:
+                self._commit_step(plan, side_sum)
+            if plan.remeasure:
+                yield from self.measure(plan.state, shard, lo, summed=not alone)
+            if alone:  # the whitening's basis from the whole result (no bytes)
+                yield from self._measure_whitening(plan.state, shard, lo, plan.basis_rows)
+            return
         if isinstance(plan, SplitPlan):  # a stepped plan: its side summed the energies
             self._commit_step(plan, side_sum)
             return
-        yield from self.measure(plan.state, shard, lo, summed=not alone)
+        whiten = plan.whiten if alone else 0  # a reduce-scatter measures no whitening
+        yield from self.measure(plan.state, shard, lo, summed=not alone, whiten=whiten)
 
-    def _commit_step(self, plan: SplitPlan, side_sum: Any) -> None:
+    def _commit_step(self, plan: SplitPlan | WhitenPlan, side_sum: Any) -> None:
         """The key's state after a power step: the plan's new basis, the energy
         along each mapped direction (the side sum's last row: every rank's
         values), the tracked rows it does not map carried along with their
@@ -276,37 +349,74 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         st.commit(vt, (*mapped, *carried), whole, period, summed=True)
         self._version += 1
 
-    def measure(self, st: KeyState, shard: Any, lo: int, summed: bool = False) -> Rounds:
+    def measure(
+        self, st: KeyState, shard: Any, lo: int, summed: bool = False, whiten: int = 0
+    ) -> Rounds:
         """Subspace iterations on the result from the key's basis (one), or from a
-        fixed-seed random one (COLD_ITERS, OVERSAMPLE more rows, the top k kept)."""
+        fixed-seed random one (COLD_ITERS, OVERSAMPLE more rows, the top k kept).
+        ``whiten``: a cold measure keeps that many rows as the whitening basis too
+        (the split's are its first k)."""
         cap = st.map_shape
         xp = array_namespace(shard)
         cold = st.vt is None
-        rows = min(cap.k + OVERSAMPLE, min(cap.m, cap.n)) if cold else cap.k
-        dims = MapShape(cap.m, cap.n, rows)
+        kept = max(cap.k, whiten) if cold else cap.k
+        rows = min(kept + OVERSAMPLE, min(cap.m, cap.n)) if cold else cap.k
         zeros = xp.zeros((rows, cap.n), dtype=xp.float32)
-        vt = kernels.orthonormalize(zeros, self.seed) if cold else st.vt
-        iters = COLD_ITERS if cold else 1
-        for it in range(iters):
-            coef = xp.reshape(
-                (yield xp.reshape(_projection(shard, lo, vt, dims), (-1,))), (cap.m, rows)
-            )
-            w, energy = _split_energy((yield _accumulation(shard, lo, coef, dims)), dims)
-            if it + 1 < iters:
-                vt = kernels.orthonormalize(w, self.seed)
-        energies = kernels.column_sumsq(coef)[: cap.k]
+        start = kernels.orthonormalize(zeros, self.seed) if cold else st.vt
+        w, coef, energy = yield from self._iterate(shard, lo, cap, start, COLD_ITERS if cold else 1)
+        energies = kernels.column_sumsq(coef)[:kept]
         if not (math.isfinite(energy) and all(map(math.isfinite, energies)) and energy > 0):
             return  # a non-finite or all-zero result says nothing about the geometry
-        w = w[: cap.k, :]
+        w = w[:kept, :]
         if not bool(xp.all(xp.isfinite(w))):
             return
-        vt = kernels.orthonormalize(w, self.seed)
+        basis = kernels.orthonormalize(w, self.seed)  # row i depends on rows <= i only
+        vt = basis[: cap.k, :]
         period = self.refresh_period
         if st.vt is not None:
             overlap = _overlap(vt[: st.use or cap.k, :], st.vt)
             period = policy.next_period(st.period, overlap, self.refresh_period, self.refresh_max)
-        st.commit(vt, tuple(energies), energy, period, summed)
+        st.commit(vt, tuple(energies[: cap.k]), energy, period, summed)
+        if whiten and cold:
+            _commit_whitening(st, basis[:whiten, :], energies[:whiten], energy)
         self._version += 1
+
+    def _measure_whitening(self, st: KeyState, shard: Any, lo: int, rows: int) -> Rounds:
+        """The whitening basis of ``rows`` rows: one subspace iteration on the
+        result from the state's (COLD_ITERS from a fixed-seed random one, with
+        OVERSAMPLE more rows, when it has none of that size). The allocation does
+        not read it: the version stays."""
+        cap = st.map_shape
+        xp = array_namespace(shard)
+        cold = st.wt is None or st.wt.shape[0] != rows
+        count = min(rows + OVERSAMPLE, min(cap.m, cap.n)) if cold else rows
+        zeros = xp.zeros((count, cap.n), dtype=xp.float32)
+        start = kernels.orthonormalize(zeros, self.seed) if cold else st.wt
+        w, coef, energy = yield from self._iterate(shard, lo, cap, start, COLD_ITERS if cold else 1)
+        energies = kernels.column_sumsq(coef)[:rows]
+        if not (math.isfinite(energy) and all(map(math.isfinite, energies)) and energy > 0):
+            return
+        w = w[:rows, :]
+        if bool(xp.all(xp.isfinite(w))):
+            _commit_whitening(st, kernels.orthonormalize(w, self.seed), energies, energy)
+
+    def _iterate(
+        self, shard: Any, lo: int, cap: MapShape, vt: Any, iters: int
+    ) -> Generator[Any, Any, tuple[Any, Any, float]]:
+        """``iters`` subspace iterations on the result from the rows of ``vt``; each
+        yields this rank's projection, then its accumulation (exact sums over the
+        ranks, or its own totals alone). Returns (W (rows, n) of the last
+        iteration, the coefficients it accumulated, ||S||^2)."""
+        xp = array_namespace(shard)
+        dims = MapShape(cap.m, cap.n, vt.shape[0])
+        for it in range(iters):
+            coef = xp.reshape(
+                (yield xp.reshape(_projection(shard, lo, vt, dims), (-1,))), (cap.m, dims.k)
+            )
+            w, energy = _split_energy((yield _accumulation(shard, lo, coef, dims)), dims)
+            if it + 1 < iters:
+                vt = kernels.orthonormalize(w, self.seed)
+        return w, coef, energy
 
     # ---- state --------------------------------------------------------------------
     def _state_for(self, key: Any, dims: MapShape) -> KeyState:
@@ -375,6 +485,15 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         from geocomm.codecs.geo import frames
 
         frames.decode_body(self, body, out)
+
+
+def _commit_whitening(st: KeyState, wt: Any, energies: Sequence[float], energy: float) -> None:
+    """The state's whitening basis, its energies and the bulk's mean energy per
+    direction: what the result's energy ``energy`` leaves outside them, spread over
+    the other min(m, n) - rows directions."""
+    cap = st.map_shape
+    rest = max(energy - sum(energies), 0.0)
+    st.commit_whitening(wt, tuple(energies), rest / max(min(cap.m, cap.n) - len(energies), 1))
 
 
 def _key(k: Any) -> Any:

@@ -29,6 +29,7 @@ __all__ = [
     "accumulate",
     "column_sumsq",
     "expand",
+    "host_copy",
     "orthonormalize",
     "pack",
     "project",
@@ -53,6 +54,13 @@ def rows(lo: int, length: int, n: int) -> int:
 def _host(a: Any) -> np.ndarray:
     """A NumPy view of a host array (zero-copy through DLPack)."""
     return a if isinstance(a, np.ndarray) else np.from_dlpack(a)
+
+
+def host_copy(a: Any) -> np.ndarray:
+    """A NumPy copy of an array of any namespace (CuPy copies from the device)."""
+    if is_cupy_array(a):
+        return np.array(a.get())
+    return np.array(_host(a), copy=True)
 
 
 def project(values: Any, lo: int, n: int, vt: Any) -> Any:

@@ -1,4 +1,5 @@
-"""The maps a GeoFP8 plan applies: the split map and the Hadamard rotation.
+"""The maps a GeoFP8 plan applies: the split map, the split with whitening, and
+the Hadamard rotation.
 
 Both are linear and the same on every rank, so the sum over ranks commutes
 with them (docs/design.md, "GeoFP8"). Flat arrays are the row-major values of
@@ -14,14 +15,28 @@ cancels except for the two fp32 roundings of the subtraction and the
 addition; bfloat16 only leaves A_i's rounding error, 2^-9 of it at most, in
 the quantized residual.
 
+Whitening (after the split, on the residual R_i): with r orthonormal rows
+U^T (orthogonal to V^T) and scales d_j in (0, 1], this rank quantizes
+Z_i = R_i + (R_i U) diag(d - 1) U^T, the residual with its j-th input-side
+direction scaled by d_j; every rank inverts the quantized sum Y with
+Y + (Y U) diag(1/d - 1) U^T, which gives back sum_i R_i exactly up to fp32
+rounding and multiplies the quantization error along u_j by 1 / d_j. Strong
+directions (d_j small) get less of an error that, after an elementwise
+quantizer, spreads over every direction alike. The inverse needs whole rows,
+so only rows that lie inside one shard are whitened.
+
 Hadamard: a randomized Walsh-Hadamard rotation of every row that lies
 entirely inside one shard (so the owner of a reduce-scatter shard can undo
 it); for n not a power of two, p = 2**floor(log2 n) and two rotations of size
 p act on columns [0, p) and then [n - p, n). Orthogonal, no state.
+
+``bounds`` are the collective's N + 1 shard offsets relative to the tensor's
+first value (clipped to the tensor).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -31,7 +46,39 @@ from array_api_compat import array_namespace
 
 from geocomm.codecs.formats import Split, split_format
 from geocomm.codecs.geo import kernels
-from geocomm.codecs.geo.policy import MapShape
+from geocomm.codecs.geo.policy import MapShape, whiten_scale
+
+
+def shard_rows(dims: MapShape, bounds: Sequence[int]) -> list[tuple[int, int]]:
+    """Runs [r0, r1) of the rows that lie entirely inside one shard, in order
+    (adjacent runs merged)."""
+    n, runs = dims.n, list[tuple[int, int]]()
+    for start, end in itertools.pairwise(bounds):
+        r0, r1 = -(-max(int(start), 0) // n), min(int(end) // n, dims.m)
+        if r1 <= r0:
+            continue
+        if runs and runs[-1][1] == r0:
+            runs[-1] = (runs[-1][0], r1)
+        else:
+            runs.append((r0, r1))
+    return runs
+
+
+def rows_within(runs: list[tuple[int, int]], lo: int, length: int, n: int) -> list[tuple[int, int]]:
+    """The parts of ``runs`` whose rows lie entirely inside [lo, lo + length)."""
+    first, end = -(-lo // n), (lo + length) // n
+    return [(max(a, first), min(b, end)) for a, b in runs if min(b, end) > max(a, first)]
+
+
+def _with_energies(coef: Any, pending: Any) -> Any:
+    """The split's side: coefficients rounded to bfloat16, and after a step one more
+    row, the energy of each column (what the state records once it is summed)."""
+    coef = kernels.round_bf16(coef)
+    if pending is None:
+        return coef
+    xp = array_namespace(coef)
+    energies = xp.asarray([kernels.column_sumsq(coef)])
+    return xp.concat([coef, kernels.round_bf16(xp.astype(energies, xp.float32))], axis=0)
 
 
 class SplitPlan:
@@ -52,6 +99,7 @@ class SplitPlan:
 
     def __init__(self, dims: MapShape, vt: Any, steps: bool, state: Any = None):
         self.map_shape, self.vt, self.steps, self.state = dims, vt, steps, state
+        self.settled = not steps  # the codec's step sets it once the basis is final
         self.side: Any = None
         self.pending: Any = None  # after a step: (basis, energy, period) for the state
         self._packed: Any = None
@@ -76,14 +124,7 @@ class SplitPlan:
         self._packed = kernels.pack(self.vt)  # every piece expands with it
 
     def _set_side(self, coef: Any) -> None:
-        """side = coef rounded to bfloat16; after a step one more row follows: the
-        energy of each column (what the state records once it is summed)."""
-        coef = kernels.round_bf16(coef)
-        if self.pending is not None:
-            xp = array_namespace(coef)
-            energies = xp.asarray([kernels.column_sumsq(coef)])
-            coef = xp.concat([coef, kernels.round_bf16(xp.astype(energies, xp.float32))], axis=0)
-        self.side = coef
+        self.side = _with_energies(coef, self.pending)
 
     def forward_range(self, values: Any, lo: int, out: Any) -> None:
         """out = X - A V^T over the range ``values`` starting at ``lo`` (after begin)."""
@@ -137,6 +178,138 @@ class SplitPlan:
         return True
 
 
+class WhitenPlan:
+    """This call's split and whitening of one tensor (module docstring): whole
+    tensors, not ranges (the whitening's inverse needs whole rows).
+
+    ``dims.k`` split rows ``vt`` (0: whitening alone), ``steps`` and ``state`` as
+    :class:`SplitPlan`'s; ``values``: this rank's flat input, whose coefficients
+    make :attr:`side` when it is first read (after the step rounds, which may
+    replace :attr:`vt`); ``whitening``: the state's measured basis, its energies
+    and bulk (None: none measured yet, nothing is whitened); ``rows``: how many
+    directions to whiten; ``basis_rows``: the rows of the basis the refresh
+    measures; ``alpha``: the exponent; ``seed``: the orthonormalization's.
+    The whitened directions are the
+    measured basis's rows with the mapped ones taken out, the ``rows`` of them
+    whose energy (under the state's model: the measured energies along the
+    basis, the bulk's elsewhere) is largest. ``refreshes`` always: the state
+    then measures the basis again from the result; ``remeasure``: a flat key's
+    split basis is measured again too.
+    """
+
+    ranged = False
+    refreshes = True
+
+    def __init__(
+        self,
+        dims: MapShape,
+        vt: Any,
+        steps: bool,
+        state: Any,
+        values: Any,
+        whitening: tuple[Any, tuple[float, ...], float] | None,
+        rows: int,
+        basis_rows: int,
+        alpha: float,
+        seed: int,
+        bounds: Sequence[int],
+        remeasure: bool = False,
+    ):
+        self.map_shape, self.vt, self.steps, self.state = dims, vt, steps, state
+        self.settled = not steps  # the codec's step sets it once the basis is final
+        self.pending: Any = None
+        self.remeasure = remeasure
+        self._values, self._whitening, self._rows = values, whitening, rows
+        self.basis_rows = basis_rows
+        self._alpha, self._seed = alpha, seed
+        self._runs = shard_rows(dims, bounds)
+        self._side: Any = None
+        self._bases: Any = None  # (U^T, forward rows, inverse rows), or () for none
+
+    def stepped(self, vt: Any, energy: float, period: int) -> None:
+        """As :meth:`SplitPlan.stepped` (before :attr:`side` is read)."""
+        self.vt, self.pending = vt[: self.map_shape.k, :], (vt, energy, period)
+
+    @property
+    def side(self) -> Any:
+        """A = X V rounded to bfloat16 (with the energies row after a step), None
+        when nothing is split; computed when first read."""
+        if self.map_shape.k == 0:
+            return None
+        if not self.settled:
+            raise RuntimeError("a plan's side was read before its step rounds ended")
+        if self._side is None:
+            coef = kernels.project(self._values, 0, self.map_shape.n, self.vt)
+            self._side = _with_energies(coef, self.pending)
+        return self._side
+
+    def whitened(self) -> Any:
+        """(U^T, (d - 1) U^T, (1 / d - 1) U^T) of this call, each (r, n), or None when
+        no direction is scaled."""
+        if self._bases is None:
+            self._bases = self._whitening_bases() or ()
+        return self._bases or None
+
+    def _whitening_bases(self) -> Any:
+        if self._whitening is None:
+            return None
+        wt, energies, bulk = self._whitening
+        k, n = self.map_shape.k, self.map_shape.n
+        xp = array_namespace(wt)
+        rest = wt
+        if k:  # the measured rows with the mapped ones taken out (Gram-Schmidt, mapped first)
+            rest = kernels.orthonormalize(xp.concat([self.vt, wt], axis=0), self._seed)[k:]
+        # each row's energy under the model: e_j along the measured rows, the bulk elsewhere
+        # (correctly rounded sums, not a BLAS: every rank gets the same bits)
+        c = kernels.host_copy(kernels.project(xp.reshape(rest, (-1,)), 0, n, wt)).tolist()
+        model = [
+            math.fsum(x * x * e for x, e in zip(row, energies, strict=True))
+            + bulk * max(1.0 - math.fsum(x * x for x in row), 0.0)
+            for row in c
+        ]
+        best = sorted(range(len(model)), key=lambda i: -model[i])[: self._rows]
+        scales = {i: whiten_scale(model[i], bulk, self._alpha) for i in best}
+        keep = [i for i in best if scales[i] < 1.0]
+        if not keep:
+            return None
+        u = kernels.host_copy(rest)[keep]
+        d = np.array([scales[i] for i in keep], np.float64)[:, None]
+        fwd = (u * (d - 1.0)).astype(np.float32)
+        inv = (u * (1.0 / d - 1.0)).astype(np.float32)
+        return xp.asarray(np.ascontiguousarray(u)), xp.asarray(fwd), xp.asarray(inv)
+
+    def forward(self, x: Any, out: Any) -> None:
+        """out = X - A V^T, then its whitened rows scaled (``out`` may be ``x``)."""
+        n, m = self.map_shape.n, self.map_shape.m
+        side = self.side  # from x before out (which may be x) is written
+        if side is not None:
+            kernels.expand(x, 0, n, side[:m, :], self.vt, -1.0, out)
+        elif out is not x:
+            out[...] = x
+        bases = self.whitened()
+        if bases is None:
+            return
+        u, fwd, _ = bases
+        for r0, r1 in self._runs:
+            part = out[r0 * n : r1 * n]
+            kernels.expand(part, 0, n, kernels.project(part, 0, n, u), fwd, 1.0, part)
+
+    def inverse(self, values: Any, lo: int, side_sum: Any) -> None:
+        """The whitened rows inside [lo, lo + values.size) scaled back, then
+        (sum_i A_i) V^T added over the range, in place."""
+        n = self.map_shape.n
+        bases = self.whitened()
+        if bases is not None:
+            u, _, inv = bases
+            for r0, r1 in rows_within(self._runs, lo, values.shape[0], n):
+                part = values[r0 * n - lo : r1 * n - lo]
+                kernels.expand(part, 0, n, kernels.project(part, 0, n, u), inv, 1.0, part)
+        if side_sum is not None and values.shape[0]:
+            r0 = lo // n
+            coef = side_sum[r0 : r0 + kernels.rows(lo, values.shape[0], n), :]
+            kernels.expand(values, lo, n, coef, self.vt, 1.0, values)
+
+
 class HadamardPlan:
     """The randomized Hadamard rotation of the rows that lie inside one shard.
 
@@ -154,19 +327,7 @@ class HadamardPlan:
         rng = np.random.default_rng([seed, n, 0x4841])
         count = 1 if self.p == n else 2
         self._signs = [rng.choice(np.array([-1.0, 1.0], np.float32), self.p) for _ in range(count)]
-        self.bounds = [int(b) for b in bounds]
-
-    def _rows(self, lo: int, hi: int) -> tuple[int, int]:
-        """[r0, r1): the rows inside [lo, hi) that also lie inside one shard."""
-        n = self.map_shape.n
-        r0, r1 = -(-lo // n), hi // n
-        rows = [r for r in range(r0, r1) if self._inside_shard(r * n, (r + 1) * n)]
-        return (rows[0], rows[-1] + 1) if rows else (0, 0)
-
-    def _inside_shard(self, a: int, b: int) -> bool:
-        return any(
-            s <= a and b <= e for s, e in zip(self.bounds[:-1], self.bounds[1:], strict=True)
-        )
+        self._runs = shard_rows(dims, bounds)
 
     def _rotate(self, block: Any, inverse: bool) -> None:
         """Rotate the rows of ``block`` (r, n) in place."""
@@ -185,13 +346,11 @@ class HadamardPlan:
     def _apply(self, values: Any, lo: int, inverse: bool) -> Any:
         xp = array_namespace(values)
         n = self.map_shape.n
-        r0, r1 = self._rows(lo, lo + values.shape[0])
-        if r1 <= r0:
-            return values
-        a, b = r0 * n - lo, r1 * n - lo
-        block = xp.reshape(values[a:b], (r1 - r0, n))
-        self._rotate(block, inverse)
-        values[a:b] = xp.reshape(block, (-1,))
+        for r0, r1 in rows_within(self._runs, lo, values.shape[0], n):
+            a, b = r0 * n - lo, r1 * n - lo
+            block = xp.reshape(values[a:b], (r1 - r0, n))
+            self._rotate(block, inverse)
+            values[a:b] = xp.reshape(block, (-1,))
         return values
 
     def forward(self, x: Any, out: Any) -> None:

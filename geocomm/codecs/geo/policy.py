@@ -20,7 +20,15 @@ at values or at the machine. The knobs (defaults in :data:`DEFAULTS`):
   payload of every mapped key. Within it, :func:`allocate` gives each key the
   rank k (0: plain) that buys the most error reduction per byte, from the
   spectra the keys' states track; the cap above is then the most a key may
-  get. ``side_budget`` of inf gives every key its cap (k as above).
+  get. ``side_budget`` of inf gives every key its cap (k as above);
+* ``transform``: the geometry. ``split`` sends the top k directions exactly
+  and quantizes the rest; ``whiten`` does the same and also scales the next
+  ``whiten`` input-side directions of the rest down before quantizing (up
+  after), by (bulk / energy) ** ``alpha`` each, from a basis every rank
+  measures from the last result (no bytes in an all-reduce); ``auto`` picks
+  by ``device`` (:data:`DEVICE_GEOMETRY`);
+* ``device``: ``cpu``, ``gpu`` or ``auto`` (the kind of the arrays planned:
+  CuPy is a GPU).
 """
 
 from __future__ import annotations
@@ -30,14 +38,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-#: Defaults, chosen on the gradient zoo (perf/studies/geo_zoo.py,
-#: perf/results/geo_zoo.md): the model-wide side budget of 5% of the payload
-#: spends the bytes where the tracked spectra promise most; a basis that takes
-#: its power step every call while the geometry turns follows the fast-turning
-#: gradients (a fixed period of 4 calls errs more on most of the zoo's sources, for
-#: about the same bytes); the 40 multiply-add budget caps a key at rank 8.
+#: Defaults, chosen on the tuning half of the gradient zoo (perf/studies/zoo.py;
+#: perf/studies/geo_heldout.py, perf/results/geo_heldout.md, which also reports
+#: the held-out half): the model-wide side budget of 5% of the payload spends
+#: the bytes where the tracked spectra promise most; a basis that takes its
+#: power step every call while the geometry turns follows the fast-turning
+#: gradients (a fixed period of 4 calls errs more on most sources); the 40
+#: multiply-add budget caps a key's split at rank 8; the whitening, where it
+#: is asked for, scales 32 more directions by the fourth root of their energy
+#: over the bulk's (the exponent that minimizes the error of an isotropic
+#: quantizer, docs/design.md "Whitening").
 DEFAULTS: dict[str, Any] = {
-    "transform": "split",
+    "transform": "auto",
     "k": 32,
     "budget": 40.0,
     "refresh": 1,
@@ -47,9 +59,27 @@ DEFAULTS: dict[str, Any] = {
     "min_numel": 16384,
     "min_share": 0.2,
     "side_budget": 0.05,
+    "whiten": 32,
+    "alpha": 0.25,
+    "device": "auto",
     "seed": 0,
 }
-TRANSFORMS = ("split", "hadamard", "none")
+TRANSFORMS = ("auto", "split", "whiten", "hadamard", "none")
+DEVICES = ("auto", "cpu", "gpu")
+#: The geometry ``transform="auto"`` applies on each kind of device. The whitening
+#: wins at equal bytes on the held-out zoo (the error does not depend on the
+#: device) but costs more than either kind's budget: on a host, measured, many
+#: times FP8's pass; on a GPU, modelled, past 1.5x FP8's call, its Gram-Schmidt
+#: runs on the host at every call (docs/design.md, "Choosing the defaults"). Both
+#: keep the split until the orthonormalization runs on the device; ``transform=
+#: "whiten"`` asks for the whitening anywhere.
+DEVICE_GEOMETRY = {"cpu": "split", "gpu": "split"}
+#: Whitening exponents: powers of one half, so a scale is a chain of square roots
+#: (correctly rounded everywhere: every rank gets the same bits, whatever its libm).
+ALPHAS = (0.5, 0.25, 0.125, 0.0625)
+#: The smallest whitening scale: the inverse multiplies a direction's share of the
+#: quantization error by at most 1 / WHITEN_FLOOR.
+WHITEN_FLOOR = 1.0 / 64
 #: Bytes of one value on the side channel: coefficients, step and refresh sums travel
 #: as bfloat16 (GeoCodec.side_format); a frame's stored basis is fp32 (4).
 SIDE_BYTES = 2
@@ -107,6 +137,36 @@ def map_shape(
 def anisotropic(share: float, dims: MapShape, min_share: float) -> bool:
     """Whether a top-k energy share beats a flat spectrum's k / min(m, n) by ``min_share``."""
     return share - dims.k / min(dims.m, dims.n) >= min_share
+
+
+def geometry(transform: str, device: str) -> str:
+    """The geometry a plan applies: ``transform``, with ``auto`` resolved for the
+    kind of ``device`` (``cpu`` or ``gpu``) by :data:`DEVICE_GEOMETRY`."""
+    return DEVICE_GEOMETRY[device] if transform == "auto" else transform
+
+
+def whiten_rows(dims: MapShape, whiten: int) -> tuple[int, int]:
+    """(directions whitened, rows of the measured basis they are chosen from) for a
+    key of cap ``dims``: at most ``whiten`` and a quarter of the smaller side; the
+    basis holds the key's k split rows more, so that r remain once the mapped
+    ones are taken out."""
+    r = min(whiten, min(dims.m, dims.n) // 4)
+    if r < 1:
+        return 0, 0
+    return r, min(r + dims.k, min(dims.m, dims.n) // 2)
+
+
+def whiten_scale(energy: float, bulk: float, alpha: float) -> float:
+    """The factor a direction of ``energy`` is scaled by before quantizing:
+    (bulk / energy) ** alpha, within [WHITEN_FLOOR, 1] (1: no more energy than the
+    bulk's mean per direction). ``alpha`` is one of :data:`ALPHAS`: square roots
+    only, so every rank computes the same bits."""
+    if not (bulk > 0 and energy > bulk and math.isfinite(energy)):
+        return 1.0
+    scale = bulk / energy
+    while alpha < 1.0:
+        scale, alpha = math.sqrt(scale), 2 * alpha
+    return max(scale, WHITEN_FLOOR)
 
 
 def direction_bytes(dims: MapShape, period: int) -> float:

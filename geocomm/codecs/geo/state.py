@@ -43,6 +43,11 @@ class KeyState:
     last update summed each rank's part over the ranks (a power step, or a
     measure in a reduce-scatter) rather than every rank measuring from the
     whole result (an all-reduce), i.e. whether it cost side bytes.
+
+    Whitening (``transform="whiten"``): ``wt``, the (rows, d) basis of the
+    last result's dominant directions (orthonormal, best first; None before
+    one was measured), ``wenergies`` the result's energy along each, and
+    ``wbulk`` its mean energy per direction outside them.
     """
 
     map_shape: MapShape
@@ -55,11 +60,17 @@ class KeyState:
     use: int = 0
     period: int = 1
     summed: bool = False
+    wt: Any = None
+    wenergies: tuple[float, ...] = ()
+    wbulk: float = 0.0
     _basis_crc: int = field(default=0, init=False, repr=False)
+    _white_crc: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.vt is not None:
             self._basis_crc = zlib.crc32(_host_bytes(self.vt))
+        if self.wt is not None:
+            self._white_crc = zlib.crc32(_host_bytes(self.wt))
 
     @property
     def crc(self) -> int:
@@ -80,7 +91,11 @@ class KeyState:
             self.total,
             *self.energies,
         )
-        return zlib.crc32(head, self._basis_crc)
+        crc = zlib.crc32(head, self._basis_crc)
+        if self.wt is None:
+            return crc
+        white = struct.pack(f"<d{len(self.wenergies)}d", self.wbulk, *self.wenergies)
+        return zlib.crc32(white, crc ^ self._white_crc)
 
     def commit(
         self, vt: Any, energies: tuple[float, ...], total: float, period: int, summed: bool
@@ -93,6 +108,13 @@ class KeyState:
         self.energies, self.total = tuple(float(e) for e in energies), float(total)
         self.share = min(sum(self.energies) / self.total, 1.0)
         self._basis_crc = zlib.crc32(_host_bytes(vt))
+
+    def commit_whitening(self, wt: Any, energies: tuple[float, ...], bulk: float) -> None:
+        """A measured whitening basis, the result's energy along each of its rows and
+        the bulk's mean energy per direction."""
+        self.wt, self.wbulk = wt, float(bulk)
+        self.wenergies = tuple(float(e) for e in energies)
+        self._white_crc = zlib.crc32(_host_bytes(wt))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON- and NumPy-only snapshot (for checkpoints)."""
@@ -108,9 +130,10 @@ class KeyState:
             "use": self.use,
             "period": self.period,
             "summed": self.summed,
-            "vt": None
-            if self.vt is None
-            else np.frombuffer(_host_bytes(self.vt), "<f4").reshape(dims.k, dims.n).copy(),
+            "vt": _host_matrix(self.vt, dims.n),
+            "wt": _host_matrix(self.wt, dims.n),
+            "wenergies": list(self.wenergies),
+            "wbulk": self.wbulk,
         }
 
     @classmethod
@@ -130,4 +153,18 @@ class KeyState:
                 raise ValueError(f"basis of shape {vt.shape} does not fit {st.map_shape}")
             st.vt = xp.asarray(vt)
             st._basis_crc = zlib.crc32(_host_bytes(st.vt))
+        if data.get("wt") is not None:
+            wt = np.asarray(data["wt"], np.float32)
+            if wt.ndim != 2 or wt.shape[1] != st.map_shape.n:
+                raise ValueError(f"whitening basis of shape {wt.shape} does not fit {st.map_shape}")
+            energies = tuple(float(e) for e in data.get("wenergies", ()))
+            st.commit_whitening(xp.asarray(wt), energies, float(data.get("wbulk", 0.0)))
         return st
+
+
+def _host_matrix(a: Any, n: int) -> np.ndarray | None:
+    """A host copy of a (rows, n) basis of any namespace (None stays None)."""
+    if a is None:
+        return None
+    host: np.ndarray = np.frombuffer(_host_bytes(a), "<f4").reshape(-1, n).copy()
+    return host
