@@ -11,39 +11,43 @@
 # GEOCOMM_LONG=1 runs the long soak and fuzz.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# each stage's header says how long the run has taken so far
+stage() { printf '== [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"; }
 source tools/setup_venv.sh test,frameworks
 # the window's venvs download and unpack while the suites below compute
 bash tests/run_torch_window.sh prepare >.torch-window.log 2>&1 &
 TORCH_WINDOW=$!
 # -P: import the installed package (with its compiled core), not ./geocomm
-echo "== lint and format (ruff) and types (mypy; strict on geocomm.codecs and geocomm.engine)"
+stage "lint and format (ruff) and types (mypy; strict on geocomm.codecs and geocomm.engine)"
 "$VENV/bin/ruff" check geocomm perf tests bindings tools
 "$VENV/bin/ruff" format --check geocomm perf tests bindings tools
 "$VENV/bin/mypy"
+stage "single-process tests"
 # tests/gpu runs in sessions of its own: its conftest puts the CuPy twin in place
 "$PY" -P -m pytest -q -p no:cacheprovider -m "not mpi" --ignore=tests/gpu tests
 for n in 1 2 3 4; do
-  echo "== MPI tests on $n rank(s)"
+  stage "MPI tests on $n rank(s)"
   "$PY" -m geocomm.launch -n "$n" --timeout 1200 -- \
     "$PY" -P -m mpi4py -m pytest --with-mpi -q -p no:cacheprovider -m mpi --ignore=tests/gpu tests
 done
-echo "== GPU routes on the CPU twin of CuPy"
+stage "GPU routes on the CPU twin of CuPy"
 export GEOCOMM_TWIN_CACHE="${GEOCOMM_TWIN_CACHE:-$PWD/.twin-cache}"
 "$PY" -P -m pytest -q -p no:cacheprovider -m "not mpi" tests/gpu
 for n in 1 2 3 4; do
-  echo "== GPU routes on the twin, $n rank(s)"
+  stage "GPU routes on the twin, $n rank(s)"
   "$PY" -m geocomm.launch -n "$n" --timeout 1200 -- \
     "$PY" -P -m mpi4py -m pytest --with-mpi -q -p no:cacheprovider -m mpi tests/gpu
 done
-echo "== soak"
+stage "soak"
 SOAK_OPS=2000; FUZZ_SECONDS=20
 if [ "${GEOCOMM_LONG:-0}" = 1 ]; then SOAK_OPS=10000; FUZZ_SECONDS=600; fi
 "$PY" -m geocomm.launch -n 3 --timeout 1800 -- "$PY" tests/jobs/soak.py --ops "$SOAK_OPS"
-echo "== fuzz (frame decoding, ${FUZZ_SECONDS} s)"
+stage "fuzz (frame decoding, ${FUZZ_SECONDS} s)"
 "$PY" -P tests/jobs/fuzz_frames.py -max_total_time="$FUZZ_SECONDS" -print_final_stats=1 2>&1 | tail -n 3
-echo "== sanitizers"
+stage "sanitizers"
 bash tests/run_sanitized.sh
-echo "== the torch window's venvs (made in the background: .torch-window.log)"
+stage "the torch window's venvs (made in the background: .torch-window.log)"
 wait "$TORCH_WINDOW" || { cat .torch-window.log; exit 1; }
 cat .torch-window.log
 bash tests/run_torch_window.sh test
+stage "all passed"
