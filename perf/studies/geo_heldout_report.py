@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # perf/lab.py
+from geo_zoo_report import yardstick_line
 from lab import write_results
 
 #: Issue 40's targets on the held-out half, at <= 1.05x FP8's bytes.
@@ -37,13 +38,10 @@ def _source_cell(s: dict[str, Any]) -> str:
 
 
 def _header(r: dict[str, Any]) -> list[str]:
-    y0, y1 = r["yardstick"]["before"], r["yardstick"]["after"]
     return [
         f"Command: `{r['command']}`",
         "",
-        f"Yardstick (one core, same run, before / after): np.copyto "
-        f"{y0['copyto_GBps']:.2f} / {y1['copyto_GBps']:.2f} GB/s; FP8 E4M3 b128 encode of 4M "
-        f"values {y0['fp8_encode_ms_4M']:.2f} / {y1['fp8_encode_ms_4M']:.2f} ms.",
+        yardstick_line(r),
         "",
         "Halves (perf/studies/zoo.py): tuning "
         + ", ".join(f"`{n}`" for n in r["halves"]["tuning"])

@@ -28,16 +28,23 @@ def _fresh_median(row: dict[str, Any]) -> float:
     return calls[mid] if len(calls) % 2 else (calls[mid - 1] + calls[mid]) / 2
 
 
-def markdown(r: dict[str, Any]) -> str:
+def yardstick_line(r: dict[str, Any]) -> str:
+    """The zoo studies' machine yardstick (geo_zoo.yardstick), before and after the run."""
     y0, y1 = r["yardstick"]["before"], r["yardstick"]["after"]
+    return (
+        f"Yardstick (one core, same run, before / after): np.copyto "
+        f"{y0['copyto_GBps']:.2f} / {y1['copyto_GBps']:.2f} GB/s; FP8 E4M3 b128 encode of 4M "
+        f"values {y0['fp8_encode_ms_4M']:.2f} / {y1['fp8_encode_ms_4M']:.2f} ms."
+    )
+
+
+def markdown(r: dict[str, Any]) -> str:
     lines = [
         "# GeoFP8 on the gradient zoo",
         "",
         f"Command: `{r['command']}`",
         "",
-        f"Yardstick (one core, same run, before / after): np.copyto "
-        f"{y0['copyto_GBps']:.2f} / {y1['copyto_GBps']:.2f} GB/s; FP8 E4M3 b128 encode of 4M "
-        f"values {y0['fp8_encode_ms_4M']:.2f} / {y1['fp8_encode_ms_4M']:.2f} ms.",
+        yardstick_line(r),
         "",
         f"{r['world']} simulated ranks (the source's), every source's recorded steps from a "
         "fresh codec state "
