@@ -13,6 +13,8 @@
 * README's Python blocks run as they are in a single process (a world of one
   rank), except the example files shown verbatim (tests/adapters/test_examples.py
   runs those on two ranks).
+* README's table of the two commands names tests/run.sh's stages in the order
+  it runs them.
 
 The commands themselves are not run: the two long ones are what CI runs.
 """
@@ -236,3 +238,32 @@ def test_readme_snippet_runs(tmp_path, index):
     argv = [sys.executable, "-P", str(script)]
     done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+#: tests/run.sh's stage headers and the words README's table of the two commands
+#: uses for them, in the order run.sh runs them
+TEST_STAGES = [
+    ("lint and format", "lint and types"),
+    ("single-process tests", "single-process tests"),
+    ("MPI tests on", "MPI ranks"),
+    ("GPU routes", "GPU routes"),
+    ("soak", "soak"),
+    ("fuzz", "fuzzer"),
+    ("sanitizers", "sanitizer build"),
+    ("torch window", "torch window"),
+]
+
+
+def test_readme_lists_the_test_stages_in_the_order_run_sh_runs_them():
+    run = (ROOT / "tests" / "run.sh").read_text()
+    headers = re.findall(r'^\s*stage "([^"]*)"', run, re.M)
+    first = [next(i for i, h in enumerate(headers) if s in h) for s, _ in TEST_STAGES]
+    assert first == sorted(first), f"TEST_STAGES is out of run.sh's order: {headers}"
+    row = next(
+        line
+        for line in (ROOT / "README.md").read_text().splitlines()
+        if line.startswith("| `bash tests/run.sh`")
+    )
+    places = [row.find(word) for _, word in TEST_STAGES]
+    assert -1 not in places, f"README's row misses a stage: {TEST_STAGES}"
+    assert places == sorted(places), "README lists the test stages in another order"
