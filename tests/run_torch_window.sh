@@ -24,7 +24,8 @@ prepare() {
     venv=.venv-torch-$v
     echo "== torch $v: $venv"
     [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
-    "$venv/bin/python" -m pip install -q "torch==$v" ".[test,frameworks]"
+    # --no-compile: byte-compiling torch's files would take the cores the suites run on
+    "$venv/bin/python" -m pip install -q --no-compile "torch==$v" ".[test,frameworks]"
     "$venv/bin/python" -c "import torch; assert torch.__version__.startswith('$v'), torch.__version__"
   done
 }
