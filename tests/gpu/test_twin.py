@@ -25,6 +25,24 @@ def test_work_runs_in_stream_order_not_at_call_time(cp):
     assert np.array_equal(x.get(), np.arange(1000, dtype=np.float32) + 20)
 
 
+def test_a_stream_that_makes_no_progress_fails_its_synchronization(cp, monkeypatch):
+    """A synchronization on a stream whose head waits for good (a transfer whose peer
+    never comes) raises after STUCK_S seconds, naming the stream and what it waits in,
+    where CUDA would hang; one that moves again drains as usual."""
+    import threading
+
+    from cupy import _device
+
+    monkeypatch.setattr(_device, "STUCK_S", 0.3)
+    release = threading.Event()
+    stream = cp.cuda.Stream(non_blocking=True)
+    stream.enqueue(lambda: release.wait(), "a transfer that waits for its peer")
+    with pytest.raises(_device.CUDARuntimeError, match="waits in a transfer that waits"):
+        stream.synchronize()
+    release.set()
+    stream.synchronize()
+
+
 def test_missing_event_wait_is_reported(cp):
     """Work on stream A reading what stream B wrote needs an event wait (cudaStreamWaitEvent)."""
     x = cp.zeros(64, cp.float32)

@@ -81,8 +81,10 @@ def check_failure() -> None:
 # clocks
 
 
-#: Seconds a synchronization waits for a stream that makes no progress before it raises.
-STUCK_S = float(os.environ.get("GEOCOMM_TWIN_STUCK_S", "120"))
+#: Seconds a synchronization waits on a stream that makes no progress (its queue's head
+#: does not change) before it raises; below pytest's timeout, so that the error names
+#: the stream and what it waits in.
+STUCK_S = float(os.environ.get("GEOCOMM_TWIN_STUCK_S", "240"))
 
 HOST = -1  # the host's clock index (streams are >= 0: the null stream is 0)
 _clock_lock = threading.RLock()
@@ -420,20 +422,23 @@ class Stream:
         self._synchronize()
 
     def _synchronize(self) -> None:
-        """Wait for the queue to drain; a queue stuck for STUCK_S seconds (a transfer
-        whose peer never comes) raises, naming what it is stuck on, instead of hanging."""
-        deadline = time.monotonic() + STUCK_S
+        """Wait for the queue to drain; a queue whose head stays for STUCK_S seconds (a
+        transfer whose peer never comes) raises, naming what it waits in, instead of
+        hanging."""
+        head, since = None, time.monotonic()
         with self._cv:
             while self._queue:
-                self._cv.wait(0.05)
                 if _failure:
                     break
-                if time.monotonic() > deadline:
-                    head = getattr(self._queue[0], "what", "an operation")
+                if self._queue[0] is not head:
+                    head, since = self._queue[0], time.monotonic()
+                elif time.monotonic() - since > STUCK_S:
+                    what = getattr(head, "what", "an operation")
                     raise CUDARuntimeError(
-                        f"twin: {_name(self.ptr)} did not drain within {STUCK_S:.0f} s: it "
-                        f"waits in {head} ({len(self._queue)} operations queued)"
+                        f"twin: {_name(self.ptr)} made no progress for {STUCK_S:g} s: it "
+                        f"waits in {what} ({len(self._queue)} operations queued)"
                     )
+                self._cv.wait(0.05)
         check_failure()
         with _clock_lock:
             _merge(_host_clock, self.clock)
