@@ -621,7 +621,7 @@ def batched_format(comm: Communicator, codec: WireCodec, source: Any) -> WireFor
     when the host-driven pipeline runs it: the batched one takes CuPy arrays over a
     communicator of device arrays whose codec sends a native format's bytes
     (:func:`wire_format`). Both give the same bits; the caller
-    (:func:`geocomm.engine.run.run_pipeline`, :func:`geocomm.engine.exact.exact_sum`)
+    (:meth:`geocomm.engine.run.FlatPlan.pipeline`, :func:`geocomm.engine.exact.exact_sum`)
     decides."""
     if array_module(source) is np or not comm.device_arrays:
         return None

@@ -276,32 +276,6 @@ def compressed(
     return False
 
 
-def run_pipeline(
-    comm: Communicator,
-    codec: Codec,
-    pieces: Pieces,
-    source: Any,
-    result: Any,
-    result_offset: int,
-    gather: bool,
-    mapper: Any = None,
-    rounding_stream: int = 0,
-) -> None:
-    """One call's pipeline, planned for this call alone: the device's batched one where
-    :func:`~geocomm.engine.device.batched_format` allows (work left queued on the
-    current stream), else the host-driven :class:`~geocomm.engine.host.Pipeline`; both
-    give the same bits."""
-    fmt = device.batched_format(comm, codec, source)
-    if fmt is not None:
-        device.BatchedPipeline(
-            comm, fmt, pieces, source, result, result_offset, gather, mapper, rounding_stream
-        ).run()
-    else:
-        Pipeline(
-            comm, codec, pieces, source, result, result_offset, gather, mapper, rounding_stream
-        ).run()
-
-
 def default_stage_size(comm: Communicator, codec: Codec, count: int) -> int:
     """The backend's stage size for ``count`` values (docs/design.md, "The collective")."""
     return backend_stage_size(

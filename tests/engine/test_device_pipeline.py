@@ -523,18 +523,24 @@ def test_split_encode_gives_the_bytes_of_map_then_encode(name, monkeypatch):
     assert fused, "the host pipeline took the split encode"
 
 
-def test_run_pipeline_takes_the_host_path_for_numpy():
+def test_the_flat_plan_takes_the_host_path_for_numpy():
     """NumPy arrays never reach the batched pipeline, whatever the backend says."""
+    from geocomm.engine.call import Signature
+    from geocomm.engine.run import FlatPlan
+
     comm = loopback(1, "nccl", device_arrays=True)[0]
     x = rank_inputs(1, 5000)[0]
     out = np.empty_like(x)
-    from geocomm.engine.run import run_pipeline
-
-    run_pipeline(comm, codec_of("fp8"), Pieces.cut(5000, 1, 4096), x, out, 0, True)
+    parts = (Part(0, (5000,), None),)
+    fp8 = codec_of("fp8")
+    signature = Signature("allreduce", 5000, np.dtype(np.float32), "sum", fp8, comm, parts)
+    plan = FlatPlan(signature, 0)
+    assert plan.fmt is not None, "the codec has a device format: only the arrays decide"
+    assert plan.pipeline(x, out, None, 0) is False
+    assert not plan.device_plans
     want = np.empty_like(x)
-    Pipeline(loopback(1)[0], codec_of("fp8"), Pieces.cut(5000, 1, 4096), x, want, 0, True).run()
+    Pipeline(loopback(1)[0], fp8, plan.pieces, x, want, 0, True).run()
     assert_bits_equal(out, want)
-    assert gpl.wire_format(codec_of("fp8")) is not None
 
 
 # ---------------------------------------------------------------------------
