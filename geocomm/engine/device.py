@@ -353,8 +353,11 @@ class DevicePlan:
         self._eager_last: tuple[int, int, int] | None = None
         self._capture_stream: Any = None
         self._last_stream: Any = None
-        self.capturable = (
-            xp is not np and isinstance(comm, Capturable) and not fmt.stochastic and not staged
+        #: the communicator when its calls can be captured into graphs (None: eager calls)
+        self.capture_comm: Capturable | None = (
+            comm
+            if xp is not np and isinstance(comm, Capturable) and not fmt.stochastic and not staged
+            else None
         )
 
     def _segments(self, span: slice) -> Segments:
@@ -373,7 +376,8 @@ class DevicePlan:
         the call before, else eager. ``divisor``: divide the result by it afterwards (an
         average; 0: no division), in the graph too."""
         self._follow_stream()
-        if mapper is not None or not self.capturable:
+        capture_comm = self.capture_comm
+        if mapper is not None or capture_comm is None:
             BatchedPipeline.of(self, source, result, mapper, rounding_stream, divisor).run()
             return
         key = (int(source.data.ptr), int(result.data.ptr), divisor)
@@ -384,7 +388,7 @@ class DevicePlan:
             return
         stream = self.xp.cuda.get_current_stream()
         if kept is None:
-            kept = self._capture(source, result, divisor)
+            kept = self._capture(capture_comm, source, result, divisor)
             if kept is None:
                 return
             self.graphs[key] = kept
@@ -392,8 +396,7 @@ class DevicePlan:
                 self.graphs.pop(next(iter(self.graphs)))
         graph, captured = kept
         graph.launch(stream=stream)
-        assert isinstance(self.comm, Capturable)
-        self.comm.track(stream, captured)
+        capture_comm.track(stream, captured)
 
     def _follow_stream(self) -> None:
         """Order this call after the plan's last call when the current stream changed
@@ -406,7 +409,9 @@ class DevicePlan:
             stream.wait_event(last.record())
         self._last_stream = stream
 
-    def _capture(self, source: Any, result: Any, divisor: int) -> tuple[Any, Any] | None:
+    def _capture(
+        self, comm: Capturable, source: Any, result: Any, divisor: int
+    ) -> tuple[Any, Any] | None:
         """(the CUDA graph of one call from ``source`` into ``result``, the communicator's
         record of the capture), captured on a stream of the plan's own (the current
         stream may be the legacy default stream, which cannot be captured); None when
@@ -416,8 +421,7 @@ class DevicePlan:
             self._capture_stream = cupy.cuda.Stream(non_blocking=True)
         capture = self._capture_stream
         graph = None
-        assert isinstance(self.comm, Capturable)
-        with self.comm.capturing() as captured:
+        with comm.capturing() as captured:
             capture.begin_capture()
             try:
                 with capture:
@@ -428,7 +432,7 @@ class DevicePlan:
                 except Exception:  # capture broken by an unsupported operation
                     graph = None
         if graph is None:
-            self.capturable = False
+            self.capture_comm = None
             BatchedPipeline.of(self, source, result, divisor=divisor).run()
             return None
         return graph, captured
