@@ -343,7 +343,9 @@ class NCCLCommunicator:
     def track(self, stream: Any, captured: Any = None) -> None:
         """Watch the work queued on ``stream`` so far (a launched graph's transfers) like
         this communicator's own: overdue after ``GEOCOMM_TIMEOUT``, waited for by
-        :meth:`synchronize`."""
+        :meth:`synchronize`. Replays start no transfer of their own, so the finished
+        ones are let go (and the oldest checked for its timeout) here."""
+        self._check_overdue()
         self.queued.append((time.monotonic(), stream.record()))
 
     # -- Communicator protocol -------------------------------------------------

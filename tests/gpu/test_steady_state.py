@@ -96,6 +96,23 @@ def test_a_steady_call_is_one_graph_launch(cp, comms, codec, stages):
         assert cost == {"graph_launches": 1, "events": 1}, cost
 
 
+def test_replays_leave_only_unfinished_transfers_watched(cp, comms):
+    """Each replay hands its graph's work to the communicator's timeout watch; the watch
+    lets go of what finished, so a training loop of replays (which starts no transfer of
+    its own and may never synchronize the communicator) does not pile up events."""
+    comm = comms[0]
+    x = inputs(comm.rank, COUNT)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        d, out = cp.asarray(x), cp.empty(COUNT, cp.float32)
+        for _ in range(12):
+            device_call(cp, comms, d, out, "fp8", stage_size=COUNT // 8)
+            stream.synchronize()  # this call's transfers are done
+    # at most the last replay's event is left: every earlier one had finished when the
+    # next replay was watched
+    assert len(comm.queued) <= 1, len(comm.queued)
+
+
 @pytest.mark.parametrize("stages", [1, 8])
 def test_a_stochastic_call_launches_its_plan_and_nothing_else(cp, comms, stages):
     """Stochastic rounding draws a new key every call, which a graph would freeze: such a
