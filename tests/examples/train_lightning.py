@@ -50,4 +50,3 @@ trainer.fit(model, data)                      # under mpirun, torchrun or Lightn
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
 print(f"rank {trainer.global_rank}: {len(state.telemetry.history)} compressed steps, "
       f"ratio {state.last_step.ratio:.2f}, parameters {digest.hexdigest()[:16]}")
-torch.distributed.destroy_process_group()   # Lightning leaves the group to the script
