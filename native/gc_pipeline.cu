@@ -1,5 +1,5 @@
 /*
- * Batched kernels of the GPU pipeline (geocomm/gpu_pipeline.py): one launch
+ * Batched kernels of the GPU pipeline (geocomm/engine/device.py): one launch
  * encodes, sums or decodes every piece of a pipeline stage.
  *
  * The pieces of a launch are the rows of a segment table, GC_SEG_FIELDS
@@ -32,6 +32,9 @@
  * writes that sum as fp32 instead (reduce-scatter, and calls whose map needs
  * the sum); the decoders decode every piece of a stage into its place.
  *
+ * Encoders read their stochastic-rounding key (gc_sr_key of the call's
+ * quantization stream) from device memory: see gc_load_key.
+ *
  * Every value comes from the gc_scalar.h functions with the operands and
  * order of gc_cuda.cu (whose helpers this file includes), so the bytes and
  * values are the C core's; compile with the same flags (-fmad=false
@@ -50,7 +53,7 @@
 #define GC_SEG_TILES 7
 #define GC_SEG_FIELDS 8
 
-/* Format families (geocomm/gpu_pipeline.py mirrors these numbers). */
+/* Format families (geocomm/engine/device_tables.py mirrors these numbers). */
 #define GC_PIPE_RAW 0 /* fp32 values as they are: the lossless codec */
 #define GC_PIPE_FP8 1
 #define GC_PIPE_NVFP4 2
@@ -172,14 +175,22 @@ GC_DEV unsigned char gc_e2m1_pair(float x0, float x1, int has1, float pre, float
     return (unsigned char)(c0 | (c1 << 4));
 }
 
+/* An encoder's stochastic-rounding key, read from device memory (`sr_key`, one
+ * u64) rather than passed by value: a CUDA graph keeps the arguments it
+ * captured, so a replayed call reads the key its host wrote just before the
+ * replay (DevicePlan.run in geocomm/engine/device.py). Nearest rounding
+ * (sr == 0) reads nothing. */
+GC_DEV gc_u64 gc_load_key(int sr, const gc_u64 *sr_key) { return sr ? *sr_key : 0u; }
+
 /* ---- encoders ----------------------------------------------------------------- */
 
 /* RAW and BF16: one thread per value. */
 extern "C" __global__ void gc_pipe_value_encode(int family, const float *x, const gc_u64 *table,
                                                 const unsigned char *in, unsigned int nin,
-                                                gc_u64 in_stride, int sr, gc_u64 key,
+                                                gc_u64 in_stride, int sr, const gc_u64 *sr_key,
                                                 unsigned char *wire)
 {
+    const gc_u64 key = gc_load_key(sr, sr_key);
     gc_seg s = gc_seg_row(table);
     gc_u64 i = gc_global_id();
     if (i >= s.count)
@@ -201,9 +212,10 @@ extern "C" __global__ void gc_pipe_value_encode(int family, const float *x, cons
 extern "C" __global__ void gc_pipe_fp8_encode_team(const float *x, const gc_u64 *table,
                                                    const unsigned char *in, unsigned int nin,
                                                    gc_u64 in_stride, unsigned int lshift,
-                                                   int e5m2, int sr, gc_u64 key,
+                                                   int e5m2, int sr, const gc_u64 *sr_key,
                                                    unsigned char *wire)
 {
+    const gc_u64 key = gc_load_key(sr, sr_key);
     const float fmax = e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
     const unsigned int width = 1u << lshift;
     gc_seg s = gc_seg_row(table);
@@ -260,9 +272,10 @@ extern "C" __global__ void gc_pipe_amax_tiles(const float *x, const gc_u64 *tabl
 extern "C" __global__ void gc_pipe_fp8_encode_tiles(const float *x, const gc_u64 *table,
                                                     const unsigned char *in, unsigned int nin,
                                                     gc_u64 in_stride, int e5m2, gc_u64 tile,
-                                                    const gc_u32 *amax, int sr, gc_u64 key,
-                                                    unsigned char *wire)
+                                                    const gc_u32 *amax, int sr,
+                                                    const gc_u64 *sr_key, unsigned char *wire)
 {
+    const gc_u64 key = gc_load_key(sr, sr_key);
     const float fmax = e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
     gc_seg s = gc_seg_row(table);
     if (s.count == 0)
@@ -292,9 +305,10 @@ extern "C" __global__ void gc_pipe_fp8_encode_tiles(const float *x, const gc_u64
  * by 8), then every byte is encoded as gc_nvfp4_encode encodes it. */
 extern "C" __global__ void gc_pipe_nvfp4_encode(const float *x, const gc_u64 *table,
                                                 const unsigned char *in, unsigned int nin,
-                                                gc_u64 in_stride, int sr, gc_u64 key,
+                                                gc_u64 in_stride, int sr, const gc_u64 *sr_key,
                                                 unsigned char *wire)
 {
+    const gc_u64 key = gc_load_key(sr, sr_key);
     __shared__ gc_u32 super_bits;
     const float smax = GC_E2M1_MAX * GC_E4M3_MAX;
     const unsigned int lanes = GC_NVFP4_BLOCK / 2;
@@ -353,8 +367,9 @@ extern "C" __global__ void gc_pipe_nvfp4_encode(const float *x, const gc_u64 *ta
 extern "C" __global__ void gc_pipe_mxfp8_encode(const float *x, const gc_u64 *table,
                                                 const unsigned char *in, unsigned int nin,
                                                 gc_u64 in_stride, int e5m2, int rceil, int sr,
-                                                gc_u64 key, unsigned char *wire)
+                                                const gc_u64 *sr_key, unsigned char *wire)
 {
+    const gc_u64 key = gc_load_key(sr, sr_key);
     gc_seg s = gc_seg_row(table);
     gc_u64 i = gc_global_id();
     float xi = i < s.count ? gc_sum_at(gc_in_make(in, nin, in_stride, GC_PIPE_MXFP8, e5m2), s,
@@ -374,9 +389,10 @@ extern "C" __global__ void gc_pipe_mxfp8_encode(const float *x, const gc_u64 *ta
 /* MXFP4: one thread per code byte (values 2p and 2p + 1), 16 lanes per block. */
 extern "C" __global__ void gc_pipe_mxfp4_encode(const float *x, const gc_u64 *table,
                                                 const unsigned char *in, unsigned int nin,
-                                                gc_u64 in_stride, int rceil, int sr, gc_u64 key,
-                                                unsigned char *wire)
+                                                gc_u64 in_stride, int rceil, int sr,
+                                                const gc_u64 *sr_key, unsigned char *wire)
 {
+    const gc_u64 key = gc_load_key(sr, sr_key);
     const unsigned int lanes = GC_MX_BLOCK / 2;
     gc_seg s = gc_seg_row(table);
     gc_in incoming = gc_in_make(in, nin, in_stride, GC_PIPE_MXFP4, 0);

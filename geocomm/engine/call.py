@@ -113,6 +113,18 @@ class Signature:
         return self.codec.get_config().get("rounding") == "stochastic"
 
     @functools.cached_property
+    def call_count_name(self) -> str:
+        """What this call's stochastic-rounding streams are counted under
+        (:func:`rounding_stream`): the codec's config and the tensors' keys."""
+        return json.dumps([self.codec.get_config(), [repr(p.key) for p in self.parts]],
+                          sort_keys=True)  # fmt: skip
+
+    @functools.cached_property
+    def call_count_hash(self) -> int:
+        """CRC-32 of :attr:`call_count_name`: the stream's high bits are the call count."""
+        return zlib.crc32(self.call_count_name.encode())
+
+    @functools.cached_property
     def fingerprint(self) -> np.ndarray:
         """The int64 row that identifies this call across ranks, the codec state left
         out (:func:`fingerprint`)."""
@@ -143,7 +155,7 @@ def new_call(signature: Signature, source: Any, result: Any) -> Call:
     """A :class:`Call` of ``signature``, its rounding stream drawn from the call counts."""
     if not signature.stochastic:
         return Call(signature, source, result)
-    return Call(signature, source, result, rounding_stream(signature.codec, signature.parts))
+    return Call(signature, source, result, rounding_stream(signature))
 
 
 def shard_parts(parts: tuple[Part, ...], ranges: list[tuple[int, int]]) -> tuple[Part, ...]:
@@ -255,17 +267,16 @@ def raise_on_mismatch(kind: str, rows: np.ndarray) -> None:
 _calls: dict[str, int] = {}
 
 
-def rounding_stream(codec: Codec, parts: tuple[Part, ...]) -> int:
-    """The call's stochastic-rounding stream (0 when the codec rounds to nearest): a
+def rounding_stream(signature: Signature) -> int:
+    """A new call's stochastic-rounding stream (0 when the codec rounds to nearest): a
     hash of the codec config and the tensors' keys, and the number of calls made so
-    far with them, which every rank counts alike."""
-    config = codec.get_config()
-    if config.get("rounding") != "stochastic":
+    far with them (counted now), which every rank counts alike."""
+    if not signature.stochastic:
         return 0
-    name = json.dumps([config, [repr(p.key) for p in parts]], sort_keys=True)
+    name = signature.call_count_name
     count = _calls.get(name, 0)
     _calls[name] = count + 1
-    return mix64(zlib.crc32(name.encode()) ^ (count << 32))
+    return mix64(signature.call_count_hash ^ (count << 32))
 
 
 def reset_call_counts() -> None:

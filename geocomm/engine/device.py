@@ -141,9 +141,11 @@ class CudaKernels:
     """The launches of native/gc_pipeline.cu on the current stream (CuPy arrays).
 
     ``encode`` encodes every piece of ``seg`` (plus ``incoming``) into ``wire``
-    with rounding stream ``rounding_stream``; ``reduce`` writes the sums as fp32 into
-    ``out``; ``decode`` decodes every piece into ``out``. ``amax``: a zeroed
-    uint32 scratch with the slots the rows name (fp8 tile walk only).
+    with rounding stream ``rounding_stream``, whose key the kernels read from ``key``
+    (a device array of one uint64 holding ``fmt.key(rounding_stream)``; None: a new
+    one); ``reduce`` writes the sums as fp32 into ``out``; ``decode`` decodes every
+    piece into ``out``. ``amax``: a zeroed uint32 scratch with the slots the rows name
+    (fp8 tile walk only).
     """
 
     def __init__(self) -> None:
@@ -153,14 +155,19 @@ class CudaKernels:
         return cuda_build.kernel(self.cupy, name, kernel_source)
 
     def encode(self, fmt: WireFormat, x: Any, seg: Segments, wire: Any, amax: Any,
-               incoming: Incoming | None = None, rounding_stream: int = 0) -> None:  # fmt: skip
+               incoming: Incoming | None = None, rounding_stream: int = 0,
+               key: Any = None) -> None:  # fmt: skip
         walk = encode_walk(fmt)
         grid = seg.grid(walk, fmt)
         if grid is None:
             return
         inc = incoming or Incoming(wire, 0, 0)  # a valid pointer the kernel never reads
         head = (x, seg.device, inc.wire, np.uint32(inc.count), _u64(inc.stride))
-        rounding = (np.int32(fmt.stochastic), _u64(fmt.key(rounding_stream)), wire)
+        if not fmt.stochastic:
+            key = seg.device  # a valid pointer the kernels never read
+        elif key is None:
+            key = self.cupy.asarray([fmt.key(rounding_stream)], dtype=np.uint64)
+        rounding = (np.int32(fmt.stochastic), key, wire)
         e5m2, rceil = np.int32(fmt.e5m2), np.int32(fmt.rceil)
         threads = (cuda.THREADS,)
         if fmt.family in (RAW, BF16):
@@ -227,7 +234,8 @@ class CudaKernels:
 class HostKernels:
     """The kernels' contract run piece by piece by the C core on NumPy arrays: the
     bytes and values :class:`CudaKernels` must produce. Every row's layout columns
-    are checked against :func:`body_layout` (a wrong table fails loudly here)."""
+    are checked against :func:`body_layout` (a wrong table fails loudly here). The C
+    core takes the rounding stream itself: ``key`` goes unused."""
 
     def _pieces(self, fmt: WireFormat, seg: Segments) -> Any:
         for row in seg.rows.astype(np.int64):
@@ -267,6 +275,7 @@ class HostKernels:
         amax: Any,
         incoming: Incoming | None = None,
         rounding_stream: int = 0,
+        key: Any = None,
     ) -> None:
         for values, n, at, index in self._pieces(fmt, seg):
             total = self._sum(fmt, x[values : values + n], incoming)
@@ -310,9 +319,11 @@ class DevicePlan:
     source and result arrays, the CUDA graph of a call: after a call ran eagerly once
     with the same arrays, the next one is captured (CuPy stream capture, the NCCL
     transfers included) and every later one replays it with one graph launch. Graphs
-    need a communicator that can be captured (``capturing()``, NCCL's), round-to-nearest
-    rounding (a stochastic key changes every call) and no map; other calls run eagerly,
-    still without allocating or synchronizing.
+    need a communicator that can be captured (``capturing()``, NCCL's) and no map;
+    other calls run eagerly, still without allocating or synchronizing. Stochastic
+    rounding's keys change every call, so the kernels read them from the plan's
+    :attr:`keys`, which every call writes first (one host-to-device copy of 16 bytes,
+    queued on the current stream).
 
     ``kernels``: :class:`CudaKernels` (default) or :class:`HostKernels` (NumPy arrays,
     tests). The plan's buffers are used by one call at a time: a call on another stream
@@ -349,19 +360,33 @@ class DevicePlan:
         # staged mapped values (None when no piece is staged: then encode reads none)
         self.staging: Any = xp.empty(tables.staged, np.float32) if tables.staged else None
         self.amax = xp.zeros(max(tables.amax, 1), np.uint32)
+        # the stochastic-rounding keys of a call's two quantizations (write_keys)
+        self.keys = xp.zeros(2, np.uint64)
+        self.key_views = (self.keys[0:1], self.keys[1:2])
+        self._host_keys = np.zeros(2, np.uint64)
         self.graphs: dict[tuple[int, int, int], tuple[Any, Any]] = {}  # (graph, its record)
         self._eager_last: tuple[int, int, int] | None = None
         self._capture_stream: Any = None
         self._last_stream: Any = None
         #: the communicator when its calls can be captured into graphs (None: eager calls)
         self.capture_comm: Capturable | None = (
-            comm
-            if xp is not np and isinstance(comm, Capturable) and not fmt.stochastic and not staged
-            else None
+            comm if xp is not np and isinstance(comm, Capturable) and not staged else None
         )
 
     def _segments(self, span: slice) -> Segments:
         return Segments(self.tables.rows[span], self.table[span])
+
+    def write_keys(self, rounding_stream: int) -> None:
+        """Queue the write of a stochastic call's rounding keys into :attr:`keys` on the
+        current stream: the key of this rank's quantization stream 1 (its pieces of
+        other shards), then 2 (its own sum). Nearest rounding reads no key."""
+        host, me = self._host_keys, self.comm.rank
+        for q in (1, 2):
+            host[q - 1] = self.fmt.key(quantization_stream(rounding_stream, me, q))
+        if self.xp is np:
+            self.keys[...] = host
+        else:  # pageable memory: read before the call returns, so host can be reused
+            self.keys.set(host, stream=self.xp.cuda.get_current_stream())
 
     def run(
         self,
@@ -376,6 +401,8 @@ class DevicePlan:
         the call before, else eager. ``divisor``: divide the result by it afterwards (an
         average; 0: no division), in the graph too."""
         self._follow_stream()
+        if self.fmt.stochastic:
+            self.write_keys(rounding_stream)
         capture_comm = self.capture_comm
         if mapper is not None or capture_comm is None:
             BatchedPipeline.of(self, source, result, mapper, rounding_stream, divisor).run()
@@ -384,11 +411,11 @@ class DevicePlan:
         kept = self.graphs.get(key)
         if kept is None and self._eager_last != key:
             self._eager_last = key  # arrays seen once: run eagerly; capture on a repeat
-            BatchedPipeline.of(self, source, result, divisor=divisor).run()
+            BatchedPipeline.of(self, source, result, None, rounding_stream, divisor).run()
             return
         stream = self.xp.cuda.get_current_stream()
         if kept is None:
-            kept = self._capture(capture_comm, source, result, divisor)
+            kept = self._capture(capture_comm, source, result, rounding_stream, divisor)
             if kept is None:
                 return
             self.graphs[key] = kept
@@ -410,7 +437,7 @@ class DevicePlan:
         self._last_stream = stream
 
     def _capture(
-        self, comm: Capturable, source: Any, result: Any, divisor: int
+        self, comm: Capturable, source: Any, result: Any, rounding_stream: int, divisor: int
     ) -> tuple[Any, Any] | None:
         """(the CUDA graph of one call from ``source`` into ``result``, the communicator's
         record of the capture), captured on a stream of the plan's own (the current
@@ -425,7 +452,7 @@ class DevicePlan:
             capture.begin_capture()
             try:
                 with capture:
-                    BatchedPipeline.of(self, source, result, divisor=divisor).run()
+                    BatchedPipeline.of(self, source, result, None, rounding_stream, divisor).run()
             finally:
                 try:
                     graph = capture.end_capture()
@@ -433,7 +460,7 @@ class DevicePlan:
                     graph = None
         if graph is None:
             self.capture_comm = None
-            BatchedPipeline.of(self, source, result, divisor=divisor).run()
+            BatchedPipeline.of(self, source, result, None, rounding_stream, divisor).run()
             return None
         return graph, captured
 
@@ -468,6 +495,8 @@ class BatchedPipeline(PieceAccess):
             plan = DevicePlan(
                 comm, fmt, pieces, result_offset, gather, mapper is not None, xp, kernels
             )
+            if fmt.stochastic:  # a plan's own calls write them in run()
+                plan.write_keys(rounding_stream)
         self.plan = plan
         self.comm, self.fmt, self.pieces = plan.comm, plan.fmt, plan.pieces
         self.source, self.result, self.mapper = source, result, mapper
@@ -537,8 +566,9 @@ class BatchedPipeline(PieceAccess):
                 x[at : at + hi - lo] = self.mapper.read(lo, hi)
         wire = plan.a2a_send[s % 2]
         self.kernels.encode(
-            self.fmt, x, seg, wire, plan.amax, rounding_stream=self.rounding_streams[0]
-        )
+            self.fmt, x, seg, wire, plan.amax,
+            rounding_stream=self.rounding_streams[0], key=plan.key_views[0],
+        )  # fmt: skip
         if self.mapper is not None:
             for (lo, hi), row in zip(self._send_pieces(s), seg.rows, strict=True):
                 at, body = int(row[VALUES]), int(row[WIRE])
@@ -570,6 +600,7 @@ class BatchedPipeline(PieceAccess):
                 plan.amax,
                 incoming,
                 rounding_stream=self.rounding_streams[1],
+                key=plan.key_views[1],
             )
             return
         self.kernels.reduce(self.fmt, own, stage.own, incoming, self._local(lo, hi))
@@ -589,6 +620,7 @@ class BatchedPipeline(PieceAccess):
             plan.ag_buf[s % 2],
             plan.amax,
             rounding_stream=self.rounding_streams[1],
+            key=plan.key_views[1],
         )
         if self.mapper is not None:
             at = int(stage.own.rows[0, WIRE])

@@ -588,7 +588,7 @@ def launches(monkeypatch):
 
     monkeypatch.setattr(cuda_build, "kernel", kernel)
     kernels = gp.CudaKernels.__new__(gp.CudaKernels)
-    kernels.cupy = None
+    kernels.cupy = np  # the stochastic key's one-value array (key=None)
     return kernels, log
 
 
@@ -642,10 +642,13 @@ def test_cuda_launches_match_the_kernels(launches, name, stochastic):
         assert entry[1] == want and entry[1][1] == 3
     threads = gpl.NVFP4_THREADS if fmt.family == gpl.NVFP4 else cuda.THREADS
     assert log[0][2] == (threads,)
-    # the rounding key: this rounding stream's under stochastic rounding, else 0
+    # the rounding key, read from device memory: this rounding stream's under stochastic
+    # rounding; else the table, a valid pointer the kernels never read
     keys = [args[-2] for n, _, _, args in log if n in encoder[-1:]]
-    assert keys == [np.uint64(fmt.key(5)), np.uint64(fmt.key(6))]
-    assert (keys[0] != 0) == fmt.stochastic
+    if fmt.stochastic:
+        assert [k.tolist() for k in keys] == [[fmt.key(5)], [fmt.key(6)]]
+    else:
+        assert all(k is seg.device for k in keys)
     # the second encode adds the incoming bodies; the first passes none
     at = 3 + (encoder[-1] == "gc_pipe_value_encode")  # (family,) x, table, in, nin, stride
     incoming = [(int(args[at]), int(args[at + 1])) for n, _, _, args in log if n == encoder[-1]]
