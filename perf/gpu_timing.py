@@ -8,7 +8,8 @@ plain NCCL measured in the same run (issue 38).
 Writes the JSON and a markdown table beside it (.md; rank 0 only) and prints the
 table. For each size (64 and 256 MiB of fp32 per rank; the twin: 1 MiB) and each
 operation (the device copy, NCCL's fp32 all-reduce, then geocomm.allreduce with
-every codec of ``--codecs``) one row, per steady-state call (perf/gpu_clock.py):
+every codec of ``--codecs``; ``nvfp4-sr``: NVFP4 with stochastic rounding) one
+row, per steady-state call (perf/gpu_clock.py):
 
 * ``wall_s``: calls queued back to back, one synchronization, divided by calls;
 * ``host_s``: the host's own time per call with the device held;
@@ -48,9 +49,16 @@ from gpu_check_report import host_bound, kernel_lines  # noqa: E402
 from gpu_check_timing import TWIN_NOTE, copy_op, time_kernels, timed_row  # noqa: E402
 from gpu_clock import device_clock, is_twin  # noqa: E402
 
-CODECS = ("none", "bf16", "fp8", "nvfp4", "mxfp8", "mxfp4", "geofp8")
+CODECS = ("none", "bf16", "fp8", "nvfp4", "nvfp4-sr", "mxfp8", "mxfp4", "geofp8")
+#: the names of CODECS that are not codec ids
+SPECS: dict[str, Any] = {"nvfp4-sr": {"id": "nvfp4", "rounding": "stochastic"}}
 #: columns of every input matrix (GeoFP8 maps rows x COLUMNS; the others see it flat)
 COLUMNS = 4096
+
+
+def codec_spec(name: str) -> Any:
+    """What ``geocomm.get_codec`` takes for ``name`` of :data:`CODECS`."""
+    return SPECS.get(name, name)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -108,7 +116,8 @@ def size_rows(ctx: Any, size_mib: float, args: argparse.Namespace, start: float)
     }
     for codec in args.codecs:
         key = {"key": "gpu_timing"} if codec == "geofp8" else {}
-        ops[f"geocomm {codec}"] = lambda c=codec, k=key: geocomm.allreduce(
+        spec = codec_spec(codec)
+        ops[f"geocomm {codec}"] = lambda c=spec, k=key: geocomm.allreduce(
             x, codec=c, out=y, comm=nccl, **k
         )
     rows: list[dict] = []
@@ -121,7 +130,7 @@ def size_rows(ctx: Any, size_mib: float, args: argparse.Namespace, start: float)
         if name != "device copy":
             row["rel_error"] = rel_error(cp.asnumpy(y), exact)
         if name.startswith("geocomm "):
-            codec = geocomm.get_codec(name.split()[1])
+            codec = geocomm.get_codec(codec_spec(name.split()[1]))
             row["wire_ratio"] = x.nbytes / codec.wire_size(x.size)
         rows.append(row)
     copy, plain = (rows[0].get("device_s"), rows[1].get("device_s"))
