@@ -7,8 +7,11 @@
  * the C core. Only the walk over the data differs:
  *
  *   fp8, block <= 1024   "team" kernels: a power-of-two group of lanes
- *                        (<= one warp) per scaling block; the block amax is an
- *                        xor-shuffle reduction inside the team.
+ *                        (<= one warp) per scaling block, each lane taking
+ *                        four consecutive values per step (one 16-byte load,
+ *                        one 4-byte store of codes where aligned) and keeping
+ *                        them in registers: one pass over memory. The block
+ *                        amax is an xor-shuffle reduction inside the team.
  *   fp8, larger blocks   "tile" kernels: each thread block handles one tile
  *   (and block 0)        of one scaling block. Encoding takes two passes:
  *                        gc_amax_tiles (atomicMax into a zeroed u32 per
@@ -149,6 +152,97 @@ GC_DEV void gc_tile_range(gc_u64 n, gc_u64 block, gc_u64 tiles_per_block, gc_u64
     *end = s < e ? e : s;
 }
 
+/* ---- four consecutive values per lane (team kernels) ------------------------ */
+
+/* Largest fp8 block of the team kernels (TEAM_MAX of geocomm/kernels/cuda.py):
+ * a team of at most 32 lanes, four values per lane and step, covers it in
+ * GC_TEAM_STEPS steps. The step loops run all GC_TEAM_STEPS steps, the ones
+ * past the block doing nothing: a constant trip count lets them unroll, so a
+ * lane's values stay in registers (no stack: tests/test_cuda_source.py). */
+#define GC_TEAM_MAX 1024
+#define GC_TEAM_STEPS (GC_TEAM_MAX / (4 * 32))
+
+/* Where a lane's values of step t begin within its scaling block. */
+GC_DEV gc_u64 gc_team_at(int t, unsigned int lane, unsigned int width)
+{
+    return 4 * ((gc_u64)t * width + lane);
+}
+
+GC_DEV int gc_aligned(const void *p, unsigned int bytes)
+{
+    return ((gc_u64)p & (bytes - 1u)) == 0;
+}
+
+/* v[j] = p[j] for j < 4 where j < avail, else 0: one 16-byte load when all four
+ * exist and p is 16-byte aligned, four loads otherwise (the same values). */
+GC_DEV void gc_load4_f32(const float *p, gc_u64 avail, float *v)
+{
+    if (avail >= 4 && gc_aligned(p, 16)) {
+        float4 q = *reinterpret_cast<const float4 *>(p);
+        v[0] = q.x;
+        v[1] = q.y;
+        v[2] = q.z;
+        v[3] = q.w;
+        return;
+    }
+    for (int j = 0; j < 4; ++j)
+        v[j] = (gc_u64)j < avail ? p[j] : 0.0f;
+}
+
+/* p[j] = v[j] for j < 4 where j < avail: one 16-byte store when aligned and full
+ * (__stwb: NVVM split a plain float4 store into four in gc_pipe_fp8_decode_team). */
+GC_DEV void gc_store4_f32(float *p, gc_u64 avail, const float *v)
+{
+    if (avail >= 4 && gc_aligned(p, 16)) {
+        __stwb(reinterpret_cast<float4 *>(p), make_float4(v[0], v[1], v[2], v[3]));
+        return;
+    }
+    for (int j = 0; j < 4; ++j)
+        if ((gc_u64)j < avail)
+            p[j] = v[j];
+}
+
+/* c[j] = p[j] for j < 4 where j < avail, else 0: one 4-byte load when aligned and full. */
+GC_DEV void gc_load4_u8(const unsigned char *p, gc_u64 avail, gc_u32 *c)
+{
+    if (avail >= 4 && gc_aligned(p, 4)) {
+        uchar4 q = *reinterpret_cast<const uchar4 *>(p);
+        c[0] = q.x;
+        c[1] = q.y;
+        c[2] = q.z;
+        c[3] = q.w;
+        return;
+    }
+    for (int j = 0; j < 4; ++j)
+        c[j] = (gc_u64)j < avail ? (gc_u32)p[j] : 0u;
+}
+
+/* p[j] = c[j] for j < 4 where j < avail: one 4-byte store when aligned and full. */
+GC_DEV void gc_store4_u8(unsigned char *p, gc_u64 avail, const gc_u8 *c)
+{
+    if (avail >= 4 && gc_aligned(p, 4)) {
+        uchar4 q;
+        q.x = c[0];
+        q.y = c[1];
+        q.z = c[2];
+        q.w = c[3];
+        *reinterpret_cast<uchar4 *>(p) = q;
+        return;
+    }
+    for (int j = 0; j < 4; ++j)
+        if ((gc_u64)j < avail)
+            p[j] = c[j];
+}
+
+/* c[j] = the fp8 code of v[j], j < 4, quantized with pre and factor (value j draws
+ * the stochastic-rounding index `index` + j). */
+GC_DEV void gc_fp8_codes4(int e5m2, const float *v, float pre, float factor, int sr, gc_u64 key,
+                          gc_u64 index, gc_u8 *c)
+{
+    for (int j = 0; j < 4; ++j)
+        c[j] = gc_fp8_code(e5m2, (v[j] * pre) * factor, v[j], sr, gc_rnd_at(sr, key, index + j));
+}
+
 /* ---- block amax (two-pass paths) ------------------------------------------- */
 
 /* amax[k] = max(amax[k], bits of max |x| over the finite values of this tile
@@ -168,7 +262,9 @@ extern "C" __global__ void gc_amax_tiles(const float *x, gc_u64 n, gc_u64 block,
 
 /* ---- FP8 (E4M3FN / E5M2) ----------------------------------------------------- */
 
-/* Team encode: 2^lshift lanes per scaling block of `block` values. */
+/* Team encode: 2^lshift lanes per scaling block of `block` values, four
+ * consecutive values per lane and step, kept in registers between the amax and
+ * the codes. */
 extern "C" __global__ void gc_fp8_encode_team(const float *x, gc_u64 n, gc_u64 block,
                                               gc_u64 nblocks, unsigned int lshift, int e5m2,
                                               int sr, gc_u64 key, gc_u64 offset,
@@ -183,9 +279,17 @@ extern "C" __global__ void gc_fp8_encode_team(const float *x, gc_u64 n, gc_u64 b
     gc_u64 len = k < nblocks ? gc_min_u64(block, n - start) : 0;
     const float *xb = x + start;
 
+    float v[4 * GC_TEAM_STEPS];
     gc_u32 m = 0;
-    for (gc_u64 i = lane; i < len; i += width)
-        m = gc_amax_bits(m, xb[i]);
+#pragma unroll
+    for (int t = 0; t < GC_TEAM_STEPS; ++t) {
+        gc_u64 at = gc_team_at(t, lane, width);
+        if (at < len) {
+            gc_load4_f32(xb + at, len - at, v + 4 * t); /* values past len read as 0 */
+            for (int j = 0; j < 4; ++j)
+                m = gc_amax_bits(m, v[4 * t + j]);
+        }
+    }
     float amax = gc_float(gc_team_max(m, width));
     if (len == 0)
         return;
@@ -195,10 +299,14 @@ extern "C" __global__ void gc_fp8_encode_team(const float *x, gc_u64 n, gc_u64 b
     if (lane == 0)
         gc_store_f32(wire + 4 * k, amax / fmax);
     unsigned char *cb = wire + 4 * nblocks + start;
-    for (gc_u64 i = lane; i < len; i += width) {
-        float xi = xb[i];
-        cb[i] = gc_fp8_code(e5m2, (xi * pre) * factor, xi, sr,
-                            gc_rnd_at(sr, key, offset + start + i));
+#pragma unroll
+    for (int t = 0; t < GC_TEAM_STEPS; ++t) {
+        gc_u64 at = gc_team_at(t, lane, width);
+        if (at < len) {
+            gc_u8 c[4];
+            gc_fp8_codes4(e5m2, v + 4 * t, pre, factor, sr, key, offset + start + at, c);
+            gc_store4_u8(cb + at, len - at, c);
+        }
     }
 }
 
@@ -226,7 +334,8 @@ extern "C" __global__ void gc_fp8_encode_tiles(const float *x, gc_u64 n, gc_u64 
     }
 }
 
-/* Team decode: 2^lshift lanes per scaling block (one scale load per lane). */
+/* Team decode: 2^lshift lanes per scaling block (one scale load per lane), four
+ * consecutive values per lane and step. */
 extern "C" __global__ void gc_fp8_decode_team(const unsigned char *wire, gc_u64 n, gc_u64 block,
                                               gc_u64 nblocks, unsigned int lshift, int e5m2,
                                               int accumulate, float *out)
@@ -242,8 +351,24 @@ extern "C" __global__ void gc_fp8_decode_team(const unsigned char *wire, gc_u64 
     float scale = gc_load_f32(wire + 4 * k);
     const unsigned char *cb = wire + 4 * nblocks + start;
     float *ob = out + start;
-    for (gc_u64 i = lane; i < len; i += width)
-        gc_put(ob + i, __fmul_rn(gc_fp8_value(e5m2, cb[i]), scale), accumulate);
+#pragma unroll
+    for (int t = 0; t < GC_TEAM_STEPS; ++t) {
+        gc_u64 at = gc_team_at(t, lane, width);
+        if (at < len) {
+            gc_u32 c[4];
+            float v[4];
+            gc_load4_u8(cb + at, len - at, c);
+            for (int j = 0; j < 4; ++j)
+                v[j] = __fmul_rn(gc_fp8_value(e5m2, c[j]), scale);
+            if (accumulate) { /* out + v, one IEEE add each, never fused */
+                float o[4];
+                gc_load4_f32(ob + at, len - at, o);
+                for (int j = 0; j < 4; ++j)
+                    v[j] = __fadd_rn(o[j], v[j]);
+            }
+            gc_store4_f32(ob + at, len - at, v);
+        }
+    }
 }
 
 /* Tile decode for large blocks. */

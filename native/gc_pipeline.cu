@@ -206,9 +206,9 @@ extern "C" __global__ void gc_pipe_value_encode(int family, const float *x, cons
     }
 }
 
-/* FP8 with a block of at most a warp's teams' reach (TEAM_MAX): 2^lshift
- * lanes per scaling block; the sums are formed twice (amax, then codes)
- * rather than stored: the second pass reads what the first left in cache. */
+/* FP8 with a block of at most GC_TEAM_MAX values: 2^lshift lanes per scaling
+ * block, four consecutive values per lane and step (as gc_fp8_encode_team), their
+ * sums formed once and kept in registers between the amax and the codes. */
 extern "C" __global__ void gc_pipe_fp8_encode_team(const float *x, const gc_u64 *table,
                                                    const unsigned char *in, unsigned int nin,
                                                    gc_u64 in_stride, unsigned int lshift,
@@ -225,11 +225,23 @@ extern "C" __global__ void gc_pipe_fp8_encode_team(const float *x, const gc_u64 
     unsigned int lane = (unsigned int)g & (width - 1u);
     gc_u64 start = k * s.block;
     gc_u64 len = k < s.scales ? gc_min_u64(s.block, s.count - start) : 0;
-    const float *xb = x + s.values;
+    const float *xb = x + s.values + start;
 
+    float v[4 * GC_TEAM_STEPS];
     gc_u32 m = 0;
-    for (gc_u64 i = start + lane; i < start + len; i += width)
-        m = gc_amax_bits(m, gc_sum_at(incoming, s, xb[i], k, i));
+#pragma unroll
+    for (int t = 0; t < GC_TEAM_STEPS; ++t) {
+        gc_u64 at = gc_team_at(t, lane, width);
+        if (at < len) {
+            gc_load4_f32(xb + at, len - at, v + 4 * t);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                if (at + j < len)
+                    v[4 * t + j] = gc_sum_at(incoming, s, v[4 * t + j], k, start + at + j);
+                m = gc_amax_bits(m, v[4 * t + j]); /* values past len are 0 */
+            }
+        }
+    }
     float amax = gc_float(gc_team_max(m, width));
     if (len == 0)
         return;
@@ -239,10 +251,15 @@ extern "C" __global__ void gc_pipe_fp8_encode_team(const float *x, const gc_u64 
     unsigned char *w = wire + s.wire;
     if (lane == 0)
         gc_store_f32(w + 4 * k, amax / fmax);
-    unsigned char *codes = w + 4 * s.scales;
-    for (gc_u64 i = start + lane; i < start + len; i += width) {
-        float xi = gc_sum_at(incoming, s, xb[i], k, i);
-        codes[i] = gc_fp8_code(e5m2, (xi * pre) * factor, xi, sr, gc_rnd_at(sr, key, s.index + i));
+    unsigned char *cb = w + 4 * s.scales + start;
+#pragma unroll
+    for (int t = 0; t < GC_TEAM_STEPS; ++t) {
+        gc_u64 at = gc_team_at(t, lane, width);
+        if (at < len) {
+            gc_u8 c[4];
+            gc_fp8_codes4(e5m2, v + 4 * t, pre, factor, sr, key, s.index + start + at, c);
+            gc_store4_u8(cb + at, len - at, c);
+        }
     }
 }
 
@@ -452,7 +469,8 @@ GC_DEV void gc_fp8_decode_run(const unsigned char *wire, const gc_seg &s, int e5
         out[s.values + i] = __fmul_rn(gc_fp8_value(e5m2, codes[i]), scale);
 }
 
-/* FP8, team walk: 2^lshift lanes per scaling block. */
+/* FP8, team walk: 2^lshift lanes per scaling block, four consecutive values per
+ * lane and step (as gc_fp8_decode_team). */
 extern "C" __global__ void gc_pipe_fp8_decode_team(const unsigned char *wire, const gc_u64 *table,
                                                    unsigned int lshift, int e5m2, float *out)
 {
@@ -460,11 +478,27 @@ extern "C" __global__ void gc_pipe_fp8_decode_team(const unsigned char *wire, co
     gc_seg s = gc_seg_row(table);
     gc_u64 g = gc_global_id();
     gc_u64 k = g >> lshift;
+    unsigned int lane = (unsigned int)g & (width - 1u);
     if (k >= s.scales)
         return;
     gc_u64 start = k * s.block;
-    gc_fp8_decode_run(wire, s, e5m2, k, start + ((unsigned int)g & (width - 1u)),
-                      start + gc_min_u64(s.block, s.count - start), width, out);
+    gc_u64 len = gc_min_u64(s.block, s.count - start);
+    const unsigned char *w = wire + s.wire;
+    float scale = gc_load_f32(w + 4 * k);
+    const unsigned char *cb = w + 4 * s.scales + start;
+    float *ob = out + s.values + start;
+#pragma unroll
+    for (int t = 0; t < GC_TEAM_STEPS; ++t) {
+        gc_u64 at = gc_team_at(t, lane, width);
+        if (at < len) {
+            gc_u32 c[4];
+            float v[4];
+            gc_load4_u8(cb + at, len - at, c);
+            for (int j = 0; j < 4; ++j)
+                v[j] = __fmul_rn(gc_fp8_value(e5m2, c[j]), scale);
+            gc_store4_f32(ob + at, len - at, v);
+        }
+    }
 }
 
 /* FP8, tile walk. */

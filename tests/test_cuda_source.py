@@ -40,6 +40,8 @@ def _nvcc() -> str | None:
 
 
 NVCC = _nvcc()
+#: steps of the fp8 team kernels (native/gc_cuda.cu: GC_TEAM_MAX / (4 * 32))
+GC_TEAM_STEPS = gcuda.TEAM_MAX // (4 * 32)
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc (CUDA toolkit) not found")
 
 # The options of geocomm.kernels.cuda.NVRTC_OPTIONS, spelled for nvcc.
@@ -201,6 +203,41 @@ def test_pipeline_kernels_keep_registers_and_no_stack(tmp_path: Path):
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in text, name
 
 
+#: per fp8 team kernel: the 16-byte (values) and 4-byte (codes) vector accesses its
+#: aligned path must compile to (PTX), once per step at least
+TEAM_VECTOR_ACCESSES = {
+    "gc_fp8_encode_team": (r"ld\.global(\.nc)?\.v4\.(f32|u32|b32)", r"st\.global\.v4\.(u8|b8)"),
+    "gc_fp8_decode_team": (r"ld\.global(\.nc)?\.v4\.(u8|b8)", r"st\.global(\.wb)?\.v4\.f32"),
+    "gc_pipe_fp8_encode_team": (
+        r"ld\.global(\.nc)?\.v4\.(f32|u32|b32)",
+        r"st\.global\.v4\.(u8|b8)",
+    ),
+    "gc_pipe_fp8_decode_team": (
+        r"ld\.global(\.nc)?\.v4\.(u8|b8)",
+        r"st\.global(\.wb)?\.v4\.f32",
+    ),
+}
+
+
+@needs_nvcc
+def test_team_kernels_move_four_values_per_access(tmp_path: Path):
+    """The fp8 team kernels' aligned path is one 16-byte access per four fp32 values and
+    one 4-byte access per four codes (the PTX of every step), not four each: without
+    that, a kernel keeps too few bytes in flight to reach the memory's bandwidth."""
+    ptx = ""
+    for unit in ("codec", "pipeline"):
+        path = tmp_path / f"{unit}.cu"
+        path.write_text(UNITS[unit][0]())
+        out = tmp_path / f"{unit}.ptx"
+        _run_nvcc(["-ptx", "-arch=sm_90", *NVCC_FLAGS, str(path), "-o", str(out)], tmp_path)
+        ptx += out.read_text()
+    bodies = dict(re.findall(r"\.visible \.entry (\w+)(.*?)(?=\.visible \.entry |\Z)", ptx, re.S))
+    for name, patterns in TEAM_VECTOR_ACCESSES.items():
+        for pattern in patterns:
+            found = len(re.findall(pattern, bodies[name]))
+            assert found >= GC_TEAM_STEPS, (name, pattern, found)
+
+
 # ---------------------------------------------------------------------------
 # without CuPy
 
@@ -300,17 +337,11 @@ def test_divide_without_cupy(no_cupy):
 
 
 def test_team_and_tile_plans():
-    """Launch geometry: team width is the next power of two up to a warp; tiles cover blocks."""
-    assert [gcuda.team_shift(b) for b in (1, 2, 3, 16, 17, 32, 33, 1024)] == [
-        0,
-        1,
-        2,
-        4,
-        5,
-        5,
-        5,
-        5,
-    ]
+    """Launch geometry: a team's lanes take four values per step, so its width is the
+    next power of two >= ceil(block / 4), up to a warp; tiles cover blocks."""
+    blocks = (1, 4, 5, 16, 17, 32, 33, 128, 129, 1024)
+    assert [gcuda.team_shift(b) for b in blocks] == [0, 0, 1, 2, 3, 3, 4, 5, 5, 5]
+    assert _defines(cuda_build.source_dir() / "gc_cuda.cu")["GC_TEAM_MAX"] == gcuda.TEAM_MAX
     plan = gcuda.fp8_launch(10_000, 5000)
     assert plan.team_shift is None and plan.nblocks == 2
     assert plan.tiles_per_block == -(-5000 // gcuda.TILE) and plan.grid == 2 * plan.tiles_per_block

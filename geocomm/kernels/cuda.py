@@ -60,7 +60,8 @@ THREADS = 256
 #: Values per thread block in the tile kernels (fp8 blocks > TEAM_MAX, block 0, NVFP4
 #: superblock amaxes).
 TILE = 4096
-#: Largest fp8 block handled by one team (<= one warp) of lanes in a single pass.
+#: Largest fp8 block handled by one team (<= one warp) of lanes in a single pass
+#: (GC_TEAM_MAX of native/gc_cuda.cu).
 TEAM_MAX = 1024
 _GRID_MAX = 2**31 - 1
 
@@ -126,8 +127,9 @@ def _grid(threads: int) -> tuple[int]:
 
 
 def team_shift(block: int) -> int:
-    """log2 of the team width: the next power of two >= block, at most a warp (32)."""
-    return min(5, (block - 1).bit_length())
+    """log2 of the team width of the fp8 team kernels, whose lanes take four consecutive
+    values per step: the next power of two >= ceil(block / 4), at most a warp (32)."""
+    return min(5, (-(-block // 4) - 1).bit_length())
 
 
 @dataclass(frozen=True)

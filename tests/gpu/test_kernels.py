@@ -67,6 +67,43 @@ def test_encode_decode_match_the_c_core(cp, fmt, block, stochastic):
             assert same_values(out.get(), ref), f"{fmt}/{block} n={n} accumulate={accumulate}"
 
 
+def _shifted(cp, host: np.ndarray, by: int):
+    """A device copy of ``host`` that starts ``by`` elements into its allocation, so it
+    is contiguous but not aligned as an allocation is."""
+    room = cp.empty(host.size + by, host.dtype)
+    view = room[by:]
+    view[...] = cp.asarray(host)
+    return view
+
+
+@pytest.mark.parametrize("block", [4, 16, 33, 128, 1000, 1024])
+@pytest.mark.parametrize("shift", [(1, 0), (0, 1), (2, 3)], ids=["x+4B", "wire+1B", "both"])
+def test_team_kernels_give_the_same_bytes_from_unaligned_arrays(cp, block, shift):
+    """The fp8 team kernels move four values per load or store where the values (16
+    bytes) and codes (4 bytes) are aligned, one at a time elsewhere: values, codes and
+    decoded outputs that start off those boundaries give the C core's bytes too."""
+    x_shift, wire_shift = shift
+    for n in (4097, 12_301):
+        x = special(n)
+        size = native.wire_size("e4m3", n, block)
+        want = np.zeros(size, np.uint8)
+        native.encode("e4m3", x, block, want)
+        x_dev = _shifted(cp, x, x_shift)
+        wire = _shifted(cp, np.zeros(size, np.uint8), wire_shift)
+        codes_at = wire.data.ptr + 4 * -(-n // block)  # after the scales
+        assert (x_dev.data.ptr % 16 != 0) == bool(x_shift)
+        assert (codes_at % 4 != 0) == bool(wire_shift)
+        cuda.encode("e4m3", x_dev, block, wire)
+        assert np.array_equal(wire.get(), want), f"block {block} n={n}: encoded bytes differ"
+        for accumulate in (False, True):
+            start = inputs(n, n, tag=2)
+            ref = start.copy()
+            native.decode("e4m3", want, block, ref, accumulate)
+            out = _shifted(cp, start, x_shift)
+            cuda.decode("e4m3", wire, block, out, accumulate)
+            assert same_values(out.get(), ref), f"block {block} n={n} accumulate={accumulate}"
+
+
 def test_divide_keeps_subnormal_quotients(cp):
     x = np.array([2.0**-120, 3.0, -(2.0**-125), 1e-38], np.float32)
     out = cp.asarray(x)

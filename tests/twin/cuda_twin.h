@@ -149,6 +149,17 @@ GCTWIN_VEC2(unsigned int, uint2)
 GCTWIN_VEC4(unsigned int, uint4)
 GCTWIN_VEC2(double, double2)
 #undef GCTWIN_VEC2
+
+/* CUDA aligns uchar4 to 4 bytes (and float4, in cuda_twin_fp32.h, to 16): a kernel
+ * that casts a pointer to one of them must check that alignment itself. */
+struct alignas(4) uchar4 {
+    unsigned char x, y, z, w;
+};
+inline uchar4 make_uchar4(unsigned char x, unsigned char y, unsigned char z, unsigned char w)
+{
+    uchar4 v = {x, y, z, w};
+    return v;
+}
 #undef GCTWIN_VEC4
 
 inline uint3 make_uint3(unsigned int x, unsigned int y, unsigned int z)

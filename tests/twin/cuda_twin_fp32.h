@@ -332,7 +332,7 @@ inline bool signbit(gctwin::f32 a) { return (gctwin::fbits(a.v) >> 31) != 0; }
 struct float2 {
     gctwin::f32 x, y;
 };
-struct float4 {
+struct alignas(16) float4 { /* CUDA's __align__(16) */
     gctwin::f32 x, y, z, w;
 };
 inline float2 make_float2(gctwin::f32 x, gctwin::f32 y)
@@ -345,5 +345,7 @@ inline float4 make_float4(gctwin::f32 x, gctwin::f32 y, gctwin::f32 z, gctwin::f
     float4 v = {x, y, z, w};
     return v;
 }
+/* st.global.wb.v4.f32: CUDA's store with the default (write-back) cache policy */
+inline void __stwb(float4 *p, float4 v) { *p = v; }
 
 #endif /* GCTWIN_CUDA_TWIN_FP32_H */
