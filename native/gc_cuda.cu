@@ -16,9 +16,10 @@
  *   (and block 0)        of one scaling block. Encoding takes two passes:
  *                        gc_amax_tiles (atomicMax into a zeroed u32 per
  *                        scaling block), then gc_fp8_encode_tiles.
- *   NVFP4                gc_amax_tiles for the superblock amaxes (scaling
- *                        block GC_NVFP4_SUPERBLOCK), then one thread per
- *                        output byte (2 values), 8 lanes per 16-value block.
+ *   NVFP4 encode         one thread block per superblock of 4096 values
+ *                        (gc_nvfp4_superblock, shared with the pipeline):
+ *                        each thread holds 8 code bytes' values in registers
+ *                        from the superblock amax to the codes, one pass.
  *   BF16                 one thread per value.
  *   MXFP8                one thread per value: a warp is one 32-value block,
  *                        its amax an xor-shuffle reduction.
@@ -388,53 +389,98 @@ extern "C" __global__ void gc_fp8_decode_tiles(const unsigned char *wire, gc_u64
 
 /* ---- NVFP4 ------------------------------------------------------------------- */
 
-/* One thread per code byte (values 2p and 2p + 1); the 8 lanes of a 16-value
- * block reduce its amax and finiteness by shuffles. samax holds the amax bits
- * of every superblock (gc_amax_tiles with scaling block GC_NVFP4_SUPERBLOCK;
- * one for n values when n is smaller). */
-extern "C" __global__ void gc_nvfp4_encode(const float *x, gc_u64 n, const gc_u32 *samax,
-                                           int sr, gc_u64 key, gc_u64 offset,
-                                           unsigned char *wire)
+/* The amax bits of the values x0, x1 of this lane's code byte over the aligned
+ * team of `lanes` lanes that holds their scaling block, and in *finite whether
+ * all of the block's values are finite. Every lane of the warp must call it. */
+GC_DEV gc_u32 gc_pair_amax(float x0, float x1, unsigned int lanes, int *finite)
 {
+    gc_u32 bad = gc_team_max((gc_u32)(!gc_finite(x0) | !gc_finite(x1)), lanes);
+    *finite = bad == 0;
+    return gc_team_max(gc_amax_bits(gc_amax_bits(0u, x0), x1), lanes);
+}
+
+/* The E2M1 code byte of values x0 (global rounding index `index`) and x1 (absent
+ * unless has1), quantized as (x * pre) * factor (MX: pre 1, exact); 0 for a block
+ * that keeps no codes (MX: not finite; NVFP4: gc_nvfp4_keeps_codes). */
+GC_DEV unsigned char gc_e2m1_pair(float x0, float x1, int has1, float pre, float factor,
+                                  int kept, int sr, gc_u64 key, gc_u64 index)
+{
+    gc_u32 c0 = kept ? gc_e2m1_code((x0 * pre) * factor, sr, gc_rnd_at(sr, key, index)) : 0u;
+    gc_u32 c1 = kept && has1 ? gc_e2m1_code((x1 * pre) * factor, sr,
+                                            gc_rnd_at(sr, key, index + 1))
+                             : 0u;
+    return (unsigned char)(c0 | (c1 << 4));
+}
+
+/* Threads per NVFP4 superblock of the encoders (NVFP4_THREADS in Python), each
+ * holding GC_NVFP4_PAIRS code bytes (value pairs) in registers. */
+#define GC_NVFP4_THREADS 256
+#define GC_NVFP4_PAIRS (GC_NVFP4_SUPERBLOCK / 2 / GC_NVFP4_THREADS)
+
+/*
+ * Superblock k of an NVFP4 body of n values into the body `w`, by one thread
+ * block of GC_NVFP4_THREADS threads (every thread calls it, with the same k):
+ * thread t holds code bytes t + GC_NVFP4_THREADS r, r < GC_NVFP4_PAIRS, in
+ * registers, so the values are read once. `value(i)` is value i of the body
+ * (i < n); it draws the stochastic-rounding index index + i. The superblock
+ * amax is a block reduction, each 16-value block's amax and finiteness a
+ * reduction over its 8 lanes (pairs are aligned by 8).
+ */
+template <class Value>
+GC_DEV void gc_nvfp4_superblock(const Value &value, gc_u64 n, gc_u64 k, int sr, gc_u64 key,
+                                gc_u64 index, unsigned char *w)
+{
+    __shared__ gc_u32 super_bits;
     const float smax = GC_E2M1_MAX * GC_E4M3_MAX;
-    const gc_u64 pairs_per_super = GC_NVFP4_SUPERBLOCK / 2;
-    gc_u64 p = gc_global_id();
-    gc_u64 npairs = (n + 1) / 2;
-    gc_u64 nsuper = gc_ceil_div(n, GC_NVFP4_SUPERBLOCK);
-    unsigned char *bscales = wire + 4 * nsuper;
-    unsigned char *codes = bscales + gc_ceil_div(n, GC_NVFP4_BLOCK);
-    int has0 = 2 * p < n;
-    int has1 = 2 * p + 1 < n;
-    float x0 = has0 ? x[2 * p] : 0.0f;
-    float x1 = has1 ? x[2 * p + 1] : 0.0f;
+    const unsigned int lanes = GC_NVFP4_BLOCK / 2;
+    gc_u64 first = k * (GC_NVFP4_SUPERBLOCK / 2) + threadIdx.x;
 
-    gc_u32 m = gc_team_max(gc_amax_bits(gc_amax_bits(0u, x0), x1), GC_NVFP4_BLOCK / 2);
-    gc_u32 bad = gc_team_max((gc_u32)(!gc_finite(x0) | !gc_finite(x1)), GC_NVFP4_BLOCK / 2);
-    if (p >= npairs)
-        return;
+    float v[2 * GC_NVFP4_PAIRS];
+    gc_u32 m = 0;
+#pragma unroll
+    for (int r = 0; r < GC_NVFP4_PAIRS; ++r) {
+        gc_u64 p = first + (gc_u64)r * GC_NVFP4_THREADS;
+        v[2 * r] = 2 * p < n ? value(2 * p) : 0.0f;
+        v[2 * r + 1] = 2 * p + 1 < n ? value(2 * p + 1) : 0.0f;
+        m = gc_amax_bits(gc_amax_bits(m, v[2 * r]), v[2 * r + 1]);
+    }
+    m = gc_block_max(m);
+    if (threadIdx.x == 0)
+        super_bits = m;
+    __syncthreads();
 
-    gc_u64 k = p / pairs_per_super;
-    float super_amax = gc_float(samax[k]);
+    float super_amax = gc_float(super_bits);
     float spre;
     float sfactor = gc_quant_factor(super_amax, smax, &spre);
     float scale = super_amax / smax;
-    int finite = bad == 0;
-    gc_u8 sc = gc_nvfp4_scale_code(gc_float(m), spre, sfactor, finite, sr);
-    float bscale = gc_e4m3_value(sc) * scale;
-    int kept = gc_nvfp4_keeps_codes(bscale);
-    float pre;
-    float factor = gc_quant_factor(bscale, 1.0f, &pre);
-    gc_u32 c0 = kept ? gc_e2m1_code((x0 * pre) * factor, sr, gc_rnd_at(sr, key, offset + 2 * p))
-                     : 0u;
-    gc_u32 c1 = kept && has1 ? gc_e2m1_code((x1 * pre) * factor, sr,
-                                            gc_rnd_at(sr, key, offset + 2 * p + 1))
-                             : 0u;
+    unsigned char *bscales = w + 4 * gc_ceil_div(n, GC_NVFP4_SUPERBLOCK);
+    unsigned char *codes = bscales + gc_ceil_div(n, GC_NVFP4_BLOCK);
+    gc_u64 npairs = (n + 1) / 2;
+#pragma unroll
+    for (int r = 0; r < GC_NVFP4_PAIRS; ++r) {
+        gc_u64 p = first + (gc_u64)r * GC_NVFP4_THREADS;
+        int finite;
+        gc_u32 bm = gc_pair_amax(v[2 * r], v[2 * r + 1], lanes, &finite);
+        if (p >= npairs)
+            continue;
+        gc_u8 sc = gc_nvfp4_scale_code(gc_float(bm), spre, sfactor, finite, sr);
+        float bscale = gc_e4m3_value(sc) * scale;
+        float pre;
+        float factor = gc_quant_factor(bscale, 1.0f, &pre);
+        codes[p] = gc_e2m1_pair(v[2 * r], v[2 * r + 1], 2 * p + 1 < n, pre, factor,
+                                gc_nvfp4_keeps_codes(bscale), sr, key, index + 2 * p);
+        if ((p & (lanes - 1)) == 0)
+            bscales[p / lanes] = sc;
+    }
+    if (threadIdx.x == 0)
+        gc_store_f32(w + 4 * k, scale);
+}
 
-    codes[p] = (unsigned char)(c0 | (c1 << 4));
-    if ((p & (GC_NVFP4_BLOCK / 2 - 1)) == 0)
-        bscales[p / (GC_NVFP4_BLOCK / 2)] = sc;
-    if ((p & (pairs_per_super - 1)) == 0)
-        gc_store_f32(wire + 4 * k, scale);
+/* One thread block of GC_NVFP4_THREADS threads per superblock: one pass over x. */
+extern "C" __global__ void gc_nvfp4_encode(const float *x, gc_u64 n, int sr, gc_u64 key,
+                                           gc_u64 offset, unsigned char *wire)
+{
+    gc_nvfp4_superblock([&](gc_u64 i) { return x[i]; }, n, blockIdx.x, sr, key, offset, wire);
 }
 
 /* ---- BF16 -------------------------------------------------------------------- */

@@ -20,7 +20,7 @@
  * blockIdx.y is the row; blockIdx.x and threadIdx.x walk the piece as the
  * single-body kernels of gc_cuda.cu walk a body (fp8 teams and tiles, one
  * warp per MX block, one thread per value or per code byte), except NVFP4,
- * where one thread block of GC_PIPE_NVFP4_THREADS threads takes a whole
+ * where one thread block of GC_NVFP4_THREADS threads takes a whole
  * superblock and reduces its amax itself (no second launch).
  *
  * Encoders encode the sum of a piece's values and `nin` incoming wire bodies
@@ -39,7 +39,7 @@
  * order of gc_cuda.cu (whose helpers this file includes), so the bytes and
  * values are the C core's; compile with the same flags (-fmad=false
  * -ftz=false -prec-div=true). Kernels expect blockDim.x to be a multiple of
- * 32 (GC_PIPE_NVFP4_THREADS exactly, for gc_pipe_nvfp4_encode).
+ * 32 (GC_NVFP4_THREADS exactly, for gc_pipe_nvfp4_encode).
  */
 #include "gc_cuda.cu"
 
@@ -60,10 +60,6 @@
 #define GC_PIPE_BF16 3
 #define GC_PIPE_MXFP8 4
 #define GC_PIPE_MXFP4 5
-
-/* gc_pipe_nvfp4_encode: threads per superblock, each holding this many code bytes. */
-#define GC_PIPE_NVFP4_THREADS 256
-#define GC_PIPE_NVFP4_PAIRS (GC_NVFP4_SUPERBLOCK / 2 / GC_PIPE_NVFP4_THREADS)
 
 /* One row of a segment table (see the top of this file). */
 struct gc_seg {
@@ -150,29 +146,6 @@ GC_DEV float gc_sum_at(gc_in in, const gc_seg &s, float v, gc_u64 k, gc_u64 i)
         v = __fadd_rn(v, gc_body_value(in.family, in.e5m2, in.wire + r * in.stride, s.count,
                                        s.scales, k, i));
     return v;
-}
-
-/* The amax bits of the values x0, x1 of this lane's code byte over the aligned
- * team of `lanes` lanes that holds their scaling block, and in *finite whether
- * all of the block's values are finite. Every lane of the warp must call it. */
-GC_DEV gc_u32 gc_pair_amax(float x0, float x1, unsigned int lanes, int *finite)
-{
-    gc_u32 bad = gc_team_max((gc_u32)(!gc_finite(x0) | !gc_finite(x1)), lanes);
-    *finite = bad == 0;
-    return gc_team_max(gc_amax_bits(gc_amax_bits(0u, x0), x1), lanes);
-}
-
-/* The E2M1 code byte of values x0 (global rounding index `index`) and x1 (absent
- * unless has1), quantized as (x * pre) * factor (MX: pre 1, exact); 0 for a block
- * that keeps no codes (MX: not finite; NVFP4: gc_nvfp4_keeps_codes). */
-GC_DEV unsigned char gc_e2m1_pair(float x0, float x1, int has1, float pre, float factor,
-                                  int kept, int sr, gc_u64 key, gc_u64 index)
-{
-    gc_u32 c0 = kept ? gc_e2m1_code((x0 * pre) * factor, sr, gc_rnd_at(sr, key, index)) : 0u;
-    gc_u32 c1 = kept && has1 ? gc_e2m1_code((x1 * pre) * factor, sr,
-                                            gc_rnd_at(sr, key, index + 1))
-                             : 0u;
-    return (unsigned char)(c0 | (c1 << 4));
 }
 
 /* An encoder's stochastic-rounding key, read from device memory (`sr_key`, one
@@ -315,69 +288,22 @@ extern "C" __global__ void gc_pipe_fp8_encode_tiles(const float *x, const gc_u64
     }
 }
 
-/* NVFP4: one thread block per superblock of 4096 values; thread t holds code
- * bytes (value pairs) t + GC_PIPE_NVFP4_THREADS r, r < GC_PIPE_NVFP4_PAIRS,
- * in registers. The superblock amax is a block reduction, each 16-value
- * block's amax and finiteness a reduction over its 8 lanes (pairs are aligned
- * by 8), then every byte is encoded as gc_nvfp4_encode encodes it. */
+/* NVFP4: one thread block of GC_NVFP4_THREADS threads per superblock
+ * (gc_nvfp4_superblock), over the sums of the piece's values and the incoming
+ * bodies. */
 extern "C" __global__ void gc_pipe_nvfp4_encode(const float *x, const gc_u64 *table,
                                                 const unsigned char *in, unsigned int nin,
                                                 gc_u64 in_stride, int sr, const gc_u64 *sr_key,
                                                 unsigned char *wire)
 {
     const gc_u64 key = gc_load_key(sr, sr_key);
-    __shared__ gc_u32 super_bits;
-    const float smax = GC_E2M1_MAX * GC_E4M3_MAX;
-    const unsigned int lanes = GC_NVFP4_BLOCK / 2;
     gc_seg s = gc_seg_row(table);
-    gc_u64 k = blockIdx.x;
-    if (k >= s.scales) /* the whole thread block: before any barrier */
+    if (blockIdx.x >= s.scales) /* the whole thread block: before any barrier */
         return;
     gc_in incoming = gc_in_make(in, nin, in_stride, GC_PIPE_NVFP4, 0);
     const float *xs = x + s.values;
-    gc_u64 n = s.count;
-    gc_u64 first = k * (GC_NVFP4_SUPERBLOCK / 2) + threadIdx.x;
-
-    float v[2 * GC_PIPE_NVFP4_PAIRS];
-    gc_u32 m = 0;
-#pragma unroll
-    for (int r = 0; r < GC_PIPE_NVFP4_PAIRS; ++r) {
-        gc_u64 p = first + (gc_u64)r * GC_PIPE_NVFP4_THREADS;
-        v[2 * r] = 2 * p < n ? gc_sum_at(incoming, s, xs[2 * p], 0, 2 * p) : 0.0f;
-        v[2 * r + 1] = 2 * p + 1 < n ? gc_sum_at(incoming, s, xs[2 * p + 1], 0, 2 * p + 1) : 0.0f;
-        m = gc_amax_bits(gc_amax_bits(m, v[2 * r]), v[2 * r + 1]);
-    }
-    m = gc_block_max(m);
-    if (threadIdx.x == 0)
-        super_bits = m;
-    __syncthreads();
-
-    float super_amax = gc_float(super_bits);
-    float spre;
-    float sfactor = gc_quant_factor(super_amax, smax, &spre);
-    float scale = super_amax / smax;
-    unsigned char *w = wire + s.wire;
-    unsigned char *bscales = w + 4 * s.scales;
-    unsigned char *codes = bscales + gc_ceil_div(n, GC_NVFP4_BLOCK);
-    gc_u64 npairs = (n + 1) / 2;
-#pragma unroll
-    for (int r = 0; r < GC_PIPE_NVFP4_PAIRS; ++r) {
-        gc_u64 p = first + (gc_u64)r * GC_PIPE_NVFP4_THREADS;
-        int finite;
-        gc_u32 bm = gc_pair_amax(v[2 * r], v[2 * r + 1], lanes, &finite);
-        if (p >= npairs)
-            continue;
-        gc_u8 sc = gc_nvfp4_scale_code(gc_float(bm), spre, sfactor, finite, sr);
-        float bscale = gc_e4m3_value(sc) * scale;
-        float pre;
-        float factor = gc_quant_factor(bscale, 1.0f, &pre);
-        codes[p] = gc_e2m1_pair(v[2 * r], v[2 * r + 1], 2 * p + 1 < n, pre, factor,
-                                gc_nvfp4_keeps_codes(bscale), sr, key, s.index + 2 * p);
-        if ((p & (lanes - 1)) == 0)
-            bscales[p / lanes] = sc;
-    }
-    if (threadIdx.x == 0)
-        gc_store_f32(w + 4 * k, scale);
+    gc_nvfp4_superblock([&](gc_u64 i) { return gc_sum_at(incoming, s, xs[i], 0, i); }, s.count,
+                        blockIdx.x, sr, key, s.index, wire + s.wire);
 }
 
 /* MXFP8: one thread per value, one warp per 32-value block. */

@@ -24,8 +24,8 @@ FIELDS = ("values", "count", "wire", "index", "amax", "scales", "block", "tiles"
 VALUES, COUNT, WIRE, INDEX, AMAX, SCALES, BLOCK, TILES = range(len(FIELDS))
 #: Format families (native/gc_pipeline.cu: GC_PIPE_<NAME>).
 RAW, FP8, NVFP4, BF16, MXFP8, MXFP4 = range(6)
-#: Threads per superblock of the NVFP4 encoder (GC_PIPE_NVFP4_THREADS).
-NVFP4_THREADS = 256
+#: Threads per superblock of the NVFP4 encoder (GC_NVFP4_THREADS).
+NVFP4_THREADS = cuda.NVFP4_THREADS
 #: Largest grid y (pieces per launch) and x (thread blocks) of one launch.
 GRID_Y_MAX = 65_535
 GRID_X_MAX = 2**31 - 1

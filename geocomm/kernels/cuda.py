@@ -60,6 +60,8 @@ THREADS = 256
 #: Values per thread block in the tile kernels (fp8 blocks > TEAM_MAX, block 0, NVFP4
 #: superblock amaxes).
 TILE = 4096
+#: Threads per NVFP4 superblock of the encoders (GC_NVFP4_THREADS of native/gc_cuda.cu).
+NVFP4_THREADS = 256
 #: Largest fp8 block handled by one team (<= one warp) of lanes in a single pass
 #: (GC_TEAM_MAX of native/gc_cuda.cu).
 TEAM_MAX = 1024
@@ -244,10 +246,12 @@ def encode(
     with _launch_context(x.device, stream):
         if fmt == native.BF16:
             kernel(cupy, "gc_bf16_encode")(_grid(n), (THREADS,), (x, _u64(n), *rounding, wire))
-        elif fmt == native.NVFP4:  # superblock amaxes, then one thread per code byte
-            amax = _amax_tiles(cupy, x, n, min(n, native.NVFP4_SUPERBLOCK))
+        elif fmt == native.NVFP4:  # one thread block per superblock, one pass
+            supers = -(-n // native.NVFP4_SUPERBLOCK)
+            if supers > _GRID_MAX:
+                raise ValueError(f"{supers} NVFP4 superblocks exceed one CUDA grid")
             kernel(cupy, "gc_nvfp4_encode")(
-                _grid((n + 1) // 2), (THREADS,), (x, _u64(n), amax, *rounding, wire)
+                (supers,), (NVFP4_THREADS,), (x, _u64(n), *rounding, wire)
             )
         elif fmt == native.MXFP4:
             kernel(cupy, "gc_mxfp4_encode")(
