@@ -49,7 +49,9 @@
  *
  * Scales inside a wire body have no alignment guarantee, so they are stored
  * and loaded byte by byte (little endian). All element indices are 64-bit.
- * Kernels expect blockDim.x to be a multiple of 32.
+ * Kernels expect blockDim.x to be a multiple of 32 (GC_NVFP4_THREADS exactly,
+ * for gc_nvfp4_encode). The fp8 team kernels cover blocks of at most
+ * GC_TEAM_MAX values (the Python side sends larger ones to the tile kernels).
  */
 #include "gc_scalar.h"
 

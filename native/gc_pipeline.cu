@@ -19,9 +19,8 @@
  *
  * blockIdx.y is the row; blockIdx.x and threadIdx.x walk the piece as the
  * single-body kernels of gc_cuda.cu walk a body (fp8 teams and tiles, one
- * warp per MX block, one thread per value or per code byte), except NVFP4,
- * where one thread block of GC_NVFP4_THREADS threads takes a whole
- * superblock and reduces its amax itself (no second launch).
+ * warp per MX block, one thread per value or per code byte, and for NVFP4
+ * one thread block of GC_NVFP4_THREADS threads per superblock).
  *
  * Encoders encode the sum of a piece's values and `nin` incoming wire bodies
  * of the same format and length (body r at in + r * in_stride), added in
@@ -150,10 +149,21 @@ GC_DEV float gc_sum_at(gc_in in, const gc_seg &s, float v, gc_u64 k, gc_u64 i)
 
 /* An encoder's stochastic-rounding key, read from device memory (`sr_key`, one
  * u64) rather than passed by value: a CUDA graph keeps the arguments it
- * captured, so a replayed call reads the key its host wrote just before the
- * replay (DevicePlan.run in geocomm/engine/device.py). Nearest rounding
- * (sr == 0) reads nothing. */
+ * captured, so a replayed call reads the key gc_pipe_set_keys wrote just before
+ * the replay (DevicePlan.write_keys in geocomm/engine/device.py). Nearest
+ * rounding (sr == 0) reads nothing. */
 GC_DEV gc_u64 gc_load_key(int sr, const gc_u64 *sr_key) { return sr ? *sr_key : 0u; }
+
+/* keys[0], keys[1] = a call's two stochastic-rounding keys: one thread, queued in
+ * stream order before the call's encoders (no host-to-device copy, which from
+ * pageable memory may wait for the stream). */
+extern "C" __global__ void gc_pipe_set_keys(gc_u64 *keys, gc_u64 first, gc_u64 second)
+{
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        keys[0] = first;
+        keys[1] = second;
+    }
+}
 
 /* ---- encoders ----------------------------------------------------------------- */
 

@@ -88,6 +88,7 @@ UNITS = {
     "pipeline": (
         gpu_pipeline.kernel_source,
         {
+            "gc_pipe_set_keys",
             "gc_pipe_value_encode",
             "gc_pipe_fp8_encode_team",
             "gc_pipe_amax_tiles",

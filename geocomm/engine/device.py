@@ -191,6 +191,10 @@ class CudaKernels:
                 grid, threads, (*head, e5m2, tile, amax, *rounding)
             )
 
+    def set_keys(self, keys: Any, first: int, second: int) -> None:
+        """keys[0], keys[1] = first, second (a device array of two uint64), in stream order."""
+        self._kernel("gc_pipe_set_keys")((1,), (32,), (keys, _u64(first), _u64(second)))
+
     def reduce(self, fmt: WireFormat, x: Any, seg: Segments, incoming: Incoming, out: Any) -> None:
         grid = seg.grid("value", fmt)
         if grid is not None:
@@ -286,6 +290,9 @@ class HostKernels:
                 native.encode(fmt.native_id, total, fmt.block, body, flags=fmt.flags, seed=fmt.seed,
                               rounding_stream=rounding_stream, offset=index)  # fmt: skip
 
+    def set_keys(self, keys: np.ndarray, first: int, second: int) -> None:
+        keys[:] = (first, second)
+
     def reduce(
         self, fmt: WireFormat, x: np.ndarray, seg: Segments, incoming: Incoming, out: np.ndarray
     ) -> None:
@@ -322,8 +329,8 @@ class DevicePlan:
     need a communicator that can be captured (``capturing()``, NCCL's) and no map;
     other calls run eagerly, still without allocating or synchronizing. Stochastic
     rounding's keys change every call, so the kernels read them from the plan's
-    :attr:`keys`, which every call writes first (one host-to-device copy of 16 bytes,
-    queued on the current stream).
+    :attr:`keys`, which every call writes first (one launch of one thread, queued on
+    the current stream).
 
     ``kernels``: :class:`CudaKernels` (default) or :class:`HostKernels` (NumPy arrays,
     tests). The plan's buffers are used by one call at a time: a call on another stream
@@ -363,7 +370,6 @@ class DevicePlan:
         # the stochastic-rounding keys of a call's two quantizations (write_keys)
         self.keys = xp.zeros(2, np.uint64)
         self.key_views = (self.keys[0:1], self.keys[1:2])
-        self._host_keys = np.zeros(2, np.uint64)
         self.graphs: dict[tuple[int, int, int], tuple[Any, Any]] = {}  # (graph, its record)
         self._eager_last: tuple[int, int, int] | None = None
         self._capture_stream: Any = None
@@ -380,13 +386,9 @@ class DevicePlan:
         """Queue the write of a stochastic call's rounding keys into :attr:`keys` on the
         current stream: the key of this rank's quantization stream 1 (its pieces of
         other shards), then 2 (its own sum). Nearest rounding reads no key."""
-        host, me = self._host_keys, self.comm.rank
-        for q in (1, 2):
-            host[q - 1] = self.fmt.key(quantization_stream(rounding_stream, me, q))
-        if self.xp is np:
-            self.keys[...] = host
-        else:  # pageable memory: read before the call returns, so host can be reused
-            self.keys.set(host, stream=self.xp.cuda.get_current_stream())
+        me = self.comm.rank
+        first, second = (self.fmt.key(quantization_stream(rounding_stream, me, q)) for q in (1, 2))
+        self.kernels.set_keys(self.keys, first, second)
 
     def run(
         self,

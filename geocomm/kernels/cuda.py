@@ -57,8 +57,7 @@ __all__ = [
 
 #: Threads per thread block of every launch (a multiple of the warp size).
 THREADS = 256
-#: Values per thread block in the tile kernels (fp8 blocks > TEAM_MAX, block 0, NVFP4
-#: superblock amaxes).
+#: Values per thread block in the tile kernels (fp8 blocks > TEAM_MAX, block 0).
 TILE = 4096
 #: Threads per NVFP4 superblock of the encoders (GC_NVFP4_THREADS of native/gc_cuda.cu).
 NVFP4_THREADS = 256

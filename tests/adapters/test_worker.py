@@ -46,11 +46,17 @@ def test_exit_waits_for_a_running_job_instead_of_aborting():
     assert done.stdout.split() == ["main", "exits", "job", "done"]
 
 
-def test_close_reports_a_job_that_outlives_its_timeout():
-    release = threading.Event()
-    worker, future = Worker("close-test"), torch.futures.Future()
-    worker.submit(lambda: (release.wait(60), future.set_result(None)), future)
-    assert not worker.close(timeout=0.2)  # the job waits for `release`
-    release.set()
-    future.wait()
-    assert worker.close()  # nothing left to stop
+def test_a_close_that_timed_out_still_keeps_the_jobs_in_order():
+    """close() reports a job that outlives its timeout; a job submitted then waits until
+    the closing thread ran out its queue, so jobs never run concurrently or out of
+    order (every rank must run its collectives in submission order)."""
+    release, order = threading.Event(), []
+    worker = Worker("close-test")
+    first, second = torch.futures.Future(), torch.futures.Future()
+    worker.submit(lambda: (release.wait(60), order.append("first"), first.set_result(None)), first)
+    assert not worker.close(timeout=0.2)  # the first job waits for `release`
+    threading.Timer(0.3, release.set).start()
+    worker.submit(lambda: (order.append("second"), second.set_result(None)), second)
+    second.wait()
+    assert order == ["first", "second"]
+    assert worker.close(timeout=10)

@@ -113,6 +113,10 @@ def test_divide_keeps_subnormal_quotients(cp):
 
 CONFIGS = {
     "fp8-team": {"id": "fp8", "fmt": "e4m3", "block": 128},
+    # team widths 1, 16 and 32 (8 steps), blocks that 4 does not divide among them
+    "fp8-team-4": {"id": "fp8", "fmt": "e4m3", "block": 4},
+    "fp8-team-33": {"id": "fp8", "fmt": "e4m3", "block": 33},
+    "fp8-team-1000": {"id": "fp8", "fmt": "e5m2", "block": 1000},
     "fp8-tile": {"id": "fp8", "fmt": "e5m2", "block": 0},
     "nvfp4": "nvfp4",
     "bf16": "bf16",

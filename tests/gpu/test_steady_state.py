@@ -124,7 +124,7 @@ def test_replays_leave_only_unfinished_transfers_watched(cp, comms):
 def test_a_stochastic_call_replays_with_its_own_key(cp, comms, codec, stages):
     """Stochastic rounding draws a new key every call. The kernels read it from the
     plan's device memory, which each call writes first, so a steady call is that
-    host-to-device copy and one graph launch, and every replay rounds with its own call's
+    one-thread kernel and one graph launch, and every replay rounds with its own call's
     key: the same bits as the host path's call of the same number, which differ from
     call to call."""
     comm = comms[0]
@@ -148,7 +148,7 @@ def test_a_stochastic_call_replays_with_its_own_key(cp, comms, codec, stages):
     assert first.get("allocations", 0) > 0, "the first call plans the signature"
     assert captured.get("captured", 0) > 0 and captured.get("graph_launches") == 1
     for cost in steady:
-        # the keys' copy, one graph launch and the event that watches it for timeouts
+        # the keys' kernel, one graph launch and the event that watches it for timeouts
         assert cost == {"launches": 1, "graph_launches": 1, "events": 1}, cost
     # the keys do change: replays do not repeat the captured call's rounding
     assert not np.array_equal(results[2], results[3])

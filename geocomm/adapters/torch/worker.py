@@ -17,14 +17,15 @@ import atexit
 import queue
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 
 import torch
 
-#: how long exit waits for one worker's queued jobs (each rank runs the same queue,
-#: so they finish unless a peer is gone)
-EXIT_WAIT_S = 120.0
+#: how long exit waits, in all, for the workers' queued jobs (each rank runs the same
+#: queue, so they finish unless a peer is gone or stuck)
+EXIT_WAIT_S = 60.0
 
 _running: weakref.WeakSet[Worker] = weakref.WeakSet()
 
@@ -37,18 +38,23 @@ class Worker:
     """
 
     def __init__(self, name: str):
-        self._name = name
+        self.name = name
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._closing = False  # the thread has its stop marker and runs out its queue
         self._lock = threading.Lock()
 
     def submit(self, job: Callable[[], None], future: torch.futures.Future) -> None:
         with self._lock:
+            if self._thread is not None and self._closing:
+                # a close is under way: the jobs before its marker run first, in order
+                self._thread.join()
+                self._thread, self._closing = None, False
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self._thread.start()
                 _running.add(self)
-        self._queue.put((job, future))
+            self._queue.put((job, future))
 
     def _loop(self) -> None:
         while True:
@@ -63,23 +69,32 @@ class Worker:
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish the queued jobs and stop the thread, waiting at most ``timeout``
-        seconds (None: until done); whether the thread stopped."""
+        seconds (None: until done); whether the thread stopped. A job submitted while
+        a close is under way waits for it."""
         with self._lock:
-            thread, self._thread = self._thread, None
-            _running.discard(self)
-        if thread is None:
-            return True
-        self._queue.put(None)
+            thread = self._thread
+            if thread is None:
+                return True
+            if not self._closing:
+                self._queue.put(None)
+                self._closing = True
         thread.join(timeout)
-        return not thread.is_alive()
+        if thread.is_alive():
+            return False
+        with self._lock:
+            if self._thread is thread:
+                self._thread, self._closing = None, False
+                _running.discard(self)
+        return True
 
 
 @atexit.register
 def _close_at_exit() -> None:
+    deadline = time.monotonic() + EXIT_WAIT_S
     for worker in list(_running):
-        if not worker.close(EXIT_WAIT_S):
+        if not worker.close(max(0.0, deadline - time.monotonic())):
             print(
-                f"geocomm: worker {worker._name!r} still runs a queued collective after "
-                f"{EXIT_WAIT_S:.0f} s at exit (is a peer rank gone?); the process may abort",
+                f"geocomm: worker {worker.name!r} still runs a queued collective at exit "
+                f"after {EXIT_WAIT_S:.0f} s (is a peer rank gone?); the process may abort",
                 file=sys.stderr,
             )
