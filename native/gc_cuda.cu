@@ -246,6 +246,32 @@ GC_DEV void gc_fp8_codes4(int e5m2, const float *v, float pre, float factor, int
         c[j] = gc_fp8_code(e5m2, (v[j] * pre) * factor, v[j], sr, gc_rnd_at(sr, key, index + j));
 }
 
+/* This lane's values of one scaling block of `len` values (codes cb, decoded into
+ * ob, times `scale`), four per step; accumulate: ob + value, one IEEE add each. */
+GC_DEV void gc_fp8_decode_block(const unsigned char *cb, float scale, gc_u64 len,
+                                unsigned int lane, unsigned int width, int e5m2, int accumulate,
+                                float *ob)
+{
+#pragma unroll
+    for (int t = 0; t < GC_TEAM_STEPS; ++t) {
+        gc_u64 at = gc_team_at(t, lane, width);
+        if (at < len) {
+            gc_u32 c[4];
+            float v[4];
+            gc_load4_u8(cb + at, len - at, c);
+            for (int j = 0; j < 4; ++j)
+                v[j] = __fmul_rn(gc_fp8_value(e5m2, c[j]), scale);
+            if (accumulate) {
+                float o[4];
+                gc_load4_f32(ob + at, len - at, o);
+                for (int j = 0; j < 4; ++j)
+                    v[j] = __fadd_rn(o[j], v[j]);
+            }
+            gc_store4_f32(ob + at, len - at, v);
+        }
+    }
+}
+
 /* ---- block amax (two-pass paths) ------------------------------------------- */
 
 /* amax[k] = max(amax[k], bits of max |x| over the finite values of this tile
@@ -351,27 +377,8 @@ extern "C" __global__ void gc_fp8_decode_team(const unsigned char *wire, gc_u64 
         return;
     gc_u64 start = k * block;
     gc_u64 len = gc_min_u64(block, n - start);
-    float scale = gc_load_f32(wire + 4 * k);
-    const unsigned char *cb = wire + 4 * nblocks + start;
-    float *ob = out + start;
-#pragma unroll
-    for (int t = 0; t < GC_TEAM_STEPS; ++t) {
-        gc_u64 at = gc_team_at(t, lane, width);
-        if (at < len) {
-            gc_u32 c[4];
-            float v[4];
-            gc_load4_u8(cb + at, len - at, c);
-            for (int j = 0; j < 4; ++j)
-                v[j] = __fmul_rn(gc_fp8_value(e5m2, c[j]), scale);
-            if (accumulate) { /* out + v, one IEEE add each, never fused */
-                float o[4];
-                gc_load4_f32(ob + at, len - at, o);
-                for (int j = 0; j < 4; ++j)
-                    v[j] = __fadd_rn(o[j], v[j]);
-            }
-            gc_store4_f32(ob + at, len - at, v);
-        }
-    }
+    gc_fp8_decode_block(wire + 4 * nblocks + start, gc_load_f32(wire + 4 * k), len, lane, width,
+                        e5m2, accumulate, out + start);
 }
 
 /* Tile decode for large blocks. */

@@ -420,21 +420,8 @@ extern "C" __global__ void gc_pipe_fp8_decode_team(const unsigned char *wire, co
     gc_u64 start = k * s.block;
     gc_u64 len = gc_min_u64(s.block, s.count - start);
     const unsigned char *w = wire + s.wire;
-    float scale = gc_load_f32(w + 4 * k);
-    const unsigned char *cb = w + 4 * s.scales + start;
-    float *ob = out + s.values + start;
-#pragma unroll
-    for (int t = 0; t < GC_TEAM_STEPS; ++t) {
-        gc_u64 at = gc_team_at(t, lane, width);
-        if (at < len) {
-            gc_u32 c[4];
-            float v[4];
-            gc_load4_u8(cb + at, len - at, c);
-            for (int j = 0; j < 4; ++j)
-                v[j] = __fmul_rn(gc_fp8_value(e5m2, c[j]), scale);
-            gc_store4_f32(ob + at, len - at, v);
-        }
-    }
+    gc_fp8_decode_block(w + 4 * s.scales + start, gc_load_f32(w + 4 * k), len, lane, width, e5m2,
+                        0, out + s.values + start);
 }
 
 /* FP8, tile walk. */
