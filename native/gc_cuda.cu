@@ -25,7 +25,9 @@
  *                        its amax an xor-shuffle reduction.
  *   MXFP4                one thread per output byte (2 values), 16 lanes per
  *                        32-value block.
- *   E2M1 decode          NVFP4 and MXFP4: one kernel, one thread per code byte.
+ *   E2M1 decode          NVFP4 and MXFP4: one kernel, one thread per 16 values
+ *                        (8 code bytes, one scale): 4-byte loads of codes and
+ *                        16-byte stores of values where aligned.
  *   divide               one thread per value (op="avg" of the collectives).
  *
  * Encoders take the rounding (sr: 0 nearest even, 1 stochastic) and, for
@@ -575,29 +577,65 @@ extern "C" __global__ void gc_mxfp8_decode(const unsigned char *wire, gc_u64 n, 
     gc_put(out + i, __fmul_rn(gc_fp8_value(e5m2, wire[nblocks + i]), scale), accumulate);
 }
 
-/* NVFP4 (mx == 0) and MXFP4 (mx != 0) decode: one thread per code byte (values
- * 2p and 2p + 1), each reading the scale of its block. */
+/* E2M1 decode (NVFP4, MXFP4): a thread takes a chunk of 16 values, which share one
+ * scale (an NVFP4 block, half an MX block). */
+#define GC_E2M1_CHUNK 16
+
+/* The codes of the chunk of values [i, i + GC_E2M1_CHUNK) of a body `w` of n
+ * values, NVFP4 (mx == 0) or MXFP4, and in *scale the scale they share. */
+GC_DEV const unsigned char *gc_e2m1_chunk(int mx, const unsigned char *w, gc_u64 n, gc_u64 i,
+                                          float *scale)
+{
+    if (mx) {
+        *scale = gc_e8m0_value(w[i / GC_MX_BLOCK]);
+        return w + gc_ceil_div(n, GC_MX_BLOCK) + i / 2;
+    }
+    const unsigned char *bscales = w + 4 * gc_ceil_div(n, GC_NVFP4_SUPERBLOCK);
+    float super_scale = gc_load_f32(w + 4 * (i / GC_NVFP4_SUPERBLOCK));
+    *scale = __fmul_rn(gc_e4m3_value(bscales[i / GC_NVFP4_BLOCK]), super_scale);
+    return bscales + gc_ceil_div(n, GC_NVFP4_BLOCK) + i / 2;
+}
+
+/* Values [0, min(GC_E2M1_CHUNK, len)) of a chunk (codes: 8 bytes, value 2b in the
+ * low nibble of byte b) times `scale` into out; accumulate: out + value, one IEEE
+ * add each. Two 4-byte loads of codes and four 16-byte stores where aligned. */
+GC_DEV void gc_e2m1_decode_chunk(const unsigned char *codes, float scale, gc_u64 len,
+                                 int accumulate, float *out)
+{
+    gc_u64 bytes = (len + 1) / 2;
+    gc_u32 b[8];
+    gc_load4_u8(codes, bytes, b);
+    if (bytes > 4)
+        gc_load4_u8(codes + 4, bytes - 4, b + 4);
+    else
+        b[4] = b[5] = b[6] = b[7] = 0u;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        if (4 * (gc_u64)q < len) {
+            float v[4];
+            for (int j = 0; j < 4; ++j)
+                v[j] = __fmul_rn(gc_e2m1_value((b[2 * q + j / 2] >> (4 * (j & 1))) & 0xfu), scale);
+            if (accumulate) {
+                float o[4];
+                gc_load4_f32(out + 4 * q, len - 4 * q, o);
+                for (int j = 0; j < 4; ++j)
+                    v[j] = __fadd_rn(o[j], v[j]);
+            }
+            gc_store4_f32(out + 4 * q, len - 4 * q, v);
+        }
+    }
+}
+
+/* NVFP4 (mx == 0) and MXFP4 (mx != 0) decode: one thread per chunk of 16 values. */
 extern "C" __global__ void gc_e2m1_decode(const unsigned char *wire, gc_u64 n, int mx,
                                           int accumulate, float *out)
 {
-    gc_u64 p = gc_global_id();
-    if (p >= (n + 1) / 2)
+    gc_u64 i = GC_E2M1_CHUNK * gc_global_id();
+    if (i >= n)
         return;
-    const unsigned char *codes;
     float scale;
-    if (mx) {
-        codes = wire + gc_ceil_div(n, GC_MX_BLOCK);
-        scale = gc_e8m0_value(wire[p / (GC_MX_BLOCK / 2)]);
-    } else {
-        const unsigned char *bscales = wire + 4 * gc_ceil_div(n, GC_NVFP4_SUPERBLOCK);
-        codes = bscales + gc_ceil_div(n, GC_NVFP4_BLOCK);
-        float super_scale = gc_load_f32(wire + 4 * (p / (GC_NVFP4_SUPERBLOCK / 2)));
-        scale = __fmul_rn(gc_e4m3_value(bscales[p / (GC_NVFP4_BLOCK / 2)]), super_scale);
-    }
-    gc_u32 byte = codes[p];
-    gc_put(out + 2 * p, __fmul_rn(gc_e2m1_value(byte & 0xfu), scale), accumulate);
-    if (2 * p + 1 < n)
-        gc_put(out + 2 * p + 1, __fmul_rn(gc_e2m1_value(byte >> 4), scale), accumulate);
+    const unsigned char *codes = gc_e2m1_chunk(mx, wire, n, i, &scale);
+    gc_e2m1_decode_chunk(codes, scale, n - i, accumulate, out + i);
 }
 
 /* ---- op="avg" ------------------------------------------------------------------ */

@@ -393,6 +393,20 @@ extern "C" __global__ void gc_pipe_decode(int family, int e5m2, const unsigned c
         out[s.values + i] = gc_body_value(family, e5m2, wire + s.wire, s.count, s.scales, 0, i);
 }
 
+/* NVFP4 (mx == 0) and MXFP4: one thread per chunk of 16 values of a piece
+ * (gc_e2m1_decode_chunk). */
+extern "C" __global__ void gc_pipe_e2m1_decode(int mx, const unsigned char *wire,
+                                               const gc_u64 *table, float *out)
+{
+    gc_seg s = gc_seg_row(table);
+    gc_u64 i = GC_E2M1_CHUNK * gc_global_id();
+    if (i >= s.count)
+        return;
+    float scale;
+    const unsigned char *codes = gc_e2m1_chunk(mx, wire + s.wire, s.count, i, &scale);
+    gc_e2m1_decode_chunk(codes, scale, s.count - i, 0, out + s.values + i);
+}
+
 /* FP8 values [start, end) of scaling block k of piece s, this thread's from
  * `first` on in steps of `step` (the scale loaded once: gc_body_value's fp8 case). */
 GC_DEV void gc_fp8_decode_run(const unsigned char *wire, const gc_seg &s, int e5m2, gc_u64 k,

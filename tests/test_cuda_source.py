@@ -98,6 +98,7 @@ UNITS = {
             "gc_pipe_mxfp4_encode",
             "gc_pipe_reduce",
             "gc_pipe_decode",
+            "gc_pipe_e2m1_decode",
             "gc_pipe_fp8_decode_team",
             "gc_pipe_fp8_decode_tiles",
         },
@@ -173,7 +174,12 @@ def test_kernel_file_compiles_with_include(tmp_path: Path, name: str):
 
 
 #: the codec's kernels that keep a lane's values in registers (besides every pipeline one)
-REGISTER_KERNELS = {"gc_fp8_encode_team", "gc_fp8_decode_team", "gc_nvfp4_encode"}
+REGISTER_KERNELS = {
+    "gc_fp8_encode_team",
+    "gc_fp8_decode_team",
+    "gc_nvfp4_encode",
+    "gc_e2m1_decode",
+}
 
 
 @needs_nvcc
@@ -210,27 +216,29 @@ def test_kernels_keep_registers_and_no_stack(tmp_path: Path, unit: str):
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in stats[name], name
 
 
-#: per fp8 team kernel: the 16-byte (values) and 4-byte (codes) vector accesses its
-#: aligned path must compile to (PTX), once per step at least
-TEAM_VECTOR_ACCESSES = {
-    "gc_fp8_encode_team": (r"ld\.global(\.nc)?\.v4\.(f32|u32|b32)", r"st\.global\.v4\.(u8|b8)"),
-    "gc_fp8_decode_team": (r"ld\.global(\.nc)?\.v4\.(u8|b8)", r"st\.global(\.wb)?\.v4\.f32"),
-    "gc_pipe_fp8_encode_team": (
-        r"ld\.global(\.nc)?\.v4\.(f32|u32|b32)",
-        r"st\.global\.v4\.(u8|b8)",
-    ),
-    "gc_pipe_fp8_decode_team": (
-        r"ld\.global(\.nc)?\.v4\.(u8|b8)",
-        r"st\.global(\.wb)?\.v4\.f32",
-    ),
+#: per kernel: the 16-byte (values) and 4-byte (codes) vector accesses its aligned path
+#: must compile to (PTX), and how many at least (fp8 teams: one per step; E2M1: two
+#: loads of 4 codes and four stores of 4 values per chunk)
+_LOAD_VALUES = r"ld\.global(\.nc)?\.v4\.(f32|u32|b32)"
+_STORE_CODES = r"st\.global\.v4\.(u8|b8)"
+_LOAD_CODES = r"ld\.global(\.nc)?\.v4\.(u8|b8)"
+_STORE_VALUES = r"st\.global(\.wb)?\.v4\.f32"
+VECTOR_ACCESSES = {
+    "gc_fp8_encode_team": {_LOAD_VALUES: GC_TEAM_STEPS, _STORE_CODES: GC_TEAM_STEPS},
+    "gc_fp8_decode_team": {_LOAD_CODES: GC_TEAM_STEPS, _STORE_VALUES: GC_TEAM_STEPS},
+    "gc_pipe_fp8_encode_team": {_LOAD_VALUES: GC_TEAM_STEPS, _STORE_CODES: GC_TEAM_STEPS},
+    "gc_pipe_fp8_decode_team": {_LOAD_CODES: GC_TEAM_STEPS, _STORE_VALUES: GC_TEAM_STEPS},
+    "gc_e2m1_decode": {_LOAD_CODES: 2, _STORE_VALUES: 4},
+    "gc_pipe_e2m1_decode": {_LOAD_CODES: 2, _STORE_VALUES: 4},
 }
 
 
 @needs_nvcc
-def test_team_kernels_move_four_values_per_access(tmp_path: Path):
-    """The fp8 team kernels' aligned path is one 16-byte access per four fp32 values and
-    one 4-byte access per four codes (the PTX of every step), not four each: without
-    that, a kernel keeps too few bytes in flight to reach the memory's bandwidth."""
+def test_kernels_move_four_values_per_access(tmp_path: Path):
+    """The fp8 team kernels' and the E2M1 decoders' aligned paths are one 16-byte access
+    per four fp32 values and one 4-byte access per four codes (PTX), not four each:
+    without that, a kernel keeps too few bytes in flight to reach the memory's
+    bandwidth."""
     ptx = ""
     for unit in ("codec", "pipeline"):
         path = tmp_path / f"{unit}.cu"
@@ -239,10 +247,10 @@ def test_team_kernels_move_four_values_per_access(tmp_path: Path):
         _run_nvcc(["-ptx", "-arch=sm_90", *NVCC_FLAGS, str(path), "-o", str(out)], tmp_path)
         ptx += out.read_text()
     bodies = dict(re.findall(r"\.visible \.entry (\w+)(.*?)(?=\.visible \.entry |\Z)", ptx, re.S))
-    for name, patterns in TEAM_VECTOR_ACCESSES.items():
-        for pattern in patterns:
+    for name, wanted in VECTOR_ACCESSES.items():
+        for pattern, least in wanted.items():
             found = len(re.findall(pattern, bodies[name]))
-            assert found >= GC_TEAM_STEPS, (name, pattern, found)
+            assert found >= least, (name, pattern, found)
 
 
 # ---------------------------------------------------------------------------
@@ -348,7 +356,9 @@ def test_team_and_tile_plans():
     next power of two >= ceil(block / 4), up to a warp; tiles cover blocks."""
     blocks = (1, 4, 5, 16, 17, 32, 33, 128, 129, 1024)
     assert [gcuda.team_shift(b) for b in blocks] == [0, 0, 1, 2, 3, 3, 4, 5, 5, 5]
-    assert _defines(cuda_build.source_dir() / "gc_cuda.cu")["GC_TEAM_MAX"] == gcuda.TEAM_MAX
+    defines = _defines(cuda_build.source_dir() / "gc_cuda.cu")
+    assert defines["GC_TEAM_MAX"] == gcuda.TEAM_MAX
+    assert defines["GC_E2M1_CHUNK"] == gcuda.E2M1_CHUNK
     plan = gcuda.fp8_launch(10_000, 5000)
     assert plan.team_shift is None and plan.nblocks == 2
     assert plan.tiles_per_block == -(-5000 // gcuda.TILE) and plan.grid == 2 * plan.tiles_per_block

@@ -219,7 +219,11 @@ class CudaKernels:
         if grid is None:
             return
         e5m2 = np.int32(fmt.e5m2)
-        if walk == "value":
+        if walk == "chunk":
+            self._kernel("gc_pipe_e2m1_decode")(
+                grid, (cuda.THREADS,), (np.int32(fmt.family == MXFP4), wire, seg.device, out)
+            )
+        elif walk == "value":
             self._kernel("gc_pipe_decode")(
                 grid, (cuda.THREADS,), (np.int32(fmt.family), e5m2, wire, seg.device, out)
             )

@@ -161,8 +161,11 @@ def encode_walk(fmt: WireFormat) -> str:
 
 
 def decode_walk(fmt: WireFormat) -> str:
-    """How the decoder walks: fp8 as its encoder, every other format one thread per value."""
-    return encode_walk(fmt) if fmt.family == FP8 else "value"
+    """How the decoder walks: fp8 as its encoder, NVFP4 and MXFP4 one thread per
+    ``chunk`` of 16 values, every other format one thread per value."""
+    if fmt.family == FP8:
+        return encode_walk(fmt)
+    return "chunk" if fmt.family in (NVFP4, MXFP4) else "value"
 
 
 def launch_grid(walk: str, rows: np.ndarray, fmt: WireFormat) -> tuple[int, int] | None:
@@ -177,6 +180,9 @@ def launch_grid(walk: str, rows: np.ndarray, fmt: WireFormat) -> tuple[int, int]
         blocks = -(-count // cuda.THREADS)
     elif walk == "pair":
         blocks = -(-((count + 1) // 2) // cuda.THREADS)
+    elif walk == "chunk":
+        chunks = -(-count // cuda.E2M1_CHUNK)
+        blocks = -(-chunks // cuda.THREADS)
     elif walk == "team":
         blocks = -(-(scales << cuda.team_shift(fmt.block)) // cuda.THREADS)
     elif walk == "tile":

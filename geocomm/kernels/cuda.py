@@ -61,6 +61,8 @@ THREADS = 256
 TILE = 4096
 #: Threads per NVFP4 superblock of the encoders (GC_NVFP4_THREADS of native/gc_cuda.cu).
 NVFP4_THREADS = 256
+#: Values per thread of the E2M1 (NVFP4, MXFP4) decoders (GC_E2M1_CHUNK).
+E2M1_CHUNK = 16
 #: Largest fp8 block handled by one team (<= one warp) of lanes in a single pass
 #: (GC_TEAM_MAX of native/gc_cuda.cu).
 TEAM_MAX = 1024
@@ -305,7 +307,7 @@ def decode(
             kernel(cupy, "gc_bf16_decode")(_grid(n), (THREADS,), (wire, _u64(n), acc, out))
         elif fmt in (native.NVFP4, native.MXFP4):
             kernel(cupy, "gc_e2m1_decode")(
-                _grid((n + 1) // 2),
+                _grid(-(-n // E2M1_CHUNK)),
                 (THREADS,),
                 (wire, _u64(n), np.int32(fmt == native.MXFP4), acc, out),
             )

@@ -234,7 +234,9 @@ def test_launch_grids():
     block0 = gpl.wire_format(codec_of("fp8-e5m2-block0"))
     assert gpl.launch_grid("tile", rows_of(block0, [10_000, 5]), block0) == (3, 2)
     assert gpl.encode_walk(block0) == gpl.decode_walk(block0) == "tile"
-    assert gpl.encode_walk(nv) == "superblock" and gpl.decode_walk(nv) == "value"
+    assert gpl.encode_walk(nv) == "superblock" and gpl.decode_walk(nv) == "chunk"
+    assert gpl.decode_walk(mx4) == "chunk"  # 16 values per thread: 4097 -> 257 threads
+    assert gpl.launch_grid("chunk", rows_of(nv, [4097, 16]), nv) == (2, 2)
     assert gpl.encode_walk(gpl.wire_format(codec_of("mxfp8"))) == "value"
     with pytest.raises(ValueError, match="pieces"):
         gpl.launch_grid("value", rows_of(value, [1] * (gpl.GRID_Y_MAX + 1)), value)
@@ -628,7 +630,9 @@ def test_cuda_launches_match_the_kernels(launches, name, stochastic):
             else ["gc_pipe_amax_tiles", "gc_pipe_fp8_encode_tiles"]
         )
     decoder = (
-        "gc_pipe_decode"
+        "gc_pipe_e2m1_decode"
+        if fmt.family in (gpl.NVFP4, gpl.MXFP4)
+        else "gc_pipe_decode"
         if fmt.family != gpl.FP8
         else "gc_pipe_fp8_decode_team"
         if gpl.team_walk(fmt)
