@@ -217,12 +217,21 @@ extern "C" __global__ void gc_pipe_fp8_encode_team(const float *x, const gc_u64 
         gc_u64 at = gc_team_at(t, lane, width);
         if (at < len) {
             gc_load4_f32(xb + at, len - at, v + 4 * t);
+            /* gc_sum_at's adds, body by body: each body's scale read once, its codes
+             * four at a time (values past len stay 0: their codes read as 0) */
+            for (unsigned int r = 0; r < incoming.count; ++r) {
+                const unsigned char *body = incoming.wire + r * incoming.stride;
+                float scale = gc_load_f32(body + 4 * k);
+                gc_u32 c[4];
+                gc_load4_u8(body + 4 * s.scales + start + at, len - at, c);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                if (at + j < len)
-                    v[4 * t + j] = gc_sum_at(incoming, s, v[4 * t + j], k, start + at + j);
-                m = gc_amax_bits(m, v[4 * t + j]); /* values past len are 0 */
+                for (int j = 0; j < 4; ++j)
+                    v[4 * t + j] = __fadd_rn(v[4 * t + j],
+                                             __fmul_rn(gc_fp8_value(e5m2, c[j]), scale));
             }
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                m = gc_amax_bits(m, v[4 * t + j]);
         }
     }
     float amax = gc_float(gc_team_max(m, width));
