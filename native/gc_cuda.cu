@@ -20,7 +20,8 @@
  *                        (gc_nvfp4_superblock, shared with the pipeline):
  *                        each thread holds 8 code bytes' values in registers
  *                        from the superblock amax to the codes, one pass.
- *   BF16                 one thread per value.
+ *   BF16                 four values per thread (16-byte loads of values,
+ *                        4-byte accesses of codes where aligned).
  *   MXFP8                one thread per value: a warp is one 32-value block,
  *                        its amax an xor-shuffle reduction.
  *   MXFP4                one thread per output byte (2 values), 16 lanes per
@@ -496,25 +497,51 @@ extern "C" __global__ void gc_nvfp4_encode(const float *x, gc_u64 n, int sr, gc_
 
 /* ---- BF16 -------------------------------------------------------------------- */
 
+/* Four values per thread: one 16-byte load of values and two 4-byte stores of
+ * their codes (decode: the reverse) where aligned, one at a time elsewhere. */
 extern "C" __global__ void gc_bf16_encode(const float *x, gc_u64 n, int sr, gc_u64 key,
                                           gc_u64 offset, unsigned char *wire)
 {
-    gc_u64 i = gc_global_id();
+    gc_u64 i = 4 * gc_global_id();
     if (i >= n)
         return;
-    gc_u16 c = gc_bf16_code(x[i], sr, gc_rnd_at(sr, key, offset + i));
-    wire[2 * i] = (unsigned char)c;
-    wire[2 * i + 1] = (unsigned char)(c >> 8);
+    float v[4];
+    gc_u8 c[8];
+    gc_load4_f32(x + i, n - i, v);
+    for (int j = 0; j < 4; ++j) {
+        gc_u16 code = gc_bf16_code(v[j], sr, gc_rnd_at(sr, key, offset + i + j));
+        c[2 * j] = (gc_u8)code;
+        c[2 * j + 1] = (gc_u8)(code >> 8);
+    }
+    gc_u64 bytes = 2 * (n - i);
+    gc_store4_u8(wire + 2 * i, bytes, c);
+    if (bytes > 4)
+        gc_store4_u8(wire + 2 * i + 4, bytes - 4, c + 4);
 }
 
 extern "C" __global__ void gc_bf16_decode(const unsigned char *wire, gc_u64 n, int accumulate,
                                           float *out)
 {
-    gc_u64 i = gc_global_id();
+    gc_u64 i = 4 * gc_global_id();
     if (i >= n)
         return;
-    gc_u32 c = (gc_u32)wire[2 * i] | ((gc_u32)wire[2 * i + 1] << 8);
-    gc_put(out + i, gc_bf16_value(c), accumulate);
+    gc_u64 bytes = 2 * (n - i);
+    gc_u32 c[8];
+    gc_load4_u8(wire + 2 * i, bytes, c);
+    if (bytes > 4)
+        gc_load4_u8(wire + 2 * i + 4, bytes - 4, c + 4);
+    else
+        c[4] = c[5] = c[6] = c[7] = 0u;
+    float v[4];
+    for (int j = 0; j < 4; ++j)
+        v[j] = gc_bf16_value(c[2 * j] | (c[2 * j + 1] << 8));
+    if (accumulate) {
+        float o[4];
+        gc_load4_f32(out + i, n - i, o);
+        for (int j = 0; j < 4; ++j)
+            v[j] = __fadd_rn(o[j], v[j]);
+    }
+    gc_store4_f32(out + i, n - i, v);
 }
 
 /* ---- MX (MXFP8, MXFP4) ---------------------------------------------------------- */

@@ -179,6 +179,8 @@ REGISTER_KERNELS = {
     "gc_fp8_decode_team",
     "gc_nvfp4_encode",
     "gc_e2m1_decode",
+    "gc_bf16_encode",
+    "gc_bf16_decode",
 }
 
 
@@ -229,13 +231,15 @@ VECTOR_ACCESSES = {
     "gc_pipe_fp8_encode_team": {_LOAD_VALUES: GC_TEAM_STEPS, _STORE_CODES: GC_TEAM_STEPS},
     "gc_pipe_fp8_decode_team": {_LOAD_CODES: GC_TEAM_STEPS, _STORE_VALUES: GC_TEAM_STEPS},
     "gc_e2m1_decode": {_LOAD_CODES: 2, _STORE_VALUES: 4},
+    "gc_bf16_encode": {_LOAD_VALUES: 1, _STORE_CODES: 2},
+    "gc_bf16_decode": {_LOAD_CODES: 2, _STORE_VALUES: 1},
     "gc_pipe_e2m1_decode": {_LOAD_CODES: 2, _STORE_VALUES: 4},
 }
 
 
 @needs_nvcc
 def test_kernels_move_four_values_per_access(tmp_path: Path):
-    """The fp8 team kernels' and the E2M1 decoders' aligned paths are one 16-byte access
+    """The fp8 team kernels', bf16's and the E2M1 decoders' aligned paths are one 16-byte access
     per four fp32 values and one 4-byte access per four codes (PTX), not four each:
     without that, a kernel keeps too few bytes in flight to reach the memory's
     bandwidth."""

@@ -246,7 +246,9 @@ def encode(
     rceil = np.int32(bool(flags & native.RCEIL))
     with _launch_context(x.device, stream):
         if fmt == native.BF16:
-            kernel(cupy, "gc_bf16_encode")(_grid(n), (THREADS,), (x, _u64(n), *rounding, wire))
+            kernel(cupy, "gc_bf16_encode")(
+                _grid(-(-n // 4)), (THREADS,), (x, _u64(n), *rounding, wire)
+            )
         elif fmt == native.NVFP4:  # one thread block per superblock, one pass
             supers = -(-n // native.NVFP4_SUPERBLOCK)
             if supers > _GRID_MAX:
@@ -304,7 +306,7 @@ def decode(
     acc = np.int32(bool(accumulate))
     with _launch_context(out.device, stream):
         if fmt == native.BF16:
-            kernel(cupy, "gc_bf16_decode")(_grid(n), (THREADS,), (wire, _u64(n), acc, out))
+            kernel(cupy, "gc_bf16_decode")(_grid(-(-n // 4)), (THREADS,), (wire, _u64(n), acc, out))
         elif fmt in (native.NVFP4, native.MXFP4):
             kernel(cupy, "gc_e2m1_decode")(
                 _grid(-(-n // E2M1_CHUNK)),

@@ -78,11 +78,11 @@ def _shifted(cp, host: np.ndarray, by: int):
 
 @pytest.mark.parametrize(
     "fmt,block",
-    [("e4m3", b) for b in (4, 16, 33, 128, 1000, 1024)] + [("nvfp4", 0), ("mxfp4", 0)],
+    [("e4m3", b) for b in (4, 16, 33, 128, 1000, 1024)] + [("nvfp4", 0), ("mxfp4", 0), ("bf16", 0)],
 )
 @pytest.mark.parametrize("shift", [(1, 0), (0, 1), (2, 3)], ids=["x+4B", "wire+1B", "both"])
 def test_kernels_give_the_same_bytes_from_unaligned_arrays(cp, fmt, block, shift):
-    """The fp8 team kernels and the E2M1 decoders move four values per load or store
+    """The fp8 team kernels, bf16 and the E2M1 decoders move four values per load or store
     where the values (16 bytes) and codes (4 bytes) are aligned, one at a time
     elsewhere: values, wire bodies and decoded outputs that start off those boundaries
     give the C core's bytes too."""
