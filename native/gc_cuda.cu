@@ -296,12 +296,16 @@ extern "C" __global__ void gc_amax_tiles(const float *x, gc_u64 n, gc_u64 block,
 
 /* Team encode: 2^lshift lanes per scaling block of `block` values, four
  * consecutive values per lane and step, kept in registers between the amax and
- * the codes. */
-extern "C" __global__ void gc_fp8_encode_team(const float *x, gc_u64 n, gc_u64 block,
-                                              gc_u64 nblocks, unsigned int lshift, int e5m2,
-                                              int sr, gc_u64 key, gc_u64 offset,
-                                              unsigned char *wire)
+ * the codes. STEPS steps cover blocks of up to 4 * 32 * STEPS values: the kernel
+ * gc_fp8_encode_team takes one step (blocks up to 128, in few registers, so many
+ * warps fit on an SM), gc_fp8_encode_team_wide GC_TEAM_STEPS. */
+template <int STEPS>
+GC_DEV void gc_fp8_encode_team_run(const float *x, gc_u64 n, gc_u64 block, gc_u64 nblocks,
+                                   unsigned int lshift, int e5m2, int sr, gc_u64 key,
+                                   gc_u64 offset, unsigned char *wire)
 {
+    if (block > 4 * 32 * STEPS) /* the caller chose the wrong kernel: values would go */
+        __trap();
     const float fmax = e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
     const unsigned int width = 1u << lshift;
     gc_u64 g = gc_global_id();
@@ -311,10 +315,10 @@ extern "C" __global__ void gc_fp8_encode_team(const float *x, gc_u64 n, gc_u64 b
     gc_u64 len = k < nblocks ? gc_min_u64(block, n - start) : 0;
     const float *xb = x + start;
 
-    float v[4 * GC_TEAM_STEPS];
+    float v[4 * STEPS];
     gc_u32 m = 0;
 #pragma unroll
-    for (int t = 0; t < GC_TEAM_STEPS; ++t) {
+    for (int t = 0; t < STEPS; ++t) {
         gc_u64 at = gc_team_at(t, lane, width);
         if (at < len) {
             gc_load4_f32(xb + at, len - at, v + 4 * t); /* values past len read as 0 */
@@ -332,7 +336,7 @@ extern "C" __global__ void gc_fp8_encode_team(const float *x, gc_u64 n, gc_u64 b
         gc_store_f32(wire + 4 * k, amax / fmax);
     unsigned char *cb = wire + 4 * nblocks + start;
 #pragma unroll
-    for (int t = 0; t < GC_TEAM_STEPS; ++t) {
+    for (int t = 0; t < STEPS; ++t) {
         gc_u64 at = gc_team_at(t, lane, width);
         if (at < len) {
             gc_u8 c[4];
@@ -340,6 +344,23 @@ extern "C" __global__ void gc_fp8_encode_team(const float *x, gc_u64 n, gc_u64 b
             gc_store4_u8(cb + at, len - at, c);
         }
     }
+}
+
+extern "C" __global__ void gc_fp8_encode_team(const float *x, gc_u64 n, gc_u64 block,
+                                              gc_u64 nblocks, unsigned int lshift, int e5m2,
+                                              int sr, gc_u64 key, gc_u64 offset,
+                                              unsigned char *wire)
+{
+    gc_fp8_encode_team_run<1>(x, n, block, nblocks, lshift, e5m2, sr, key, offset, wire);
+}
+
+extern "C" __global__ void gc_fp8_encode_team_wide(const float *x, gc_u64 n, gc_u64 block,
+                                                   gc_u64 nblocks, unsigned int lshift,
+                                                   int e5m2, int sr, gc_u64 key, gc_u64 offset,
+                                                   unsigned char *wire)
+{
+    gc_fp8_encode_team_run<GC_TEAM_STEPS>(x, n, block, nblocks, lshift, e5m2, sr, key, offset,
+                                          wire);
 }
 
 /* Tile encode, second pass after gc_amax_tiles filled amax[k]. */

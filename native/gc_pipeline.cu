@@ -190,18 +190,22 @@ extern "C" __global__ void gc_pipe_value_encode(int family, const float *x, cons
 }
 
 /* FP8 with a block of at most GC_TEAM_MAX values: 2^lshift lanes per scaling
- * block, four consecutive values per lane and step (as gc_fp8_encode_team), their
- * sums formed once and kept in registers between the amax and the codes. */
-extern "C" __global__ void gc_pipe_fp8_encode_team(const float *x, const gc_u64 *table,
-                                                   const unsigned char *in, unsigned int nin,
-                                                   gc_u64 in_stride, unsigned int lshift,
-                                                   int e5m2, int sr, const gc_u64 *sr_key,
-                                                   unsigned char *wire)
+ * block, four consecutive values per lane and step (as gc_fp8_encode_team, and
+ * like it in two kernels: one step for blocks up to 128, GC_TEAM_STEPS in
+ * gc_pipe_fp8_encode_team_wide), their sums formed once and kept in registers
+ * between the amax and the codes. */
+template <int STEPS>
+GC_DEV void gc_pipe_fp8_encode_team_run(const float *x, const gc_u64 *table,
+                                        const unsigned char *in, unsigned int nin,
+                                        gc_u64 in_stride, unsigned int lshift, int e5m2, int sr,
+                                        const gc_u64 *sr_key, unsigned char *wire)
 {
     const gc_u64 key = gc_load_key(sr, sr_key);
     const float fmax = e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
     const unsigned int width = 1u << lshift;
     gc_seg s = gc_seg_row(table);
+    if (s.block > 4 * 32 * STEPS) /* the caller chose the wrong kernel: values would go */
+        __trap();
     gc_in incoming = gc_in_make(in, nin, in_stride, GC_PIPE_FP8, e5m2);
     gc_u64 g = gc_global_id();
     gc_u64 k = g >> lshift;
@@ -210,10 +214,10 @@ extern "C" __global__ void gc_pipe_fp8_encode_team(const float *x, const gc_u64 
     gc_u64 len = k < s.scales ? gc_min_u64(s.block, s.count - start) : 0;
     const float *xb = x + s.values + start;
 
-    float v[4 * GC_TEAM_STEPS];
+    float v[4 * STEPS];
     gc_u32 m = 0;
 #pragma unroll
-    for (int t = 0; t < GC_TEAM_STEPS; ++t) {
+    for (int t = 0; t < STEPS; ++t) {
         gc_u64 at = gc_team_at(t, lane, width);
         if (at < len) {
             gc_load4_f32(xb + at, len - at, v + 4 * t);
@@ -245,7 +249,7 @@ extern "C" __global__ void gc_pipe_fp8_encode_team(const float *x, const gc_u64 
         gc_store_f32(w + 4 * k, amax / fmax);
     unsigned char *cb = w + 4 * s.scales + start;
 #pragma unroll
-    for (int t = 0; t < GC_TEAM_STEPS; ++t) {
+    for (int t = 0; t < STEPS; ++t) {
         gc_u64 at = gc_team_at(t, lane, width);
         if (at < len) {
             gc_u8 c[4];
@@ -253,6 +257,26 @@ extern "C" __global__ void gc_pipe_fp8_encode_team(const float *x, const gc_u64 
             gc_store4_u8(cb + at, len - at, c);
         }
     }
+}
+
+extern "C" __global__ void gc_pipe_fp8_encode_team(const float *x, const gc_u64 *table,
+                                                   const unsigned char *in, unsigned int nin,
+                                                   gc_u64 in_stride, unsigned int lshift,
+                                                   int e5m2, int sr, const gc_u64 *sr_key,
+                                                   unsigned char *wire)
+{
+    gc_pipe_fp8_encode_team_run<1>(x, table, in, nin, in_stride, lshift, e5m2, sr, sr_key, wire);
+}
+
+extern "C" __global__ void gc_pipe_fp8_encode_team_wide(const float *x, const gc_u64 *table,
+                                                        const unsigned char *in,
+                                                        unsigned int nin, gc_u64 in_stride,
+                                                        unsigned int lshift, int e5m2, int sr,
+                                                        const gc_u64 *sr_key,
+                                                        unsigned char *wire)
+{
+    gc_pipe_fp8_encode_team_run<GC_TEAM_STEPS>(x, table, in, nin, in_stride, lshift, e5m2, sr,
+                                               sr_key, wire);
 }
 
 /* FP8 tile walk (larger blocks, block 0), first pass: amax[s.amax + k] =

@@ -71,6 +71,7 @@ UNITS = {
         {
             "gc_amax_tiles",
             "gc_fp8_encode_team",
+            "gc_fp8_encode_team_wide",
             "gc_fp8_encode_tiles",
             "gc_fp8_decode_team",
             "gc_fp8_decode_tiles",
@@ -91,6 +92,7 @@ UNITS = {
             "gc_pipe_set_keys",
             "gc_pipe_value_encode",
             "gc_pipe_fp8_encode_team",
+            "gc_pipe_fp8_encode_team_wide",
             "gc_pipe_amax_tiles",
             "gc_pipe_fp8_encode_tiles",
             "gc_pipe_nvfp4_encode",
@@ -176,6 +178,7 @@ def test_kernel_file_compiles_with_include(tmp_path: Path, name: str):
 #: the codec's kernels that keep a lane's values in registers (besides every pipeline one)
 REGISTER_KERNELS = {
     "gc_fp8_encode_team",
+    "gc_fp8_encode_team_wide",
     "gc_fp8_decode_team",
     "gc_nvfp4_encode",
     "gc_e2m1_decode",
@@ -226,9 +229,11 @@ _STORE_CODES = r"st\.global\.v4\.(u8|b8)"
 _LOAD_CODES = r"ld\.global(\.nc)?\.v4\.(u8|b8)"
 _STORE_VALUES = r"st\.global(\.wb)?\.v4\.f32"
 VECTOR_ACCESSES = {
-    "gc_fp8_encode_team": {_LOAD_VALUES: GC_TEAM_STEPS, _STORE_CODES: GC_TEAM_STEPS},
+    "gc_fp8_encode_team": {_LOAD_VALUES: 1, _STORE_CODES: 1},
+    "gc_fp8_encode_team_wide": {_LOAD_VALUES: GC_TEAM_STEPS, _STORE_CODES: GC_TEAM_STEPS},
     "gc_fp8_decode_team": {_LOAD_CODES: GC_TEAM_STEPS, _STORE_VALUES: GC_TEAM_STEPS},
-    "gc_pipe_fp8_encode_team": {_LOAD_VALUES: GC_TEAM_STEPS, _STORE_CODES: GC_TEAM_STEPS},
+    "gc_pipe_fp8_encode_team": {_LOAD_VALUES: 1, _STORE_CODES: 1},
+    "gc_pipe_fp8_encode_team_wide": {_LOAD_VALUES: GC_TEAM_STEPS, _STORE_CODES: GC_TEAM_STEPS},
     "gc_pipe_fp8_decode_team": {_LOAD_CODES: GC_TEAM_STEPS, _STORE_VALUES: GC_TEAM_STEPS},
     "gc_e2m1_decode": {_LOAD_CODES: 2, _STORE_VALUES: 4},
     "gc_bf16_encode": {_LOAD_VALUES: 1, _STORE_CODES: 2},
@@ -360,6 +365,12 @@ def test_team_and_tile_plans():
     next power of two >= ceil(block / 4), up to a warp; tiles cover blocks."""
     blocks = (1, 4, 5, 16, 17, 32, 33, 128, 129, 1024)
     assert [gcuda.team_shift(b) for b in blocks] == [0, 0, 1, 2, 3, 3, 4, 5, 5, 5]
+    assert [gcuda.team_kernel("gc_fp8_encode_team", b) for b in (1, 128, 129, 1024)] == [
+        "gc_fp8_encode_team",
+        "gc_fp8_encode_team",
+        "gc_fp8_encode_team_wide",
+        "gc_fp8_encode_team_wide",
+    ]
     defines = _defines(cuda_build.source_dir() / "gc_cuda.cu")
     assert defines["GC_TEAM_MAX"] == gcuda.TEAM_MAX
     assert defines["GC_E2M1_CHUNK"] == gcuda.E2M1_CHUNK

@@ -181,7 +181,7 @@ class CudaKernels:
         elif fmt.family == MXFP8:
             self._kernel("gc_pipe_mxfp8_encode")(grid, threads, (*head, e5m2, rceil, *rounding))
         elif walk == "team":
-            self._kernel("gc_pipe_fp8_encode_team")(
+            self._kernel(cuda.team_kernel("gc_pipe_fp8_encode_team", fmt.block))(
                 grid, threads, (*head, np.uint32(cuda.team_shift(fmt.block)), e5m2, *rounding)
             )
         else:

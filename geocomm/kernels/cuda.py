@@ -66,6 +66,9 @@ E2M1_CHUNK = 16
 #: Largest fp8 block handled by one team (<= one warp) of lanes in a single pass
 #: (GC_TEAM_MAX of native/gc_cuda.cu).
 TEAM_MAX = 1024
+#: Values a team of 32 lanes takes per step (four per lane): the largest block of the
+#: one-step team encoders (:func:`team_kernel`).
+TEAM_STEP = 4 * 32
 _GRID_MAX = 2**31 - 1
 
 
@@ -127,6 +130,14 @@ def _grid(threads: int) -> tuple[int]:
     if blocks > _GRID_MAX:
         raise ValueError(f"{threads} threads exceed one CUDA grid")
     return (blocks,)
+
+
+def team_kernel(name: str, block: int) -> str:
+    """The fp8 team encoder ``name`` (``gc_fp8_encode_team``, ``gc_pipe_fp8_encode_team``)
+    for scaling blocks of ``block`` values: the kernel itself covers blocks up to
+    TEAM_STEP values in one step, in few registers (so many warps fit on an SM); its
+    ``_wide`` twin holds TEAM_MAX / TEAM_STEP steps of values in registers."""
+    return name if block <= TEAM_STEP else name + "_wide"
 
 
 def team_shift(block: int) -> int:
@@ -276,7 +287,7 @@ def _encode_fp8(
     e5m2 = np.int32(fmt == native.E5M2)
     head = (x, _u64(n), _u64(plan.block), _u64(plan.nblocks))
     if plan.team_shift is not None:
-        kernel(cupy, "gc_fp8_encode_team")(
+        kernel(cupy, team_kernel("gc_fp8_encode_team", plan.block))(
             (plan.grid,), (THREADS,), (*head, np.uint32(plan.team_shift), e5m2, *rounding, wire)
         )
         return

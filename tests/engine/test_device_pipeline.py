@@ -625,7 +625,7 @@ def test_cuda_launches_match_the_kernels(launches, name, stochastic):
     }.get(fmt.family)
     if encoder is None:
         encoder = (
-            ["gc_pipe_fp8_encode_team"]
+            [cuda.team_kernel("gc_pipe_fp8_encode_team", fmt.block)]
             if gpl.team_walk(fmt)
             else ["gc_pipe_amax_tiles", "gc_pipe_fp8_encode_tiles"]
         )

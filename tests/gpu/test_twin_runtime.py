@@ -831,12 +831,12 @@ def twin_encode(
     rounding = (sr, u64(key), u64(offset))
     if fmt == "bf16":
         codec.function("gc_bf16_encode").launch(
-            cuda._grid(n), (THREADS,), (x, u64(n), *rounding, wire)
+            cuda._grid(-(-n // 4)), (THREADS,), (x, u64(n), *rounding, wire)
         )
     elif fmt == "nvfp4":
-        amax = amax_tiles(codec, x, n, min(n, reference.NVFP4_SUPERBLOCK))
+        supers = -(-n // reference.NVFP4_SUPERBLOCK)
         codec.function("gc_nvfp4_encode").launch(
-            cuda._grid((n + 1) // 2), (THREADS,), (x, u64(n), amax, *rounding, wire)
+            (supers,), (cuda.NVFP4_THREADS,), (x, u64(n), *rounding, wire)
         )
     elif fmt == "mxfp4":
         codec.function("gc_mxfp4_encode").launch(
@@ -853,7 +853,7 @@ def twin_encode(
         head = (x, u64(n), u64(plan.block), u64(plan.nblocks))
         e5m2 = i32(fmt == "e5m2")
         if plan.team_shift is not None:
-            codec.function("gc_fp8_encode_team").launch(
+            codec.function(cuda.team_kernel("gc_fp8_encode_team", plan.block)).launch(
                 (plan.grid,), (THREADS,), (*head, u32(plan.team_shift), e5m2, *rounding, wire)
             )
         else:
@@ -873,10 +873,14 @@ def twin_decode(
     acc = i32(out is not None)
     out = np.full(n, np.nan, np.float32) if out is None else out
     if fmt == "bf16":
-        codec.function("gc_bf16_decode").launch(cuda._grid(n), (THREADS,), (wire, u64(n), acc, out))
+        codec.function("gc_bf16_decode").launch(
+            cuda._grid(-(-n // 4)), (THREADS,), (wire, u64(n), acc, out)
+        )
     elif fmt in ("nvfp4", "mxfp4"):
         codec.function("gc_e2m1_decode").launch(
-            cuda._grid((n + 1) // 2), (THREADS,), (wire, u64(n), i32(fmt == "mxfp4"), acc, out)
+            cuda._grid(-(-n // cuda.E2M1_CHUNK)),
+            (THREADS,),
+            (wire, u64(n), i32(fmt == "mxfp4"), acc, out),
         )
     elif fmt.startswith("mxfp8"):
         codec.function("gc_mxfp8_decode").launch(
