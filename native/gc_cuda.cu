@@ -162,9 +162,9 @@ GC_DEV void gc_tile_range(gc_u64 n, gc_u64 block, gc_u64 tiles_per_block, gc_u64
 
 /* Largest fp8 block of the team kernels (TEAM_MAX of geocomm/kernels/cuda.py):
  * a team of at most 32 lanes, four values per lane and step, covers it in
- * GC_TEAM_STEPS steps. The step loops run all GC_TEAM_STEPS steps, the ones
- * past the block doing nothing: a constant trip count lets them unroll, so a
- * lane's values stay in registers (no stack: tests/test_cuda_source.py). */
+ * GC_TEAM_STEPS steps. A kernel's step loops run a constant number of steps
+ * (the ones past the block doing nothing), so they unroll and a lane's values
+ * stay in registers (no stack: tests/test_cuda_source.py). */
 #define GC_TEAM_MAX 1024
 #define GC_TEAM_STEPS (GC_TEAM_MAX / (4 * 32))
 
@@ -294,27 +294,21 @@ extern "C" __global__ void gc_amax_tiles(const float *x, gc_u64 n, gc_u64 block,
 
 /* ---- FP8 (E4M3FN / E5M2) ----------------------------------------------------- */
 
-/* Team encode: 2^lshift lanes per scaling block of `block` values, four
- * consecutive values per lane and step, kept in registers between the amax and
- * the codes. STEPS steps cover blocks of up to 4 * 32 * STEPS values: the kernel
- * gc_fp8_encode_team takes one step (blocks up to 128, in few registers, so many
- * warps fit on an SM), gc_fp8_encode_team_wide GC_TEAM_STEPS. */
-template <int STEPS>
-GC_DEV void gc_fp8_encode_team_run(const float *x, gc_u64 n, gc_u64 block, gc_u64 nblocks,
-                                   unsigned int lshift, int e5m2, int sr, gc_u64 key,
-                                   gc_u64 offset, unsigned char *wire)
+/*
+ * One lane's part of the fp8 team encode of one scaling block of `len` values:
+ * values xb[at, at + 4) per step, plus add(at, v) (what else the encoder sums
+ * into those four values), kept in registers between the team's amax and the
+ * codes. The block's scale goes to `scale_at`, its codes to cb; value i draws
+ * the stochastic-rounding index `index` + i. Every lane of the team calls it
+ * (len 0 past the last block: the amax shuffle needs all lanes). STEPS steps
+ * cover blocks of up to 4 * 32 * STEPS values.
+ */
+template <int STEPS, class Add>
+GC_DEV void gc_fp8_team_block(const float *xb, gc_u64 len, unsigned int lane,
+                              unsigned int width, const Add &add, int e5m2, int sr, gc_u64 key,
+                              gc_u64 index, unsigned char *scale_at, unsigned char *cb)
 {
-    if (block > 4 * 32 * STEPS) /* the caller chose the wrong kernel: values would go */
-        __trap();
     const float fmax = e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
-    const unsigned int width = 1u << lshift;
-    gc_u64 g = gc_global_id();
-    gc_u64 k = g >> lshift;
-    unsigned int lane = (unsigned int)g & (width - 1u);
-    gc_u64 start = k * block;
-    gc_u64 len = k < nblocks ? gc_min_u64(block, n - start) : 0;
-    const float *xb = x + start;
-
     float v[4 * STEPS];
     gc_u32 m = 0;
 #pragma unroll
@@ -322,6 +316,8 @@ GC_DEV void gc_fp8_encode_team_run(const float *x, gc_u64 n, gc_u64 block, gc_u6
         gc_u64 at = gc_team_at(t, lane, width);
         if (at < len) {
             gc_load4_f32(xb + at, len - at, v + 4 * t); /* values past len read as 0 */
+            add(at, v + 4 * t);
+#pragma unroll
             for (int j = 0; j < 4; ++j)
                 m = gc_amax_bits(m, v[4 * t + j]);
         }
@@ -333,17 +329,37 @@ GC_DEV void gc_fp8_encode_team_run(const float *x, gc_u64 n, gc_u64 block, gc_u6
     float pre;
     float factor = gc_quant_factor(amax, fmax, &pre);
     if (lane == 0)
-        gc_store_f32(wire + 4 * k, amax / fmax);
-    unsigned char *cb = wire + 4 * nblocks + start;
+        gc_store_f32(scale_at, amax / fmax);
 #pragma unroll
     for (int t = 0; t < STEPS; ++t) {
         gc_u64 at = gc_team_at(t, lane, width);
         if (at < len) {
             gc_u8 c[4];
-            gc_fp8_codes4(e5m2, v + 4 * t, pre, factor, sr, key, offset + start + at, c);
+            gc_fp8_codes4(e5m2, v + 4 * t, pre, factor, sr, key, index + at, c);
             gc_store4_u8(cb + at, len - at, c);
         }
     }
+}
+
+/* Team encode: 2^lshift lanes per scaling block of `block` values
+ * (gc_fp8_team_block). gc_fp8_encode_team takes one step (blocks up to 128, in
+ * few registers, so many warps fit on an SM), gc_fp8_encode_team_wide
+ * GC_TEAM_STEPS. */
+template <int STEPS>
+GC_DEV void gc_fp8_encode_team_run(const float *x, gc_u64 n, gc_u64 block, gc_u64 nblocks,
+                                   unsigned int lshift, int e5m2, int sr, gc_u64 key,
+                                   gc_u64 offset, unsigned char *wire)
+{
+    if (block > 4 * 32 * STEPS) /* the caller chose the wrong kernel: values would go */
+        __trap();
+    const unsigned int width = 1u << lshift;
+    gc_u64 g = gc_global_id();
+    gc_u64 k = g >> lshift;
+    unsigned int lane = (unsigned int)g & (width - 1u);
+    gc_u64 start = k * block;
+    gc_u64 len = k < nblocks ? gc_min_u64(block, n - start) : 0;
+    gc_fp8_team_block<STEPS>(x + start, len, lane, width, [](gc_u64, float *) {}, e5m2, sr, key,
+                             offset + start, wire + 4 * k, wire + 4 * nblocks + start);
 }
 
 extern "C" __global__ void gc_fp8_encode_team(const float *x, gc_u64 n, gc_u64 block,

@@ -201,62 +201,31 @@ GC_DEV void gc_pipe_fp8_encode_team_run(const float *x, const gc_u64 *table,
                                         const gc_u64 *sr_key, unsigned char *wire)
 {
     const gc_u64 key = gc_load_key(sr, sr_key);
-    const float fmax = e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
     const unsigned int width = 1u << lshift;
     gc_seg s = gc_seg_row(table);
     if (s.block > 4 * 32 * STEPS) /* the caller chose the wrong kernel: values would go */
         __trap();
-    gc_in incoming = gc_in_make(in, nin, in_stride, GC_PIPE_FP8, e5m2);
     gc_u64 g = gc_global_id();
     gc_u64 k = g >> lshift;
     unsigned int lane = (unsigned int)g & (width - 1u);
     gc_u64 start = k * s.block;
     gc_u64 len = k < s.scales ? gc_min_u64(s.block, s.count - start) : 0;
-    const float *xb = x + s.values + start;
-
-    float v[4 * STEPS];
-    gc_u32 m = 0;
-#pragma unroll
-    for (int t = 0; t < STEPS; ++t) {
-        gc_u64 at = gc_team_at(t, lane, width);
-        if (at < len) {
-            gc_load4_f32(xb + at, len - at, v + 4 * t);
-            /* gc_sum_at's adds, body by body: each body's scale read once, its codes
-             * four at a time (values past len stay 0: their codes read as 0) */
-            for (unsigned int r = 0; r < incoming.count; ++r) {
-                const unsigned char *body = incoming.wire + r * incoming.stride;
-                float scale = gc_load_f32(body + 4 * k);
-                gc_u32 c[4];
-                gc_load4_u8(body + 4 * s.scales + start + at, len - at, c);
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    v[4 * t + j] = __fadd_rn(v[4 * t + j],
-                                             __fmul_rn(gc_fp8_value(e5m2, c[j]), scale));
-            }
+    /* gc_sum_at's adds, body by body: each body's scale read once, its codes four
+     * at a time (values past len stay 0: their codes read as 0) */
+    auto add = [&](gc_u64 at, float *v) {
+        for (unsigned int r = 0; r < nin; ++r) {
+            const unsigned char *body = in + r * in_stride;
+            float scale = gc_load_f32(body + 4 * k);
+            gc_u32 c[4];
+            gc_load4_u8(body + 4 * s.scales + start + at, len - at, c);
 #pragma unroll
             for (int j = 0; j < 4; ++j)
-                m = gc_amax_bits(m, v[4 * t + j]);
+                v[j] = __fadd_rn(v[j], __fmul_rn(gc_fp8_value(e5m2, c[j]), scale));
         }
-    }
-    float amax = gc_float(gc_team_max(m, width));
-    if (len == 0)
-        return;
-
-    float pre;
-    float factor = gc_quant_factor(amax, fmax, &pre);
+    };
     unsigned char *w = wire + s.wire;
-    if (lane == 0)
-        gc_store_f32(w + 4 * k, amax / fmax);
-    unsigned char *cb = w + 4 * s.scales + start;
-#pragma unroll
-    for (int t = 0; t < STEPS; ++t) {
-        gc_u64 at = gc_team_at(t, lane, width);
-        if (at < len) {
-            gc_u8 c[4];
-            gc_fp8_codes4(e5m2, v + 4 * t, pre, factor, sr, key, s.index + start + at, c);
-            gc_store4_u8(cb + at, len - at, c);
-        }
-    }
+    gc_fp8_team_block<STEPS>(x + s.values + start, len, lane, width, add, e5m2, sr, key,
+                             s.index + start, w + 4 * k, w + 4 * s.scales + start);
 }
 
 extern "C" __global__ void gc_pipe_fp8_encode_team(const float *x, const gc_u64 *table,
