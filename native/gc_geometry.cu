@@ -9,6 +9,12 @@
  *   gc_geo_expand      one thread per element, chain over the k coefficients.
  *   gc_geo_accumulate  one thread per (coefficient, column), chain down the
  *                      rows of the range in order.
+ *   gc_geo_round_bf16  one thread per element: the side channel's rounding.
+ *   gc_geo_sumsq_squares, gc_geo_sumsq_totals
+ *                      one level of the "sumsq" order (gc_linalg.h) for each
+ *                      row of a matrix: GC_LANES threads per chunk, thread q
+ *                      runs lane q, a shuffle tree combines them. The host
+ *                      launches the levels until one total per row is left.
  *
  * A range is [lo, lo + len) of a row-major matrix with n columns; coef rows
  * are numbered from row lo / n. Compile with -fmad=false -ftz=false (the
@@ -88,4 +94,54 @@ extern "C" __global__ void gc_geo_accumulate(const float *x, gc_u64 lo, gc_u64 l
             t = gc_mad(t, coef[r * k + l], x[e - lo]);
     }
     acc[g] = t;
+}
+
+/* x = its bfloat16 value in place (gc_bf16_code, nearest even; NaN stays NaN). */
+extern "C" __global__ void gc_geo_round_bf16(float *x, gc_u64 len)
+{
+    gc_u64 e = gc_geo_id();
+    if (e < len)
+        x[e] = gc_bf16_value(gc_bf16_code(x[e], 0, 0u));
+}
+
+/* Chunk totals of one level of the "sumsq" order: rows of `len` values, each cut
+ * into chunks of GC_SUMSQ_CHUNK; out[r * chunks + c] is chunk c of row r, with
+ * chunks = ceil(len / GC_SUMSQ_CHUNK). SQUARE: level 0 (squares of floats). */
+template <class T, bool SQUARE>
+__device__ void gc_geo_sum_level(const T *x, gc_u64 rows, gc_u64 len, double *out)
+{
+    gc_u64 g = gc_geo_id();
+    gc_u64 chunk = g / GC_LANES;
+    unsigned int q = (unsigned int)(g % GC_LANES);
+    gc_u64 chunks = (len + GC_SUMSQ_CHUNK - 1) / GC_SUMSQ_CHUNK;
+    double p = 0.0;
+    if (chunk < rows * chunks) {
+        gc_u64 r = chunk / chunks, c = chunk % chunks;
+        const T *xr = x + r * len;
+        gc_u64 end = (c + 1) * GC_SUMSQ_CHUNK < len ? (c + 1) * GC_SUMSQ_CHUNK : len;
+        for (gc_u64 i = c * GC_SUMSQ_CHUNK + q; i < end; i += GC_LANES) {
+            double v = (double)xr[i];
+            p = __dadd_rn(p, SQUARE ? __dmul_rn(v, v) : v);
+        }
+    }
+    /* the lanes' tree: ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7)) */
+    p = __dadd_rn(p, __shfl_down_sync(0xffffffffu, p, 4, GC_LANES));
+    p = __dadd_rn(p, __shfl_down_sync(0xffffffffu, p, 2, GC_LANES));
+    p = __dadd_rn(p, __shfl_down_sync(0xffffffffu, p, 1, GC_LANES));
+    if (chunk < rows * chunks && q == 0)
+        out[chunk] = p;
+}
+
+/* Level 0: blockDim.x a multiple of 32, as for gc_geo_project. */
+extern "C" __global__ void gc_geo_sumsq_squares(const float *x, gc_u64 rows, gc_u64 len,
+                                                double *out)
+{
+    gc_geo_sum_level<float, true>(x, rows, len, out);
+}
+
+/* The levels above 0. */
+extern "C" __global__ void gc_geo_sumsq_totals(const double *x, gc_u64 rows, gc_u64 len,
+                                               double *out)
+{
+    gc_geo_sum_level<double, false>(x, rows, len, out);
 }

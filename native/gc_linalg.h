@@ -12,7 +12,16 @@
  *             in increasing order; the lanes are then combined by
  *             gc_lane_sum's fixed tree;
  *   expand    x + chain over the k coefficients, l = 0 .. k - 1;
- *   accumulate  acc + chain over the rows, in increasing row order.
+ *   accumulate  acc + chain over the rows, in increasing row order;
+ *   sumsq     fp64: level 0 cuts the values into chunks of GC_SUMSQ_CHUNK
+ *             (the last may be shorter) and sums each chunk's squares in
+ *             GC_LANES lanes as a dot product does (lane q: elements q,
+ *             q + 8, ... of the chunk, in order, each square exact in fp64,
+ *             one rounding per add), combined by the same tree; each level
+ *             above sums the totals of the level below the same way, without
+ *             squaring, until one total is left. The chunks are independent,
+ *             so a GPU sums them all at once, and a level of one total is
+ *             that total: x + 0 = x for the sums of squares.
  *
  * Compiles as C99 (GC_FN = static inline) and as CUDA (__device__), like
  * gc_scalar.h, whose gc_finite it uses.
@@ -23,6 +32,7 @@
 #include "gc_scalar.h"
 
 #define GC_LANES 8
+#define GC_SUMSQ_CHUNK 2048
 
 /* t + a * b with both operations rounded to fp32 on their own. */
 GC_FN float gc_mad(float t, float a, float b)

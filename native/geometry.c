@@ -941,7 +941,14 @@ int64_t gc_geo_residual(const float *x, size_t m, size_t n, const float *vt, siz
 
 /* ---- small dense work (host only, fp64) ---------------------------------------- */
 
-double gc_geo_sumsq(const float *x, size_t len)
+/* The fixed combination of GC_LANES fp64 lane sums (gc_lane_sum's tree). */
+static double lanes_total(const double *p)
+{
+    return ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]));
+}
+
+/* Level 0 of gc_geo_sumsq's order: the sum of the squares of one chunk. */
+static double sumsq_chunk(const float *x, size_t len)
 {
     double p[GC_LANES] = {0};
     size_t full = len - len % GC_LANES;
@@ -955,7 +962,45 @@ double gc_geo_sumsq(const float *x, size_t len)
                 p[q] += (double)x[i + q] * (double)x[i + q];
     for (size_t i = full; i < len; i++)
         p[i - full] += (double)x[i] * (double)x[i];
-    return ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]));
+    return lanes_total(p);
+}
+
+/* The open chunk of one level above level 0 in gc_geo_sumsq's order. */
+typedef struct {
+    double p[GC_LANES];
+    size_t n;
+} sum_chunk;
+
+/* Total t joins level l's open chunk; a full chunk closes into level l + 1. */
+static void sum_push(sum_chunk *level, size_t l, double t)
+{
+    for (;; l++) {
+        sum_chunk *c = &level[l];
+        c->p[c->n % GC_LANES] += t;
+        if (++c->n < GC_SUMSQ_CHUNK)
+            return;
+        t = lanes_total(c->p);
+        memset(c, 0, sizeof *c);
+    }
+}
+
+/* gc_linalg.h's "sumsq" order in one pass: each level above 0 keeps only its
+ * open chunk; at the end the open chunks close bottom up (the last chunk of
+ * each level, then its total as the last value of the level above). Levels
+ * above the last one that had two totals pass their one total on unchanged. */
+double gc_geo_sumsq(const float *x, size_t len)
+{
+    enum { LEVELS = 7 }; /* GC_SUMSQ_CHUNK^6 = 2^66 values: more than a size_t counts */
+    if (len <= GC_SUMSQ_CHUNK)
+        return sumsq_chunk(x, len);
+    sum_chunk level[LEVELS + 1];
+    memset(level, 0, sizeof level);
+    for (size_t a = 0; a < len; a += GC_SUMSQ_CHUNK)
+        sum_push(level, 1, sumsq_chunk(x + a, len - a < GC_SUMSQ_CHUNK ? len - a : GC_SUMSQ_CHUNK));
+    for (size_t l = 1; l < LEVELS; l++)
+        if (level[l].n)
+            sum_push(level, l + 1, lanes_total(level[l].p));
+    return lanes_total(level[LEVELS].p);
 }
 
 /* Dot product of two fp64 vectors: four lanes in order, then a fixed tree. */

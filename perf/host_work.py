@@ -31,7 +31,16 @@ import numpy as np
 #: values per call: 64 pipeline stages of 4096 values at the smallest stage size
 COUNT = 64 * 4096
 STAGES = (1, 8, 64)
-CODECS = {"fp8": "fp8", "nvfp4": "nvfp4", "fp8 stochastic": {"id": "fp8", "rounding": "stochastic"}}
+CODECS = {
+    "fp8": "fp8",
+    "nvfp4": "nvfp4",
+    "fp8 stochastic": {"id": "fp8", "rounding": "stochastic"},
+    "geofp8": "geofp8",
+}
+#: GeoFP8 maps matrices: its calls reduce a keyed (512, 512) gradient (COUNT values) of
+#: rank 8 plus noise (a flat one would go plain) through one codec object, which keeps
+#: the key's state from call to call: every call takes a power step, maps and refreshes
+MATRIX = (512, 512)
 WARMUP = 3
 
 
@@ -69,12 +78,20 @@ def measure(comm: Any, cupy: Any, codec: Any, stages: int) -> dict[str, int]:
 
     rng = np.random.default_rng(comm.rank)
     stream = cupy.cuda.Stream(non_blocking=True)
+    values, options = rng.standard_normal(COUNT), {}
+    if codec == "geofp8":
+        m, n = MATRIX
+        low = rng.standard_normal((m, 8)) @ rng.standard_normal((8, n))
+        values = 3 * low + rng.standard_normal(MATRIX)
+        codec, options = geocomm.get_codec("geofp8"), {"key": "w"}
     with stream:
-        x = cupy.asarray(rng.standard_normal(COUNT).astype(np.float32))
+        x = cupy.asarray(values.astype(np.float32))
         out = cupy.empty_like(x)
 
         def call() -> None:
-            geocomm.allreduce(x, codec=codec, comm=comm, out=out, stage_size=COUNT // stages)
+            geocomm.allreduce(
+                x, codec=codec, comm=comm, out=out, stage_size=COUNT // stages, **options
+            )
 
         for _ in range(WARMUP):
             call()

@@ -2,8 +2,9 @@
 modules degrade cleanly without CuPy.
 
 ``nvcc`` (no GPU needed) compiles the exact translation units that
-geocomm.kernels.cuda and geocomm.engine.device hand to NVRTC (the codec's kernels,
-and the batched pipeline's, native/gc_pipeline.cu), with warnings as errors,
+geocomm.kernels.cuda, geocomm.engine.device and geocomm.codecs.geo.kernels hand to
+NVRTC (the codec's kernels, the batched pipeline's, native/gc_pipeline.cu, and
+GeoFP8's geometry, native/gc_geometry.cu), with warnings as errors,
 so a CUDA compile error fails CI. A PTX scan then checks the flags that bit-exactness rests on: no
 fused multiply-add, no flush-to-zero, no approximate division. Whether the
 kernels give the C core's bytes is checked on a GPU by perf/gpu_check.py.
@@ -23,6 +24,7 @@ import pytest
 
 import geocomm.comm.nccl as nccl_mod
 import geocomm.kernels.cuda as gcuda
+from geocomm.codecs.geo import kernels as geo_kernels
 from geocomm.engine import device as gpu_pipeline
 from geocomm.kernels import cuda_build, native
 
@@ -103,6 +105,17 @@ UNITS = {
             "gc_pipe_e2m1_decode",
             "gc_pipe_fp8_decode_team",
             "gc_pipe_fp8_decode_tiles",
+        },
+    ),
+    "geometry": (
+        geo_kernels._source,
+        {
+            "gc_geo_project",
+            "gc_geo_expand",
+            "gc_geo_accumulate",
+            "gc_geo_round_bf16",
+            "gc_geo_sumsq_squares",
+            "gc_geo_sumsq_totals",
         },
     ),
 }
@@ -188,7 +201,7 @@ REGISTER_KERNELS = {
 
 
 @needs_nvcc
-@pytest.mark.parametrize("unit", ["codec", "pipeline"])
+@pytest.mark.parametrize("unit", list(UNITS))
 def test_kernels_keep_registers_and_no_stack(tmp_path: Path, unit: str):
     """sm_90: the NVFP4 encoders keep their 16 values and the fp8 team kernels their 32 in
     registers (no local memory), and no batched kernel spills: a spill would cost more
@@ -215,7 +228,7 @@ def test_kernels_keep_registers_and_no_stack(tmp_path: Path, unit: str):
     assert proc.returncode == 0, proc.stderr
     report = re.split(r"Compiling entry function '(\w+)'", proc.stderr)
     stats = dict(zip(report[1::2], report[2::2], strict=True))
-    checked = UNITS["pipeline"][1] if unit == "pipeline" else REGISTER_KERNELS
+    checked = REGISTER_KERNELS if unit == "codec" else UNITS[unit][1]
     assert checked <= set(stats)
     for name in checked:
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in stats[name], name
@@ -462,6 +475,7 @@ WITHOUT_NATIVE = """
 import numpy as np
 import geocomm
 import geocomm.kernels.cuda as gcuda
+from geocomm.codecs.geo import kernels as geo_kernels
 from geocomm.kernels import cuda_build, native
 
 assert native.available is False

@@ -35,9 +35,10 @@ the same algorithm, with the same bits, as one launch per phase and stage:
   What a ``GEOCOMM_TIMEOUT`` bounds then is said in :mod:`geocomm.comm.nccl`.
 
 A transforming codec's map (``mapper``) still runs per piece, in order:
-``read`` of the stage's pieces (copied into a staging buffer, since a read may
-reuse its memory), the batched encode, then ``encoded`` per piece; ``done``
-per piece after the batched decode.
+``read`` of the stage's pieces into a staging buffer, the batched encode, then
+``encoded`` per piece; ``done`` per piece after the batched decode. The owner's
+mapped piece and the received bodies are encoded as they are added up, unless
+the map tracks what was encoded (error feedback: it needs the sum).
 
 :class:`CudaKernels` launches the kernels; :class:`HostKernels` runs the same
 contract per piece through the C core on NumPy arrays: the reference the CUDA
@@ -514,7 +515,7 @@ class BatchedPipeline(PieceAccess):
             quantization_stream(rounding_stream, self.me, 2),
         )
         # the owner's sum goes straight into its encoding unless something needs it as fp32
-        self.fused = plan.gather and mapper is None
+        self.fused = plan.gather and (mapper is None or not mapper.tracks_encoding)
         if plan.tables.amax:  # the fp8 tile walk's slots start at zero every call
             plan.amax.fill(0)
         self.a2a_req: dict[int, Any] = {}
@@ -565,11 +566,11 @@ class BatchedPipeline(PieceAccess):
         plan = self.plan
         seg = plan.stages[s].send
         x = self.source
-        if self.mapper is not None:  # map every piece; a read may reuse its memory: stage it
+        if self.mapper is not None:  # map every piece into its place in the staging buffer
             x = plan.staging
             for (lo, hi), row in zip(self._send_pieces(s), seg.rows, strict=True):
                 at = int(row[VALUES])
-                x[at : at + hi - lo] = self.mapper.read(lo, hi)
+                self.mapper.read(lo, hi, x[at : at + hi - lo])
         wire = plan.a2a_send[s % 2]
         self.kernels.encode(
             self.fmt, x, seg, wire, plan.amax,

@@ -53,8 +53,9 @@ class Phases(Protocol):
 class RangeMap(Protocol):
     """Maps the flat ranges of a buffer while it is reduced (transforming codecs).
 
-    ``read(lo, hi)`` returns the values to send for [lo, hi) (the pipeline
-    asks for every piece exactly once, before encoding it or adding it up);
+    ``read(lo, hi, out)`` returns the values to send for [lo, hi) (the pipeline
+    asks for every piece exactly once, before encoding it or adding it up),
+    written into ``out`` when it is given;
     ``encoded(lo, hi, values, wire)`` says that ``values`` of [lo, hi) went
     out as ``wire`` (every quantization this rank makes: its pieces of other
     shards, then the sum of its own); ``done(lo, hi)`` says that
@@ -64,10 +65,14 @@ class RangeMap(Protocol):
     bytes), ``decode(lo, hi, codec, wire)`` for the decode of a final range
     and done (True); False: the pipeline takes the steps one by one. Each
     runs between the pipeline's communication steps, so its work overlaps
-    them.
+    them. ``tracks_encoding``: whether ``encoded`` uses what it is told (error
+    feedback); when not, a pipeline may encode the owner's sum as it adds it
+    up, without storing it.
     """
 
-    def read(self, lo: int, hi: int) -> Any: ...
+    tracks_encoding: bool
+
+    def read(self, lo: int, hi: int, out: Any = None) -> Any: ...
 
     def encoded(self, lo: int, hi: int, values: Any, wire: Any) -> None: ...
 

@@ -61,10 +61,10 @@ def plan_parts(
 class PartsMap:
     """The pipeline's :class:`~geocomm.engine.protocols.RangeMap` over a buffer of tensors.
 
-    ``read`` returns the mapped values of a range, written into a scratch
-    that lives until the next read (ranged plans map there and then; tensors
-    without a plan are copied), plus the error-feedback ``residual`` if there
-    is one. Whole-tensor plans map their tensors up front: into ``result``
+    ``read`` returns the mapped values of a range, written into ``out`` or a
+    scratch that lives until the next read (ranged plans map there and then;
+    tensors without a plan are copied), plus the error-feedback ``residual`` if
+    there is one. Whole-tensor plans map their tensors up front: into ``result``
     when it holds the whole buffer (an all-reduce: the pipeline reads a range
     before it writes it), else into a buffer of the tensor's size; a range
     inside one such tensor is read from there without a copy.
@@ -106,15 +106,18 @@ class PartsMap:
             plan.forward(values[lo:hi], target)
             self.mapped[id(part)] = target
 
-    def _target(self, lo: int, hi: int) -> Any:
-        """Where the mapped values of [lo, hi) go: a whole-tensor plan's own mapped
-        values when the range lies inside its tensor, else the scratch."""
+    def _mapped_inside(self, lo: int, hi: int) -> Any:
+        """A whole-tensor plan's own mapped values of [lo, hi) when the range lies
+        inside its tensor, else None."""
         for part, plan, _, a, b in self._overlaps(lo, hi):
             if plan is not None and not plan.ranged and (a, b) == (lo, hi):
                 return self.mapped[id(part)][lo - part.offset : hi - part.offset]
-        if self.scratch is None or self.scratch.shape[0] < hi - lo:
-            self.scratch = array_module(self.values).empty(hi - lo, dtype=np.float32)
-        return self.scratch[: hi - lo]
+        return None
+
+    def _scratch(self, length: int) -> Any:
+        if self.scratch is None or self.scratch.shape[0] < length:
+            self.scratch = array_module(self.values).empty(length, dtype=np.float32)
+        return self.scratch[:length]
 
     def _overlaps(self, lo: int, hi: int) -> Any:
         """(part, plan, side sum, a, b) for every part meeting [lo, hi), [a, b) the overlap."""
@@ -126,14 +129,20 @@ class PartsMap:
                 yield part, plan, side, a, b
             i += 1
 
-    def read(self, lo: int, hi: int) -> Any:
-        out = self._target(lo, hi)
+    @property
+    def tracks_encoding(self) -> bool:
+        return self.residual is not None
+
+    def read(self, lo: int, hi: int, out: Any = None) -> Any:
+        inside = self._mapped_inside(lo, hi)
+        if out is None:
+            out = inside if inside is not None else self._scratch(hi - lo)
         for part, plan, _, a, b in self._overlaps(lo, hi):
             if plan is not None and plan.ranged:
                 plan.forward_range(self.values[a:b], a - part.offset, out[a - lo : b - lo])
             elif plan is None:
                 out[a - lo : b - lo] = self.values[a:b]
-            elif (a, b) != (lo, hi):  # a whole-tensor plan's values, into the scratch
+            elif out is not inside:  # a whole-tensor plan's values, mapped up front
                 out[a - lo : b - lo] = self.mapped[id(part)][a - part.offset : b - part.offset]
         if self.residual is not None:
             add_into(out, self.residual[lo:hi])

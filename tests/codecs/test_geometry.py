@@ -296,13 +296,38 @@ def test_split_calls_refuse_bad_arguments():
     assert np.all(np.isnan(out))
 
 
-def ref_sumsq(x: np.ndarray) -> float:
-    """gc_geo_sumsq's definition: eight fp64 lanes (lane q adds x[q], x[q + 8], ...
-    in order), then ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7))."""
-    p = [0.0] * 8
-    for i, v in enumerate(x.astype(np.float64).tolist()):
-        p[i % 8] += v * v
-    return ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]))
+def ref_sumsq(x: np.ndarray, chunk: int = 2048) -> float:
+    """gc_linalg.h's "sumsq" order: level 0 sums the squares of each chunk of 2048
+    values in eight fp64 lanes (lane q adds elements q, q + 8, ... in order), then
+    ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7)); each level above sums the
+    totals below the same way, without squaring, until one is left."""
+
+    def lanes(values: list[float]) -> float:
+        p = [0.0] * 8
+        for i, v in enumerate(values):
+            p[i % 8] += v
+        return ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]))
+
+    level = [v * v for v in x.astype(np.float64).tolist()]
+    while True:
+        level = [lanes(level[a : a + chunk]) for a in range(0, max(len(level), 1), chunk)]
+        if len(level) == 1:
+            return level[0]
+
+
+def test_sumsq_follows_its_order_across_levels():
+    """The C core's one-pass sum of squares (each level's open chunk only) gives the
+    reference's bits at chunk and level edges, and with a small chunk (16) the
+    reference's levels differ from one long lane sum, so the test can tell."""
+    rng = np.random.default_rng(7)
+    for length in (0, 1, 2047, 2048, 2049, 2048 * 3 + 5, 2048 * 2048, 2048 * 2048 + 2049):
+        x = (rng.standard_normal(length) * np.exp(rng.standard_normal(length) * 4)).astype(
+            np.float32
+        )
+        want = ref_sumsq(x)
+        assert kernels.sumsq(x) == want, length
+    x = (rng.standard_normal(5000) * np.exp(rng.standard_normal(5000) * 4)).astype(np.float32)
+    assert ref_sumsq(x, chunk=16) != ref_sumsq(x, chunk=10**9)
 
 
 def test_residual_is_project_round_then_expand():

@@ -410,16 +410,19 @@ def test_one_stage_and_tiny_inputs():
 class RecordingMap:
     """A RangeMap that doubles every value it reads into one scratch it reuses (as
     PartsMap does for reduce-scatter), halves finished ranges back, and records the
-    calls in order."""
+    calls in order. It tracks what was encoded: every quantization is told."""
+
+    tracks_encoding = True
 
     def __init__(self, rank, source, result, offset):
         self.source, self.result, self.offset = source, result, offset
         self.scratch = np.empty(source.size, np.float32)
         self.calls = []
 
-    def read(self, lo, hi):
+    def read(self, lo, hi, out=None):
         self.calls.append(("read", lo, hi))
-        out = self.scratch[: hi - lo]
+        if out is None:
+            out = self.scratch[: hi - lo]
         np.multiply(self.source[lo:hi], np.float32(2), out=out)
         return out
 
@@ -457,6 +460,38 @@ def test_maps_are_called_per_piece_in_order(gather):
         for i, call in enumerate(got_map.calls):
             if call[0] == "encoded":
                 assert ("read", *call[1:3]) in got_map.calls[:i]
+
+
+class UntrackedMap(RecordingMap):
+    """A RecordingMap that does not track what was encoded: the batched pipeline may
+    then encode the owner's sum as it adds it up, without storing it."""
+
+    tracks_encoding = False
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_an_untracked_map_gets_the_owner_sum_fused(size):
+    """Without tracking, the batched all-reduce encodes the owner's mapped piece and
+    the received bodies in one launch (no fp32 sum, no re-encode): the same results
+    and the same reads and dones as the host-driven pipeline, and no ``encoded`` of
+    the owner's sums, which were never stored."""
+    xs = rank_inputs(size, 25_000, seed=8)
+    for x in xs:
+        x[~np.isfinite(x)] = 0.0
+    UntrackedMap.codec = codec_of("fp8", stochastic=True)
+    host, batched = run_both(UntrackedMap.codec, xs, chunk=3 * 4096, mapper=UntrackedMap)
+    pieces = Pieces.cut(xs[0].size, size, 3 * 4096)
+    for rank, ((want, want_map), (got, got_map)) in enumerate(zip(host, batched, strict=True)):
+        assert_bits_equal(got, want)
+        for kind in ("read", "done"):
+            assert [c for c in got_map.calls if c[0] == kind] == [
+                c for c in want_map.calls if c[0] == kind
+            ]
+        own = [pieces.piece_range(rank, s) for s in range(pieces.stages)]
+        own_sums = sum(hi > lo for lo, hi in own)
+        assert own_sums > 0
+        sent = sum(c[0] == "encoded" for c in got_map.calls)
+        assert sent == sum(c[0] == "encoded" for c in want_map.calls) - own_sums
 
 
 def test_error_feedback_residuals_match():

@@ -225,3 +225,35 @@ def test_geometry_kernels_match_the_c_core(cp, lo, length):
     acc_d = cp.zeros((k, n), cp.float32)
     geo.accumulate(cp.asarray(x), lo, n, cp.asarray(coef_h), acc_d)
     assert same_values(acc_d.get(), acc_h)
+
+
+@pytest.mark.parametrize(
+    "rows,length",
+    [(1, 0), (3, 1), (1, 2048), (2, 2049), (5, 40), (1, 2048 * 2048 + 3 * 2048 + 7)],
+)
+def test_sum_of_squares_matches_the_c_core(cp, rows, length):
+    """The device's levels of the "sumsq" order (one launch per level, chunk totals
+    in fp64) give the C core's one-pass bits for every row: one chunk, a chunk edge,
+    two levels and three, an inf in a row, an empty row; nothing is copied to the
+    host but the totals."""
+    x = (inputs(1, rows * length, tag=9) * 50).reshape(rows, length)
+    if length > 10:
+        x[0, 7] = np.inf
+    want = [geo.sumsq(r) for r in x]
+    got = geo.row_sumsq(cp.asarray(x))
+    assert got.dtype == cp.float64 and got.shape == (rows,)
+    assert np.array_equal(got.get(), np.array(want, np.float64), equal_nan=True)
+    assert geo.sumsq(cp.asarray(x[-1])) == want[-1]
+    assert geo.column_sumsq(cp.asarray(np.ascontiguousarray(x.T))) == want
+
+
+def test_side_channel_rounding_matches_the_c_core(cp):
+    """GeoFP8's bfloat16 rounding of its side values, one kernel on the device, gives
+    the host's bits (the bf16 codec's round trip): ties, overflow to inf, subnormals,
+    NaNs with either sign, in place on a 2-D array."""
+    x = inputs(3, 64 * 33, tag=10) * np.float32(1e30)
+    x[:7] = [np.inf, -np.inf, np.nan, -np.nan, 3.4e38, 1e-40, 1.0 + 2.0**-8]
+    want = geo.round_bf16(x.copy())
+    d = cp.asarray(x.reshape(64, 33))
+    assert geo.round_bf16(d) is d
+    assert np.array_equal(d.get().reshape(-1).view(np.uint32), want.view(np.uint32))

@@ -293,19 +293,21 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         are not finite or all zero: the plan keeps its basis.
         """
         st, dims = plan.state, plan.map_shape
-        xp = array_namespace(x)
         coef = kernels.project(x, 0, dims.n, plan.vt)
-        w, whole = _split_energy((yield _accumulation(x, 0, coef, dims)), dims)
+        # one copy to the host, where the basis is orthonormalized: the summed W and energy
+        total = kernels.host_copy((yield _accumulation(x, 0, coef, dims)))
+        w, whole = _split_energy(total, dims)
         plan.settled = True  # the basis is final from here on (a plan's side may be read)
-        if not (math.isfinite(whole) and whole > 0 and bool(xp.all(xp.isfinite(w)))):
+        if not (math.isfinite(whole) and whole > 0 and bool(np.all(np.isfinite(w)))):
             return  # a non-finite or all-zero input says nothing about the geometry
-        cap = st.map_shape
+        cap, old = st.map_shape, st.host_vt
+        assert old is not None, "a plan steps from a measured basis"
         if dims.k < cap.k:
-            w = xp.concat([w, st.vt[dims.k :, :]], axis=0)
-        vt = kernels.orthonormalize(w, self.seed)
-        overlap = _overlap(vt[: dims.k, :], st.vt)
+            w = np.concatenate([w, old[dims.k :, :]], axis=0)
+        basis = kernels.orthonormalize(w, self.seed)
+        overlap = _overlap(basis[: dims.k, :], old)
         period = policy.next_period(st.period, overlap, self.refresh_period, self.refresh_max)
-        plan.stepped(vt, whole, period)
+        plan.stepped(array_namespace(x).asarray(basis), whole, period, basis)
 
     def refresh(self, plan: Any, shard: Any, lo: int, side_sum: Any, alone: bool = False) -> Rounds:
         """The rounds that update the key of ``plan`` after the call: a measuring
@@ -340,13 +342,13 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         along each mapped direction (the side sum's last row: every rank's
         values), the tracked rows it does not map carried along with their
         energies scaled to the new whole energy."""
-        st, (vt, whole, period) = plan.state, plan.pending
-        mapped = [float(e) for e in side_sum[plan.map_shape.m, :]]
+        st, (vt, whole, period, host) = plan.state, plan.pending
+        mapped = [float(e) for e in kernels.host_copy(side_sum[plan.map_shape.m, :])]
         if not all(map(math.isfinite, mapped)):
             return
         stale = whole / st.total if st.total > 0 else 0.0
         carried = [e * stale for e in st.energies[plan.map_shape.k :]]
-        st.commit(vt, (*mapped, *carried), whole, period, summed=True)
+        st.commit(vt, (*mapped, *carried), whole, period, summed=True, host=host)
         self._version += 1
 
     def measure(
@@ -524,7 +526,7 @@ def _accumulation(shard: Any, lo: int, coef: Any, dims: MapShape) -> Any:
     acc = xp.zeros((dims.k, dims.n), dtype=xp.float32)
     if shard.shape[0]:
         kernels.accumulate(shard, lo, dims.n, coef[_shard_rows(shard, lo, dims), :], acc)
-    energy = xp.asarray([kernels.sumsq(shard)], dtype=xp.float32)
+    energy = xp.astype(kernels.row_sumsq(xp.reshape(shard, (1, -1))), xp.float32)
     return kernels.round_bf16(xp.concat([xp.reshape(acc, (-1,)), energy]))
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "project",
     "residual",
     "round_bf16",
+    "row_sumsq",
     "rows",
     "sumsq",
 ]
@@ -42,6 +43,7 @@ __all__ = [
 _THREADS = 256
 _BF16 = BF16Codec()  # the side channel's format (GeoCodec.side_format)
 _LANES = 8  # GC_LANES of native/gc_linalg.h: threads per projected coefficient
+_SUMSQ_CHUNK = 2048  # GC_SUMSQ_CHUNK of native/gc_linalg.h
 
 
 def rows(lo: int, length: int, n: int) -> int:
@@ -102,7 +104,15 @@ def round_bf16(values: Any) -> Any:
     """
     if values.size == 0:
         return values
-    flat = (values if is_cupy_array(values) else _host(values)).reshape(-1)
+    if is_cupy_array(values):
+        import cupy
+
+        flat = values.reshape(-1)
+        _kernel(cupy, "gc_geo_round_bf16")(
+            _grid(flat.size), (_THREADS,), (flat, np.uint64(flat.size))
+        )
+        return values
+    flat = _host(values).reshape(-1)
     round_trip(_BF16, flat, flat)
     return values
 
@@ -128,15 +138,32 @@ def accumulate(values: Any, lo: int, n: int, coef: Any, acc: Any) -> None:
 
 
 def sumsq(values: Any) -> float:
-    """Sum of squares in fp64, in a fixed order (host; CuPy copies to the host)."""
+    """Sum of squares in fp64, in gc_linalg.h's "sumsq" order (CuPy sums on the device
+    and copies the total)."""
     if is_cupy_array(values):
-        values = values.get()
+        return float(row_sumsq(values.reshape(1, -1))[0].get())
     return native.geo_sumsq(np.ascontiguousarray(_host(values), np.float32).reshape(-1))
 
 
+def row_sumsq(a: Any) -> Any:
+    """The :func:`sumsq` of every row of a 2-D float32 array, as a float64 array of its
+    namespace (CuPy: computed on the device, nothing copied to the host)."""
+    if is_cupy_array(a):
+        return _cuda_row_sumsq(a)
+    xp = array_namespace(a)
+    host = _host(a)
+    return xp.asarray(
+        np.array([native.geo_sumsq(np.ascontiguousarray(r, np.float32)) for r in host], np.float64)
+    )
+
+
 def column_sumsq(coef: Any) -> list[float]:
-    """:func:`sumsq` of every column of an (m, k) coefficient matrix."""
-    return [sumsq(coef[:, j]) for j in range(coef.shape[1])]
+    """:func:`sumsq` of every column of an (m, k) coefficient matrix (one copy to the host)."""
+    if is_cupy_array(coef):
+        import cupy
+
+        return [float(e) for e in row_sumsq(cupy.ascontiguousarray(coef.T)).get()]
+    return [sumsq(_host(coef)[:, j]) for j in range(coef.shape[1])]
 
 
 def orthonormalize(rows_: Any, seed: int) -> Any:
@@ -231,3 +258,26 @@ def _cuda_accumulate(values: Any, lo: int, n: int, coef: Any, acc: Any) -> None:
                 acc,
             ),
         )
+
+
+def _cuda_row_sumsq(a: Any) -> Any:
+    """The levels of the "sumsq" order on the device: level 0 squares, each level above
+    sums GC_SUMSQ_CHUNK totals, until one total per row is left."""
+    import cupy
+
+    level = cupy.ascontiguousarray(a, cupy.float32)
+    rows, length = level.shape
+    if length == 0:
+        return cupy.zeros(rows, cupy.float64)
+    name = "gc_geo_sumsq_squares"
+    while True:
+        chunks = -(-length // _SUMSQ_CHUNK)
+        out = cupy.empty((rows, chunks), cupy.float64)
+        _kernel(cupy, name)(
+            _grid(rows * chunks * _LANES),
+            (_THREADS,),
+            (level, np.uint64(rows), np.uint64(length), out),
+        )
+        if chunks == 1:
+            return out.reshape(rows)
+        level, length, name = out, chunks, "gc_geo_sumsq_totals"

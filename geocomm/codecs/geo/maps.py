@@ -77,8 +77,8 @@ def _with_energies(coef: Any, pending: Any) -> Any:
     if pending is None:
         return coef
     xp = array_namespace(coef)
-    energies = xp.asarray([kernels.column_sumsq(coef)])
-    return xp.concat([coef, kernels.round_bf16(xp.astype(energies, xp.float32))], axis=0)
+    energies = xp.reshape(xp.astype(kernels.row_sumsq(coef.T), xp.float32), (1, -1))
+    return xp.concat([coef, kernels.round_bf16(energies)], axis=0)
 
 
 class SplitPlan:
@@ -101,7 +101,7 @@ class SplitPlan:
         self.map_shape, self.vt, self.steps, self.state = dims, vt, steps, state
         self.settled = not steps  # the codec's step sets it once the basis is final
         self.side: Any = None
-        self.pending: Any = None  # after a step: (basis, energy, period) for the state
+        self.pending: Any = None  # after a step: (basis, energy, period, host basis)
         self._packed: Any = None
 
     @property
@@ -109,11 +109,11 @@ class SplitPlan:
         """Whether the key's state takes a new basis after the call (a step found one)."""
         return self.pending is not None
 
-    def stepped(self, vt: Any, energy: float, period: int) -> None:
+    def stepped(self, vt: Any, energy: float, period: int, host: Any) -> None:
         """The step's result: ``vt`` (the key's tracked rows, the mapped ones first)
         maps from now on; the state takes it after the call with the summed
-        ``energy`` and ``period``. Call before :meth:`begin`."""
-        self.vt, self.pending = vt[: self.map_shape.k, :], (vt, energy, period)
+        ``energy`` and ``period`` (``host``: vt's NumPy copy). Call before :meth:`begin`."""
+        self.vt, self.pending = vt[: self.map_shape.k, :], (vt, energy, period, host)
 
     def begin(self, x: Any) -> None:
         """A = X V, rounded to bfloat16, for this rank's flat values x: sets :attr:`side`.
@@ -226,9 +226,9 @@ class WhitenPlan:
         self._side: Any = None
         self._bases: Any = None  # (U^T, forward rows, inverse rows), or () for none
 
-    def stepped(self, vt: Any, energy: float, period: int) -> None:
+    def stepped(self, vt: Any, energy: float, period: int, host: Any) -> None:
         """As :meth:`SplitPlan.stepped` (before :attr:`side` is read)."""
-        self.vt, self.pending = vt[: self.map_shape.k, :], (vt, energy, period)
+        self.vt, self.pending = vt[: self.map_shape.k, :], (vt, energy, period, host)
 
     @property
     def side(self) -> Any:

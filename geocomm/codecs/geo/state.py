@@ -17,12 +17,17 @@ import numpy as np
 from geocomm.codecs.geo.policy import MapShape
 
 
-def _host_bytes(a: Any) -> bytes:
-    """The little-endian float32 bytes of an array of any namespace (CuPy copies)."""
+def _host_array(a: Any) -> np.ndarray:
+    """A little-endian float32 NumPy copy of an array of any namespace (CuPy copies)."""
     if hasattr(a, "get") and not isinstance(a, np.ndarray):
         a = a.get()
     host = a if isinstance(a, np.ndarray) else np.from_dlpack(a)
-    return np.ascontiguousarray(host, "<f4").tobytes()
+    return np.array(host, "<f4", order="C", copy=True)
+
+
+def _host_bytes(a: Any) -> bytes:
+    """The little-endian float32 bytes of an array of any namespace (CuPy copies)."""
+    return _host_array(a).tobytes()
 
 
 @dataclass
@@ -44,6 +49,9 @@ class KeyState:
     measure in a reduce-scatter) rather than every rank measuring from the
     whole result (an all-reduce), i.e. whether it cost side bytes.
 
+    ``host_vt``: a NumPy copy of ``vt`` (the host's steps read it without a copy
+    from the device).
+
     Whitening (``transform="whiten"``): ``wt``, the (rows, d) basis of the
     last result's dominant directions (orthonormal, best first; None before
     one was measured), ``wenergies`` the result's energy along each, and
@@ -63,12 +71,13 @@ class KeyState:
     wt: Any = None
     wenergies: tuple[float, ...] = ()
     wbulk: float = 0.0
+    host_vt: np.ndarray | None = field(default=None, init=False, repr=False)
     _basis_crc: int = field(default=0, init=False, repr=False)
     _white_crc: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.vt is not None:
-            self._basis_crc = zlib.crc32(_host_bytes(self.vt))
+            self._set_basis(self.vt)
         if self.wt is not None:
             self._white_crc = zlib.crc32(_host_bytes(self.wt))
 
@@ -97,17 +106,29 @@ class KeyState:
         white = struct.pack(f"<d{len(self.wenergies)}d", self.wbulk, *self.wenergies)
         return zlib.crc32(white, crc ^ self._white_crc)
 
+    def _set_basis(self, vt: Any, host: np.ndarray | None = None) -> None:
+        """``vt`` becomes the basis; ``host``: its NumPy copy, if the caller has one."""
+        self.vt = vt
+        self.host_vt = _host_array(vt) if host is None else host
+        self._basis_crc = zlib.crc32(np.ascontiguousarray(self.host_vt, "<f4").tobytes())
+
     def commit(
-        self, vt: Any, energies: tuple[float, ...], total: float, period: int, summed: bool
+        self,
+        vt: Any,
+        energies: tuple[float, ...],
+        total: float,
+        period: int,
+        summed: bool,
+        host: np.ndarray | None = None,
     ) -> None:
-        """A basis update: the new basis, the energies along its directions, the
-        whole energy (the share follows), the next period and whether the
-        update summed over ranks."""
-        self.vt, self.refreshed, self.period = vt, self.calls, int(period)
+        """A basis update: the new basis (``host``: its NumPy copy, if the caller has
+        one), the energies along its directions, the whole energy (the share follows),
+        the next period and whether the update summed over ranks."""
+        self._set_basis(vt, host)
+        self.refreshed, self.period = self.calls, int(period)
         self.summed = bool(summed)
         self.energies, self.total = tuple(float(e) for e in energies), float(total)
         self.share = min(sum(self.energies) / self.total, 1.0)
-        self._basis_crc = zlib.crc32(_host_bytes(vt))
 
     def commit_whitening(self, wt: Any, energies: tuple[float, ...], bulk: float) -> None:
         """A measured whitening basis, the result's energy along each of its rows and
@@ -151,8 +172,7 @@ class KeyState:
             vt = np.asarray(data["vt"], np.float32)
             if vt.shape != (st.map_shape.k, st.map_shape.n):
                 raise ValueError(f"basis of shape {vt.shape} does not fit {st.map_shape}")
-            st.vt = xp.asarray(vt)
-            st._basis_crc = zlib.crc32(_host_bytes(st.vt))
+            st._set_basis(xp.asarray(vt), vt)
         if data.get("wt") is not None:
             wt = np.asarray(data["wt"], np.float32)
             if wt.ndim != 2 or wt.shape[1] != st.map_shape.n:

@@ -200,6 +200,10 @@ class ndarray:
             raise NotImplementedError("twin: reshape that needs a copy")
         return ndarray._of_view(self._alloc, view)
 
+    @property
+    def T(self) -> ndarray:  # CuPy's transpose of a view
+        return ndarray._of_view(self._alloc, self._view().T)
+
     def ravel(self) -> ndarray:
         return self.reshape(-1) if self.flags.c_contiguous else self.copy().reshape(-1)
 
