@@ -250,10 +250,13 @@ GC_DEV void gc_fp8_codes4(int e5m2, const float *v, float pre, float factor, int
 }
 
 /* This lane's values of one scaling block of `len` values (codes cb, decoded into
- * ob, times `scale`), four per step; accumulate: ob + value, one IEEE add each. */
+ * ob, times `scale`), four per step; accumulate: ob + value, one IEEE add each;
+ * then post(at, v) may change the four values at block offset `at` before they
+ * are stored. */
+template <class Post>
 GC_DEV void gc_fp8_decode_block(const unsigned char *cb, float scale, gc_u64 len,
                                 unsigned int lane, unsigned int width, int e5m2, int accumulate,
-                                float *ob)
+                                float *ob, const Post &post)
 {
 #pragma unroll
     for (int t = 0; t < GC_TEAM_STEPS; ++t) {
@@ -270,6 +273,7 @@ GC_DEV void gc_fp8_decode_block(const unsigned char *cb, float scale, gc_u64 len
                 for (int j = 0; j < 4; ++j)
                     v[j] = __fadd_rn(o[j], v[j]);
             }
+            post(at, v);
             gc_store4_f32(ob + at, len - at, v);
         }
     }
@@ -418,7 +422,7 @@ extern "C" __global__ void gc_fp8_decode_team(const unsigned char *wire, gc_u64 
     gc_u64 start = k * block;
     gc_u64 len = gc_min_u64(block, n - start);
     gc_fp8_decode_block(wire + 4 * nblocks + start, gc_load_f32(wire + 4 * k), len, lane, width,
-                        e5m2, accumulate, out + start);
+                        e5m2, accumulate, out + start, [](gc_u64, float *) {});
 }
 
 /* Tile decode for large blocks. */

@@ -34,6 +34,13 @@
  * Encoders read their stochastic-rounding key (gc_sr_key of the call's
  * quantization stream) from device memory: see gc_load_key.
  *
+ * The _split kernels (fp8 teams) run GeoFP8's split map in the same pass
+ * (gc_split): the encoder quantizes x - A V^T, the decoder writes its value
+ * plus (sum_i A_i) V^T, each element's map being gc_geo_expand's chain of
+ * native/gc_linalg.h, so the bytes and values are those of the map into a
+ * buffer followed by the plain kernel. They take one piece (a one-row table)
+ * that lies inside one mapped tensor.
+ *
  * Every value comes from the gc_scalar.h functions with the operands and
  * order of gc_cuda.cu (whose helpers this file includes), so the bytes and
  * values are the C core's; compile with the same flags (-fmad=false
@@ -41,6 +48,7 @@
  * 32 (GC_NVFP4_THREADS exactly, for gc_pipe_nvfp4_encode).
  */
 #include "gc_cuda.cu"
+#include "gc_linalg.h"
 
 #define GC_SEG_VALUES 0
 #define GC_SEG_COUNT 1
@@ -189,6 +197,34 @@ extern "C" __global__ void gc_pipe_value_encode(int family, const float *x, cons
     }
 }
 
+/* A piece's split map (GeoFP8: geocomm/codecs/geo/maps.py, SplitPlan): value p of
+ * the piece is element t0 + p of its tensor, a row-major matrix of n columns;
+ * coef holds the k coefficients of each row from row t0 / n on, vt the (k, n)
+ * basis. k == 0: no map. */
+struct gc_split {
+    gc_u64 t0, n, k;
+    const float *coef, *vt;
+};
+
+/* v[q] + sign * (coef row . vt column) for values p .. p + 3 of the piece, those
+ * below `avail` (the others stay as they are: an encoder's zeros past a block's
+ * end must not enter its amax): gc_geo_expand's element, chain over l in order. */
+GC_DEV void gc_split4(const gc_split &m, gc_u64 p, gc_u64 avail, float sign, float *v)
+{
+    gc_u64 t = m.t0 + p;
+    gc_u64 r = t / m.n - m.t0 / m.n, j = t % m.n;
+    for (int q = 0; q < 4 && (gc_u64)q < avail; ++q) {
+        float c = 0.0f;
+        for (gc_u64 l = 0; l < m.k; ++l)
+            c = gc_mad(c, m.coef[r * m.k + l], m.vt[l * m.n + j]);
+        v[q] = __fadd_rn(v[q], __fmul_rn(sign, c));
+        if (++j == m.n) {
+            j = 0;
+            ++r;
+        }
+    }
+}
+
 /* FP8 with a block of at most GC_TEAM_MAX values: 2^lshift lanes per scaling
  * block, four consecutive values per lane and step (as gc_fp8_encode_team, and
  * like it in two kernels: one step for blocks up to 128, GC_TEAM_STEPS in
@@ -198,7 +234,8 @@ template <int STEPS>
 GC_DEV void gc_pipe_fp8_encode_team_run(const float *x, const gc_u64 *table,
                                         const unsigned char *in, unsigned int nin,
                                         gc_u64 in_stride, unsigned int lshift, int e5m2, int sr,
-                                        const gc_u64 *sr_key, unsigned char *wire)
+                                        const gc_u64 *sr_key, unsigned char *wire,
+                                        const gc_split &map)
 {
     const gc_u64 key = gc_load_key(sr, sr_key);
     const unsigned int width = 1u << lshift;
@@ -213,6 +250,8 @@ GC_DEV void gc_pipe_fp8_encode_team_run(const float *x, const gc_u64 *table,
     /* gc_sum_at's adds, body by body: each body's scale read once, its codes four
      * at a time (values past len stay 0: their codes read as 0) */
     auto add = [&](gc_u64 at, float *v) {
+        if (map.k) /* the own values mapped first, then the bodies added, as the host does */
+            gc_split4(map, start + at, len - at, -1.0f, v);
         for (unsigned int r = 0; r < nin; ++r) {
             const unsigned char *body = in + r * in_stride;
             float scale = gc_load_f32(body + 4 * k);
@@ -234,7 +273,8 @@ extern "C" __global__ void gc_pipe_fp8_encode_team(const float *x, const gc_u64 
                                                    int e5m2, int sr, const gc_u64 *sr_key,
                                                    unsigned char *wire)
 {
-    gc_pipe_fp8_encode_team_run<1>(x, table, in, nin, in_stride, lshift, e5m2, sr, sr_key, wire);
+    gc_pipe_fp8_encode_team_run<1>(x, table, in, nin, in_stride, lshift, e5m2, sr, sr_key, wire,
+                                   gc_split{0, 1, 0, nullptr, nullptr});
 }
 
 extern "C" __global__ void gc_pipe_fp8_encode_team_wide(const float *x, const gc_u64 *table,
@@ -245,7 +285,26 @@ extern "C" __global__ void gc_pipe_fp8_encode_team_wide(const float *x, const gc
                                                         unsigned char *wire)
 {
     gc_pipe_fp8_encode_team_run<GC_TEAM_STEPS>(x, table, in, nin, in_stride, lshift, e5m2, sr,
-                                               sr_key, wire);
+                                               sr_key, wire, gc_split{0, 1, 0, nullptr, nullptr});
+}
+
+/* The team encoders with a split map (t0, n, k, coef, vt: gc_split). */
+extern "C" __global__ void gc_pipe_fp8_encode_team_split(
+    const float *x, const gc_u64 *table, const unsigned char *in, unsigned int nin,
+    gc_u64 in_stride, unsigned int lshift, int e5m2, int sr, const gc_u64 *sr_key,
+    unsigned char *wire, gc_u64 t0, gc_u64 n, gc_u64 k, const float *coef, const float *vt)
+{
+    gc_pipe_fp8_encode_team_run<1>(x, table, in, nin, in_stride, lshift, e5m2, sr, sr_key, wire,
+                                   gc_split{t0, n, k, coef, vt});
+}
+
+extern "C" __global__ void gc_pipe_fp8_encode_team_wide_split(
+    const float *x, const gc_u64 *table, const unsigned char *in, unsigned int nin,
+    gc_u64 in_stride, unsigned int lshift, int e5m2, int sr, const gc_u64 *sr_key,
+    unsigned char *wire, gc_u64 t0, gc_u64 n, gc_u64 k, const float *coef, const float *vt)
+{
+    gc_pipe_fp8_encode_team_run<GC_TEAM_STEPS>(x, table, in, nin, in_stride, lshift, e5m2, sr,
+                                               sr_key, wire, gc_split{t0, n, k, coef, vt});
 }
 
 /* FP8 tile walk (larger blocks, block 0), first pass: amax[s.amax + k] =
@@ -423,8 +482,10 @@ GC_DEV void gc_fp8_decode_run(const unsigned char *wire, const gc_seg &s, int e5
 
 /* FP8, team walk: 2^lshift lanes per scaling block, four consecutive values per
  * lane and step (as gc_fp8_decode_team). */
-extern "C" __global__ void gc_pipe_fp8_decode_team(const unsigned char *wire, const gc_u64 *table,
-                                                   unsigned int lshift, int e5m2, float *out)
+template <class Post>
+GC_DEV void gc_pipe_fp8_decode_team_run(const unsigned char *wire, const gc_u64 *table,
+                                        unsigned int lshift, int e5m2, float *out,
+                                        const Post &post)
 {
     const unsigned int width = 1u << lshift;
     gc_seg s = gc_seg_row(table);
@@ -437,7 +498,30 @@ extern "C" __global__ void gc_pipe_fp8_decode_team(const unsigned char *wire, co
     gc_u64 len = gc_min_u64(s.block, s.count - start);
     const unsigned char *w = wire + s.wire;
     gc_fp8_decode_block(w + 4 * s.scales + start, gc_load_f32(w + 4 * k), len, lane, width, e5m2,
-                        0, out + s.values + start);
+                        0, out + s.values + start,
+                        [&](gc_u64 at, float *v) { post(start + at, len - at, v); });
+}
+
+extern "C" __global__ void gc_pipe_fp8_decode_team(const unsigned char *wire, const gc_u64 *table,
+                                                   unsigned int lshift, int e5m2, float *out)
+{
+    gc_pipe_fp8_decode_team_run(wire, table, lshift, e5m2, out,
+                                [](gc_u64, gc_u64, float *) {});
+}
+
+/* The team decoder with a split map: each value plus the summed coefficients'
+ * expansion (sign +1), what the map's inverse adds after a plain decode. */
+extern "C" __global__ void gc_pipe_fp8_decode_team_split(const unsigned char *wire,
+                                                         const gc_u64 *table, unsigned int lshift,
+                                                         int e5m2, float *out, gc_u64 t0,
+                                                         gc_u64 n, gc_u64 k, const float *coef,
+                                                         const float *vt)
+{
+    const gc_split map = gc_split{t0, n, k, coef, vt};
+    gc_pipe_fp8_decode_team_run(wire, table, lshift, e5m2, out,
+                                [&](gc_u64 p, gc_u64 avail, float *v) {
+                                    gc_split4(map, p, avail, 1.0f, v);
+                                });
 }
 
 /* FP8, tile walk. */

@@ -153,15 +153,17 @@ class NativeFormat(FramedCodec):
 
 class Split(NamedTuple):
     """A split map over a range of a row-major matrix of ``n`` columns, for the
-    split calls of :class:`NativeFormat`: the range starts at flat index ``lo``,
-    ``coef`` holds k coefficients per row it touches, ``vt`` the k x n basis,
-    ``packed`` its ``native.geo_pack`` layout (``native/geocomm.h``, gc_geo_encode)."""
+    split calls of :class:`NativeFormat` and the device pipeline's split kernels: the
+    range starts at flat index ``lo``, ``coef`` holds k coefficients per row it
+    touches, ``vt`` the k x n basis, ``packed`` its ``native.geo_pack`` layout
+    (``native/geocomm.h``, gc_geo_encode; None for CuPy arrays, whose kernels read
+    ``vt``)."""
 
     lo: int
     n: int
-    coef: np.ndarray
-    vt: np.ndarray
-    packed: np.ndarray
+    coef: Any
+    vt: Any
+    packed: Any
 
 
 def round_trip(codec: Any, values: Any, out: Any) -> Any:

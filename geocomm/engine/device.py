@@ -34,11 +34,15 @@ the same algorithm, with the same bits, as one launch per phase and stage:
   hands it out again only on the current stream, after those waits.
   What a ``GEOCOMM_TIMEOUT`` bounds then is said in :mod:`geocomm.comm.nccl`.
 
-A transforming codec's map (``mapper``) still runs per piece, in order:
-``read`` of the stage's pieces into a staging buffer, the batched encode, then
-``encoded`` per piece; ``done`` per piece after the batched decode. The owner's
-mapped piece and the received bodies are encoded as they are added up, unless
-the map tracks what was encoded (error feedback: it needs the sum).
+A transforming codec's map (``mapper``) runs per piece, in order: ``read``
+of the stage's pieces into a staging buffer, the batched encode, then
+``encoded`` per piece; ``done`` per piece after the batched decode. The
+owner's mapped piece and the received bodies are encoded as they are added
+up, unless the map tracks what was encoded (error feedback: it needs the
+sum). A piece inside one tensor with a split map (GeoFP8's, fp8 teams) is
+mapped by the kernels themselves, one launch per piece: the encoder reads
+the source and quantizes x - A V^T, the decoder adds (sum_i A_i) V^T to
+what it decodes (``RangeMap.split``; native/gc_pipeline.cu, gc_split).
 
 :class:`CudaKernels` launches the kernels; :class:`HostKernels` runs the same
 contract per piece through the C core on NumPy arrays: the reference the CUDA
@@ -53,6 +57,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from geocomm.codecs.formats import Split
+from geocomm.codecs.geo import kernels as geo_kernels
 from geocomm.comm.base import Communicator
 from geocomm.engine.arithmetic import divide
 from geocomm.engine.device_tables import (
@@ -77,6 +83,7 @@ from geocomm.engine.device_tables import (
     decode_walk,
     encode_walk,
     launch_grid,
+    team_walk,
     wire_format,
 )
 from geocomm.engine.layout import (
@@ -90,7 +97,7 @@ from geocomm.engine.protocols import Capturable, RangeMap, WireCodec
 from geocomm.kernels import cuda, cuda_build, native
 
 _SOURCE = "gc_pipeline.cu"
-_INCLUDE_LINE = '#include "gc_cuda.cu"'
+_INCLUDE_LINES = ('#include "gc_cuda.cu"', '#include "gc_linalg.h"')
 
 
 # ---------------------------------------------------------------------------
@@ -101,11 +108,19 @@ class Segments:
     """A segment table: host rows (for the grids), the device copy the kernels read, and
     the launch grid of each walk over them, computed once."""
 
-    __slots__ = ("device", "grids", "rows")
+    __slots__ = ("device", "grids", "rows", "singles")
 
     def __init__(self, rows: np.ndarray, device: Any):
         self.rows, self.device = rows, device
         self.grids: dict[tuple[str, int], tuple[int, int] | None] = {}
+        self.singles: dict[int, Segments] = {}
+
+    def row(self, i: int) -> Segments:
+        """The one-row table of row ``i`` (a view of this one's device copy), made once."""
+        single = self.singles.get(i)
+        if single is None:
+            single = self.singles[i] = Segments(self.rows[i : i + 1], self.device[i : i + 1])
+        return single
 
     def grid(self, walk: str, fmt: WireFormat) -> tuple[int, int] | None:
         """:func:`launch_grid` of ``walk`` over these rows (None: no value to launch for)."""
@@ -126,16 +141,29 @@ class Incoming(NamedTuple):
 
 @functools.cache
 def kernel_source() -> str:
-    """gc_pipeline.cu with gc_cuda.cu (and gc_scalar.h) inlined: one NVRTC unit."""
-    text = (cuda_build.source_dir() / _SOURCE).read_text()
-    if _INCLUDE_LINE not in text:
-        raise RuntimeError(f"{_SOURCE} does not contain the line {_INCLUDE_LINE!r}")
-    return text.replace(_INCLUDE_LINE, cuda.kernel_source(), 1)
+    """gc_pipeline.cu with gc_cuda.cu (and gc_scalar.h) and gc_linalg.h inlined: one
+    NVRTC unit."""
+    directory = cuda_build.source_dir()
+    text = (directory / _SOURCE).read_text()
+    for line in _INCLUDE_LINES:
+        if line not in text:
+            raise RuntimeError(f"{_SOURCE} does not contain the line {line!r}")
+    linalg = (directory / "gc_linalg.h").read_text().replace('#include "gc_scalar.h"', "", 1)
+    text = text.replace(_INCLUDE_LINES[0], cuda.kernel_source(), 1)
+    return text.replace(_INCLUDE_LINES[1], linalg, 1)
 
 
 def _u64(v: int) -> np.uint64:
     result: np.uint64 = np.uint64(v)
     return result
+
+
+def _split_args(split: Split) -> tuple[Any, ...]:
+    """The split kernels' last arguments (native/gc_pipeline.cu, gc_split): t0, n, k,
+    the coefficients of the rows from t0 / n on, the basis."""
+    if not (split.coef.flags.c_contiguous and split.vt.flags.c_contiguous):
+        raise ValueError("a split map's coefficients and basis must be C-contiguous")
+    return (_u64(split.lo), _u64(split.n), _u64(split.vt.shape[0]), split.coef, split.vt)
 
 
 class CudaKernels:
@@ -146,7 +174,10 @@ class CudaKernels:
     (a device array of one uint64 holding ``fmt.key(rounding_stream)``; None: a new
     one); ``reduce`` writes the sums as fp32 into ``out``; ``decode`` decodes every
     piece into ``out``. ``amax``: a zeroed uint32 scratch with the slots the rows name
-    (fp8 tile walk only).
+    (fp8 tile walk only). ``split`` (fp8 teams, a one-row ``seg``): the piece's split
+    map (:class:`~geocomm.codecs.formats.Split`), which ``encode`` applies to the
+    values before anything is added and ``decode`` to the decoded values, in the same
+    pass.
     """
 
     def __init__(self) -> None:
@@ -157,7 +188,7 @@ class CudaKernels:
 
     def encode(self, fmt: WireFormat, x: Any, seg: Segments, wire: Any, amax: Any,
                incoming: Incoming | None = None, rounding_stream: int = 0,
-               key: Any = None) -> None:  # fmt: skip
+               key: Any = None, split: Split | None = None) -> None:  # fmt: skip
         walk = encode_walk(fmt)
         grid = seg.grid(walk, fmt)
         if grid is None:
@@ -182,9 +213,11 @@ class CudaKernels:
         elif fmt.family == MXFP8:
             self._kernel("gc_pipe_mxfp8_encode")(grid, threads, (*head, e5m2, rceil, *rounding))
         elif walk == "team":
-            self._kernel(cuda.team_kernel("gc_pipe_fp8_encode_team", fmt.block))(
-                grid, threads, (*head, np.uint32(cuda.team_shift(fmt.block)), e5m2, *rounding)
-            )
+            name = cuda.team_kernel("gc_pipe_fp8_encode_team", fmt.block)
+            args = (*head, np.uint32(cuda.team_shift(fmt.block)), e5m2, *rounding)
+            if split is not None:
+                name, args = name + "_split", (*args, *_split_args(split))
+            self._kernel(name)(grid, threads, args)
         else:
             tile = _u64(cuda.TILE)
             self._kernel("gc_pipe_amax_tiles")(grid, threads, (*head, e5m2, tile, amax))
@@ -214,7 +247,9 @@ class CudaKernels:
                 ),
             )
 
-    def decode(self, fmt: WireFormat, wire: Any, seg: Segments, out: Any) -> None:
+    def decode(
+        self, fmt: WireFormat, wire: Any, seg: Segments, out: Any, split: Split | None = None
+    ) -> None:
         walk = decode_walk(fmt)
         grid = seg.grid(walk, fmt)
         if grid is None:
@@ -229,11 +264,13 @@ class CudaKernels:
                 grid, (cuda.THREADS,), (np.int32(fmt.family), e5m2, wire, seg.device, out)
             )
         elif walk == "team":
-            self._kernel("gc_pipe_fp8_decode_team")(
-                grid,
-                (cuda.THREADS,),
-                (wire, seg.device, np.uint32(cuda.team_shift(fmt.block)), e5m2, out),
-            )
+            args = (wire, seg.device, np.uint32(cuda.team_shift(fmt.block)), e5m2, out)
+            if split is None:
+                self._kernel("gc_pipe_fp8_decode_team")(grid, (cuda.THREADS,), args)
+            else:
+                self._kernel("gc_pipe_fp8_decode_team_split")(
+                    grid, (cuda.THREADS,), (*args, *_split_args(split))
+                )
         else:
             self._kernel("gc_pipe_fp8_decode_tiles")(
                 grid, (cuda.THREADS,), (wire, seg.device, _u64(cuda.TILE), e5m2, out)
@@ -257,8 +294,16 @@ class HostKernels:
             if n:
                 yield int(row[VALUES]), n, int(row[WIRE]), int(row[INDEX])
 
-    def _sum(self, fmt: WireFormat, values: np.ndarray, incoming: Incoming | None) -> np.ndarray:
+    def _sum(
+        self,
+        fmt: WireFormat,
+        values: np.ndarray,
+        incoming: Incoming | None,
+        split: Split | None = None,
+    ) -> np.ndarray:
         total = values.astype(np.float32, copy=True)
+        if split is not None:  # the map first, then the bodies (as the kernels do)
+            geo_kernels.expand(values, split.lo, split.n, split.coef, split.vt, -1.0, total)
         if incoming is not None:
             size = fmt.wire_size(total.size)
             for r in range(incoming.count):
@@ -285,9 +330,10 @@ class HostKernels:
         incoming: Incoming | None = None,
         rounding_stream: int = 0,
         key: Any = None,
+        split: Split | None = None,
     ) -> None:
         for values, n, at, index in self._pieces(fmt, seg):
-            total = self._sum(fmt, x[values : values + n], incoming)
+            total = self._sum(fmt, x[values : values + n], incoming, split)
             body = wire[at : at + fmt.wire_size(n)]
             if fmt.family == RAW:
                 body[...] = total.view(np.uint8)
@@ -304,9 +350,19 @@ class HostKernels:
         for values, n, _, _ in self._pieces(fmt, seg):
             out[values : values + n] = self._sum(fmt, x[values : values + n], incoming)
 
-    def decode(self, fmt: WireFormat, wire: np.ndarray, seg: Segments, out: np.ndarray) -> None:
+    def decode(
+        self,
+        fmt: WireFormat,
+        wire: np.ndarray,
+        seg: Segments,
+        out: np.ndarray,
+        split: Split | None = None,
+    ) -> None:
         for values, n, at, _ in self._pieces(fmt, seg):
-            self._decode_body(fmt, wire[at : at + fmt.wire_size(n)], out[values : values + n])
+            piece = out[values : values + n]
+            self._decode_body(fmt, wire[at : at + fmt.wire_size(n)], piece)
+            if split is not None:
+                geo_kernels.expand(piece, split.lo, split.n, split.coef, split.vt, 1.0, piece)
 
 
 # ---------------------------------------------------------------------------
@@ -562,26 +618,46 @@ class BatchedPipeline(PieceAccess):
         return [self.pieces.piece_range(j, s) for j in range(self.comm.size) if j != self.me]
 
     # -- phases ---------------------------------------------------------------
+    def _splits(self, ranges: list[tuple[int, int]], back: bool) -> list[Any]:
+        """The split map of each range that the kernels run themselves (fp8 teams),
+        None where the pipeline maps step by step (:meth:`RangeMap.split`)."""
+        if self.mapper is None or not team_walk(self.fmt):
+            return [None] * len(ranges)
+        return [self.mapper.split(lo, hi, back) for lo, hi in ranges]
+
     def encode_stage(self, s: int) -> None:
         plan = self.plan
-        seg = plan.stages[s].send
-        x = self.source
-        if self.mapper is not None:  # map every piece into its place in the staging buffer
-            x = plan.staging
-            for (lo, hi), row in zip(self._send_pieces(s), seg.rows, strict=True):
-                at = int(row[VALUES])
-                self.mapper.read(lo, hi, x[at : at + hi - lo])
-        wire = plan.a2a_send[s % 2]
-        self.kernels.encode(
-            self.fmt, x, seg, wire, plan.amax,
-            rounding_stream=self.rounding_streams[0], key=plan.key_views[0],
-        )  # fmt: skip
-        if self.mapper is not None:
-            for (lo, hi), row in zip(self._send_pieces(s), seg.rows, strict=True):
-                at, body = int(row[VALUES]), int(row[WIRE])
-                self.mapper.encoded(
-                    lo, hi, x[at : at + hi - lo], wire[body : body + self.fmt.wire_size(hi - lo)]
-                )
+        seg, wire = plan.stages[s].send, plan.a2a_send[s % 2]
+        keyed = {"rounding_stream": self.rounding_streams[0], "key": plan.key_views[0]}
+        if self.mapper is None:
+            self.kernels.encode(self.fmt, self.source, seg, wire, plan.amax, **keyed)
+            return
+        # a mapped call: split pieces are mapped by the encoder as it reads them; the
+        # others are mapped into their place in the staging buffer first
+        ranges = self._send_pieces(s)
+        splits = self._splits(ranges, back=False)
+        staged = [i for i, split in enumerate(splits) if split is None]
+        x = plan.staging
+        for i in staged:
+            (lo, hi), at = ranges[i], int(seg.rows[i, VALUES])
+            self.mapper.read(lo, hi, x[at : at + hi - lo])
+        if len(staged) == len(ranges):
+            self.kernels.encode(self.fmt, x, seg, wire, plan.amax, **keyed)
+        else:
+            for i, split in enumerate(splits):
+                if split is None:
+                    self.kernels.encode(self.fmt, x, seg.row(i), wire, plan.amax, **keyed)
+                    continue
+                at = int(seg.rows[i, VALUES])  # the row reads x[at:]: the piece's input
+                values = self.mapper.values[ranges[i][0] - at :]
+                self.kernels.encode(self.fmt, values, seg.row(i), wire, plan.amax, split=split,
+                                    **keyed)  # fmt: skip
+        for i in staged:
+            (lo, hi), row = ranges[i], seg.rows[i]
+            at, body = int(row[VALUES]), int(row[WIRE])
+            self.mapper.encoded(
+                lo, hi, x[at : at + hi - lo], wire[body : body + self.fmt.wire_size(hi - lo)]
+            )
 
     def start_alltoall(self, s: int) -> None:
         plan = self.plan
@@ -596,7 +672,8 @@ class BatchedPipeline(PieceAccess):
         self._wait(self.a2a_req, s)
         plan, stage = self.plan, self.plan.stages[s]
         lo, hi = self.pieces.piece_range(self.me, s)
-        own = self._read(lo, hi)
+        split = self._splits([(lo, hi)], back=False)[0] if self.fused else None
+        own = self._read(lo, hi) if split is None else self.mapper.values[lo:hi]
         incoming = Incoming(plan.a2a_recv[s % 2], self.comm.size - 1, stage.tables.own_bytes)
         if self.fused:
             self.kernels.encode(
@@ -608,6 +685,7 @@ class BatchedPipeline(PieceAccess):
                 incoming,
                 rounding_stream=self.rounding_streams[1],
                 key=plan.key_views[1],
+                split=split,
             )
             return
         self.kernels.reduce(self.fmt, own, stage.own, incoming, self._local(lo, hi))
@@ -642,10 +720,18 @@ class BatchedPipeline(PieceAccess):
 
     def decode_stage(self, s: int) -> None:
         self._wait(self.ag_req, s)
-        plan = self.plan
-        self.kernels.decode(self.fmt, plan.ag_buf[s % 2], plan.stages[s].gather, self.result)
-        for j in range(self.comm.size):
-            self._done(*self.pieces.piece_range(j, s))
+        seg, wire = self.plan.stages[s].gather, self.plan.ag_buf[s % 2]
+        ranges = [self.pieces.piece_range(j, s) for j in range(self.comm.size)]
+        splits = self._splits(ranges, back=True)
+        if not any(split is not None for split in splits):
+            self.kernels.decode(self.fmt, wire, seg, self.result)
+            for lo, hi in ranges:
+                self._done(lo, hi)
+            return
+        for j, split in enumerate(splits):  # split pieces are mapped back as they decode
+            self.kernels.decode(self.fmt, wire, seg.row(j), self.result, split=split)
+            if split is None:
+                self._done(*ranges[j])
 
     def release(self) -> None:
         """The average's division, if any. Nothing to give back: the buffers are the

@@ -67,10 +67,17 @@ class RangeMap(Protocol):
     runs between the pipeline's communication steps, so its work overlaps
     them. ``tracks_encoding``: whether ``encoded`` uses what it is told (error
     feedback); when not, a pipeline may encode the owner's sum as it adds it
-    up, without storing it.
+    up, without storing it. ``split(lo, hi, back)``: the split map
+    (:class:`~geocomm.codecs.formats.Split`) of a range that a device
+    pipeline's kernels may run themselves, on the way out (``back`` False:
+    instead of read and encoded; they read ``values[lo:hi]``, the flat
+    input the map reads) or back (instead of done), or None.
     """
 
     tracks_encoding: bool
+    values: Any
+
+    def split(self, lo: int, hi: int, back: bool) -> Any: ...
 
     def read(self, lo: int, hi: int, out: Any = None) -> Any: ...
 
@@ -91,7 +98,9 @@ class MapPlan(Protocol):
     first (``codec.step(plan, values)``, before ``begin``/``forward``); ``refreshes``:
     whether refresh rounds follow. A ranged plan's ``encode_range`` and ``decode_range``
     fuse the map with the codec's encode or decode of a range where they can (True) and
-    do nothing where they cannot (False: the caller maps and codes in two steps)."""
+    do nothing where they cannot (False: the caller maps and codes in two steps);
+    its ``split(start, length, coef)`` gives a range's split map for device kernels
+    (None: the map is not a split)."""
 
     ranged: bool
     steps: bool

@@ -74,7 +74,7 @@ class PartsMap:
     inverted by :meth:`finish`. ``encode`` and ``decode`` hand a range that
     lies inside one ranged plan's tensor to the plan's fused calls (the map
     and the codec in one pass; no scratch), ``encode`` unless a residual is
-    kept.
+    kept; ``split`` gives such a range's map to a device pipeline's kernels.
     """
 
     def __init__(
@@ -184,6 +184,19 @@ class PartsMap:
         part, plan, side = sole
         out = self.result[lo - self.offset : hi - self.offset]
         return bool(plan.decode_range(wire, codec, out, lo - part.offset, side))
+
+    def split(self, lo: int, hi: int, back: bool) -> Any:
+        """The split map of [lo, hi) when the range lies inside one tensor whose ranged
+        plan has one: with this rank's coefficients on the way out (None when a
+        residual is kept: its update needs the values sent), with the summed ones on
+        the way back; else None."""
+        if not back and self.residual is not None:
+            return None
+        sole = self._sole(lo, hi)
+        if sole is None:
+            return None
+        part, plan, side = sole
+        return plan.split(lo - part.offset, hi - lo, side if back else plan.side)
 
     def done(self, lo: int, hi: int) -> None:
         for part, plan, side, a, b in self._overlaps(lo, hi):

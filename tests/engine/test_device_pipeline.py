@@ -416,6 +416,7 @@ class RecordingMap:
 
     def __init__(self, rank, source, result, offset):
         self.source, self.result, self.offset = source, result, offset
+        self.values = source
         self.scratch = np.empty(source.size, np.float32)
         self.calls = []
 
@@ -440,6 +441,9 @@ class RecordingMap:
     def decode(self, lo, hi, codec, wire):
         return False
         self.result[lo - self.offset : hi - self.offset] *= np.float32(0.5)
+
+    def split(self, lo, hi, back):
+        return None  # not a split map: the pipeline reads and hands back step by step
 
 
 @pytest.mark.parametrize("gather", [True, False])
@@ -517,10 +521,13 @@ def test_error_feedback_residuals_match():
 @pytest.mark.parametrize("name", ["fp8", "nvfp4", "mxfp4"])
 def test_split_encode_gives_the_bytes_of_map_then_encode(name, monkeypatch):
     """The host pipeline encodes a piece that lies inside a split-mapped tensor in
-    one pass (the plan's split encode), the batched one maps it into a scratch and
-    encodes that; the results are bitwise equal on every rank. Two tensors: a
-    300 x 257 matrix whose rows the pieces cut anywhere, and a 40 x 100 one that
-    shares a piece with it (that piece is read and encoded step by step)."""
+    one pass (the plan's split encode); the batched one hands the split to its
+    kernels (fp8 teams: the encoder maps what it reads, the decoder maps back what
+    it writes, the owner's piece mapped before the received bodies are added) or
+    maps it into a scratch and encodes that (other formats); the results are
+    bitwise equal on every rank. Two tensors: a 300 x 257 matrix whose rows the
+    pieces cut anywhere, and a 40 x 100 one that shares a piece with it (that
+    piece is read and encoded step by step)."""
     size, shapes = 3, [(300, 257), (40, 100)]
     count = sum(m * n for m, n in shapes)
     xs = rank_inputs(size, count, seed=6)
@@ -548,6 +555,15 @@ def test_split_encode_gives_the_bytes_of_map_then_encode(name, monkeypatch):
         encode(self, *args, **kw)
 
     monkeypatch.setattr(type(quantizer), "encode_split_wire", split_encode)
+    kernel_splits = {"encode": [], "decode": []}
+    for kind in kernel_splits:
+        plain = getattr(gp.HostKernels, kind)
+
+        def recorded(self, *args, _plain=plain, _kind=kind, **kw):
+            kernel_splits[_kind].append(kw.get("split") is not None)
+            _plain(self, *args, **kw)
+
+        monkeypatch.setattr(gp.HostKernels, kind, recorded)
 
     def mapper(rank, source, result, offset):
         return PartsMap(
@@ -558,6 +574,8 @@ def test_split_encode_gives_the_bytes_of_map_then_encode(name, monkeypatch):
     for (want, _), (got, _) in zip(host, batched, strict=True):
         assert_bits_equal(got, want)
     assert fused, "the host pipeline took the split encode"
+    for kind, splits in kernel_splits.items():  # fp8 teams map in the kernels, and not always
+        assert any(splits) == (name == "fp8") and not all(splits), (kind, splits)
 
 
 def test_the_flat_plan_takes_the_host_path_for_numpy():

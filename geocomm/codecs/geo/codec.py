@@ -84,6 +84,9 @@ class _MeasurePlan:
         codec.decode_wire(wire, out)
         return True
 
+    def split(self, lo: int, length: int, coef: Any) -> None:
+        return None  # no map to run inside the kernels
+
 
 class GeoCodec(WireOf, FramedCodec, TransformingCodec):
     """A quantizer preceded by a geometry map (see the module docstring).

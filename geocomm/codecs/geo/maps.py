@@ -147,14 +147,16 @@ class SplitPlan:
         coef = side_sum[r0 : r0 + kernels.rows(lo, values.shape[0], n), :]
         kernels.expand(values, lo, n, coef, self.vt, 1.0, values, self._packed)
 
-    def _split(self, lo: int, length: int, coef: Any) -> Split | None:
-        """The split over [lo, lo + length) with the rows of ``coef`` (None on CuPy:
-        no packed basis, no split calls)."""
-        if self._packed is None:
-            return None
+    def split(self, lo: int, length: int, coef: Any) -> Split:
+        """The split over [lo, lo + length) with the rows of ``coef`` that the range
+        touches (:attr:`side` on the way out, the summed side on the way back)."""
         n = self.map_shape.n
         r0 = lo // n
         return Split(lo, n, coef[r0 : r0 + kernels.rows(lo, length, n), :], self.vt, self._packed)
+
+    def _split(self, lo: int, length: int, coef: Any) -> Split | None:
+        """:meth:`split` for the C core's split calls (None on CuPy: no packed basis)."""
+        return None if self._packed is None else self.split(lo, length, coef)
 
     def encode_range(
         self, values: Any, lo: int, codec: Any, wire: Any, rounding_stream: int, offset: int
