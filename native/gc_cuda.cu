@@ -13,7 +13,8 @@
  *                        them in registers: one pass over memory. The block
  *                        amax is an xor-shuffle reduction inside the team.
  *   fp8, larger blocks   "tile" kernels: each thread block handles one tile
- *   (and block 0)        of one scaling block. Encoding takes two passes:
+ *   (and block 0)        of one scaling block, each thread four consecutive
+ *                        values at a time. Encoding takes two passes:
  *                        gc_amax_tiles (atomicMax into a zeroed u32 per
  *                        scaling block), then gc_fp8_encode_tiles.
  *   NVFP4 encode         one thread block per superblock of 4096 values
@@ -22,8 +23,10 @@
  *                        from the superblock amax to the codes, one pass.
  *   BF16                 four values per thread (16-byte loads of values,
  *                        4-byte accesses of codes where aligned).
- *   MXFP8                one thread per value: a warp is one 32-value block,
- *                        its amax an xor-shuffle reduction.
+ *   MXFP8                8 lanes per 32-value block, four consecutive values
+ *                        per lane (16-byte loads, 4-byte code stores where
+ *                        aligned), the amax an xor-shuffle over the 8 lanes;
+ *                        decode four values per thread.
  *   MXFP4                one thread per output byte (2 values), 16 lanes per
  *                        32-value block.
  *   E2M1 decode          NVFP4 and MXFP4: one kernel, one thread per 16 values
@@ -131,11 +134,6 @@ GC_DEV float gc_fp8_value(int e5m2, gc_u32 c)
     return e5m2 ? gc_e5m2_value(c) : gc_e4m3_value(c);
 }
 
-/* out = v, or out + v when accumulating (one IEEE add, never fused). */
-GC_DEV void gc_put(float *out, float v, int accumulate)
-{
-    *out = accumulate ? __fadd_rn(*out, v) : v;
-}
 
 /*
  * The tile of blockIdx.x: scaling blocks of `block` values are cut into
@@ -249,6 +247,23 @@ GC_DEV void gc_fp8_codes4(int e5m2, const float *v, float pre, float factor, int
         c[j] = gc_fp8_code(e5m2, (v[j] * pre) * factor, v[j], sr, gc_rnd_at(sr, key, index + j));
 }
 
+/* v = the fp8 values of the four codes at cb (those below avail) times `scale`;
+ * accumulate: ob's values plus them, one IEEE add each. */
+GC_DEV void gc_fp8_values4(const unsigned char *cb, float scale, gc_u64 avail, int e5m2,
+                           int accumulate, const float *ob, float *v)
+{
+    gc_u32 c[4];
+    gc_load4_u8(cb, avail, c);
+    for (int j = 0; j < 4; ++j)
+        v[j] = __fmul_rn(gc_fp8_value(e5m2, c[j]), scale);
+    if (accumulate) {
+        float o[4];
+        gc_load4_f32(ob, avail, o);
+        for (int j = 0; j < 4; ++j)
+            v[j] = __fadd_rn(o[j], v[j]);
+    }
+}
+
 /* This lane's values of one scaling block of `len` values (codes cb, decoded into
  * ob, times `scale`), four per step; accumulate: ob + value, one IEEE add each;
  * then post(at, v) may change the four values at block offset `at` before they
@@ -262,20 +277,30 @@ GC_DEV void gc_fp8_decode_block(const unsigned char *cb, float scale, gc_u64 len
     for (int t = 0; t < GC_TEAM_STEPS; ++t) {
         gc_u64 at = gc_team_at(t, lane, width);
         if (at < len) {
-            gc_u32 c[4];
             float v[4];
-            gc_load4_u8(cb + at, len - at, c);
-            for (int j = 0; j < 4; ++j)
-                v[j] = __fmul_rn(gc_fp8_value(e5m2, c[j]), scale);
-            if (accumulate) {
-                float o[4];
-                gc_load4_f32(ob + at, len - at, o);
-                for (int j = 0; j < 4; ++j)
-                    v[j] = __fadd_rn(o[j], v[j]);
-            }
+            gc_fp8_values4(cb + at, scale, len - at, e5m2, accumulate, ob + at, v);
             post(at, v);
             gc_store4_f32(ob + at, len - at, v);
         }
+    }
+}
+
+/* ---- the tile walk (fp8 blocks above GC_TEAM_MAX, block 0) ------------------ */
+
+/* A thread of a tile kernel takes four consecutive values at a time: from
+ * gc_tile_first(start) on, gc_tile_step() apart. */
+GC_DEV gc_u64 gc_tile_first(gc_u64 start) { return start + 4 * (gc_u64)threadIdx.x; }
+GC_DEV gc_u64 gc_tile_step(void) { return 4 * (gc_u64)blockDim.x; }
+
+/* The values [start, end) of one scaling block's tile, decoded from `codes` times
+ * `scale` into out (accumulate: out + value), four per access. */
+GC_DEV void gc_fp8_decode_tile(const unsigned char *codes, float scale, int e5m2, gc_u64 start,
+                               gc_u64 end, int accumulate, float *out)
+{
+    for (gc_u64 i = gc_tile_first(start); i < end; i += gc_tile_step()) {
+        float v[4];
+        gc_fp8_values4(codes + i, scale, end - i, e5m2, accumulate, out + i, v);
+        gc_store4_f32(out + i, end - i, v);
     }
 }
 
@@ -289,8 +314,12 @@ extern "C" __global__ void gc_amax_tiles(const float *x, gc_u64 n, gc_u64 block,
     gc_u64 k, start, end;
     gc_tile_range(n, block, tiles_per_block, tile, &k, &start, &end);
     gc_u32 m = 0;
-    for (gc_u64 i = start + threadIdx.x; i < end; i += blockDim.x)
-        m = gc_amax_bits(m, x[i]);
+    for (gc_u64 i = gc_tile_first(start); i < end; i += gc_tile_step()) {
+        float v[4];
+        gc_load4_f32(x + i, end - i, v); /* values past end read as 0 */
+        for (int j = 0; j < 4; ++j)
+            m = gc_amax_bits(m, v[j]);
+    }
     m = gc_block_max(m);
     if (threadIdx.x == 0 && m != 0)
         atomicMax(amax + k, m);
@@ -401,9 +430,12 @@ extern "C" __global__ void gc_fp8_encode_tiles(const float *x, gc_u64 n, gc_u64 
     if (threadIdx.x == 0 && start == k * block)
         gc_store_f32(wire + 4 * k, bamax / fmax);
     unsigned char *codes = wire + 4 * nblocks;
-    for (gc_u64 i = start + threadIdx.x; i < end; i += blockDim.x) {
-        float xi = x[i];
-        codes[i] = gc_fp8_code(e5m2, (xi * pre) * factor, xi, sr, gc_rnd_at(sr, key, offset + i));
+    for (gc_u64 i = gc_tile_first(start); i < end; i += gc_tile_step()) {
+        float v[4];
+        gc_u8 c[4];
+        gc_load4_f32(x + i, end - i, v);
+        gc_fp8_codes4(e5m2, v, pre, factor, sr, key, offset + i, c);
+        gc_store4_u8(codes + i, end - i, c);
     }
 }
 
@@ -435,9 +467,7 @@ extern "C" __global__ void gc_fp8_decode_tiles(const unsigned char *wire, gc_u64
     if (start >= end)
         return;
     float scale = gc_load_f32(wire + 4 * k);
-    const unsigned char *codes = wire + 4 * nblocks;
-    for (gc_u64 i = start + threadIdx.x; i < end; i += blockDim.x)
-        gc_put(out + i, __fmul_rn(gc_fp8_value(e5m2, codes[i]), scale), accumulate);
+    gc_fp8_decode_tile(wire + 4 * nblocks, scale, e5m2, start, end, accumulate, out);
 }
 
 /* ---- NVFP4 ------------------------------------------------------------------- */
@@ -587,23 +617,52 @@ extern "C" __global__ void gc_bf16_decode(const unsigned char *wire, gc_u64 n, i
 
 /* ---- MX (MXFP8, MXFP4) ---------------------------------------------------------- */
 
-/* One thread per value, one warp per 32-value block (THREADS is a multiple of
- * 32, so warps and blocks are aligned). */
-extern "C" __global__ void gc_mxfp8_encode(const float *x, gc_u64 n, int e5m2, int rceil, int sr,
-                                           gc_u64 key, gc_u64 offset, unsigned char *wire)
+/* Lanes per MXFP8 block: four values each. */
+#define GC_MX_LANES (GC_MX_BLOCK / 4)
+
+/* This lane's four values of one MXFP8 block of `len` values (len 0 past the
+ * last block: every lane of the team calls it, for the amax shuffle), add(at,
+ * v) changing them first (the pipeline's incoming bodies); the block's E8M0
+ * scale goes to *scale_at, its codes to cb. Value j of the lane draws the
+ * stochastic-rounding index `index` + at + j. */
+template <class Add>
+GC_DEV void gc_mxfp8_team_block(const float *xb, gc_u64 len, unsigned int lane, const Add &add,
+                                int e5m2, int rceil, int sr, gc_u64 key, gc_u64 index,
+                                unsigned char *scale_at, unsigned char *cb)
 {
-    gc_u64 i = gc_global_id();
-    float xi = i < n ? x[i] : 0.0f;
-    gc_u32 m = gc_team_max(gc_amax_bits(0u, xi), GC_MX_BLOCK);
-    if (i >= n)
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    gc_u32 m = 0;
+    gc_u64 at = gc_team_at(0, lane, GC_MX_LANES);
+    if (at < len) {
+        gc_load4_f32(xb + at, len - at, v); /* values past len read as 0 */
+        add(at, v);
+        for (int j = 0; j < 4; ++j)
+            m = gc_amax_bits(m, v[j]);
+    }
+    m = gc_team_max(m, GC_MX_LANES);
+    if (at >= len)
         return;
     int e = gc_mx_exponent(gc_float(m), e5m2 ? 15 : 8, e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX, rceil);
     float factor = gc_mx_factor(e);
+    if (lane == 0)
+        *scale_at = (unsigned char)(e + 127);
+    gc_u8 c[4];
+    for (int j = 0; j < 4; ++j)
+        c[j] = gc_fp8_code(e5m2, v[j] * factor, v[j], sr, gc_rnd_at(sr, key, index + at + j));
+    gc_store4_u8(cb + at, len - at, c);
+}
+
+extern "C" __global__ void gc_mxfp8_encode(const float *x, gc_u64 n, int e5m2, int rceil, int sr,
+                                           gc_u64 key, gc_u64 offset, unsigned char *wire)
+{
+    gc_u64 g = gc_global_id();
+    gc_u64 k = g / GC_MX_LANES;
     gc_u64 nblocks = gc_ceil_div(n, GC_MX_BLOCK);
-    wire[nblocks + i] = gc_fp8_code(e5m2, xi * factor, xi, sr,
-                                    gc_rnd_at(sr, key, offset + i));
-    if ((i & (GC_MX_BLOCK - 1)) == 0)
-        wire[i / GC_MX_BLOCK] = (unsigned char)(e + 127);
+    gc_u64 start = k * GC_MX_BLOCK;
+    gc_u64 len = k < nblocks ? gc_min_u64(GC_MX_BLOCK, n - start) : 0;
+    gc_mxfp8_team_block(x + start, len, (unsigned int)(g % GC_MX_LANES),
+                        [](gc_u64, float *) {}, e5m2, rceil, sr, key, offset + start, wire + k,
+                        wire + nblocks + start);
 }
 
 /* One thread per code byte (values 2p and 2p + 1), 16 lanes per block. */
@@ -634,15 +693,25 @@ extern "C" __global__ void gc_mxfp4_encode(const float *x, gc_u64 n, int rceil, 
         wire[p / lanes] = finite ? (unsigned char)(e + 127) : (unsigned char)0xffu;
 }
 
+/* The four MXFP8 values from i on (those below n; one block holds them all) of
+ * the body `wire` of n values, as gc_fp8_values4 (accumulate: onto ob's). */
+GC_DEV void gc_mxfp8_values4(const unsigned char *wire, gc_u64 n, int e5m2, gc_u64 i,
+                             int accumulate, const float *ob, float *v)
+{
+    gc_fp8_values4(wire + gc_ceil_div(n, GC_MX_BLOCK) + i, gc_e8m0_value(wire[i / GC_MX_BLOCK]),
+                   n - i, e5m2, accumulate, ob, v);
+}
+
+/* Four values per thread: a 4-byte load of codes, a 16-byte store of values. */
 extern "C" __global__ void gc_mxfp8_decode(const unsigned char *wire, gc_u64 n, int e5m2,
                                            int accumulate, float *out)
 {
-    gc_u64 i = gc_global_id();
+    gc_u64 i = 4 * gc_global_id();
     if (i >= n)
         return;
-    gc_u64 nblocks = gc_ceil_div(n, GC_MX_BLOCK);
-    float scale = gc_e8m0_value(wire[i / GC_MX_BLOCK]);
-    gc_put(out + i, __fmul_rn(gc_fp8_value(e5m2, wire[nblocks + i]), scale), accumulate);
+    float v[4];
+    gc_mxfp8_values4(wire, n, e5m2, i, accumulate, out + i, v);
+    gc_store4_f32(out + i, n - i, v);
 }
 
 /* E2M1 decode (NVFP4, MXFP4): a thread takes a chunk of 16 values, which share one

@@ -155,6 +155,16 @@ GC_DEV float gc_sum_at(gc_in in, const gc_seg &s, float v, gc_u64 k, gc_u64 i)
     return v;
 }
 
+/* v = the sums (gc_sum_at) of the four values of piece s from i on, those below
+ * end (scaling block k); the others 0: the fp8 tile walk's four per access. */
+GC_DEV void gc_tile_sums4(gc_in in, const gc_seg &s, const float *x, gc_u64 k, gc_u64 i,
+                          gc_u64 end, float *v)
+{
+    gc_load4_f32(x + s.values + i, end - i, v);
+    for (gc_u64 j = 0; j < 4 && i + j < end; ++j)
+        v[j] = gc_sum_at(in, s, v[j], k, i + j);
+}
+
 /* An encoder's stochastic-rounding key, read from device memory (`sr_key`, one
  * u64) rather than passed by value: a CUDA graph keeps the arguments it
  * captured, so a replayed call reads the key gc_pipe_set_keys wrote just before
@@ -175,7 +185,8 @@ extern "C" __global__ void gc_pipe_set_keys(gc_u64 *keys, gc_u64 first, gc_u64 s
 
 /* ---- encoders ----------------------------------------------------------------- */
 
-/* RAW and BF16: one thread per value. */
+/* RAW and BF16: four values per thread (a 16-byte load of values where aligned;
+ * BF16 codes in two 4-byte stores where aligned). */
 extern "C" __global__ void gc_pipe_value_encode(int family, const float *x, const gc_u64 *table,
                                                 const unsigned char *in, unsigned int nin,
                                                 gc_u64 in_stride, int sr, const gc_u64 *sr_key,
@@ -183,17 +194,29 @@ extern "C" __global__ void gc_pipe_value_encode(int family, const float *x, cons
 {
     const gc_u64 key = gc_load_key(sr, sr_key);
     gc_seg s = gc_seg_row(table);
-    gc_u64 i = gc_global_id();
+    gc_u64 i = 4 * gc_global_id();
     if (i >= s.count)
         return;
-    float v = gc_sum_at(gc_in_make(in, nin, in_stride, family, 0), s, x[s.values + i], 0, i);
+    gc_in incoming = gc_in_make(in, nin, in_stride, family, 0);
+    float v[4];
+    gc_load4_f32(x + s.values + i, s.count - i, v);
+    gc_u64 have = gc_min_u64(4, s.count - i);
+    for (gc_u64 j = 0; j < have; ++j)
+        v[j] = gc_sum_at(incoming, s, v[j], 0, i + j);
     unsigned char *w = wire + s.wire;
     if (family == GC_PIPE_BF16) {
-        gc_u16 c = gc_bf16_code(v, sr, gc_rnd_at(sr, key, s.index + i));
-        w[2 * i] = (unsigned char)c;
-        w[2 * i + 1] = (unsigned char)(c >> 8);
+        gc_u8 c[8];
+        for (int j = 0; j < 4; ++j) {
+            gc_u16 code = gc_bf16_code(v[j], sr, gc_rnd_at(sr, key, s.index + i + j));
+            c[2 * j] = (gc_u8)code;
+            c[2 * j + 1] = (gc_u8)(code >> 8);
+        }
+        gc_store4_u8(w + 2 * i, 2 * have, c);
+        if (have > 2)
+            gc_store4_u8(w + 2 * i + 4, 2 * have - 4, c + 4);
     } else {
-        gc_store_f32(w + 4 * i, v);
+        for (gc_u64 j = 0; j < have; ++j)
+            gc_store_f32(w + 4 * (i + j), v[j]);
     }
 }
 
@@ -322,8 +345,12 @@ extern "C" __global__ void gc_pipe_amax_tiles(const float *x, const gc_u64 *tabl
     gc_u64 k, start, end;
     gc_tile_range(s.count, s.block, s.tiles, tile, &k, &start, &end);
     gc_u32 m = 0;
-    for (gc_u64 i = start + threadIdx.x; i < end; i += blockDim.x)
-        m = gc_amax_bits(m, gc_sum_at(incoming, s, x[s.values + i], k, i));
+    for (gc_u64 i = gc_tile_first(start); i < end; i += gc_tile_step()) {
+        float v[4];
+        gc_tile_sums4(incoming, s, x, k, i, end, v);
+        for (int j = 0; j < 4; ++j)
+            m = gc_amax_bits(m, v[j]);
+    }
     m = gc_block_max(m);
     if (threadIdx.x == 0 && m != 0)
         atomicMax(amax + s.amax + k, m);
@@ -353,9 +380,12 @@ extern "C" __global__ void gc_pipe_fp8_encode_tiles(const float *x, const gc_u64
     if (threadIdx.x == 0 && start == k * s.block)
         gc_store_f32(w + 4 * k, bamax / fmax);
     unsigned char *codes = w + 4 * s.scales;
-    for (gc_u64 i = start + threadIdx.x; i < end; i += blockDim.x) {
-        float xi = gc_sum_at(incoming, s, x[s.values + i], k, i);
-        codes[i] = gc_fp8_code(e5m2, (xi * pre) * factor, xi, sr, gc_rnd_at(sr, key, s.index + i));
+    for (gc_u64 i = gc_tile_first(start); i < end; i += gc_tile_step()) {
+        float v[4];
+        gc_u8 c[4];
+        gc_tile_sums4(incoming, s, x, k, i, end, v);
+        gc_fp8_codes4(e5m2, v, pre, factor, sr, key, s.index + i, c);
+        gc_store4_u8(codes + i, end - i, c);
     }
 }
 
@@ -377,7 +407,9 @@ extern "C" __global__ void gc_pipe_nvfp4_encode(const float *x, const gc_u64 *ta
                         blockIdx.x, sr, key, s.index, wire + s.wire);
 }
 
-/* MXFP8: one thread per value, one warp per 32-value block. */
+/* MXFP8: 8 lanes per 32-value block, four values per lane (gc_mxfp8_team_block);
+ * the incoming bodies added body by body, each one's scale read once, its codes
+ * four at a time (gc_sum_at's adds: values past len stay 0). */
 extern "C" __global__ void gc_pipe_mxfp8_encode(const float *x, const gc_u64 *table,
                                                 const unsigned char *in, unsigned int nin,
                                                 gc_u64 in_stride, int e5m2, int rceil, int sr,
@@ -385,19 +417,23 @@ extern "C" __global__ void gc_pipe_mxfp8_encode(const float *x, const gc_u64 *ta
 {
     const gc_u64 key = gc_load_key(sr, sr_key);
     gc_seg s = gc_seg_row(table);
-    gc_u64 i = gc_global_id();
-    float xi = i < s.count ? gc_sum_at(gc_in_make(in, nin, in_stride, GC_PIPE_MXFP8, e5m2), s,
-                                       x[s.values + i], 0, i)
-                           : 0.0f;
-    gc_u32 m = gc_team_max(gc_amax_bits(0u, xi), GC_MX_BLOCK);
-    if (i >= s.count)
-        return;
-    int e = gc_mx_exponent(gc_float(m), e5m2 ? 15 : 8, e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX, rceil);
+    gc_u64 g = gc_global_id();
+    gc_u64 k = g / GC_MX_LANES;
+    gc_u64 start = k * GC_MX_BLOCK;
+    gc_u64 len = k < s.scales ? gc_min_u64(GC_MX_BLOCK, s.count - start) : 0;
+    auto add = [&](gc_u64 at, float *v) {
+        for (unsigned int r = 0; r < nin; ++r) {
+            const unsigned char *body = in + r * in_stride;
+            float scale = gc_e8m0_value(body[k]);
+            gc_u32 c[4];
+            gc_load4_u8(body + s.scales + start + at, len - at, c);
+            for (int j = 0; j < 4; ++j)
+                v[j] = __fadd_rn(v[j], __fmul_rn(gc_fp8_value(e5m2, c[j]), scale));
+        }
+    };
     unsigned char *w = wire + s.wire;
-    w[s.scales + i] = gc_fp8_code(e5m2, xi * gc_mx_factor(e), xi, sr,
-                                  gc_rnd_at(sr, key, s.index + i));
-    if ((i & (GC_MX_BLOCK - 1)) == 0)
-        w[i / GC_MX_BLOCK] = (unsigned char)(e + 127);
+    gc_mxfp8_team_block(x + s.values + start, len, (unsigned int)(g % GC_MX_LANES), add, e5m2,
+                        rceil, sr, key, s.index + start, w + k, w + s.scales + start);
 }
 
 /* MXFP4: one thread per code byte (values 2p and 2p + 1), 16 lanes per block. */
@@ -436,22 +472,37 @@ extern "C" __global__ void gc_pipe_reduce(int family, int e5m2, const float *x,
                                           unsigned int nin, gc_u64 in_stride, float *out)
 {
     gc_seg s = gc_seg_row(table);
-    gc_u64 i = gc_global_id();
+    gc_u64 i = 4 * gc_global_id();
     if (i >= s.count)
         return;
-    gc_u64 k = family == GC_PIPE_FP8 ? i / s.block : 0;
-    out[s.values + i] = gc_sum_at(gc_in_make(in, nin, in_stride, family, e5m2), s,
-                                  x[s.values + i], k, i);
+    gc_in incoming = gc_in_make(in, nin, in_stride, family, e5m2);
+    float v[4];
+    gc_load4_f32(x + s.values + i, s.count - i, v);
+    gc_u64 have = gc_min_u64(4, s.count - i);
+    for (gc_u64 j = 0; j < have; ++j)
+        v[j] = gc_sum_at(incoming, s, v[j], family == GC_PIPE_FP8 ? (i + j) / s.block : 0, i + j);
+    gc_store4_f32(out + s.values + i, s.count - i, v);
 }
 
-/* Every format but fp8: one thread per value. */
+/* RAW, BF16 and MXFP8 (NVFP4 and MXFP4 take gc_pipe_e2m1_decode, fp8 its teams and
+ * tiles): four values per thread, a 16-byte store of values where aligned (MXFP8:
+ * a 4-byte load of codes). */
 extern "C" __global__ void gc_pipe_decode(int family, int e5m2, const unsigned char *wire,
                                           const gc_u64 *table, float *out)
 {
     gc_seg s = gc_seg_row(table);
-    gc_u64 i = gc_global_id();
-    if (i < s.count)
-        out[s.values + i] = gc_body_value(family, e5m2, wire + s.wire, s.count, s.scales, 0, i);
+    gc_u64 i = 4 * gc_global_id();
+    if (i >= s.count)
+        return;
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (family == GC_PIPE_MXFP8) {
+        gc_mxfp8_values4(wire + s.wire, s.count, e5m2, i, 0, nullptr, v);
+    } else {
+        gc_u64 have = gc_min_u64(4, s.count - i);
+        for (gc_u64 j = 0; j < have; ++j)
+            v[j] = gc_body_value(family, e5m2, wire + s.wire, s.count, s.scales, 0, i + j);
+    }
+    gc_store4_f32(out + s.values + i, s.count - i, v);
 }
 
 /* NVFP4 (mx == 0) and MXFP4: one thread per chunk of 16 values of a piece
@@ -466,18 +517,6 @@ extern "C" __global__ void gc_pipe_e2m1_decode(int mx, const unsigned char *wire
     float scale;
     const unsigned char *codes = gc_e2m1_chunk(mx, wire + s.wire, s.count, i, &scale);
     gc_e2m1_decode_chunk(codes, scale, s.count - i, 0, out + s.values + i);
-}
-
-/* FP8 values [start, end) of scaling block k of piece s, this thread's from
- * `first` on in steps of `step` (the scale loaded once: gc_body_value's fp8 case). */
-GC_DEV void gc_fp8_decode_run(const unsigned char *wire, const gc_seg &s, int e5m2, gc_u64 k,
-                              gc_u64 first, gc_u64 end, gc_u64 step, float *out)
-{
-    const unsigned char *w = wire + s.wire;
-    float scale = gc_load_f32(w + 4 * k);
-    const unsigned char *codes = w + 4 * s.scales;
-    for (gc_u64 i = first; i < end; i += step)
-        out[s.values + i] = __fmul_rn(gc_fp8_value(e5m2, codes[i]), scale);
 }
 
 /* FP8, team walk: 2^lshift lanes per scaling block, four consecutive values per
@@ -535,5 +574,6 @@ extern "C" __global__ void gc_pipe_fp8_decode_tiles(const unsigned char *wire,
     gc_u64 k, start, end;
     gc_tile_range(s.count, s.block, s.tiles, tile, &k, &start, &end);
     if (start < end)
-        gc_fp8_decode_run(wire, s, e5m2, k, start + threadIdx.x, end, blockDim.x, out);
+        gc_fp8_decode_tile(wire + s.wire + 4 * s.scales, gc_load_f32(wire + s.wire + 4 * k), e5m2,
+                           start, end, 0, out + s.values);
 }

@@ -261,13 +261,26 @@ VECTOR_ACCESSES = {
     "gc_bf16_encode": {_LOAD_VALUES: 1, _STORE_CODES: 2},
     "gc_bf16_decode": {_LOAD_CODES: 2, _STORE_VALUES: 1},
     "gc_pipe_e2m1_decode": {_LOAD_CODES: 2, _STORE_VALUES: 4},
+    "gc_mxfp8_encode": {_LOAD_VALUES: 1, _STORE_CODES: 1},
+    "gc_mxfp8_decode": {_LOAD_CODES: 1, _STORE_VALUES: 1},
+    "gc_pipe_mxfp8_encode": {_LOAD_VALUES: 1, _STORE_CODES: 1},
+    "gc_pipe_value_encode": {_LOAD_VALUES: 1, _STORE_CODES: 2},
+    "gc_pipe_reduce": {_LOAD_VALUES: 1, _STORE_VALUES: 1},
+    "gc_pipe_decode": {_LOAD_CODES: 1, _STORE_VALUES: 1},
+    "gc_amax_tiles": {_LOAD_VALUES: 1},
+    "gc_fp8_encode_tiles": {_LOAD_VALUES: 1, _STORE_CODES: 1},
+    "gc_fp8_decode_tiles": {_LOAD_CODES: 1, _STORE_VALUES: 1},
+    "gc_pipe_amax_tiles": {_LOAD_VALUES: 1},
+    "gc_pipe_fp8_encode_tiles": {_LOAD_VALUES: 1, _STORE_CODES: 1},
+    "gc_pipe_fp8_decode_tiles": {_LOAD_CODES: 1, _STORE_VALUES: 1},
 }
 
 
 @needs_nvcc
 def test_kernels_move_four_values_per_access(tmp_path: Path):
-    """The fp8 team kernels', bf16's and the E2M1 decoders' aligned paths are one 16-byte access
-    per four fp32 values and one 4-byte access per four codes (PTX), not four each:
+    """The fp8 team and tile kernels', MXFP8's, bf16's, the E2M1 decoders' and the
+    batched value kernels' aligned paths are one 16-byte access per four fp32 values and one 4-byte
+    access per four codes (PTX), not four each:
     without that, a kernel keeps too few bytes in flight to reach the memory's
     bandwidth."""
     ptx = ""

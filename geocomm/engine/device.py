@@ -210,7 +210,7 @@ class CudaKernels:
             self._kernel("gc_pipe_nvfp4_encode")(grid, (NVFP4_THREADS,), (*head, *rounding))
         elif fmt.family == MXFP4:
             self._kernel("gc_pipe_mxfp4_encode")(grid, threads, (*head, rceil, *rounding))
-        elif fmt.family == MXFP8:
+        elif fmt.family == MXFP8:  # the "mx" walk
             self._kernel("gc_pipe_mxfp8_encode")(grid, threads, (*head, e5m2, rceil, *rounding))
         elif walk == "team":
             name = cuda.team_kernel("gc_pipe_fp8_encode_team", fmt.block)
@@ -230,7 +230,7 @@ class CudaKernels:
         self._kernel("gc_pipe_set_keys")((1,), (32,), (keys, _u64(first), _u64(second)))
 
     def reduce(self, fmt: WireFormat, x: Any, seg: Segments, incoming: Incoming, out: Any) -> None:
-        grid = seg.grid("value", fmt)
+        grid = seg.grid("quad", fmt)
         if grid is not None:
             self._kernel("gc_pipe_reduce")(
                 grid,
@@ -259,7 +259,7 @@ class CudaKernels:
             self._kernel("gc_pipe_e2m1_decode")(
                 grid, (cuda.THREADS,), (np.int32(fmt.family == MXFP4), wire, seg.device, out)
             )
-        elif walk == "value":
+        elif walk == "quad":
             self._kernel("gc_pipe_decode")(
                 grid, (cuda.THREADS,), (np.int32(fmt.family), e5m2, wire, seg.device, out)
             )

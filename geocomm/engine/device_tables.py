@@ -153,19 +153,21 @@ def segment_rows(fmt: WireFormat, pieces: list[Piece], amax: int = 0) -> tuple[n
 
 
 def encode_walk(fmt: WireFormat) -> str:
-    """How the encoder of ``fmt`` walks a piece: one thread per ``value`` or code byte
-    (``pair``), an NVFP4 ``superblock`` per thread block, an fp8 ``team`` or ``tile``."""
+    """How the encoder of ``fmt`` walks a piece: one thread per ``quad`` of values (raw
+    fp32, bfloat16) or per code byte (``pair``: MXFP4), an NVFP4 ``superblock`` per
+    thread block, an MXFP8 team of 8 lanes per block (``mx``), an fp8 ``team`` or
+    ``tile``."""
     if fmt.family == FP8:
         return "team" if team_walk(fmt) else "tile"
-    return {NVFP4: "superblock", MXFP4: "pair"}.get(fmt.family, "value")
+    return {NVFP4: "superblock", MXFP4: "pair", MXFP8: "mx"}.get(fmt.family, "quad")
 
 
 def decode_walk(fmt: WireFormat) -> str:
     """How the decoder walks: fp8 as its encoder, NVFP4 and MXFP4 one thread per
-    ``chunk`` of 16 values, every other format one thread per value."""
+    ``chunk`` of 16 values, every other format one thread per ``quad`` of values."""
     if fmt.family == FP8:
         return encode_walk(fmt)
-    return "chunk" if fmt.family in (NVFP4, MXFP4) else "value"
+    return "chunk" if fmt.family in (NVFP4, MXFP4) else "quad"
 
 
 def launch_grid(walk: str, rows: np.ndarray, fmt: WireFormat) -> tuple[int, int] | None:
@@ -176,8 +178,11 @@ def launch_grid(walk: str, rows: np.ndarray, fmt: WireFormat) -> tuple[int, int]
     if rows.shape[0] > GRID_Y_MAX:
         raise ValueError(f"{rows.shape[0]} pieces exceed one launch's {GRID_Y_MAX}")
     count, scales = int(rows[:, COUNT].max()), int(rows[:, SCALES].max())
-    if walk == "value":
-        blocks = -(-count // cuda.THREADS)
+    if walk == "quad":
+        quads = -(-count // 4)
+        blocks = -(-quads // cuda.THREADS)
+    elif walk == "mx":
+        blocks = -(-(scales * cuda.MX_LANES) // cuda.THREADS)
     elif walk == "pair":
         blocks = -(-((count + 1) // 2) // cuda.THREADS)
     elif walk == "chunk":

@@ -63,6 +63,8 @@ TILE = 4096
 NVFP4_THREADS = 256
 #: Values per thread of the E2M1 (NVFP4, MXFP4) decoders (GC_E2M1_CHUNK).
 E2M1_CHUNK = 16
+#: Lanes per 32-value block of the MXFP8 encoders, four values each (GC_MX_LANES).
+MX_LANES = 8
 #: Largest fp8 block handled by one team (<= one warp) of lanes in a single pass
 #: (GC_TEAM_MAX of native/gc_cuda.cu).
 TEAM_MAX = 1024
@@ -271,9 +273,9 @@ def encode(
             kernel(cupy, "gc_mxfp4_encode")(
                 _grid((n + 1) // 2), (THREADS,), (x, _u64(n), rceil, *rounding, wire)
             )
-        elif fmt in native.MX_FORMATS:
+        elif fmt in native.MX_FORMATS:  # 8 lanes of four values per 32-value block
             kernel(cupy, "gc_mxfp8_encode")(
-                _grid(n),
+                _grid(MX_LANES * -(-n // native.MX_BLOCK)),
                 (THREADS,),
                 (x, _u64(n), np.int32(fmt == native.MXFP8_E5M2), rceil, *rounding, wire),
             )
@@ -326,7 +328,9 @@ def decode(
             )
         elif fmt in native.MX_FORMATS:
             kernel(cupy, "gc_mxfp8_decode")(
-                _grid(n), (THREADS,), (wire, _u64(n), np.int32(fmt == native.MXFP8_E5M2), acc, out)
+                _grid(-(-n // 4)),
+                (THREADS,),
+                (wire, _u64(n), np.int32(fmt == native.MXFP8_E5M2), acc, out),
             )
         else:
             _decode_fp8(cupy, fmt, wire, n, fp8_launch(n, block), acc, out)

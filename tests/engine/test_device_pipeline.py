@@ -218,10 +218,11 @@ def test_launch_grids():
     def rows_of(fmt, counts):
         return gpl.segment_rows(fmt, [gpl.Piece(0, n, 0, 0) for n in counts])[0]
 
-    value = gpl.wire_format(codec_of("bf16"))
-    assert gpl.launch_grid("value", rows_of(value, [1000, 257, 0]), value) == (4, 3)
-    assert gpl.launch_grid("value", rows_of(value, [0, 0]), value) is None
-    assert gpl.launch_grid("value", rows_of(value, []), value) is None
+    value = gpl.wire_format(codec_of("bf16"))  # four values per thread: 1000 -> 250 threads
+    assert gpl.launch_grid("quad", rows_of(value, [1000, 257, 0]), value) == (1, 3)
+    assert gpl.launch_grid("quad", rows_of(value, [1025, 257, 0]), value) == (2, 3)
+    assert gpl.launch_grid("quad", rows_of(value, [0, 0]), value) is None
+    assert gpl.launch_grid("quad", rows_of(value, []), value) is None
     mx4 = gpl.wire_format(codec_of("mxfp4"))
     assert gpl.launch_grid("pair", rows_of(mx4, [513, 1]), mx4) == (2, 2)
     team = gpl.wire_format(codec_of("fp8"))  # 32 lanes per 128-value block
@@ -237,9 +238,13 @@ def test_launch_grids():
     assert gpl.encode_walk(nv) == "superblock" and gpl.decode_walk(nv) == "chunk"
     assert gpl.decode_walk(mx4) == "chunk"  # 16 values per thread: 4097 -> 257 threads
     assert gpl.launch_grid("chunk", rows_of(nv, [4097, 16]), nv) == (2, 2)
-    assert gpl.encode_walk(gpl.wire_format(codec_of("mxfp8"))) == "value"
+    mx8 = gpl.wire_format(codec_of("mxfp8"))  # 8 lanes per 32-value block
+    assert gpl.encode_walk(mx8) == "mx" and gpl.decode_walk(mx8) == "quad"
+    assert gpl.launch_grid("mx", rows_of(mx8, [1024, 33]), mx8) == (1, 2)
+    assert gpl.launch_grid("mx", rows_of(mx8, [1025]), mx8) == (2, 1)
+    assert gpl.encode_walk(value) == gpl.decode_walk(value) == "quad"
     with pytest.raises(ValueError, match="pieces"):
-        gpl.launch_grid("value", rows_of(value, [1] * (gpl.GRID_Y_MAX + 1)), value)
+        gpl.launch_grid("quad", rows_of(value, [1] * (gpl.GRID_Y_MAX + 1)), value)
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5])
@@ -693,7 +698,7 @@ def test_cuda_launches_match_the_kernels(launches, name, stochastic):
     )
     assert names == 2 * encoder + ["gc_pipe_reduce", decoder]
     for entry, walk in zip(
-        log, [gpl.encode_walk(fmt)] * 2 * len(encoder) + ["value", None], strict=True
+        log, [gpl.encode_walk(fmt)] * 2 * len(encoder) + ["quad", None], strict=True
     ):
         want = gpl.launch_grid(walk or gpl.decode_walk(fmt), rows, fmt)
         assert entry[1] == want and entry[1][1] == 3

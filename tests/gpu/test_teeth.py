@@ -8,8 +8,9 @@ device arrays over NCCLCommunicator with one mutation applied in-process:
   NCCL transfer that filled their input (``BatchedPipeline._wait`` does nothing);
 * ``no-wait-send``: the NCCL stream no longer waits for the encode that filled
   its send buffer (``NCCLCommunicator._start`` skips its event wait);
-* ``loose-bound``: a kernel's bound check ``i < s.count`` becomes ``<=`` (the
-  decode writes one value past its piece).
+* ``loose-bound``: a kernel's bound loosens by one (the batched decode's store
+  of four values takes ``s.count + 1 - i`` of them: it writes one value past its
+  piece).
 
 The unmutated job must pass, so each failure is the mutation's.
 """
@@ -40,8 +41,9 @@ JOB = textwrap.dedent("""
         NCCLCommunicator._start = lambda self: None
     elif mutation == "loose-bound":
         text = device.kernel_source()
-        loose = text.replace("    if (i < s.count)\\n        out[s.values + i]",
-                             "    if (i <= s.count)\\n        out[s.values + i]", 1)
+        store = "    }}\\n    gc_store4_f32(out + s.values + i, s.count{} - i, v);"
+        assert text.count(store.format("")) == 1, "the decode's store is not one line"
+        loose = text.replace(store.format(""), store.format(" + 1"), 1)
         assert loose != text, "the mutated line is not in gc_pipeline.cu"
         device.kernel_source = lambda: loose
     comm = NCCLCommunicator()

@@ -844,7 +844,7 @@ def twin_encode(
         )
     elif fmt.startswith("mxfp8"):
         codec.function("gc_mxfp8_encode").launch(
-            cuda._grid(n),
+            cuda._grid(cuda.MX_LANES * -(-n // reference.MX_BLOCK)),
             (THREADS,),
             (x, u64(n), i32(fmt == "mxfp8_e5m2"), i32(rceil), *rounding, wire),
         )
@@ -884,7 +884,7 @@ def twin_decode(
         )
     elif fmt.startswith("mxfp8"):
         codec.function("gc_mxfp8_decode").launch(
-            cuda._grid(n), (THREADS,), (wire, u64(n), i32(fmt == "mxfp8_e5m2"), acc, out)
+            cuda._grid(-(-n // 4)), (THREADS,), (wire, u64(n), i32(fmt == "mxfp8_e5m2"), acc, out)
         )
     else:
         plan = cuda.fp8_launch(n, block)
