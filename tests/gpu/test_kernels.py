@@ -78,12 +78,13 @@ def _shifted(cp, host: np.ndarray, by: int):
 
 @pytest.mark.parametrize(
     "fmt,block",
-    [("e4m3", b) for b in (4, 16, 33, 128, 1000, 1024)] + [("nvfp4", 0), ("mxfp4", 0), ("bf16", 0)],
+    [("e4m3", b) for b in (4, 16, 33, 128, 1000, 1024, 1025, 0)]
+    + [("nvfp4", 0), ("mxfp4", 0), ("bf16", 0), ("mxfp8_e4m3", 0), ("mxfp8_e5m2", 0)],
 )
 @pytest.mark.parametrize("shift", [(1, 0), (0, 1), (2, 3)], ids=["x+4B", "wire+1B", "both"])
 def test_kernels_give_the_same_bytes_from_unaligned_arrays(cp, fmt, block, shift):
-    """The fp8 team kernels, bf16 and the E2M1 decoders move four values per load or store
-    where the values (16 bytes) and codes (4 bytes) are aligned, one at a time
+    """The fp8 team and tile kernels, MXFP8, bf16 and the E2M1 decoders move four values
+    per load or store where the values (16 bytes) and codes (4 bytes) are aligned, one at a time
     elsewhere: values, wire bodies and decoded outputs that start off those boundaries
     give the C core's bytes too."""
     x_shift, wire_shift = shift
