@@ -366,25 +366,29 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         cold = st.vt is None
         kept = max(cap.k, whiten) if cold else cap.k
         rows = min(kept + OVERSAMPLE, min(cap.m, cap.n)) if cold else cap.k
-        zeros = xp.zeros((rows, cap.n), dtype=xp.float32)
-        start = kernels.orthonormalize(zeros, self.seed) if cold else st.vt
+        start = self._random_rows(xp, rows, cap.n) if cold else st.vt
         w, coef, energy = yield from self._iterate(shard, lo, cap, start, COLD_ITERS if cold else 1)
         energies = kernels.column_sumsq(coef)[:kept]
         if not (math.isfinite(energy) and all(map(math.isfinite, energies)) and energy > 0):
             return  # a non-finite or all-zero result says nothing about the geometry
         w = w[:kept, :]
-        if not bool(xp.all(xp.isfinite(w))):
+        if not bool(np.all(np.isfinite(w))):
             return
         basis = kernels.orthonormalize(w, self.seed)  # row i depends on rows <= i only
         vt = basis[: cap.k, :]
         period = self.refresh_period
-        if st.vt is not None:
-            overlap = _overlap(vt[: st.use or cap.k, :], st.vt)
+        if st.host_vt is not None:
+            overlap = _overlap(vt[: st.use or cap.k, :], st.host_vt)
             period = policy.next_period(st.period, overlap, self.refresh_period, self.refresh_max)
-        st.commit(vt, tuple(energies[: cap.k]), energy, period, summed)
+        st.commit(xp.asarray(vt), tuple(energies[: cap.k]), energy, period, summed, host=vt)
         if whiten and cold:
-            _commit_whitening(st, basis[:whiten, :], energies[:whiten], energy)
+            _commit_whitening(st, xp, basis[:whiten, :], energies[:whiten], energy)
         self._version += 1
+
+    def _random_rows(self, xp: Any, rows: int, n: int) -> Any:
+        """A cold start's basis: ``rows`` orthonormal rows drawn from the seed (made on
+        the host, which draws them, then moved to ``xp``)."""
+        return xp.asarray(kernels.orthonormalize(np.zeros((rows, n), np.float32), self.seed))
 
     def _measure_whitening(self, st: KeyState, shard: Any, lo: int, rows: int) -> Rounds:
         """The whitening basis of ``rows`` rows: one subspace iteration on the
@@ -395,32 +399,33 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         xp = array_namespace(shard)
         cold = st.wt is None or st.wt.shape[0] != rows
         count = min(rows + OVERSAMPLE, min(cap.m, cap.n)) if cold else rows
-        zeros = xp.zeros((count, cap.n), dtype=xp.float32)
-        start = kernels.orthonormalize(zeros, self.seed) if cold else st.wt
+        start = self._random_rows(xp, count, cap.n) if cold else st.wt
         w, coef, energy = yield from self._iterate(shard, lo, cap, start, COLD_ITERS if cold else 1)
         energies = kernels.column_sumsq(coef)[:rows]
         if not (math.isfinite(energy) and all(map(math.isfinite, energies)) and energy > 0):
             return
         w = w[:rows, :]
-        if bool(xp.all(xp.isfinite(w))):
-            _commit_whitening(st, kernels.orthonormalize(w, self.seed), energies, energy)
+        if bool(np.all(np.isfinite(w))):
+            _commit_whitening(st, xp, kernels.orthonormalize(w, self.seed), energies, energy)
 
     def _iterate(
         self, shard: Any, lo: int, cap: MapShape, vt: Any, iters: int
     ) -> Generator[Any, Any, tuple[Any, Any, float]]:
         """``iters`` subspace iterations on the result from the rows of ``vt``; each
         yields this rank's projection, then its accumulation (exact sums over the
-        ranks, or its own totals alone). Returns (W (rows, n) of the last
-        iteration, the coefficients it accumulated, ||S||^2)."""
+        ranks, or its own totals alone), whose sum comes to the host once (it is
+        orthonormalized there). Returns (W (rows, n) of the last iteration as a
+        NumPy array, the coefficients it accumulated, ||S||^2)."""
         xp = array_namespace(shard)
         dims = MapShape(cap.m, cap.n, vt.shape[0])
         for it in range(iters):
             coef = xp.reshape(
                 (yield xp.reshape(_projection(shard, lo, vt, dims), (-1,))), (cap.m, dims.k)
             )
-            w, energy = _split_energy((yield _accumulation(shard, lo, coef, dims)), dims)
+            total = kernels.host_copy((yield _accumulation(shard, lo, coef, dims)))
+            w, energy = _split_energy(total, dims)
             if it + 1 < iters:
-                vt = kernels.orthonormalize(w, self.seed)
+                vt = xp.asarray(kernels.orthonormalize(w, self.seed))
         return w, coef, energy
 
     # ---- state --------------------------------------------------------------------
@@ -492,13 +497,16 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         frames.decode_body(self, body, out)
 
 
-def _commit_whitening(st: KeyState, wt: Any, energies: Sequence[float], energy: float) -> None:
-    """The state's whitening basis, its energies and the bulk's mean energy per
-    direction: what the result's energy ``energy`` leaves outside them, spread over
-    the other min(m, n) - rows directions."""
+def _commit_whitening(
+    st: KeyState, xp: Any, wt: np.ndarray, energies: Sequence[float], energy: float
+) -> None:
+    """The state's whitening basis (``wt``, on the host; the state keeps it in ``xp``),
+    its energies and the bulk's mean energy per direction: what the result's energy
+    ``energy`` leaves outside them, spread over the other min(m, n) - rows directions."""
     cap = st.map_shape
     rest = max(energy - sum(energies), 0.0)
-    st.commit_whitening(wt, tuple(energies), rest / max(min(cap.m, cap.n) - len(energies), 1))
+    bulk = rest / max(min(cap.m, cap.n) - len(energies), 1)
+    st.commit_whitening(xp.asarray(wt), tuple(energies), bulk, host=wt)
 
 
 def _key(k: Any) -> Any:

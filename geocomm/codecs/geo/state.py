@@ -130,12 +130,15 @@ class KeyState:
         self.energies, self.total = tuple(float(e) for e in energies), float(total)
         self.share = min(sum(self.energies) / self.total, 1.0)
 
-    def commit_whitening(self, wt: Any, energies: tuple[float, ...], bulk: float) -> None:
-        """A measured whitening basis, the result's energy along each of its rows and
-        the bulk's mean energy per direction."""
+    def commit_whitening(
+        self, wt: Any, energies: tuple[float, ...], bulk: float, host: np.ndarray | None = None
+    ) -> None:
+        """A measured whitening basis (``host``: its NumPy copy, if the caller has one),
+        the result's energy along each of its rows and the bulk's mean energy per
+        direction."""
         self.wt, self.wbulk = wt, float(bulk)
         self.wenergies = tuple(float(e) for e in energies)
-        self._white_crc = zlib.crc32(_host_bytes(wt))
+        self._white_crc = zlib.crc32(_host_bytes(wt if host is None else host))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON- and NumPy-only snapshot (for checkpoints)."""
