@@ -19,16 +19,17 @@
  *                        scaling block), then gc_fp8_encode_tiles.
  *   NVFP4 encode         one thread block per superblock of 4096 values
  *                        (gc_nvfp4_superblock, shared with the pipeline):
- *                        each thread holds 8 code bytes' values in registers
- *                        from the superblock amax to the codes, one pass.
+ *                        each thread holds four runs of four values (16-byte
+ *                        loads where aligned) in registers from the
+ *                        superblock amax to the codes, one pass.
  *   BF16                 four values per thread (16-byte loads of values,
  *                        4-byte accesses of codes where aligned).
  *   MXFP8                8 lanes per 32-value block, four consecutive values
  *                        per lane (16-byte loads, 4-byte code stores where
  *                        aligned), the amax an xor-shuffle over the 8 lanes;
  *                        decode four values per thread.
- *   MXFP4                one thread per output byte (2 values), 16 lanes per
- *                        32-value block.
+ *   MXFP4                four values (two code bytes) per thread, 8 lanes
+ *                        per 32-value block.
  *   E2M1 decode          NVFP4 and MXFP4: one kernel, one thread per 16 values
  *                        (8 code bytes, one scale): 4-byte loads of codes and
  *                        16-byte stores of values where aligned.
@@ -472,14 +473,18 @@ extern "C" __global__ void gc_fp8_decode_tiles(const unsigned char *wire, gc_u64
 
 /* ---- NVFP4 ------------------------------------------------------------------- */
 
-/* The amax bits of the values x0, x1 of this lane's code byte over the aligned
- * team of `lanes` lanes that holds their scaling block, and in *finite whether
- * all of the block's values are finite. Every lane of the warp must call it. */
-GC_DEV gc_u32 gc_pair_amax(float x0, float x1, unsigned int lanes, int *finite)
+/* The amax bits of this lane's four values q over the aligned team of `lanes`
+ * lanes that holds their scaling block, and in *finite whether all of the
+ * block's values are finite. Every lane of the warp must call it. */
+GC_DEV gc_u32 gc_quad_amax(const float *q, unsigned int lanes, int *finite)
 {
-    gc_u32 bad = gc_team_max((gc_u32)(!gc_finite(x0) | !gc_finite(x1)), lanes);
-    *finite = bad == 0;
-    return gc_team_max(gc_amax_bits(gc_amax_bits(0u, x0), x1), lanes);
+    gc_u32 bad = 0, m = 0;
+    for (int j = 0; j < 4; ++j) {
+        bad |= (gc_u32)!gc_finite(q[j]);
+        m = gc_amax_bits(m, q[j]);
+    }
+    *finite = gc_team_max(bad, lanes) == 0;
+    return gc_team_max(m, lanes);
 }
 
 /* The E2M1 code byte of values x0 (global rounding index `index`) and x1 (absent
@@ -495,37 +500,54 @@ GC_DEV unsigned char gc_e2m1_pair(float x0, float x1, int has1, float pre, float
     return (unsigned char)(c0 | (c1 << 4));
 }
 
+/* The code bytes of the four values q from value i on (of n; i even) into codes
+ * (the second byte only when value i + 2 exists): gc_e2m1_pair twice, value i
+ * drawing the rounding index `index` + i. */
+GC_DEV void gc_e2m1_quad(const float *q, gc_u64 i, gc_u64 n, float pre, float factor, int kept,
+                         int sr, gc_u64 key, gc_u64 index, unsigned char *codes)
+{
+    codes[i / 2] = gc_e2m1_pair(q[0], q[1], i + 1 < n, pre, factor, kept, sr, key, index + i);
+    if (i + 2 < n)
+        codes[i / 2 + 1] =
+            gc_e2m1_pair(q[2], q[3], i + 3 < n, pre, factor, kept, sr, key, index + i + 2);
+}
+
 /* Threads per NVFP4 superblock of the encoders (NVFP4_THREADS in Python), each
- * holding GC_NVFP4_PAIRS code bytes (value pairs) in registers. */
+ * holding GC_NVFP4_QUADS runs of four values in registers. */
 #define GC_NVFP4_THREADS 256
-#define GC_NVFP4_PAIRS (GC_NVFP4_SUPERBLOCK / 2 / GC_NVFP4_THREADS)
+#define GC_NVFP4_QUADS (GC_NVFP4_SUPERBLOCK / 4 / GC_NVFP4_THREADS)
 
 /*
  * Superblock k of an NVFP4 body of n values into the body `w`, by one thread
  * block of GC_NVFP4_THREADS threads (every thread calls it, with the same k):
- * thread t holds code bytes t + GC_NVFP4_THREADS r, r < GC_NVFP4_PAIRS, in
- * registers, so the values are read once. `value(i)` is value i of the body
- * (i < n); it draws the stochastic-rounding index index + i. The superblock
- * amax is a block reduction, each 16-value block's amax and finiteness a
- * reduction over its 8 lanes (pairs are aligned by 8).
+ * thread t holds the four values from 4 (t + GC_NVFP4_THREADS r) on, r <
+ * GC_NVFP4_QUADS, in registers, so the values are read once; load4(i, v) loads
+ * values i .. i + 3 of the body (i < n; those past n as 0), value i drawing the
+ * stochastic-rounding index index + i. The superblock amax is a block
+ * reduction, each 16-value block's amax and finiteness a reduction over its 4
+ * lanes (quads are aligned by 4).
  */
-template <class Value>
-GC_DEV void gc_nvfp4_superblock(const Value &value, gc_u64 n, gc_u64 k, int sr, gc_u64 key,
+template <class Load4>
+GC_DEV void gc_nvfp4_superblock(const Load4 &load4, gc_u64 n, gc_u64 k, int sr, gc_u64 key,
                                 gc_u64 index, unsigned char *w)
 {
     __shared__ gc_u32 super_bits;
     const float smax = GC_E2M1_MAX * GC_E4M3_MAX;
-    const unsigned int lanes = GC_NVFP4_BLOCK / 2;
-    gc_u64 first = k * (GC_NVFP4_SUPERBLOCK / 2) + threadIdx.x;
+    const unsigned int lanes = GC_NVFP4_BLOCK / 4;
+    gc_u64 first = k * (GC_NVFP4_SUPERBLOCK / 4) + threadIdx.x;
 
-    float v[2 * GC_NVFP4_PAIRS];
+    float v[4 * GC_NVFP4_QUADS];
     gc_u32 m = 0;
 #pragma unroll
-    for (int r = 0; r < GC_NVFP4_PAIRS; ++r) {
-        gc_u64 p = first + (gc_u64)r * GC_NVFP4_THREADS;
-        v[2 * r] = 2 * p < n ? value(2 * p) : 0.0f;
-        v[2 * r + 1] = 2 * p + 1 < n ? value(2 * p + 1) : 0.0f;
-        m = gc_amax_bits(gc_amax_bits(m, v[2 * r]), v[2 * r + 1]);
+    for (int r = 0; r < GC_NVFP4_QUADS; ++r) {
+        gc_u64 i = 4 * (first + (gc_u64)r * GC_NVFP4_THREADS);
+        float *q = v + 4 * r;
+        if (i < n)
+            load4(i, q);
+        else
+            q[0] = q[1] = q[2] = q[3] = 0.0f;
+        for (int j = 0; j < 4; ++j)
+            m = gc_amax_bits(m, q[j]);
     }
     m = gc_block_max(m);
     if (threadIdx.x == 0)
@@ -538,22 +560,21 @@ GC_DEV void gc_nvfp4_superblock(const Value &value, gc_u64 n, gc_u64 k, int sr, 
     float scale = super_amax / smax;
     unsigned char *bscales = w + 4 * gc_ceil_div(n, GC_NVFP4_SUPERBLOCK);
     unsigned char *codes = bscales + gc_ceil_div(n, GC_NVFP4_BLOCK);
-    gc_u64 npairs = (n + 1) / 2;
 #pragma unroll
-    for (int r = 0; r < GC_NVFP4_PAIRS; ++r) {
-        gc_u64 p = first + (gc_u64)r * GC_NVFP4_THREADS;
+    for (int r = 0; r < GC_NVFP4_QUADS; ++r) {
+        gc_u64 quad = first + (gc_u64)r * GC_NVFP4_THREADS;
         int finite;
-        gc_u32 bm = gc_pair_amax(v[2 * r], v[2 * r + 1], lanes, &finite);
-        if (p >= npairs)
+        gc_u32 bm = gc_quad_amax(v + 4 * r, lanes, &finite);
+        if (4 * quad >= n)
             continue;
         gc_u8 sc = gc_nvfp4_scale_code(gc_float(bm), spre, sfactor, finite, sr);
         float bscale = gc_e4m3_value(sc) * scale;
         float pre;
         float factor = gc_quant_factor(bscale, 1.0f, &pre);
-        codes[p] = gc_e2m1_pair(v[2 * r], v[2 * r + 1], 2 * p + 1 < n, pre, factor,
-                                gc_nvfp4_keeps_codes(bscale), sr, key, index + 2 * p);
-        if ((p & (lanes - 1)) == 0)
-            bscales[p / lanes] = sc;
+        gc_e2m1_quad(v + 4 * r, 4 * quad, n, pre, factor, gc_nvfp4_keeps_codes(bscale), sr, key,
+                     index, codes);
+        if ((quad & (lanes - 1)) == 0)
+            bscales[quad / lanes] = sc;
     }
     if (threadIdx.x == 0)
         gc_store_f32(w + 4 * k, scale);
@@ -563,7 +584,8 @@ GC_DEV void gc_nvfp4_superblock(const Value &value, gc_u64 n, gc_u64 k, int sr, 
 extern "C" __global__ void gc_nvfp4_encode(const float *x, gc_u64 n, int sr, gc_u64 key,
                                            gc_u64 offset, unsigned char *wire)
 {
-    gc_nvfp4_superblock([&](gc_u64 i) { return x[i]; }, n, blockIdx.x, sr, key, offset, wire);
+    gc_nvfp4_superblock([&](gc_u64 i, float *q) { gc_load4_f32(x + i, n - i, q); }, n,
+                        blockIdx.x, sr, key, offset, wire);
 }
 
 /* ---- BF16 -------------------------------------------------------------------- */
@@ -665,32 +687,24 @@ extern "C" __global__ void gc_mxfp8_encode(const float *x, gc_u64 n, int e5m2, i
                         wire + nblocks + start);
 }
 
-/* One thread per code byte (values 2p and 2p + 1), 16 lanes per block. */
+/* Four values (two code bytes) per thread, 8 lanes per 32-value block. */
 extern "C" __global__ void gc_mxfp4_encode(const float *x, gc_u64 n, int rceil, int sr,
                                            gc_u64 key, gc_u64 offset, unsigned char *wire)
 {
-    const unsigned int lanes = GC_MX_BLOCK / 2;
-    gc_u64 p = gc_global_id();
-    int has0 = 2 * p < n;
-    int has1 = 2 * p + 1 < n;
-    float x0 = has0 ? x[2 * p] : 0.0f;
-    float x1 = has1 ? x[2 * p + 1] : 0.0f;
-    gc_u32 m = gc_team_max(gc_amax_bits(gc_amax_bits(0u, x0), x1), lanes);
-    gc_u32 bad = gc_team_max((gc_u32)(!gc_finite(x0) | !gc_finite(x1)), lanes);
-    if (!has0)
+    gc_u64 quad = gc_global_id();
+    gc_u64 i = 4 * quad;
+    float q[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (i < n)
+        gc_load4_f32(x + i, n - i, q);
+    int finite;
+    gc_u32 m = gc_quad_amax(q, GC_MX_LANES, &finite);
+    if (i >= n)
         return;
-    int finite = bad == 0;
     int e = gc_mx_exponent(gc_float(m), 2, GC_E2M1_MAX, rceil);
-    float factor = gc_mx_factor(e);
-    gc_u32 c0 = finite ? gc_e2m1_code(x0 * factor, sr, gc_rnd_at(sr, key, offset + 2 * p))
-                       : 0u;
-    gc_u32 c1 = finite && has1 ? gc_e2m1_code(x1 * factor, sr,
-                                              gc_rnd_at(sr, key, offset + 2 * p + 1))
-                               : 0u;
     gc_u64 nblocks = gc_ceil_div(n, GC_MX_BLOCK);
-    wire[nblocks + p] = (unsigned char)(c0 | (c1 << 4));
-    if ((p & (lanes - 1)) == 0)
-        wire[p / lanes] = finite ? (unsigned char)(e + 127) : (unsigned char)0xffu;
+    gc_e2m1_quad(q, i, n, 1.0f, gc_mx_factor(e), finite, sr, key, offset, wire + nblocks);
+    if ((quad & (GC_MX_LANES - 1)) == 0)
+        wire[i / GC_MX_BLOCK] = finite ? (unsigned char)(e + 127) : (unsigned char)0xffu;
 }
 
 /* The four MXFP8 values from i on (those below n; one block holds them all) of

@@ -10,6 +10,7 @@
  *   gc_geo_accumulate  one thread per (coefficient, column), chain down the
  *                      rows of the range in order.
  *   gc_geo_round_bf16  one thread per element: the side channel's rounding.
+ *   gc_geo_to_f32      one thread per element: fp64 sums to fp32.
  *   gc_geo_sumsq_squares, gc_geo_sumsq_totals
  *                      one level of the "sumsq" order (gc_linalg.h) for each
  *                      row of a matrix: GC_LANES threads per chunk, thread q
@@ -130,6 +131,15 @@ __device__ void gc_geo_sum_level(const T *x, gc_u64 rows, gc_u64 len, double *ou
     p = __dadd_rn(p, __shfl_down_sync(0xffffffffu, p, 1, GC_LANES));
     if (chunk < rows * chunks && q == 0)
         out[chunk] = p;
+}
+
+/* out[i] = x[i] rounded to fp32 (nearest even; a subnormal result stays one: the
+ * unit is built with -ftz=false, where CuPy's own casts flush it to zero). */
+extern "C" __global__ void gc_geo_to_f32(const double *x, gc_u64 len, float *out)
+{
+    gc_u64 e = gc_geo_id();
+    if (e < len)
+        out[e] = (float)x[e];
 }
 
 /* Level 0: blockDim.x a multiple of 32, as for gc_geo_project. */

@@ -18,9 +18,9 @@
  *   GC_SEG_TILES   fp8 tile walk: tiles per scaling block
  *
  * blockIdx.y is the row; blockIdx.x and threadIdx.x walk the piece as the
- * single-body kernels of gc_cuda.cu walk a body (fp8 teams and tiles, one
- * warp per MX block, one thread per value or per code byte, and for NVFP4
- * one thread block of GC_NVFP4_THREADS threads per superblock).
+ * single-body kernels of gc_cuda.cu walk a body (fp8 teams and tiles, teams
+ * of 8 lanes per MX block, four values per thread, and for NVFP4 one thread
+ * block of GC_NVFP4_THREADS threads per superblock).
  *
  * Encoders encode the sum of a piece's values and `nin` incoming wire bodies
  * of the same format and length (body r at in + r * in_stride), added in
@@ -156,8 +156,8 @@ GC_DEV float gc_sum_at(gc_in in, const gc_seg &s, float v, gc_u64 k, gc_u64 i)
 }
 
 /* v = the sums (gc_sum_at) of the four values of piece s from i on, those below
- * end (scaling block k); the others 0: the fp8 tile walk's four per access. */
-GC_DEV void gc_tile_sums4(gc_in in, const gc_seg &s, const float *x, gc_u64 k, gc_u64 i,
+ * end (fp8: scaling block k); the others 0: the encoders' four per access. */
+GC_DEV void gc_sums4(gc_in in, const gc_seg &s, const float *x, gc_u64 k, gc_u64 i,
                           gc_u64 end, float *v)
 {
     gc_load4_f32(x + s.values + i, end - i, v);
@@ -347,7 +347,7 @@ extern "C" __global__ void gc_pipe_amax_tiles(const float *x, const gc_u64 *tabl
     gc_u32 m = 0;
     for (gc_u64 i = gc_tile_first(start); i < end; i += gc_tile_step()) {
         float v[4];
-        gc_tile_sums4(incoming, s, x, k, i, end, v);
+        gc_sums4(incoming, s, x, k, i, end, v);
         for (int j = 0; j < 4; ++j)
             m = gc_amax_bits(m, v[j]);
     }
@@ -383,7 +383,7 @@ extern "C" __global__ void gc_pipe_fp8_encode_tiles(const float *x, const gc_u64
     for (gc_u64 i = gc_tile_first(start); i < end; i += gc_tile_step()) {
         float v[4];
         gc_u8 c[4];
-        gc_tile_sums4(incoming, s, x, k, i, end, v);
+        gc_sums4(incoming, s, x, k, i, end, v);
         gc_fp8_codes4(e5m2, v, pre, factor, sr, key, s.index + i, c);
         gc_store4_u8(codes + i, end - i, c);
     }
@@ -402,9 +402,8 @@ extern "C" __global__ void gc_pipe_nvfp4_encode(const float *x, const gc_u64 *ta
     if (blockIdx.x >= s.scales) /* the whole thread block: before any barrier */
         return;
     gc_in incoming = gc_in_make(in, nin, in_stride, GC_PIPE_NVFP4, 0);
-    const float *xs = x + s.values;
-    gc_nvfp4_superblock([&](gc_u64 i) { return gc_sum_at(incoming, s, xs[i], 0, i); }, s.count,
-                        blockIdx.x, sr, key, s.index, wire + s.wire);
+    gc_nvfp4_superblock([&](gc_u64 i, float *q) { gc_sums4(incoming, s, x, 0, i, s.count, q); },
+                        s.count, blockIdx.x, sr, key, s.index, wire + s.wire);
 }
 
 /* MXFP8: 8 lanes per 32-value block, four values per lane (gc_mxfp8_team_block);
@@ -436,31 +435,28 @@ extern "C" __global__ void gc_pipe_mxfp8_encode(const float *x, const gc_u64 *ta
                         rceil, sr, key, s.index + start, w + k, w + s.scales + start);
 }
 
-/* MXFP4: one thread per code byte (values 2p and 2p + 1), 16 lanes per block. */
+/* MXFP4: four values (two code bytes) per thread, 8 lanes per 32-value block. */
 extern "C" __global__ void gc_pipe_mxfp4_encode(const float *x, const gc_u64 *table,
                                                 const unsigned char *in, unsigned int nin,
                                                 gc_u64 in_stride, int rceil, int sr,
                                                 const gc_u64 *sr_key, unsigned char *wire)
 {
     const gc_u64 key = gc_load_key(sr, sr_key);
-    const unsigned int lanes = GC_MX_BLOCK / 2;
     gc_seg s = gc_seg_row(table);
-    gc_in incoming = gc_in_make(in, nin, in_stride, GC_PIPE_MXFP4, 0);
-    gc_u64 p = gc_global_id();
-    int has0 = 2 * p < s.count;
-    int has1 = 2 * p + 1 < s.count;
-    float x0 = has0 ? gc_sum_at(incoming, s, x[s.values + 2 * p], 0, 2 * p) : 0.0f;
-    float x1 = has1 ? gc_sum_at(incoming, s, x[s.values + 2 * p + 1], 0, 2 * p + 1) : 0.0f;
+    gc_u64 quad = gc_global_id();
+    gc_u64 i = 4 * quad;
+    float q[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (i < s.count)
+        gc_sums4(gc_in_make(in, nin, in_stride, GC_PIPE_MXFP4, 0), s, x, 0, i, s.count, q);
     int finite;
-    gc_u32 m = gc_pair_amax(x0, x1, lanes, &finite);
-    if (!has0)
+    gc_u32 m = gc_quad_amax(q, GC_MX_LANES, &finite);
+    if (i >= s.count)
         return;
     int e = gc_mx_exponent(gc_float(m), 2, GC_E2M1_MAX, rceil);
     unsigned char *w = wire + s.wire;
-    w[s.scales + p] = gc_e2m1_pair(x0, x1, has1, 1.0f, gc_mx_factor(e), finite, sr, key,
-                                   s.index + 2 * p);
-    if ((p & (lanes - 1)) == 0)
-        w[p / lanes] = finite ? (unsigned char)(e + 127) : (unsigned char)0xffu;
+    gc_e2m1_quad(q, i, s.count, 1.0f, gc_mx_factor(e), finite, sr, key, s.index, w + s.scales);
+    if ((quad & (GC_MX_LANES - 1)) == 0)
+        w[i / GC_MX_BLOCK] = finite ? (unsigned char)(e + 127) : (unsigned char)0xffu;
 }
 
 /* ---- the sum as fp32, and decoders ----------------------------------------------- */

@@ -273,16 +273,19 @@ VECTOR_ACCESSES = {
     "gc_pipe_amax_tiles": {_LOAD_VALUES: 1},
     "gc_pipe_fp8_encode_tiles": {_LOAD_VALUES: 1, _STORE_CODES: 1},
     "gc_pipe_fp8_decode_tiles": {_LOAD_CODES: 1, _STORE_VALUES: 1},
+    "gc_nvfp4_encode": {_LOAD_VALUES: 4},
+    "gc_mxfp4_encode": {_LOAD_VALUES: 1},
+    "gc_pipe_nvfp4_encode": {_LOAD_VALUES: 4},
+    "gc_pipe_mxfp4_encode": {_LOAD_VALUES: 1},
 }
 
 
 @needs_nvcc
 def test_kernels_move_four_values_per_access(tmp_path: Path):
-    """The fp8 team and tile kernels', MXFP8's, bf16's, the E2M1 decoders' and the
-    batched value kernels' aligned paths are one 16-byte access per four fp32 values and one 4-byte
-    access per four codes (PTX), not four each:
-    without that, a kernel keeps too few bytes in flight to reach the memory's
-    bandwidth."""
+    """The fp8 team and tile kernels', MXFP8's, bf16's, the E2M1 encoders' and decoders'
+    and the batched value kernels' aligned paths are one 16-byte access per four fp32
+    values and one 4-byte access per four codes (PTX), not four each: without that, a
+    kernel keeps too few bytes in flight to reach the memory's bandwidth."""
     ptx = ""
     for unit in ("codec", "pipeline"):
         path = tmp_path / f"{unit}.cu"

@@ -83,7 +83,6 @@ from geocomm.engine.device_tables import (
     decode_walk,
     encode_walk,
     launch_grid,
-    team_walk,
     wire_format,
 )
 from geocomm.engine.layout import (
@@ -158,12 +157,30 @@ def _u64(v: int) -> np.uint64:
     return result
 
 
+def _check_split(split: Split | None, walk: str) -> None:
+    """Only the fp8 team kernels run a split map (the contract of both kernel classes)."""
+    if split is not None and walk != "team":
+        raise ValueError(f"only the fp8 team kernels run a split map, not the {walk} walk")
+
+
 def _split_args(split: Split) -> tuple[Any, ...]:
     """The split kernels' last arguments (native/gc_pipeline.cu, gc_split): t0, n, k,
     the coefficients of the rows from t0 / n on, the basis."""
-    if not (split.coef.flags.c_contiguous and split.vt.flags.c_contiguous):
-        raise ValueError("a split map's coefficients and basis must be C-contiguous")
-    return (_u64(split.lo), _u64(split.n), _u64(split.vt.shape[0]), split.coef, split.vt)
+    coef, vt = split.coef, split.vt
+    k = vt.shape[0]
+    if not (
+        coef.dtype == vt.dtype == np.float32
+        and coef.flags.c_contiguous
+        and vt.flags.c_contiguous
+        and coef.ndim == vt.ndim == 2
+        and coef.shape[1] == k
+        and vt.shape[1] == split.n
+    ):
+        raise ValueError(
+            "a split map needs C-contiguous float32 coefficients (rows, k) and basis (k, n), "
+            f"got {coef.dtype} {coef.shape} and {vt.dtype} {vt.shape} for n={split.n}"
+        )
+    return (_u64(split.lo), _u64(split.n), _u64(k), coef, vt)
 
 
 class CudaKernels:
@@ -190,6 +207,7 @@ class CudaKernels:
                incoming: Incoming | None = None, rounding_stream: int = 0,
                key: Any = None, split: Split | None = None) -> None:  # fmt: skip
         walk = encode_walk(fmt)
+        _check_split(split, walk)
         grid = seg.grid(walk, fmt)
         if grid is None:
             return
@@ -251,6 +269,7 @@ class CudaKernels:
         self, fmt: WireFormat, wire: Any, seg: Segments, out: Any, split: Split | None = None
     ) -> None:
         walk = decode_walk(fmt)
+        _check_split(split, walk)
         grid = seg.grid(walk, fmt)
         if grid is None:
             return
@@ -332,6 +351,7 @@ class HostKernels:
         key: Any = None,
         split: Split | None = None,
     ) -> None:
+        _check_split(split, encode_walk(fmt))
         for values, n, at, index in self._pieces(fmt, seg):
             total = self._sum(fmt, x[values : values + n], incoming, split)
             body = wire[at : at + fmt.wire_size(n)]
@@ -358,6 +378,7 @@ class HostKernels:
         out: np.ndarray,
         split: Split | None = None,
     ) -> None:
+        _check_split(split, decode_walk(fmt))
         for values, n, at, _ in self._pieces(fmt, seg):
             piece = out[values : values + n]
             self._decode_body(fmt, wire[at : at + fmt.wire_size(n)], piece)
@@ -621,7 +642,7 @@ class BatchedPipeline(PieceAccess):
     def _splits(self, ranges: list[tuple[int, int]], back: bool) -> list[Any]:
         """The split map of each range that the kernels run themselves (fp8 teams),
         None where the pipeline maps step by step (:meth:`RangeMap.split`)."""
-        if self.mapper is None or not team_walk(self.fmt):
+        if self.mapper is None or encode_walk(self.fmt) != "team":
             return [None] * len(ranges)
         return [self.mapper.split(lo, hi, back) for lo, hi in ranges]
 

@@ -154,12 +154,11 @@ def segment_rows(fmt: WireFormat, pieces: list[Piece], amax: int = 0) -> tuple[n
 
 def encode_walk(fmt: WireFormat) -> str:
     """How the encoder of ``fmt`` walks a piece: one thread per ``quad`` of values (raw
-    fp32, bfloat16) or per code byte (``pair``: MXFP4), an NVFP4 ``superblock`` per
-    thread block, an MXFP8 team of 8 lanes per block (``mx``), an fp8 ``team`` or
-    ``tile``."""
+    fp32, bfloat16, MXFP4), an NVFP4 ``superblock`` per thread block, an MXFP8 team of
+    8 lanes per block (``mx``), an fp8 ``team`` or ``tile``."""
     if fmt.family == FP8:
         return "team" if team_walk(fmt) else "tile"
-    return {NVFP4: "superblock", MXFP4: "pair", MXFP8: "mx"}.get(fmt.family, "quad")
+    return {NVFP4: "superblock", MXFP8: "mx"}.get(fmt.family, "quad")
 
 
 def decode_walk(fmt: WireFormat) -> str:
@@ -183,8 +182,6 @@ def launch_grid(walk: str, rows: np.ndarray, fmt: WireFormat) -> tuple[int, int]
         blocks = -(-quads // cuda.THREADS)
     elif walk == "mx":
         blocks = -(-(scales * cuda.MX_LANES) // cuda.THREADS)
-    elif walk == "pair":
-        blocks = -(-((count + 1) // 2) // cuda.THREADS)
     elif walk == "chunk":
         chunks = -(-count // cuda.E2M1_CHUNK)
         blocks = -(-chunks // cuda.THREADS)

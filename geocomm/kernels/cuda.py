@@ -271,7 +271,7 @@ def encode(
             )
         elif fmt == native.MXFP4:
             kernel(cupy, "gc_mxfp4_encode")(
-                _grid((n + 1) // 2), (THREADS,), (x, _u64(n), rceil, *rounding, wire)
+                _grid(-(-n // 4)), (THREADS,), (x, _u64(n), rceil, *rounding, wire)
             )
         elif fmt in native.MX_FORMATS:  # 8 lanes of four values per 32-value block
             kernel(cupy, "gc_mxfp8_encode")(

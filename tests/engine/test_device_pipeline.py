@@ -224,7 +224,8 @@ def test_launch_grids():
     assert gpl.launch_grid("quad", rows_of(value, [0, 0]), value) is None
     assert gpl.launch_grid("quad", rows_of(value, []), value) is None
     mx4 = gpl.wire_format(codec_of("mxfp4"))
-    assert gpl.launch_grid("pair", rows_of(mx4, [513, 1]), mx4) == (2, 2)
+    assert gpl.encode_walk(mx4) == "quad"  # 4 values per thread: 1025 -> 257 threads
+    assert gpl.launch_grid("quad", rows_of(mx4, [1025, 1]), mx4) == (2, 2)
     team = gpl.wire_format(codec_of("fp8"))  # 32 lanes per 128-value block
     assert gpl.launch_grid("team", rows_of(team, [1000, 10]), team) == (1, 2)
     assert gpl.launch_grid("team", rows_of(team, [1025]), team) == (2, 1)
@@ -787,3 +788,26 @@ def test_batched_pipeline_never_waits_on_the_host(gather):
     for log in logs:
         assert log.count("post") == log.count("wait_stream") == calls
         assert "test" not in log and "wait" not in log
+
+
+def test_only_fp8_teams_take_a_split_map():
+    """A split map handed to a format whose kernels cannot run it is refused, by the
+    reference kernels as by the CUDA ones (the same check), before anything is written;
+    a split whose coefficients do not fit its basis is refused too."""
+    from geocomm.codecs.formats import Split
+
+    x = rank_inputs(1, 300)[0]
+    vt = kernels.orthonormalize(np.eye(2, 30, dtype=np.float32), 1)
+    split = Split(0, 30, np.ones((10, 2), np.float32), vt, None)
+    for name in ("nvfp4", "mxfp8", "bf16", "fp8-block5000"):
+        fmt = gpl.wire_format(codec_of(name))
+        rows, _ = gpl.segment_rows(fmt, [gpl.Piece(0, x.size, 0, 0)])
+        seg = gp.Segments(rows, rows)
+        wire = np.full(fmt.wire_size(x.size), 7, np.uint8)
+        with pytest.raises(ValueError, match="team kernels"):
+            gp.HostKernels().encode(fmt, x, seg, wire, None, split=split)
+        with pytest.raises(ValueError, match="team kernels"):
+            gp.HostKernels().decode(fmt, wire, seg, np.empty_like(x), split=split)
+        assert np.all(wire == 7), name
+    with pytest.raises(ValueError, match="C-contiguous float32"):
+        gp._split_args(Split(0, 30, np.ones((10, 3), np.float32), vt, None))

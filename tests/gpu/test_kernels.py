@@ -230,22 +230,27 @@ def test_geometry_kernels_match_the_c_core(cp, lo, length):
 
 @pytest.mark.parametrize(
     "rows,length",
-    [(1, 0), (3, 1), (1, 2048), (2, 2049), (5, 40), (1, 2048 * 2048 + 3 * 2048 + 7)],
+    [(1, 0), (3, 1), (1, 2048), (3, 2049), (5, 40), (2, 2048 * 2048 + 3 * 2048 + 7)],
 )
 def test_sum_of_squares_matches_the_c_core(cp, rows, length):
     """The device's levels of the "sumsq" order (one launch per level, chunk totals
     in fp64) give the C core's one-pass bits for every row: one chunk, a chunk edge,
-    two levels and three, an inf in a row, an empty row; nothing is copied to the
-    host but the totals."""
+    two levels and three (2052 chunk totals, whose order a plain chain would change),
+    an inf in the first row (the others finite), an empty row; nothing is copied to
+    the host but the totals. Rounded to fp32, a subnormal total stays subnormal."""
     x = (inputs(1, rows * length, tag=9) * 50).reshape(rows, length)
-    if length > 10:
+    if length > 10 and rows > 1:
         x[0, 7] = np.inf
     want = [geo.sumsq(r) for r in x]
+    assert rows == 1 or length <= 10 or all(np.isfinite(want[1:]))
     got = geo.row_sumsq(cp.asarray(x))
     assert got.dtype == cp.float64 and got.shape == (rows,)
     assert np.array_equal(got.get(), np.array(want, np.float64), equal_nan=True)
     assert geo.sumsq(cp.asarray(x[-1])) == want[-1]
     assert geo.column_sumsq(cp.asarray(np.ascontiguousarray(x.T))) == want
+    tiny = np.full((2, 3), 1e-20, np.float32)  # each square 1e-40: an fp32 subnormal sum
+    got32 = geo.row_sumsq_f32(cp.asarray(tiny)).get()
+    assert np.array_equal(got32, geo.row_sumsq_f32(tiny)) and 0 < got32[0] < 1.2e-38
 
 
 def test_side_channel_rounding_matches_the_c_core(cp):
@@ -262,14 +267,17 @@ def test_side_channel_rounding_matches_the_c_core(cp):
 
 @pytest.mark.parametrize("name", ["fp8-team", "fp8-team-4", "fp8-team-33", "fp8-team-1000"])
 @pytest.mark.parametrize("stochastic", [False, True])
-@pytest.mark.parametrize(("n", "t0"), [(257, 1000), (64, 0), (4096, 3 * 4096 + 17)])
-def test_split_kernels_match_their_host_contract(cp, name, stochastic, n, t0):
+@pytest.mark.parametrize(
+    ("n", "t0", "k"), [(257, 1000, 5), (64, 0, 5), (4096, 3 * 4096 + 17, 5), (3, 5, 1)]
+)
+def test_split_kernels_match_their_host_contract(cp, name, stochastic, n, t0, k):
     """The fp8 team kernels with a split map (GeoFP8's x - A V^T on the way out, its
     value + (sum A) V^T on the way back) == the map into a buffer then the plain
     C core, for a piece that starts anywhere in a row of its tensor (rows of 257,
     64 and 4096 columns): alone, and as an owner's piece with two received bodies
-    added after the map; one-step and wide teams, both roundings. An inf in the
-    piece comes back non-finite at its place."""
+    added after the map; one-step and wide teams, both roundings; rows shorter than
+    a lane's four values, and a basis of one row. An inf in the piece comes back
+    non-finite at its place."""
     import geocomm
     from geocomm.codecs.formats import Split
 
@@ -277,7 +285,7 @@ def test_split_kernels_match_their_host_contract(cp, name, stochastic, n, t0):
     if stochastic:
         config = {**config, "rounding": "stochastic", "seed": 3}
     fmt = gpl.wire_format(geocomm.get_codec(config))
-    count, k = 6000, 5
+    count = 6000
     x = inputs(9, count, tag=11)
     x[count // 3] = np.inf
     rows = geo.rows(t0, count, n)

@@ -172,20 +172,34 @@ def test_allreduce_in_place_and_out(cp, device_comm, mpi_comm):
         {"id": "geofp8", "min_dim": 8, "min_numel": 0, "refresh": 2, "error_feedback": True},
     ],
 )
-def test_geofp8_with_refreshes(cp, device_comm, mpi_comm, config):
-    """Five calls per key (cold start, then refreshes every 2 calls), two keys in one
+def test_geofp8_with_refreshes(cp, device_comm, mpi_comm, config, monkeypatch):
+    """Five calls per key (cold start, then power steps every 2 calls), two keys in one
     buffer (as a DDP bucket) and a reduce-scatter: results and state checksums agree,
-    for the split and for the whitening."""
+    for the split, the whitening and the split with error feedback. Each matrix is of
+    rank 3 plus noise, its row space turning after three calls, so the keys map (the
+    split kernels, the power step, the residual's read) rather than go plain."""
+    from geocomm.engine.transforming import PartsMap
+
     dev, host = codec_pair(config)
-    parts = [("w1", (96, 80)), ("w2", (40, 64))]
-    n = 96 * 80 + 40 * 64
+    shapes = [(96, 80), (40, 64)]
+    parts = [("w1", shapes[0]), ("w2", shapes[1])]
+    split, in_kernels = PartsMap.split, []
+
+    def counted(self, lo, hi, back):
+        found = split(self, lo, hi, back)
+        in_kernels.append(found is not None)  # only the device pipeline asks
+        return found
+
+    monkeypatch.setattr(PartsMap, "split", counted)
     for call in range(5):
-        rng = np.random.default_rng([mpi_comm.rank, call])
-        basis = np.random.default_rng(call // 3).standard_normal((4, n)).astype(np.float32)
-        x = (
-            rng.standard_normal(4).astype(np.float32) @ basis
-            + 0.05 * rng.standard_normal(n).astype(np.float32)
-        ).astype(np.float32)
+        tensors = []
+        for i, (m, n) in enumerate(shapes):
+            rows = np.random.default_rng([i, call // 3]).standard_normal((3, n))
+            rank = np.random.default_rng([mpi_comm.rank, call, i])
+            tensors.append(
+                10 * rank.standard_normal((m, 3)) @ rows + 0.05 * rank.standard_normal((m, n))
+            )
+        x = np.concatenate([t.reshape(-1) for t in tensors]).astype(np.float32)
         got = geocomm.allreduce(
             cp.asarray(x), codec=dev, parts=parts, comm=device_comm, stage_size=2_048
         )
@@ -198,6 +212,8 @@ def test_geofp8_with_refreshes(cp, device_comm, mpi_comm, config):
             f"geofp8 reduce_scatter call {call}",
         )
     assert dev.state_checksum() == host.state_checksum()
+    # the split and its error feedback ran maps inside the device kernels
+    assert any(in_kernels) == (config.get("transform") != "whiten")
 
 
 @pytest.mark.parametrize("name", ["fp8", "nvfp4", "mxfp4", "fp8-sr", "fp8-ef"])

@@ -840,7 +840,7 @@ def twin_encode(
         )
     elif fmt == "mxfp4":
         codec.function("gc_mxfp4_encode").launch(
-            cuda._grid((n + 1) // 2), (THREADS,), (x, u64(n), i32(rceil), *rounding, wire)
+            cuda._grid(-(-n // 4)), (THREADS,), (x, u64(n), i32(rceil), *rounding, wire)
         )
     elif fmt.startswith("mxfp8"):
         codec.function("gc_mxfp8_encode").launch(

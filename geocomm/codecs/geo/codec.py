@@ -304,7 +304,8 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         if not (math.isfinite(whole) and whole > 0 and bool(np.all(np.isfinite(w)))):
             return  # a non-finite or all-zero input says nothing about the geometry
         cap, old = st.map_shape, st.host_vt
-        assert old is not None, "a plan steps from a measured basis"
+        if old is None:
+            raise RuntimeError("a plan steps from a measured basis, and this key has none")
         if dims.k < cap.k:
             w = np.concatenate([w, old[dims.k :, :]], axis=0)
         basis = kernels.orthonormalize(w, self.seed)
@@ -537,7 +538,7 @@ def _accumulation(shard: Any, lo: int, coef: Any, dims: MapShape) -> Any:
     acc = xp.zeros((dims.k, dims.n), dtype=xp.float32)
     if shard.shape[0]:
         kernels.accumulate(shard, lo, dims.n, coef[_shard_rows(shard, lo, dims), :], acc)
-    energy = xp.astype(kernels.row_sumsq(xp.reshape(shard, (1, -1))), xp.float32)
+    energy = kernels.row_sumsq_f32(xp.reshape(shard, (1, -1)))
     return kernels.round_bf16(xp.concat([xp.reshape(acc, (-1,)), energy]))
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "residual",
     "round_bf16",
     "row_sumsq",
+    "row_sumsq_f32",
     "rows",
     "sumsq",
 ]
@@ -104,6 +105,8 @@ def round_bf16(values: Any) -> Any:
     """
     if values.size == 0:
         return values
+    if not (values if is_cupy_array(values) else _host(values)).flags.c_contiguous:
+        raise ValueError("round_bf16 rounds C-contiguous arrays in place")
     if is_cupy_array(values):
         import cupy
 
@@ -155,6 +158,23 @@ def row_sumsq(a: Any) -> Any:
     return xp.asarray(
         np.array([native.geo_sumsq(np.ascontiguousarray(r, np.float32)) for r in host], np.float64)
     )
+
+
+def row_sumsq_f32(a: Any) -> Any:
+    """:func:`row_sumsq` rounded to float32 (nearest even, subnormals kept; on CuPy by a
+    kernel of its own: CuPy's casts flush subnormals to zero, the host's do not)."""
+    if not is_cupy_array(a):
+        xp = array_namespace(a)
+        return xp.astype(row_sumsq(a), xp.float32)
+    import cupy
+
+    sums = _cuda_row_sumsq(a)
+    out = cupy.empty(sums.shape, cupy.float32)
+    if sums.size:
+        _kernel(cupy, "gc_geo_to_f32")(
+            _grid(sums.size), (_THREADS,), (sums, np.uint64(sums.size), out)
+        )
+    return out
 
 
 def column_sumsq(coef: Any) -> list[float]:

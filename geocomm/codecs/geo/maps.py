@@ -77,7 +77,7 @@ def _with_energies(coef: Any, pending: Any) -> Any:
     if pending is None:
         return coef
     xp = array_namespace(coef)
-    energies = xp.reshape(xp.astype(kernels.row_sumsq(coef.T), xp.float32), (1, -1))
+    energies = xp.reshape(kernels.row_sumsq_f32(coef.T), (1, -1))
     return xp.concat([coef, kernels.round_bf16(energies)], axis=0)
 
 

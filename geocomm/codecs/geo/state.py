@@ -172,7 +172,7 @@ class KeyState:
         st.period = int(data.get("period", 1))
         st.summed = bool(data.get("summed", False))
         if data["vt"] is not None:
-            vt = np.asarray(data["vt"], np.float32)
+            vt = np.array(data["vt"], "<f4", order="C")  # a copy: the caller's stays theirs
             if vt.shape != (st.map_shape.k, st.map_shape.n):
                 raise ValueError(f"basis of shape {vt.shape} does not fit {st.map_shape}")
             st._set_basis(xp.asarray(vt), vt)
