@@ -462,7 +462,7 @@ extern "C" __global__ void gc_pipe_mxfp4_encode(const float *x, const gc_u64 *ta
 /* ---- the sum as fp32, and decoders ----------------------------------------------- */
 
 /* out[s.values + i] = the sum of value i and the incoming bodies of `family`:
- * one thread per value (fp8: block s.block). x and out may be one array. */
+ * four values per thread (fp8: block s.block). x and out may be one array. */
 extern "C" __global__ void gc_pipe_reduce(int family, int e5m2, const float *x,
                                           const gc_u64 *table, const unsigned char *in,
                                           unsigned int nin, gc_u64 in_stride, float *out)
