@@ -157,8 +157,8 @@ GC_DEV float gc_sum_at(gc_in in, const gc_seg &s, float v, gc_u64 k, gc_u64 i)
 
 /* v = the sums (gc_sum_at) of the four values of piece s from i on, those below
  * end (fp8: scaling block k); the others 0: the encoders' four per access. */
-GC_DEV void gc_sums4(gc_in in, const gc_seg &s, const float *x, gc_u64 k, gc_u64 i,
-                          gc_u64 end, float *v)
+GC_DEV void gc_sums4(gc_in in, const gc_seg &s, const float *x, gc_u64 k, gc_u64 i, gc_u64 end,
+                     float *v)
 {
     gc_load4_f32(x + s.values + i, end - i, v);
     for (gc_u64 j = 0; j < 4 && i + j < end; ++j)
