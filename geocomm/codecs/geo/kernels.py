@@ -179,11 +179,7 @@ def row_sumsq_f32(a: Any) -> Any:
 
 def column_sumsq(coef: Any) -> list[float]:
     """:func:`sumsq` of every column of an (m, k) coefficient matrix (one copy to the host)."""
-    if is_cupy_array(coef):
-        import cupy
-
-        return [float(e) for e in row_sumsq(cupy.ascontiguousarray(coef.T)).get()]
-    return [sumsq(_host(coef)[:, j]) for j in range(coef.shape[1])]
+    return [float(e) for e in host_copy(row_sumsq(coef.T))]
 
 
 def orthonormalize(rows_: Any, seed: int) -> Any:
