@@ -43,14 +43,21 @@ torchrun answers by stopping the other ranks.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
-import threading
+import time
 from typing import Any
 
 import numpy as np
 
 from geocomm.comm import abort
 from geocomm.comm.base import wait
+
+#: how long a completed transfer waits, at most, for torch to release its tensors
+#: (gloo's thread does it within microseconds, unless the scheduler holds it back)
+RELEASE_WAIT_S = 0.1
+#: how many completed transfers found their tensors still held after RELEASE_WAIT_S
+late_releases = 0
 
 #: DLPack device types of CUDA memory (``DLDeviceType``: kDLCUDA, kDLCUDAManaged)
 DLPACK_CUDA = (2, 13)
@@ -78,41 +85,72 @@ def _on_cupy_stream(torch: Any, device: Any, stream: Any = None) -> contextlib.E
     return stack
 
 
+def await_release(held: tuple) -> bool:
+    """Wait (GIL released, at most RELEASE_WAIT_S) until torch holds none of the host
+    tensors in ``held`` any more, once their work completed and the caller dropped
+    it; whether it did (a late one is counted in ``late_releases``).
+
+    gloo's worker thread keeps a completed work, and with it the work's tensors,
+    for a moment longer. Whoever drops a tensor's last C++ reference releases its
+    Python object, so gloo's thread would take the GIL for that; if this process
+    is finalizing by then (a transfer waited for just before exit), it aborts
+    ("terminate called without an active exception"). Waiting here, while Python
+    is alive, makes that release happen now. CUDA tensors are left alone: their
+    work completes on the stream, later than the host may wait for.
+    """
+    global late_releases
+    deadline = None
+    for tensor in held:
+        if not isinstance(tensor, _torch().Tensor) or tensor.device.type != "cpu":
+            continue
+        while tensor._use_count() > 1:  # ours (the Python object's) and gloo's
+            now = time.monotonic()
+            deadline = deadline if deadline is not None else now + RELEASE_WAIT_S
+            if now > deadline:
+                late_releases += 1
+                return False
+            time.sleep(0)
+    return True
+
+
 class _Work:
     """A torch ``Work`` (None: nothing to move) plus a step to run once it completed.
 
-    ``wait_for`` sleeps until the work's future completes (the backend's own
-    thread sets an event), so :func:`geocomm.comm.base.wait` does not poll.
-    ``keep``: arrays the transfer reads or writes, held until it completed.
+    ``keep``: the arrays and the tensors the transfer reads or writes, held until
+    it completed and torch released them (:func:`await_release`).
+    ``wait_for`` sleeps in torch's ``Work.wait`` (GIL released) until the work
+    completed, so :func:`geocomm.comm.base.wait` does not poll. No Python runs on
+    torch's threads (a future's callback would: its wrapper takes the GIL again
+    after the callback ran, which aborts a process that is finalizing by then).
     """
 
-    __slots__ = ("_done", "_finish", "_keep", "_work")
+    __slots__ = ("_finish", "_keep", "_work")
 
     def __init__(self, work: Any, finish: Any = None, keep: tuple = ()):
         self._work, self._finish, self._keep = work, finish, keep
-        self._done = threading.Event()
-        if work is None:
-            self._done.set()
-        else:
-            work.get_future().add_done_callback(lambda _: self._done.set())
 
     def wait_for(self, seconds: float) -> bool:
-        """Block at most ``seconds`` (GIL released) for completion; True when done."""
-        return self._done.wait(seconds)
+        """Block at most ``seconds`` for completion; True when done (failed included)."""
+        if self._work is None:
+            return True
+        with contextlib.suppress(RuntimeError):  # timed out, or failed: is_completed says
+            self._work.wait(datetime.timedelta(seconds=seconds))
+        return self._work.is_completed()
 
     def _complete(self) -> None:
-        """torch's ``Work.wait()``, then the finish step; once."""
+        """torch's ``Work.wait()``, torch's release of the tensors, then the finish
+        step; once."""
         if self._work is not None:
             self._work.wait()
             self._work = None
+            await_release(self._keep)
         if self._finish is not None:
             self._finish()
             self._finish = None
         self._keep = ()
 
     def test(self) -> bool:
-        # the future completes before gloo marks its work completed: trust either
-        if self._work is None or self._done.is_set() or self._work.is_completed():
+        if self._work is None or self._work.is_completed():
             self._complete()
             return True
         return False
@@ -140,6 +178,14 @@ class _DeviceWork(_Work):
         # ``stream``), where the finish step's copies then run too
         with _on_cupy_stream(_torch(), self._device, stream):
             super()._complete()
+
+    def test(self) -> bool:
+        """Host tensors: whether the transfer completed. CUDA tensors: the transfer is
+        ordered on the stream, so the finish step is queued after it at once (True)."""
+        if self._device is None:
+            return super().test()
+        self._complete()
+        return True
 
     def wait_stream(self, stream: Any = None) -> None:
         """Order ``stream`` (a CuPy stream; default: the current one) after the transfer.
@@ -382,7 +428,7 @@ class TorchDistCommunicator:
                 group=self.group,
                 async_op=True,
             )
-        return self._request(work, src, finish, (send, recv, source, target))
+        return self._request(work, src, finish, (send, recv, source, target, src, dst))
 
     def allgatherv(self, send, recv, counts, displs):
         """Start an all-gather: ``counts[rank]`` bytes of ``send`` land at ``displs[rank]``
@@ -408,7 +454,7 @@ class TorchDistCommunicator:
             src, dst = self._t(send[:width]), self._t(recv[: self.size * width])
             with self._ordered(src):
                 work = self._all_gather(dst, src, group=self.group, async_op=True)
-            return self._request(work, src, keep=(send, recv))
+            return self._request(work, src, keep=(send, recv, src, dst))
         padded = xp.zeros(width, np.uint8)
         padded[:mine] = send[:mine]
         gathered = xp.empty(self.size * width, np.uint8)
@@ -420,7 +466,7 @@ class TorchDistCommunicator:
         def unpad() -> None:
             _copies(recv, displs, gathered, np.arange(self.size) * width, counts)
 
-        return self._request(work, src, unpad, (send, recv, padded, gathered))
+        return self._request(work, src, unpad, (send, recv, padded, gathered, src, dst))
 
     def allreduce(self, send: Any, recv: Any, op: str) -> None:
         """Blocking all-reduce (``op`` "sum" or "max") of float32/float64 arrays; device
@@ -433,7 +479,11 @@ class TorchDistCommunicator:
         self._host_wait(flat)
         tensor = self._t(flat)
         with self._ordered(tensor):
-            self._dist.all_reduce(tensor, op=ops[op], group=self.group)
+            # no name kept for the torch work: _Work drops the only reference
+            _Work(
+                self._dist.all_reduce(tensor, op=ops[op], group=self.group, async_op=True),
+                keep=(tensor,),
+            ).wait()
 
     def allgather_int64(self, values: np.ndarray) -> np.ndarray:
         request, rows = self.start_allgather_int64(values)

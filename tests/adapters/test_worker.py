@@ -1,4 +1,5 @@
-"""The adapters' worker thread (geocomm/adapters/torch/worker.py) at interpreter exit."""
+"""Interpreter exit beside torch's threads: the adapters' worker thread
+(geocomm/adapters/torch/worker.py), and transfers over gloo just before it."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import torch
 
@@ -60,3 +62,44 @@ def test_a_close_that_timed_out_still_keeps_the_jobs_in_order():
     second.wait()
     assert order == ["first", "second"]
     assert worker.close(timeout=10)
+
+
+# Twenty transfers through geocomm's torch.distributed communicator over gloo, and
+# the process exits at once (no destroy_process_group). gloo's worker thread keeps a
+# completed work, and its tensors, a moment longer; if it drops a tensor's last C++
+# reference while Python is finalizing, taking the GIL to release the tensor's Python
+# object aborts the process ("terminate called without an active exception"). This
+# job aborted in about one run of four before the communicator waited for that
+# release. (Plain torch 2.13 code that drops a gloo work right after waiting for it
+# can abort the same way: torch asks for destroy_process_group before exit.)
+_EXIT_AFTER_TRANSFERS = textwrap.dedent(
+    """
+    import numpy as np
+    import torch.distributed as dist
+
+    import geocomm
+    from geocomm.comm.torchdist import TorchDistCommunicator
+
+    dist.init_process_group("gloo")
+    comm = TorchDistCommunicator()
+    x = np.ones(4096, np.float32)
+    for _ in range(20):
+        geocomm.allreduce(x, comm=comm, codec="fp8", stage_size=1024)
+    print("exits", flush=True)
+    """
+)
+
+
+def test_exit_right_after_gloo_transfers_does_not_abort(tmp_path):
+    script = tmp_path / "exit_after_transfers.py"
+    script.write_text(_EXIT_AFTER_TRANSFERS)
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    for _ in range(6):  # without the wait, one run in four aborted
+        done = subprocess.run(
+            [torchrun, "--standalone", "--nproc-per-node", "2", str(script)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-2000:]
+        assert done.stdout.count("exits") == 2
