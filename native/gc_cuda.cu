@@ -792,12 +792,18 @@ extern "C" __global__ void gc_e2m1_decode(const unsigned char *wire, gc_u64 n, i
 /* ---- op="avg" ------------------------------------------------------------------ */
 
 /* values[i] /= d: one IEEE division, rounded to nearest, subnormals kept (CuPy's
- * elementwise kernels, compiled with -ftz=true, would flush them). */
+ * elementwise kernels, compiled with -ftz=true, would flush them). Each thread takes
+ * four consecutive values (one 16-byte access each way where aligned). */
 extern "C" __global__ void gc_divide_f32(float *values, gc_u64 n, float d)
 {
-    gc_u64 i = gc_global_id();
-    if (i < n)
-        values[i] = __fdiv_rn(values[i], d);
+    gc_u64 i = 4 * gc_global_id();
+    if (i >= n)
+        return;
+    float v[4];
+    gc_load4_f32(values + i, n - i, v);
+    for (int j = 0; j < 4; ++j)
+        v[j] = __fdiv_rn(v[j], d);
+    gc_store4_f32(values + i, n - i, v);
 }
 
 extern "C" __global__ void gc_divide_f64(double *values, gc_u64 n, double d)
@@ -809,22 +815,34 @@ extern "C" __global__ void gc_divide_f64(double *values, gc_u64 n, double d)
 
 /* ---- fp32 sums and differences of the collectives ------------------------------- */
 
+/* out[i] = a[i] + b[i] (negate: a[i] + (-b[i])) for four consecutive values per
+ * thread, in 16-byte accesses where aligned. Each thread reads its values of a and b
+ * before it writes them, so out may be a or b itself. */
+GC_DEV void gc_add4_f32(float *out, const float *a, const float *b, gc_u64 n, bool negate)
+{
+    gc_u64 i = 4 * gc_global_id();
+    if (i >= n)
+        return;
+    float x[4], y[4];
+    gc_load4_f32(a + i, n - i, x);
+    gc_load4_f32(b + i, n - i, y);
+    for (int j = 0; j < 4; ++j)
+        x[j] = __fadd_rn(x[j], negate ? -y[j] : y[j]);
+    gc_store4_f32(out + i, n - i, x);
+}
+
 /* acc[i] += v[i]: one IEEE fp32 addition, rounded to nearest, subnormal operands and
  * results kept (CuPy's `+=` is compiled with -ftz=true and would flush them), so a
  * sum of CuPy arrays equals NumPy's (NaN payloads aside). v may be acc itself. */
 extern "C" __global__ void gc_add_f32(float *acc, const float *v, gc_u64 n)
 {
-    gc_u64 i = gc_global_id();
-    if (i < n)
-        acc[i] = __fadd_rn(acc[i], v[i]);
+    gc_add4_f32(acc, acc, v, n, false);
 }
 
 /* out[i] = a[i] - b[i], written as a[i] + (-b[i]): the negation is exact and IEEE
  * subtraction is that addition, rounded to nearest, subnormals kept. out may be a or
- * b itself (each thread reads its operands before it writes). */
+ * b itself. */
 extern "C" __global__ void gc_sub_f32(float *out, const float *a, const float *b, gc_u64 n)
 {
-    gc_u64 i = gc_global_id();
-    if (i < n)
-        out[i] = __fadd_rn(a[i], -b[i]);
+    gc_add4_f32(out, a, b, n, true);
 }

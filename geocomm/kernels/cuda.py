@@ -355,15 +355,20 @@ def _decode_fp8(
 # op="avg": division by the rank count
 
 
-#: the kernel of each dtype :func:`divide` takes
-_DIVIDE_KERNELS = {np.dtype(np.float32): "gc_divide_f32", np.dtype(np.float64): "gc_divide_f64"}
+#: the kernel of each dtype :func:`divide` takes, and how many values each thread divides
+_DIVIDE_KERNELS = {
+    np.dtype(np.float32): ("gc_divide_f32", 4),
+    np.dtype(np.float64): ("gc_divide_f64", 1),
+}
 
 
-def divide_grid(n: int) -> tuple[int]:
-    """Thread blocks of THREADS threads for :func:`divide` of n >= 1 values (one per value)."""
+def divide_grid(n: int, dtype: Any = np.float32) -> tuple[int]:
+    """Thread blocks of THREADS threads for :func:`divide` of n >= 1 values of ``dtype``
+    (float32: four values per thread, float64: one)."""
     if n < 1:
         raise ValueError(f"divide_grid needs n >= 1, got {n}")
-    return _grid(n)
+    per_thread = _DIVIDE_KERNELS[np.dtype(dtype)][1]
+    return _grid(-(-n // per_thread))
 
 
 def _divisor(size: int) -> int:
@@ -399,8 +404,8 @@ def divide(values: Any, size: int, stream: Any = None) -> None:
     if n == 0:
         return
     with _launch_context(values.device, stream):
-        kernel(cupy, _DIVIDE_KERNELS[dtype])(
-            divide_grid(n), (THREADS,), (values, _u64(n), values.dtype.type(size))
+        kernel(cupy, _DIVIDE_KERNELS[dtype][0])(
+            divide_grid(n, dtype), (THREADS,), (values, _u64(n), values.dtype.type(size))
         )
 
 
@@ -434,7 +439,7 @@ def add(acc: Any, values: Any, stream: Any = None) -> None:
     if n == 0:
         return
     with _launch_context(acc.device, stream):
-        kernel(cupy, "gc_add_f32")(_grid(n), (THREADS,), (acc, values, _u64(n)))
+        kernel(cupy, "gc_add_f32")(_grid(-(-n // 4)), (THREADS,), (acc, values, _u64(n)))
 
 
 def subtract(out: Any, a: Any, b: Any, stream: Any = None) -> None:
@@ -455,4 +460,4 @@ def subtract(out: Any, a: Any, b: Any, stream: Any = None) -> None:
     if n == 0:
         return
     with _launch_context(out.device, stream):
-        kernel(cupy, "gc_sub_f32")(_grid(n), (THREADS,), (out, a, b, _u64(n)))
+        kernel(cupy, "gc_sub_f32")(_grid(-(-n // 4)), (THREADS,), (out, a, b, _u64(n)))

@@ -115,6 +115,30 @@ def test_divide_keeps_subnormal_quotients(cp):
     assert np.array_equal(out.get().view(np.uint32), (x / np.float32(3)).view(np.uint32))
 
 
+@pytest.mark.parametrize("shift", [0, 1, 3], ids=["aligned", "+4B", "+12B"])
+def test_divide_add_and_subtract_give_numpys_bits_at_any_alignment(cp, shift):
+    """The fp32 divide, add and subtract kernels take four values per thread, in one
+    16-byte access where aligned and one at a time elsewhere (a start off the boundary,
+    a tail of 1-3 values): both give NumPy's bits, in place and with operands that
+    are the output itself."""
+    for n in (1, 3, 5, 4097):
+        a, b = special(n), inputs(n, n, tag=7)
+        got = _shifted(cp, a, shift)
+        assert (got.data.ptr % 16 != 0) == bool(shift)
+        cuda.divide(got, 3)
+        assert same_values(got.get(), a / np.float32(3)), ("divide", n)
+        acc, v = _shifted(cp, a, shift), _shifted(cp, b, shift)
+        cuda.add(acc, v)
+        assert same_values(acc.get(), a + b), ("add", n)
+        cuda.add(acc, acc)
+        assert same_values(acc.get(), (a + b) + (a + b)), ("add to itself", n)
+        x, y, out = _shifted(cp, a, shift), _shifted(cp, b, shift), _shifted(cp, a, 0)
+        cuda.subtract(out, x, y)
+        assert same_values(out.get(), a - b), ("subtract", n)
+        cuda.subtract(y, x, y)  # into its second operand
+        assert same_values(y.get(), a - b), ("subtract into b", n)
+
+
 CONFIGS = {
     "fp8-team": {"id": "fp8", "fmt": "e4m3", "block": 128},
     # team widths 1, 16 and 32 (8 steps), blocks that 4 does not divide among them

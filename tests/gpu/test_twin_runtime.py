@@ -975,7 +975,7 @@ def test_divide_keeps_subnormal_quotients(codec, n):
         doubles = x.astype(np.float64) * 1e-290  # subnormal fp64 quotients too
         want = doubles / np.float64(size)
         codec.function("gc_divide_f64").launch(
-            cuda.divide_grid(n), (THREADS,), (doubles, u64(n), np.float64(size))
+            cuda.divide_grid(n, np.float64), (THREADS,), (doubles, u64(n), np.float64(size))
         )
         assert same_values(doubles, want)
 
