@@ -117,21 +117,26 @@ class _Work:
     """A torch ``Work`` (None: nothing to move) plus a step to run once it completed.
 
     ``keep``: the arrays and the tensors the transfer reads or writes, held until
-    it completed and torch released them (:func:`await_release`).
-    ``wait_for`` sleeps in torch's ``Work.wait`` (GIL released) until the work
-    completed, so :func:`geocomm.comm.base.wait` does not poll. No Python runs on
-    torch's threads (a future's callback would: its wrapper takes the GIL again
-    after the callback ran, which aborts a process that is finalizing by then).
+    it completed and torch released them (:func:`await_release`). A work of CUDA
+    tensors (NCCL) is ordered on the stream: ``test()`` completes it at once
+    (``Work.wait()`` makes the current stream wait; a finish step that reads on the
+    host synchronizes). A work of host tensors (gloo) completes on gloo's thread:
+    ``wait_for`` sleeps in torch's ``Work.wait`` (GIL released), so
+    :func:`geocomm.comm.base.wait` does not poll, and no Python runs on torch's
+    threads (a future's callback would: its wrapper takes the GIL again after the
+    callback ran, which aborts a process that is finalizing by then).
     """
 
-    __slots__ = ("_finish", "_keep", "_work")
+    __slots__ = ("_finish", "_keep", "_on_stream", "_work")
 
     def __init__(self, work: Any, finish: Any = None, keep: tuple = ()):
         self._work, self._finish, self._keep = work, finish, keep
+        tensor = _torch().Tensor
+        self._on_stream = any(isinstance(t, tensor) and t.device.type == "cuda" for t in keep)
 
     def wait_for(self, seconds: float) -> bool:
         """Block at most ``seconds`` for completion; True when done (failed included)."""
-        if self._work is None:
+        if self._work is None or self._on_stream:
             return True
         with contextlib.suppress(RuntimeError):  # timed out, or failed: is_completed says
             self._work.wait(datetime.timedelta(seconds=seconds))
@@ -150,7 +155,7 @@ class _Work:
         self._keep = ()
 
     def test(self) -> bool:
-        if self._work is None or self._work.is_completed():
+        if self._work is None or self._on_stream or self._work.is_completed():
             self._complete()
             return True
         return False
@@ -178,14 +183,6 @@ class _DeviceWork(_Work):
         # ``stream``), where the finish step's copies then run too
         with _on_cupy_stream(_torch(), self._device, stream):
             super()._complete()
-
-    def test(self) -> bool:
-        """Host tensors: whether the transfer completed. CUDA tensors: the transfer is
-        ordered on the stream, so the finish step is queued after it at once (True)."""
-        if self._device is None:
-            return super().test()
-        self._complete()
-        return True
 
     def wait_stream(self, stream: Any = None) -> None:
         """Order ``stream`` (a CuPy stream; default: the current one) after the transfer.

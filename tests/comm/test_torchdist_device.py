@@ -42,6 +42,48 @@ except ImportError:  # the helpers' tests run without MPI
 # helpers that need no ranks
 
 
+class _GlooLikeWork:
+    """A torch ``Work`` as gloo's behaves: ``wait(timeout)`` raises "Operation timed
+    out!" while pending, the work's own error once failed; done after ``polls`` waits."""
+
+    def __init__(self, polls: int, error: Exception | None = None):
+        self.polls, self.error, self.waits = polls, error, 0
+
+    def is_completed(self) -> bool:
+        return self.waits >= self.polls
+
+    def wait(self, timeout=None) -> bool:
+        self.waits += 1
+        if not self.is_completed():
+            if timeout is None:
+                self.waits = self.polls
+            else:
+                raise RuntimeError("Operation timed out!")
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def test_a_host_request_sleeps_in_work_wait_and_finishes_once():
+    """wait_for is torch's Work.wait with a timeout (no future callback runs Python on
+    gloo's thread): False while the work is pending, True once it completed or failed;
+    the finish step runs once, after completion, and a failed work raises its error."""
+    import torch
+
+    finished = []
+    request = torchdist._Work(_GlooLikeWork(polls=2), lambda: finished.append(1), (torch.zeros(4),))
+    assert not request.test()
+    assert [request.wait_for(0.01) for _ in range(2)] == [False, True]
+    assert request.test() and request.test() and finished == [1]
+    # torch raises a failed transfer's error as a RuntimeError (DistBackendError)
+    failed = torchdist._Work(_GlooLikeWork(polls=2, error=RuntimeError("peer gone")))
+    assert not failed.wait_for(0.01)
+    assert failed.wait_for(0.01)  # completed, by failing
+    with pytest.raises(RuntimeError, match="peer gone"):
+        failed.test()
+    assert torchdist._Work(None).test()
+
+
 def test_packed_base():
     base = torchdist._packed_base
     c = np.array([3, 0, 2, 4])
