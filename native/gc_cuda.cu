@@ -173,40 +173,6 @@ GC_DEV gc_u64 gc_team_at(int t, unsigned int lane, unsigned int width)
     return 4 * ((gc_u64)t * width + lane);
 }
 
-GC_DEV int gc_aligned(const void *p, unsigned int bytes)
-{
-    return ((gc_u64)p & (bytes - 1u)) == 0;
-}
-
-/* v[j] = p[j] for j < 4 where j < avail, else 0: one 16-byte load when all four
- * exist and p is 16-byte aligned, four loads otherwise (the same values). */
-GC_DEV void gc_load4_f32(const float *p, gc_u64 avail, float *v)
-{
-    if (avail >= 4 && gc_aligned(p, 16)) {
-        float4 q = *reinterpret_cast<const float4 *>(p);
-        v[0] = q.x;
-        v[1] = q.y;
-        v[2] = q.z;
-        v[3] = q.w;
-        return;
-    }
-    for (int j = 0; j < 4; ++j)
-        v[j] = (gc_u64)j < avail ? p[j] : 0.0f;
-}
-
-/* p[j] = v[j] for j < 4 where j < avail: one 16-byte store when aligned and full
- * (__stwb: NVVM split a plain float4 store into four in gc_pipe_fp8_decode_team). */
-GC_DEV void gc_store4_f32(float *p, gc_u64 avail, const float *v)
-{
-    if (avail >= 4 && gc_aligned(p, 16)) {
-        __stwb(reinterpret_cast<float4 *>(p), make_float4(v[0], v[1], v[2], v[3]));
-        return;
-    }
-    for (int j = 0; j < 4; ++j)
-        if ((gc_u64)j < avail)
-            p[j] = v[j];
-}
-
 /* c[j] = p[j] for j < 4 where j < avail, else 0: one 4-byte load when aligned and full. */
 GC_DEV void gc_load4_u8(const unsigned char *p, gc_u64 avail, gc_u32 *c)
 {

@@ -6,7 +6,8 @@
  *   gc_geo_project     GC_LANES threads per (row, coefficient): thread q runs
  *                      lane q's chain, a shuffle tree combines the lanes in
  *                      gc_lane_sum's order. Non-finite inputs read as 0.
- *   gc_geo_expand      one thread per element, chain over the k coefficients.
+ *   gc_geo_expand      four consecutive elements per thread, each a chain over
+ *                      the k coefficients.
  *   gc_geo_accumulate  one thread per (coefficient, column), chain down the
  *                      rows of the range in order.
  *   gc_geo_round_bf16  one thread per element: the side channel's rounding.
@@ -66,18 +67,25 @@ extern "C" __global__ void gc_geo_project(const float *x, gc_u64 lo, gc_u64 len,
         coef[o] = p;
 }
 
+/* Four consecutive elements per thread (16-byte accesses of x and out where aligned;
+ * each element's chain unchanged). out may be x itself. */
 extern "C" __global__ void gc_geo_expand(const float *x, gc_u64 lo, gc_u64 len, gc_u64 n,
                                          const float *coef, const float *vt, gc_u64 k,
                                          float sign, float *out)
 {
-    gc_u64 e = gc_geo_id();
-    if (e >= len)
+    gc_u64 e0 = 4 * gc_geo_id();
+    if (e0 >= len)
         return;
-    gc_u64 r = (lo + e) / n - lo / n, j = (lo + e) % n;
-    float t = 0.0f;
-    for (gc_u64 l = 0; l < k; l++)
-        t = gc_mad(t, coef[r * k + l], vt[l * n + j]);
-    out[e] = __fadd_rn(x[e], __fmul_rn(sign, t));
+    float v[4];
+    gc_load4_f32(x + e0, len - e0, v);
+    for (int q = 0; q < 4 && e0 + q < len; ++q) {
+        gc_u64 e = e0 + q, r = (lo + e) / n - lo / n, j = (lo + e) % n;
+        float t = 0.0f;
+        for (gc_u64 l = 0; l < k; l++)
+            t = gc_mad(t, coef[r * k + l], vt[l * n + j]);
+        v[q] = __fadd_rn(v[q], __fmul_rn(sign, t));
+    }
+    gc_store4_f32(out + e0, len - e0, v);
 }
 
 extern "C" __global__ void gc_geo_accumulate(const float *x, gc_u64 lo, gc_u64 len, gc_u64 n,

@@ -6,7 +6,9 @@
  * prepended to the CuPy kernels at run time), so the CPU tests exercise the
  * exact operations the GPU runs. GC_FN expands to `static inline` in C and
  * `__device__ __forceinline__` in CUDA. Only fp32 arithmetic is used: no
- * fp64, no libm calls beyond fabsf, no fast-math assumptions.
+ * fp64, no libm calls beyond fabsf, no fast-math assumptions. The CUDA side
+ * also holds the kernels' four-value loads and stores (gc_load4_f32,
+ * gc_store4_f32), so every kernel unit (codec, pipeline, geometry) shares them.
  *
  * Conventions (docs/design.md, "Formats"):
  *   scale = amax / FMAX            (fp32; 0 for an all-zero block)
@@ -71,6 +73,43 @@ GC_FN float gc_float(gc_u32 u)
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
+}
+#endif
+
+#ifdef __CUDACC__
+/* Device memory, four fp32 values per access: the CUDA kernels' loads and stores. */
+GC_FN int gc_aligned(const void *p, unsigned int bytes)
+{
+    return ((gc_u64)p & (bytes - 1u)) == 0;
+}
+
+/* v[j] = p[j] for j < 4 where j < avail, else 0: one 16-byte load when all four
+ * exist and p is 16-byte aligned, four loads otherwise (the same values). */
+GC_FN void gc_load4_f32(const float *p, gc_u64 avail, float *v)
+{
+    if (avail >= 4 && gc_aligned(p, 16)) {
+        float4 q = *reinterpret_cast<const float4 *>(p);
+        v[0] = q.x;
+        v[1] = q.y;
+        v[2] = q.z;
+        v[3] = q.w;
+        return;
+    }
+    for (int j = 0; j < 4; ++j)
+        v[j] = (gc_u64)j < avail ? p[j] : 0.0f;
+}
+
+/* p[j] = v[j] for j < 4 where j < avail: one 16-byte store when aligned and full
+ * (__stwb: NVVM split a plain float4 store into four in gc_pipe_fp8_decode_team). */
+GC_FN void gc_store4_f32(float *p, gc_u64 avail, const float *v)
+{
+    if (avail >= 4 && gc_aligned(p, 16)) {
+        __stwb(reinterpret_cast<float4 *>(p), make_float4(v[0], v[1], v[2], v[3]));
+        return;
+    }
+    for (int j = 0; j < 4; ++j)
+        if ((gc_u64)j < avail)
+            p[j] = v[j];
 }
 #endif
 

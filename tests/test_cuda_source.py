@@ -282,6 +282,7 @@ VECTOR_ACCESSES = {
     "gc_divide_f32": {_LOAD_VALUES: 1, _STORE_VALUES: 1},
     "gc_add_f32": {_LOAD_VALUES: 2, _STORE_VALUES: 1},
     "gc_sub_f32": {_LOAD_VALUES: 2, _STORE_VALUES: 1},
+    "gc_geo_expand": {_LOAD_VALUES: 1, _STORE_VALUES: 1},
 }
 
 
@@ -292,7 +293,7 @@ def test_kernels_move_four_values_per_access(tmp_path: Path):
     values and one 4-byte access per four codes (PTX), not four each: without that, a
     kernel keeps too few bytes in flight to reach the memory's bandwidth."""
     ptx = ""
-    for unit in ("codec", "pipeline"):
+    for unit in ("codec", "pipeline", "geometry"):
         path = tmp_path / f"{unit}.cu"
         path.write_text(UNITS[unit][0]())
         out = tmp_path / f"{unit}.ptx"

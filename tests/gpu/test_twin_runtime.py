@@ -1043,11 +1043,20 @@ def test_geometry_kernels_match_the_c_core(lo, length, n, k):
     out, want_out = np.zeros_like(x), np.zeros_like(x)
     native.geo_expand(x, lo, n, want, vt, -1.0, want_out)
     image.function("gc_geo_expand").launch(
-        geo._grid(length),
+        geo._expand_grid(length),
         (geo._THREADS,),
         (x, u64(lo), u64(length), u64(n), coef, vt, u64(k), np.float32(-1.0), out),
     )
     assert same_values(out, want_out)
+    # off the 16-byte boundary (values one float into their allocation), and in place
+    shifted = np.zeros(length + 1, np.float32)[1:]
+    shifted[...] = x
+    image.function("gc_geo_expand").launch(
+        geo._expand_grid(length),
+        (geo._THREADS,),
+        (shifted, u64(lo), u64(length), u64(n), coef, vt, u64(k), np.float32(-1.0), shifted),
+    )
+    assert same_values(shifted, want_out)
     acc, want_acc = np.ones((k, n), np.float32), np.ones((k, n), np.float32)
     native.geo_accumulate(x, lo, n, want, want_acc)
     image.function("gc_geo_accumulate").launch(

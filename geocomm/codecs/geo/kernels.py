@@ -226,6 +226,11 @@ def _grid(threads: int) -> tuple[int]:
     return (max(1, -(-threads // _THREADS)),)
 
 
+def _expand_grid(length: int) -> tuple[int]:
+    """Thread blocks for gc_geo_expand over a range of ``length`` values (four per thread)."""
+    return _grid(-(-length // 4))
+
+
 def _range_args(values: Any, lo: int, n: int) -> tuple[Any, ...]:
     """The arguments every geometry kernel starts with: the range's values, where the
     range starts in the matrix, its length and the row length."""
@@ -252,7 +257,7 @@ def _cuda_expand(values: Any, lo: int, n: int, coef: Any, vt: Any, sign: float, 
 
     if values.size:
         _kernel(cupy, "gc_geo_expand")(
-            _grid(values.size),
+            _expand_grid(values.size),
             (_THREADS,),
             (*_range_args(values, lo, n), coef, vt, np.uint64(vt.shape[0]), np.float32(sign), out),
         )
