@@ -42,7 +42,7 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture(autouse=True)
 def _torch_transfers_release_their_tensors():
     """A transfer through torch.distributed waits, once complete, until gloo let go of
-    its tensors (geocomm/comm/torchdist.py, ``await_release``); a path that keeps a
+    its tensors (geocomm/comm/torchdist.py, ``TorchWork``); a path that keeps a
     reference to its work would wait out ``RELEASE_WAIT_S`` on every call. One late
     release per test is let through: on a loaded machine the scheduler may hold
     gloo's thread back that long."""

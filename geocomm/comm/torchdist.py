@@ -85,7 +85,7 @@ def _on_cupy_stream(torch: Any, device: Any, stream: Any = None) -> contextlib.E
     return stack
 
 
-def await_release(held: tuple) -> bool:
+def _await_release(held: tuple) -> bool:
     """Wait (GIL released, at most RELEASE_WAIT_S) until torch holds none of the host
     tensors in ``held`` any more, once their work completed and the caller dropped
     it; whether it did (a late one is counted in ``late_releases``).
@@ -113,11 +113,11 @@ def await_release(held: tuple) -> bool:
     return True
 
 
-class _Work:
+class TorchWork:
     """A torch ``Work`` (None: nothing to move) plus a step to run once it completed.
 
     ``keep``: the arrays and the tensors the transfer reads or writes, held until
-    it completed and torch released them (:func:`await_release`). A work of CUDA
+    it completed and torch released them (:func:`_await_release`). A work of CUDA
     tensors (NCCL) is ordered on the stream: ``test()`` completes it at once
     (``Work.wait()`` makes the current stream wait; a finish step that reads on the
     host synchronizes). A work of host tensors (gloo) completes on gloo's thread:
@@ -148,7 +148,7 @@ class _Work:
         if self._work is not None:
             self._work.wait()
             self._work = None
-            await_release(self._keep)
+            _await_release(self._keep)
         if self._finish is not None:
             self._finish()
             self._finish = None
@@ -164,8 +164,8 @@ class _Work:
         self._complete()
 
 
-class _DeviceWork(_Work):
-    """A request of a device-mode communicator: a :class:`_Work` that also offers
+class _DeviceWork(TorchWork):
+    """A request of a device-mode communicator: a :class:`TorchWork` that also offers
     ``wait_stream()``. ``device``: the CUDA device of its tensors, None for host
     tensors; ``rank`` names this rank in a timeout."""
 
@@ -371,9 +371,9 @@ class TorchDistCommunicator:
             return _on_cupy_stream(self._torch, tensor.device)
         return contextlib.nullcontext()
 
-    def _request(self, work: Any, tensor: Any, finish: Any = None, keep: tuple = ()) -> _Work:
+    def _request(self, work: Any, tensor: Any, finish: Any = None, keep: tuple = ()) -> TorchWork:
         if not self.device_arrays:
-            return _Work(work, finish, keep)
+            return TorchWork(work, finish, keep)
         device = tensor.device if tensor is not None and tensor.device.type == "cuda" else None
         return _DeviceWork(work, finish, keep, device, self.rank)
 
@@ -476,8 +476,8 @@ class TorchDistCommunicator:
         self._host_wait(flat)
         tensor = self._t(flat)
         with self._ordered(tensor):
-            # no name kept for the torch work: _Work drops the only reference
-            _Work(
+            # no name kept for the torch work: TorchWork drops the only reference
+            TorchWork(
                 self._dist.all_reduce(tensor, op=ops[op], group=self.group, async_op=True),
                 keep=(tensor,),
             ).wait()
@@ -487,7 +487,7 @@ class TorchDistCommunicator:
         wait(request, "a metadata all-gather", self.rank)
         return rows
 
-    def start_allgather_int64(self, values: np.ndarray) -> tuple[_Work, np.ndarray]:
+    def start_allgather_int64(self, values: np.ndarray) -> tuple[TorchWork, np.ndarray]:
         """Start the all-gather of a small int64 vector: (its request, the (size, len)
         rows it fills once complete; a NCCL group's rows are copied to the host then)."""
         values = np.ascontiguousarray(values, np.int64)
@@ -501,7 +501,7 @@ class TorchDistCommunicator:
             def finish() -> None:
                 rows.reshape(-1)[...] = gathered.cpu().numpy()
 
-        return _Work(work, finish, (send, gathered)), rows
+        return TorchWork(work, finish, (send, gathered)), rows
 
     def barrier(self) -> None:
         self._dist.barrier(group=self.group)

@@ -10,9 +10,6 @@ a Hugging Face GPT-2 under DDP, Lightning's ``process_group_backend``.
 from __future__ import annotations
 
 import hashlib
-import os
-import socket
-import subprocess
 import sys
 
 import numpy as np
@@ -316,50 +313,13 @@ def test_bad_configuration_is_refused():
 # two torchrun-style ranks: the default group is geocomm's
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_ranks(scenario: str, timeout: float = 240) -> list[str]:
     """Run this file's ``scenario`` on 2 ranks with torchrun's environment; their outputs."""
-    port = str(_free_port())
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_WORLD_SIZE": "2",
-            "GROUP_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "TORCHELASTIC_RUN_ID": "geocomm-test",
-            "OMP_NUM_THREADS": "1",
-            "GEOCOMM_MIN_NUMEL": str(MIN_NUMEL),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-P", __file__, scenario],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    outputs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outputs.append(out)
-        assert p.returncode == 0, out[-4000:]
-    return outputs
+    # imported here: the ranks run this file as a script (-P: its folder not on the path)
+    from torchrun_ranks import two_torchrun_ranks
+
+    argv = [sys.executable, "-P", __file__, scenario]
+    return two_torchrun_ranks(argv, {"GEOCOMM_MIN_NUMEL": str(MIN_NUMEL)}, timeout)
 
 
 def _result(output: str) -> str:

@@ -3,15 +3,13 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 import textwrap
 import threading
-from pathlib import Path
 
 import torch
+from torchrun_ranks import two_torchrun_ranks
 
 from geocomm.adapters.torch.worker import Worker
 
@@ -92,36 +90,9 @@ _EXIT_AFTER_TRANSFERS = textwrap.dedent(
 )
 
 
-def _two_ranks_exit(script: Path) -> None:
-    """Run ``script`` on 2 ranks with torchrun's environment (torchrun's own agent
-    would add a second per run); both must exit with status 0 after printing."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}  # fmt: skip
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-P", str(script)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    try:
-        outputs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, out in zip(procs, outputs, strict=True):
-        assert p.returncode == 0 and "exits" in out, out[-3000:]
-
-
 def test_exit_right_after_gloo_transfers_does_not_abort(tmp_path):
     script = tmp_path / "exit_after_transfers.py"
     script.write_text(_EXIT_AFTER_TRANSFERS)
     for _ in range(4):  # before the fix, 5 runs of 16 aborted: 4 runs catch that 78% of times
-        _two_ranks_exit(script)
+        outputs = two_torchrun_ranks([sys.executable, "-P", str(script)], {}, timeout=120)
+        assert all("exits" in out for out in outputs), outputs

@@ -71,17 +71,19 @@ def test_a_host_request_sleeps_in_work_wait_and_finishes_once():
     import torch
 
     finished = []
-    request = torchdist._Work(_GlooLikeWork(polls=2), lambda: finished.append(1), (torch.zeros(4),))
+    request = torchdist.TorchWork(
+        _GlooLikeWork(polls=2), lambda: finished.append(1), (torch.zeros(4),)
+    )
     assert not request.test()
     assert [request.wait_for(0.01) for _ in range(2)] == [False, True]
     assert request.test() and request.test() and finished == [1]
     # torch raises a failed transfer's error as a RuntimeError (DistBackendError)
-    failed = torchdist._Work(_GlooLikeWork(polls=2, error=RuntimeError("peer gone")))
+    failed = torchdist.TorchWork(_GlooLikeWork(polls=2, error=RuntimeError("peer gone")))
     assert not failed.wait_for(0.01)
     assert failed.wait_for(0.01)  # completed, by failing
     with pytest.raises(RuntimeError, match="peer gone"):
         failed.test()
-    assert torchdist._Work(None).test()
+    assert torchdist.TorchWork(None).test()
 
 
 def test_packed_base():

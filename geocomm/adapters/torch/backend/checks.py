@@ -27,7 +27,7 @@ import torch
 from geocomm.adapters.torch.grads import NUMPY_DTYPES
 from geocomm.api.calls import parts_of, requested_topology
 from geocomm.codecs.base import Codec, StatefulCodec
-from geocomm.comm.torchdist import await_release
+from geocomm.comm.torchdist import TorchWork
 from geocomm.engine.call import call_fingerprint, raise_on_mismatch
 
 #: what an early check's ``wait`` is: raises CollectiveMismatchError if ranks differ
@@ -65,14 +65,11 @@ class EarlyChecks:
         send = torch.from_numpy(row)
         rows = torch.empty((self.size, row.size), dtype=torch.int64)
         outputs = list(rows.unbind(0))
-        work = self.group.allgather([outputs], [send])
+        request = TorchWork(self.group.allgather([outputs], [send]), keep=(send, *outputs))
         self.sent += row.nbytes * (self.size - 1)
 
         def wait() -> None:
-            nonlocal work
-            work.wait()
-            work = None
-            await_release((send, *outputs))
+            request.wait()
             raise_on_mismatch(kind, rows.numpy())
 
         return wait
