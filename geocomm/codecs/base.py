@@ -192,7 +192,9 @@ class TransformingCodec(StatefulCodec):
       config and the key's state only; None means plain quantization;
     * ``plan.forward(x, out)`` writes the mapped values and sets ``plan.side``,
       this rank's contribution to an exact side sum (or None); a plan with
-      ``ranged`` true also offers ``plan.begin(x)`` (sets ``side``) and then
+      ``ranged`` true also offers ``plan.begin(x, side)`` (sets ``side``: written
+      into ``side``, an array of ``plan.side_shape``, where the plan names one and
+      the caller gives it) and then
       ``plan.forward_range(values, lo, out)`` for any flat range, and
       ``plan.encode_range(values, lo, codec, wire, rounding_stream, offset)``,
       which encodes a range's mapped values with ``codec`` without storing them

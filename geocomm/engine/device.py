@@ -85,6 +85,7 @@ from geocomm.engine.device_tables import (
     launch_grid,
     wire_format,
 )
+from geocomm.engine.graphs import Graphs
 from geocomm.engine.layout import (
     PieceAccess,
     Pieces,
@@ -407,9 +408,11 @@ class DevicePlan:
     the staging buffer of mapped calls, the fp8 tile walk's amax slots) and, per pair of
     source and result arrays, the CUDA graph of a call: after a call ran eagerly once
     with the same arrays, the next one is captured (CuPy stream capture, the NCCL
-    transfers included) and every later one replays it with one graph launch. Graphs
-    need a communicator that can be captured (``capturing()``, NCCL's) and no map;
-    other calls run eagerly, still without allocating or synchronizing. Stochastic
+    transfers included) and every later one replays it with one graph launch
+    (:class:`~geocomm.engine.graphs.Graphs`). Graphs need a communicator that can be
+    captured (``capturing()``, NCCL's); a call with a map runs eagerly here, and its
+    caller may capture the whole mapped call (:func:`geocomm.engine.run.compressed`),
+    with :meth:`prepare` outside the graph and :meth:`eager` inside. Stochastic
     rounding's keys change every call, so the kernels read them from the plan's
     :attr:`keys`, which every call writes first (one launch of one thread, queued on
     the current stream).
@@ -418,9 +421,6 @@ class DevicePlan:
     tests). The plan's buffers are used by one call at a time: a call on another stream
     than the last one first waits for the last one's work.
     """
-
-    #: CUDA graphs kept per plan (by source and result arrays), oldest dropped first.
-    GRAPHS_KEPT = 4
 
     def __init__(
         self,
@@ -452,14 +452,11 @@ class DevicePlan:
         # the stochastic-rounding keys of a call's two quantizations (write_keys)
         self.keys = xp.zeros(2, np.uint64)
         self.key_views = (self.keys[0:1], self.keys[1:2])
-        self.graphs: dict[tuple[int, int, int], tuple[Any, Any]] = {}  # (graph, its record)
-        self._eager_last: tuple[int, int, int] | None = None
-        self._capture_stream: Any = None
-        self._last_stream: Any = None
-        #: the communicator when its calls can be captured into graphs (None: eager calls)
-        self.capture_comm: Capturable | None = (
-            comm if xp is not np and isinstance(comm, Capturable) and not staged else None
+        #: the CUDA graphs of its calls without a map, by source, result and divisor
+        self.graphs = Graphs(
+            comm if xp is not np and isinstance(comm, Capturable) and not staged else None, xp
         )
+        self._last_stream: Any = None
 
     def _segments(self, span: slice) -> Segments:
         return Segments(self.tables.rows[span], self.table[span])
@@ -472,6 +469,30 @@ class DevicePlan:
         first, second = (self.fmt.key(quantization_stream(rounding_stream, me, q)) for q in (1, 2))
         self.kernels.set_keys(self.keys, first, second)
 
+    def prepare(self, rounding_stream: int = 0) -> None:
+        """What every call queues first, outside any graph: an order after the plan's
+        last call when the current stream changed (the buffers are the plan's, not the
+        stream's), then a stochastic call's keys (:meth:`write_keys`)."""
+        if self.xp is not np:
+            stream = self.xp.cuda.get_current_stream()
+            last = self._last_stream
+            if last is not None and last.ptr != stream.ptr:
+                stream.wait_event(last.record())
+            self._last_stream = stream
+        if self.fmt.stochastic:
+            self.write_keys(rounding_stream)
+
+    def eager(
+        self,
+        source: Any,
+        result: Any,
+        mapper: RangeMap | None = None,
+        rounding_stream: int = 0,
+        divisor: int = 0,
+    ) -> None:
+        """One call's work, queued on the current stream as it comes (after :meth:`prepare`)."""
+        BatchedPipeline.of(self, source, result, mapper, rounding_stream, divisor).run()
+
     def run(
         self,
         source: Any,
@@ -480,73 +501,16 @@ class DevicePlan:
         rounding_stream: int = 0,
         divisor: int = 0,
     ) -> None:
-        """One call from ``source`` into ``result``, queued on the current stream: replayed
-        from its CUDA graph when it has one, captured when the same arrays ran eagerly
-        the call before, else eager. ``divisor``: divide the result by it afterwards (an
+        """One call from ``source`` into ``result``, queued on the current stream: a call
+        without a map through :attr:`graphs` (keyed by the two arrays and ``divisor``),
+        one with a map eagerly. ``divisor``: divide the result by it afterwards (an
         average; 0: no division), in the graph too."""
-        self._follow_stream()
-        if self.fmt.stochastic:
-            self.write_keys(rounding_stream)
-        capture_comm = self.capture_comm
-        if mapper is not None or capture_comm is None:
-            BatchedPipeline.of(self, source, result, mapper, rounding_stream, divisor).run()
+        self.prepare(rounding_stream)
+        if mapper is not None or self.graphs.comm is None:
+            self.eager(source, result, mapper, rounding_stream, divisor)
             return
         key = (int(source.data.ptr), int(result.data.ptr), divisor)
-        kept = self.graphs.get(key)
-        if kept is None and self._eager_last != key:
-            self._eager_last = key  # arrays seen once: run eagerly; capture on a repeat
-            BatchedPipeline.of(self, source, result, None, rounding_stream, divisor).run()
-            return
-        stream = self.xp.cuda.get_current_stream()
-        if kept is None:
-            kept = self._capture(capture_comm, source, result, rounding_stream, divisor)
-            if kept is None:
-                return
-            self.graphs[key] = kept
-            while len(self.graphs) > self.GRAPHS_KEPT:
-                self.graphs.pop(next(iter(self.graphs)))
-        graph, captured = kept
-        graph.launch(stream=stream)
-        capture_comm.track(stream, captured)
-
-    def _follow_stream(self) -> None:
-        """Order this call after the plan's last call when the current stream changed
-        (the buffers are the plan's, not the stream's)."""
-        if self.xp is np:
-            return
-        stream = self.xp.cuda.get_current_stream()
-        last = self._last_stream
-        if last is not None and last.ptr != stream.ptr:
-            stream.wait_event(last.record())
-        self._last_stream = stream
-
-    def _capture(
-        self, comm: Capturable, source: Any, result: Any, rounding_stream: int, divisor: int
-    ) -> tuple[Any, Any] | None:
-        """(the CUDA graph of one call from ``source`` into ``result``, the communicator's
-        record of the capture), captured on a stream of the plan's own (the current
-        stream may be the legacy default stream, which cannot be captured); None when
-        capture failed: the call then ran eagerly and the plan stops capturing."""
-        cupy = self.xp
-        if self._capture_stream is None:
-            self._capture_stream = cupy.cuda.Stream(non_blocking=True)
-        capture = self._capture_stream
-        graph = None
-        with comm.capturing() as captured:
-            capture.begin_capture()
-            try:
-                with capture:
-                    BatchedPipeline.of(self, source, result, None, rounding_stream, divisor).run()
-            finally:
-                try:
-                    graph = capture.end_capture()
-                except Exception:  # capture broken by an unsupported operation
-                    graph = None
-        if graph is None:
-            self.capture_comm = None
-            BatchedPipeline.of(self, source, result, None, rounding_stream, divisor).run()
-            return None
-        return graph, captured
+        self.graphs.run(key, lambda: self.eager(source, result, None, rounding_stream, divisor))
 
 
 class BatchedPipeline(PieceAccess):
@@ -758,7 +722,7 @@ class BatchedPipeline(PieceAccess):
         """The average's division, if any. Nothing to give back: the buffers are the
         plan's, and the next call on the current stream is ordered after this one's
         transfers (each phase that reads what a transfer brought waited for it;
-        :meth:`DevicePlan.run` orders a call on another stream after the last one)."""
+        :meth:`DevicePlan.prepare` orders a call on another stream after the last one)."""
         if self.divisor:
             divide(self.result, self.divisor)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from geocomm.codecs.formats import BF16Codec, NoneCodec, round_trip
+from geocomm.codecs.formats import BF16Codec, NoneCodec
 from geocomm.comm.base import Communicator, wait_ordered
 from geocomm.engine import device
 from geocomm.engine.arithmetic import add_into
@@ -39,61 +39,91 @@ def exact_sum(comm: Communicator, values: Any, fmt: str = "fp32") -> Any:
     value), where the owner of each shard adds its own values and then the
     others' in rank order. Either way the result never depends on arrival
     order or on an MPI reduction's tree. ``values``: a 1-D float32 NumPy or
-    CuPy array, the same size on every rank.
+    CuPy array, the same size on every rank. A sum of one layout that recurs
+    keeps an :class:`ExactSum` instead (no allocation per call).
     """
-    if fmt not in _WIRE:
-        raise ValueError(f"an exact sum travels as one of {sorted(_WIRE)}, not {fmt!r}")
-    wire = _WIRE[fmt]
-    xp = array_module(values)
-    source = xp.ascontiguousarray(values, dtype=np.float32).reshape(-1)
-    total = xp.empty_like(source)
-    if comm.size == 1 or source.size == 0:
-        _as_sent(wire, source, total)
-        return total
-    if source.size * comm.size <= SMALL_SUM_VALUES:
-        return _gathered_sum(comm, wire, source, total)
-    if wire is not _PLAIN:
-        source = _as_sent(wire, source, xp.empty_like(source))
-    pieces = Pieces.cut(source.size, comm.size, max(source.size, DEFAULT_STAGE_SIZE))
-    batched = device.batched_format(comm, _PLAIN, source)
-    if batched is not None:  # CuPy arrays over NCCL: the batched pipeline
-        device.BatchedPipeline(comm, batched, pieces, source, total, 0, gather=True).run()
-    else:
-        Pipeline(comm, _PLAIN, pieces, source, total, 0, gather=True).run()
-    return total
+    source = array_module(values).ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    return ExactSum(comm, source.size, fmt, array_module(source))(source)
 
 
-def _as_sent(wire: Any, values: Any, out: Any) -> Any:
-    """out = values as ``wire`` carries them (a copy for the lossless wire)."""
-    if wire is _PLAIN:
-        out[...] = values
-        return out
-    return round_trip(wire, values, out)
+class ExactSum:
+    """:func:`exact_sum` of ``size`` values of namespace ``xp`` over ``comm``, with
+    every buffer made once: calling it with the values returns their sum, in a buffer
+    of its own that the next call overwrites (stream order keeps a device call's
+    readers before that). On the device nothing is allocated and the host never
+    waits, so a call can be captured into a CUDA graph.
+    """
 
+    def __init__(self, comm: Communicator, size: int, fmt: str, xp: Any):
+        if fmt not in _WIRE:
+            raise ValueError(f"an exact sum travels as one of {sorted(_WIRE)}, not {fmt!r}")
+        self.comm, self.size, self.wire = comm, size, _WIRE[fmt]
+        self.total = xp.empty(size, dtype=np.float32)
+        plain = self.wire is _PLAIN
+        nbytes = self.wire.wire_size(size)
+        #: the wire bytes of a lossy format's round trip or all-gather (None: fp32 itself)
+        self.coded = None if plain else xp.empty(nbytes, dtype=np.uint8)
+        self.gathered = comm.size > 1 and 0 < size * comm.size <= SMALL_SUM_VALUES
+        self.rows: Any = None
+        self.decoded: Any = None
+        self.sent: Any = None
+        self.plan: device.DevicePlan | None = None
+        if self.gathered:
+            shape = (comm.size, size) if plain else (comm.size, nbytes)
+            self.rows = xp.empty(shape, dtype=np.float32 if plain else np.uint8)
+            self.decoded = None if plain else xp.empty(size, dtype=np.float32)
+        elif comm.size > 1 and size:  # the pipeline, planned once
+            self.sent = None if plain else xp.empty(size, dtype=np.float32)
+            self.pieces = Pieces.cut(size, comm.size, max(size, DEFAULT_STAGE_SIZE))
+            batched = device.batched_format(comm, _PLAIN, self.total)
+            if batched is not None:  # CuPy arrays over NCCL: the batched pipeline
+                self.plan = device.DevicePlan(comm, batched, self.pieces, 0, True, False, xp)
 
-def _gathered_sum(comm: Communicator, wire: Any, source: Any, total: Any) -> Any:
-    """exact_sum's small route: all-gather every rank's ``wire`` bytes, add in rank order."""
-    xp = array_module(source)
-    size = wire.wire_size(source.size)
-    if wire is _PLAIN:
-        coded, rows = source.view(np.uint8), xp.empty((comm.size, source.size), dtype=np.float32)
-    else:
-        coded, rows = xp.empty(size, dtype=np.uint8), xp.empty((comm.size, size), dtype=np.uint8)
-        wire.encode_wire(source, coded)
-    counts, displs = segments([size] * comm.size)
-    wait_ordered(
-        comm.allgatherv(coded, rows.reshape(-1).view(np.uint8), counts, displs),
-        "an exact sum",
-        comm.rank,
-    )
-    decoded = None if wire is _PLAIN else xp.empty_like(source)
-    for rank in range(comm.size):
-        row = rows[rank]
-        if decoded is not None:
-            wire.decode_wire(row, decoded)
-            row = decoded
-        if rank == 0:
-            total[...] = row
+    def __call__(self, values: Any) -> Any:
+        if values.shape != (self.size,) or values.dtype != np.float32:
+            raise ValueError(
+                f"this exact sum adds ({self.size},) float32 values, got {values.dtype} "
+                f"{values.shape}"
+            )
+        if self.comm.size == 1 or self.size == 0:
+            return self._as_sent(values, self.total)
+        if self.gathered:
+            return self._gathered(values)
+        source = values if self.sent is None else self._as_sent(values, self.sent)
+        if self.plan is not None:
+            self.plan.run(source, self.total)
         else:
-            add_into(total, row)
-    return total
+            Pipeline(self.comm, _PLAIN, self.pieces, source, self.total, 0, gather=True).run()
+        return self.total
+
+    def _as_sent(self, values: Any, out: Any) -> Any:
+        """out = values as the wire carries them (a copy for the lossless wire)."""
+        if self.coded is None:
+            out[...] = values
+        else:
+            self.wire.encode_wire(values, self.coded)
+            self.wire.decode_wire(self.coded, out)
+        return out
+
+    def _gathered(self, values: Any) -> Any:
+        """The small route: all-gather every rank's wire bytes, add in rank order."""
+        comm, rows, total = self.comm, self.rows, self.total
+        coded = values.view(np.uint8) if self.coded is None else self.coded
+        if self.coded is not None:
+            self.wire.encode_wire(values, coded)
+        counts, displs = segments([coded.size] * comm.size)
+        wait_ordered(
+            comm.allgatherv(coded, rows.reshape(-1).view(np.uint8), counts, displs),
+            "an exact sum",
+            comm.rank,
+        )
+        for rank in range(comm.size):
+            row = rows[rank]
+            if self.decoded is not None:
+                self.wire.decode_wire(row, self.decoded)
+                row = self.decoded
+            if rank == 0:
+                total[...] = row
+            else:
+                add_into(total, row)
+        return total

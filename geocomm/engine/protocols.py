@@ -74,8 +74,10 @@ class RangeMap(Protocol):
     input the map reads) or back (instead of done), or None.
     """
 
-    tracks_encoding: bool
     values: Any
+
+    @property
+    def tracks_encoding(self) -> bool: ...
 
     def split(self, lo: int, hi: int, back: bool) -> Any: ...
 
@@ -91,23 +93,24 @@ class RangeMap(Protocol):
 
 
 class MapPlan(Protocol):
-    """A transforming codec's plan of one tensor (``codec.plan(...)``): ``ranged`` plans
-    map piece by piece (``begin`` once, ``forward_range`` per piece), the others the whole
-    tensor (``forward``); ``inverse`` maps a final range back with the side sum; ``side``
-    is this rank's side contribution (None: none); ``steps``: whether step rounds come
-    first (``codec.step(plan, values)``, before ``begin``/``forward``); ``refreshes``:
-    whether refresh rounds follow. A ranged plan's ``encode_range`` and ``decode_range``
-    fuse the map with the codec's encode or decode of a range where they can (True) and
-    do nothing where they cannot (False: the caller maps and codes in two steps);
-    its ``split(start, length, coef)`` gives a range's split map for device kernels
-    (None: the map is not a split)."""
+    """A transforming codec's plan of one tensor (``codec.plan(...)``): ``ranged`` plans map
+    piece by piece (``begin`` once, ``forward_range`` per piece), the others the whole
+    tensor (``forward``); ``inverse`` maps a final range back with the side sum; ``side`` is
+    this rank's side contribution (None: none), which ``begin`` writes into the array it is
+    given (of the plan's ``side_shape``, when it has one; None: a new one); ``steps``:
+    whether step rounds come first (``codec.step(plan, values)``, before
+    ``begin``/``forward``); ``refreshes``: whether refresh rounds follow. A ranged plan's
+    ``encode_range`` and ``decode_range`` fuse the map with the codec's encode or decode of
+    a range where they can (True) and do nothing where they cannot (False: the caller maps
+    and codes in two steps); its ``split(start, length, coef)`` gives a range's split map
+    for device kernels (None: the map is not a split)."""
 
     ranged: bool
     steps: bool
     refreshes: bool
     side: Any
 
-    def begin(self, values: Any) -> None: ...
+    def begin(self, values: Any, side: Any = None) -> None: ...
 
     def forward(self, values: Any, out: Any) -> None: ...
 

@@ -32,11 +32,19 @@ from geocomm.engine import checks, costs, device
 from geocomm.engine.arithmetic import divide
 from geocomm.engine.call import Call, Part, Signature, new_call, shard_parts
 from geocomm.engine.device_tables import wire_format
+from geocomm.engine.graphs import Graphs
 from geocomm.engine.hierarchical import node_allreduce, node_reduce_scatter
 from geocomm.engine.host import Pipeline
 from geocomm.engine.layout import PIECE_ALIGN, Pieces, array_module, segments, shard_bounds
 from geocomm.engine.layout import stage_size as backend_stage_size
-from geocomm.engine.transforming import PartsMap, plan_parts, refresh, side_sums
+from geocomm.engine.protocols import Capturable
+from geocomm.engine.transforming import (
+    PartsMap,
+    SideChannel,
+    plan_parts,
+    refresh,
+    side_layout,
+)
 
 _NODES, _ACROSS, _FLAT = "nodes", "across", "flat"
 
@@ -199,8 +207,14 @@ class _Across:
 
 class FlatPlan:
     """The flat compressed path of one signature, made at its first call: shard bounds,
-    pieces, and the device plans (:class:`~geocomm.engine.device.DevicePlan`, one for
-    calls with a map and one without) when its arrays live on the device."""
+    pieces, and, when its arrays live on the device, the device plans
+    (:class:`~geocomm.engine.device.DevicePlan`, one for calls with a map and one
+    without); for a stateful codec also the side channels of its calls (one per layout
+    of sides, :class:`~geocomm.engine.transforming.SideChannel`), the read scratch of
+    its maps and the CUDA graphs of its steady mapped calls (:meth:`mapped`)."""
+
+    #: side channels kept per signature (by layout), oldest dropped first
+    CHANNELS_KEPT = 4
 
     def __init__(self, signature: Signature, offset: int):
         comm, codec, count = signature.comm, signature.codec, signature.count
@@ -213,6 +227,21 @@ class FlatPlan:
         self.device_plans: dict[bool, device.DevicePlan] = {}
         #: whether calls may map their tensors or keep residuals (a stateful codec)
         self.stateful = isinstance(codec, (TransformingCodec, ErrorFeedbackCodec))
+        self.channels: dict[tuple[Any, ...], SideChannel] = {}
+        self.scratch: Any = None  # the maps' read scratch, one piece long
+        self.mapped_graphs: Graphs | None = None
+
+    def device_plan(self, staged: bool, xp: Any) -> device.DevicePlan | None:
+        """The device plan of calls with a map (``staged``) or without, made at the first
+        such call; None when the call runs on the host."""
+        if self.fmt is None or xp is np:
+            return None
+        plan = self.device_plans.get(staged)
+        if plan is None:
+            plan = self.device_plans[staged] = device.DevicePlan(
+                self.comm, self.fmt, self.pieces, self.offset, self.gather, staged, xp
+            )
+        return plan
 
     def pipeline(
         self, source: Any, result: Any, mapper: Any, rounding_stream: int, divisor: int = 0
@@ -220,21 +249,88 @@ class FlatPlan:
         """One pass of the staged algorithm: on the device when the arrays live there and
         the codec sends a native format, else on the host; the same bits. ``divisor``:
         the device pipeline divides the result by it (an average); True if it did."""
-        if self.fmt is None or array_module(source) is np:
+        plan = self.device_plan(mapper is not None, array_module(source))
+        if plan is None:
             Pipeline(
                 self.comm, self.codec, self.pieces, source, result, self.offset, self.gather,
                 mapper, rounding_stream,
             ).run()  # fmt: skip
             return False
-        staged = mapper is not None
-        plan = self.device_plans.get(staged)
-        if plan is None:
-            plan = self.device_plans[staged] = device.DevicePlan(
-                self.comm, self.fmt, self.pieces, self.offset, self.gather, staged,
-                array_module(source),
-            )  # fmt: skip
         plan.run(source, result, mapper, rounding_stream, divisor)
         return bool(divisor)
+
+    def _channel(self, codec: TransformingCodec | None, planned: list[Any], xp: Any) -> Any:
+        """The side channel of ``planned``'s layout, made at its first call."""
+        layout = side_layout(planned)
+        channel = self.channels.pop(layout, None)  # put back last: the newest
+        if channel is None:
+            fmt = "fp32" if codec is None else codec.side_format
+            channel = SideChannel(self.comm, fmt, layout, xp)
+        self.channels[layout] = channel
+        while len(self.channels) > self.CHANNELS_KEPT:
+            self.channels.pop(next(iter(self.channels)))
+        return channel
+
+    def mapped(
+        self,
+        call: tuple[Any, Any, int, int],
+        codec: TransformingCodec | None,
+        parts: list[Part],
+        planned: list[tuple[Any, Any]],
+        residual: Any,
+    ) -> tuple[list[Any], bool]:
+        """A call with a map or a residual, ``call`` = (source, result, rounding stream,
+        divisor): the ranged plans' whole-tensor steps and the side sum
+        (:class:`SideChannel`), the pipeline through a :class:`PartsMap`, the
+        whole-tensor plans' inverses. Returns (the summed sides, whether it divided).
+
+        On the device, a call whose every plan maps ranges with its basis as it is (no
+        step, no refresh: GeoFP8's split between its power steps) and keeps no residual
+        depends on nothing but device memory at addresses it names: the arrays, the
+        signature's buffers and the plans' bases. It runs through :attr:`mapped_graphs`
+        keyed by them (one graph launch once it repeats), the average inside; other
+        calls run eagerly and leave the average to the caller (a refresh reads the sum).
+        """
+        source, result, rounding_stream, divisor = call
+        xp = array_module(source)
+        channel = self._channel(codec, planned, xp)
+        if self.scratch is None:
+            self.scratch = xp.empty(self.pieces.piece, dtype=np.float32)
+        plan = self.device_plan(True, xp)
+
+        def body(divide_by: int) -> None:
+            channel.begin(planned, source)
+            mapper = PartsMap(
+                source, result, self.offset, parts, planned, channel.sum(planned), residual,
+                self.codec, self.scratch,
+            )  # fmt: skip
+            if plan is None:
+                self.pipeline(source, result, mapper, rounding_stream)
+            else:
+                plan.eager(source, result, mapper, rounding_stream)
+            mapper.finish(self.offset, self.offset + result.size)
+            if divide_by:
+                divide(result, divide_by)
+
+        if plan is not None:
+            plan.prepare(rounding_stream)
+        steady = residual is None and all(
+            p.ranged and not p.steps and not p.refreshes for _, p in planned
+        )
+        if plan is None or not steady:
+            body(0)
+            return channel.summed(), False
+        if self.mapped_graphs is None:
+            self.mapped_graphs = Graphs(_capturable(self.comm), xp)
+        bases = tuple((int(p.vt.data.ptr), tuple(p.vt.shape)) for _, p in planned)
+        key = (int(source.data.ptr), int(result.data.ptr), divisor, channel.layout, bases)
+        self.mapped_graphs.run(key, lambda: body(divisor))
+        return channel.summed(), bool(divisor)
+
+
+def _capturable(comm: Communicator) -> Capturable | None:
+    """``comm`` when its transfers can be captured into CUDA graphs, else None."""
+    return comm if isinstance(comm, Capturable) else None
 
 
 def compressed(
@@ -264,16 +360,14 @@ def compressed(
     planned = plan_parts(comm, mapping_codec, source, list(parts), plan.bounds)
     if not planned and residual is None:
         return plan.pipeline(source, result, None, rounding_stream, divisor)
-    sums = side_sums(comm, mapping_codec, planned)
-    parts_map = PartsMap(source, result, offset, list(parts), planned, sums, residual, codec)
-    plan.pipeline(source, result, parts_map, rounding_stream)
-    parts_map.finish(offset, offset + result.size)
+    call = (source, result, rounding_stream, divisor)
+    sums, divided = plan.mapped(call, mapping_codec, list(parts), planned, residual)
     if plan.gather and offset == 0 and result.size == count:  # every rank holds the whole sum
         refresh(None, mapping_codec, planned, sums, result, 0, count)
-        return False
+        return divided
     lo, hi = int(plan.bounds[comm.rank]), int(plan.bounds[comm.rank + 1])
     refresh(comm, mapping_codec, planned, sums, result[lo - offset : hi - offset], lo, hi)
-    return False
+    return divided
 
 
 def default_stage_size(comm: Communicator, codec: Codec, count: int) -> int:

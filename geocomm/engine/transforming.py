@@ -1,13 +1,15 @@
 """How the collectives drive a transforming codec (docs/design.md, "Transforming codecs").
 
 The codec plans and maps; this module runs its protocol for a buffer of
-tensors: :func:`plan_parts` plans every tensor, runs the basis steps of the
-plans that take one (one exact sum per round for all tensors) and the
-whole-tensor steps, :func:`side_sums` sums the plans' side contributions
-exactly in one collective, :class:`PartsMap` maps pieces for the pipeline
-as they travel and back as their sums become final, and :func:`refresh`
-runs the refresh rounds of all tensors, one exact sum per round
-(:func:`run_rounds` drives the steps' and the refreshes' rounds).
+tensors: :func:`plan_parts` plans every tensor and runs the basis steps of
+the plans that take one (one exact sum per round for all tensors);
+:class:`SideChannel` holds the plans' side contributions end to end,
+:meth:`SideChannel.begin` has the ranged plans write theirs there (their
+whole-tensor step) and :meth:`SideChannel.sum` sums them exactly in one
+collective; :class:`PartsMap` maps pieces for the pipeline as they travel
+and back as their sums become final, and :func:`refresh` runs the refresh
+rounds of all tensors, one exact sum per round (:func:`run_rounds` drives
+the steps' and the refreshes' rounds).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 
 from geocomm.comm.base import Communicator
 from geocomm.engine.arithmetic import add_into, subtract_from
-from geocomm.engine.exact import exact_sum
+from geocomm.engine.exact import ExactSum, exact_sum
 from geocomm.engine.layout import array_module
 from geocomm.engine.protocols import WireCodec
 
@@ -31,10 +33,9 @@ def plan_parts(
     pairs that have a plan.
 
     Plans with ``steps`` first run the codec's ``step`` rounds over ``comm``
-    (their bases turn towards this call's gradients). Ranged plans then run
-    their whole-tensor step (``begin``: the coefficients of the side channel)
-    and map piece by piece later (:class:`PartsMap`); the others map their
-    whole tensor when the map is built.
+    (their bases turn towards this call's gradients). Ranged plans then take
+    their whole-tensor step (:meth:`SideChannel.begin`) and map piece by piece
+    (:class:`PartsMap`); the others map their whole tensor when the map is built.
     """
     planned: list[tuple[Any, Any]] = []
     if codec is None:
@@ -52,17 +53,77 @@ def plan_parts(
         if plan.steps
     ]
     run_rounds(comm, codec, steps)
-    for part, plan in planned:
-        if plan.ranged:
-            plan.begin(values[part.offset : part.offset + part.size])
     return planned
+
+
+def side_layout(planned: list[tuple[Any, Any]]) -> tuple[tuple[int, ...] | None, ...]:
+    """The shape of each plan's side (None: it has none), once its steps ran: what a
+    :class:`SideChannel` is made for. Ranged plans name theirs before computing it
+    (``side_shape``); the others compute it here (``side``)."""
+    layout: list[tuple[int, ...] | None] = []
+    for _, plan in planned:
+        shape = getattr(plan, "side_shape", None) if plan.ranged else None
+        if shape is None:
+            side = plan.side
+            shape = None if side is None else tuple(side.shape)
+        layout.append(shape)
+    return tuple(layout)
+
+
+class SideChannel:
+    """The side contributions of one :func:`side_layout`, end to end in one buffer of
+    namespace ``xp``, and their exact sum over ``comm`` in the codec's ``side_format``:
+    made once per signature and layout, so a steady call allocates nothing for them.
+
+    :meth:`begin` has the ranged plans write their side into their slot (their
+    whole-tensor step, before the pipeline maps pieces); :meth:`sum` copies the
+    others' in, sums every slot in one collective and returns each plan's summed
+    side (None where it has none), views of the sum's buffer: they hold until the
+    channel's next sum.
+    """
+
+    def __init__(self, comm: Communicator, fmt: str, layout: tuple[Any, ...], xp: Any):
+        sizes = [0 if shape is None else int(np.prod(shape)) for shape in layout]
+        self.values = xp.empty(sum(sizes), dtype=np.float32)
+        self.exact = ExactSum(comm, self.values.size, fmt, xp)
+        self.layout = layout
+        starts = np.cumsum([0, *sizes])[:-1]
+        self.spans = [(int(a), int(a + size)) for a, size in zip(starts, sizes, strict=True)]
+
+    def _slots(self, flat: Any) -> list[Any]:
+        return [
+            None if shape is None else flat[a:b].reshape(shape)
+            for shape, (a, b) in zip(self.layout, self.spans, strict=True)
+        ]
+
+    def begin(self, planned: list[tuple[Any, Any]], values: Any) -> None:
+        """The ranged plans' whole-tensor step, each writing its side into its slot."""
+        for (part, plan), slot in zip(planned, self._slots(self.values), strict=True):
+            if plan.ranged:
+                plan.begin(values[part.offset : part.offset + part.size], slot)
+
+    def sum(self, planned: list[tuple[Any, Any]]) -> list[Any]:
+        """The exact sums of the plans' sides (after :meth:`begin`), one collective:
+        :meth:`summed`."""
+        if self.values.size:
+            for (_, plan), slot in zip(planned, self._slots(self.values), strict=True):
+                if slot is not None and plan.side is not slot:
+                    slot[...] = plan.side
+            self.exact(self.values)
+        return self.summed()
+
+    def summed(self) -> list[Any]:
+        """Each plan's summed side from the last :meth:`sum` (None where it has none)."""
+        return self._slots(self.exact.total)
 
 
 class PartsMap:
     """The pipeline's :class:`~geocomm.engine.protocols.RangeMap` over a buffer of tensors.
 
     ``read`` returns the mapped values of a range, written into ``out`` or a
-    scratch that lives until the next read (ranged plans map there and then;
+    scratch that lives until the next read (``scratch``, float32 of the values'
+    namespace: the caller's, so a steady call allocates none; None: made when a
+    read first needs it, and grown as needed; ranged plans map there and then;
     tensors without a plan are copied), plus the error-feedback ``residual`` if
     there is one. Whole-tensor plans map their tensors up front: into ``result``
     when it holds the whole buffer (an all-reduce: the pipeline reads a range
@@ -87,6 +148,7 @@ class PartsMap:
         side_sums: list[Any],
         residual: Any = None,
         codec: WireCodec | None = None,
+        scratch: Any = None,
     ):
         self.values, self.result, self.offset = values, result, offset
         self.mapped: dict[int, Any] = {}  # what whole-tensor plans mapped, by id(part)
@@ -96,7 +158,7 @@ class PartsMap:
         }
         self.parts = [(p, *plans.get(id(p), (None, None))) for p in parts]
         self.starts = [p.offset for p in parts]
-        self.scratch: Any = None  # an array of the values' module once read needs one
+        self.scratch = scratch
         in_result = offset == 0 and result.shape[0] == values.shape[0]
         for part, plan in planned:
             if plan.ranged:
@@ -208,26 +270,6 @@ class PartsMap:
         for part, plan, side, a, b in self._overlaps(lo, hi):
             if plan is not None and not plan.ranged:
                 plan.inverse(self.result[a - self.offset : b - self.offset], a - part.offset, side)
-
-
-def side_sums(comm: Communicator, codec: Any, planned: list[tuple[Any, Any]]) -> list[Any]:
-    """The exact sums of the plans' side contributions, one collective for all, in
-    the codec's ``side_format``."""
-    sides = [plan.side for _, plan in planned]
-    present = [s for s in sides if s is not None]
-    if not present:
-        return [None] * len(sides)
-    xp = array_module(present[0])
-    total = exact_sum(comm, xp.concatenate([s.reshape(-1) for s in present]), codec.side_format)
-    sums: list[Any] = []
-    at = 0
-    for s in sides:
-        if s is None:
-            sums.append(None)
-            continue
-        sums.append(total[at : at + s.size].reshape(s.shape))
-        at += s.size
-    return sums
 
 
 def refresh(

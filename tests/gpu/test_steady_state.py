@@ -96,6 +96,65 @@ def test_a_steady_call_is_one_graph_launch(cp, comms, codec, stages):
         assert cost == {"graph_launches": 1, "events": 1}, cost
 
 
+def geo_gradients(rank: int, call: int, shapes: list[tuple[int, int]]) -> np.ndarray:
+    """One rank's buffer of rank-4-plus-noise matrices whose row space turns at call 6
+    (the power steps then find new bases), and a bias vector that goes plain."""
+    tensors = []
+    for i, (m, n) in enumerate(shapes):
+        rows = np.random.default_rng([i, call // 6]).standard_normal((4, n))
+        own = np.random.default_rng([rank, call, i])
+        noise = 0.01 * own.standard_normal((m, n))
+        tensors.append(10 * own.standard_normal((m, 4)) @ rows + noise)
+    tensors.append(np.random.default_rng([rank, call, 9]).standard_normal(512))
+    return np.concatenate([t.reshape(-1) for t in tensors]).astype(np.float32)
+
+
+@pytest.mark.parametrize(("stages", "op"), [(1, "sum"), (8, "avg")])
+def test_geofp8_between_power_steps_replays_one_graph(cp, comms, stages, op):
+    """GeoFP8 takes a power step every ``refresh`` to ``refresh_max`` calls; between
+    steps a call maps with its bases as they are, and depends on device memory only:
+    its arrays, the signature's buffers (side channel, exact sum, read scratch) and the
+    keys' bases, which a step overwrites in place. From its second such call on it is
+    one graph launch (the average inside), allocating nothing and never waiting for
+    the device; a call with a step runs eagerly. Every call gives NumPy's bits over MPI
+    and both codecs keep equal state, across the row space's turn at call 6."""
+    shapes = [(256, 512), (128, 512)]
+    parts = [("w1", shapes[0]), ("w2", shapes[1]), ("b", (512,))]
+    count = sum(m * n for m, n in shapes) + 512
+    config = {"id": "geofp8", "k": 4}  # the matrices' rank: the steps' bases settle
+    dev, host = geocomm.get_codec(config), geocomm.get_codec(config)
+    options = {"parts": parts, "op": op, "stage_size": -(-count // stages)}
+    stream = cp.cuda.Stream(non_blocking=True)
+    kinds, costs = [], []
+    with stream:
+        d, out = cp.empty(count, cp.float32), cp.empty(count, cp.float32)
+        for call in range(20):
+            x = geo_gradients(comms[0].rank, call, shapes)
+            d.set(x)
+            before = [dev.state_info(key) for key in ("w1", "w2")]
+            with counted() as cost:
+                geocomm.allreduce(d, codec=dev, comm=comms[0], out=out, **options)
+            after = [dev.state_info(key) for key in ("w1", "w2")]
+            want = geocomm.allreduce(x, codec=host, comm=comms[1], **options)
+            assert np.array_equal(out.get().view(np.uint32), want.view(np.uint32)), call
+            stepped = any(
+                b is None or a["refreshed"] != b["refreshed"]
+                for a, b in zip(after, before, strict=True)
+            )
+            kinds.append("step" if stepped else "steady")
+            costs.append(cost)
+    assert dev.state_checksum() == host.state_checksum()
+    steady = [c for k, c in zip(kinds, costs, strict=True) if k == "steady"]
+    assert len(steady) >= 8, kinds  # the periods grow to refresh_max = 8 between turns
+    for k, cost in zip(kinds, costs, strict=True):
+        if k == "step":
+            assert "graph_launches" not in cost, cost
+    # the first steady call runs eagerly and the second is captured; every later one
+    # replays: one graph launch and the event that watches it for timeouts
+    for cost in steady[2:]:
+        assert cost == {"graph_launches": 1, "events": 1}, (cost, kinds)
+
+
 def test_replays_leave_only_unfinished_transfers_watched(cp, comms):
     """Each replay hands its graph's work to the communicator's timeout watch; the watch
     lets go of what finished, so a training loop of replays (which starts no transfer of

@@ -150,3 +150,26 @@ def test_red_zones_catch_a_write_past_the_end(cp):
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=240
     )
     assert "ERROR:" in run.stdout and "past its end" in run.stdout, run.stdout + run.stderr
+
+
+def test_a_capture_replays_in_order_and_refuses_an_allocation(cp):
+    """A captured stream's work runs at each launch of its graph, not at capture time,
+    in capture order. An allocation under capture is refused: CuPy's pool would hand the
+    block to someone else once its array dies, while every replay still writes it (a
+    graph's buffers are made before the capture)."""
+    from cupy import _device
+
+    x = cp.zeros(64, cp.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    stream.wait_event(cp.cuda.get_current_stream().record())
+    stream.begin_capture()
+    with stream:
+        x += 1
+        x *= 3
+        with pytest.raises(_device.CUDARuntimeError, match="an allocation under capture"):
+            cp.empty(8, cp.float32)
+    graph = stream.end_capture()
+    assert float(x.get()[0]) == 0.0, "captured work does not run at capture time"
+    for _ in range(2):
+        graph.launch(stream=cp.cuda.get_current_stream())
+    assert float(x.get()[0]) == 12.0  # ((0 + 1) * 3 + 1) * 3

@@ -66,17 +66,25 @@ def host_copy(a: Any) -> np.ndarray:
     return np.array(_host(a), copy=True)
 
 
-def project(values: Any, lo: int, n: int, vt: Any) -> Any:
-    """coef (rows, k): dot products of each touched row's part with the k rows of vt.
+def project(values: Any, lo: int, n: int, vt: Any, out: Any = None) -> Any:
+    """coef (rows, k): dot products of each touched row's part with the k rows of vt;
+    written into ``out`` (C-contiguous float32 of that shape) when given.
 
     Non-finite values read as 0, so a rank's inf/NaN stays where it is
     instead of spreading into every coefficient of its row.
     """
+    k = vt.shape[0]
+    shape = (rows(lo, values.shape[0], n) if k else 0, k)
+    if out is not None and (tuple(out.shape) != shape or out.dtype != np.float32):
+        raise ValueError(f"project writes float32 {shape}, got {out.dtype} {tuple(out.shape)}")
     if is_cupy_array(values):
-        return _cuda_project(values, lo, n, vt)
+        return _cuda_project(values, lo, n, vt, out)
     xp = array_namespace(values, vt)
     coef, _ = native.geo_project(_host(values), lo, n, _host(vt))
-    return xp.asarray(coef)
+    if out is None:
+        return xp.asarray(coef)
+    _host(out)[...] = coef
+    return out
 
 
 def pack(vt: Any) -> Any:
@@ -237,12 +245,14 @@ def _range_args(values: Any, lo: int, n: int) -> tuple[Any, ...]:
     return (values, np.uint64(lo), np.uint64(values.size), np.uint64(n))
 
 
-def _cuda_project(values: Any, lo: int, n: int, vt: Any) -> Any:
+def _cuda_project(values: Any, lo: int, n: int, vt: Any, out: Any = None) -> Any:
     import cupy
 
     k = vt.shape[0]
     count = rows(lo, values.size, n) * k
-    coef = cupy.empty((count // k if k else 0, k), cupy.float32)
+    if out is not None and not out.flags.c_contiguous:
+        raise ValueError("project writes C-contiguous coefficients")
+    coef = cupy.empty((count // k if k else 0, k), cupy.float32) if out is None else out
     if count:
         _kernel(cupy, "gc_geo_project")(
             _grid(count * _LANES),

@@ -70,15 +70,31 @@ def rows_within(runs: list[tuple[int, int]], lo: int, length: int, n: int) -> li
     return [(max(a, first), min(b, end)) for a, b in runs if min(b, end) > max(a, first)]
 
 
-def _with_energies(coef: Any, pending: Any) -> Any:
-    """The split's side: coefficients rounded to bfloat16, and after a step one more
-    row, the energy of each column (what the state records once it is summed)."""
-    coef = kernels.round_bf16(coef)
+def side_shape(dims: MapShape, pending: Any) -> tuple[int, int]:
+    """The shape of a split's side: a row of coefficients per matrix row, and after a
+    step one more, the energy of each column."""
+    return (dims.m + (pending is not None), dims.k)
+
+
+def _side(x: Any, dims: MapShape, vt: Any, pending: Any, out: Any = None) -> Any:
+    """The split's side of the flat values x (into ``out``, of :func:`side_shape`, when
+    given): their coefficients rounded to bfloat16, then :func:`_with_energies`."""
+    coef = kernels.project(x, 0, dims.n, vt, None if out is None else out[: dims.m])
+    return _with_energies(kernels.round_bf16(coef), pending, out)
+
+
+def _with_energies(coef: Any, pending: Any, out: Any = None) -> Any:
+    """The side from the rounded coefficients (``out[:m]`` when ``out`` is given): after
+    a step one more row, the energy of each column (what the state records once it is
+    summed)."""
     if pending is None:
-        return coef
+        return coef if out is None else out
     xp = array_namespace(coef)
-    energies = xp.reshape(kernels.row_sumsq_f32(coef.T), (1, -1))
-    return xp.concat([coef, kernels.round_bf16(energies)], axis=0)
+    energies = kernels.round_bf16(xp.reshape(kernels.row_sumsq_f32(coef.T), (1, -1)))
+    if out is None:
+        return xp.concat([coef, energies], axis=0)
+    out[coef.shape[0] :, :] = energies
+    return out
 
 
 class SplitPlan:
@@ -115,16 +131,19 @@ class SplitPlan:
         ``energy`` and ``period`` (``host``: vt's NumPy copy). Call before :meth:`begin`."""
         self.vt, self.pending = vt[: self.map_shape.k, :], (vt, energy, period, host)
 
-    def begin(self, x: Any) -> None:
-        """A = X V, rounded to bfloat16, for this rank's flat values x: sets :attr:`side`.
+    @property
+    def side_shape(self) -> tuple[int, int]:
+        """The shape :meth:`begin` gives :attr:`side` (known before it runs)."""
+        return side_shape(self.map_shape, self.pending)
+
+    def begin(self, x: Any, side: Any = None) -> None:
+        """A = X V, rounded to bfloat16, for this rank's flat values x: sets :attr:`side`
+        (written into ``side``, of :attr:`side_shape`, when given).
 
         Non-finite values of x do not enter A (they stay at their positions).
         """
-        self._set_side(kernels.project(x, 0, self.map_shape.n, self.vt))
+        self.side = _side(x, self.map_shape, self.vt, self.pending, side)
         self._packed = kernels.pack(self.vt)  # every piece expands with it
-
-    def _set_side(self, coef: Any) -> None:
-        self.side = _with_energies(coef, self.pending)
 
     def forward_range(self, values: Any, lo: int, out: Any) -> None:
         """out = X - A V^T over the range ``values`` starting at ``lo`` (after begin)."""
@@ -138,7 +157,8 @@ class SplitPlan:
 
         ``out`` may be ``x``.
         """
-        self._set_side(kernels.residual(x, self.map_shape.n, self.vt, out))
+        coef = kernels.residual(x, self.map_shape.n, self.vt, out)
+        self.side = _with_energies(coef, self.pending)
 
     def inverse(self, values: Any, lo: int, side_sum: Any) -> None:
         """values += (sum_i A_i) V^T over the range starting at ``lo``, in place."""
@@ -241,8 +261,7 @@ class WhitenPlan:
         if not self.settled:
             raise RuntimeError("a plan's side was read before its step rounds ended")
         if self._side is None:
-            coef = kernels.project(self._values, 0, self.map_shape.n, self.vt)
-            self._side = _with_energies(coef, self.pending)
+            self._side = _side(self._values, self.map_shape, self.vt, self.pending)
         return self._side
 
     def whitened(self) -> Any:

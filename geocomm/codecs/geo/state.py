@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from array_api_compat import is_cupy_array
 
 from geocomm.codecs.geo.policy import MapShape
 
@@ -107,8 +108,14 @@ class KeyState:
         return zlib.crc32(white, crc ^ self._white_crc)
 
     def _set_basis(self, vt: Any, host: np.ndarray | None = None) -> None:
-        """``vt`` becomes the basis; ``host``: its NumPy copy, if the caller has one."""
-        self.vt = vt
+        """``vt`` becomes the basis; ``host``: its NumPy copy, if the caller has one. A
+        device basis of the same shape is copied into the old one's memory (in stream
+        order), so CUDA graphs of mapped calls, which read it from there, stay valid."""
+        old = self.vt
+        if is_cupy_array(old) and is_cupy_array(vt) and old.shape == vt.shape and old is not vt:
+            old[...] = vt
+        else:
+            self.vt = vt
         self.host_vt = _host_array(vt) if host is None else host
         self._basis_crc = zlib.crc32(np.ascontiguousarray(self.host_vt, "<f4").tobytes())
 

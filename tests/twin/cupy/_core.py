@@ -142,6 +142,7 @@ class ndarray:
         if order != "C" or memptr is not None:
             raise NotImplementedError("the CuPy twin makes C-ordered arrays of their own memory")
         if _alloc is None:
+            _device.current_stream()._not_capturing("an allocation")
             _alloc = _memory.Allocation(math.prod(shape) * dtype.itemsize)
         if strides is None:
             strides = _c_strides(shape, dtype.itemsize)

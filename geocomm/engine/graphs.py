@@ -1,0 +1,86 @@
+"""CUDA graphs of a plan's calls (docs/design.md, "The collective"): a call whose
+device work depends only on things the caller names in a key (the arrays'
+addresses, the plan's buffers, what the kernels read from device memory) is
+run eagerly the first time its key comes, captured the second (CuPy stream
+capture, the NCCL transfers included) and replayed with one graph launch
+every later time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from geocomm.engine.protocols import Capturable
+
+
+class Graphs:
+    """The graphs of one plan's calls over ``comm`` (None: it cannot be captured, and
+    every call runs eagerly), by key; at most :attr:`KEPT`, the oldest dropped first.
+
+    :meth:`run` ``(key, body)``: ``body()`` queues the call's work on the current
+    stream; for a captured graph it must allocate nothing and never wait for the
+    device (the graph keeps writing the memory it captured, and the host cannot wait
+    under capture). A body that fails to capture runs eagerly, and the plan stops
+    capturing. A call made while the current stream is being captured already (a
+    plan's call inside another's graph) runs its body: the outer capture records it.
+    """
+
+    #: graphs kept per plan, oldest dropped first
+    KEPT = 4
+
+    def __init__(self, comm: Capturable | None, cupy: Any):
+        self.comm, self.cupy = comm, cupy
+        self.kept: dict[Hashable, tuple[Any, Any]] = {}  # key -> (graph, capture record)
+        self._eager_last: Hashable = None
+        self._stream: Any = None  # the plan's capture stream, made at its first capture
+
+    def run(self, key: Hashable, body: Callable[[], None]) -> None:
+        comm = self.comm
+        if comm is None:
+            body()
+            return
+        stream = self.cupy.cuda.get_current_stream()
+        if stream.is_capturing():
+            body()
+            return
+        kept = self.kept.get(key)
+        if kept is None and self._eager_last != key:
+            self._eager_last = key  # seen once: eager; captured if the next call repeats it
+            body()
+            return
+        if kept is None:
+            kept = self._capture(comm, body)
+            if kept is None:
+                return
+            self.kept[key] = kept
+            while len(self.kept) > self.KEPT:
+                self.kept.pop(next(iter(self.kept)))
+        graph, captured = kept
+        graph.launch(stream=stream)
+        comm.track(stream, captured)
+
+    def _capture(self, comm: Capturable, body: Callable[[], None]) -> tuple[Any, Any] | None:
+        """(the graph of ``body``, the communicator's record of the capture), captured on
+        a stream of the plan's own (the current stream may be the legacy default stream,
+        which cannot be captured); None when capture failed: the body then ran eagerly
+        and the plan stops capturing."""
+        if self._stream is None:
+            self._stream = self.cupy.cuda.Stream(non_blocking=True)
+        capture = self._stream
+        graph = None
+        with comm.capturing() as captured:
+            capture.begin_capture()
+            try:
+                with capture:
+                    body()
+            finally:
+                try:
+                    graph = capture.end_capture()
+                except Exception:  # capture broken by an unsupported operation
+                    graph = None
+        if graph is None:
+            self.comm = None
+            body()
+            return None
+        return graph, captured
