@@ -35,15 +35,19 @@ CODECS = {
     "fp8": "fp8",
     "nvfp4": "nvfp4",
     "fp8 stochastic": {"id": "fp8", "rounding": "stochastic"},
-    "geofp8": "geofp8",
+    "geofp8 power step": "geofp8",
+    "geofp8 between steps": "geofp8",
     "geofp8 flat": "geofp8",
 }
 #: GeoFP8 maps matrices: its calls reduce a keyed (512, 512) gradient (COUNT values) of
 #: rank 8 plus noise through one codec object, which keeps the key's state from call to
-#: call: every call takes a power step, maps and refreshes. "geofp8 flat": white noise,
-#: whose flat spectrum goes plain and is measured again at every call
+#: call: its power steps come every 1, 2, 4 and then 8 calls (the basis settles). The
+#: rows are the last call of GEO_CALLS that took a step, and the last that did not.
+#: "geofp8 flat": white noise, whose flat spectrum goes plain and is measured again
+#: when due (the last call of GEO_CALLS)
 MATRIX = (512, 512)
 WARMUP = 3
+GEO_CALLS = 20
 
 
 def geocomm_calls(run: Any) -> int:
@@ -81,10 +85,11 @@ def measure(comm: Any, cupy: Any, name: str, stages: int) -> dict[str, int]:
     rng = np.random.default_rng(comm.rank)
     stream = cupy.cuda.Stream(non_blocking=True)
     codec, values, options = CODECS[name], rng.standard_normal(COUNT), {}
-    if codec == "geofp8":
+    geo = name.startswith("geofp8")
+    if geo:
         m, n = MATRIX
         values = rng.standard_normal(MATRIX)
-        if name == "geofp8":
+        if name != "geofp8 flat":
             values += 3 * rng.standard_normal((m, 8)) @ rng.standard_normal((8, n))
         codec, options = geocomm.get_codec("geofp8"), {"key": "w"}
     with stream:
@@ -96,15 +101,24 @@ def measure(comm: Any, cupy: Any, name: str, stages: int) -> dict[str, int]:
                 x, codec=codec, comm=comm, out=out, stage_size=COUNT // stages, **options
             )
 
+        def counted() -> tuple[bool, dict[str, int]]:
+            """(whether the key's basis changed in the call, its counts)"""
+            refreshed = codec.state_info("w")["refreshed"] if geo else 0
+            before = device_counts()
+            row = {"python_calls": geocomm_calls(call)}
+            after = device_counts()
+            for kind in ("allocations", "syncs", "launches", "graph_launches", "events"):
+                row[kind] = after.get(kind, 0) - before.get(kind, 0)
+            return geo and codec.state_info("w")["refreshed"] != refreshed, row
+
         for _ in range(WARMUP):
             call()
-        before = device_counts()
-        python = geocomm_calls(call)
-        after = device_counts()
+        if not geo or name == "geofp8 flat":
+            row = counted()[1]
+        else:
+            calls = [counted() for _ in range(GEO_CALLS)]
+            row = [r for stepped, r in calls if stepped == (name == "geofp8 power step")][-1]
         stream.synchronize()
-    row = {"python_calls": python}
-    for kind in ("allocations", "syncs", "launches", "graph_launches", "events"):
-        row[kind] = after.get(kind, 0) - before.get(kind, 0)
     return row
 
 
@@ -148,8 +162,10 @@ def main() -> int:
             Path(args.out + ".md").write_text(
                 f"# Host work per steady-state call\n\n{COUNT} float32 values, {comm.size} "
                 f"rank(s), {'the CPU twin of CuPy' if twin else 'a GPU'}, after {WARMUP} "
-                "calls with the same arrays. Command: `python -m geocomm.launch -n 1 -- env "
-                "PYTHONPATH=tests/twin python perf/host_work.py --out perf/results/host_work"
+                f"calls with the same arrays (GeoFP8: the last call of the {GEO_CALLS} after "
+                "them that took a power step, and the last that did not). Command: "
+                "`python -m geocomm.launch -n 1 -- env PYTHONPATH=tests/twin python "
+                "perf/host_work.py --out perf/results/host_work"
                 f"{before_arg}`. A cell of two numbers is before -> after (the docstring of "
                 "perf/host_work.py says how the before column was made).\n\n" + table
             )

@@ -51,7 +51,9 @@ class ExactSum:
     every buffer made once: calling it with the values returns their sum, in a buffer
     of its own that the next call overwrites (stream order keeps a device call's
     readers before that). On the device nothing is allocated and the host never
-    waits, so a call can be captured into a CUDA graph.
+    waits; unless :attr:`pipelined` (a large sum: its pipeline's plan orders and
+    captures its own calls), a call is kernels and at most one all-gather, which
+    a CUDA graph of its caller's may capture.
     """
 
     def __init__(self, comm: Communicator, size: int, fmt: str, xp: Any):
@@ -64,6 +66,7 @@ class ExactSum:
         #: the wire bytes of a lossy format's round trip or all-gather (None: fp32 itself)
         self.coded = None if plain else xp.empty(nbytes, dtype=np.uint8)
         self.gathered = comm.size > 1 and 0 < size * comm.size <= SMALL_SUM_VALUES
+        self.pipelined = comm.size > 1 and size > 0 and not self.gathered
         self.rows: Any = None
         self.decoded: Any = None
         self.sent: Any = None
@@ -72,7 +75,7 @@ class ExactSum:
             shape = (comm.size, size) if plain else (comm.size, nbytes)
             self.rows = xp.empty(shape, dtype=np.float32 if plain else np.uint8)
             self.decoded = None if plain else xp.empty(size, dtype=np.float32)
-        elif comm.size > 1 and size:  # the pipeline, planned once
+        elif self.pipelined:  # planned once
             self.sent = None if plain else xp.empty(size, dtype=np.float32)
             self.pieces = Pieces.cut(size, comm.size, max(size, DEFAULT_STAGE_SIZE))
             batched = device.batched_format(comm, _PLAIN, self.total)

@@ -287,9 +287,11 @@ class FlatPlan:
         On the device, a call whose every plan maps ranges with its basis as it is (no
         step, no refresh: GeoFP8's split between its power steps) and keeps no residual
         depends on nothing but device memory at addresses it names: the arrays, the
-        signature's buffers and the plans' bases. It runs through :attr:`mapped_graphs`
-        keyed by them (one graph launch once it repeats), the average inside; other
-        calls run eagerly and leave the average to the caller (a refresh reads the sum).
+        signature's buffers and the plans' bases (with a side sum small enough for one
+        all-gather: :attr:`~geocomm.engine.exact.ExactSum.pipelined` not set). It
+        runs through :attr:`mapped_graphs` keyed by them (one graph launch once it
+        repeats), the average inside; other calls run eagerly and leave the average to
+        the caller (a refresh reads the sum).
         """
         source, result, rounding_stream, divisor = call
         xp = array_module(source)
@@ -314,8 +316,10 @@ class FlatPlan:
 
         if plan is not None:
             plan.prepare(rounding_stream)
-        steady = residual is None and all(
-            p.ranged and not p.steps and not p.refreshes for _, p in planned
+        steady = (
+            residual is None
+            and not channel.exact.pipelined
+            and all(p.ranged and not p.steps and not p.refreshes for _, p in planned)
         )
         if plan is None or not steady:
             body(0)
