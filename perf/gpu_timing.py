@@ -8,8 +8,10 @@ plain NCCL measured in the same run (issue 38).
 Writes the JSON and a markdown table beside it (.md; rank 0 only) and prints the
 table. For each size (64 and 256 MiB of fp32 per rank; the twin: 1 MiB) and each
 operation (the device copy, NCCL's fp32 all-reduce, then geocomm.allreduce with
-every codec of ``--codecs``; ``nvfp4-sr``: NVFP4 with stochastic rounding) one
-row, per steady-state call (perf/gpu_clock.py):
+every codec of ``--codecs``; ``nvfp4-sr``: NVFP4 with stochastic rounding;
+``geofp8`` with its defaults, power steps included, ``geofp8-steady`` between power
+steps, which replay one CUDA graph each) one row, per steady-state call
+(perf/gpu_clock.py):
 
 * ``wall_s``: calls queued back to back, one synchronization, divided by calls;
 * ``host_s``: the host's own time per call with the device held;
@@ -49,9 +51,16 @@ from gpu_check_report import host_bound, kernel_lines  # noqa: E402
 from gpu_check_timing import TWIN_NOTE, copy_op, time_kernels, timed_row  # noqa: E402
 from gpu_clock import device_clock, is_twin  # noqa: E402
 
-CODECS = ("none", "bf16", "fp8", "nvfp4", "nvfp4-sr", "mxfp8", "mxfp4", "geofp8")
-#: the names of CODECS that are not codec ids
-SPECS: dict[str, Any] = {"nvfp4-sr": {"id": "nvfp4", "rounding": "stochastic"}}
+CODECS = (
+    "none", "bf16", "fp8", "nvfp4", "nvfp4-sr", "mxfp8", "mxfp4", "geofp8", "geofp8-steady"
+)  # fmt: skip
+#: the names of CODECS that are not codec ids. "geofp8-steady": GeoFP8's calls between
+#: power steps alone (after its first call, a measure, it never steps; k = 8 is the
+#: rank the defaults give with a step every call, so the map is the same)
+SPECS: dict[str, Any] = {
+    "nvfp4-sr": {"id": "nvfp4", "rounding": "stochastic"},
+    "geofp8-steady": {"id": "geofp8", "k": 8, "refresh": 10**9, "refresh_max": 10**9},
+}
 #: columns of every input matrix (GeoFP8 maps rows x COLUMNS; the others see it flat)
 COLUMNS = 4096
 
@@ -115,7 +124,7 @@ def size_rows(ctx: Any, size_mib: float, args: argparse.Namespace, start: float)
         "NCCL all-reduce (fp32)": lambda: nccl.allreduce(x, y, "sum"),
     }
     for codec in args.codecs:
-        key = {"key": "gpu_timing"} if codec == "geofp8" else {}
+        key = {"key": "gpu_timing"} if codec.startswith("geofp8") else {}
         spec = codec_spec(codec)
         ops[f"geocomm {codec}"] = lambda c=spec, k=key: geocomm.allreduce(
             x, codec=c, out=y, comm=nccl, **k

@@ -211,6 +211,36 @@ def test_reduce_scatter_shard(comm, name, count):
     assert np.all(np.abs(shard - exact) <= bound)
 
 
+@pytest.mark.parametrize("name", ["none", "fp8"])
+def test_reduce_scatter_into_out(comm, name):
+    """out= receives the shard: written directly when apart from x, through a scratch
+    when it overlaps x (here x's own shard, in place as NCCL's reduce-scatter allows,
+    which the pipeline would overwrite before it read it), in float16 by a cast; the
+    same bits as the shard returned. An out of another shape or dtype is refused
+    before anything moves."""
+    count = 12_345
+    x = inputs(count, comm.size, tag=10)[comm.rank]
+    want = geocomm.reduce_scatter(x, codec=CODECS[name], stage_size=2048)
+    out = np.full_like(want, np.nan)
+    assert geocomm.reduce_scatter(x, codec=CODECS[name], out=out, stage_size=2048) is out
+    np.testing.assert_array_equal(out, want)
+    offsets = shard_bounds(count, comm.size)
+    lo, hi = int(offsets[comm.rank]), int(offsets[comm.rank + 1])
+    inplace = x.copy()
+    codec = CODECS[name]
+    result = geocomm.reduce_scatter(inplace, codec=codec, out=inplace[lo:hi], stage_size=2048)
+    np.testing.assert_array_equal(result, want)
+    half = np.empty(want.shape, np.float16)
+    got = geocomm.reduce_scatter(x.astype(np.float16), codec=CODECS[name], out=half)
+    assert got is half
+    want_half = geocomm.reduce_scatter(x.astype(np.float16), codec=CODECS[name])
+    np.testing.assert_array_equal(half, want_half)
+    with pytest.raises(ValueError, match="out"):
+        geocomm.reduce_scatter(x, codec="fp8", out=np.empty(want.size + 1, np.float32))
+    with pytest.raises(ValueError, match="out"):
+        geocomm.reduce_scatter(x, codec="fp8", out=np.empty(want.shape, np.float16))
+
+
 @pytest.mark.parametrize("name", ["none", "fp8", "nvfp4"])
 def test_allgather(comm, name):
     xs = inputs(3 * 11, comm.size, tag=7)

@@ -132,16 +132,18 @@ def check_array(x: Any, name: str = "x") -> Any:
     return x
 
 
-def check_out(out: Any, x: Any) -> None:
-    """TypeError or ValueError unless ``out`` (if given) can receive a result like ``x``."""
+def check_out(out: Any, x: Any, shape: tuple[int, ...] | None = None) -> None:
+    """TypeError or ValueError unless ``out`` (if given) can receive a result of x's kind
+    and dtype and of ``shape`` (default: x's)."""
     if out is None:
         return
     if type(out) is not type(x):
         raise TypeError(
             f"out must be an array like x ({type(x).__name__}), got {type(out).__name__}"
         )
-    if out.shape != x.shape or out.dtype != x.dtype:
-        raise ValueError(f"out is {out.dtype}{list(out.shape)}, expected {x.dtype}{list(x.shape)}")
+    shape = tuple(x.shape) if shape is None else shape
+    if tuple(out.shape) != shape or out.dtype != x.dtype:
+        raise ValueError(f"out is {out.dtype}{list(out.shape)}, expected {x.dtype}{list(shape)}")
     if not getattr(out.flags, "writeable", True):
         raise ValueError("out is read-only")
 
@@ -273,23 +275,26 @@ def _cache_key(kind: str, x: Any, codec: Any, op: str, options: Options, check: 
 
 def prepare(kind: str, x: Any, out: Any, codec: Any, op: str, options: Options) -> Call:
     """The :class:`Call` of a collective on ``x`` (NumPy or CuPy) with ``out`` (an array
-    like ``x``, or None): checked, its signature cached, its flat float32 source, its
-    result array (``out``'s memory where the engine can write it directly) and its
-    rounding stream."""
+    like ``x``, or None; a reduce-scatter's: this rank's flat shard): checked, its
+    signature cached, its flat float32 source, its result array (``out``'s memory where
+    the engine can write it directly) and its rounding stream."""
     x = check_array(x)
-    check_out(out, x)
     sig = signature(kind, x, codec, op, options)
+    comm = sig.comm
+    bounds = shard_bounds(sig.count, comm.size)
+    shard = int(bounds[comm.rank + 1] - bounds[comm.rank])
+    check_out(out, x, (shard,) if kind == "reduce_scatter" else None)
     xp = array_module(x)
     exact = sig.codec.lossless
     dtype = np.float64 if x.dtype == np.float64 else np.float32
     flat = x.ndim == 1 and x.dtype == dtype and x.flags.c_contiguous
     source = x if flat else xp.ascontiguousarray(x, dtype=dtype).reshape(-1)
-    comm = sig.comm
     if kind == "allgather":
         result = xp.empty((comm.size, sig.count), dtype)
-    elif kind == "reduce_scatter":
-        bounds = shard_bounds(sig.count, comm.size)
-        result = xp.empty(int(bounds[comm.rank + 1] - bounds[comm.rank]), dtype)
+    elif kind == "reduce_scatter":  # into out's memory only where it is apart from x's
+        result = _direct_result(out, dtype, source, same_ok=False)
+        if result is None:
+            result = xp.empty(shard, dtype)
     else:
         # the compressed pipeline writes a range only once it has read it, so it may
         # run in place; MPI and NCCL reductions need distinct buffers
@@ -306,11 +311,10 @@ def output(call: Call, x: Any, out: Any) -> Any:
     kind, result = call.signature.kind, call.result
     if kind == "allgather":
         return result.reshape((call.signature.comm.size, *x.shape)).astype(x.dtype, copy=False)
-    if kind == "reduce_scatter":
-        return result.astype(x.dtype, copy=False)
     if out is not None and (out is result or _same_memory(out, result)):
         return out  # the engine wrote into out's memory
-    result = result.reshape(x.shape)
+    if kind == "allreduce":
+        result = result.reshape(x.shape)
     if out is None:
         return result.astype(x.dtype, copy=False)
     out[...] = result

@@ -53,7 +53,9 @@ def allreduce(
         return arrays.finish(output(call, arrays.x, arrays.out))
 
 
-def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", **options: Unpack[Options]) -> Any:
+def reduce_scatter(
+    x: Any, codec: Any = None, op: str = "sum", out: Any = None, **options: Unpack[Options]
+) -> Any:
     """This rank's shard of the reduced flat ``x`` (``np.array_split`` convention).
 
     Each rank's pieces are quantized once on the way to the shard's owner, which sums
@@ -62,14 +64,17 @@ def reduce_scatter(x: Any, codec: Any = None, op: str = "sum", **options: Unpack
 
     Args:
         x, codec, op, **options: as for :func:`allreduce`.
+        out: a 1-D array of x's kind and dtype, the shard's length, to write the shard
+            into (written directly where its memory is apart from x's, so a device call
+            into the same ``out`` every time can replay one CUDA graph).
 
     Returns:
-        A 1-D array of x's kind and dtype.
+        A 1-D array of x's kind and dtype: ``out`` if given.
     """
-    with Operands(x) as arrays:
-        call = prepare("reduce_scatter", arrays.x, None, codec, op, options)
+    with Operands(x, out) as arrays:
+        call = prepare("reduce_scatter", arrays.x, arrays.out, codec, op, options)
         run(call)
-        return arrays.finish(output(call, arrays.x, None))
+        return arrays.finish(output(call, arrays.x, arrays.out))
 
 
 def allgather(

@@ -103,7 +103,10 @@ class MapPlan(Protocol):
     ``encode_range`` and ``decode_range`` fuse the map with the codec's encode or decode of
     a range where they can (True) and do nothing where they cannot (False: the caller maps
     and codes in two steps); its ``split(start, length, coef)`` gives a range's split map
-    for device kernels (None: the map is not a split)."""
+    for device kernels (None: the map is not a split). A ranged plan that names
+    ``inputs`` (the arrays its map reads besides the values and the sides) may be replayed
+    from a CUDA graph of its call when it has no steps and no refresh: the graph reads
+    those arrays where they lie."""
 
     ranged: bool
     steps: bool

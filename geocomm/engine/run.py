@@ -284,11 +284,12 @@ class FlatPlan:
         (:class:`SideChannel`), the pipeline through a :class:`PartsMap`, the
         whole-tensor plans' inverses. Returns (the summed sides, whether it divided).
 
-        On the device, a call whose every plan maps ranges with its basis as it is (no
-        step, no refresh: GeoFP8's split between its power steps) and keeps no residual
-        depends on nothing but device memory at addresses it names: the arrays, the
-        signature's buffers and the plans' bases (with a side sum small enough for one
-        all-gather: :attr:`~geocomm.engine.exact.ExactSum.pipelined` not set). It
+        On the device, a call whose every plan maps ranges from arrays it names (its
+        ``inputs``) with no step and no refresh (GeoFP8's split between its power steps)
+        and keeps no residual depends on nothing but device memory at addresses it
+        names: the arrays, the signature's buffers and the plans' inputs (with a side
+        sum small enough for one all-gather:
+        :attr:`~geocomm.engine.exact.ExactSum.pipelined` not set). It
         runs through :attr:`mapped_graphs` keyed by them (one graph launch once it
         repeats), the average inside; other calls run eagerly and leave the average to
         the caller (a refresh reads the sum).
@@ -319,15 +320,18 @@ class FlatPlan:
         steady = (
             residual is None
             and not channel.exact.pipelined
-            and all(p.ranged and not p.steps and not p.refreshes for _, p in planned)
+            and all(
+                p.ranged and not p.steps and not p.refreshes and hasattr(p, "inputs")
+                for _, p in planned
+            )
         )
         if plan is None or not steady:
             body(0)
             return channel.summed(), False
         if self.mapped_graphs is None:
             self.mapped_graphs = Graphs(_capturable(self.comm), xp)
-        bases = tuple((int(p.vt.data.ptr), tuple(p.vt.shape)) for _, p in planned)
-        key = (int(source.data.ptr), int(result.data.ptr), divisor, channel.layout, bases)
+        inputs = tuple((int(a.data.ptr), a.shape) for _, p in planned for a in p.inputs)
+        key = (int(source.data.ptr), int(result.data.ptr), divisor, channel.layout, inputs)
         self.mapped_graphs.run(key, lambda: body(divisor))
         return channel.summed(), bool(divisor)
 

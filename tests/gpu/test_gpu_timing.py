@@ -27,7 +27,9 @@ from gpu_helpers import on_ranks
 ROOT = Path(__file__).resolve().parents[2]
 PERF = ROOT / "perf"
 SCRIPT = PERF / "gpu_timing.py"
-CODECS = ("none", "bf16", "fp8", "nvfp4", "nvfp4-sr", "mxfp8", "mxfp4", "geofp8")
+CODECS = (
+    "none", "bf16", "fp8", "nvfp4", "nvfp4-sr", "mxfp8", "mxfp4", "geofp8", "geofp8-steady"
+)  # fmt: skip
 SEED = 20261129  # the script's default
 TIMEOUT_S = 600  # one run takes about 20 s per rank on two cores
 
@@ -98,7 +100,7 @@ def test_errors_within_the_derived_bounds(table):
     assert errors["geocomm none"] <= summed / norm
     for codec in CODECS[1:]:
         c = geocomm.get_codec(script.codec_spec(codec))
-        if codec == "geofp8":
+        if codec.startswith("geofp8"):
             bound = transformed_bound(inputs, c)
         else:
             bound = float(np.linalg.norm(allreduce_bound(inputs, c)))

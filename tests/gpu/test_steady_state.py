@@ -20,6 +20,7 @@ from gpu_helpers import ON_TWIN, inputs
 
 import geocomm
 from geocomm.comm.mpi import MPICommunicator
+from geocomm.engine.layout import shard_bounds
 
 pytestmark = [
     pytest.mark.mpi,
@@ -110,10 +111,15 @@ def geo_gradients(rank: int, call: int, shapes: list[tuple[int, int]]) -> np.nda
 
 
 @pytest.mark.parametrize(
-    ("stages", "op", "rounding"),
-    [(1, "sum", "nearest"), (8, "avg", "nearest"), (8, "sum", "stochastic")],
+    ("kind", "stages", "op", "rounding"),
+    [
+        ("allreduce", 1, "sum", "nearest"),
+        ("allreduce", 8, "avg", "nearest"),
+        ("allreduce", 8, "sum", "stochastic"),
+        ("reduce_scatter", 8, "avg", "nearest"),
+    ],
 )
-def test_geofp8_between_power_steps_replays_one_graph(cp, comms, stages, op, rounding):
+def test_geofp8_between_power_steps_replays_one_graph(cp, comms, kind, stages, op, rounding):
     """GeoFP8 takes a power step every ``refresh`` to ``refresh_max`` calls; between
     steps a call maps with its bases as they are, and depends on device memory only:
     its arrays, the signature's buffers (side channel, exact sum, read scratch) and the
@@ -122,7 +128,8 @@ def test_geofp8_between_power_steps_replays_one_graph(cp, comms, stages, op, rou
     the device; a call with a step runs eagerly. Every call gives NumPy's bits over MPI
     and both codecs keep equal state, across the row space's turn at call 6. Stochastic
     rounding's keys are written before the graph, as for unmapped calls: a steady call
-    is then that one-thread kernel and the graph."""
+    is then that one-thread kernel and the graph. A reduce-scatter into the same
+    ``out`` replays alike (its power steps sum each rank's part)."""
     from geocomm.engine import call as calls
 
     shapes = [(256, 512), (128, 512)]
@@ -132,18 +139,21 @@ def test_geofp8_between_power_steps_replays_one_graph(cp, comms, stages, op, rou
     config = {"id": "geofp8", "k": 4, "rounding": rounding}
     dev, host = geocomm.get_codec(config), geocomm.get_codec(config)
     options = {"parts": parts, "op": op, "stage_size": -(-count // stages)}
+    collective = getattr(geocomm, kind)
+    bounds = shard_bounds(count, comms[0].size)
+    length = count if kind == "allreduce" else int(np.diff(bounds)[comms[0].rank])
     stream = cp.cuda.Stream(non_blocking=True)
     kinds, costs = [], []
     with stream:
-        d, out = cp.empty(count, cp.float32), cp.empty(count, cp.float32)
+        d, out = cp.empty(count, cp.float32), cp.empty(length, cp.float32)
         for call in range(20):
             x = geo_gradients(comms[0].rank, call, shapes)
             with calls.saved_call_counts():  # the device call rounds as the reference did
-                want = geocomm.allreduce(x, codec=host, comm=comms[1], **options)
+                want = collective(x, codec=host, comm=comms[1], **options)
             d.set(x)
             before = [dev.state_info(key) for key in ("w1", "w2")]
             with counted() as cost:
-                geocomm.allreduce(d, codec=dev, comm=comms[0], out=out, **options)
+                collective(d, codec=dev, comm=comms[0], out=out, **options)
             after = [dev.state_info(key) for key in ("w1", "w2")]
             assert np.array_equal(out.get().view(np.uint32), want.view(np.uint32)), call
             stepped = any(

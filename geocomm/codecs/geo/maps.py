@@ -132,6 +132,12 @@ class SplitPlan:
         self.vt, self.pending = vt[: self.map_shape.k, :], (vt, energy, period, host)
 
     @property
+    def inputs(self) -> tuple[Any, ...]:
+        """The arrays the map reads besides the values and the sides: the basis (a CUDA
+        graph of the call names their addresses, and reads what they hold then)."""
+        return (self.vt,)
+
+    @property
     def side_shape(self) -> tuple[int, int]:
         """The shape :meth:`begin` gives :attr:`side` (known before it runs)."""
         return side_shape(self.map_shape, self.pending)

@@ -286,8 +286,7 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
         self, output: torch.Tensor, flat: torch.Tensor, op: str, keep: list
     ) -> FutureWork:
         def run(options: dict[str, Any]) -> None:
-            shard = api.reduce_scatter(flat.view(-1), op=op, **options)
-            output.view(-1).copy_(shard)
+            api.reduce_scatter(flat.view(-1), op=op, out=output.view(-1), **options)
 
         return self._submit("reduce_scatter", flat, op, run, keep)
 
