@@ -393,7 +393,10 @@ class GradReducer:
                 if group is layout.compressed
                 else None
             )
-            shard = api.reduce_scatter(values, op=op, **self._options(group, codec))
+            # into out's own columns where they are one range (put then copies nothing)
+            (a, b), one = group.ranges[0], len(group.ranges) == 1
+            target = out_rows[0, a:b] if one and out_rows.dtype == values.dtype else None
+            shard = api.reduce_scatter(values, op=op, out=target, **self._options(group, codec))
             if sample is not None:
                 rel_error = sample.estimate(shard, lo, size, op == "avg", False)
             group.put(out_rows, shard)
