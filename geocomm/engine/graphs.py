@@ -3,7 +3,9 @@ device work depends only on things the caller names in a key (the arrays'
 addresses, the plan's buffers, what the kernels read from device memory) is
 run eagerly the first time its key comes, captured the second (CuPy stream
 capture, the NCCL transfers included) and replayed with one graph launch
-every later time.
+every later time. Keys that alternate (two buffers used in turn) are
+captured alike: the keys seen once are remembered, as many as graphs are
+kept.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from geocomm.engine.protocols import Capturable
 
 class Graphs:
     """The graphs of one plan's calls over ``comm`` (None: it cannot be captured, and
-    every call runs eagerly), by key; at most :attr:`KEPT`, the oldest dropped first.
+    every call runs eagerly), by key; at most :attr:`KEPT`, the least recently
+    launched dropped first.
 
     :meth:`run` ``(key, body)``: ``body()`` queues the call's work on the current
     stream; for a captured graph it must allocate nothing and never wait for the
@@ -32,7 +35,7 @@ class Graphs:
     def __init__(self, comm: Capturable | None, cupy: Any):
         self.comm, self.cupy = comm, cupy
         self.kept: dict[Hashable, tuple[Any, Any]] = {}  # key -> (graph, capture record)
-        self._eager_last: Hashable = None
+        self._seen: dict[Hashable, None] = {}  # keys run eagerly once, oldest first
         self._stream: Any = None  # the plan's capture stream, made at its first capture
 
     def run(self, key: Hashable, body: Callable[[], None]) -> None:
@@ -44,18 +47,21 @@ class Graphs:
         if stream.is_capturing():
             body()
             return
-        kept = self.kept.get(key)
-        if kept is None and self._eager_last != key:
-            self._eager_last = key  # seen once: eager; captured if the next call repeats it
+        kept = self.kept.pop(key, None)  # put back last: the most recently launched
+        if kept is None and key not in self._seen:  # new: eager, captured on a repeat
+            self._seen[key] = None
+            while len(self._seen) > self.KEPT:
+                self._seen.pop(next(iter(self._seen)))
             body()
             return
         if kept is None:
+            del self._seen[key]
             kept = self._capture(comm, body)
             if kept is None:
                 return
-            self.kept[key] = kept
-            while len(self.kept) > self.KEPT:
-                self.kept.pop(next(iter(self.kept)))
+        self.kept[key] = kept
+        while len(self.kept) > self.KEPT:
+            self.kept.pop(next(iter(self.kept)))
         graph, captured = kept
         graph.launch(stream=stream)
         comm.track(stream, captured)

@@ -260,6 +260,39 @@ def test_a_changed_signature_or_array_is_planned_again(cp, comms):
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+def test_buffers_used_in_turn_each_replay_their_graph(cp, comms):
+    """A caller that alternates between two output buffers (double buffering) runs each
+    eagerly once, captures each at its second call and from then on replays both; more
+    buffers in turn than a plan keeps graphs for run eagerly instead of capturing one
+    graph after another. (A count of its own: a new signature, whose plan has seen no
+    array yet.)"""
+    comm = comms[0]
+    count = COUNT - 4096
+    x = inputs(comm.rank, count)
+    want = reference(comms, x, "fp8")
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        d = cp.asarray(x)
+        outs = [cp.empty(count, cp.float32) for _ in range(2)]
+        costs = []
+        for i in range(8):
+            with counted() as cost:
+                device_call(cp, comms, d, outs[i % 2], "fp8")
+            costs.append(cost)
+            assert np.array_equal(outs[i % 2].get().view(np.uint32), want.view(np.uint32))
+        assert all("graph_launches" not in c for c in costs[:2]), costs[:2]
+        assert all(c.get("captured", 0) > 0 for c in costs[2:4]), costs[2:4]
+        assert all(c == {"graph_launches": 1, "events": 1} for c in costs[4:]), costs[4:]
+        many = [cp.empty(count, cp.float32) for _ in range(6)]  # more than Graphs.KEPT
+        cycled = []
+        for i in range(18):
+            with counted() as cost:
+                device_call(cp, comms, d, many[i % 6], "fp8")
+            cycled.append(cost)
+        assert not any(c.get("captured") for c in cycled), "no capture after capture"
+        assert np.array_equal(many[5].get().view(np.uint32), want.view(np.uint32))
+
+
 @pytest.mark.parametrize("same_out", [False, True])
 def test_a_call_on_another_stream_waits_for_the_plans_last_one(cp, comms, same_out):
     """The plan's buffers are reused by every call of its signature: a call on another
