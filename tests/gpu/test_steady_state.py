@@ -408,3 +408,57 @@ def test_the_ddp_hooks_calls_replay_over_nccl_bootstrapped_by_torch(cp):
     assert len(set(sent)) == 1 and (sent[0] > 0) == (comm.size > 1), sent
     # the steady step: the graph and the average's one kernel... all inside the graph
     assert costs[-1] == {"graph_launches": 1, "events": 1}, costs[-1]
+
+
+def test_the_ddp_hooks_geofp8_buckets_replay_between_power_steps(cp):
+    """The DDP hook's call for a CUDA bucket (as above: NCCL bootstrapped by a gloo group
+    of torch.distributed, metered, averaged in place) with GeoFP8 and a low-rank weight
+    gradient, the same every step: its steps with a power step run eagerly, the others
+    replay one graph from their second on, with the side channel's all-gather inside,
+    which the meter counts at every replay as at an eager call; the result is NumPy's
+    over MPI, bit for bit, every step. Counted once the key's refresh period reached
+    refresh_max (8): the side budget charges a power step's sums over the period, so
+    the weight's rank, and with it the side channel's layout, grows until then."""
+    import torch.distributed as dist
+
+    from geocomm.adapters.torch import init_distributed_from_mpi
+    from geocomm.comm.nccl import NCCLCommunicator
+    from geocomm.comm.torchdist import TorchDistCommunicator
+    from geocomm.engine import call as calls
+    from geocomm.testing import MeteredComm
+
+    init_distributed_from_mpi("gloo")
+    host = TorchDistCommunicator(dist.new_group(backend="gloo"))
+    comm = MeteredComm(NCCLCommunicator(host))
+    parts = [("w1", (256, 128)), ("b1", (256,)), ("w2", (8, 256))]
+    count = sum(int(np.prod(s)) for _, s in parts)
+    rows = np.random.default_rng(4).standard_normal((4, 128))
+    own = np.random.default_rng([comm.rank, 4])
+    w1 = 10 * own.standard_normal((256, 4)) @ rows + 0.01 * own.standard_normal((256, 128))
+    rest = own.standard_normal(count - w1.size)
+    x = np.concatenate([w1.reshape(-1), rest]).astype(np.float32)
+    config = {"id": "geofp8", "k": 4}
+    dev, ref = geocomm.get_codec(config), geocomm.get_codec(config)
+    options = {"op": "avg", "parts": parts}
+    stream = cp.cuda.Stream(non_blocking=True)
+    steady_sent, steady_costs = [], []
+    with stream:
+        bucket = cp.empty(count, cp.float32)
+        for _ in range(24):
+            with calls.saved_call_counts():
+                want = geocomm.allreduce(x, codec=ref, comm=MPICommunicator(), **options)
+            bucket.set(x)
+            refreshed = dev.state_info("w1") and dev.state_info("w1")["refreshed"]
+            before = comm.sent
+            with counted() as cost:
+                geocomm.allreduce(bucket, codec=dev, out=bucket, comm=comm, check=False, **options)
+            assert np.array_equal(bucket.get().view(np.uint32), want.view(np.uint32))
+            state = dev.state_info("w1")
+            if refreshed and state["refreshed"] == refreshed and state["period"] == 8:
+                steady_sent.append(comm.sent - before)
+                steady_costs.append(cost)
+    assert dev.state_info("w1")["use"] > 0, "the weight's gradient was mapped"
+    assert len(steady_costs) >= 8, steady_costs
+    assert len(set(steady_sent)) == 1 and (steady_sent[0] > 0) == (comm.size > 1), steady_sent
+    for cost in steady_costs[2:]:
+        assert cost == {"graph_launches": 1, "events": 1}, steady_costs
