@@ -281,8 +281,10 @@ def prepare(kind: str, x: Any, out: Any, codec: Any, op: str, options: Options) 
     x = check_array(x)
     sig = signature(kind, x, codec, op, options)
     comm = sig.comm
-    bounds = shard_bounds(sig.count, comm.size)
-    shard = int(bounds[comm.rank + 1] - bounds[comm.rank])
+    shard = 0
+    if kind == "reduce_scatter":
+        bounds = shard_bounds(sig.count, comm.size)
+        shard = int(bounds[comm.rank + 1] - bounds[comm.rank])
     check_out(out, x, (shard,) if kind == "reduce_scatter" else None)
     xp = array_module(x)
     exact = sig.codec.lossless
