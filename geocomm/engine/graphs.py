@@ -21,10 +21,12 @@ class Graphs:
     every call runs eagerly), by key; at most :attr:`KEPT`, the least recently
     launched dropped first.
 
-    :meth:`run` ``(key, body)``: ``body()`` queues the call's work on the current
-    stream; for a captured graph it must allocate nothing and never wait for the
-    device (the graph keeps writing the memory it captured, and the host cannot wait
-    under capture). A body that fails to capture runs eagerly, and the plan stops
+    :meth:`run` ``(key, body, keep)``: ``body()`` queues the call's work on the
+    current stream; for a captured graph it must allocate nothing and never wait for
+    the device (the graph keeps writing the memory it captured, and the host cannot
+    wait under capture). ``keep``: what owns buffers the graph uses that its caller
+    may let go of before the graph (kept alive with it; its identity belongs in
+    the key). A body that fails to capture runs eagerly, and the plan stops
     capturing. A call made while the current stream is being captured already (a
     plan's call inside another's graph) runs its body: the outer capture records it.
     """
@@ -34,11 +36,11 @@ class Graphs:
 
     def __init__(self, comm: Capturable | None, cupy: Any):
         self.comm, self.cupy = comm, cupy
-        self.kept: dict[Hashable, tuple[Any, Any]] = {}  # key -> (graph, capture record)
+        self.kept: dict[Hashable, tuple[Any, Any, Any]] = {}  # key -> (graph, record, keep)
         self._seen: dict[Hashable, None] = {}  # keys run eagerly once, oldest first
         self._stream: Any = None  # the plan's capture stream, made at its first capture
 
-    def run(self, key: Hashable, body: Callable[[], None]) -> None:
+    def run(self, key: Hashable, body: Callable[[], None], keep: Any = None) -> None:
         comm = self.comm
         if comm is None:
             body()
@@ -56,13 +58,14 @@ class Graphs:
             return
         if kept is None:
             del self._seen[key]
-            kept = self._capture(comm, body)
-            if kept is None:
+            captured = self._capture(comm, body)
+            if captured is None:
                 return
+            kept = (*captured, keep)
         self.kept[key] = kept
         while len(self.kept) > self.KEPT:
             self.kept.pop(next(iter(self.kept)))
-        graph, captured = kept
+        graph, captured, _ = kept
         graph.launch(stream=stream)
         comm.track(stream, captured)
 

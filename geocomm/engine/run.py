@@ -331,8 +331,9 @@ class FlatPlan:
         if self.mapped_graphs is None:
             self.mapped_graphs = Graphs(_capturable(self.comm), xp)
         inputs = tuple((int(a.data.ptr), a.shape) for _, p in planned for a in p.inputs)
-        key = (int(source.data.ptr), int(result.data.ptr), divisor, channel.layout, inputs)
-        self.mapped_graphs.run(key, lambda: body(divisor))
+        key = (int(source.data.ptr), int(result.data.ptr), divisor, id(channel), inputs)
+        # the graph keeps its channel: one dropped from self.channels stays alive with it
+        self.mapped_graphs.run(key, lambda: body(divisor), keep=channel)
         return channel.summed(), bool(divisor)
 
 
