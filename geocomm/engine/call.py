@@ -200,13 +200,13 @@ def fingerprint(
     signature: Signature, with_state: bool = True, flat: bool | None = None
 ) -> np.ndarray:
     """The int64 row that identifies ``signature`` on this rank (:func:`call_fingerprint`;
-    ``flat``: whether the call runs flat, default: whether its topology is "flat")."""
+    ``flat``: whether the call runs flat, default: whether its topology is "flat").
+    With the state, the signature's own row (computed once) with its state filled in."""
     s = signature
-    row = call_fingerprint(s.kind, s.count, s.dtype, s.op, s.codec, s.parts, s.topology)
-    if with_state:
-        row[STATE] = state_checksum(
-            s.codec, s.parts, s.topology == "flat" if flat is None else flat
-        )
+    if not with_state:
+        return call_fingerprint(s.kind, s.count, s.dtype, s.op, s.codec, s.parts, s.topology)
+    row: np.ndarray = s.fingerprint.copy()
+    row[STATE] = state_checksum(s.codec, s.parts, s.topology == "flat" if flat is None else flat)
     return row
 
 

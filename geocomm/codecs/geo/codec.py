@@ -138,6 +138,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         self._ranks: tuple[int, dict[Any, int]] = (-1, {})  # (state version, allocation)
         self._version = 0  # bumps whenever a key's spectrum or the set of keys changes
         self._planned: set[Any] = set()  # keys planned under the current allocation
+        self._map_shapes: dict[tuple[tuple[int, ...], bool], MapShape | None] = {}
 
     # ---- configuration --------------------------------------------------------
     def _knobs(self) -> dict[str, Any]:
@@ -168,9 +169,13 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
 
     # ---- the map of one call -----------------------------------------------------
     def map_shape(self, shape: Sequence[int], framed: bool = False) -> MapShape | None:
-        """The map of a tensor of ``shape`` (None: plain quantization)."""
-        payload = self.quantizer.wire_size(math.prod(shape))
-        return policy.map_shape(shape, self._knobs(), payload, framed)
+        """The map of a tensor of ``shape`` (None: plain quantization); worked out once
+        per shape (the knobs never change)."""
+        known = (tuple(shape), framed)
+        if known not in self._map_shapes:
+            payload = self.quantizer.wire_size(math.prod(shape))
+            self._map_shapes[known] = policy.map_shape(shape, self._knobs(), payload, framed)
+        return self._map_shapes[known]
 
     def geometry(self, device_arrays: bool) -> str:
         """The geometry this codec applies to host arrays (``device_arrays`` False)
