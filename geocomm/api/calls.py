@@ -281,11 +281,11 @@ def prepare(kind: str, x: Any, out: Any, codec: Any, op: str, options: Options) 
     x = check_array(x)
     sig = signature(kind, x, codec, op, options)
     comm = sig.comm
-    shard = 0
+    shard: tuple[int, ...] | None = None  # a reduce-scatter's result: this rank's shard
     if kind == "reduce_scatter":
         bounds = shard_bounds(sig.count, comm.size)
-        shard = int(bounds[comm.rank + 1] - bounds[comm.rank])
-    check_out(out, x, (shard,) if kind == "reduce_scatter" else None)
+        shard = (int(bounds[comm.rank + 1] - bounds[comm.rank]),)
+    check_out(out, x, shard)
     xp = array_module(x)
     exact = sig.codec.lossless
     dtype = np.float64 if x.dtype == np.float64 else np.float32
@@ -293,7 +293,7 @@ def prepare(kind: str, x: Any, out: Any, codec: Any, op: str, options: Options) 
     source = x if flat else xp.ascontiguousarray(x, dtype=dtype).reshape(-1)
     if kind == "allgather":
         result = xp.empty((comm.size, sig.count), dtype)
-    elif kind == "reduce_scatter":  # into out's memory only where it is apart from x's
+    elif shard is not None:  # into out's memory only where it is apart from x's
         result = _direct_result(out, dtype, source, same_ok=False)
         if result is None:
             result = xp.empty(shard, dtype)

@@ -93,7 +93,7 @@ from geocomm.engine.layout import (
     quantization_stream,
     run_schedule,
 )
-from geocomm.engine.protocols import Capturable, RangeMap, WireCodec
+from geocomm.engine.protocols import RangeMap, WireCodec
 from geocomm.kernels import cuda, cuda_build, native
 
 _SOURCE = "gc_pipeline.cu"
@@ -453,9 +453,7 @@ class DevicePlan:
         self.keys = xp.zeros(2, np.uint64)
         self.key_views = (self.keys[0:1], self.keys[1:2])
         #: the CUDA graphs of its calls without a map, by source, result and divisor
-        self.graphs = Graphs(
-            comm if xp is not np and isinstance(comm, Capturable) and not staged else None, xp
-        )
+        self.graphs = Graphs(None if staged else comm, xp)
         self._last_stream: Any = None
 
     def _segments(self, span: slice) -> Segments:

@@ -13,12 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any
 
+import numpy as np
+
 from geocomm.engine.protocols import Capturable
 
 
 class Graphs:
-    """The graphs of one plan's calls over ``comm`` (None: it cannot be captured, and
-    every call runs eagerly), by key; at most :attr:`KEPT`, the least recently
+    """The graphs of one plan's calls over ``comm`` on arrays of namespace ``xp``, by key
+    (every call runs eagerly when ``comm`` is None or cannot be captured, or ``xp`` is
+    NumPy); at most :attr:`KEPT`, the least recently
     launched dropped first.
 
     :meth:`run` ``(key, body, keep)``: ``body()`` queues the call's work on the
@@ -34,8 +37,12 @@ class Graphs:
     #: graphs kept per plan, oldest dropped first
     KEPT = 4
 
-    def __init__(self, comm: Capturable | None, cupy: Any):
-        self.comm, self.cupy = comm, cupy
+    def __init__(self, comm: Any, xp: Any):
+        #: the communicator while calls can be captured (None: eager calls)
+        self.comm: Capturable | None = (
+            comm if xp is not np and isinstance(comm, Capturable) else None
+        )
+        self.cupy = xp
         self.kept: dict[Hashable, tuple[Any, Any, Any]] = {}  # key -> (graph, record, keep)
         self._seen: dict[Hashable, None] = {}  # keys run eagerly once, oldest first
         self._stream: Any = None  # the plan's capture stream, made at its first capture

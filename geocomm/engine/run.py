@@ -37,7 +37,6 @@ from geocomm.engine.hierarchical import node_allreduce, node_reduce_scatter
 from geocomm.engine.host import Pipeline
 from geocomm.engine.layout import PIECE_ALIGN, Pieces, array_module, segments, shard_bounds
 from geocomm.engine.layout import stage_size as backend_stage_size
-from geocomm.engine.protocols import Capturable
 from geocomm.engine.transforming import (
     PartsMap,
     SideChannel,
@@ -329,17 +328,12 @@ class FlatPlan:
             body(0)
             return channel.summed(), False
         if self.mapped_graphs is None:
-            self.mapped_graphs = Graphs(_capturable(self.comm), xp)
+            self.mapped_graphs = Graphs(self.comm, xp)
         inputs = tuple((int(a.data.ptr), a.shape) for _, p in planned for a in p.inputs)
         key = (int(source.data.ptr), int(result.data.ptr), divisor, id(channel), inputs)
         # the graph keeps its channel: one dropped from self.channels stays alive with it
         self.mapped_graphs.run(key, lambda: body(divisor), keep=channel)
         return channel.summed(), bool(divisor)
-
-
-def _capturable(comm: Communicator) -> Capturable | None:
-    """``comm`` when its transfers can be captured into CUDA graphs, else None."""
-    return comm if isinstance(comm, Capturable) else None
 
 
 def compressed(

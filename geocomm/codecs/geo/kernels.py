@@ -73,10 +73,11 @@ def project(values: Any, lo: int, n: int, vt: Any, out: Any = None) -> Any:
     Non-finite values read as 0, so a rank's inf/NaN stays where it is
     instead of spreading into every coefficient of its row.
     """
-    k = vt.shape[0]
-    shape = (rows(lo, values.shape[0], n) if k else 0, k)
-    if out is not None and (tuple(out.shape) != shape or out.dtype != np.float32):
-        raise ValueError(f"project writes float32 {shape}, got {out.dtype} {tuple(out.shape)}")
+    if out is not None:
+        k = vt.shape[0]
+        shape = (rows(lo, values.shape[0], n) if k else 0, k)
+        if tuple(out.shape) != shape or out.dtype != np.float32:
+            raise ValueError(f"project writes float32 {shape}, got {out.dtype} {tuple(out.shape)}")
     if is_cupy_array(values):
         return _cuda_project(values, lo, n, vt, out)
     xp = array_namespace(values, vt)
