@@ -1,0 +1,245 @@
+"""How often GeoFP8's mapped calls take a power step on the gradient zoo, and what that costs a GPU.
+
+A GeoFP8 call between power steps replays one CUDA graph on the GPU path and
+moves, by the device model of docs/results.md ("Host work per call"), 14
+bytes per value against fp8's 10; a call with a power step stays eager,
+waits for the host twice and moves 26. How the two mix is the gradients'
+business: a key's period doubles (up to ``refresh_max``) only while its
+steps find the geometry standing still (policy.STABLE_OVERLAP). This study
+runs GeoFP8 under several refresh policies (:data:`POLICIES`, the default
+first) and fp8 over every zoo source (perf/studies/zoo.py: one codec per
+simulated rank, every parameter of every recorded step with ``key=name``,
+as perf/studies/geo_heldout.py does) and reads each key's state after
+every call.
+
+Per source and policy, over calls 2..W of the keys mapped at least once
+(the first call measures the basis): ``step`` the share of calls with a
+power step; ``measure`` re-measures of keys the budget left flat; ``rank
+moved`` calls whose rank differs from the key's previous call (a new side
+layout: an eager call, then a new capture); ``graph`` calls between steps
+at the rank of the previous call (what a graph can replay); ``all steady``
+the share of training steps in which no mapped key stepped or re-measured
+(a DDP bucket holding every tensor replays only then). ``traffic`` is the
+whole model's modelled device traffic per call over fp8's, mean over calls
+2..W: a stepped call 26 bytes per value, a call between steps 14, a
+re-measure 22 (the plain call's 10 and its three passes over the result), a
+plain tensor 10; a model, not a measurement: what the bytes cost is for a
+GPU to time. ``error``: geo_heldout's ``median``, the median over matrices
+of each matrix's median over calls 2..W of its error over E4M3 block 128's.
+
+    python perf/studies/geo_steps.py -J perf/results/geo_steps.json
+"""
+
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import argparse  # noqa: E402
+import pathlib  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+import zoo  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # perf/lab.py
+from lab import write_results  # noqa: E402
+
+from geocomm.codecs import get_codec  # noqa: E402
+from geocomm.testing import simulate_allreduce  # noqa: E402
+
+#: Modelled device bytes per value of one call (fp8 e4m3/128 at 1 rank, reads +
+#: writes; docs/results.md, "Host work per call").
+TRAFFIC = {"plain": 10, "between": 14, "step": 26, "measure": 22}
+#: fp8's configuration, which the error ratios divide by (geo_zoo's BASE).
+FP8 = {"id": "fp8", "fmt": "e4m3", "block": 128}
+#: The refresh policies compared: the default (a period doubling up to 8 while the
+#: steps find the geometry standing still), a step every call, fixed periods.
+POLICIES: dict[str, dict[str, Any]] = {
+    "default (adaptive, up to 8)": {"id": "geofp8"},
+    "every call": {"id": "geofp8", "refresh_max": 1},
+    "every 2": {"id": "geofp8", "refresh": 2, "refresh_max": 2},
+    "every 4": {"id": "geofp8", "refresh": 4, "refresh_max": 4},
+}
+DEFAULT = next(iter(POLICIES))
+MEASURES = ("step", "measure", "rank_moved", "graph", "all_steady", "traffic", "error")
+
+
+def kind_of(info: dict[str, Any] | None) -> str:
+    """What the call that left ``info`` (a key's state_info; None: no state) did: a
+    basis update of a mapped call is a power step, of a plain one a measure."""
+    if info is None:
+        return "plain"
+    if info["refreshed"] == info["calls"]:
+        return "step" if info["use"] > 0 else "measure"
+    return "between" if info["use"] > 0 else "plain"
+
+
+def squared_errors(codecs: list[Any], steps: list[Any], names: list[str]) -> dict[str, Any]:
+    """Per tensor and call, the squared error of the codecs' sum against the exact one,
+    and the exact sum's energy; with the first codec's key states after each call."""
+    out: dict[str, Any] = {"err": {n: [] for n in names}, "ref": {n: [] for n in names}}
+    out["info"] = {n: [] for n in names}
+    for step in steps:
+        for n in names:
+            xs = [r[n] for r in step]
+            got = simulate_allreduce(codecs, xs, key=n).astype(np.float64)
+            exact = sum(x.astype(np.float64) for x in xs)
+            out["err"][n].append(float(np.sum((got - exact) ** 2)))
+            out["ref"][n].append(float(np.sum(exact * exact)))
+            state = getattr(codecs[0], "state_info", None)
+            out["info"][n].append(state(n) if state else None)
+    return out
+
+
+def policy_row(
+    run: dict[str, Any], fp8: dict[str, Any], sizes: dict[str, int], mats: list[str]
+) -> dict[str, Any]:
+    """One policy's measures on one source, over calls 2..W (see the module's doc)."""
+    names = list(sizes)
+    calls = len(run["err"][names[0]])
+    kinds = {n: [kind_of(i) for i in run["info"][n]] for n in names}
+    ranks = {n: [0 if i is None else int(i["use"]) for i in run["info"][n]] for n in names}
+    mapped = [n for n in names if any(ranks[n])]
+    counted = [(n, c) for n in mapped for c in range(1, calls)]
+
+    def share(test: Any) -> float:
+        return sum(bool(test(n, c)) for n, c in counted) / max(len(counted), 1)
+
+    total = sum(sizes.values())
+    traffic = [
+        sum(TRAFFIC[kinds[n][c]] * sizes[n] for n in names) / (TRAFFIC["plain"] * total)
+        for c in range(1, calls)
+    ]
+    steady = [all(kinds[n][c] in ("between", "plain") for n in mapped) for c in range(1, calls)]
+    ratio = [
+        np.median([np.sqrt(run["err"][n][c] / fp8["err"][n][c]) for c in range(1, calls)])
+        for n in mats
+        if all(fp8["err"][n][c] > 0 for c in range(1, calls))
+    ]
+    return {
+        "mapped_keys": len(mapped),
+        "mapped_share_of_values": sum(sizes[n] for n in mapped) / total,
+        "step": share(lambda n, c: kinds[n][c] == "step"),
+        "measure": share(lambda n, c: kinds[n][c] == "measure"),
+        "rank_moved": share(lambda n, c: ranks[n][c] != ranks[n][c - 1]),
+        "graph": share(lambda n, c: kinds[n][c] == "between" and ranks[n][c] == ranks[n][c - 1]),
+        "all_steady": sum(steady) / max(len(steady), 1),
+        "traffic": float(np.mean(traffic)),
+        "error": float(np.median(ratio)),
+        "kinds": {n: "".join(k[0] for k in kinds[n]) for n in mapped},
+    }
+
+
+def run_source(src: zoo.Source) -> dict[str, Any]:
+    """Every policy, and fp8, over one source."""
+    z = zoo.load(src)
+    names, steps = list(z["names"]), z["steps"]
+    sizes = {n: int(steps[0][0][n].size) for n in names}
+    mats = [n for n in names if steps[0][0][n].ndim >= 2]
+    fp8 = squared_errors([get_codec(FP8) for _ in range(src.world)], steps, names)
+    policies = {}
+    for label, cfg in POLICIES.items():
+        run = squared_errors([get_codec(cfg) for _ in range(src.world)], steps, names)
+        policies[label] = policy_row(run, fp8, sizes, mats)
+    return {
+        "source": src.name,
+        "half": "heldout" if src in zoo.HELDOUT else "tuning",
+        "ranks": src.world,
+        "calls": len(steps),
+        "keys": len(names),
+        "policies": policies,
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        "# How often GeoFP8's mapped calls take a power step, on the gradient zoo",
+        "",
+        f"Command: `{result['command']}` ({result['seconds']:.0f} s).",
+        "",
+        "Over calls 2..W of the keys mapped at least once: the share of calls with a power "
+        "step, with a re-measure of a flat key, whose rank moved from the key's previous call, "
+        "and between steps at an unchanged rank (what a CUDA graph replays); `all steady` the "
+        "share of training steps in which no mapped key stepped or re-measured (when a DDP "
+        "bucket of every tensor could replay). `traffic`: the whole model's modelled device "
+        "bytes per call over fp8's, mean over calls 2..W (per value: "
+        + ", ".join(f"{k} {v}" for k, v in TRAFFIC.items())
+        + "; a model, docs/results.md). `error`: the median over matrices of each matrix's "
+        "median over calls 2..W of its error over E4M3 block 128's (geo_heldout's `median`).",
+        "",
+        f"## Per source, {DEFAULT}",
+        "",
+        "| half | source | mapped keys | their share of values | step | re-measure | rank moved "
+        "| graph | all steady | traffic / fp8 | error / fp8 |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for s in result["sources"]:
+        d = s["policies"][DEFAULT]
+        lines.append(
+            f"| {s['half']} | {s['source']} ({s['ranks']} ranks, {s['calls']} calls) "
+            f"| {d['mapped_keys']} of {s['keys']} | {d['mapped_share_of_values']:.2f} | "
+            + " | ".join(f"{d[k]:.2f}" for k in MEASURES)
+            + " |"
+        )
+    lines += [
+        "",
+        "## Refresh policies, median over each half's sources",
+        "",
+        "| policy | half | step | re-measure | rank moved | graph | all steady | traffic / fp8 "
+        "| error / fp8 |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for label in POLICIES:
+        for half in ("tuning", "heldout"):
+            rows = [s["policies"][label] for s in result["sources"] if s["half"] == half]
+            if rows:
+                lines.append(
+                    f"| {label} | {half} | "
+                    + " | ".join(f"{np.median([r[k] for r in rows]):.2f}" for k in MEASURES)
+                    + " |"
+                )
+    lines += [
+        "",
+        "Each key's calls in order (`s` power step, `b` between steps, `m` measure, `p` plain) "
+        "are in the JSON.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", help="a source name, a half (tuning, heldout) or a comma list")
+    p.add_argument("-J", "--json", help="write the record here (and the table beside it)")
+    args = p.parse_args()
+    start = time.perf_counter()
+    sources = []
+    for src in zoo.select(args.only):
+        row = run_source(src)
+        sources.append(row)
+        d = row["policies"][DEFAULT]
+        print(
+            f"{src.name:28s} step {d['step']:.2f} graph {d['graph']:.2f} "
+            f"traffic {d['traffic']:.2f} error {d['error']:.3f}",
+            flush=True,
+        )
+    result = {
+        "command": "python " + " ".join(sys.argv),
+        "seconds": time.perf_counter() - start,
+        "traffic_model": TRAFFIC,
+        "policies": POLICIES,
+        "sources": sources,
+    }
+    if args.json:
+        write_results(args.json, result, markdown)
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
