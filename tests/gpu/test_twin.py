@@ -6,6 +6,8 @@ twin both allows the correct program and refuses the broken one.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from gpu_helpers import ON_TWIN
@@ -173,3 +175,32 @@ def test_a_capture_replays_in_order_and_refuses_an_allocation(cp):
     for _ in range(2):
         graph.launch(stream=cp.cuda.get_current_stream())
     assert float(x.get()[0]) == 12.0  # ((0 + 1) * 3 + 1) * 3
+
+
+def test_an_asynchronous_copy_to_the_host_lands_in_pinned_memory_in_stream_order(cp):
+    """``get(out=..., blocking=False)`` only queues the copy: ``out`` must be pinned
+    memory (a copy to pageable memory does not overlap the host on a GPU), reads as
+    poison until the stream reaches the copy, and holds the values once an event
+    recorded after it has passed; a blocking copy waits, as before."""
+    from cupy import _memory
+
+    x = cp.asarray(np.arange(8, dtype=np.float32))
+    with pytest.raises(ValueError, match="pinned memory"):
+        x.get(out=np.empty(8, np.float32), blocking=False)
+    out = np.frombuffer(cp.cuda.alloc_pinned_memory(x.nbytes), np.float32, 8)
+    stream = cp.cuda.Stream(non_blocking=True)
+    stream.wait_event(cp.cuda.get_current_stream().record())  # x is made
+    with stream:
+        gate_open = threading.Event()
+        # a held kernel: the stream cannot reach the copy until the gate opens
+        stream.enqueue(lambda: gate_open.wait(), "a held kernel")
+        before = _memory.counters["syncs"]
+        x.get(out=out, blocking=False)
+        landed = cp.cuda.Event()
+        landed.record()
+        assert _memory.counters["syncs"] == before, "queuing the copy does not wait"
+        assert not landed.done
+        assert np.all(out.view(np.uint8) == _memory.POISON), "a read before it lands"
+        gate_open.set()
+        landed.synchronize()
+    assert np.array_equal(out, np.arange(8, dtype=np.float32))

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import numpy as np
 from array_api_compat import array_namespace, is_cupy_array
 
-from geocomm.codecs.base import Codec, TransformingCodec, WireOf
+from geocomm.codecs.base import Codec, OnHost, TransformingCodec, WireOf
 from geocomm.codecs.formats import FP8Codec, NVFP4Codec
 from geocomm.codecs.frames import FramedCodec
 from geocomm.codecs.geo import kernels, policy
@@ -139,6 +139,8 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         self._version = 0  # bumps whenever a key's spectrum or the set of keys changes
         self._planned: set[Any] = set()  # keys planned under the current allocation
         self._map_shapes: dict[tuple[tuple[int, ...], bool], MapShape | None] = {}
+        # power steps whose summed energies are still on their way to the host
+        self._unsettled: list[tuple[KeyState, int, tuple[Any, ...], kernels.LaterCopy]] = []
 
     # ---- configuration --------------------------------------------------------
     def _knobs(self) -> dict[str, Any]:
@@ -198,6 +200,8 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         dims = self.map_shape(shape)
         if dims is None:
             return None
+        if self._unsettled:
+            self._settle()
         geometry = self.geometry(is_cupy_array(x))
         if geometry == "hadamard":
             return HadamardPlan(dims, self.seed, bounds)
@@ -267,6 +271,8 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         of calls (:func:`~geocomm.codecs.geo.policy.allocate`; -1: flat, plain
         and re-measured); a pure function of the keys' states, so equal on
         ranks whose states are."""
+        if self._unsettled:
+            self._settle()
         if self._ranks[0] < 0:
             spectra = {
                 key: policy.Spectrum(
@@ -303,7 +309,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         st, dims = plan.state, plan.map_shape
         coef = kernels.project(x, 0, dims.n, plan.vt)
         # one copy to the host, where the basis is orthonormalized: the summed W and energy
-        total = kernels.host_copy((yield _accumulation(x, 0, coef, dims)))
+        total = yield OnHost(_accumulation(x, 0, coef, dims))
         w, whole = _split_energy(total, dims)
         plan.settled = True  # the basis is final from here on (a plan's side may be read)
         if not (math.isfinite(whole) and whole > 0 and bool(np.all(np.isfinite(w)))):
@@ -350,15 +356,26 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         """The key's state after a power step: the plan's new basis, the energy
         along each mapped direction (the side sum's last row: every rank's
         values), the tracked rows it does not map carried along with their
-        energies scaled to the new whole energy."""
-        st, (vt, whole, period, host) = plan.state, plan.pending
-        mapped = [float(e) for e in kernels.host_copy(side_sum[plan.map_shape.m, :])]
-        if not all(map(math.isfinite, mapped)):
-            return
-        stale = whole / st.total if st.total > 0 else 0.0
-        carried = [e * stale for e in st.energies[plan.map_shape.k :]]
-        st.commit(vt, (*mapped, *carried), whole, period, summed=True, host=host)
-        self._version += 1
+        energies scaled to the new whole energy. The energies travel to the host
+        behind the call (:class:`~geocomm.codecs.geo.kernels.LaterCopy`), so the
+        call never waits for them: the state takes them when it is next read
+        (:meth:`_settle`)."""
+        dims = plan.map_shape
+        energies = kernels.LaterCopy(side_sum[dims.m, :])
+        self._unsettled.append((plan.state, dims.k, plan.pending, energies))
+
+    def _settle(self) -> None:
+        """Commit the power steps whose energies were on their way (:meth:`_commit_step`),
+        in call order; every reader of a key's state calls this first."""
+        pending, self._unsettled = self._unsettled, []
+        for st, k, (vt, whole, period, host), energies in pending:
+            mapped = [float(e) for e in energies.result()]
+            if not all(map(math.isfinite, mapped)):
+                continue
+            stale = whole / st.total if st.total > 0 else 0.0
+            carried = [e * stale for e in st.energies[k:]]
+            st.commit(vt, (*mapped, *carried), whole, period, summed=True, host=host)
+            self._version += 1
 
     def measure(
         self, st: KeyState, shard: Any, lo: int, summed: bool = False, whiten: int = 0
@@ -367,6 +384,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         fixed-seed random one (COLD_ITERS, OVERSAMPLE more rows, the top k kept).
         ``whiten``: a cold measure keeps that many rows as the whitening basis too
         (the split's are its first k)."""
+        self._settle()
         cap = st.map_shape
         xp = array_namespace(shard)
         cold = st.vt is None
@@ -401,6 +419,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         result from the state's (COLD_ITERS from a fixed-seed random one, with
         OVERSAMPLE more rows, when it has none of that size). The allocation does
         not read it: the version stays."""
+        self._settle()
         cap = st.map_shape
         xp = array_namespace(shard)
         cold = st.wt is None or st.wt.shape[0] != rows
@@ -428,7 +447,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
             coef = xp.reshape(
                 (yield xp.reshape(_projection(shard, lo, vt, dims), (-1,))), (cap.m, dims.k)
             )
-            total = kernels.host_copy((yield _accumulation(shard, lo, coef, dims)))
+            total = yield OnHost(_accumulation(shard, lo, coef, dims))
             w, energy = _split_energy(total, dims)
             if it + 1 < iters:
                 vt = xp.asarray(kernels.orthonormalize(w, self.seed))
@@ -445,6 +464,8 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
     def state_checksum(self, key: Any = None) -> int:
         """CRC32 of one key's state (0 if it has none), or with key None of
         every key's, in key order; equal on ranks that agree."""
+        if self._unsettled:
+            self._settle()
         if key is not None:
             st = self._state.get(key)
             return 0 if st is None else st.crc
@@ -455,6 +476,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
 
     def reset_state(self) -> None:
         """Forget every key's geometry."""
+        self._unsettled.clear()
         self._state.clear()
         self._version += 1
         self._ranks = (-1, {})
@@ -463,11 +485,13 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         """A copy of the state of ``key`` (None if it has none): ``shape``, ``k``,
         ``calls``, ``refreshed``, ``share``, ``energies``, ``total``, ``use``,
         ``period`` and the basis ``vt`` (NumPy)."""
+        self._settle()
         st = self._state.get(key)
         return None if st is None else st.to_dict()
 
     def state_dict(self) -> dict[str, Any]:
         """Every key's state as NumPy arrays and plain values (for checkpoints)."""
+        self._settle()
         return {
             "version": 1,
             "config": self.get_config(),
@@ -482,6 +506,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
             raise ValueError(
                 f"state was saved by {data.get('config')}, this codec is {self.get_config()}"
             )
+        self._unsettled.clear()
         self._state = {_key(k): KeyState.from_dict(v, xp) for k, v in data["keys"]}
         self._version += 1
         self._ranks = (-1, {})

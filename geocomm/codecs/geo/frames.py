@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from geocomm.codecs.base import round_reply, round_value
 from geocomm.codecs.formats import BF16Codec
 from geocomm.codecs.geo import kernels
 from geocomm.codecs.geo.maps import HadamardPlan, SplitPlan
@@ -35,7 +36,7 @@ def run_locally(rounds: Any) -> None:
     try:
         value = next(rounds)
         while True:
-            value = rounds.send(value)
+            value = rounds.send(round_reply(value, round_value(value)))
     except StopIteration:
         pass
 

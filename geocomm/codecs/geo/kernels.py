@@ -26,6 +26,7 @@ from geocomm.codecs.formats import BF16Codec, round_trip
 from geocomm.kernels import native
 
 __all__ = [
+    "LaterCopy",
     "accumulate",
     "column_sumsq",
     "expand",
@@ -64,6 +65,33 @@ def host_copy(a: Any) -> np.ndarray:
     if is_cupy_array(a):
         return np.array(a.get())
     return np.array(_host(a), copy=True)
+
+
+class LaterCopy:
+    """A host copy of a small array, read when needed: a CuPy array's is queued on
+    the current stream into pinned memory, so the host goes on at once and
+    :meth:`result` waits for the device only if the copy has not landed by then
+    (the stream went on, in order, since). Any other array is copied at once."""
+
+    def __init__(self, a: Any):
+        self._event: Any = None
+        if not is_cupy_array(a):
+            self._host = host_copy(a)
+            return
+        import cupy
+
+        a = cupy.ascontiguousarray(a)
+        memory = cupy.cuda.alloc_pinned_memory(max(a.nbytes, 1))
+        self._host = np.frombuffer(memory, a.dtype, a.size).reshape(a.shape)
+        a.get(out=self._host, blocking=False)
+        self._event = cupy.cuda.Event(disable_timing=True)
+        self._event.record()
+
+    def result(self) -> np.ndarray:
+        """The copy (NumPy; do not write to it)."""
+        if self._event is not None and not self._event.done:
+            self._event.synchronize()
+        return self._host
 
 
 def project(values: Any, lo: int, n: int, vt: Any, out: Any = None) -> Any:

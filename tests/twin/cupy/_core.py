@@ -252,10 +252,26 @@ class ndarray:
     def get(
         self, stream: Any = None, order: str = "C", out: Any = None, blocking: bool = True
     ) -> np.ndarray:
-        """Copy to the host: queued on the current stream, which is then synchronized."""
-        result = np.empty(self.shape, self.dtype)
+        """Copy to the host: queued on the current stream, which is then synchronized.
+        ``blocking=False`` only queues the copy into ``out``, which must lie in pinned
+        memory (``cupy.cuda.alloc_pinned_memory``: on a GPU a copy to pageable memory
+        does not overlap the host); ``out`` reads as poison until the copy lands."""
         stream = stream or _device.current_stream()
         src = self
+        if not blocking:
+            if out is None or not _memory.is_pinned(out):
+                raise ValueError("twin: an asynchronous copy to the host needs pinned memory")
+            if out.shape != self.shape or out.dtype != self.dtype:
+                want = f"{self.dtype} {self.shape}"
+                raise ValueError(f"twin get: out is {out.dtype} {out.shape}, not {want}")
+            out.view(np.uint8)[...] = _memory.POISON
+
+            def land() -> None:
+                out[...] = src._view()
+
+            stream.enqueue(land, "a device-to-host copy", [_device.access(self)], [])
+            return out
+        result = np.empty(self.shape, self.dtype)
 
         def copy() -> None:
             result[...] = src._view()

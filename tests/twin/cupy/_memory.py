@@ -123,3 +123,35 @@ def check_redzones(allocations, what: str) -> None:
                 else f"{int(high[0])} bytes past its end ({alloc.nbytes} bytes)"
             )
             raise OutOfBounds(f"twin: {what} wrote outside {alloc!r}: {where}")
+
+
+# pinned host memory
+
+
+_pinned: dict[int, weakref.ref[np.ndarray]] = {}
+_pinned_lock = threading.Lock()
+
+
+def alloc_pinned(nbytes: int) -> np.ndarray:
+    """``cupy.cuda.alloc_pinned_memory``: host memory (a uint8 array, which
+    ``numpy.frombuffer`` reads) that an asynchronous copy to the host may target."""
+    if nbytes < 0:
+        raise ValueError(f"cannot allocate {nbytes} bytes of pinned memory")
+    block = np.zeros(max(int(nbytes), 1), np.uint8)
+    with _pinned_lock:
+        for ptr in [p for p, ref in _pinned.items() if ref() is None]:
+            del _pinned[ptr]
+        _pinned[block.ctypes.data] = weakref.ref(block)
+    return block
+
+
+def is_pinned(a: np.ndarray) -> bool:
+    """Whether all of ``a``'s memory lies in one live block of pinned memory."""
+    start = a.__array_interface__["data"][0]
+    end = start + a.nbytes
+    with _pinned_lock:
+        for ptr, ref in _pinned.items():
+            block = ref()
+            if block is not None and ptr <= start and end <= ptr + block.nbytes:
+                return True
+    return False

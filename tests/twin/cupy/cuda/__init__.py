@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from cupy import _memory
 from cupy._core import Device, MemoryPointer
 from cupy._device import CUDARuntimeError, Event, ExternalStream, Stream, StreamOrderError
 from cupy._device import current_stream as _current_stream
@@ -17,6 +18,7 @@ __all__ = [
     "MemoryPointer",
     "Stream",
     "StreamOrderError",
+    "alloc_pinned_memory",
     "function",
     "get_current_stream",
     "get_device_id",
@@ -24,6 +26,11 @@ __all__ = [
     "nvrtc",
     "runtime",
 ]
+
+
+def alloc_pinned_memory(size: int) -> Any:
+    """Pinned host memory of ``size`` bytes (``numpy.frombuffer`` reads it)."""
+    return _memory.alloc_pinned(size)
 
 
 def get_current_stream(device_id: int | None = None) -> Stream:
