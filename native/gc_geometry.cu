@@ -3,9 +3,10 @@
  * same contract (native/geocomm.h) and the same fixed order of every sum
  * (native/gc_linalg.h), so they give the CPU's bits. Only the walk differs:
  *
- *   gc_geo_project     GC_LANES threads per (row, coefficient): thread q runs
- *                      lane q's chain, a shuffle tree combines the lanes in
- *                      gc_lane_sum's order. Non-finite inputs read as 0.
+ *   gc_geo_project     GC_LANES threads per (row, GC_GEO_COEFS coefficients):
+ *                      thread q runs lane q's chain of each, reading each value
+ *                      once for all of them; a shuffle tree combines the lanes
+ *                      in gc_lane_sum's order. Non-finite inputs read as 0.
  *   gc_geo_expand      four consecutive elements per thread, each a chain over
  *                      the k coefficients.
  *   gc_geo_accumulate  one thread per (coefficient, column), chain down the
@@ -42,29 +43,50 @@ __device__ __forceinline__ void gc_geo_row_span(gc_u64 lo, gc_u64 len, gc_u64 n,
     *c1 = end > first ? end - row * n : *c0;
 }
 
-/* coef[r][l]: blockDim.x must be a multiple of 32 (groups of GC_LANES threads
- * never straddle a warp); `outputs` = rows * k. */
+/* coef[r][l]: GC_GEO_COEFS coefficients per group of GC_LANES threads, so that each
+ * value of x is read once for all of them (k <= GC_GEO_COEFS: once per row); lane q
+ * runs lane q's chain of each. blockDim.x must be a multiple of 32 (groups never
+ * straddle a warp); the grid covers rows * ceil(k / GC_GEO_COEFS) groups. */
+#define GC_GEO_COEFS 8
+
 extern "C" __global__ void gc_geo_project(const float *x, gc_u64 lo, gc_u64 len, gc_u64 n,
-                                          const float *vt, gc_u64 k, gc_u64 outputs,
+                                          const float *vt, gc_u64 k, gc_u64 rows,
                                           float *coef)
 {
     gc_u64 g = gc_geo_id();
-    gc_u64 o = g / GC_LANES;
+    gc_u64 o = g / GC_LANES, blocks = (k + GC_GEO_COEFS - 1) / GC_GEO_COEFS;
     unsigned int q = (unsigned int)(g % GC_LANES);
-    float p = 0.0f;
-    if (o < outputs) {
-        gc_u64 r = o / k, l = o % k, c0, c1;
+    gc_u64 r = 0, l0 = 0, kb = 0;
+    float p[GC_GEO_COEFS];
+#pragma unroll
+    for (int j = 0; j < GC_GEO_COEFS; j++)
+        p[j] = 0.0f;
+    if (o < rows * blocks) {
+        gc_u64 c0, c1;
+        r = o / blocks;
+        l0 = o % blocks * GC_GEO_COEFS;
+        kb = k - l0 < GC_GEO_COEFS ? k - l0 : GC_GEO_COEFS;
         gc_geo_row_span(lo, len, n, r, &c0, &c1);
         const float *xr = x + (lo / n + r) * n - lo;
-        for (gc_u64 c = c0 + q; c < c1; c += GC_LANES)
-            p = gc_mad(p, gc_finite_or_zero(xr[c]), vt[l * n + c]);
+        const float *vl = vt + l0 * n;
+        for (gc_u64 c = c0 + q; c < c1; c += GC_LANES) {
+            float v = gc_finite_or_zero(xr[c]);
+#pragma unroll
+            for (int j = 0; j < GC_GEO_COEFS; j++)
+                if ((gc_u64)j < kb)
+                    p[j] = gc_mad(p[j], v, vl[j * n + c]);
+        }
     }
-    /* gc_lane_sum: (p0 + p4, p1 + p5, ...), then (a0 + a2, a1 + a3), then the two */
-    p = __fadd_rn(p, __shfl_down_sync(0xffffffffu, p, 4, GC_LANES));
-    p = __fadd_rn(p, __shfl_down_sync(0xffffffffu, p, 2, GC_LANES));
-    p = __fadd_rn(p, __shfl_down_sync(0xffffffffu, p, 1, GC_LANES));
-    if (o < outputs && q == 0)
-        coef[o] = p;
+    /* gc_lane_sum for each: (p0 + p4, p1 + p5, ...), then (a0 + a2, a1 + a3), then the two */
+#pragma unroll
+    for (int j = 0; j < GC_GEO_COEFS; j++) {
+        float s = p[j];
+        s = __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, 4, GC_LANES));
+        s = __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, 2, GC_LANES));
+        s = __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, 1, GC_LANES));
+        if (q == 0 && (gc_u64)j < kb)
+            coef[r * k + l0 + j] = s;
+    }
 }
 
 /* Four consecutive elements per thread (16-byte accesses of x and out where aligned;

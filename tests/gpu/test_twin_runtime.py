@@ -1022,7 +1022,15 @@ def test_pipeline_and_geometry_units_build():
 
 @needs_core
 @pytest.mark.parametrize(
-    "lo,length,n,k", [(0, 1, 1, 1), (5, 1000, 37, 3), (100, 64, 64, 8), (7, 12_345, 300, 4)]
+    "lo,length,n,k",
+    [
+        (0, 1, 1, 1),
+        (5, 1000, 37, 3),
+        (100, 64, 64, 8),
+        (7, 12_345, 300, 4),
+        (3, 4000, 90, 11),  # a projection's group takes 8 coefficients: 8, then 3
+        (0, 2048, 64, 16),
+    ],
 )
 def test_geometry_kernels_match_the_c_core(lo, length, n, k):
     image = _kernels.load(
@@ -1032,12 +1040,12 @@ def test_geometry_kernels_match_the_c_core(lo, length, n, k):
     x = values(length, tag=6)
     vt = rng.standard_normal((k, n)).astype(np.float32)
     want, _ = native.geo_project(x, lo, n, vt)
-    count = geo.rows(lo, length, n) * k
+    touched = geo.rows(lo, length, n)
     coef = np.zeros(want.shape, np.float32)
     image.function("gc_geo_project").launch(
-        geo._grid(count * geo._LANES),
+        geo._grid(touched * -(-k // geo._PROJECT_COEFS) * geo._LANES),
         (geo._THREADS,),
-        (x, u64(lo), u64(length), u64(n), vt, u64(k), u64(count), coef),
+        (x, u64(lo), u64(length), u64(n), vt, u64(k), u64(touched), coef),
     )
     assert np.array_equal(bits(coef), bits(want))
     out, want_out = np.zeros_like(x), np.zeros_like(x)

@@ -44,7 +44,8 @@ __all__ = [
 
 _THREADS = 256
 _BF16 = BF16Codec()  # the side channel's format (GeoCodec.side_format)
-_LANES = 8  # GC_LANES of native/gc_linalg.h: threads per projected coefficient
+_LANES = 8  # GC_LANES of native/gc_linalg.h: the lanes of a dot product
+_PROJECT_COEFS = 8  # GC_GEO_COEFS of native/gc_geometry.cu: coefficients per group
 _SUMSQ_CHUNK = 2048  # GC_SUMSQ_CHUNK of native/gc_linalg.h
 
 
@@ -278,15 +279,16 @@ def _cuda_project(values: Any, lo: int, n: int, vt: Any, out: Any = None) -> Any
     import cupy
 
     k = vt.shape[0]
-    count = rows(lo, values.size, n) * k
+    touched = rows(lo, values.size, n) if k else 0
     if out is not None and not out.flags.c_contiguous:
         raise ValueError("project writes C-contiguous coefficients")
-    coef = cupy.empty((count // k if k else 0, k), cupy.float32) if out is None else out
-    if count:
+    coef = cupy.empty((touched, k), cupy.float32) if out is None else out
+    if touched:
+        groups = touched * -(-k // _PROJECT_COEFS)
         _kernel(cupy, "gc_geo_project")(
-            _grid(count * _LANES),
+            _grid(groups * _LANES),
             (_THREADS,),
-            (*_range_args(values, lo, n), vt, np.uint64(k), np.uint64(count), coef),
+            (*_range_args(values, lo, n), vt, np.uint64(k), np.uint64(touched), coef),
         )
     return coef
 
