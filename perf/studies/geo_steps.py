@@ -212,6 +212,49 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(result: dict[str, Any], path: pathlib.Path) -> None:
+    """Error against modelled traffic, both over fp8's: a point per source and policy
+    (filled: held out), each policy's held-out median ringed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9.5, 4.5))
+    for i, label in enumerate(result["policies"]):
+        color = f"C{i}"
+        for half, fill in (("tuning", "none"), ("heldout", color)):
+            rows = [s["policies"][label] for s in result["sources"] if s["half"] == half]
+            ax.scatter(
+                [r["traffic"] for r in rows],
+                [r["error"] for r in rows],
+                edgecolors=color,
+                facecolors=fill,
+                s=22,
+                label=f"{label} ({half})",
+            )
+        held = [s["policies"][label] for s in result["sources"] if s["half"] == "heldout"]
+        ax.scatter(
+            [np.median([r["traffic"] for r in held])],
+            [np.median([r["error"] for r in held])],
+            s=220,
+            facecolors="none",
+            edgecolors=color,
+            linewidths=2,
+        )
+    ax.axvline(1.5, color="grey", linestyle=":", linewidth=1)
+    ax.text(1.51, ax.get_ylim()[1] * 0.97, "1.5x fp8", color="grey", va="top", fontsize=8)
+    ax.set_xlabel("modelled device traffic per call / fp8's")
+    ax.set_ylabel("error / fp8's (median over matrices)")
+    ax.set_title(
+        "GeoFP8 refresh policies on the gradient zoo (rings: held-out medians)", fontsize=10
+    )
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", help="a source name, a half (tuning, heldout) or a comma list")
@@ -236,7 +279,7 @@ def main() -> int:
         "sources": sources,
     }
     if args.json:
-        write_results(args.json, result, markdown)
+        write_results(args.json, result, markdown, plot)
     print(markdown(result))
     return 0
 
