@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gpu_helpers import inputs
+from gpu_helpers import ON_TWIN, inputs
 
 from geocomm.codecs.geo import kernels as geo
 from geocomm.engine import device as gp
@@ -352,3 +352,26 @@ def test_split_kernels_match_their_host_contract(cp, name, stochastic, n, t0, k)
     gp.CudaKernels().decode(fmt, cp.asarray(want), dev_seg, out, split=dev_split)
     assert same_values(out.get(), back), f"{name}: split decode"
     assert not np.isfinite(back[count // 3])  # the gradient's inf stays non-finite
+
+
+def test_a_later_copy_holds_the_values_of_its_point_in_the_stream(cp):
+    """``LaterCopy`` queues a copy to pinned host memory and returns at once; ``result``
+    gives what the array held at that point of the stream, though the stream changed it
+    since, and waits for the device when the copy has not landed yet (on the twin the
+    stream is held until after ``result`` is called). A host array is copied at once."""
+    import threading
+
+    x = cp.asarray(np.arange(5, dtype=np.float32))
+    copy = geo.LaterCopy(x)
+    x += 1  # queued after the copy
+    assert np.array_equal(copy.result(), np.arange(5, dtype=np.float32))
+    host = np.arange(3, dtype=np.float32)
+    early = geo.LaterCopy(host)
+    host += 1
+    assert np.array_equal(early.result(), np.arange(3, dtype=np.float32))
+    if ON_TWIN:  # hold the stream: result() must wait for the copy
+        gate = threading.Event()
+        cp.cuda.get_current_stream().enqueue(lambda: gate.wait(), "a held kernel")
+        held = geo.LaterCopy(x)
+        threading.Timer(0.2, gate.set).start()
+        assert np.array_equal(held.result(), np.arange(1, 6, dtype=np.float32))
