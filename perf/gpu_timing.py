@@ -10,7 +10,8 @@ table. For each size (64 and 256 MiB of fp32 per rank; the twin: 1 MiB) and each
 operation (the device copy, NCCL's fp32 all-reduce, then geocomm.allreduce with
 every codec of ``--codecs``; ``nvfp4-sr``: NVFP4 with stochastic rounding;
 ``geofp8`` with its defaults, power steps included, ``geofp8-steady`` between power
-steps, which replay one CUDA graph each) one row, per steady-state call
+steps, which replay one CUDA graph each, ``geofp8-stepped`` with a power step every
+call) one row, per steady-state call
 (perf/gpu_clock.py):
 
 * ``wall_s``: calls queued back to back, one synchronization, divided by calls;
@@ -52,14 +53,18 @@ from gpu_check_timing import TWIN_NOTE, copy_op, time_kernels, timed_row  # noqa
 from gpu_clock import device_clock, is_twin  # noqa: E402
 
 CODECS = (
-    "none", "bf16", "fp8", "nvfp4", "nvfp4-sr", "mxfp8", "mxfp4", "geofp8", "geofp8-steady"
+    "none", "bf16", "fp8", "nvfp4", "nvfp4-sr", "mxfp8", "mxfp4",
+    "geofp8", "geofp8-steady", "geofp8-stepped",
 )  # fmt: skip
 #: the names of CODECS that are not codec ids. "geofp8-steady": GeoFP8's calls between
 #: power steps alone (after its first call, a measure, it never steps; k = 8 is the
-#: rank the defaults give with a step every call, so the map is the same)
+#: rank the defaults give with a step every call, so the map is the same);
+#: "geofp8-stepped": a power step at every call, as most of the gradient zoo's calls
+#: take one (perf/results/geo_steps.md)
 SPECS: dict[str, Any] = {
     "nvfp4-sr": {"id": "nvfp4", "rounding": "stochastic"},
     "geofp8-steady": {"id": "geofp8", "k": 8, "refresh": 10**9, "refresh_max": 10**9},
+    "geofp8-stepped": {"id": "geofp8", "k": 8, "refresh_max": 1},
 }
 #: columns of every input matrix (GeoFP8 maps rows x COLUMNS; the others see it flat)
 COLUMNS = 4096

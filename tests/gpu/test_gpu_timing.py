@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PERF = ROOT / "perf"
 SCRIPT = PERF / "gpu_timing.py"
 CODECS = (
-    "none", "bf16", "fp8", "nvfp4", "nvfp4-sr", "mxfp8", "mxfp4", "geofp8", "geofp8-steady"
+    "none", "bf16", "fp8", "nvfp4", "nvfp4-sr", "mxfp8", "mxfp4",
+    "geofp8", "geofp8-steady", "geofp8-stepped",
 )  # fmt: skip
 SEED = 20261129  # the script's default
 TIMEOUT_S = 600  # one run takes about 20 s per rank on two cores
