@@ -181,7 +181,7 @@ def test_an_asynchronous_copy_to_the_host_lands_in_pinned_memory_in_stream_order
     """``get(out=..., blocking=False)`` only queues the copy: ``out`` must be pinned
     memory (a copy to pageable memory does not overlap the host on a GPU), reads as
     poison until the stream reaches the copy, and holds the values once an event
-    recorded after it has passed; a blocking copy waits, as before."""
+    recorded after it has passed."""
     from cupy import _memory
 
     x = cp.asarray(np.arange(8, dtype=np.float32))
