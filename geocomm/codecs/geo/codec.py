@@ -302,10 +302,11 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         ||X_i||^2; is sent their exact sum over ranks, whose orthonormal rows
         become the plan's basis (the tracked rows the plan does not map are
         carried along). The key's state takes the new basis after the call
-        (:meth:`refresh`), with the energy the ranks' values have along each
-        new direction (the plan's side sums it). Nothing changes when the sums
-        are not finite or all zero: the plan keeps its basis.
-        """
+        (:meth:`refresh`; committed when the state is next read), with the
+        energy the ranks' values have along each new direction (the plan's side
+        sums it). Nothing changes when the sums are not finite or all zero: the
+        plan keeps its basis. The summed W comes to the host (:class:`OnHost`),
+        where it is orthonormalized."""
         st, dims = plan.state, plan.map_shape
         coef = kernels.project(x, 0, dims.n, plan.vt)
         # one copy to the host, where the basis is orthonormalized: the summed W and energy
