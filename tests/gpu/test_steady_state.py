@@ -19,6 +19,7 @@ import pytest
 from gpu_helpers import ON_TWIN, inputs
 
 import geocomm
+from geocomm.codecs.geo.codec import COLD_ITERS
 from geocomm.comm.mpi import MPICommunicator
 from geocomm.engine.layout import shard_bounds
 
@@ -168,6 +169,9 @@ def test_geofp8_between_power_steps_replays_one_graph(cp, comms, kind, stages, o
     assert len(steady) >= 8, kinds  # the periods grow to refresh_max = 8 between turns
     assert sum(k.endswith("steps") for k in kinds) >= 4, kinds
     assert "2 steps" in kinds, kinds  # both matrices step in one call
+    # the cold start: COLD_ITERS subspace iterations on the result, each waiting once for
+    # both matrices' summed W; the energies follow behind the call
+    assert kinds[0] == "first" and costs[0].get("syncs") == COLD_ITERS, costs[0]
     for k, cost in zip(kinds, costs, strict=True):
         if k.endswith("steps"):
             # eager, and waits for the device once, however many tensors step: their

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -139,8 +139,9 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         self._version = 0  # bumps whenever a key's spectrum or the set of keys changes
         self._planned: set[Any] = set()  # keys planned under the current allocation
         self._map_shapes: dict[tuple[tuple[int, ...], bool], MapShape | None] = {}
-        # power steps whose summed energies are still on their way to the host
-        self._unsettled: list[tuple[KeyState, int, tuple[Any, ...], kernels.LaterCopy]] = []
+        # basis updates whose energies are still on their way to the host, with the
+        # commit that takes them (:meth:`_later`)
+        self._unsettled: list[tuple[kernels.LaterCopy, Callable[[np.ndarray], None]]] = []
 
     # ---- configuration --------------------------------------------------------
     def _knobs(self) -> dict[str, Any]:
@@ -361,22 +362,30 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         behind the call (:class:`~geocomm.codecs.geo.kernels.LaterCopy`), so the
         call never waits for them: the state takes them when it is next read
         (:meth:`_settle`)."""
-        dims = plan.map_shape
-        energies = kernels.LaterCopy(side_sum[dims.m, :])
-        self._unsettled.append((plan.state, dims.k, plan.pending, energies))
+        st, k, (vt, whole, period, host) = plan.state, plan.map_shape.k, plan.pending
 
-    def _settle(self) -> None:
-        """Commit the power steps whose energies were on their way (:meth:`_commit_step`),
-        in call order; every reader of a key's state calls this first."""
-        pending, self._unsettled = self._unsettled, []
-        for st, k, (vt, whole, period, host), energies in pending:
-            mapped = [float(e) for e in energies.result()]
+        def commit(energies: np.ndarray) -> None:
+            mapped = [float(e) for e in energies]
             if not all(map(math.isfinite, mapped)):
-                continue
+                return
             stale = whole / st.total if st.total > 0 else 0.0
             carried = [e * stale for e in st.energies[k:]]
             st.commit(vt, (*mapped, *carried), whole, period, summed=True, host=host)
             self._version += 1
+
+        self._later(side_sum[plan.map_shape.m, :], commit)
+
+    def _later(self, energies: Any, commit: Callable[[np.ndarray], None]) -> None:
+        """Hand ``commit`` the host copy of ``energies`` when the state is next read
+        (:class:`~geocomm.codecs.geo.kernels.LaterCopy`: the call goes on at once)."""
+        self._unsettled.append((kernels.LaterCopy(energies), commit))
+
+    def _settle(self) -> None:
+        """Run the basis updates whose energies were on their way (:meth:`_later`), in
+        call order; every reader of a key's state calls this first."""
+        pending, self._unsettled = self._unsettled, []
+        for energies, commit in pending:
+            commit(energies.result())
 
     def measure(
         self, st: KeyState, shard: Any, lo: int, summed: bool = False, whiten: int = 0
@@ -384,8 +393,8 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         """Subspace iterations on the result from the key's basis (one), or from a
         fixed-seed random one (COLD_ITERS, OVERSAMPLE more rows, the top k kept).
         ``whiten``: a cold measure keeps that many rows as the whitening basis too
-        (the split's are its first k)."""
-        self._settle()
+        (the split's are its first k). The key has no update pending here: its plan
+        measured, so it did not step, and the call's plan settled the earlier ones."""
         cap = st.map_shape
         xp = array_namespace(shard)
         cold = st.vt is None
@@ -393,22 +402,26 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         rows = min(kept + OVERSAMPLE, min(cap.m, cap.n)) if cold else cap.k
         start = self._random_rows(xp, rows, cap.n) if cold else st.vt
         w, coef, energy = yield from self._iterate(shard, lo, cap, start, COLD_ITERS if cold else 1)
-        energies = kernels.column_sumsq(coef)[:kept]
-        if not (math.isfinite(energy) and all(map(math.isfinite, energies)) and energy > 0):
-            return  # a non-finite or all-zero result says nothing about the geometry
         w = w[:kept, :]
-        if not bool(np.all(np.isfinite(w))):
-            return
+        if not (math.isfinite(energy) and energy > 0 and bool(np.all(np.isfinite(w)))):
+            return  # a non-finite or all-zero result says nothing about the geometry
         basis = kernels.orthonormalize(w, self.seed)  # row i depends on rows <= i only
         vt = basis[: cap.k, :]
         period = self.refresh_period
         if st.host_vt is not None:
             overlap = _overlap(vt[: st.use or cap.k, :], st.host_vt)
             period = policy.next_period(st.period, overlap, self.refresh_period, self.refresh_max)
-        st.commit(xp.asarray(vt), tuple(energies[: cap.k]), energy, period, summed, host=vt)
-        if whiten and cold:
-            _commit_whitening(st, xp, basis[:whiten, :], energies[:whiten], energy)
-        self._version += 1
+
+        def commit(column_energies: np.ndarray) -> None:
+            energies = [float(e) for e in column_energies[:kept]]
+            if not all(map(math.isfinite, energies)):
+                return
+            st.commit(xp.asarray(vt), tuple(energies[: cap.k]), energy, period, summed, host=vt)
+            if whiten and cold:
+                _commit_whitening(st, xp, basis[:whiten, :], energies[:whiten], energy)
+            self._version += 1
+
+        self._later(kernels.row_sumsq(coef.T), commit)
 
     def _random_rows(self, xp: Any, rows: int, n: int) -> Any:
         """A cold start's basis: ``rows`` orthonormal rows drawn from the seed (made on

@@ -67,6 +67,7 @@ def encode_body(codec: Any, x: np.ndarray, body: np.ndarray) -> None:
         return
     state = KeyState(dims)
     run_locally(codec.measure(state, flat, 0))
+    codec._settle()  # the measure commits when the state is read: now
     if state.vt is None:  # nothing to measure (inf/NaN): no map
         body[:side] = 0
         codec.quantizer.encode_wire(flat, body[side:])
