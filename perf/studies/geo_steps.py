@@ -25,7 +25,8 @@ whole model's modelled device traffic per call over fp8's, mean over calls
 re-measure 22 (the plain call's 10 and its three passes over the result), a
 plain tensor 10; a model, not a measurement: what the bytes cost is for a
 GPU to time. ``error``: geo_heldout's ``median``, the median over matrices
-of each matrix's median over calls 2..W of its error over E4M3 block 128's.
+of each matrix's median over calls 2..W of its error over E4M3 block 128's
+(geo_zoo.run_source measures the errors; this study reads the states beside).
 
     python perf/studies/geo_steps.py -J perf/results/geo_steps.json
 """
@@ -38,25 +39,23 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
 import argparse  # noqa: E402
+import math  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
+import geo_zoo  # noqa: E402
 import numpy as np  # noqa: E402
 import zoo  # noqa: E402
+from geo_zoo import BASE  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # perf/lab.py
 from lab import write_results  # noqa: E402
 
-from geocomm.codecs import get_codec  # noqa: E402
-from geocomm.testing import simulate_allreduce  # noqa: E402
-
 #: Modelled device bytes per value of one call (fp8 e4m3/128 at 1 rank, reads +
 #: writes; docs/results.md, "Host work per call").
 TRAFFIC = {"plain": 10, "between": 14, "step": 26, "measure": 22}
-#: fp8's configuration, which the error ratios divide by (geo_zoo's BASE).
-FP8 = {"id": "fp8", "fmt": "e4m3", "block": 128}
 #: The refresh policies compared: the default (a period doubling up to 8 while the
 #: steps find the geometry standing still), a step every call, fixed periods.
 POLICIES: dict[str, dict[str, Any]] = {
@@ -79,31 +78,13 @@ def kind_of(info: dict[str, Any] | None) -> str:
     return "between" if info["use"] > 0 else "plain"
 
 
-def squared_errors(codecs: list[Any], steps: list[Any], names: list[str]) -> dict[str, Any]:
-    """Per tensor and call, the squared error of the codecs' sum against the exact one,
-    and the exact sum's energy; with the first codec's key states after each call."""
-    out: dict[str, Any] = {"err": {n: [] for n in names}, "ref": {n: [] for n in names}}
-    out["info"] = {n: [] for n in names}
-    for step in steps:
-        for n in names:
-            xs = [r[n] for r in step]
-            got = simulate_allreduce(codecs, xs, key=n).astype(np.float64)
-            exact = sum(x.astype(np.float64) for x in xs)
-            out["err"][n].append(float(np.sum((got - exact) ** 2)))
-            out["ref"][n].append(float(np.sum(exact * exact)))
-            state = getattr(codecs[0], "state_info", None)
-            out["info"][n].append(state(n) if state else None)
-    return out
-
-
-def policy_row(
-    run: dict[str, Any], fp8: dict[str, Any], sizes: dict[str, int], mats: list[str]
-) -> dict[str, Any]:
-    """One policy's measures on one source, over calls 2..W (see the module's doc)."""
+def policy_row(infos: dict[str, list[Any]], sizes: dict[str, int], error: float) -> dict[str, Any]:
+    """One policy's measures on one source, over calls 2..W (see the module's doc), from
+    the first codec's key states after every call; ``error``: geo_zoo's ``median``."""
     names = list(sizes)
-    calls = len(run["err"][names[0]])
-    kinds = {n: [kind_of(i) for i in run["info"][n]] for n in names}
-    ranks = {n: [0 if i is None else int(i["use"]) for i in run["info"][n]] for n in names}
+    calls = len(infos[names[0]])
+    kinds = {n: [kind_of(i) for i in infos[n]] for n in names}
+    ranks = {n: [0 if i is None else int(i["use"]) for i in infos[n]] for n in names}
     mapped = [n for n in names if any(ranks[n])]
     counted = [(n, c) for n in mapped for c in range(1, calls)]
 
@@ -116,11 +97,6 @@ def policy_row(
         for c in range(1, calls)
     ]
     steady = [all(kinds[n][c] in ("between", "plain") for n in mapped) for c in range(1, calls)]
-    ratio = [
-        np.median([np.sqrt(run["err"][n][c] / fp8["err"][n][c]) for c in range(1, calls)])
-        for n in mats
-        if all(fp8["err"][n][c] > 0 for c in range(1, calls))
-    ]
     return {
         "mapped_keys": len(mapped),
         "mapped_share_of_values": sum(sizes[n] for n in mapped) / total,
@@ -130,28 +106,33 @@ def policy_row(
         "graph": share(lambda n, c: kinds[n][c] == "between" and ranks[n][c] == ranks[n][c - 1]),
         "all_steady": sum(steady) / max(len(steady), 1),
         "traffic": float(np.mean(traffic)),
-        "error": float(np.median(ratio)),
+        "error": error,
         "kinds": {n: "".join(k[0] for k in kinds[n]) for n in mapped},
     }
 
 
 def run_source(src: zoo.Source) -> dict[str, Any]:
-    """Every policy, and fp8, over one source."""
-    z = zoo.load(src)
-    names, steps = list(z["names"]), z["steps"]
-    sizes = {n: int(steps[0][0][n].size) for n in names}
-    mats = [n for n in names if steps[0][0][n].ndim >= 2]
-    fp8 = squared_errors([get_codec(FP8) for _ in range(src.world)], steps, names)
-    policies = {}
-    for label, cfg in POLICIES.items():
-        run = squared_errors([get_codec(cfg) for _ in range(src.world)], steps, names)
-        policies[label] = policy_row(run, fp8, sizes, mats)
+    """Every policy, and fp8, over one source (geo_zoo.run_source), reading the first
+    codec's key states after every call."""
+    infos: dict[str, dict[str, list[Any]]] = {label: {} for label in POLICIES}
+
+    def observe(label: str, name: str, codecs: list[Any]) -> None:
+        if label in infos:
+            infos[label].setdefault(name, []).append(codecs[0].state_info(name))
+
+    variants = {BASE: geo_zoo.VARIANTS[BASE], **POLICIES}
+    result = geo_zoo.run_source(src, geo_zoo.codecs_for(variants, src.world), observe=observe)
+    sizes = {n: math.prod(shape) for n, shape in result["shapes"].items()}
+    policies = {
+        label: policy_row(infos[label], sizes, result["summary"][label]["median"])
+        for label in POLICIES
+    }
     return {
         "source": src.name,
         "half": "heldout" if src in zoo.HELDOUT else "tuning",
         "ranks": src.world,
-        "calls": len(steps),
-        "keys": len(names),
+        "calls": len(next(iter(infos[DEFAULT].values()))),
+        "keys": len(sizes),
         "policies": policies,
     }
 

@@ -104,11 +104,12 @@ class ByteCount:
 
 
 def run_source(
-    src: zoo.Source, world_codecs: dict[str, list[Any]], view: Any = None
+    src: zoo.Source, world_codecs: dict[str, list[Any]], view: Any = None, observe: Any = None
 ) -> dict[str, Any]:
     """Every variant on one source: per-call errors, bytes and seconds. ``view``: a
     function of (name, array) that gives the array the codecs see instead (a layout
-    experiment; default the array as stored)."""
+    experiment; default the array as stored). ``observe``: called as (label, name,
+    codecs) after each simulated call (to read the codecs' state)."""
     z = zoo.load(src)
     names, steps = z["names"], z["steps"]
     if view is not None:
@@ -130,6 +131,8 @@ def run_source(
                 start = time.perf_counter()
                 q = simulate_allreduce(codecs, xs, key=n)
                 seconds += time.perf_counter() - start
+                if observe is not None:
+                    observe(label, n, codecs)
                 g = sum(x.astype(np.float64) for x in xs)
                 e = float(np.sum((q.astype(np.float64) - g) ** 2))
                 total = float(np.sum(g * g))
