@@ -13,6 +13,11 @@
  *                      rows of the range in order.
  *   gc_geo_round_bf16  one thread per element: the side channel's rounding.
  *   gc_geo_to_f32      one thread per element: fp64 sums to fp32.
+ *   gc_geo_orthonormalize  one block of GC_ORTHO_LANES threads for the whole
+ *                      matrix: thread t is lane t of every dot product and owns
+ *                      elements t, t + GC_ORTHO_LANES, ... of every row; the
+ *                      dot products of a pass are summed side by side,
+ *                      GC_ORTHO_BATCH at a time, in shared memory.
  *   gc_geo_sumsq_squares, gc_geo_sumsq_totals
  *                      one level of the "sumsq" order (gc_linalg.h) for each
  *                      row of a matrix: GC_LANES threads per chunk, thread q
@@ -184,4 +189,89 @@ extern "C" __global__ void gc_geo_sumsq_totals(const double *x, gc_u64 rows, gc_
                                                double *out)
 {
     gc_geo_sum_level<double, false>(x, rows, len, out);
+}
+
+/* The dot products of `a` with rows [0, count) of `b` (n columns) into r, in the
+ * "ortho" order: thread t sums lane t, GC_ORTHO_BATCH products at a time, and the
+ * block halves the lanes in shared memory. Every thread of the block calls it. */
+#define GC_ORTHO_BATCH 8
+
+__device__ void gc_geo_ortho_dots(const double *b, gc_u64 count, const double *a, gc_u64 n,
+                                  double *r, double (*part)[GC_ORTHO_LANES])
+{
+    unsigned int t = threadIdx.x;
+    for (gc_u64 d0 = 0; d0 < count; d0 += GC_ORTHO_BATCH) {
+        gc_u64 nb = count - d0 < GC_ORTHO_BATCH ? count - d0 : GC_ORTHO_BATCH;
+        double p[GC_ORTHO_BATCH];
+#pragma unroll
+        for (int d = 0; d < GC_ORTHO_BATCH; d++)
+            p[d] = 0.0;
+        for (gc_u64 j = t; j < n; j += GC_ORTHO_LANES) {
+            double aj = a[j];
+#pragma unroll
+            for (int d = 0; d < GC_ORTHO_BATCH; d++)
+                if ((gc_u64)d < nb)
+                    p[d] = gc_mad64(p[d], b[(d0 + d) * n + j], aj);
+        }
+#pragma unroll
+        for (int d = 0; d < GC_ORTHO_BATCH; d++)
+            part[d][t] = p[d];
+        __syncthreads();
+        for (unsigned int w = GC_ORTHO_LANES / 2; w >= 1; w /= 2) {
+            if (t < w)
+                for (gc_u64 d = 0; d < nb; d++)
+                    part[d][t] = __dadd_rn(part[d][t], part[d][t + w]);
+            __syncthreads();
+        }
+        if (t == 0)
+            for (gc_u64 d = 0; d < nb; d++)
+                r[d0 + d] = part[d][0];
+        __syncthreads();
+    }
+}
+
+/* gc_geo_orthonormalize of geometry.c, step by step (same bits): rows (k, n) in
+ * place, q (k * n) and r (k + 1) fp64 scratch. Launch one block of GC_ORTHO_LANES
+ * threads. */
+extern "C" __global__ void gc_geo_orthonormalize(float *rows, gc_u64 k, gc_u64 n, gc_u64 seed,
+                                                 double *q, double *r)
+{
+    __shared__ double part[GC_ORTHO_BATCH][GC_ORTHO_LANES];
+    unsigned int t = threadIdx.x;
+    for (gc_u64 i = 0; i < k; i++) {
+        double *a = q + i * n;
+        for (gc_u64 j = t; j < n; j += GC_ORTHO_LANES)
+            a[j] = gc_finite(rows[i * n + j]) ? (double)rows[i * n + j] : 0.0;
+        for (int attempt = 0;; attempt++) {
+            int last = attempt == GC_ORTHO_ATTEMPTS - 1;
+            /* thread t reads only its own elements of a and q between the sums */
+            gc_geo_ortho_dots(a, 1, a, n, r + k, part);
+            double before = __dsqrt_rn(r[k]);
+            for (int pass = 0; pass < 2; pass++) {
+                gc_geo_ortho_dots(q, i, a, n, r, part);
+                for (gc_u64 j = t; j < n; j += GC_ORTHO_LANES) {
+                    double v = a[j];
+                    for (gc_u64 p = 0; p < i; p++)
+                        v = gc_msub64(v, r[p], q[p * n + j]);
+                    a[j] = v;
+                }
+                __syncthreads(); /* r is read before the next pass writes it */
+            }
+            gc_geo_ortho_dots(a, 1, a, n, r + k, part);
+            double after = __dsqrt_rn(r[k]);
+            if (after > 1e-300 && (after > __dmul_rn(1e-6, before) || last)) {
+                for (gc_u64 j = t; j < n; j += GC_ORTHO_LANES)
+                    a[j] = __ddiv_rn(a[j], after);
+                break;
+            }
+            for (gc_u64 j = t; j < n; j += GC_ORTHO_LANES)
+                a[j] = gc_ortho_random(seed, i, attempt, j);
+            if (last)
+                break;
+            __syncthreads(); /* r[k] is read before the next attempt writes it */
+        }
+    }
+    for (gc_u64 i = 0; i < k; i++) /* each thread its own columns: no barrier */
+        for (gc_u64 j = t; j < n; j += GC_ORTHO_LANES)
+            rows[i * n + j] = (float)q[i * n + j];
 }

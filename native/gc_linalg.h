@@ -21,7 +21,13 @@
  *             above sums the totals of the level below the same way, without
  *             squaring, until one total is left. The chunks are independent,
  *             so a GPU sums them all at once, and a level of one total is
- *             that total: x + 0 = x for the sums of squares.
+ *             that total: x + 0 = x for the sums of squares;
+ *   ortho     the fp64 dot products of gc_geo_orthonormalize: lane t of
+ *             GC_ORTHO_LANES takes elements t, t + GC_ORTHO_LANES, ... in
+ *             increasing order (each product and sum rounded on its own);
+ *             the lanes then combine by halving: for w = GC_ORTHO_LANES / 2,
+ *             ..., 2, 1, lane t < w adds lane t + w. A GPU runs it in one
+ *             thread block, a thread per lane.
  *
  * Compiles as C99 (GC_FN = static inline) and as CUDA (__device__), like
  * gc_scalar.h, whose gc_finite it uses.
@@ -33,6 +39,11 @@
 
 #define GC_LANES 8
 #define GC_SUMSQ_CHUNK 2048
+#define GC_ORTHO_LANES 256
+/* draws of a pseudo-random row before gc_geo_orthonormalize keeps the last one
+ * however little of it is left (never, for k <= n: a random row does not lie in
+ * the span of the rows before it) */
+#define GC_ORTHO_ATTEMPTS 16
 
 /* t + a * b with both operations rounded to fp32 on their own. */
 GC_FN float gc_mad(float t, float a, float b)
@@ -42,6 +53,37 @@ GC_FN float gc_mad(float t, float a, float b)
 #else
     return t + a * b; /* built with -ffp-contract=off: never fused */
 #endif
+}
+
+/* t + a * b and t - a * b in fp64, each operation rounded on its own. */
+GC_FN double gc_mad64(double t, double a, double b)
+{
+#ifdef __CUDACC__
+    return __dadd_rn(t, __dmul_rn(a, b));
+#else
+    return t + a * b;
+#endif
+}
+
+GC_FN double gc_msub64(double t, double a, double b)
+{
+#ifdef __CUDACC__
+    return __dsub_rn(t, __dmul_rn(a, b));
+#else
+    return t - a * b;
+#endif
+}
+
+/* Entry j of row i of the fixed pseudo-random matrix of `seed` (draw `attempt`):
+ * uniform in [-1, 1), from splitmix64 of a counter, so entries are independent. */
+GC_FN double gc_ortho_random(gc_u64 seed, gc_u64 i, int attempt, gc_u64 j)
+{
+    gc_u64 z = (seed ^ (0x51ed2701f3a5c7b9ull * (i + 1)) ^ ((gc_u64)attempt << 56)) +
+               (j + 1) * 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return (double)(z >> 11) * 0x1p-52 - 1.0; /* the product is exact */
 }
 
 /* x for finite x, +0 otherwise: how projections read a gradient's inf/NaN. */

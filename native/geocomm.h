@@ -163,10 +163,13 @@ int gc_geo_accumulate(const float *x, size_t lo, size_t len, size_t n, const flo
 /* Sum of x[i]^2 in fp64 (fixed order); non-finite if x holds a non-finite. */
 double gc_geo_sumsq(const float *x, size_t len);
 
-/* Orthonormalize the k rows of the k x n matrix `rows` in place (Gram-Schmidt
- * twice, fp64); a row lost to the ones before it (or zero, or non-finite)
- * becomes a pseudo-random direction drawn from `seed`. k <= n. Returns 0,
- * GC_EINVAL or GC_ENOMEM. */
+/* Orthonormalize the k rows of the k x n matrix `rows` in place (classical
+ * Gram-Schmidt twice, fp64, gc_linalg.h's "ortho" order); non-finite entries
+ * read as 0, and a row lost to the ones before it (or zero) becomes a
+ * pseudo-random direction drawn from `seed` (after GC_ORTHO_ATTEMPTS draws the
+ * last is kept however little of it is left: never, for k <= n), so the rows
+ * are always finite. The CUDA kernel gc_geo_orthonormalize gives the same bits.
+ * k <= n. Returns 0, GC_EINVAL or GC_ENOMEM. */
 int gc_geo_orthonormalize(float *rows, size_t k, size_t n, uint64_t seed);
 
 #endif /* GEOCOMM_H */

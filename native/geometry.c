@@ -1003,71 +1003,80 @@ double gc_geo_sumsq(const float *x, size_t len)
     return lanes_total(level[LEVELS].p);
 }
 
-/* Dot product of two fp64 vectors: four lanes in order, then a fixed tree. */
-static double dot64(const double *a, const double *b, size_t n)
+/* dots[d] for d < count: the dot product of `a` with row d of `b` (n columns), each
+ * in gc_linalg.h's "ortho" order; `lanes` holds GC_ORTHO_LANES doubles. */
+static void ortho_dots(const double *b, size_t count, const double *a, size_t n, double *dots,
+                       double *lanes)
 {
-    double p[4] = {0};
-    size_t full = n - n % 4;
-    for (size_t i = 0; i < full; i += 4)
-        for (int q = 0; q < 4; q++)
-            p[q] += a[i + q] * b[i + q];
-    for (size_t i = full; i < n; i++)
-        p[i - full] += a[i] * b[i];
-    return (p[0] + p[2]) + (p[1] + p[3]);
+    for (size_t d = 0; d < count; d++) {
+        const double *bd = b + d * n;
+        memset(lanes, 0, sizeof(double) * GC_ORTHO_LANES);
+        for (size_t j0 = 0; j0 < n; j0 += GC_ORTHO_LANES) {
+            size_t width = n - j0 < GC_ORTHO_LANES ? n - j0 : GC_ORTHO_LANES;
+            for (size_t t = 0; t < width; t++)
+                lanes[t] = gc_mad64(lanes[t], bd[j0 + t], a[j0 + t]);
+        }
+        for (size_t w = GC_ORTHO_LANES / 2; w >= 1; w /= 2)
+            for (size_t t = 0; t < w; t++)
+                lanes[t] += lanes[t + w];
+        dots[d] = lanes[0];
+    }
 }
 
-static uint64_t splitmix64(uint64_t *state)
+/* a -= sum_p r[p] q[p] for the `count` rows of q, a chain over p per element. */
+static void ortho_subtract(const double *q, size_t count, const double *r, double *a, size_t n)
 {
-    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
+    for (size_t j = 0; j < n; j++) {
+        double t = a[j];
+        for (size_t p = 0; p < count; p++)
+            t = gc_msub64(t, r[p], q[p * n + j]);
+        a[j] = t;
+    }
 }
 
-/* Row i of a fixed pseudo-random matrix of `seed`: uniform in [-1, 1). */
-static void random_row(double *a, size_t n, uint64_t seed, size_t i, int attempt)
-{
-    uint64_t state = seed ^ (0x51ed2701f3a5c7b9ull * (i + 1)) ^ ((uint64_t)attempt << 56);
-    for (size_t j = 0; j < n; j++)
-        a[j] = (double)(splitmix64(&state) >> 11) * 0x1p-52 - 1.0;
-}
-
+/* Classical Gram-Schmidt twice (CGS2: each pass projects out every earlier row at
+ * once), so a GPU block runs each pass's dot products side by side (gc_geometry.cu
+ * follows this function step by step). */
 int gc_geo_orthonormalize(float *rows, size_t k, size_t n, uint64_t seed)
 {
     if (k == 0 || n < k || !rows)
         return GC_EINVAL;
-    double *q = malloc(sizeof(double) * k * n);
+    double *q = malloc(sizeof(double) * (k * n + k + GC_ORTHO_LANES));
     if (!q)
         return GC_ENOMEM;
+    double *r = q + k * n, *lanes = r + k;
     for (size_t i = 0; i < k; i++) {
         double *a = q + i * n;
         for (size_t j = 0; j < n; j++)
             a[j] = gc_finite(rows[i * n + j]) ? (double)rows[i * n + j] : 0.0;
         for (int attempt = 0;; attempt++) {
-            if (attempt > 16) { /* unreachable for k <= n: a random row is never in the span */
-                free(q);
-                return GC_EINVAL;
+            int last = attempt == GC_ORTHO_ATTEMPTS - 1;
+            double self;
+            ortho_dots(a, 1, a, n, &self, lanes);
+            double before = sqrt(self);
+            for (int pass = 0; pass < 2; pass++) {
+                ortho_dots(q, i, a, n, r, lanes);
+                ortho_subtract(q, i, r, a, n);
             }
-            double before = sqrt(dot64(a, a, n));
-            for (int pass = 0; pass < 2; pass++) /* classical Gram-Schmidt, twice */
-                for (size_t p = 0; p < i; p++) {
-                    double r = dot64(q + p * n, a, n);
-                    for (size_t j = 0; j < n; j++)
-                        a[j] -= r * q[p * n + j];
-                }
-            double after = sqrt(dot64(a, a, n));
+            ortho_dots(a, 1, a, n, &self, lanes);
+            double after = sqrt(self);
             /* a direction lost to the ones before it (or never there) is
-             * replaced by a fixed pseudo-random one, orthogonalized alike */
-            if (after > 1e-6 * before && after > 1e-300) {
+             * replaced by a fixed pseudo-random one, orthogonalized alike; the
+             * last draw is kept if anything of it is left, and as drawn if not
+             * (neither happens for k <= n: the rows stay finite either way) */
+            if (after > 1e-300 && (after > 1e-6 * before || last)) {
                 for (size_t j = 0; j < n; j++)
                     a[j] /= after;
                 break;
             }
-            random_row(a, n, seed, i, attempt);
+            for (size_t j = 0; j < n; j++)
+                a[j] = gc_ortho_random(seed, i, attempt, j);
+            if (last)
+                break;
         }
     }
-    for (size_t i = 0; i < k * n; i++)
-        rows[i] = (float)q[i];
+    for (size_t e = 0; e < k * n; e++)
+        rows[e] = (float)q[e];
     free(q);
     return 0;
 }

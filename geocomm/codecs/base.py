@@ -26,7 +26,6 @@ from collections.abc import Generator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
-from array_api_compat import is_cupy_array
 
 
 class Codec(ABC):
@@ -184,29 +183,6 @@ class StatefulCodec(Codec):
         """Restore :meth:`state_dict` output."""
 
 
-class OnHost:
-    """A round's partial sums (``value``, an array) whose exact sum the yielding
-    generator wants back as a NumPy array (:class:`TransformingCodec`)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
-
-
-def round_value(yielded: Any) -> Any:
-    """The partial sums of a round's yield (an array, or :class:`OnHost` of one)."""
-    return yielded.value if isinstance(yielded, OnHost) else yielded
-
-
-def round_reply(yielded: Any, total: Any) -> Any:
-    """What a driver of rounds sends back for ``yielded``: its summed ``total``, copied
-    to a NumPy array where the generator asked (:class:`OnHost`)."""
-    if not isinstance(yielded, OnHost) or isinstance(total, np.ndarray):
-        return total
-    return total.get() if is_cupy_array(total) else np.from_dlpack(total).copy()
-
-
 class TransformingCodec(StatefulCodec):
     """A codec that maps each tensor before quantizing and keeps per-key state (GeoFP8).
 
@@ -238,10 +214,6 @@ class TransformingCodec(StatefulCodec):
       yields is summed exactly over the ranks and sent back into it; with
       ``alone`` (an all-reduce, where every rank holds the whole result)
       ``shard`` is the whole result and every yield is sent back as it is;
-    * a generator that reads a round's sum on the host yields :class:`OnHost` of its
-      partial sums and is sent the sum as a NumPy array: the collective copies a
-      round's sums to the host once for every generator that asks (one wait for
-      the device, however many tensors step);
     * ``side_format`` ("fp32" or "bf16") is what those exact sums carry: every
       side and every yielded array holds values of that format (float32
       arrays), so the wire keeps them exactly at 4 or 2 bytes a value.

@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from geocomm.codecs.base import OnHost, round_reply, round_value
 from geocomm.comm.base import Communicator
 from geocomm.engine.arithmetic import add_into, subtract_from
 from geocomm.engine.exact import ExactSum, exact_sum
@@ -302,25 +301,18 @@ def refresh(
 def run_rounds(comm: Communicator | None, codec: Any, rounds: list[Any]) -> None:
     """Drive generators of rounds in lockstep: each round's yields of all of them
     travel in one exact sum in the codec's ``side_format`` and every sum goes back
-    into its generator, until all have returned; a yield of
-    :class:`~geocomm.codecs.base.OnHost` gets its sum as NumPy, from one copy of the
-    round's sums to the host. ``comm`` None: every yield is its own total (nothing
-    is sent)."""
+    into its generator, until all have returned (the sums stay in the yields'
+    namespace: nothing comes to the host). ``comm`` None: every yield is its own
+    total (nothing is sent)."""
     pending = [(r, _advance(r, None)) for r in rounds]
     pending = [(r, v) for r, v in pending if v is not None]
     while pending:
-        values = [round_value(v) for _, v in pending]
-        xp = array_module(values[0])
-        partial = xp.concatenate([v.reshape(-1) for v in values])
+        xp = array_module(pending[0][1])
+        partial = xp.concatenate([v.reshape(-1) for _, v in pending])
         total = partial if comm is None else exact_sum(comm, partial, codec.side_format)
-        on_host = None  # the round's sums on the host, copied once for all that ask
         nxt, at = [], 0
-        for (r, v), value in zip(pending, values, strict=True):
-            whole = total
-            if isinstance(v, OnHost):
-                on_host = round_reply(v, total) if on_host is None else on_host
-                whole = on_host
-            sent = _advance(r, whole[at : at + value.size].reshape(value.shape))
+        for r, value in pending:
+            sent = _advance(r, total[at : at + value.size].reshape(value.shape))
             at += value.size
             if sent is not None:
                 nxt.append((r, sent))

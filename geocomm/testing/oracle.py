@@ -23,7 +23,6 @@ import numpy as np
 from array_api_compat import array_namespace
 
 from geocomm.codecs import Codec, TransformingCodec
-from geocomm.codecs.base import round_reply, round_value
 from geocomm.codecs.checks import host_array, roundtrip
 from geocomm.engine.exact import SMALL_SUM_VALUES
 from geocomm.engine.layout import shard_bounds
@@ -37,7 +36,7 @@ def run_refresh_locally(codec: TransformingCodec, plan: Any, values: Any, side_s
     rounds = codec.refresh(plan, values, 0, side_sum, alone=True)
     value = next(rounds, None)
     while value is not None:
-        value = _send(rounds, round_reply(value, round_value(value)))
+        value = _send(rounds, value)
 
 
 def _ordered_sum(values: Sequence[Any]) -> Any:
@@ -122,11 +121,10 @@ def _lockstep(rounds: Sequence[Any]) -> None:
     """Drive every rank's generator of rounds in lockstep, summing their yields in order."""
     yields = [next(r, None) for r in rounds]
     while yields[0] is not None:
-        values = [round_value(y) for y in yields]
-        xp = array_namespace(values[0])
-        shape = values[0].shape
-        total = xp.reshape(_ordered_sum([xp.reshape(v, (-1,)) for v in values]), shape)
-        yields = [_send(r, round_reply(y, total)) for r, y in zip(rounds, yields, strict=True)]
+        xp = array_namespace(yields[0])
+        shape = yields[0].shape
+        total = xp.reshape(_ordered_sum([xp.reshape(v, (-1,)) for v in yields]), shape)
+        yields = [_send(r, total) for r in rounds]
 
 
 def _send(rounds: Any, total: Any) -> Any:

@@ -47,7 +47,6 @@ import zoo  # noqa: E402
 from geo_zoo_report import write  # noqa: E402
 
 from geocomm.codecs import TransformingCodec, get_codec  # noqa: E402
-from geocomm.codecs.base import round_value  # noqa: E402
 from geocomm.testing import simulate_allreduce  # noqa: E402
 
 BASE = "fp8 b128"
@@ -84,7 +83,7 @@ class ByteCount:
             try:
                 value = next(rounds)
                 while True:
-                    self.rounds += sent * int(round_value(value).size)
+                    self.rounds += sent * int(value.size)
                     value = rounds.send((yield value))
             except StopIteration:
                 return

@@ -355,23 +355,28 @@ def test_split_kernels_match_their_host_contract(cp, name, stochastic, n, t0, k)
 
 
 def test_a_later_copy_holds_the_values_of_its_point_in_the_stream(cp):
-    """``LaterCopy`` queues a copy to pinned host memory and returns at once; ``result``
-    gives what the array held at that point of the stream, though the stream changed it
-    since, and waits for the device when the copy has not landed yet (on the twin the
-    stream is held until after ``result`` is called). A host array is copied at once."""
+    """``LaterCopy`` queues copies to pinned host memory behind one event and returns at
+    once; ``result`` gives what the arrays held at that point of the stream, though the
+    stream changed them since, and waits for the device when the copies have not landed
+    yet (on the twin the stream is held until after ``result`` is called). A host array
+    is copied at once."""
     import threading
 
     x = cp.asarray(np.arange(5, dtype=np.float32))
-    copy = geo.LaterCopy(x)
-    x += 1  # queued after the copy
-    assert np.array_equal(copy.result(), np.arange(5, dtype=np.float32))
+    y = cp.asarray(np.arange(4, dtype=np.float64).reshape(2, 2))
+    copy = geo.LaterCopy(x, y)
+    x += 1  # queued after the copies
+    y *= 2
+    got = copy.result()
+    assert np.array_equal(got[0], np.arange(5, dtype=np.float32))
+    assert got[1].dtype == np.float64 and np.array_equal(got[1], [[0, 1], [2, 3]])
     host = np.arange(3, dtype=np.float32)
     early = geo.LaterCopy(host)
     host += 1
-    assert np.array_equal(early.result(), np.arange(3, dtype=np.float32))
+    assert np.array_equal(early.result()[0], np.arange(3, dtype=np.float32))
     if ON_TWIN:  # hold the stream: result() must wait for the copy
         gate = threading.Event()
         cp.cuda.get_current_stream().enqueue(lambda: gate.wait(), "a held kernel")
         held = geo.LaterCopy(x)
         threading.Timer(0.2, gate.set).start()
-        assert np.array_equal(held.result(), np.arange(1, 6, dtype=np.float32))
+        assert np.array_equal(held.result()[0], np.arange(1, 6, dtype=np.float32))

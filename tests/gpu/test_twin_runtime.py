@@ -1073,3 +1073,40 @@ def test_geometry_kernels_match_the_c_core(lo, length, n, k):
         (x, u64(lo), u64(length), u64(n), coef, u64(k), u64(geo.rows(lo, length, n)), acc),
     )
     assert same_values(acc, want_acc)
+
+
+@needs_core
+@pytest.mark.parametrize(
+    "k,n,fill",
+    [
+        (1, 1, "normal"),
+        (3, 5, "normal"),  # fewer columns than lanes: most lanes sum nothing
+        (6, 50, "deficient"),  # a repeated row, a zero row, a NaN: random fills
+        (12, 300, "normal"),  # more than GC_ORTHO_BATCH dot products in a pass
+        (4, 513, "zeros"),  # a cold start's random rows; columns past two lane rounds
+        (9, 9, "normal"),  # square: the last row is the one direction left
+    ],
+)
+def test_orthonormalize_kernel_matches_the_c_core(k, n, fill):
+    """gc_geo_orthonormalize's one block gives the C core's bits, random fills of lost
+    rows included: both follow gc_linalg.h's "ortho" order step by step."""
+    image = _kernels.load(
+        _kernels.compile_source(geo._source(), "gc_geometry.cu", cuda.NVRTC_OPTIONS)
+    )
+    rng = np.random.default_rng([k, n])
+    rows = rng.standard_normal((k, n)).astype(np.float32)
+    if fill == "zeros":
+        rows[...] = 0.0
+    elif fill == "deficient":
+        rows[2], rows[4], rows[5, 7] = rows[0], 0.0, np.nan
+    want = rows.copy()
+    native.geo_orthonormalize(want, 7)
+    got = rows.copy()
+    scratch = np.zeros(k * n + k + 1, np.float64)
+    image.function("gc_geo_orthonormalize").launch(
+        (1,), (geo._ORTHO_LANES,), (got, u64(k), u64(n), u64(7), scratch, scratch[k * n :])
+    )
+    assert np.array_equal(bits(got), bits(want))
+    # orthonormal to fp32's rounding: |Q Q^T - I| <= a few n * 2^-24
+    gram = want.astype(np.float64) @ want.astype(np.float64).T
+    assert np.abs(gram - np.eye(k)).max() < 1e-5

@@ -904,13 +904,13 @@ template <class T> inline T opaque(T v)
     return v;
 }
 
-enum { ADD, SUB, MUL, DIV };
+enum { ADD, SUB, MUL, DIV, SQRT };
 
 template <class T> inline T arith(int op, T a, T b)
 {
     a = opaque(a);
     b = opaque(b);
-    T r = op == ADD ? a + b : op == SUB ? a - b : op == MUL ? a * b : a / b;
+    T r = op == ADD ? a + b : op == SUB ? a - b : op == MUL ? a * b : op == DIV ? a / b : sqrt(a);
     return opaque(r);
 }
 
@@ -925,7 +925,7 @@ inline double arith64(int op, double a, double b)
     __asm__ volatile("stmxcsr %0" : "=m"(old));
     ieee = old & ~0x8040u;
     __asm__ volatile("ldmxcsr %2" : "+x"(a), "+x"(b) : "m"(ieee));
-    double r = op == ADD ? a + b : op == SUB ? a - b : op == MUL ? a * b : a / b;
+    double r = op == ADD ? a + b : op == SUB ? a - b : op == MUL ? a * b : op == DIV ? a / b : sqrt(a);
     __asm__ volatile("ldmxcsr %1" : "+x"(r) : "m"(old));
     return r;
 #elif defined(__aarch64__)
@@ -933,7 +933,7 @@ inline double arith64(int op, double a, double b)
     __asm__ volatile("mrs %0, fpcr" : "=r"(old));
     ieee = old & ~(1ull << 24);
     __asm__ volatile("msr fpcr, %2" : "+w"(a), "+w"(b) : "r"(ieee));
-    double r = op == ADD ? a + b : op == SUB ? a - b : op == MUL ? a * b : a / b;
+    double r = op == ADD ? a + b : op == SUB ? a - b : op == MUL ? a * b : op == DIV ? a / b : sqrt(a);
     __asm__ volatile("msr fpcr, %1" : "+w"(r) : "r"(old));
     return r;
 #else
@@ -954,6 +954,7 @@ inline double __dsub_rn(double a, double b) { return gctwin::arith64(gctwin::SUB
 inline double __dmul_rn(double a, double b) { return gctwin::arith64(gctwin::MUL, a, b); }
 inline double __ddiv_rn(double a, double b) { return gctwin::arith64(gctwin::DIV, a, b); }
 inline double __drcp_rn(double a) { return gctwin::arith64(gctwin::DIV, 1.0, a); }
+inline double __dsqrt_rn(double a) { return gctwin::arith64(gctwin::SQRT, a, 0.0); }
 inline double __fma_rn(double a, double b, double c) { return fma(a, b, c); }
 
 /* ---- bit casts and integer intrinsics ---------------------------------------------------- */

@@ -38,8 +38,8 @@
  *                 either, for the same reason).
  *
  * fp64 stays the host's: the bits of fp64 NaN results, and fp64 neg/abs
- * passing a NaN unchanged, are not modelled (geocomm's kernels use fp64 in
- * __ddiv_rn only).
+ * passing a NaN unchanged, are not modelled (geocomm's fp64 kernels use the
+ * __d*_rn intrinsics, and nothing reads the bits of a NaN they make).
  *
  * How: cuda_twin.h ends with `#define float ::gctwin::f32`, so every `float`
  * of a kernel unit (variables, parameters, arrays, __shared__, casts) is an

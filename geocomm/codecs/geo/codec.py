@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import numpy as np
 from array_api_compat import array_namespace, is_cupy_array
 
-from geocomm.codecs.base import Codec, OnHost, TransformingCodec, WireOf
+from geocomm.codecs.base import Codec, TransformingCodec, WireOf
 from geocomm.codecs.formats import FP8Codec, NVFP4Codec
 from geocomm.codecs.frames import FramedCodec
 from geocomm.codecs.geo import kernels, policy
@@ -141,7 +141,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         self._map_shapes: dict[tuple[tuple[int, ...], bool], MapShape | None] = {}
         # basis updates whose energies are still on their way to the host, with the
         # commit that takes them (:meth:`_later`)
-        self._unsettled: list[tuple[kernels.LaterCopy, Callable[[np.ndarray], None]]] = []
+        self._unsettled: list[tuple[kernels.LaterCopy, Callable[..., None]]] = []
 
     # ---- configuration --------------------------------------------------------
     def _knobs(self) -> dict[str, Any]:
@@ -305,26 +305,16 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         carried along). The key's state takes the new basis after the call
         (:meth:`refresh`; committed when the state is next read), with the
         energy the ranks' values have along each new direction (the plan's side
-        sums it). Nothing changes when the sums are not finite or all zero: the
-        plan keeps its basis. The summed W comes to the host (:class:`OnHost`),
-        where it is orthonormalized."""
+        sums it). Where the energy is not finite or zero the state does not
+        take it. Everything runs in ``x``'s namespace: on a GPU the step never
+        waits for the device."""
         st, dims = plan.state, plan.map_shape
-        coef = kernels.project(x, 0, dims.n, plan.vt)
-        # one copy to the host, where the basis is orthonormalized: the summed W and energy
-        total = yield OnHost(_accumulation(x, 0, coef, dims))
-        w, whole = _split_energy(total, dims)
-        plan.settled = True  # the basis is final from here on (a plan's side may be read)
-        if not (math.isfinite(whole) and whole > 0 and bool(np.all(np.isfinite(w)))):
-            return  # a non-finite or all-zero input says nothing about the geometry
-        cap, old = st.map_shape, st.host_vt
-        if old is None:
+        if st.vt is None:
             raise RuntimeError("a plan steps from a measured basis, and this key has none")
-        if dims.k < cap.k:
-            w = np.concatenate([w, old[dims.k :, :]], axis=0)
-        basis = kernels.orthonormalize(w, self.seed)
-        overlap = _overlap(basis[: dims.k, :], old)
-        period = policy.next_period(st.period, overlap, self.refresh_period, self.refresh_max)
-        plan.stepped(array_namespace(x).asarray(basis), whole, period, basis)
+        coef = kernels.project(x, 0, dims.n, plan.vt)
+        total = yield _accumulation(x, 0, coef, dims)
+        plan.settled = True  # the basis is final from here on (a plan's side may be read)
+        plan.stepped(*_power_step(total, st.vt, dims.k, self.seed))
 
     def refresh(self, plan: Any, shard: Any, lo: int, side_sum: Any, alone: bool = False) -> Rounds:
         """The rounds that update the key of ``plan`` after the call: a measuring
@@ -355,37 +345,40 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         yield from self.measure(plan.state, shard, lo, summed=not alone, whiten=whiten)
 
     def _commit_step(self, plan: SplitPlan | WhitenPlan, side_sum: Any) -> None:
-        """The key's state after a power step: the plan's new basis, the energy
-        along each mapped direction (the side sum's last row: every rank's
-        values), the tracked rows it does not map carried along with their
-        energies scaled to the new whole energy. The energies travel to the host
-        behind the call (:class:`~geocomm.codecs.geo.kernels.LaterCopy`), so the
-        call never waits for them: the state takes them when it is next read
-        (:meth:`_settle`)."""
-        st, k, (vt, whole, period, host) = plan.state, plan.map_shape.k, plan.pending
+        """The key's state after a power step (unless the step kept the old basis):
+        the plan's new basis, the energy along each mapped direction (the side sum's
+        last row: every rank's values), the tracked rows it does not map carried
+        along with their energies scaled to the new whole energy, and the period
+        the overlap of the new basis with the old one gives. The step's outcome
+        and the energies travel to the host behind the call
+        (:class:`~geocomm.codecs.geo.kernels.LaterCopy`), so the call never waits
+        for them: the state takes them when it is next read (:meth:`_settle`)."""
+        st, k, (vt, verdict) = plan.state, plan.map_shape.k, plan.pending
 
-        def commit(energies: np.ndarray) -> None:
+        def commit(energies: np.ndarray, outcome: np.ndarray, host: np.ndarray) -> None:
+            kept, whole, overlap = _outcome(outcome, k)
             mapped = [float(e) for e in energies]
-            if not all(map(math.isfinite, mapped)):
+            if not kept or not all(map(math.isfinite, mapped)):
                 return
+            period = policy.next_period(st.period, overlap, self.refresh_period, self.refresh_max)
             stale = whole / st.total if st.total > 0 else 0.0
             carried = [e * stale for e in st.energies[k:]]
             st.commit(vt, (*mapped, *carried), whole, period, summed=True, host=host)
             self._version += 1
 
-        self._later(side_sum[plan.map_shape.m, :], commit)
+        self._later(commit, side_sum[plan.map_shape.m, :], verdict, vt)
 
-    def _later(self, energies: Any, commit: Callable[[np.ndarray], None]) -> None:
-        """Hand ``commit`` the host copy of ``energies`` when the state is next read
+    def _later(self, commit: Callable[..., None], *arrays: Any) -> None:
+        """Hand ``commit`` the host copies of ``arrays`` when the state is next read
         (:class:`~geocomm.codecs.geo.kernels.LaterCopy`: the call goes on at once)."""
-        self._unsettled.append((kernels.LaterCopy(energies), commit))
+        self._unsettled.append((kernels.LaterCopy(*arrays), commit))
 
     def _settle(self) -> None:
-        """Run the basis updates whose energies were on their way (:meth:`_later`), in
+        """Run the basis updates whose outcomes were on their way (:meth:`_later`), in
         call order; every reader of a key's state calls this first."""
         pending, self._unsettled = self._unsettled, []
-        for energies, commit in pending:
-            commit(energies.result())
+        for copies, commit in pending:
+            commit(*copies.result())
 
     def measure(
         self, st: KeyState, shard: Any, lo: int, summed: bool = False, whiten: int = 0
@@ -401,32 +394,34 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         kept = max(cap.k, whiten) if cold else cap.k
         rows = min(kept + OVERSAMPLE, min(cap.m, cap.n)) if cold else cap.k
         start = self._random_rows(xp, rows, cap.n) if cold else st.vt
-        w, coef, energy = yield from self._iterate(shard, lo, cap, start, COLD_ITERS if cold else 1)
-        w = w[:kept, :]
-        if not (math.isfinite(energy) and energy > 0 and bool(np.all(np.isfinite(w)))):
-            return  # a non-finite or all-zero result says nothing about the geometry
-        basis = kernels.orthonormalize(w, self.seed)  # row i depends on rows <= i only
+        total, coef = yield from self._iterate(shard, lo, cap, start, COLD_ITERS if cold else 1)
+        w = xp.reshape(total[: rows * cap.n], (rows, cap.n))
+        basis = kernels.orthonormalize(w[:kept, :], self.seed)  # row i: rows <= i only
         vt = basis[: cap.k, :]
-        period = self.refresh_period
-        if st.host_vt is not None:
-            overlap = _overlap(vt[: st.use or cap.k, :], st.host_vt)
-            period = policy.next_period(st.period, overlap, self.refresh_period, self.refresh_max)
+        compared = st.use or cap.k  # the rows whose overlap with the old basis sets the period
+        verdict = _verdict(total, vt[:compared, :], None if cold else st.vt)
 
-        def commit(column_energies: np.ndarray) -> None:
+        def commit(column_energies: np.ndarray, outcome: np.ndarray, host: np.ndarray) -> None:
+            ok, energy, overlap = _outcome(outcome, compared)
             energies = [float(e) for e in column_energies[:kept]]
-            if not all(map(math.isfinite, energies)):
+            if not ok or not all(map(math.isfinite, energies)):
                 return
-            st.commit(xp.asarray(vt), tuple(energies[: cap.k]), energy, period, summed, host=vt)
+            period = self.refresh_period
+            if not cold:
+                period = policy.next_period(
+                    st.period, overlap, self.refresh_period, self.refresh_max
+                )
+            st.commit(vt, tuple(energies[: cap.k]), energy, period, summed, host=host[: cap.k])
             if whiten and cold:
-                _commit_whitening(st, xp, basis[:whiten, :], energies[:whiten], energy)
+                _commit_whitening(st, basis[:whiten, :], host[:whiten], energies[:whiten], energy)
             self._version += 1
 
-        self._later(kernels.row_sumsq(coef.T), commit)
+        self._later(commit, kernels.row_sumsq(coef.T), verdict, basis)
 
     def _random_rows(self, xp: Any, rows: int, n: int) -> Any:
-        """A cold start's basis: ``rows`` orthonormal rows drawn from the seed (made on
-        the host, which draws them, then moved to ``xp``)."""
-        return xp.asarray(kernels.orthonormalize(np.zeros((rows, n), np.float32), self.seed))
+        """A cold start's basis: ``rows`` orthonormal rows drawn from the seed (the
+        orthonormalization fills zero rows with them)."""
+        return kernels.orthonormalize(xp.zeros((rows, n), dtype=xp.float32), self.seed)
 
     def _measure_whitening(self, st: KeyState, shard: Any, lo: int, rows: int) -> Rounds:
         """The whitening basis of ``rows`` rows: one subspace iteration on the
@@ -439,33 +434,34 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         cold = st.wt is None or st.wt.shape[0] != rows
         count = min(rows + OVERSAMPLE, min(cap.m, cap.n)) if cold else rows
         start = self._random_rows(xp, count, cap.n) if cold else st.wt
-        w, coef, energy = yield from self._iterate(shard, lo, cap, start, COLD_ITERS if cold else 1)
-        energies = kernels.column_sumsq(coef)[:rows]
+        total, coef = yield from self._iterate(shard, lo, cap, start, COLD_ITERS if cold else 1)
+        energies, energy = kernels.column_sumsq(coef)[:rows], float(total[-1])
         if not (math.isfinite(energy) and all(map(math.isfinite, energies)) and energy > 0):
             return
-        w = w[:rows, :]
-        if bool(np.all(np.isfinite(w))):
-            _commit_whitening(st, xp, kernels.orthonormalize(w, self.seed), energies, energy)
+        w = xp.reshape(total[: count * cap.n], (count, cap.n))[:rows, :]
+        if bool(xp.all(xp.isfinite(w))):
+            wt = kernels.orthonormalize(w, self.seed)
+            _commit_whitening(st, wt, kernels.host_copy(wt), energies, energy)
 
     def _iterate(
         self, shard: Any, lo: int, cap: MapShape, vt: Any, iters: int
-    ) -> Generator[Any, Any, tuple[Any, Any, float]]:
+    ) -> Generator[Any, Any, tuple[Any, Any]]:
         """``iters`` subspace iterations on the result from the rows of ``vt``; each
         yields this rank's projection, then its accumulation (exact sums over the
-        ranks, or its own totals alone), whose sum comes to the host once (it is
-        orthonormalized there). Returns (W (rows, n) of the last iteration as a
-        NumPy array, the coefficients it accumulated, ||S||^2)."""
+        ranks, or its own totals alone). Returns the last iteration's summed
+        accumulation (W (rows, n) flat, then ||S||^2) and the coefficients it
+        accumulated, in the shard's namespace."""
         xp = array_namespace(shard)
         dims = MapShape(cap.m, cap.n, vt.shape[0])
         for it in range(iters):
             coef = xp.reshape(
                 (yield xp.reshape(_projection(shard, lo, vt, dims), (-1,))), (cap.m, dims.k)
             )
-            total = yield OnHost(_accumulation(shard, lo, coef, dims))
-            w, energy = _split_energy(total, dims)
+            total = yield _accumulation(shard, lo, coef, dims)
             if it + 1 < iters:
-                vt = xp.asarray(kernels.orthonormalize(w, self.seed))
-        return w, coef, energy
+                w = xp.reshape(total[: dims.k * dims.n], (dims.k, dims.n))
+                vt = kernels.orthonormalize(w, self.seed)
+        return total, coef
 
     # ---- state --------------------------------------------------------------------
     def _state_for(self, key: Any, dims: MapShape) -> KeyState:
@@ -543,15 +539,15 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
 
 
 def _commit_whitening(
-    st: KeyState, xp: Any, wt: np.ndarray, energies: Sequence[float], energy: float
+    st: KeyState, wt: Any, host: np.ndarray, energies: Sequence[float], energy: float
 ) -> None:
-    """The state's whitening basis (``wt``, on the host; the state keeps it in ``xp``),
-    its energies and the bulk's mean energy per direction: what the result's energy
-    ``energy`` leaves outside them, spread over the other min(m, n) - rows directions."""
+    """The state's whitening basis ``wt`` (``host``: its NumPy copy), its energies and
+    the bulk's mean energy per direction: what the result's energy ``energy`` leaves
+    outside them, spread over the other min(m, n) - rows directions."""
     cap = st.map_shape
     rest = max(energy - sum(energies), 0.0)
     bulk = rest / max(min(cap.m, cap.n) - len(energies), 1)
-    st.commit_whitening(xp.asarray(wt), tuple(energies), bulk, host=wt)
+    st.commit_whitening(wt, tuple(energies), bulk, host=host)
 
 
 def _key(k: Any) -> Any:
@@ -586,20 +582,41 @@ def _accumulation(shard: Any, lo: int, coef: Any, dims: MapShape) -> Any:
     return kernels.round_bf16(xp.concat([xp.reshape(acc, (-1,)), energy]))
 
 
-def _overlap(new: Any, old: Any) -> float:
-    """The mean share of each orthonormal row of ``new`` that lies in the span of
-    ``old``'s rows: ||new old^T||_F^2 / rows, in [0, 1] (fixed-order kernels,
-    so every rank gets the same bits)."""
-    rows, n = new.shape
-    xp = array_namespace(new)
-    return float(kernels.sumsq(kernels.project(xp.reshape(new, (-1,)), 0, n, old))) / float(rows)
+def _power_step(total: Any, old: Any, k: int, seed: int) -> tuple[Any, Any]:
+    """(basis, verdict) of a power step from the summed accumulation ``total`` (W of
+    the k mapped rows, then the energy) of a key whose basis is ``old`` (cap, n): the
+    orthonormal rows of W with old's unmapped rows carried along, and the
+    :func:`_verdict` that says whether the state takes them; in ``total``'s
+    namespace. The call maps with the basis either way: any orthonormal basis maps
+    exactly, and the orthonormalization reads non-finite sums as 0."""
+    xp = array_namespace(total, old)
+    cap, n = old.shape
+    w = xp.reshape(total[: k * n], (k, n))
+    rows = w if k == cap else xp.concat([w, old[k:, :]], axis=0)
+    basis = kernels.orthonormalize(rows, seed)
+    return basis, _verdict(total, basis[:k, :], old)
 
 
-def _split_energy(total: Any, dims: MapShape) -> tuple[Any, float]:
-    """(W (k, n), ||S||^2) from a summed accumulation."""
-    xp = array_namespace(total)
-    w = xp.reshape(total[: dims.k * dims.n], (dims.k, dims.n))
-    return w, float(total[dims.k * dims.n])
+def _verdict(total: Any, new: Any, old: Any) -> Any:
+    """What decides a basis update, in the arrays' namespace (:func:`_outcome` reads
+    it): float64 [E, S]. E is the energy, the last value of the summed accumulation
+    ``total``: a non-finite or zero energy says nothing about the geometry. S is the
+    squared overlap of ``new``'s rows with ``old``'s span, ||new old^T||_F^2
+    (fixed-order kernels: every rank gets the same bits; 0 without ``old``)."""
+    xp = array_namespace(total, new)
+    overlap = xp.zeros((1,), dtype=xp.float64)
+    if old is not None:
+        coef = kernels.project(xp.reshape(new, (-1,)), 0, new.shape[1], old)
+        overlap = kernels.row_sumsq(xp.reshape(coef, (1, -1)))
+    return xp.concat([xp.astype(total[-1:], xp.float64), overlap])
+
+
+def _outcome(verdict: np.ndarray, rows: int) -> tuple[bool, float, float]:
+    """(ok, energy, overlap) from a :func:`_verdict` on the host: ok when the energy is
+    finite and positive; the overlap as the mean share of each of the ``rows``
+    compared rows that lies in the old span, in [0, 1]."""
+    energy = float(verdict[0])
+    return math.isfinite(energy) and energy > 0, energy, float(verdict[1]) / float(rows)
 
 
 def _check_int(name: str, value: Any, low: int) -> int:

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from geocomm.codecs.base import round_reply, round_value
 from geocomm.codecs.formats import BF16Codec
 from geocomm.codecs.geo import kernels
 from geocomm.codecs.geo.maps import HadamardPlan, SplitPlan
@@ -36,7 +35,7 @@ def run_locally(rounds: Any) -> None:
     try:
         value = next(rounds)
         while True:
-            value = rounds.send(round_reply(value, round_value(value)))
+            value = rounds.send(value)
     except StopIteration:
         pass
 

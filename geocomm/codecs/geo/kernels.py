@@ -5,9 +5,8 @@ Each function takes arrays of one namespace (NumPy, CuPy, array-api-strict,
 kernels of ``native/geometry.c`` (zero-copy through DLPack), CuPy arrays
 through ``native/gc_geometry.cu``; both follow the order of
 ``native/gc_linalg.h``, so the bits never depend on the device, the CPU or a
-BLAS. The small dense steps (orthonormalizing a k x d basis, sums of squares
-of coefficients) run in C on the host; CuPy stages those small matrices
-through host memory, never the gradient itself.
+BLAS. Nothing a CuPy array holds comes to the host unless a caller copies it
+(:func:`host_copy`, :class:`LaterCopy`).
 
 A "range" is ``values``, the flat elements [lo, lo + values.size) of a
 row-major matrix with ``n`` columns; coefficient matrices hold one row per
@@ -47,6 +46,8 @@ _BF16 = BF16Codec()  # the side channel's format (GeoCodec.side_format)
 _LANES = 8  # GC_LANES of native/gc_linalg.h: the lanes of a dot product
 _PROJECT_COEFS = 8  # GC_GEO_COEFS of native/gc_geometry.cu: coefficients per group
 _SUMSQ_CHUNK = 2048  # GC_SUMSQ_CHUNK of native/gc_linalg.h
+_ORTHO_LANES = 256  # GC_ORTHO_LANES of native/gc_linalg.h: one block's threads
+_U64 = 2**64 - 1
 
 
 def rows(lo: int, length: int, n: int) -> int:
@@ -69,27 +70,33 @@ def host_copy(a: Any) -> np.ndarray:
 
 
 class LaterCopy:
-    """A host copy of a small array, read when needed: a CuPy array's is queued on
-    the current stream into pinned memory, so the host goes on at once and
-    :meth:`result` waits for the device only if the copy has not landed by then
-    (the stream went on, in order, since). Any other array is copied at once."""
+    """Host copies of small arrays, read when needed: CuPy arrays' are queued on the
+    current stream into pinned memory behind one event, so the host goes on at
+    once and :meth:`result` waits for the device only if the copies have not
+    landed by then (the stream went on, in order, since). Other arrays are
+    copied at once."""
 
-    def __init__(self, a: Any):
+    def __init__(self, *arrays: Any):
         self._event: Any = None
-        if not is_cupy_array(a):
-            self._host = host_copy(a)
-            return
-        import cupy
+        self._host: list[np.ndarray] = []
+        for a in arrays:
+            if not is_cupy_array(a):
+                self._host.append(host_copy(a))
+                continue
+            import cupy
 
-        a = cupy.ascontiguousarray(a)
-        memory = cupy.cuda.alloc_pinned_memory(max(a.nbytes, 1))
-        self._host = np.frombuffer(memory, a.dtype, a.size).reshape(a.shape)
-        a.get(out=self._host, blocking=False)
-        self._event = cupy.cuda.Event(disable_timing=True)
-        self._event.record()
+            a = cupy.ascontiguousarray(a)
+            memory = cupy.cuda.alloc_pinned_memory(max(a.nbytes, 1))
+            host = np.frombuffer(memory, a.dtype, a.size).reshape(a.shape)
+            a.get(out=host, blocking=False)
+            self._host.append(host)
+            if self._event is None:
+                self._event = cupy.cuda.Event(disable_timing=True)
+        if self._event is not None:
+            self._event.record()
 
-    def result(self) -> np.ndarray:
-        """The copy (NumPy; do not write to it)."""
+    def result(self) -> list[np.ndarray]:
+        """The copies, in the order given (NumPy; do not write to them)."""
         if self._event is not None and not self._event.done:
             self._event.synchronize()
         return self._host
@@ -221,18 +228,18 @@ def column_sumsq(coef: Any) -> list[float]:
 
 
 def orthonormalize(rows_: Any, seed: int) -> Any:
-    """A new (k, d) array whose rows are an orthonormal basis of the rows' span.
+    """A new (k, d) float32 array of ``rows_``'s namespace whose rows are an
+    orthonormal basis of the rows' span (k <= d).
 
     Rows lost to the ones before them (or zero, or non-finite) are replaced by
-    fixed pseudo-random directions drawn from ``seed``; the work is fp64 on
-    the host, so every device gets the same bits.
+    fixed pseudo-random directions drawn from ``seed``; the work is fp64 in a
+    fixed order (``native/gc_linalg.h``, "ortho"), in C on the host and in one
+    thread block on a GPU, with the same bits. The rows are always finite.
     """
-    xp = array_namespace(rows_)
     if is_cupy_array(rows_):
-        host = rows_.get()
-    else:
-        host = np.array(_host(rows_), np.float32, copy=True)
-    host = np.ascontiguousarray(host, np.float32)
+        return _cuda_orthonormalize(rows_, seed)
+    xp = array_namespace(rows_)
+    host = np.array(_host(rows_), np.float32, copy=True, order="C")
     native.geo_orthonormalize(host, seed)
     return xp.asarray(host)
 
@@ -320,6 +327,22 @@ def _cuda_accumulate(values: Any, lo: int, n: int, coef: Any, acc: Any) -> None:
                 acc,
             ),
         )
+
+
+def _cuda_orthonormalize(rows_: Any, seed: int) -> Any:
+    import cupy
+
+    k, n = rows_.shape
+    if k == 0 or n < k:
+        raise ValueError(f"orthonormalize takes k <= n rows, got a {k} x {n} matrix")
+    out = cupy.array(rows_, cupy.float32, order="C")
+    scratch = cupy.empty(k * n + k + 1, cupy.float64)
+    _kernel(cupy, "gc_geo_orthonormalize")(
+        (1,),
+        (_ORTHO_LANES,),
+        (out, np.uint64(k), np.uint64(n), np.uint64(seed & _U64), scratch, scratch[k * n :]),
+    )
+    return out
 
 
 def _cuda_row_sumsq(a: Any) -> Any:

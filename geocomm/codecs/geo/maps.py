@@ -117,7 +117,7 @@ class SplitPlan:
         self.map_shape, self.vt, self.steps, self.state = dims, vt, steps, state
         self.settled = not steps  # the codec's step sets it once the basis is final
         self.side: Any = None
-        self.pending: Any = None  # after a step: (basis, energy, period, host basis)
+        self.pending: Any = None  # after a step: (basis, the step's verdict)
         self._packed: Any = None
 
     @property
@@ -125,11 +125,11 @@ class SplitPlan:
         """Whether the key's state takes a new basis after the call (a step found one)."""
         return self.pending is not None
 
-    def stepped(self, vt: Any, energy: float, period: int, host: Any) -> None:
+    def stepped(self, vt: Any, verdict: Any) -> None:
         """The step's result: ``vt`` (the key's tracked rows, the mapped ones first)
-        maps from now on; the state takes it after the call with the summed
-        ``energy`` and ``period`` (``host``: vt's NumPy copy). Call before :meth:`begin`."""
-        self.vt, self.pending = vt[: self.map_shape.k, :], (vt, energy, period, host)
+        maps from now on; the state takes it after the call, as ``verdict`` (an array
+        of the codec's) says. Call before :meth:`begin`."""
+        self.vt, self.pending = vt[: self.map_shape.k, :], (vt, verdict)
 
     @property
     def inputs(self) -> tuple[Any, ...]:
@@ -254,9 +254,9 @@ class WhitenPlan:
         self._side: Any = None
         self._bases: Any = None  # (U^T, forward rows, inverse rows), or () for none
 
-    def stepped(self, vt: Any, energy: float, period: int, host: Any) -> None:
+    def stepped(self, vt: Any, verdict: Any) -> None:
         """As :meth:`SplitPlan.stepped` (before :attr:`side` is read)."""
-        self.vt, self.pending = vt[: self.map_shape.k, :], (vt, energy, period, host)
+        self.vt, self.pending = vt[: self.map_shape.k, :], (vt, verdict)
 
     @property
     def side(self) -> Any:
