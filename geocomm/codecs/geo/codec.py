@@ -412,8 +412,9 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
                     st.period, overlap, self.refresh_period, self.refresh_max
                 )
             st.commit(vt, tuple(energies[: cap.k]), energy, period, summed, host=host[: cap.k])
-            if whiten and cold:
-                _commit_whitening(st, basis[:whiten, :], host[:whiten], energies[:whiten], energy)
+            if whiten and cold:  # its own memory: later steps overwrite the split basis's
+                wt = xp.asarray(basis[:whiten, :], copy=True)
+                _commit_whitening(st, wt, host[:whiten], energies[:whiten], energy)
             self._version += 1
 
         self._later(commit, kernels.row_sumsq(coef.T), verdict, basis)
