@@ -9,8 +9,11 @@
  *                      in gc_lane_sum's order. Non-finite inputs read as 0.
  *   gc_geo_expand      four consecutive elements per thread, each a chain over
  *                      the k coefficients.
- *   gc_geo_accumulate  one thread per (coefficient, column), chain down the
- *                      rows of the range in order.
+ *   gc_geo_accumulate  one thread per (column, tile of GC_ACC_ROWS rows, up to
+ *                      GC_GEO_COEFS coefficients): each chain down its tile's
+ *                      rows into a partial; gc_geo_accumulate_tiles adds the
+ *                      tiles' partials in order, one thread per (coefficient,
+ *                      column).
  *   gc_geo_round_bf16  one thread per element: the side channel's rounding.
  *   gc_geo_to_f32      one thread per element: fp64 sums to fp32.
  *   gc_geo_orthonormalize  one block of GC_ORTHO_LANES threads for the whole
@@ -115,21 +118,49 @@ extern "C" __global__ void gc_geo_expand(const float *x, gc_u64 lo, gc_u64 len, 
     gc_store4_f32(out + e0, len - e0, v);
 }
 
+/* partial[(t * k + l) * n + j]: tile t's chain (from +0) down its GC_ACC_ROWS rows of
+ * the range, for GC_GEO_COEFS coefficients per thread, which reads each value once
+ * for them; the grid covers n * tiles * ceil(k / GC_GEO_COEFS) threads. */
 extern "C" __global__ void gc_geo_accumulate(const float *x, gc_u64 lo, gc_u64 len, gc_u64 n,
                                              const float *coef, gc_u64 k, gc_u64 rows,
-                                             float *acc)
+                                             float *partial)
 {
     gc_u64 g = gc_geo_id();
-    if (g >= k * n)
+    gc_u64 tiles = (rows + GC_ACC_ROWS - 1) / GC_ACC_ROWS;
+    if (g >= n * tiles * ((k + GC_GEO_COEFS - 1) / GC_GEO_COEFS))
         return;
-    gc_u64 l = g / n, j = g % n;
-    float t = acc[g];
-    for (gc_u64 r = 0; r < rows; r++) {
+    gc_u64 j = g % n, t = g / n % tiles, l0 = g / n / tiles * GC_GEO_COEFS;
+    gc_u64 kb = k - l0 < GC_GEO_COEFS ? k - l0 : GC_GEO_COEFS;
+    gc_u64 end = (t + 1) * GC_ACC_ROWS < rows ? (t + 1) * GC_ACC_ROWS : rows;
+    float p[GC_GEO_COEFS];
+#pragma unroll
+    for (int q = 0; q < GC_GEO_COEFS; q++)
+        p[q] = 0.0f;
+    for (gc_u64 r = t * GC_ACC_ROWS; r < end; r++) {
         gc_u64 e = (lo / n + r) * n + j;
-        if (e >= lo && e < lo + len)
-            t = gc_mad(t, coef[r * k + l], x[e - lo]);
+        if (e < lo || e >= lo + len)
+            continue;
+        float v = x[e - lo];
+#pragma unroll
+        for (int q = 0; q < GC_GEO_COEFS; q++)
+            if ((gc_u64)q < kb)
+                p[q] = gc_mad(p[q], coef[r * k + l0 + q], v);
     }
-    acc[g] = t;
+    for (gc_u64 q = 0; q < kb; q++)
+        partial[(t * k + l0 + q) * n + j] = p[q];
+}
+
+/* acc[l][j] + the chain over the tiles' partials, in tile order (one thread each). */
+extern "C" __global__ void gc_geo_accumulate_tiles(const float *partial, gc_u64 tiles,
+                                                   gc_u64 kn, float *acc)
+{
+    gc_u64 g = gc_geo_id();
+    if (g >= kn)
+        return;
+    float a = acc[g];
+    for (gc_u64 t = 0; t < tiles; t++)
+        a = __fadd_rn(a, partial[t * kn + g]);
+    acc[g] = a;
 }
 
 /* x = its bfloat16 value in place (gc_bf16_code, nearest even; NaN stays NaN). */

@@ -12,7 +12,10 @@
  *             in increasing order; the lanes are then combined by
  *             gc_lane_sum's fixed tree;
  *   expand    x + chain over the k coefficients, l = 0 .. k - 1;
- *   accumulate  acc + chain over the rows, in increasing row order;
+ *   accumulate  the rows of a range in tiles of GC_ACC_ROWS (counted from
+ *             its first row); each tile's partial is a chain over its rows in
+ *             increasing order, from +0; then acc + chain over the tiles'
+ *             partials in increasing order (a GPU runs every tile at once);
  *   sumsq     fp64: level 0 cuts the values into chunks of GC_SUMSQ_CHUNK
  *             (the last may be shorter) and sums each chunk's squares in
  *             GC_LANES lanes as a dot product does (lane q: elements q,
@@ -39,6 +42,7 @@
 
 #define GC_LANES 8
 #define GC_SUMSQ_CHUNK 2048
+#define GC_ACC_ROWS 128
 #define GC_ORTHO_LANES 256
 /* draws of a pseudo-random row before gc_geo_orthonormalize keeps the last one
  * however little of it is left (never, for k <= n: a random row does not lie in

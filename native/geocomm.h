@@ -155,8 +155,9 @@ int gc_geo_decode(int fmt, const uint8_t *wire, size_t lo, size_t len, size_t n,
                   const float *coef, const float *vt, const float *packed, size_t k, size_t block,
                   float *out);
 
-/* acc[l][j] += sum over the range's rows r (in order) of coef[r][l] x[r][j];
- * acc is k x n. Non-finite x make acc non-finite. */
+/* acc[l][j] += sum over the range's rows r of coef[r][l] x[r][j], in tiles of
+ * GC_ACC_ROWS rows (gc_linalg.h's "accumulate" order); acc is k x n. Non-finite
+ * x make acc non-finite. Returns 0, GC_EINVAL or GC_ENOMEM. */
 int gc_geo_accumulate(const float *x, size_t lo, size_t len, size_t n, const float *coef,
                       size_t k, float *acc);
 

@@ -892,15 +892,28 @@ int gc_geo_accumulate(const float *x, size_t lo, size_t len, size_t n, const flo
     if (len == 0)
         return 0;
     int wide = wide_loops();
+    float *part = malloc(sizeof(float) * k * n);
     float *scratch = wide ? NULL : malloc(sizeof(float) * GC_ROW_BLOCK * n);
-    if (!wide && !scratch)
+    if (!part || (!wide && !scratch)) {
+        free(part), free(scratch);
         return GC_ENOMEM;
-    segment seg[3];
-    int count = segments(lo, len, n, seg);
-    for (int s = 0; s < count; s++)
-        accumulate_segment(x + seg[s].offset, n, seg[s].rows, seg[s].cols,
-                           coef + seg[s].row * k, k, acc + seg[s].col, n, scratch, wide);
-    free(scratch);
+    }
+    size_t rows = gc_geo_rows(lo, len, n), first = lo / n;
+    for (size_t t0 = 0; t0 < rows; t0 += GC_ACC_ROWS) {
+        /* the tile's part of the range: its rows' chains from +0 */
+        size_t from = (first + t0) * n, to = (first + t0 + GC_ACC_ROWS) * n;
+        size_t start = from > lo ? from : lo, end = to < lo + len ? to : lo + len;
+        memset(part, 0, sizeof(float) * k * n);
+        segment seg[3];
+        int count = segments(start, end - start, n, seg);
+        for (int s = 0; s < count; s++)
+            accumulate_segment(x + (start - lo) + seg[s].offset, n, seg[s].rows, seg[s].cols,
+                               coef + (t0 + seg[s].row) * k, k, part + seg[s].col, n, scratch,
+                               wide);
+        for (size_t i = 0; i < k * n; i++)
+            acc[i] += part[i];
+    }
+    free(part), free(scratch);
     return 0;
 }
 

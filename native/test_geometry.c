@@ -61,14 +61,18 @@ static void ref_expand(const float *x, size_t lo, size_t len, size_t n, const fl
 static void ref_accumulate(const float *x, size_t lo, size_t len, size_t n, const float *coef,
                            size_t k, float *acc)
 {
+    size_t rows = gc_geo_rows(lo, len, n);
     for (size_t l = 0; l < k; l++)
-        for (size_t j = 0; j < n; j++) {
-            float t = acc[l * n + j];
-            for (size_t e = lo; e < lo + len; e++)
-                if (e % n == j)
-                    t = gc_mad(t, coef[(e / n - lo / n) * k + l], x[e - lo]);
-            acc[l * n + j] = t;
-        }
+        for (size_t j = 0; j < n; j++)
+            for (size_t t0 = 0; t0 < rows; t0 += GC_ACC_ROWS) {
+                float p = 0.0f;
+                for (size_t e = lo; e < lo + len; e++) {
+                    size_t r = e / n - lo / n;
+                    if (e % n == j && r >= t0 && r < t0 + GC_ACC_ROWS)
+                        p = gc_mad(p, coef[r * k + l], x[e - lo]);
+                }
+                acc[l * n + j] += p;
+            }
 }
 
 /* ---- tests ---------------------------------------------------------------------- */
@@ -77,7 +81,10 @@ static void test_kernels_match_definition(void)
 {
     unsigned s = 7;
     for (int trial = 0; trial < 400; trial++) {
-        size_t m = 1 + (size_t)(rand() % 9), n = 1 + (size_t)(rand() % 90);
+        /* every 8th trial is tall and narrow: accumulations of several tiles */
+        int tall = trial % 8 == 0;
+        size_t m = 1 + (size_t)(rand() % (tall ? 3 * GC_ACC_ROWS : 9));
+        size_t n = 1 + (size_t)(rand() % (tall ? 12 : 90));
         size_t k = 1 + (size_t)(rand() % 9), total = m * n;
         size_t lo = (size_t)rand() % total, len = 1 + (size_t)rand() % (total - lo);
         size_t rows = gc_geo_rows(lo, len, n);

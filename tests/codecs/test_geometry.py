@@ -125,18 +125,32 @@ def ref_expand(x, lo, n, coef, vt, sign):
     return out
 
 
+ACC_ROWS = 128  # GC_ACC_ROWS of native/gc_linalg.h
+
+
 def ref_accumulate(x, lo, n, coef, acc):
+    """gc_linalg.h's "accumulate": each tile of ACC_ROWS rows chains from +0, then acc
+    adds the tiles' partials in order."""
     acc = acc.copy()
+    tiles = np.zeros((-(-coef.shape[0] // ACC_ROWS), *acc.shape), np.float32)
     for e in range(x.size):
         r, j = (lo + e) // n - lo // n, (lo + e) % n
-        acc[:, j] = acc[:, j] + coef[r] * x[e]
+        tiles[r // ACC_ROWS, :, j] = tiles[r // ACC_ROWS, :, j] + coef[r] * x[e]
+    for partial in tiles:
+        acc = acc + partial
     return acc
 
 
 @pytest.mark.parametrize("xp", NAMESPACES)
 @pytest.mark.parametrize(
     ("m", "n", "k", "lo", "length"),
-    [(5, 19, 3, 0, 95), (6, 23, 4, 7, 100), (4, 40, 5, 45, 30), (3, 9, 2, 4, 3)],
+    [
+        (5, 19, 3, 0, 95),
+        (6, 23, 4, 7, 100),
+        (4, 40, 5, 45, 30),
+        (3, 9, 2, 4, 3),
+        (300, 5, 3, 2, 1490),  # three tiles of accumulation, partial rows at both ends
+    ],
 )
 def test_kernels_follow_the_fixed_order(xp, m, n, k, lo, length):
     rng = np.random.default_rng([m, n, k])

@@ -1030,6 +1030,7 @@ def test_pipeline_and_geometry_units_build():
         (7, 12_345, 300, 4),
         (3, 4000, 90, 11),  # a projection's group takes 8 coefficients: 8, then 3
         (0, 2048, 64, 16),
+        (9, 3000, 10, 5),  # 301 rows: three tiles of accumulation, partial rows at both ends
     ],
 )
 def test_geometry_kernels_match_the_c_core(lo, length, n, k):
@@ -1067,10 +1068,15 @@ def test_geometry_kernels_match_the_c_core(lo, length, n, k):
     assert same_values(shifted, want_out)
     acc, want_acc = np.ones((k, n), np.float32), np.ones((k, n), np.float32)
     native.geo_accumulate(x, lo, n, want, want_acc)
+    tiles = -(-touched // geo._ACC_ROWS)
+    partial = np.full(tiles * k * n, np.nan, np.float32)
     image.function("gc_geo_accumulate").launch(
-        geo._grid(k * n),
+        geo._grid(n * tiles * -(-k // geo._PROJECT_COEFS)),
         (geo._THREADS,),
-        (x, u64(lo), u64(length), u64(n), coef, u64(k), u64(geo.rows(lo, length, n)), acc),
+        (x, u64(lo), u64(length), u64(n), coef, u64(k), u64(touched), partial),
+    )
+    image.function("gc_geo_accumulate_tiles").launch(
+        geo._grid(k * n), (geo._THREADS,), (partial, u64(tiles), u64(k * n), acc)
     )
     assert same_values(acc, want_acc)
 

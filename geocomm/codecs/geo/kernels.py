@@ -5,8 +5,9 @@ Each function takes arrays of one namespace (NumPy, CuPy, array-api-strict,
 kernels of ``native/geometry.c`` (zero-copy through DLPack), CuPy arrays
 through ``native/gc_geometry.cu``; both follow the order of
 ``native/gc_linalg.h``, so the bits never depend on the device, the CPU or a
-BLAS. Nothing a CuPy array holds comes to the host unless a caller copies it
-(:func:`host_copy`, :class:`LaterCopy`).
+BLAS. CuPy arrays stay on the device except where a function returns host
+values (:func:`sumsq`, :func:`column_sumsq`, :func:`host_copy`,
+:class:`LaterCopy`).
 
 A "range" is ``values``, the flat elements [lo, lo + values.size) of a
 row-major matrix with ``n`` columns; coefficient matrices hold one row per
@@ -46,6 +47,7 @@ _BF16 = BF16Codec()  # the side channel's format (GeoCodec.side_format)
 _LANES = 8  # GC_LANES of native/gc_linalg.h: the lanes of a dot product
 _PROJECT_COEFS = 8  # GC_GEO_COEFS of native/gc_geometry.cu: coefficients per group
 _SUMSQ_CHUNK = 2048  # GC_SUMSQ_CHUNK of native/gc_linalg.h
+_ACC_ROWS = 128  # GC_ACC_ROWS of native/gc_linalg.h: rows per tile of an accumulation
 _ORTHO_LANES = 256  # GC_ORTHO_LANES of native/gc_linalg.h: one block's threads
 _U64 = 2**64 - 1
 
@@ -178,7 +180,8 @@ def residual(values: Any, n: int, vt: Any, out: Any) -> Any:
 
 
 def accumulate(values: Any, lo: int, n: int, coef: Any, acc: Any) -> None:
-    """acc (k, n) += coef^T values over the range's rows, in row order."""
+    """acc (k, n) += coef^T values over the range's rows, in tiles of rows
+    (``native/gc_linalg.h``, "accumulate")."""
     if is_cupy_array(values):
         _cuda_accumulate(values, lo, n, coef, acc)
         return
@@ -315,18 +318,19 @@ def _cuda_accumulate(values: Any, lo: int, n: int, coef: Any, acc: Any) -> None:
     import cupy
 
     k = acc.shape[0]
-    if values.size:
-        _kernel(cupy, "gc_geo_accumulate")(
-            _grid(k * n),
-            (_THREADS,),
-            (
-                *_range_args(values, lo, n),
-                coef,
-                np.uint64(k),
-                np.uint64(rows(lo, values.size, n)),
-                acc,
-            ),
-        )
+    if not values.size or not k:
+        return
+    touched = rows(lo, values.size, n)
+    tiles = -(-touched // _ACC_ROWS)
+    partial = cupy.empty(tiles * k * n, cupy.float32)
+    _kernel(cupy, "gc_geo_accumulate")(
+        _grid(n * tiles * -(-k // _PROJECT_COEFS)),
+        (_THREADS,),
+        (*_range_args(values, lo, n), coef, np.uint64(k), np.uint64(touched), partial),
+    )
+    _kernel(cupy, "gc_geo_accumulate_tiles")(
+        _grid(k * n), (_THREADS,), (partial, np.uint64(tiles), np.uint64(k * n), acc)
+    )
 
 
 def _cuda_orthonormalize(rows_: Any, seed: int) -> Any:

@@ -70,9 +70,10 @@ DEVICES = ("auto", "cpu", "gpu")
 #: wins at equal bytes on the held-out zoo (the error does not depend on the
 #: device) but costs more than either kind's budget: on a host, measured, many
 #: times FP8's pass; on a GPU, modelled, past 1.5x FP8's call, its Gram-Schmidt
-#: runs on the host at every call (docs/design.md, "Choosing the defaults"). Both
-#: keep the split until the orthonormalization runs on the device; ``transform=
-#: "whiten"`` asks for the whitening anywhere.
+#: ran on the host at every call (docs/design.md, "Choosing the defaults"). It now
+#: runs on the device, but the whitening still picks its directions on the host at
+#: every call and no GPU has timed it: both keep the split until one does;
+#: ``transform="whiten"`` asks for the whitening anywhere.
 DEVICE_GEOMETRY = {"cpu": "split", "gpu": "split"}
 #: Whitening exponents: powers of one half, so a scale is a chain of square roots
 #: (correctly rounded everywhere: every rank gets the same bits, whatever its libm).
