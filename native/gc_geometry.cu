@@ -3,10 +3,12 @@
  * same contract (native/geocomm.h) and the same fixed order of every sum
  * (native/gc_linalg.h), so they give the CPU's bits. Only the walk differs:
  *
- *   gc_geo_project     GC_LANES threads per (row, GC_GEO_COEFS coefficients):
- *                      thread q runs lane q's chain of each, reading each value
- *                      once for all of them; a shuffle tree combines the lanes
- *                      in gc_lane_sum's order. Non-finite inputs read as 0.
+ *   gc_geo_project     GC_LANES threads per (row, chunk of GC_DOT_CHUNK columns,
+ *                      GC_GEO_COEFS coefficients): thread q runs lane q's chain
+ *                      of each, reading each value once for all of them; a
+ *                      shuffle tree combines the lanes in gc_lane_sum's order;
+ *                      gc_geo_project_chunks chains a row's chunks. Non-finite
+ *                      inputs read as 0.
  *   gc_geo_expand      four consecutive elements per thread, each a chain over
  *                      the k coefficients.
  *   gc_geo_accumulate  one thread per (column, tile of GC_ACC_ROWS rows, up to
@@ -51,38 +53,45 @@ __device__ __forceinline__ void gc_geo_row_span(gc_u64 lo, gc_u64 len, gc_u64 n,
     *c1 = end > first ? end - row * n : *c0;
 }
 
-/* coef[r][l]: GC_GEO_COEFS coefficients per group of GC_LANES threads, so that each
- * value of x is read once for all of them (k <= GC_GEO_COEFS: once per row); lane q
- * runs lane q's chain of each. blockDim.x must be a multiple of 32 (groups never
- * straddle a warp); the grid covers rows * ceil(k / GC_GEO_COEFS) groups. */
+/* The chunk totals of the dot products of each touched row with the k rows of vt
+ * (gc_linalg.h's "dot"): out[(r * chunks + c) * k + l] for chunk c of row r (chunks
+ * = ceil(n / GC_DOT_CHUNK); chunk c of a row that has fewer is left alone). One group
+ * of GC_LANES threads takes a (row, chunk) and GC_GEO_COEFS coefficients, so each value
+ * of x is read once for all of them (k <= GC_GEO_COEFS: once); lane q runs lane q's
+ * chain of each. blockDim.x must be a multiple of 32 (groups never straddle a warp);
+ * the grid covers rows * chunks * ceil(k / GC_GEO_COEFS) groups. With one chunk, out
+ * is the coefficients (rows, k); otherwise gc_geo_project_chunks adds the chunks. */
 #define GC_GEO_COEFS 8
 
 extern "C" __global__ void gc_geo_project(const float *x, gc_u64 lo, gc_u64 len, gc_u64 n,
                                           const float *vt, gc_u64 k, gc_u64 rows,
-                                          float *coef)
+                                          gc_u64 chunks, float *out)
 {
     gc_u64 g = gc_geo_id();
     gc_u64 o = g / GC_LANES, blocks = (k + GC_GEO_COEFS - 1) / GC_GEO_COEFS;
     unsigned int q = (unsigned int)(g % GC_LANES);
-    gc_u64 r = 0, l0 = 0, kb = 0;
+    gc_u64 r = 0, c = 0, l0 = 0, kb = 0;
     float p[GC_GEO_COEFS];
 #pragma unroll
     for (int j = 0; j < GC_GEO_COEFS; j++)
         p[j] = 0.0f;
-    if (o < rows * blocks) {
+    if (o < rows * chunks * blocks) {
         gc_u64 c0, c1;
-        r = o / blocks;
+        r = o / blocks / chunks;
+        c = o / blocks % chunks;
         l0 = o % blocks * GC_GEO_COEFS;
-        kb = k - l0 < GC_GEO_COEFS ? k - l0 : GC_GEO_COEFS;
         gc_geo_row_span(lo, len, n, r, &c0, &c1);
+        c0 += c * GC_DOT_CHUNK; /* this group's chunk of the row's columns */
+        c1 = c0 + GC_DOT_CHUNK < c1 ? c0 + GC_DOT_CHUNK : c1;
+        kb = c0 < c1 ? (k - l0 < GC_GEO_COEFS ? k - l0 : GC_GEO_COEFS) : 0;
         const float *xr = x + (lo / n + r) * n - lo;
         const float *vl = vt + l0 * n;
-        for (gc_u64 c = c0 + q; c < c1; c += GC_LANES) {
-            float v = gc_finite_or_zero(xr[c]);
+        for (gc_u64 col = c0 + q; col < c1; col += GC_LANES) {
+            float v = gc_finite_or_zero(xr[col]);
 #pragma unroll
             for (int j = 0; j < GC_GEO_COEFS; j++)
                 if ((gc_u64)j < kb)
-                    p[j] = gc_mad(p[j], v, vl[j * n + c]);
+                    p[j] = gc_mad(p[j], v, vl[j * n + col]);
         }
     }
     /* gc_lane_sum for each: (p0 + p4, p1 + p5, ...), then (a0 + a2, a1 + a3), then the two */
@@ -93,8 +102,27 @@ extern "C" __global__ void gc_geo_project(const float *x, gc_u64 lo, gc_u64 len,
         s = __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, 2, GC_LANES));
         s = __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, 1, GC_LANES));
         if (q == 0 && (gc_u64)j < kb)
-            coef[r * k + l0 + j] = s;
+            out[(r * chunks + c) * k + l0 + j] = s;
     }
+}
+
+/* coef[r][l] = the chain of row r's chunk totals (gc_geo_project's `out`) in order,
+ * from the first; one thread per (row, coefficient). */
+extern "C" __global__ void gc_geo_project_chunks(const float *partial, gc_u64 lo, gc_u64 len,
+                                                 gc_u64 n, gc_u64 k, gc_u64 rows,
+                                                 gc_u64 chunks, float *coef)
+{
+    gc_u64 g = gc_geo_id();
+    if (g >= rows * k)
+        return;
+    gc_u64 r = g / k, l = g % k, c0, c1;
+    gc_geo_row_span(lo, len, n, r, &c0, &c1);
+    gc_u64 own = (c1 - c0 + GC_DOT_CHUNK - 1) / GC_DOT_CHUNK; /* the row's chunks */
+    const float *pr = partial + r * chunks * k + l;
+    float t = pr[0];
+    for (gc_u64 c = 1; c < own; c++)
+        t = __fadd_rn(t, pr[c * k]);
+    coef[g] = t;
 }
 
 /* Four consecutive elements per thread (16-byte accesses of x and out where aligned;

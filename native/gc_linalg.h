@@ -7,10 +7,14 @@
  *
  *   chain     t = +0, then t = fl(t + fl(a * b)) for each term in a fixed
  *             order: two roundings per term, never an FMA;
- *   dot       a dot product over columns j0 .. j0 + c - 1 of one row keeps
- *             GC_LANES chains; lane q takes columns j0 + q, j0 + q + 8, ...
- *             in increasing order; the lanes are then combined by
- *             gc_lane_sum's fixed tree;
+ *   dot       a dot product over columns j0 .. j0 + c - 1 of one row cuts
+ *             them into chunks of GC_DOT_CHUNK from j0 (the last may be
+ *             shorter); a chunk from column a keeps GC_LANES chains, lane q
+ *             taking columns a + q, a + q + 8, ... in increasing order,
+ *             combined by gc_lane_sum's fixed tree; the chunks' totals are
+ *             then a chain in order from the first (a row of at most
+ *             GC_DOT_CHUNK columns is one chunk; a GPU sums every chunk of
+ *             a row at once);
  *   expand    x + chain over the k coefficients, l = 0 .. k - 1;
  *   accumulate  the rows of a range in tiles of GC_ACC_ROWS (counted from
  *             its first row); each tile's partial is a chain over its rows in
@@ -42,6 +46,7 @@
 
 #define GC_LANES 8
 #define GC_SUMSQ_CHUNK 2048
+#define GC_DOT_CHUNK 512
 #define GC_ACC_ROWS 128
 #define GC_ORTHO_LANES 256
 /* draws of a pseudo-random row before gc_geo_orthonormalize keeps the last one

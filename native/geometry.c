@@ -79,7 +79,32 @@ static inline float finish_dot(gc_vec acc, const float *x, const float *v, size_
     return gc_lane_sum(p);
 }
 
-/* ---- projection: coef[r][l] = dot(x[r][0 .. cols), vt[l][0 .. cols)) ---------- */
+/* ---- projection: coef[r][l] = dot(x[r][0 .. cols), vt[l][0 .. cols)) ----------
+ *
+ * gc_linalg.h's "dot": each chunk of GC_DOT_CHUNK columns sums its own lanes, and
+ * the chunks' totals chain in order. The loops stream a row once: where a chunk
+ * ends before the row does, its lanes close into the coefficient (chain_total)
+ * and start again from zero; the last chunk closes with the tail columns. */
+
+/* Where the vector loop's pass over the chunk from column j0 ends (`full`: the
+ * columns of whole lane vectors). */
+static inline size_t chunk_end(size_t j0, size_t full)
+{
+    return full - j0 < GC_DOT_CHUNK ? full : j0 + GC_DOT_CHUNK;
+}
+
+/* Whether the chunk of columns that ends at column `end` (a multiple of GC_LANES)
+ * closes there, before the row's `cols` columns do. */
+static inline int chunk_closes(size_t end, size_t cols)
+{
+    return end % GC_DOT_CHUNK == 0 && end < cols;
+}
+
+/* *c = t for the first chunk of a row (the one ending at `end`), *c + t after it. */
+static inline void chain_total(float *c, float t, size_t end)
+{
+    *c = end <= GC_DOT_CHUNK ? t : *c + t;
+}
 
 /* Four rows and two basis rows at a time: eight lane vectors in flight. */
 GC_INLINE void project_rows4(const float *x, size_t ldx, size_t cols, const float *vt,
@@ -90,33 +115,52 @@ GC_INLINE void project_rows4(const float *x, size_t ldx, size_t cols, const floa
     for (; l + 2 <= k; l += 2) {
         const float *v0 = vt + l * ldv, *v1 = v0 + ldv;
         gc_vec a[4][2] = {{{0}}};
-        for (size_t j = 0; j < full; j += GC_LANES) {
-            gc_vec b0 = load(v0 + j), b1 = load(v1 + j);
-            for (int r = 0; r < 4; r++) {
-                gc_vec xr = load(x + r * ldx + j);
-                if (masked)
-                    xr = finite_or_zero(xr);
-                a[r][0] += xr * b0;
-                a[r][1] += xr * b1;
+        for (size_t j0 = 0; j0 < full; j0 += GC_DOT_CHUNK) {
+            size_t end = chunk_end(j0, full);
+            for (size_t j = j0; j < end; j += GC_LANES) {
+                gc_vec b0 = load(v0 + j), b1 = load(v1 + j);
+                for (int r = 0; r < 4; r++) {
+                    gc_vec xr = load(x + r * ldx + j);
+                    if (masked)
+                        xr = finite_or_zero(xr);
+                    a[r][0] += xr * b0;
+                    a[r][1] += xr * b1;
+                }
             }
+            if (chunk_closes(end, cols))
+                for (int r = 0; r < 4; r++)
+                    for (int h = 0; h < 2; h++) {
+                        chain_total(coef + r * ldc + l + h, lane_sum(a[r][h]), end);
+                        a[r][h] = (gc_vec){0};
+                    }
         }
         for (int r = 0; r < 4; r++) {
-            coef[r * ldc + l] = finish_dot(a[r][0], x + r * ldx, v0, full, cols, masked);
-            coef[r * ldc + l + 1] = finish_dot(a[r][1], x + r * ldx, v1, full, cols, masked);
+            float *c = coef + r * ldc + l;
+            chain_total(c, finish_dot(a[r][0], x + r * ldx, v0, full, cols, masked), cols);
+            chain_total(c + 1, finish_dot(a[r][1], x + r * ldx, v1, full, cols, masked), cols);
         }
     }
     for (; l < k; l++) {
         const float *v0 = vt + l * ldv;
         gc_vec a[4] = {{0}};
-        for (size_t j = 0; j < full; j += GC_LANES) {
-            gc_vec b0 = load(v0 + j);
-            for (int r = 0; r < 4; r++) {
-                gc_vec xr = load(x + r * ldx + j);
-                a[r] += (masked ? finite_or_zero(xr) : xr) * b0;
+        for (size_t j0 = 0; j0 < full; j0 += GC_DOT_CHUNK) {
+            size_t end = chunk_end(j0, full);
+            for (size_t j = j0; j < end; j += GC_LANES) {
+                gc_vec b0 = load(v0 + j);
+                for (int r = 0; r < 4; r++) {
+                    gc_vec xr = load(x + r * ldx + j);
+                    a[r] += (masked ? finite_or_zero(xr) : xr) * b0;
+                }
             }
+            if (chunk_closes(end, cols))
+                for (int r = 0; r < 4; r++) {
+                    chain_total(coef + r * ldc + l, lane_sum(a[r]), end);
+                    a[r] = (gc_vec){0};
+                }
         }
         for (int r = 0; r < 4; r++)
-            coef[r * ldc + l] = finish_dot(a[r], x + r * ldx, v0, full, cols, masked);
+            chain_total(coef + r * ldc + l,
+                        finish_dot(a[r], x + r * ldx, v0, full, cols, masked), cols);
     }
 }
 
@@ -127,11 +171,18 @@ GC_INLINE void project_row(const float *x, size_t cols, const float *vt, size_t 
     for (size_t l = 0; l < k; l++) {
         const float *v0 = vt + l * ldv;
         gc_vec a = {0};
-        for (size_t j = 0; j < full; j += GC_LANES) {
-            gc_vec xr = load(x + j);
-            a += (masked ? finite_or_zero(xr) : xr) * load(v0 + j);
+        for (size_t j0 = 0; j0 < full; j0 += GC_DOT_CHUNK) {
+            size_t end = chunk_end(j0, full);
+            for (size_t j = j0; j < end; j += GC_LANES) {
+                gc_vec xr = load(x + j);
+                a += (masked ? finite_or_zero(xr) : xr) * load(v0 + j);
+            }
+            if (chunk_closes(end, cols)) {
+                chain_total(coef + l, lane_sum(a), end);
+                a = (gc_vec){0};
+            }
         }
-        coef[l] = finish_dot(a, x, v0, full, cols, masked);
+        chain_total(coef + l, finish_dot(a, x, v0, full, cols, masked), cols);
     }
 }
 
@@ -433,28 +484,34 @@ static void pair_basis(const float *vt, size_t k, size_t n, float *wp)
 
 typedef int32_t gc_wivec __attribute__((vector_size(8 * GC_LANES)));
 
-/* coef[l], coef[l + 1] from a wide lane vector (low half: basis row l). Rows
- * without tail columns combine the lanes in the vector: lane 0 of each half
- * becomes (p0 + p4 + ...) in gc_lane_sum's tree, step by step (a0 = p0 + p4,
- * then a0 + a2, then (a0 + a2) + (a1 + a3)). */
+/* The chunk ending at column `end` of coef[l], coef[l + 1] from a wide lane vector
+ * (low half: basis row l), with no tail columns: the lanes combine in the vector,
+ * lane 0 of each half becoming (p0 + p4 + ...) in gc_lane_sum's tree, step by step
+ * (a0 = p0 + p4, then a0 + a2, then (a0 + a2) + (a1 + a3)); then chain_total. */
+GC_INLINE void close_pair(gc_wvec acc, float *coef, size_t l, size_t end)
+{
+    const gc_wivec by4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+    const gc_wivec by2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+    const gc_wivec by1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+    gc_wvec a = acc + __builtin_shuffle(acc, by4);
+    gc_wvec b = a + __builtin_shuffle(a, by2);
+    gc_wvec c = b + __builtin_shuffle(b, by1);
+    chain_total(coef + l, c[0], end);
+    chain_total(coef + l + 1, c[GC_LANES], end);
+}
+
+/* The last chunk of a row: its tail columns into their lanes first (chain_total). */
 GC_INLINE void finish_pair(gc_wvec acc, const float *x, const float *vt, size_t ldv, size_t l,
                            size_t full, size_t cols, float *coef)
 {
     if (full == cols) {
-        const gc_wivec by4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-        const gc_wivec by2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-        const gc_wivec by1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-        gc_wvec a = acc + __builtin_shuffle(acc, by4);
-        gc_wvec b = a + __builtin_shuffle(a, by2);
-        gc_wvec c = b + __builtin_shuffle(b, by1);
-        coef[l] = c[0];
-        coef[l + 1] = c[GC_LANES];
+        close_pair(acc, coef, l, cols);
         return;
     }
     gc_vec half[2];
     memcpy(half, &acc, sizeof half);
     for (int h = 0; h < 2; h++)
-        coef[l + h] = finish_dot(half[h], x, vt + (l + h) * ldv, full, cols, 0);
+        chain_total(coef + l + h, finish_dot(half[h], x, vt + (l + h) * ldv, full, cols, 0), cols);
 }
 
 /* Pairs of basis rows a pass over four rows takes at most: 4 x 5 lane
@@ -474,18 +531,27 @@ GC_AVX512 GC_INLINE void project_pairs(const float *x, size_t ldx, size_t cols, 
     size_t chunks = cols / GC_LANES, full = chunks * GC_LANES, stride = chunks * 2 * GC_LANES;
     const float *w = wp + p0 * stride;
     gc_wvec a[4][GC_PAIRS] = {{{0}}};
-    for (size_t c = 0; c < chunks; c++) {
-        gc_wvec b[GC_PAIRS];
-        for (size_t q = 0; q < np; q++)
-            b[q] = wload(w + q * stride + c * 2 * GC_LANES);
-        if (p0 == 0 && c % 2 == 0) /* a line holds two chunks */
-            for (int r = 0; r < 4; r++)
-                _mm_prefetch((const char *)(x + (4 + r) * ldx + c * GC_LANES), _MM_HINT_T0);
-        for (int r = 0; r < 4; r++) {
-            gc_wvec xr = wdup(x + r * ldx + c * GC_LANES);
+    for (size_t j0 = 0; j0 < full; j0 += GC_DOT_CHUNK) { /* the dot product's chunks */
+        size_t end = chunk_end(j0, full);
+        for (size_t c = j0 / GC_LANES; c < end / GC_LANES; c++) {
+            gc_wvec b[GC_PAIRS];
             for (size_t q = 0; q < np; q++)
-                a[r][q] += xr * b[q];
+                b[q] = wload(w + q * stride + c * 2 * GC_LANES);
+            if (p0 == 0 && c % 2 == 0) /* a line holds two chunks */
+                for (int r = 0; r < 4; r++)
+                    _mm_prefetch((const char *)(x + (4 + r) * ldx + c * GC_LANES), _MM_HINT_T0);
+            for (int r = 0; r < 4; r++) {
+                gc_wvec xr = wdup(x + r * ldx + c * GC_LANES);
+                for (size_t q = 0; q < np; q++)
+                    a[r][q] += xr * b[q];
+            }
         }
+        if (chunk_closes(end, cols))
+            for (int r = 0; r < 4; r++)
+                for (size_t q = 0; q < np; q++) {
+                    close_pair(a[r][q], coef + r * ldc, 2 * (p0 + q), end);
+                    a[r][q] = (gc_wvec){0};
+                }
     }
     for (int r = 0; r < 4; r++)
         for (size_t q = 0; q < np; q++)
@@ -1019,10 +1085,10 @@ double gc_geo_sumsq(const float *x, size_t len)
 /* dots[d] for d < count: the dot product of `a` with row d of `b` (n columns), each
  * in gc_linalg.h's "ortho" order; `lanes` holds GC_ORTHO_LANES doubles. */
 static void ortho_dots(const double *b, size_t count, const double *a, size_t n, double *dots,
-                       double *lanes)
+                       double *restrict lanes)
 {
     for (size_t d = 0; d < count; d++) {
-        const double *bd = b + d * n;
+        const double *restrict bd = b + d * n;
         memset(lanes, 0, sizeof(double) * GC_ORTHO_LANES);
         for (size_t j0 = 0; j0 < n; j0 += GC_ORTHO_LANES) {
             size_t width = n - j0 < GC_ORTHO_LANES ? n - j0 : GC_ORTHO_LANES;
@@ -1036,14 +1102,15 @@ static void ortho_dots(const double *b, size_t count, const double *a, size_t n,
     }
 }
 
-/* a -= sum_p r[p] q[p] for the `count` rows of q, a chain over p per element. */
-static void ortho_subtract(const double *q, size_t count, const double *r, double *a, size_t n)
+/* a -= sum_p r[p] q[p] for the `count` rows of q, a chain over p per element (row by
+ * row, so each pass streams one row of q). */
+static void ortho_subtract(const double *q, size_t count, const double *r, double *restrict a,
+                           size_t n)
 {
-    for (size_t j = 0; j < n; j++) {
-        double t = a[j];
-        for (size_t p = 0; p < count; p++)
-            t = gc_msub64(t, r[p], q[p * n + j]);
-        a[j] = t;
+    for (size_t p = 0; p < count; p++) {
+        const double *restrict qp = q + p * n;
+        for (size_t j = 0; j < n; j++)
+            a[j] = gc_msub64(a[j], r[p], qp[j]);
     }
 }
 

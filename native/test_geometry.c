@@ -36,12 +36,17 @@ static void ref_project(const float *x, size_t lo, size_t len, size_t n, const f
         size_t a = row * n > lo ? row * n : lo;
         size_t b = (row + 1) * n < lo + len ? (row + 1) * n : lo + len;
         for (size_t l = 0; l < k; l++) {
-            float p[GC_LANES] = {0};
-            for (size_t e = a; e < b; e++) {
-                size_t q = (e - a) % GC_LANES;
-                p[q] = gc_mad(p[q], gc_finite_or_zero(x[e - lo]), vt[l * n + e % n]);
+            float total = 0.0f;
+            for (size_t c = a; c < b; c += GC_DOT_CHUNK) { /* the chunks, then their chain */
+                size_t end = b - c < GC_DOT_CHUNK ? b : c + GC_DOT_CHUNK;
+                float p[GC_LANES] = {0};
+                for (size_t e = c; e < end; e++) {
+                    size_t q = (e - c) % GC_LANES;
+                    p[q] = gc_mad(p[q], gc_finite_or_zero(x[e - lo]), vt[l * n + e % n]);
+                }
+                total = c == a ? gc_lane_sum(p) : total + gc_lane_sum(p);
             }
-            coef[r * k + l] = gc_lane_sum(p);
+            coef[r * k + l] = total;
         }
     }
 }
@@ -81,10 +86,11 @@ static void test_kernels_match_definition(void)
 {
     unsigned s = 7;
     for (int trial = 0; trial < 400; trial++) {
-        /* every 8th trial is tall and narrow: accumulations of several tiles */
-        int tall = trial % 8 == 0;
-        size_t m = 1 + (size_t)(rand() % (tall ? 3 * GC_ACC_ROWS : 9));
-        size_t n = 1 + (size_t)(rand() % (tall ? 12 : 90));
+        /* every 8th trial is tall and narrow (accumulations of several tiles), every
+         * 8th from the 4th short and wide (dot products of several chunks) */
+        int tall = trial % 8 == 0, wide = trial % 8 == 4;
+        size_t m = 1 + (size_t)(rand() % (tall ? 3 * GC_ACC_ROWS : wide ? 6 : 9));
+        size_t n = 1 + (size_t)(rand() % (tall ? 12 : wide ? 3 * GC_DOT_CHUNK : 90));
         size_t k = 1 + (size_t)(rand() % 9), total = m * n;
         size_t lo = (size_t)rand() % total, len = 1 + (size_t)rand() % (total - lo);
         size_t rows = gc_geo_rows(lo, len, n);

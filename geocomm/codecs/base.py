@@ -192,10 +192,12 @@ class TransformingCodec(StatefulCodec):
       config and the key's state only; None means plain quantization;
     * ``plan.forward(x, out)`` writes the mapped values and sets ``plan.side``,
       this rank's contribution to an exact side sum (or None); a plan with
-      ``ranged`` true also offers ``plan.begin(x, side)`` (sets ``side``: written
-      into ``side``, an array of ``plan.side_shape``, where the plan names one and
-      the caller gives it; a plan that names ``inputs``, the arrays its map reads,
-      may be replayed from a CUDA graph between steps) and then
+      ``ranged`` true also offers ``plan.begin(x, side, scratch)`` (sets ``side``:
+      written into ``side``, an array of ``plan.side_shape``, where the plan names
+      one and the caller gives it; ``scratch``, None or float32 of at least
+      ``plan.scratch_size`` values, is the caller's to lend for the call; a plan
+      that names ``inputs``, the arrays its map reads, may be replayed from a CUDA
+      graph between steps) and then
       ``plan.forward_range(values, lo, out)`` for any flat range, and
       ``plan.encode_range(values, lo, codec, wire, rounding_stream, offset)``,
       which encodes a range's mapped values with ``codec`` without storing them

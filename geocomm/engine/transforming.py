@@ -87,6 +87,7 @@ class SideChannel:
         self.values = xp.empty(sum(sizes), dtype=np.float32)
         self.exact = ExactSum(comm, self.values.size, fmt, xp)
         self.layout = layout
+        self.scratch: Any = None  # the plans' begin scratch (:meth:`begin`)
         starts = np.cumsum([0, *sizes])[:-1]
         self.spans = [(int(a), int(a + size)) for a, size in zip(starts, sizes, strict=True)]
 
@@ -97,10 +98,15 @@ class SideChannel:
         ]
 
     def begin(self, planned: list[tuple[Any, Any]], values: Any) -> None:
-        """The ranged plans' whole-tensor step, each writing its side into its slot."""
+        """The ranged plans' whole-tensor step, each writing its side into its slot, with
+        the channel's scratch (made at the first call that needs it, as large as the
+        largest ``plan.scratch_size``: the layout's later calls allocate none)."""
+        need = max((p.scratch_size for _, p in planned if p.ranged), default=0)
+        if need and (self.scratch is None or self.scratch.size < need):
+            self.scratch = array_module(values).empty(need, dtype=np.float32)
         for (part, plan), slot in zip(planned, self._slots(self.values), strict=True):
             if plan.ranged:
-                plan.begin(values[part.offset : part.offset + part.size], slot)
+                plan.begin(values[part.offset : part.offset + part.size], slot, self.scratch)
 
     def sum(self, planned: list[tuple[Any, Any]]) -> list[Any]:
         """The exact sums of the plans' sides (after :meth:`begin`), one collective:

@@ -106,11 +106,13 @@ def ref_project(x: np.ndarray, lo: int, n: int, vt: np.ndarray) -> np.ndarray:
         row = lo // n + r
         a, b = max(row * n, lo), min((row + 1) * n, lo + x.size)
         vals = np.where(np.isfinite(x[a - lo : b - lo]), x[a - lo : b - lo], np.float32(0))
-        lanes = np.zeros((k, 8), np.float32)
-        for t in range(b - a):
-            lanes[:, t % 8] = lanes[:, t % 8] + vals[t] * vt[:, (a + t) % n]
-        s4 = lanes[:, :4] + lanes[:, 4:]
-        coef[r] = (s4[:, 0] + s4[:, 2]) + (s4[:, 1] + s4[:, 3])
+        for c in range(0, b - a, DOT_CHUNK):  # each chunk's lanes, then the chunks' chain
+            lanes = np.zeros((k, 8), np.float32)
+            for t in range(c, min(c + DOT_CHUNK, b - a)):
+                lanes[:, (t - c) % 8] = lanes[:, (t - c) % 8] + vals[t] * vt[:, (a + t) % n]
+            s4 = lanes[:, :4] + lanes[:, 4:]
+            total = (s4[:, 0] + s4[:, 2]) + (s4[:, 1] + s4[:, 3])
+            coef[r] = total if c == 0 else coef[r] + total
     return coef
 
 
@@ -126,6 +128,7 @@ def ref_expand(x, lo, n, coef, vt, sign):
 
 
 ACC_ROWS = 128  # GC_ACC_ROWS of native/gc_linalg.h
+DOT_CHUNK = 512  # GC_DOT_CHUNK of native/gc_linalg.h
 
 
 def ref_accumulate(x, lo, n, coef, acc):
@@ -150,6 +153,7 @@ def ref_accumulate(x, lo, n, coef, acc):
         (4, 40, 5, 45, 30),
         (3, 9, 2, 4, 3),
         (300, 5, 3, 2, 1490),  # three tiles of accumulation, partial rows at both ends
+        (3, 1100, 4, 600, 2000),  # dot products of three chunks, partial rows at both ends
     ],
 )
 def test_kernels_follow_the_fixed_order(xp, m, n, k, lo, length):

@@ -132,7 +132,9 @@ def test_geofp8_between_power_steps_replays_one_graph(cp, comms, kind, stages, o
     ``out`` replays alike (its power steps sum each rank's part)."""
     from geocomm.engine import call as calls
 
-    shapes = [(256, 512), (128, 512)]
+    # w2's rows span three chunks of a dot product: its projections sum the chunks
+    # in the side channel's scratch, which a replay must find where it was captured
+    shapes = [(256, 512), (64, 1100)]
     parts = [("w1", shapes[0]), ("w2", shapes[1]), ("b", (512,))]
     count = sum(m * n for m, n in shapes) + 512
     # k = 4, the matrices' rank: the steps' bases settle

@@ -1031,6 +1031,7 @@ def test_pipeline_and_geometry_units_build():
         (3, 4000, 90, 11),  # a projection's group takes 8 coefficients: 8, then 3
         (0, 2048, 64, 16),
         (9, 3000, 10, 5),  # 301 rows: three tiles of accumulation, partial rows at both ends
+        (700, 5000, 1100, 9),  # dot products of three chunks, partial rows at both ends
     ],
 )
 def test_geometry_kernels_match_the_c_core(lo, length, n, k):
@@ -1043,11 +1044,20 @@ def test_geometry_kernels_match_the_c_core(lo, length, n, k):
     want, _ = native.geo_project(x, lo, n, vt)
     touched = geo.rows(lo, length, n)
     coef = np.zeros(want.shape, np.float32)
+    chunks = -(-n // geo._DOT_CHUNK)
+    partial = coef if chunks == 1 else np.full(touched * chunks * k, np.nan, np.float32)
+    sizes = (u64(k), u64(touched), u64(chunks))
     image.function("gc_geo_project").launch(
-        geo._grid(touched * -(-k // geo._PROJECT_COEFS) * geo._LANES),
+        geo._grid(touched * chunks * -(-k // geo._PROJECT_COEFS) * geo._LANES),
         (geo._THREADS,),
-        (x, u64(lo), u64(length), u64(n), vt, u64(k), u64(touched), coef),
+        (x, u64(lo), u64(length), u64(n), vt, *sizes, partial),
     )
+    if chunks > 1:
+        image.function("gc_geo_project_chunks").launch(
+            geo._grid(touched * k),
+            (geo._THREADS,),
+            (partial, u64(lo), u64(length), u64(n), *sizes, coef),
+        )
     assert np.array_equal(bits(coef), bits(want))
     out, want_out = np.zeros_like(x), np.zeros_like(x)
     native.geo_expand(x, lo, n, want, vt, -1.0, want_out)

@@ -61,7 +61,9 @@ class _MeasurePlan:
     def __init__(self, dims: MapShape, state: KeyState, whiten: int = 0):
         self.map_shape, self.state, self.whiten = dims, state, whiten
 
-    def begin(self, x: Any, side: Any = None) -> None:
+    scratch_size = 0
+
+    def begin(self, x: Any, side: Any = None, scratch: Any = None) -> None:
         return None
 
     def forward_range(self, values: Any, lo: int, out: Any) -> None:

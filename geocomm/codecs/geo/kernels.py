@@ -34,6 +34,7 @@ __all__ = [
     "orthonormalize",
     "pack",
     "project",
+    "project_scratch_size",
     "residual",
     "round_bf16",
     "row_sumsq",
@@ -47,6 +48,7 @@ _BF16 = BF16Codec()  # the side channel's format (GeoCodec.side_format)
 _LANES = 8  # GC_LANES of native/gc_linalg.h: the lanes of a dot product
 _PROJECT_COEFS = 8  # GC_GEO_COEFS of native/gc_geometry.cu: coefficients per group
 _SUMSQ_CHUNK = 2048  # GC_SUMSQ_CHUNK of native/gc_linalg.h
+_DOT_CHUNK = 512  # GC_DOT_CHUNK of native/gc_linalg.h: columns per chunk of a dot product
 _ACC_ROWS = 128  # GC_ACC_ROWS of native/gc_linalg.h: rows per tile of an accumulation
 _ORTHO_LANES = 256  # GC_ORTHO_LANES of native/gc_linalg.h: one block's threads
 _U64 = 2**64 - 1
@@ -104,9 +106,19 @@ class LaterCopy:
         return self._host
 
 
-def project(values: Any, lo: int, n: int, vt: Any, out: Any = None) -> Any:
+def project_scratch_size(rows_: int, n: int, k: int) -> int:
+    """Float32 values of scratch :func:`project` needs on a GPU for ``rows_`` rows of an
+    n-column matrix and k coefficients: the chunk sums of rows longer than one chunk
+    (``native/gc_linalg.h``, "dot"), 0 for shorter ones."""
+    chunks = -(-n // _DOT_CHUNK)
+    return rows_ * chunks * k if chunks > 1 else 0
+
+
+def project(values: Any, lo: int, n: int, vt: Any, out: Any = None, scratch: Any = None) -> Any:
     """coef (rows, k): dot products of each touched row's part with the k rows of vt;
-    written into ``out`` (C-contiguous float32 of that shape) when given.
+    written into ``out`` (C-contiguous float32 of that shape) when given. ``scratch``:
+    a flat float32 array of at least :func:`project_scratch_size` values for a GPU's
+    chunk sums (None: allocated; the host needs none).
 
     Non-finite values read as 0, so a rank's inf/NaN stays where it is
     instead of spreading into every coefficient of its row.
@@ -117,7 +129,7 @@ def project(values: Any, lo: int, n: int, vt: Any, out: Any = None) -> Any:
         if tuple(out.shape) != shape or out.dtype != np.float32:
             raise ValueError(f"project writes float32 {shape}, got {out.dtype} {tuple(out.shape)}")
     if is_cupy_array(values):
-        return _cuda_project(values, lo, n, vt, out)
+        return _cuda_project(values, lo, n, vt, out, scratch)
     xp = array_namespace(values, vt)
     coef, _ = native.geo_project(_host(values), lo, n, _host(vt))
     if out is None:
@@ -172,7 +184,7 @@ def residual(values: Any, n: int, vt: Any, out: Any) -> Any:
     bfloat16 (:func:`round_bf16`), writes out = values - coef vt (same bits as the
     three steps; one pass on the host)."""
     if is_cupy_array(values):
-        coef = round_bf16(_cuda_project(values, 0, n, vt))
+        coef = round_bf16(_cuda_project(values, 0, n, vt, None, None))
         _cuda_expand(values, 0, n, coef, vt, -1.0, out)
         return coef
     xp = array_namespace(values, vt)
@@ -285,7 +297,7 @@ def _range_args(values: Any, lo: int, n: int) -> tuple[Any, ...]:
     return (values, np.uint64(lo), np.uint64(values.size), np.uint64(n))
 
 
-def _cuda_project(values: Any, lo: int, n: int, vt: Any, out: Any = None) -> Any:
+def _cuda_project(values: Any, lo: int, n: int, vt: Any, out: Any, scratch: Any) -> Any:
     import cupy
 
     k = vt.shape[0]
@@ -293,12 +305,22 @@ def _cuda_project(values: Any, lo: int, n: int, vt: Any, out: Any = None) -> Any
     if out is not None and not out.flags.c_contiguous:
         raise ValueError("project writes C-contiguous coefficients")
     coef = cupy.empty((touched, k), cupy.float32) if out is None else out
-    if touched:
-        groups = touched * -(-k // _PROJECT_COEFS)
-        _kernel(cupy, "gc_geo_project")(
-            _grid(groups * _LANES),
-            (_THREADS,),
-            (*_range_args(values, lo, n), vt, np.uint64(k), np.uint64(touched), coef),
+    if not touched:
+        return coef
+    chunks = -(-n // _DOT_CHUNK)  # a row's chunks of columns, summed at once
+    partial = coef
+    if chunks > 1:
+        size = project_scratch_size(touched, n, k)
+        partial = cupy.empty(size, cupy.float32) if scratch is None else scratch[:size]
+    range_args = _range_args(values, lo, n)
+    sizes = (np.uint64(k), np.uint64(touched), np.uint64(chunks))
+    groups = touched * chunks * -(-k // _PROJECT_COEFS)
+    _kernel(cupy, "gc_geo_project")(
+        _grid(groups * _LANES), (_THREADS,), (*range_args, vt, *sizes, partial)
+    )
+    if chunks > 1:
+        _kernel(cupy, "gc_geo_project_chunks")(
+            _grid(touched * k), (_THREADS,), (partial, *range_args[1:], *sizes, coef)
         )
     return coef
 

@@ -76,10 +76,13 @@ def side_shape(dims: MapShape, pending: Any) -> tuple[int, int]:
     return (dims.m + (pending is not None), dims.k)
 
 
-def _side(x: Any, dims: MapShape, vt: Any, pending: Any, out: Any = None) -> Any:
+def _side(
+    x: Any, dims: MapShape, vt: Any, pending: Any, out: Any = None, scratch: Any = None
+) -> Any:
     """The split's side of the flat values x (into ``out``, of :func:`side_shape`, when
-    given): their coefficients rounded to bfloat16, then :func:`_with_energies`."""
-    coef = kernels.project(x, 0, dims.n, vt, None if out is None else out[: dims.m])
+    given; ``scratch``: the projection's): their coefficients rounded to bfloat16, then
+    :func:`_with_energies`."""
+    coef = kernels.project(x, 0, dims.n, vt, None if out is None else out[: dims.m], scratch)
     return _with_energies(kernels.round_bf16(coef), pending, out)
 
 
@@ -142,13 +145,21 @@ class SplitPlan:
         """The shape :meth:`begin` gives :attr:`side` (known before it runs)."""
         return side_shape(self.map_shape, self.pending)
 
-    def begin(self, x: Any, side: Any = None) -> None:
+    @property
+    def scratch_size(self) -> int:
+        """The float32 values of scratch :meth:`begin` uses (the projection's chunk sums:
+        :func:`~geocomm.codecs.geo.kernels.project_scratch_size`)."""
+        dims = self.map_shape
+        return kernels.project_scratch_size(dims.m, dims.n, dims.k)
+
+    def begin(self, x: Any, side: Any = None, scratch: Any = None) -> None:
         """A = X V, rounded to bfloat16, for this rank's flat values x: sets :attr:`side`
-        (written into ``side``, of :attr:`side_shape`, when given).
+        (written into ``side``, of :attr:`side_shape`, when given; ``scratch``: at least
+        :attr:`scratch_size` float32 values, or None to allocate them).
 
         Non-finite values of x do not enter A (they stay at their positions).
         """
-        self.side = _side(x, self.map_shape, self.vt, self.pending, side)
+        self.side = _side(x, self.map_shape, self.vt, self.pending, side, scratch)
         self._packed = kernels.pack(self.vt)  # every piece expands with it
 
     def forward_range(self, values: Any, lo: int, out: Any) -> None:
