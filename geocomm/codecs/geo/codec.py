@@ -347,8 +347,8 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         yield from self.measure(plan.state, shard, lo, summed=not alone, whiten=whiten)
 
     def _commit_step(self, plan: SplitPlan | WhitenPlan, side_sum: Any) -> None:
-        """The key's state after a power step (unless the step kept the old basis):
-        the plan's new basis, the energy along each mapped direction (the side sum's
+        """The key's state after a power step (unless its energy was non-finite or
+        zero): the plan's new basis, the energy along each mapped direction (the side sum's
         last row: every rank's values), the tracked rows it does not map carried
         along with their energies scaled to the new whole energy, and the period
         the overlap of the new basis with the old one gives. The step's outcome

@@ -50,9 +50,6 @@ class KeyState:
     measure in a reduce-scatter) rather than every rank measuring from the
     whole result (an all-reduce), i.e. whether it cost side bytes.
 
-    ``host_vt``: a NumPy copy of ``vt`` (the host's steps read it without a copy
-    from the device).
-
     Whitening (``transform="whiten"``): ``wt``, the (rows, d) basis of the
     last result's dominant directions (orthonormal, best first; None before
     one was measured), ``wenergies`` the result's energy along each, and
@@ -72,7 +69,6 @@ class KeyState:
     wt: Any = None
     wenergies: tuple[float, ...] = ()
     wbulk: float = 0.0
-    host_vt: np.ndarray | None = field(default=None, init=False, repr=False)
     _basis_crc: int = field(default=0, init=False, repr=False)
     _white_crc: int = field(default=0, init=False, repr=False)
 
@@ -116,8 +112,8 @@ class KeyState:
             old[...] = vt
         else:
             self.vt = vt
-        self.host_vt = _host_array(vt) if host is None else host
-        self._basis_crc = zlib.crc32(np.ascontiguousarray(self.host_vt, "<f4").tobytes())
+        host = _host_array(vt) if host is None else host
+        self._basis_crc = zlib.crc32(np.ascontiguousarray(host, "<f4").tobytes())
 
     def commit(
         self,
