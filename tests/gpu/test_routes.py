@@ -216,6 +216,39 @@ def test_geofp8_with_refreshes(cp, device_comm, mpi_comm, config, monkeypatch):
     assert any(in_kernels) == (config.get("transform") != "whiten")
 
 
+def test_geofp8_steps_past_nonfinite_gradients(cp, device_comm, mpi_comm):
+    """A power step on a call whose gradient holds inf and NaN (on one rank) is decided
+    on the device, without the host: its energy is not finite, so the state does not
+    take the step's basis, which the call still maps with (non-finite sums read as 0).
+    Every call gives NumPy's bits where the result is finite and the same non-finite
+    positions, and the states agree; the next finite call steps again."""
+    # refresh_max 1: a power step at every call after the first, the non-finite one too
+    dev, host = codec_pair({"id": "geofp8", "min_dim": 8, "min_numel": 0, "refresh_max": 1})
+    m, n = 96, 80
+    rows = np.random.default_rng(5).standard_normal((3, n))
+    for call in range(5):
+        rank = np.random.default_rng([mpi_comm.rank, call])
+        x = 10 * rank.standard_normal((m, 3)) @ rows + 0.05 * rank.standard_normal((m, n))
+        x = x.astype(np.float32).reshape(-1)
+        if call == 2 and mpi_comm.rank == 0:
+            x[7], x[m * n // 2] = np.inf, np.nan
+        before = dev.state_info("w")
+        parts = [("w", (m, n))]
+        got = geocomm.allreduce(cp.asarray(x), codec=dev, parts=parts, comm=device_comm)
+        want = geocomm.allreduce(x, codec=host, parts=parts, comm=mpi_comm)
+        got = got.get()
+        bad = ~np.isfinite(want)
+        assert np.array_equal(bad, ~np.isfinite(got)), call
+        assert np.array_equal(got[~bad].view(np.uint32), want[~bad].view(np.uint32)), call
+        assert bad.sum() == (2 if call == 2 else 0), call  # inf/NaN stay where they were
+        after = dev.state_info("w")
+        if call == 2:
+            assert after["refreshed"] == before["refreshed"], "a non-finite step was taken"
+        elif call > 0:  # a step the state takes, the one after the non-finite call too
+            assert after["refreshed"] == after["calls"], (call, after)
+    assert dev.state_checksum() == host.state_checksum()
+
+
 @pytest.mark.parametrize("name", ["fp8", "nvfp4", "mxfp4", "fp8-sr", "fp8-ef"])
 def test_node_aware_routes(cp, torch_comm, mpi_comm, name, monkeypatch):
     """``topology="node"`` on device arrays (the exact node-local steps with the device
