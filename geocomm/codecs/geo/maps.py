@@ -125,7 +125,8 @@ class SplitPlan:
 
     @property
     def refreshes(self) -> bool:
-        """Whether the key's state takes a new basis after the call (a step found one)."""
+        """Whether the codec's refresh runs after the call: after a step, whose verdict
+        says whether the key's state takes the new basis."""
         return self.pending is not None
 
     def stepped(self, vt: Any, verdict: Any) -> None:
