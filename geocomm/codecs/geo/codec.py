@@ -348,11 +348,11 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
 
     def _commit_step(self, plan: SplitPlan | WhitenPlan, side_sum: Any) -> None:
         """The key's state after a power step (unless its energy was non-finite or
-        zero): the plan's new basis, the energy along each mapped direction (the side sum's
-        last row: every rank's values), the tracked rows it does not map carried
-        along with their energies scaled to the new whole energy, and the period
-        the overlap of the new basis with the old one gives. The step's outcome
-        and the energies travel to the host behind the call
+        zero): the plan's new basis, the energy along each mapped direction (the
+        side sum's last row: every rank's values), the tracked rows it does not
+        map carried along with their energies scaled to the new whole energy, and
+        the period the overlap of the new basis with the old one gives. The step's
+        outcome and the energies travel to the host behind the call
         (:class:`~geocomm.codecs.geo.kernels.LaterCopy`), so the call never waits
         for them: the state takes them when it is next read (:meth:`_settle`)."""
         st, k, (vt, verdict) = plan.state, plan.map_shape.k, plan.pending

@@ -106,7 +106,9 @@ class KeyState:
     def _set_basis(self, vt: Any, host: np.ndarray | None = None) -> None:
         """``vt`` becomes the basis; ``host``: its NumPy copy, if the caller has one. A
         device basis of the same shape is copied into the old one's memory (in stream
-        order), so CUDA graphs of mapped calls, which read it from there, stay valid."""
+        order), so CUDA graphs of mapped calls, which read it from there, stay valid;
+        the first basis is kept as given, so later updates write into it: a caller
+        hands over memory that nothing else keeps (a view of it would change)."""
         old = self.vt
         if is_cupy_array(old) and is_cupy_array(vt) and old.shape == vt.shape and old is not vt:
             old[...] = vt
