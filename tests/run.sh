@@ -17,14 +17,16 @@ source tools/setup_venv.sh test,frameworks
 # the window's venvs download and unpack while the suites below compute
 bash tests/run_torch_window.sh prepare >.torch-window.log 2>&1 &
 TORCH_WINDOW=$!
-# -P: import the installed package (with its compiled core), not ./geocomm
+# -P: import the installed package (with its compiled core), not ./geocomm.
+# The single-process suites spread over the cores (pytest-xdist); MPI ones cannot.
+XDIST=(-n auto --maxprocesses 4)
 stage "lint and format (ruff) and types (mypy; strict on geocomm.codecs and geocomm.engine)"
 "$VENV/bin/ruff" check geocomm perf tests bindings tools
 "$VENV/bin/ruff" format --check geocomm perf tests bindings tools
 "$VENV/bin/mypy"
 stage "single-process tests"
 # tests/gpu runs in sessions of its own: its conftest puts the CuPy twin in place
-"$PY" -P -m pytest -q -p no:cacheprovider -m "not mpi" --ignore=tests/gpu tests
+"$PY" -P -m pytest -q -p no:cacheprovider "${XDIST[@]}" -m "not mpi" --ignore=tests/gpu tests
 for n in 1 2 3 4; do
   stage "MPI tests on $n rank(s)"
   "$PY" -m geocomm.launch -n "$n" --timeout 1200 -- \
@@ -32,7 +34,7 @@ for n in 1 2 3 4; do
 done
 stage "GPU routes on the CPU twin of CuPy"
 export GEOCOMM_TWIN_CACHE="${GEOCOMM_TWIN_CACHE:-$PWD/.twin-cache}"
-"$PY" -P -m pytest -q -p no:cacheprovider -m "not mpi" tests/gpu
+"$PY" -P -m pytest -q -p no:cacheprovider "${XDIST[@]}" -m "not mpi" tests/gpu
 for n in 1 2 3 4; do
   stage "GPU routes on the twin, $n rank(s)"
   "$PY" -m geocomm.launch -n "$n" --timeout 1200 -- \
