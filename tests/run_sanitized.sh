@@ -42,6 +42,7 @@ export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=
 "$PY" -P -c "import geocomm.kernels.native as n, sys
 sys.exit(not (n.available and n.__file__.startswith('$PACKAGE/')))" \
   || { echo "run_sanitized.sh: the sanitized core in $PACKAGE does not load" >&2; exit 1; }
-"$PY" -P -m pytest -q -p no:cacheprovider -m "not mpi" tests/codecs/test_codec_formats.py \
+"$PY" -P -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 -m "not mpi" \
+  tests/codecs/test_codec_formats.py \
   tests/codecs/test_mx_formats.py tests/codecs/test_stochastic_rounding.py \
   tests/codecs/test_frames.py tests/codecs/test_geometry.py

@@ -34,7 +34,10 @@ run_tests() {
   for v in $VERSIONS; do
     py=.venv-torch-$v/bin/python
     echo "== torch adapters on torch $v"
-    "$py" -P -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 -m "not mpi" "${SUITES[@]}"
+    # each example once, under torchrun: under mpirun it bootstraps as the MPI suites
+    # below do (init_distributed_from_mpi), and the main suite runs both launchers
+    "$py" -P -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 -m "not mpi" \
+      -k "not mpirun" "${SUITES[@]}"
     "$py" -m geocomm.launch -n 2 --timeout 1200 -- \
       "$py" -P -m mpi4py -m pytest --with-mpi -q -p no:cacheprovider -m mpi "${SUITES[@]}"
   done

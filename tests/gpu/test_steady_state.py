@@ -186,6 +186,56 @@ def test_geofp8_between_power_steps_replays_one_graph(cp, comms, kind, stages, o
         assert cost == {**keys, "graph_launches": 1, "events": 1}, (cost, kinds)
 
 
+def test_geofp8_buckets_of_a_round_never_wait_for_a_lagging_device(cp, comms):
+    """DDP hands the collective one bucket after another while the device still runs the
+    earlier ones. GeoFP8's state takes a power step's outcome on the host (its verdict,
+    basis and energies come behind the call): a key's own at the key's next call, and
+    every key's when the round of calls starts again (a key comes back), where the
+    allocation is made again and every rank must decide from the same state. So no call
+    of a round reads what another call of that round found, and none waits for the
+    device even when it has run none of the round's work yet (the twin holds it: a
+    host synchronization raises). Each round starts with the device idle, as a training
+    step's first bucket finds the last step's buckets done. Three buckets of one key
+    each, with the default check on (it compares every key's state across ranks); every
+    call gives NumPy's bits over MPI, with power steps, and both codecs keep equal
+    state."""
+    from cupy import _device
+
+    from geocomm.engine import call as calls
+
+    shapes = [(256, 512), (64, 1100), (128, 256)]
+    buckets = [[(f"w{i}", shape)] for i, shape in enumerate(shapes)]
+    config = {"id": "geofp8", "k": 4}
+    dev, host = geocomm.get_codec(config), geocomm.get_codec(config)
+    stream = cp.cuda.Stream(non_blocking=True)
+    steps = 0
+    with stream:
+        arrays = [cp.empty(m * n, cp.float32) for m, n in shapes]
+        for call in range(14):
+            xs = [geo_gradients(comms[0].rank, call, [shape])[:-512] for shape in shapes]
+            wants = []
+            for x, parts in zip(xs, buckets, strict=True):
+                with calls.saved_call_counts():  # the device calls round as the reference did
+                    wants.append(geocomm.allreduce(x, codec=host, comm=comms[1], parts=parts))
+            for d, x in zip(arrays, xs, strict=True):
+                d.set(x)
+            before = [dev.state_info(p[0][0]) for p in buckets]
+            stream.synchronize()  # the last round's work is done
+            with counted() as cost, _device.hold():
+                for d, parts in zip(arrays, buckets, strict=True):
+                    geocomm.allreduce(d, codec=dev, comm=comms[0], out=d, parts=parts)
+            assert "syncs" not in cost, cost
+            for d, want in zip(arrays, wants, strict=True):
+                assert np.array_equal(d.get().view(np.uint32), want.view(np.uint32)), call
+            after = [dev.state_info(p[0][0]) for p in buckets]
+            steps += sum(
+                b is not None and a["refreshed"] != b["refreshed"]
+                for a, b in zip(after, before, strict=True)
+            )
+    assert steps >= 6, steps  # power steps were taken (and read) under the hold
+    assert dev.state_checksum() == host.state_checksum()
+
+
 def test_replays_leave_only_unfinished_transfers_watched(cp, comms):
     """Each replay hands its graph's work to the communicator's timeout watch; the watch
     lets go of what finished, so a training loop of replays (which starts no transfer of

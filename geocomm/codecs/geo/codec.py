@@ -139,11 +139,11 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         self._state: dict[Any, KeyState] = {}
         self._ranks: tuple[int, dict[Any, int]] = (-1, {})  # (state version, allocation)
         self._version = 0  # bumps whenever a key's spectrum or the set of keys changes
-        self._planned: set[Any] = set()  # keys planned under the current allocation
+        self._planned: set[Any] = set()  # keys planned in this round of calls
         self._map_shapes: dict[tuple[tuple[int, ...], bool], MapShape | None] = {}
-        # basis updates whose energies are still on their way to the host, with the
-        # commit that takes them (:meth:`_later`)
-        self._unsettled: list[tuple[kernels.LaterCopy, Callable[..., None]]] = []
+        # basis updates whose outcomes are still on their way to the host, in call
+        # order: the key's state, the copies and the commit that takes them (:meth:`_later`)
+        self._unsettled: list[tuple[KeyState, kernels.LaterCopy, Callable[..., None]]] = []
 
     # ---- configuration --------------------------------------------------------
     def _knobs(self) -> dict[str, Any]:
@@ -203,13 +203,12 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         dims = self.map_shape(shape)
         if dims is None:
             return None
-        if self._unsettled:
-            self._settle()
         geometry = self.geometry(is_cupy_array(x))
         if geometry == "hadamard":
             return HadamardPlan(dims, self.seed, bounds)
         key = ("shape", tuple(shape)) if key is None else key
         st = self._state_for(key, dims)
+        self._settle(st)
         st.calls += 1
         whiten = whiten_rows(dims, self.whiten) if geometry == "whiten" else (0, 0)
         if st.vt is None:  # the first result measures the basis (the cold start)
@@ -256,14 +255,19 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         )
 
     def _rank_of(self, key: Any) -> int:
-        """The key's rank under the allocation of this round of calls: it is made
-        again only when a key comes back (the next step's first tensor), so every
-        call of one step spends from one allocation and the step keeps the cap."""
-        if self._ranks[0] < 0 or (self._ranks[0] != self._version and key in self._planned):
-            self._ranks = (-1, {})
+        """The key's rank under the allocation of this round of calls. A round starts
+        when a key comes back (the next training step's first tensor): every key's
+        state then takes the updates still on their way (:meth:`_settle`), and the
+        allocation is made again if they changed it. So every call of one step spends
+        from one allocation and the step keeps the cap, and no call of a round waits
+        for what another call of the round found."""
+        if key in self._planned or self._ranks[0] < 0:
+            self._settle()
             self._planned.clear()
+            if self._ranks[0] != self._version:
+                self._ranks = (-1, {})
         self._planned.add(key)
-        return self.ranks().get(key, 0)
+        return self._allocation().get(key, 0)
 
     def _flat(self, st: KeyState) -> bool:
         """Whether the key's tracked share beats a flat spectrum by less than min_share."""
@@ -274,8 +278,11 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         of calls (:func:`~geocomm.codecs.geo.policy.allocate`; -1: flat, plain
         and re-measured); a pure function of the keys' states, so equal on
         ranks whose states are."""
-        if self._unsettled:
-            self._settle()
+        self._settle()
+        return self._allocation()
+
+    def _allocation(self) -> dict[Any, int]:
+        """:meth:`ranks` from the states as they are, made when none is kept."""
         if self._ranks[0] < 0:
             spectra = {
                 key: policy.Spectrum(
@@ -368,18 +375,29 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
             st.commit(vt, (*mapped, *carried), whole, period, summed=True, host=host)
             self._version += 1
 
-        self._later(commit, side_sum[plan.map_shape.m, :], verdict, vt)
+        self._later(st, commit, side_sum[plan.map_shape.m, :], verdict, vt)
 
-    def _later(self, commit: Callable[..., None], *arrays: Any) -> None:
-        """Hand ``commit`` the host copies of ``arrays`` when the state is next read
-        (:class:`~geocomm.codecs.geo.kernels.LaterCopy`: the call goes on at once)."""
-        self._unsettled.append((kernels.LaterCopy(*arrays), commit))
+    def _later(self, st: KeyState, commit: Callable[..., None], *arrays: Any) -> None:
+        """Hand ``commit``, an update of ``st``, the host copies of ``arrays`` when the
+        state is next read (:class:`~geocomm.codecs.geo.kernels.LaterCopy`: the call
+        goes on at once)."""
+        self._unsettled.append((st, kernels.LaterCopy(*arrays), commit))
 
-    def _settle(self) -> None:
-        """Run the basis updates whose outcomes were on their way (:meth:`_later`), in
-        call order; every reader of a key's state calls this first."""
-        pending, self._unsettled = self._unsettled, []
-        for copies, commit in pending:
+    def _settle(self, st: KeyState | None = None) -> None:
+        """Run the updates whose outcomes were on their way (:meth:`_later`), in call
+        order: every one, or with ``st`` those up to ``st``'s last, so that the host
+        waits only for the calls the reader needs (the device runs them in order).
+        Every reader of a key's state calls this first; readers decide at the same
+        calls on every rank, so every rank's state takes the same updates."""
+        pending = self._unsettled
+        if st is None:
+            done = len(pending)
+        else:
+            done = next((i + 1 for i in range(len(pending) - 1, -1, -1) if pending[i][0] is st), 0)
+        if not done:
+            return
+        self._unsettled = pending[done:]
+        for _, copies, commit in pending[:done]:
             commit(*copies.result())
 
     def measure(
@@ -419,7 +437,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
                 _commit_whitening(st, wt, host[:whiten], energies[:whiten], energy)
             self._version += 1
 
-        self._later(commit, kernels.row_sumsq(coef.T), verdict, basis)
+        self._later(st, commit, kernels.row_sumsq(coef.T), verdict, basis)
 
     def _random_rows(self, xp: Any, rows: int, n: int) -> Any:
         """A cold start's basis: ``rows`` orthonormal rows drawn from the seed (the
@@ -477,11 +495,13 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
     def state_checksum(self, key: Any = None) -> int:
         """CRC32 of one key's state (0 if it has none), or with key None of
         every key's, in key order; equal on ranks that agree."""
-        if self._unsettled:
-            self._settle()
         if key is not None:
             st = self._state.get(key)
-            return 0 if st is None else st.crc
+            if st is None:
+                return 0
+            self._settle(st)
+            return st.crc
+        self._settle()
         crc = 0
         for k in sorted(self._state, key=repr):
             crc = zlib.crc32(repr(k).encode() + self._state[k].crc.to_bytes(4, "little"), crc)
@@ -493,6 +513,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         self._state.clear()
         self._version += 1
         self._ranks = (-1, {})
+        self._planned.clear()
 
     def state_info(self, key: Any) -> dict[str, Any] | None:
         """A copy of the state of ``key`` (None if it has none): ``shape``, ``k``,
@@ -523,6 +544,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         self._state = {_key(k): KeyState.from_dict(v, xp) for k, v in data["keys"]}
         self._version += 1
         self._ranks = (-1, {})
+        self._planned.clear()
 
     # ---- standalone frames ----------------------------------------------------------
     def frame_body_size(self, shape: tuple[int, ...]) -> int:

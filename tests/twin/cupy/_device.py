@@ -38,16 +38,23 @@ before it is captured.
 Counters. :data:`cupy._memory.counters` counts allocations, launches, captured
 operations, graph launches, event records and host synchronizations, so tests
 can state what a steady-state call costs the host.
+
+A lagging device. The workers usually drain a queue before the host asks again,
+so a host read of results it does not wait for would pass by luck. Inside
+:func:`hold` the workers run nothing, as a GPU busy with earlier work, and a
+host synchronization, which would then wait for the held work, raises
+:class:`DeviceHeld` instead of waiting.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from cupy import _memory
@@ -55,6 +62,37 @@ from cupy import _memory
 
 class CUDARuntimeError(RuntimeError):
     """The twin's device error (sticky, like CUDA's)."""
+
+
+class DeviceHeld(RuntimeError):
+    """The host would wait for work of a device that a test holds (:func:`hold`)."""
+
+
+#: Cleared while a test holds the device: the streams' workers run nothing.
+_released = threading.Event()
+_released.set()
+
+
+@contextlib.contextmanager
+def hold() -> Iterator[None]:
+    """The device lagging the host: inside, no stream runs its queue, and a host
+    synchronization raises :class:`DeviceHeld` (on a GPU it would wait for the held
+    work). The queues run on leaving. Not reentrant."""
+    if not _released.is_set():
+        raise RuntimeError("twin: the device is held already")
+    _released.clear()
+    try:
+        yield
+    finally:
+        _released.set()
+
+
+def _host_waits(what: str, waits: bool = True) -> None:
+    """Count a host synchronization; one that ``waits`` for queued work raises
+    inside :func:`hold` instead."""
+    if waits and not _released.is_set():
+        raise DeviceHeld(f"twin: {what} while the test holds the device (cupy._device.hold)")
+    _memory.count("syncs")
 
 
 class StreamOrderError(RuntimeError):
@@ -221,7 +259,7 @@ class Event:
 
     def synchronize(self) -> None:
         self._not_captured("a synchronization")
-        _memory.count("syncs")
+        _host_waits("an event synchronization", not self._passed.is_set())
         while not self._passed.wait(0.05):
             check_failure()
         check_failure()
@@ -276,6 +314,7 @@ class Stream:
                     self._cv.notify_all()
                     self._cv.wait()
                 op = self._queue[0]
+            _released.wait()
             try:
                 if not _failure:
                     op()
@@ -422,7 +461,7 @@ class Stream:
 
     def synchronize(self) -> None:
         self._not_capturing("a synchronization")
-        _memory.count("syncs")
+        _host_waits("a stream synchronization", bool(self._queue))
         self._synchronize()
 
     def _synchronize(self) -> None:
@@ -583,7 +622,7 @@ def synchronize_all() -> None:
     streams = list(_streams_by_ptr.values())
     for stream in streams:
         stream._not_capturing("a device synchronization")
-    _memory.count("syncs")
+    _host_waits("a device synchronization", any(s._queue for s in streams))
     for stream in streams:
         stream._synchronize()
 
