@@ -208,7 +208,8 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
             return HadamardPlan(dims, self.seed, bounds)
         key = ("shape", tuple(shape)) if key is None else key
         st = self._state_for(key, dims)
-        self._settle(st)
+        if self._unsettled:
+            self._settle(st)
         st.calls += 1
         whiten = whiten_rows(dims, self.whiten) if geometry == "whiten" else (0, 0)
         if st.vt is None:  # the first result measures the basis (the cold start)
@@ -499,7 +500,8 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
             st = self._state.get(key)
             if st is None:
                 return 0
-            self._settle(st)
+            if self._unsettled:
+                self._settle(st)
             return st.crc
         self._settle()
         crc = 0
