@@ -75,7 +75,11 @@ def device_call(cp, comms, d, out, codec, **options):
 def test_a_steady_call_is_one_graph_launch(cp, comms, codec, stages):
     """From the third call with the same arrays on, a call launches one graph and queues
     nothing else, allocates nothing and never waits for the device: everything it needs
-    was made at its first call and captured at its second."""
+    was made at its first call and captured at its second. Steady calls go on while the
+    device has run none of them (the twin holds it: a host synchronization raises), as
+    a training step's buckets do on a GPU busy with the backward pass."""
+    from cupy import _device
+
     comm = comms[0]
     x = inputs(comm.rank, COUNT)
     stage_size = COUNT // stages
@@ -89,6 +93,11 @@ def test_a_steady_call_is_one_graph_launch(cp, comms, codec, stages):
                 device_call(cp, comms, d, out, codec, stage_size=stage_size)
             costs.append(cost)
             assert np.array_equal(out.get().view(np.uint32), want.view(np.uint32))
+        with counted() as held, _device.hold():
+            for _ in range(3):
+                device_call(cp, comms, d, out, codec, stage_size=stage_size)
+        assert np.array_equal(out.get().view(np.uint32), want.view(np.uint32))
+    assert held == {"graph_launches": 3, "events": 3}, held
     first, captured, *steady = costs
     assert first.get("allocations", 0) > 0, "the first call plans the signature"
     assert captured.get("captured", 0) > 0 and captured.get("graph_launches") == 1

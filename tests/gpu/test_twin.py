@@ -177,6 +177,32 @@ def test_a_capture_replays_in_order_and_refuses_an_allocation(cp):
     assert float(x.get()[0]) == 12.0  # ((0 + 1) * 3 + 1) * 3
 
 
+def test_a_held_device_runs_nothing_and_refuses_host_waits(cp):
+    """Inside ``cupy._device.hold()`` the streams queue work but run none of it, as a
+    GPU busy with earlier work; a host synchronization that would wait for the held
+    work raises DeviceHeld (one with nothing to wait for does not), and the queue runs
+    on leaving."""
+    from cupy import _device
+
+    x = cp.zeros(8, cp.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    stream.wait_event(cp.cuda.get_current_stream().record())  # x is made
+    stream.synchronize()
+    with stream:
+        with _device.hold():
+            stream.synchronize()  # nothing queued: nothing to wait for
+            x += 1
+            done = stream.record()
+            assert not done.done
+            for wait in (stream.synchronize, done.synchronize, cp.cuda.Device().synchronize):
+                with pytest.raises(_device.DeviceHeld, match="holds the device"):
+                    wait()
+            with pytest.raises(_device.DeviceHeld):
+                x.get()
+        done.synchronize()
+        assert np.array_equal(x.get(), np.ones(8, np.float32))
+
+
 def test_an_asynchronous_copy_to_the_host_lands_in_pinned_memory_in_stream_order(cp):
     """``get(out=..., blocking=False)`` only queues the copy: ``out`` must be pinned
     memory (a copy to pageable memory does not overlap the host on a GPU), reads as
