@@ -391,10 +391,9 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         Every reader of a key's state calls this first; readers decide at the same
         calls on every rank, so every rank's state takes the same updates."""
         pending = self._unsettled
-        if st is None:
-            done = len(pending)
-        else:
-            done = next((i + 1 for i in range(len(pending) - 1, -1, -1) if pending[i][0] is st), 0)
+        done = len(pending)
+        if st is not None:
+            done = max((i + 1 for i, (owner, _, _) in enumerate(pending) if owner is st), default=0)
         if not done:
             return
         self._unsettled = pending[done:]
