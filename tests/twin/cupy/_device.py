@@ -87,7 +87,7 @@ def hold() -> Iterator[None]:
         _released.set()
 
 
-def _host_waits(what: str, waits: bool = True) -> None:
+def _host_waits(what: str, waits: bool) -> None:
     """Count a host synchronization; one that ``waits`` for queued work raises
     inside :func:`hold` instead."""
     if waits and not _released.is_set():
