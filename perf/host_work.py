@@ -36,13 +36,16 @@ CODECS = {
     "nvfp4": "nvfp4",
     "fp8 stochastic": {"id": "fp8", "rounding": "stochastic"},
     "geofp8 power step": "geofp8",
+    "geofp8 power step, eager": "geofp8",
     "geofp8 between steps": "geofp8",
     "geofp8 flat": "geofp8",
 }
 #: GeoFP8 maps matrices: its calls reduce a keyed (512, 512) gradient (COUNT values) of
 #: rank 8 plus noise through one codec object, which keeps the key's state from call to
 #: call: its power steps come every 1, 2, 4 and then 8 calls (the basis settles). The
-#: rows are the last call of GEO_CALLS that took a step, and the last that did not.
+#: rows are the last call of GEO_CALLS that took a step (a replay: the key stepped at
+#: that rank twice before), the last that took one eagerly (the first time it stepped
+#: at that rank: a bucket whose keys step in a new pattern), and the last that did not.
 #: "geofp8 flat": white noise, whose flat spectrum goes plain and is measured again
 #: when due (the last call of GEO_CALLS)
 MATRIX = (512, 512)
@@ -117,7 +120,13 @@ def measure(comm: Any, cupy: Any, name: str, stages: int) -> dict[str, int]:
             row = counted()[1]
         else:
             calls = [counted() for _ in range(GEO_CALLS)]
-            row = [r for stepped, r in calls if stepped == (name == "geofp8 power step")][-1]
+            step = name.startswith("geofp8 power step")
+            eager = name.endswith("eager")
+            row = [
+                r
+                for stepped, r in calls
+                if stepped == step and (not eager or r["graph_launches"] == 0)
+            ][-1]
         stream.synchronize()
     return row
 
@@ -163,7 +172,8 @@ def main() -> int:
                 f"# Host work per steady-state call\n\n{COUNT} float32 values, {comm.size} "
                 f"rank(s), {'the CPU twin of CuPy' if twin else 'a GPU'}, after {WARMUP} "
                 f"calls with the same arrays (GeoFP8: the last call of the {GEO_CALLS} after "
-                "them that took a power step, and the last that did not). Command: "
+                "them that took a power step, the last that took one eagerly, and the last "
+                "that did not). Command: "
                 "`python -m geocomm.launch -n 1 -- env PYTHONPATH=tests/twin python "
                 "perf/host_work.py --out perf/results/host_work"
                 f"{before_arg}`. A cell of two numbers is before -> after (the docstring of "

@@ -26,6 +26,12 @@ _WIRE = {"fp32": _PLAIN, "bf16": BF16Codec()}
 SMALL_SUM_VALUES = 1 << 20
 
 
+def pipelined(comm: Communicator, size: int) -> bool:
+    """Whether an exact sum of ``size`` values runs the pipeline (else it is kernels and
+    at most one all-gather)."""
+    return comm.size > 1 and size * comm.size > SMALL_SUM_VALUES
+
+
 def exact_sum(comm: Communicator, values: Any, fmt: str = "fp32") -> Any:
     """Elementwise fp32 sum over ranks, bitwise identical on every rank.
 
@@ -65,8 +71,8 @@ class ExactSum:
         nbytes = self.wire.wire_size(size)
         #: the wire bytes of a lossy format's round trip or all-gather (None: fp32 itself)
         self.coded = None if plain else xp.empty(nbytes, dtype=np.uint8)
-        self.gathered = comm.size > 1 and 0 < size * comm.size <= SMALL_SUM_VALUES
-        self.pipelined = comm.size > 1 and size > 0 and not self.gathered
+        self.gathered = comm.size > 1 and size > 0 and not pipelined(comm, size)
+        self.pipelined = pipelined(comm, size)
         self.rows: Any = None
         self.decoded: Any = None
         self.sent: Any = None

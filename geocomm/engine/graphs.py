@@ -5,17 +5,72 @@ run eagerly the first time its key comes, captured the second (CuPy stream
 capture, the NCCL transfers included) and replayed with one graph launch
 every later time. Keys that alternate (two buffers used in turn) are
 captured alike: the keys seen once are remembered, as many as graphs are
-kept.
+kept. What a body allocates while it is captured comes from an
+:class:`Arena`, sized by the key's eager run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import contextlib
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import numpy as np
 
 from geocomm.engine.protocols import Capturable
+
+#: the alignment of every block an arena hands out (cudaMalloc's)
+ALIGN = 256
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-max(int(nbytes), 0) // ALIGN) * ALIGN
+
+
+class ArenaExhausted(RuntimeError):
+    """A captured body asked for more memory than its eager run did."""
+
+
+class Arena:
+    """Device memory for the temporaries of captured bodies: one allocation of
+    ``nbytes``, handed out in blocks of :data:`ALIGN` bytes in the order a body
+    asks, from the start at each capture (:meth:`serving`), through CuPy's
+    ``using_allocator``. The graphs keep it, so every replay writes its temporaries
+    where no array of CuPy's pool lives (the pool would hand a freed block to other
+    arrays while the graph still writes it)."""
+
+    def __init__(self, cupy: Any, nbytes: int):
+        self.cupy, self.nbytes, self.used = cupy, nbytes, 0
+        self.memory = cupy.cuda.alloc(nbytes)
+
+    def malloc(self, nbytes: int) -> Any:
+        start, self.used = self.used, self.used + _aligned(nbytes)
+        if self.used > self.nbytes:
+            raise ArenaExhausted(f"a captured body asked for more than its {self.nbytes} bytes")
+        return self.memory + start
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """Every allocation of this thread inside comes from the arena, from its start."""
+        self.used = 0
+        with self.cupy.cuda.using_allocator(self.malloc):
+            yield
+
+
+@contextlib.contextmanager
+def measured(cupy: Any) -> Iterator[list[int]]:
+    """The bytes an :class:`Arena` needs for what this thread allocates inside (the
+    list's one value, counted as it goes); the allocations are the current
+    allocator's."""
+    allocate = cupy.cuda.get_allocator()
+    total = [0]
+
+    def malloc(nbytes: int) -> Any:
+        total[0] += _aligned(nbytes)
+        return allocate(nbytes)
+
+    with cupy.cuda.using_allocator(malloc):
+        yield total
 
 
 class Graphs:
@@ -25,13 +80,19 @@ class Graphs:
     launched dropped first.
 
     :meth:`run` ``(key, body, keep)``: ``body()`` queues the call's work on the
-    current stream; for a captured graph it must allocate nothing and never wait for
-    the device (the graph keeps writing the memory it captured, and the host cannot
-    wait under capture). ``keep``: what owns buffers the graph uses that its caller
-    may let go of before the graph (kept alive with it; its identity belongs in
-    the key). A body that fails to capture runs eagerly, and the plan stops
-    capturing. A call made while the current stream is being captured already (a
-    plan's call inside another's graph) runs its body: the outer capture records it.
+    current stream and returns what the host needs of it afterwards (arrays the work
+    writes, say); a replay returns what the captured run returned, so its arrays must
+    be the graph's: the caller's buffers, or what the body allocated (from the plan's
+    :class:`Arena` under capture: its graphs never run at once, the plan's calls being
+    ordered, so they share one, as large as the largest body's, and an array one
+    returns holds until the plan's next call). A captured body never waits for the
+    device (the host cannot wait under capture) and must allocate as it did in the
+    key's eager run.
+    ``keep``: what owns buffers the graph uses that its caller may let go of before
+    the graph (kept alive with it; its identity belongs in the key). A body that
+    fails to capture runs eagerly, and the plan stops capturing. A call made while
+    the current stream is being captured already (a plan's call inside another's
+    graph) runs its body: the outer capture records it.
     """
 
     #: graphs kept per plan, oldest dropped first
@@ -43,60 +104,68 @@ class Graphs:
             comm if xp is not np and isinstance(comm, Capturable) else None
         )
         self.cupy = xp
-        self.kept: dict[Hashable, tuple[Any, Any, Any]] = {}  # key -> (graph, record, keep)
-        self._seen: dict[Hashable, None] = {}  # keys run eagerly once, oldest first
+        #: key -> (graph, the capture's record, the body's return, its arena, keep)
+        self.kept: dict[Hashable, tuple[Any, Any, Any, Arena | None, Any]] = {}
+        #: keys run eagerly once, oldest first -> the bytes that run allocated
+        self._seen: dict[Hashable, int] = {}
         self._stream: Any = None  # the plan's capture stream, made at its first capture
+        self._arena: Arena | None = None  # what its captured bodies allocate
 
-    def run(self, key: Hashable, body: Callable[[], None], keep: Any = None) -> None:
+    def run(self, key: Hashable, body: Callable[[], Any], keep: Any = None) -> Any:
         comm = self.comm
         if comm is None:
-            body()
-            return
+            return body()
         stream = self.cupy.cuda.get_current_stream()
         if stream.is_capturing():
-            body()
-            return
+            return body()
         kept = self.kept.pop(key, None)  # put back last: the most recently launched
         if kept is None and key not in self._seen:  # new: eager, captured on a repeat
-            self._seen[key] = None
+            with measured(self.cupy) as nbytes:
+                returned = body()
+            self._seen[key] = nbytes[0]
             while len(self._seen) > self.KEPT:
                 self._seen.pop(next(iter(self._seen)))
-            body()
-            return
+            return returned
         if kept is None:
-            del self._seen[key]
-            captured = self._capture(comm, body)
-            if captured is None:
-                return
-            kept = (*captured, keep)
+            kept = self._capture(comm, body, self._seen.pop(key), keep)
+            if kept is None:  # capture failed: this plan's calls run eagerly from now on
+                return body()
         self.kept[key] = kept
         while len(self.kept) > self.KEPT:
             self.kept.pop(next(iter(self.kept)))
-        graph, captured, _ = kept
+        graph, record, returned, _, _ = kept
         graph.launch(stream=stream)
-        comm.track(stream, captured)
+        comm.track(stream, record)
+        return returned
 
-    def _capture(self, comm: Capturable, body: Callable[[], None]) -> tuple[Any, Any] | None:
-        """(the graph of ``body``, the communicator's record of the capture), captured on
-        a stream of the plan's own (the current stream may be the legacy default stream,
-        which cannot be captured); None when capture failed: the body then ran eagerly
-        and the plan stops capturing."""
+    def _capture(
+        self, comm: Capturable, body: Callable[[], Any], nbytes: int, keep: Any
+    ) -> tuple[Any, Any, Any, Arena | None, Any] | None:
+        """What :attr:`kept` holds of ``body``'s graph, captured on a stream of the
+        plan's own (the current stream may be the legacy default stream, which cannot be
+        captured) with the plan's arena, grown to ``nbytes``, when the body allocates;
+        None when capture failed (nothing ran; the plan stops capturing)."""
         if self._stream is None:
             self._stream = self.cupy.cuda.Stream(non_blocking=True)
         capture = self._stream
-        graph = None
-        with comm.capturing() as captured:
+        if nbytes and (self._arena is None or self._arena.nbytes < nbytes):
+            self._arena = Arena(self.cupy, nbytes)  # graphs made before keep the old one
+        arena = self._arena if nbytes else None
+        graph, returned = None, None
+        with comm.capturing() as record:
             capture.begin_capture()
             try:
-                with capture:
-                    body()
+                serving = arena.serving() if arena else contextlib.nullcontext()
+                with capture, serving:
+                    returned = body()
+            except ArenaExhausted:
+                pass  # the capture is discarded below
             finally:
                 try:
                     graph = capture.end_capture()
                 except Exception:  # capture broken by an unsupported operation
                     graph = None
-        if graph is None:
+        if graph is None or (arena is not None and arena.used > arena.nbytes):
             self.comm = None
-            body()
             return None
-        return graph, captured
+        return graph, record, returned, arena, keep

@@ -28,7 +28,7 @@ import numpy as np
 from geocomm.codecs import Codec, ErrorFeedbackCodec, TransformingCodec
 from geocomm.comm.base import Communicator, wait_ordered
 from geocomm.comm.nodes import NodeComms, node_comms, node_layout
-from geocomm.engine import checks, costs, device
+from geocomm.engine import checks, costs, device, exact
 from geocomm.engine.arithmetic import divide
 from geocomm.engine.call import Call, Part, Signature, new_call, shard_parts
 from geocomm.engine.device_tables import wire_format
@@ -42,7 +42,9 @@ from geocomm.engine.transforming import (
     SideChannel,
     plan_parts,
     refresh,
+    resume_steps,
     side_layout,
+    step_parts,
 )
 
 _NODES, _ACROSS, _FLAT = "nodes", "across", "flat"
@@ -279,28 +281,36 @@ class FlatPlan:
         residual: Any,
     ) -> tuple[list[Any], bool]:
         """A call with a map or a residual, ``call`` = (source, result, rounding stream,
-        divisor): the ranged plans' whole-tensor steps and the side sum
-        (:class:`SideChannel`), the pipeline through a :class:`PartsMap`, the
-        whole-tensor plans' inverses. Returns (the summed sides, whether it divided).
+        divisor): the plans' step rounds (:func:`step_parts`), the ranged plans'
+        whole-tensor steps and the side sum (:class:`SideChannel`), the pipeline through
+        a :class:`PartsMap`, the whole-tensor plans' inverses. Returns (the summed
+        sides, whether it divided).
 
         On the device, a call whose every plan maps ranges from arrays it names (its
-        ``inputs``) with no step and no refresh (GeoFP8's split between its power steps)
+        ``inputs``) with no refresh (GeoFP8's split, with or without a power step)
         and keeps no residual depends on nothing but device memory at addresses it
-        names: the arrays, the signature's buffers and the plans' inputs (with a side
-        sum small enough for one all-gather:
-        :attr:`~geocomm.engine.exact.ExactSum.pipelined` not set). It
-        runs through :attr:`mapped_graphs` keyed by them (one graph launch once it
-        repeats), the average inside; other calls run eagerly and leave the average to
-        the caller (a refresh reads the sum).
+        names: the arrays, the signature's buffers and the plans' inputs, with sums
+        small enough for one all-gather each (the side's and the steps':
+        :func:`~geocomm.engine.exact.pipelined` not set). It runs through
+        :attr:`mapped_graphs` keyed by them and by which plans step (one graph launch
+        once it repeats, the average inside; what a step allocates lives in the
+        graph's arena, and a replay hands the plans what the captured steps left:
+        :func:`resume_steps`). Other calls run eagerly and leave the average to the
+        caller (a refresh reads the sum).
         """
         source, result, rounding_stream, divisor = call
         xp = array_module(source)
+        plan = self.device_plan(True, xp)
+        ranged = all(p.ranged and not p.refreshes and hasattr(p, "inputs") for _, p in planned)
+        if not ranged:  # a whole-tensor plan's side (the channel's layout) needs its step
+            step_parts(self.comm, codec, source, planned)
         channel = self._channel(codec, planned, xp)
+        channel.reserve(planned)  # before the body: a graph's arena holds what it allocates
         if self.scratch is None:
             self.scratch = xp.empty(self.pieces.piece, dtype=np.float32)
-        plan = self.device_plan(True, xp)
 
-        def body(divide_by: int) -> None:
+        def body(divide_by: int) -> list[Any]:
+            taken = step_parts(self.comm, codec, source, planned) if ranged else []
             channel.begin(planned, source)
             mapper = PartsMap(
                 source, result, self.offset, parts, planned, channel.sum(planned), residual,
@@ -313,26 +323,24 @@ class FlatPlan:
             mapper.finish(self.offset, self.offset + result.size)
             if divide_by:
                 divide(result, divide_by)
+            return taken
 
         if plan is not None:
             plan.prepare(rounding_stream)
-        steady = (
-            residual is None
-            and not channel.exact.pipelined
-            and all(
-                p.ranged and not p.steps and not p.refreshes and hasattr(p, "inputs")
-                for _, p in planned
-            )
-        )
+        steady = ranged and residual is None and not channel.exact.pipelined
+        if steady and any(p.steps for _, p in planned):
+            steady = not exact.pipelined(self.comm, sum(p.step_values for _, p in planned))
         if plan is None or not steady:
             body(0)
             return channel.summed(), False
         if self.mapped_graphs is None:
             self.mapped_graphs = Graphs(self.comm, xp)
-        inputs = tuple((int(a.data.ptr), a.shape) for _, p in planned for a in p.inputs)
+        inputs = tuple((p.steps, int(a.data.ptr), a.shape) for _, p in planned for a in p.inputs)
         key = (int(source.data.ptr), int(result.data.ptr), divisor, id(channel), inputs)
         # the graph keeps its channel: one dropped from self.channels stays alive with it
-        self.mapped_graphs.run(key, lambda: body(divisor), keep=channel)
+        taken = self.mapped_graphs.run(key, lambda: body(divisor), keep=channel)
+        if taken:  # a replay's plans take what its graph's steps write
+            resume_steps(planned, taken)
         return channel.summed(), bool(divisor)
 
 
@@ -360,7 +368,7 @@ def compressed(
     comm, codec, parts = plan.comm, plan.codec, signature.parts
     count = signature.count
     mapping_codec, residual = _stateful(codec, plan.kind, parts, count, array_module(source))
-    planned = plan_parts(comm, mapping_codec, source, list(parts), plan.bounds)
+    planned = plan_parts(mapping_codec, source, list(parts), plan.bounds)
     if not planned and residual is None:
         return plan.pipeline(source, result, None, rounding_stream, divisor)
     call = (source, result, rounding_stream, divisor)

@@ -1,8 +1,9 @@
 """How the collectives drive a transforming codec (docs/design.md, "Transforming codecs").
 
 The codec plans and maps; this module runs its protocol for a buffer of
-tensors: :func:`plan_parts` plans every tensor and runs the basis steps of
-the plans that take one (one exact sum per round for all tensors);
+tensors: :func:`plan_parts` plans every tensor and :func:`step_parts` runs
+the basis steps of the plans that take one (one exact sum per round for all
+tensors);
 :class:`SideChannel` holds the plans' side contributions end to end,
 :meth:`SideChannel.begin` has the ranged plans write theirs there (their
 whole-tensor step) and :meth:`SideChannel.sum` sums them exactly in one
@@ -27,13 +28,13 @@ from geocomm.engine.protocols import WireCodec
 
 
 def plan_parts(
-    comm: Communicator, codec: Any, values: Any, parts: list[Any], bounds: np.ndarray
+    codec: Any, values: Any, parts: list[Any], bounds: np.ndarray
 ) -> list[tuple[Any, Any]]:
     """Plan every part with ``codec`` (None: no part is mapped); return the (part, plan)
     pairs that have a plan.
 
-    Plans with ``steps`` first run the codec's ``step`` rounds over ``comm``
-    (their bases turn towards this call's gradients). Ranged plans then take
+    Plans with ``steps`` then run the codec's ``step`` rounds (:func:`step_parts`;
+    their bases turn towards this call's gradients). Ranged plans then take
     their whole-tensor step (:meth:`SideChannel.begin`) and map piece by piece
     (:class:`PartsMap`); the others map their whole tensor when the map is built.
     """
@@ -47,13 +48,30 @@ def plan_parts(
         plan = codec.plan(values[lo:hi], part.shape, part.key, local)
         if plan is not None:
             planned.append((part, plan))
+    return planned
+
+
+def step_parts(
+    comm: Communicator, codec: Any, values: Any, planned: list[tuple[Any, Any]]
+) -> list[Any]:
+    """Run the codec's ``step`` rounds of the plans with ``steps`` over ``comm`` (one
+    exact sum per round for all of them); return what each such plan took from its
+    step (its ``pending``), in their order, for :func:`resume_steps`."""
+    stepping = [(part, plan) for part, plan in planned if plan.steps]
     steps = [
-        codec.step(plan, values[part.offset : part.offset + part.size])
-        for part, plan in planned
-        if plan.steps
+        codec.step(plan, values[part.offset : part.offset + part.size]) for part, plan in stepping
     ]
     run_rounds(comm, codec, steps)
-    return planned
+    return [plan.pending for _, plan in stepping]
+
+
+def resume_steps(planned: list[tuple[Any, Any]], taken: list[Any]) -> None:
+    """Hand the plans with ``steps`` what :func:`step_parts` returned for the call whose
+    work a CUDA graph replays for theirs (the arrays the graph writes; a plan that
+    stepped itself is handed its own)."""
+    stepping = [plan for _, plan in planned if plan.steps]
+    for plan, pending in zip(stepping, taken, strict=True):
+        plan.resume(pending)
 
 
 def side_layout(planned: list[tuple[Any, Any]]) -> tuple[tuple[int, ...] | None, ...]:
@@ -97,13 +115,17 @@ class SideChannel:
             for shape, (a, b) in zip(self.layout, self.spans, strict=True)
         ]
 
-    def begin(self, planned: list[tuple[Any, Any]], values: Any) -> None:
-        """The ranged plans' whole-tensor step, each writing its side into its slot, with
-        the channel's scratch (made at the first call that needs it, as large as the
-        largest ``plan.scratch_size``: the layout's later calls allocate none)."""
+    def reserve(self, planned: list[tuple[Any, Any]]) -> None:
+        """Make the scratch :meth:`begin` needs for ``planned``, as large as the largest
+        ``plan.scratch_size`` (kept: the layout's later calls allocate none)."""
         need = max((p.scratch_size for _, p in planned if p.ranged), default=0)
         if need and (self.scratch is None or self.scratch.size < need):
-            self.scratch = array_module(values).empty(need, dtype=np.float32)
+            self.scratch = array_module(self.values).empty(need, dtype=np.float32)
+
+    def begin(self, planned: list[tuple[Any, Any]], values: Any) -> None:
+        """The ranged plans' whole-tensor step, each writing its side into its slot, with
+        the channel's scratch (:meth:`reserve`)."""
+        self.reserve(planned)
         for (part, plan), slot in zip(planned, self._slots(self.values), strict=True):
             if plan.ranged:
                 plan.begin(values[part.offset : part.offset + part.size], slot, self.scratch)

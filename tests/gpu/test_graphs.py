@@ -73,3 +73,45 @@ def test_a_graph_keeps_what_its_caller_hands_it_until_dropped(cp):
             graphs.run(("other", i), body)
     gc.collect()
     assert alive() is None
+
+
+def test_what_a_captured_body_allocates_lives_in_its_graphs_arena(cp):
+    """A body may allocate temporaries and return arrays: its eager run counts the bytes,
+    its capture takes them from an arena of that size, which the graph keeps (CuPy's
+    pool would hand freed blocks to other arrays while replays still write them), and
+    every replay returns the captured run's arrays, written anew by the replay."""
+    graphs = Graphs(_Capturable(), cp)
+    x = cp.asarray(np.arange(8, dtype=np.float32))
+
+    def body():
+        doubled = x * 2  # a temporary, dropped at the end of the body
+        return doubled + 1
+
+    results = []
+    for call in range(4):
+        x[...] = float(call)
+        results.append(graphs.run("k", body))
+        want = np.full(8, 2 * call + 1, np.float32)
+        assert np.array_equal(results[-1].get(), want), call
+    assert results[2] is results[3], "a replay returns the captured run's arrays"
+    arena = graphs.kept["k"][3]
+    assert arena is not None and arena.used == arena.nbytes > 0
+
+
+def test_a_capture_that_outgrows_its_arena_runs_eagerly(cp):
+    """A body that allocates more under capture than in its eager run (its key named too
+    little of what it depends on) is not kept: the call runs eagerly, with the right
+    values, and the plan stops capturing."""
+    graphs = Graphs(_Capturable(), cp)
+    x = cp.zeros(8, cp.float32)
+    sizes = iter([8, 256, 256])  # 32 bytes (one 256-byte block), then 1024
+
+    def body():
+        scratch = cp.empty(next(sizes), cp.float32)
+        scratch[...] = 1
+        x[...] += scratch[:8]
+
+    for _ in range(2):
+        graphs.run("k", body)
+    assert graphs.comm is None and not graphs.kept
+    assert np.array_equal(x.get(), np.full(8, 2, np.float32))

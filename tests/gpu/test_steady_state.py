@@ -128,17 +128,23 @@ def geo_gradients(rank: int, call: int, shapes: list[tuple[int, int]]) -> np.nda
         ("reduce_scatter", 8, "avg", "nearest"),
     ],
 )
-def test_geofp8_between_power_steps_replays_one_graph(cp, comms, kind, stages, op, rounding):
+def test_geofp8_calls_replay_one_graph_with_and_between_power_steps(
+    cp, comms, kind, stages, op, rounding
+):
     """GeoFP8 takes a power step every ``refresh`` to ``refresh_max`` calls; between
     steps a call maps with its bases as they are, and depends on device memory only:
     its arrays, the signature's buffers (side channel, exact sum, read scratch) and the
-    keys' bases, which a step overwrites in place. From its second such call on it is
-    one graph launch (the average inside), allocating nothing; a call with a step runs
-    eagerly. No call ever waits for the device. Every call gives NumPy's bits over MPI
-    and both codecs keep equal state, across the row space's turn at call 6. Stochastic
-    rounding's keys are written before the graph, as for unmapped calls: a steady call
-    is then that one-thread kernel and the graph. A reduce-scatter into the same
-    ``out`` replays alike (its power steps sum each rank's part)."""
+    keys' bases, which a step's commit overwrites in place. From its second such call
+    on it is one graph launch (the average inside), allocating nothing. A call with
+    power steps depends on the same memory, and on which keys step at which ranks: when
+    that comes again, it is captured too, its step's temporaries in the graph's arena,
+    and replays as one graph launch, allocating nothing; what each key's state takes
+    from its step then comes behind the graph (three copies into pinned memory and an
+    event per key). No call ever waits for the device. Every call gives NumPy's bits
+    over MPI and both codecs keep equal state, across the row space's turn at call 6.
+    Stochastic rounding's keys are written before the graph, as for unmapped calls: a
+    steady call is then that one-thread kernel and the graph. A reduce-scatter into the
+    same ``out`` replays alike (its power steps sum each rank's part)."""
     from geocomm.engine import call as calls
 
     # w2's rows span three chunks of a dot product: its projections sum the chunks
@@ -186,13 +192,21 @@ def test_geofp8_between_power_steps_replays_one_graph(cp, comms, kind, stages, o
     assert kinds[0] == "first", kinds
     for k, cost in zip(kinds, costs, strict=True):
         assert "syncs" not in cost, (k, cost)
-        if k != "steady":  # eager
-            assert "graph_launches" not in cost, cost
     # the first steady call runs eagerly and the second is captured; every later one
     # replays: one graph launch and the event that watches it for timeouts
-    keys = {"launches": 1} if rounding == "stochastic" else {}
+    keys = 1 if rounding == "stochastic" else 0
     for cost in steady[2:]:
-        assert cost == {**keys, "graph_launches": 1, "events": 1}, (cost, kinds)
+        assert cost == {**({"launches": keys} if keys else {}), "graph_launches": 1, "events": 1}
+    # a call with steps replays once its keys' steps and ranks come the third time
+    replays = [
+        (int(k.split()[0]), c)
+        for k, c in zip(kinds, costs, strict=True)
+        if k.endswith("steps") and "graph_launches" in c and "captured" not in c
+    ]
+    assert len(replays) >= 3, (kinds, costs)
+    for steps, cost in replays:
+        want = {"launches": keys + 3 * steps, "graph_launches": 1, "events": 1 + steps}
+        assert cost == want, (cost, kinds)
 
 
 def test_geofp8_buckets_of_a_round_never_wait_for_a_lagging_device(cp, comms):
@@ -483,8 +497,9 @@ def test_the_ddp_hooks_calls_replay_over_nccl_bootstrapped_by_torch(cp):
 def test_the_ddp_hooks_geofp8_buckets_replay_between_power_steps(cp):
     """The DDP hook's call for a CUDA bucket (as above: NCCL bootstrapped by a gloo group
     of torch.distributed, metered, averaged in place) with GeoFP8 and a low-rank weight
-    gradient, the same every step: its steps with a power step run eagerly, the others
-    replay one graph from their second on, with the side channel's all-gather inside,
+    gradient, the same every step: its steps between power steps replay one graph from
+    their second on (those with a step, from their third: the test above), with the
+    side channel's all-gather inside,
     which the meter counts at every replay as at an eager call; the result is NumPy's
     over MPI, bit for bit, every step. Counted once the key's refresh period reached
     refresh_max (8): the side budget charges a power step's sums over the period, so

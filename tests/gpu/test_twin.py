@@ -177,6 +177,31 @@ def test_a_capture_replays_in_order_and_refuses_an_allocation(cp):
     assert float(x.get()[0]) == 12.0  # ((0 + 1) * 3 + 1) * 3
 
 
+def test_an_allocator_of_memory_made_before_serves_a_capture(cp):
+    """``cupy.cuda.using_allocator`` makes this thread's arrays from what the allocator
+    returns (a pointer into memory made before), under capture too; outside it the
+    twin's own allocator makes them again."""
+    block = cp.cuda.alloc(1024)
+    handed = []
+
+    def allocate(nbytes):
+        handed.append(nbytes)
+        return block + 256 * (len(handed) - 1)
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    stream.begin_capture()
+    with stream, cp.cuda.using_allocator(allocate):
+        y = cp.empty(8, cp.float32)
+        y.fill(2)
+        z = cp.empty(8, cp.float32)
+    graph = stream.end_capture()
+    assert handed == [32, 32] and cp.cuda.get_allocator() is not allocate
+    assert y.data.ptr == block.ptr and z.data.ptr == block.ptr + 256
+    graph.launch(stream=cp.cuda.get_current_stream())
+    assert np.array_equal(y.get(), np.full(8, 2, np.float32))
+    assert cp.empty(8, cp.float32).data.mem is not block.mem
+
+
 def test_a_held_device_runs_nothing_and_refuses_host_waits(cp):
     """Inside ``cupy._device.hold()`` the streams queue work but run none of it, as a
     GPU busy with earlier work; a host synchronization that would wait for the held

@@ -70,10 +70,10 @@ def rows_within(runs: list[tuple[int, int]], lo: int, length: int, n: int) -> li
     return [(max(a, first), min(b, end)) for a, b in runs if min(b, end) > max(a, first)]
 
 
-def side_shape(dims: MapShape, pending: Any) -> tuple[int, int]:
-    """The shape of a split's side: a row of coefficients per matrix row, and after a
+def side_shape(dims: MapShape, steps: bool) -> tuple[int, int]:
+    """The shape of a split's side: a row of coefficients per matrix row, and with a
     step one more, the energy of each column."""
-    return (dims.m + (pending is not None), dims.k)
+    return (dims.m + steps, dims.k)
 
 
 def _side(
@@ -135,16 +135,30 @@ class SplitPlan:
         of the codec's) says. Call before :meth:`begin`."""
         self.vt, self.pending = vt[: self.map_shape.k, :], (vt, verdict)
 
+    def resume(self, pending: Any) -> None:
+        """Take :attr:`pending` of an earlier call's plan of the same key, basis and step,
+        whose work a CUDA graph replays for this call: the arrays the graph's step
+        writes (instead of the codec's ``step`` rounds)."""
+        self.settled = True
+        self.stepped(*pending)
+
     @property
     def inputs(self) -> tuple[Any, ...]:
         """The arrays the map reads besides the values and the sides: the basis (a CUDA
-        graph of the call names their addresses, and reads what they hold then)."""
+        graph of the call names their addresses, and reads what they hold then; a step
+        reads the key's whole basis, of which this is the first rows)."""
         return (self.vt,)
 
     @property
+    def step_values(self) -> int:
+        """The values its step round sums over ranks (the codec's ``step``: k x n and the
+        energy; 0 without a step)."""
+        return self.map_shape.k * self.map_shape.n + 1 if self.steps else 0
+
+    @property
     def side_shape(self) -> tuple[int, int]:
-        """The shape :meth:`begin` gives :attr:`side` (known before it runs)."""
-        return side_shape(self.map_shape, self.pending)
+        """The shape :meth:`begin` gives :attr:`side` (known before the step rounds)."""
+        return side_shape(self.map_shape, self.steps)
 
     @property
     def scratch_size(self) -> int:

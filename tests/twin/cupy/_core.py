@@ -91,10 +91,49 @@ def _current_device() -> int:
 
 
 class MemoryPointer:
-    """``ndarray.data``: the address (``ptr``) of the array's first byte."""
+    """``ndarray.data`` and what an allocator returns: the address (``ptr``) of a byte
+    ``offset`` bytes into an allocation (``mem``)."""
 
     def __init__(self, alloc: _memory.Allocation, offset: int):
         self.mem, self.ptr, self.device_id = alloc, alloc.ptr + offset, 0
+
+    def __add__(self, offset: int) -> MemoryPointer:
+        return MemoryPointer(self.mem, self.ptr - self.mem.ptr + int(offset))
+
+
+def _malloc(nbytes: int) -> MemoryPointer:
+    """The twin's own allocator (CuPy's pool): a fresh allocation, refused under capture
+    (see :mod:`cupy._device`)."""
+    _device.current_stream()._not_capturing("an allocation")
+    return MemoryPointer(_memory.Allocation(nbytes), 0)
+
+
+class _AllocatorTLS(__import__("threading").local):
+    allocator: Any = None  # ``cupy.cuda.using_allocator``'s, for this thread
+
+
+_allocator_tls = _AllocatorTLS()
+
+
+def get_allocator() -> Any:
+    """``cupy.cuda.get_allocator``: this thread's allocator (``using_allocator``'s), else
+    the twin's own."""
+    return _allocator_tls.allocator or _malloc
+
+
+class using_allocator:
+    """``cupy.cuda.using_allocator``: ``allocator(nbytes) -> MemoryPointer`` makes this
+    thread's device arrays inside the block (an allocation inside an allocation)."""
+
+    def __init__(self, allocator: Any):
+        self.allocator = allocator
+
+    def __enter__(self) -> None:
+        self._previous = _allocator_tls.allocator
+        _allocator_tls.allocator = self.allocator
+
+    def __exit__(self, *exc: Any) -> None:
+        _allocator_tls.allocator = self._previous
 
 
 class _Flags:
@@ -142,8 +181,8 @@ class ndarray:
         if order != "C" or memptr is not None:
             raise NotImplementedError("the CuPy twin makes C-ordered arrays of their own memory")
         if _alloc is None:
-            _device.current_stream()._not_capturing("an allocation")
-            _alloc = _memory.Allocation(math.prod(shape) * dtype.itemsize)
+            pointer = get_allocator()(math.prod(shape) * dtype.itemsize)
+            _alloc, _offset = pointer.mem, pointer.ptr - pointer.mem.ptr
         if strides is None:
             strides = _c_strides(shape, dtype.itemsize)
         self._alloc, self._offset = _alloc, int(_offset)

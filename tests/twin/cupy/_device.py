@@ -29,11 +29,12 @@ streams of the graph's own, with the events between them, after the launch
 stream's earlier work and before its later work. The checker runs on the
 replay, so a graph whose nodes miss a dependency fails like eager work would.
 Under capture the host may not synchronize with a capturing stream, query a
-captured event, read device memory on a capturing stream, or allocate on one:
-CuPy's pool would hand the block to someone else once the array that holds it
-dies, while every replay of the graph still writes it (and a pool that asks
-the driver for memory breaks the capture), so a graph's buffers are made
-before it is captured.
+captured event, read device memory on a capturing stream, or allocate on one
+from the twin's own allocator (CuPy's pool): the pool would hand the block to
+someone else once the array that holds it dies, while every replay of the
+graph still writes it (and a pool that asks the driver for memory breaks the
+capture), so a graph's buffers are made before it is captured, or come from
+memory made before it through ``cupy.cuda.using_allocator``.
 
 Counters. :data:`cupy._memory.counters` counts allocations, launches, captured
 operations, graph launches, event records and host synchronizations, so tests

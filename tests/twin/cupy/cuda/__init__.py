@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from cupy import _memory
-from cupy._core import Device, MemoryPointer
+from cupy._core import Device, MemoryPointer, get_allocator, using_allocator
 from cupy._device import CUDARuntimeError, Event, ExternalStream, Stream, StreamOrderError
 from cupy._device import current_stream as _current_stream
 from cupy.cuda import function, nvrtc, runtime
@@ -18,14 +18,23 @@ __all__ = [
     "MemoryPointer",
     "Stream",
     "StreamOrderError",
+    "alloc",
     "alloc_pinned_memory",
     "function",
+    "get_allocator",
     "get_current_stream",
     "get_device_id",
     "nccl",
     "nvrtc",
     "runtime",
+    "using_allocator",
 ]
+
+
+def alloc(size: int) -> MemoryPointer:
+    """``cupy.cuda.alloc``: ``size`` bytes from this thread's allocator."""
+    pointer: MemoryPointer = get_allocator()(size)
+    return pointer
 
 
 def alloc_pinned_memory(size: int) -> Any:
