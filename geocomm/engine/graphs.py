@@ -90,7 +90,8 @@ class Graphs:
     key's eager run.
     ``keep``: what owns buffers the graph uses that its caller may let go of before
     the graph (kept alive with it; its identity belongs in the key). A body that
-    fails to capture runs eagerly, and the plan stops capturing. A call made while
+    fails to capture (an operation CUDA cannot capture, or more memory than its eager
+    run took) runs eagerly, and the plan stops capturing. A call made while
     the current stream is being captured already (a plan's call inside another's
     graph) runs its body: the outer capture records it.
     """
@@ -151,21 +152,21 @@ class Graphs:
         if nbytes and (self._arena is None or self._arena.nbytes < nbytes):
             self._arena = Arena(self.cupy, nbytes)  # graphs made before keep the old one
         arena = self._arena if nbytes else None
-        graph, returned = None, None
+        graph, returned, failed = None, None, False
         with comm.capturing() as record:
             capture.begin_capture()
             try:
                 serving = arena.serving() if arena else contextlib.nullcontext()
                 with capture, serving:
                     returned = body()
-            except ArenaExhausted:
-                pass  # the capture is discarded below
+            except (ArenaExhausted, self.cupy.cuda.runtime.CUDARuntimeError):
+                failed = True  # an operation capture does not take: discarded below
             finally:
                 try:
                     graph = capture.end_capture()
                 except Exception:  # capture broken by an unsupported operation
                     graph = None
-        if graph is None or (arena is not None and arena.used > arena.nbytes):
+        if graph is None or failed:
             self.comm = None
             return None
         return graph, record, returned, arena, keep

@@ -336,7 +336,13 @@ def run_rounds(comm: Communicator | None, codec: Any, rounds: list[Any]) -> None
     pending = [(r, v) for r, v in pending if v is not None]
     while pending:
         xp = array_module(pending[0][1])
-        partial = xp.concatenate([v.reshape(-1) for _, v in pending])
+        # one slice per yield (CuPy joins more than 8 arrays with a table of addresses
+        # uploaded from the host, which a CUDA graph of the call could not replay)
+        partial = xp.empty(sum(v.size for _, v in pending), dtype=np.float32)
+        at = 0
+        for _, value in pending:
+            partial[at : at + value.size] = value.reshape(-1)
+            at += value.size
         total = partial if comm is None else exact_sum(comm, partial, codec.side_format)
         nxt, at = [], 0
         for r, value in pending:

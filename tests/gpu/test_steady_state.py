@@ -209,6 +209,49 @@ def test_geofp8_calls_replay_one_graph_with_and_between_power_steps(
         assert cost == want, (cost, kinds)
 
 
+def test_geofp8_replays_a_bucket_of_many_keys_stepping_at_once(cp, comms):
+    """A bucket of ten weight gradients, the same every call: their bases settle alike,
+    so all ten take their power steps in the same calls, at the same ranks, and such a
+    call replays one graph from its third time on, allocating nothing (the steps' sums
+    of all ten travel in one buffer, written slice by slice: CuPy joins more than 8
+    arrays with a kernel that reads a table of their addresses uploaded from the host,
+    which a graph cannot replay). Every call gives NumPy's bits over MPI and both codecs
+    keep equal state."""
+    from geocomm.engine import call as calls
+
+    shapes = [(32, 64 + 8 * i) for i in range(10)]
+    parts = [(f"w{i}", shape) for i, shape in enumerate(shapes)]
+    x = np.concatenate(
+        [geo_gradients(comms[0].rank, 0, [shape])[:-512] for shape in shapes]
+    ).astype(np.float32)
+    # small matrices map too, every one within the side budget, and each steps every call
+    config = {"id": "geofp8", "k": 2, "min_dim": 16, "min_numel": 0, "side_budget": 1.0}
+    config["refresh_max"] = 1
+    dev, host = geocomm.get_codec(config), geocomm.get_codec(config)
+    stream = cp.cuda.Stream(non_blocking=True)
+    replays = 0
+    with stream:
+        d, out = cp.asarray(x), cp.empty(x.size, cp.float32)
+        for call in range(16):
+            with calls.saved_call_counts():
+                want = geocomm.allreduce(x, codec=host, comm=comms[1], parts=parts)
+            before = [dev.state_info(key) for key, _ in parts]
+            with counted() as cost:
+                geocomm.allreduce(d, codec=dev, comm=comms[0], out=out, parts=parts)
+            assert np.array_equal(out.get().view(np.uint32), want.view(np.uint32)), call
+            after = [dev.state_info(key) for key, _ in parts]
+            steps = sum(
+                b is not None and a["refreshed"] != b["refreshed"]
+                for a, b in zip(after, before, strict=True)
+            )
+            assert "syncs" not in cost, cost
+            if steps == len(parts) and "captured" not in cost and "graph_launches" in cost:
+                replays += 1
+                assert cost == {"launches": 30, "graph_launches": 1, "events": 11}, cost
+    assert replays >= 1, replays
+    assert dev.state_checksum() == host.state_checksum()
+
+
 def test_geofp8_buckets_of_a_round_never_wait_for_a_lagging_device(cp, comms):
     """DDP hands the collective one bucket after another while the device still runs the
     earlier ones. GeoFP8's state takes a power step's outcome on the host (its verdict,

@@ -507,7 +507,9 @@ def _copy_into(target: ndarray, source: ndarray, what: str) -> None:
 
 def _host_to_device(target: ndarray, values: np.ndarray, stream: Any = None) -> None:
     """A host-to-device copy: the host buffer is read now (pageable memory), the device
-    bytes written in stream order."""
+    bytes written in stream order. Refused under capture: a graph's copy would read
+    the host buffer at every replay, and CuPy's staging copy of it is gone by then."""
+    (stream or _device.current_stream())._not_capturing("a host-to-device copy")
     snapshot = np.array(values, dtype=target.dtype, copy=True)
     _run(lambda: np.copyto(target._view(), snapshot), "a host-to-device copy", [], [target], stream)
 
@@ -648,6 +650,11 @@ def concatenate(arrays: Any, axis: int = 0, out: Any = None, dtype: Any = None) 
         raise TypeError("twin concatenate takes a non-empty sequence of twin arrays")
     probe = np.concatenate([np.empty(a.shape, a.dtype) for a in arrays], axis=axis)
     result = empty(probe.shape, dtype or probe.dtype) if out is None else out
+    small = builtins.sum(a.nbytes for a in arrays) < (2 << 20) * len(arrays)
+    if len(arrays) > 8 and small and len({a.dtype for a in arrays} | {result.dtype}) == 1:
+        # CuPy joins more than 8 small arrays of one dtype in one kernel, which reads a
+        # table of their addresses that the host uploads first
+        asarray(np.array([a.data.ptr for a in arrays], np.int64))
     start = 0
     for a in arrays:
         width = a.shape[axis] if a.ndim else 1

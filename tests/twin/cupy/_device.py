@@ -29,8 +29,11 @@ streams of the graph's own, with the events between them, after the launch
 stream's earlier work and before its later work. The checker runs on the
 replay, so a graph whose nodes miss a dependency fails like eager work would.
 Under capture the host may not synchronize with a capturing stream, query a
-captured event, read device memory on a capturing stream, or allocate on one
-from the twin's own allocator (CuPy's pool): the pool would hand the block to
+captured event, read device memory on a capturing stream or write it from the
+host (a graph's copy would read the host buffer at every replay, long after
+CuPy's staging copy of it is gone; CuPy's concatenate of more than 8 small
+arrays uploads a table of their addresses), or allocate on one from the
+twin's own allocator (CuPy's pool): the pool would hand the block to
 someone else once the array that holds it dies, while every replay of the
 graph still writes it (and a pool that asks the driver for memory breaks the
 capture), so a graph's buffers are made before it is captured, or come from
