@@ -196,8 +196,9 @@ class TransformingCodec(StatefulCodec):
       written into ``side``, an array of ``plan.side_shape``, where the plan names
       one and the caller gives it; ``scratch``, None or float32 of at least
       ``plan.scratch_size`` values, is the caller's to lend for the call; a plan
-      that names ``inputs``, the arrays its map reads, may be replayed from a CUDA
-      graph between steps) and then
+      that names ``inputs``, the arrays its map and its step read, may be
+      replayed from a CUDA graph, its step too, and then takes what the
+      captured step left, ``pending``, through ``plan.resume(pending)``) and then
       ``plan.forward_range(values, lo, out)`` for any flat range, and
       ``plan.encode_range(values, lo, codec, wire, rounding_stream, offset)``,
       which encodes a range's mapped values with ``codec`` without storing them

@@ -104,9 +104,11 @@ class MapPlan(Protocol):
     a range where they can (True) and do nothing where they cannot (False: the caller maps
     and codes in two steps); its ``split(start, length, coef)`` gives a range's split map
     for device kernels (None: the map is not a split). A ranged plan that names
-    ``inputs`` (the arrays its map reads besides the values and the sides) may be replayed
-    from a CUDA graph of its call when it has no steps and no refresh: the graph reads
-    those arrays where they lie."""
+    ``inputs`` (the arrays its map and its step read besides the values and the sides)
+    may be replayed from a CUDA graph of its call when it has no refresh: the graph
+    reads those arrays where they lie. With ``steps`` it also names ``step_values`` (the
+    values its step round sums) and, after the step rounds, ``pending`` (what they left
+    on the device), which a replay hands to its plan with ``resume(pending)``."""
 
     ranged: bool
     steps: bool
