@@ -1,11 +1,13 @@
 """How often GeoFP8's mapped calls take a power step on the gradient zoo, and what that costs a GPU.
 
-A GeoFP8 call between power steps replays one CUDA graph on the GPU path and
-moves, by the device model of docs/results.md ("Host work per call"), 14
-bytes per value against fp8's 10; a call with a power step stays eager,
-waits for the host twice and moves 26. How the two mix is the gradients'
-business: a key's period doubles (up to ``refresh_max``) only while its
-steps find the geometry standing still (policy.STABLE_OVERLAP). This study
+A GeoFP8 call between power steps moves, by the device model of
+docs/results.md ("Host work per call"), 14 bytes per value against fp8's 10;
+a call with a power step moves 26. On the GPU path either replays one CUDA
+graph once the same keys took the same kind of call at the same ranks
+twice before (geocomm.engine.graphs.Graphs), and runs eagerly otherwise.
+How they mix is the gradients' business: a key's period doubles (up to
+``refresh_max``) only while its steps find the geometry standing still
+(policy.STABLE_OVERLAP). This study
 runs GeoFP8 under several refresh policies (:data:`POLICIES`, the default
 first) and fp8 over every zoo source (perf/studies/zoo.py: one codec per
 simulated rank, every parameter of every recorded step with ``key=name``,
@@ -19,7 +21,13 @@ moved`` calls whose rank differs from the key's previous call (a new side
 layout: an eager call, then a new capture); ``graph`` calls between steps
 at the rank of the previous call (what a graph can replay); ``all steady``
 the share of training steps in which no mapped key stepped or re-measured
-(a DDP bucket holding every tensor replays only then). ``traffic`` is the
+(a DDP bucket holding every tensor replays only then, before calls with
+power steps were captured); ``replay``: the share of calls that replay a
+graph under Graphs' policy (a pattern of keys, kinds and ranks eager at its
+first sighting, captured at its second, replayed while it stays among the
+graphs kept), each tensor its own call (``tensor``) or in DDP's buckets of
+25 MB of fp32 in reverse parameter order (``bucket``; every bucket-call
+counted; a re-measure runs eagerly). ``traffic`` is the
 whole model's modelled device traffic per call over fp8's, mean over calls
 2..W: a stepped call 26 bytes per value, a call between steps 14, a
 re-measure 22 (the plain call's 10 and its three passes over the result), a
@@ -50,6 +58,8 @@ import numpy as np  # noqa: E402
 import zoo  # noqa: E402
 from geo_zoo import BASE  # noqa: E402
 
+from geocomm.engine.graphs import Graphs  # noqa: E402
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # perf/lab.py
 from lab import write_results  # noqa: E402
 
@@ -65,7 +75,12 @@ POLICIES: dict[str, dict[str, Any]] = {
     "every 4": {"id": "geofp8", "refresh": 4, "refresh_max": 4},
 }
 DEFAULT = next(iter(POLICIES))
-MEASURES = ("step", "measure", "rank_moved", "graph", "all_steady", "traffic", "error")
+MEASURES = (
+    "step", "measure", "rank_moved", "graph", "all_steady", "replay_tensor", "replay_bucket",
+    "traffic", "error",
+)  # fmt: skip
+#: DDP's default bucket (``bucket_cap_mb=25``), of fp32 gradients
+BUCKET_BYTES = 25 * 2**20
 
 
 def kind_of(info: dict[str, Any] | None) -> str:
@@ -76,6 +91,61 @@ def kind_of(info: dict[str, Any] | None) -> str:
     if info["refreshed"] == info["calls"]:
         return "step" if info["use"] > 0 else "measure"
     return "between" if info["use"] > 0 else "plain"
+
+
+def replays(patterns: list[Any]) -> list[bool]:
+    """Whether each call of one signature replays a CUDA graph under
+    geocomm.engine.graphs.Graphs' policy: a pattern is eager at its first sighting,
+    captured at its second and replayed after, with Graphs.KEPT graphs kept and as many
+    patterns remembered, the least recent dropped first. None: a call that cannot be
+    captured (it runs eagerly); "plain": no mapped tensor (the unmapped plan's graphs,
+    kept apart)."""
+    history: dict[bool, tuple[dict[Any, None], dict[Any, None]]] = {}
+    out = []
+    for p in patterns:
+        if p is None:
+            out.append(False)
+            continue
+        seen, kept = history.setdefault(p == "plain", ({}, {}))
+        if p in kept:
+            kept[p] = kept.pop(p)  # the most recently launched
+            out.append(True)
+            continue
+        out.append(False)
+        if p in seen:  # captured now
+            del seen[p]
+            kept[p] = None
+            if len(kept) > Graphs.KEPT:
+                kept.pop(next(iter(kept)))
+        else:
+            seen[p] = None
+            if len(seen) > Graphs.KEPT:
+                seen.pop(next(iter(seen)))
+    return out
+
+
+def buckets(sizes: dict[str, int]) -> list[list[str]]:
+    """DDP's buckets of the keys: reverse parameter order, a new bucket where the next
+    gradient would take one past BUCKET_BYTES of fp32."""
+    out: list[list[str]] = [[]]
+    filled = 0
+    for name in reversed(list(sizes)):
+        if out[-1] and filled + 4 * sizes[name] > BUCKET_BYTES:
+            out.append([])
+            filled = 0
+        out[-1].append(name)
+        filled += 4 * sizes[name]
+    return out
+
+
+def pattern(
+    keys: list[str], kinds: dict[str, list[str]], ranks: dict[str, list[int]], c: int
+) -> Any:
+    """The graph key of call ``c`` of a signature of ``keys`` (see :func:`replays`)."""
+    if any(kinds[n][c] == "measure" for n in keys):
+        return None
+    mapped = tuple((n, kinds[n][c], ranks[n][c]) for n in keys if kinds[n][c] != "plain")
+    return mapped or "plain"
 
 
 def policy_row(infos: dict[str, list[Any]], sizes: dict[str, int], error: float) -> dict[str, Any]:
@@ -97,6 +167,11 @@ def policy_row(infos: dict[str, list[Any]], sizes: dict[str, int], error: float)
         for c in range(1, calls)
     ]
     steady = [all(kinds[n][c] in ("between", "plain") for n in mapped) for c in range(1, calls)]
+    tensor = {n: replays([pattern([n], kinds, ranks, c) for c in range(calls)]) for n in names}
+    bucket = [
+        replays([pattern(keys, kinds, ranks, c) for c in range(calls)])[1:]
+        for keys in buckets(sizes)
+    ]
     return {
         "mapped_keys": len(mapped),
         "mapped_share_of_values": sum(sizes[n] for n in mapped) / total,
@@ -105,6 +180,9 @@ def policy_row(infos: dict[str, list[Any]], sizes: dict[str, int], error: float)
         "rank_moved": share(lambda n, c: ranks[n][c] != ranks[n][c - 1]),
         "graph": share(lambda n, c: kinds[n][c] == "between" and ranks[n][c] == ranks[n][c - 1]),
         "all_steady": sum(steady) / max(len(steady), 1),
+        "replay_tensor": share(lambda n, c: tensor[n][c]),
+        "replay_bucket": float(np.mean([r for calls_ in bucket for r in calls_])),
+        "buckets": len(bucket),
         "traffic": float(np.mean(traffic)),
         "error": error,
         "kinds": {n: "".join(k[0] for k in kinds[n]) for n in mapped},
@@ -147,7 +225,10 @@ def markdown(result: dict[str, Any]) -> str:
         "step, with a re-measure of a flat key, whose rank moved from the key's previous call, "
         "and between steps at an unchanged rank (what a CUDA graph replays); `all steady` the "
         "share of training steps in which no mapped key stepped or re-measured (when a DDP "
-        "bucket of every tensor could replay). `traffic`: the whole model's modelled device "
+        "bucket of every tensor could replay before calls with power steps were captured); "
+        "`replay`: the share of calls that replay a CUDA graph (a pattern of keys, kinds and "
+        "ranks seen twice before, still kept), each tensor its own call or in DDP buckets of "
+        "25 MB. `traffic`: the whole model's modelled device "
         "bytes per call over fp8's, mean over calls 2..W (per value: "
         + ", ".join(f"{k} {v}" for k, v in TRAFFIC.items())
         + "; a model, docs/results.md). `error`: the median over matrices of each matrix's "
@@ -156,14 +237,16 @@ def markdown(result: dict[str, Any]) -> str:
         f"## Per source, {DEFAULT}",
         "",
         "| half | source | mapped keys | their share of values | step | re-measure | rank moved "
-        "| graph | all steady | traffic / fp8 | error / fp8 |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| graph | all steady | replay (tensor) | replay (bucket) | traffic / fp8 | error / fp8 |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: |",
     ]
     for s in result["sources"]:
         d = s["policies"][DEFAULT]
         lines.append(
             f"| {s['half']} | {s['source']} ({s['ranks']} ranks, {s['calls']} calls) "
-            f"| {d['mapped_keys']} of {s['keys']} | {d['mapped_share_of_values']:.2f} | "
+            f"| {d['mapped_keys']} of {s['keys']} ({d['buckets']} buckets) "
+            f"| {d['mapped_share_of_values']:.2f} | "
             + " | ".join(f"{d[k]:.2f}" for k in MEASURES)
             + " |"
         )
@@ -171,9 +254,9 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "## Refresh policies, median over each half's sources",
         "",
-        "| policy | half | step | re-measure | rank moved | graph | all steady | traffic / fp8 "
-        "| error / fp8 |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| policy | half | step | re-measure | rank moved | graph | all steady "
+        "| replay (tensor) | replay (bucket) | traffic / fp8 | error / fp8 |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for label in POLICIES:
         for half in ("tuning", "heldout"):
