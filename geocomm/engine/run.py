@@ -301,8 +301,9 @@ class FlatPlan:
         source, result, rounding_stream, divisor = call
         xp = array_module(source)
         plan = self.device_plan(True, xp)
-        ranged = all(p.ranged and not p.refreshes and hasattr(p, "inputs") for _, p in planned)
-        if not ranged:  # a whole-tensor plan's side (the channel's layout) needs its step
+        # every plan maps ranges from arrays it names, with no refresh from the result
+        capturable = all(p.ranged and not p.refreshes and hasattr(p, "inputs") for _, p in planned)
+        if not capturable:  # a whole-tensor plan's side (the channel's layout) needs its step
             step_parts(self.comm, codec, source, planned)
         channel = self._channel(codec, planned, xp)
         channel.reserve(planned)  # before the body: a graph's arena holds what it allocates
@@ -310,7 +311,7 @@ class FlatPlan:
             self.scratch = xp.empty(self.pieces.piece, dtype=np.float32)
 
         def body(divide_by: int) -> list[Any]:
-            taken = step_parts(self.comm, codec, source, planned) if ranged else []
+            taken = step_parts(self.comm, codec, source, planned) if capturable else []
             channel.begin(planned, source)
             mapper = PartsMap(
                 source, result, self.offset, parts, planned, channel.sum(planned), residual,
@@ -327,7 +328,7 @@ class FlatPlan:
 
         if plan is not None:
             plan.prepare(rounding_stream)
-        steady = ranged and residual is None and not channel.exact.pipelined
+        steady = capturable and residual is None and not channel.exact.pipelined
         if steady and any(p.steps for _, p in planned):
             steady = not exact.pipelined(self.comm, sum(p.step_values for _, p in planned))
         if plan is None or not steady:
