@@ -10,8 +10,9 @@ table. For each size (64 and 256 MiB of fp32 per rank; the twin: 1 MiB) and each
 operation (the device copy, NCCL's fp32 all-reduce, then geocomm.allreduce with
 every codec of ``--codecs``; ``nvfp4-sr``: NVFP4 with stochastic rounding;
 ``geofp8`` with its defaults, power steps included, ``geofp8-steady`` between power
-steps, which replay one CUDA graph each, ``geofp8-stepped`` with a power step every
-call) one row, per steady-state call
+steps, ``geofp8-stepped`` with a power step every call; both replay one CUDA graph
+per call once warm, the stepped one with its step's copies to the host behind it)
+one row, per steady-state call
 (perf/gpu_clock.py):
 
 * ``wall_s``: calls queued back to back, one synchronization, divided by calls;
