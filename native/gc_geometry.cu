@@ -17,6 +17,7 @@
  *                      tiles' partials in order, one thread per (coefficient,
  *                      column).
  *   gc_geo_round_bf16  one thread per element: the side channel's rounding.
+ *   gc_geo_hash        one block: a basis's 64-bit hash (integer sums, any order).
  *   gc_geo_to_f32      one thread per element: fp64 sums to fp32.
  *   gc_geo_orthonormalize  one block of GC_ORTHO_LANES threads for the whole
  *                      matrix: thread t is lane t of every dot product and owns
@@ -189,6 +190,30 @@ extern "C" __global__ void gc_geo_accumulate_tiles(const float *partial, gc_u64 
     for (gc_u64 t = 0; t < tiles; t++)
         a = __fadd_rn(a, partial[t * kn + g]);
     acc[g] = a;
+}
+
+/* out[0] = the basis hash of the n 32-bit words w (kernels.basis_hash): the sum of
+ * w[i] * ((i + 1) * GC_HASH_STEP | 1) mod 2^64. One block: thread t takes words t,
+ * t + blockDim.x, ..., the block adds the threads' sums in shared memory (integer
+ * sums mod 2^64: any order gives the same bits). blockDim.x = GC_HASH_THREADS. */
+#define GC_HASH_THREADS 256
+#define GC_HASH_STEP 0x9e3779b97f4a7c15ull
+
+extern "C" __global__ void gc_geo_hash(const unsigned int *w, gc_u64 n, gc_u64 *out)
+{
+    __shared__ gc_u64 part[GC_HASH_THREADS];
+    gc_u64 h = 0;
+    for (gc_u64 i = threadIdx.x; i < n; i += blockDim.x)
+        h += (gc_u64)w[i] * (((i + 1) * GC_HASH_STEP) | 1ull);
+    part[threadIdx.x] = h;
+    __syncthreads();
+    for (unsigned int half = blockDim.x / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half)
+            part[threadIdx.x] += part[threadIdx.x + half];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0)
+        out[0] = part[0];
 }
 
 /* x = its bfloat16 value in place (gc_bf16_code, nearest even; NaN stays NaN). */

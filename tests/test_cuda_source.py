@@ -119,6 +119,7 @@ UNITS = {
             "gc_geo_expand",
             "gc_geo_accumulate",
             "gc_geo_round_bf16",
+            "gc_geo_hash",
             "gc_geo_sumsq_squares",
             "gc_geo_sumsq_totals",
         },

@@ -379,6 +379,27 @@ def test_round_bf16_is_ml_dtypes_nearest_even():
     assert np.isnan(got[2]) and np.array_equal(got[:2], want[:2])
 
 
+def test_basis_hash_is_its_weighted_sum_and_sees_every_element():
+    """kernels.basis_hash is sum_i bits(a[i]) * ((i + 1) * GC_HASH_STEP | 1) mod 2^64
+    (Python's exact integers here), non-finite values and -0.0 by their bits; changing
+    any one element's bits changes it (each weight is odd, so it is invertible mod
+    2^64), and so do a swap of two rows and a change of shape's order."""
+    step = 0x9E3779B97F4A7C15
+    rng = np.random.default_rng(8)
+    a = rng.standard_normal((7, 301)).astype(np.float32)
+    a[0, :4] = [np.nan, np.inf, -0.0, 1e-40]
+    words = [int(w) for w in a.reshape(-1).view(np.uint32)]
+    want = sum(w * ((((i + 1) * step) % 2**64) | 1) for i, w in enumerate(words)) % 2**64
+    got = kernels.basis_hash(a)
+    assert got.dtype == np.uint64 and got.shape == (1,) and int(got[0]) == want
+    assert int(kernels.basis_hash(np.zeros(0, np.float32))[0]) == 0
+    for i in (0, 5, a.size - 1):
+        b = a.copy().reshape(-1)
+        b.view(np.uint32)[i] ^= np.uint32(1 << 31)  # one bit: 0.0 against -0.0, say
+        assert kernels.basis_hash(b)[0] != got[0]
+    assert kernels.basis_hash(a[[1, 0, *range(2, 7)]])[0] != got[0]
+
+
 def test_orthonormalize_is_orthonormal_and_deterministic():
     a = np.zeros((5, 40), np.float32)
     a[0, :] = 1.0

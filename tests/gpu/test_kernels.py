@@ -277,6 +277,20 @@ def test_sum_of_squares_matches_the_c_core(cp, rows, length):
     assert np.array_equal(got32, geo.row_sumsq_f32(tiny)) and 0 < got32[0] < 1.2e-38
 
 
+@pytest.mark.parametrize("shape", [(0,), (1,), (3, 85), (32, 4096)])
+def test_basis_hash_matches_the_host(cp, shape):
+    """A basis's hash, one block of one launch on the device (its threads' sums added
+    in shared memory), gives the host's bits: integer sums mod 2^64 do not depend on
+    their order. Shapes below, at and far above the block's 256 threads; non-finite
+    values by their bits."""
+    x = inputs(4, int(np.prod(shape)), tag=11).reshape(shape)
+    if x.size > 2:
+        x.reshape(-1)[:3] = [np.nan, -np.inf, -0.0]
+    got = geo.basis_hash(cp.asarray(x))
+    assert got.dtype == cp.uint64 and got.shape == (1,)
+    assert np.array_equal(got.get(), geo.basis_hash(x))
+
+
 def test_side_channel_rounding_matches_the_c_core(cp):
     """GeoFP8's bfloat16 rounding of its side values, one kernel on the device, gives
     the host's bits (the bf16 codec's round trip): ties, overflow to inf, subnormals,

@@ -187,8 +187,8 @@ def test_geofp8_calls_replay_one_graph_with_and_between_power_steps(
     assert "2 steps" in kinds, kinds  # both matrices step in one call
     # no call waits for the device, the cold start's COLD_ITERS subspace iterations and
     # the power steps included: the bases are orthonormalized on the device, and what
-    # the state takes (the step's verdict, the new basis, the summed energies) comes to
-    # the host behind the call, read at the state's next read
+    # the state takes (the step's verdict, the summed energies, the new basis's hash)
+    # comes to the host behind the call, read at the state's next read
     assert kinds[0] == "first", kinds
     for k, cost in zip(kinds, costs, strict=True):
         assert "syncs" not in cost, (k, cost)
@@ -255,7 +255,7 @@ def test_geofp8_replays_a_bucket_of_many_keys_stepping_at_once(cp, comms):
 def test_geofp8_buckets_of_a_round_never_wait_for_a_lagging_device(cp, comms):
     """DDP hands the collective one bucket after another while the device still runs the
     earlier ones. GeoFP8's state takes a power step's outcome on the host (its verdict,
-    basis and energies come behind the call): a key's own at the key's next call, and
+    energies and basis hash come behind the call): a key's own at the key's next call, and
     every key's when the round of calls starts again (a key comes back), where the
     allocation is made again and every rank must decide from the same state. So no call
     of a round reads what another call of that round found, and none waits for the

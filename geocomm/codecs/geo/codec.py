@@ -363,9 +363,9 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         outcome and the energies travel to the host behind the call
         (:class:`~geocomm.codecs.geo.kernels.LaterCopy`), so the call never waits
         for them: the state takes them when it is next read (:meth:`_settle`)."""
-        st, k, (vt, verdict) = plan.state, plan.map_shape.k, plan.pending
+        st, k, (vt, verdict, digest) = plan.state, plan.map_shape.k, plan.pending
 
-        def commit(energies: np.ndarray, outcome: np.ndarray, host: np.ndarray) -> None:
+        def commit(energies: np.ndarray, outcome: np.ndarray, hashed: np.ndarray) -> None:
             kept, whole, overlap = _outcome(outcome, k)
             mapped = [float(e) for e in energies]
             if not kept or not all(map(math.isfinite, mapped)):
@@ -373,10 +373,11 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
             period = policy.next_period(st.period, overlap, self.refresh_period, self.refresh_max)
             stale = whole / st.total if st.total > 0 else 0.0
             carried = [e * stale for e in st.energies[k:]]
-            st.commit(vt, (*mapped, *carried), whole, period, summed=True, host=host)
+            digest_ = int(hashed[0])
+            st.commit(vt, (*mapped, *carried), whole, period, summed=True, digest=digest_)
             self._version += 1
 
-        self._later(st, commit, side_sum[plan.map_shape.m, :], verdict, vt)
+        self._later(st, commit, side_sum[plan.map_shape.m, :], verdict, digest)
 
     def _later(self, st: KeyState, commit: Callable[..., None], *arrays: Any) -> None:
         """Hand ``commit``, an update of ``st``, the host copies of ``arrays`` when the
@@ -431,7 +432,8 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
                 period = policy.next_period(
                     st.period, overlap, self.refresh_period, self.refresh_max
                 )
-            st.commit(vt, tuple(energies[: cap.k]), energy, period, summed, host=host[: cap.k])
+            digest = int(kernels.basis_hash(host[: cap.k])[0])
+            st.commit(vt, tuple(energies[: cap.k]), energy, period, summed, digest=digest)
             if whiten and cold:  # its own memory: later steps overwrite the split basis's
                 wt = xp.asarray(basis[:whiten, :], copy=True)
                 _commit_whitening(st, wt, host[:whiten], energies[:whiten], energy)
@@ -608,19 +610,21 @@ def _accumulation(shard: Any, lo: int, coef: Any, dims: MapShape) -> Any:
     return kernels.round_bf16(xp.concat([xp.reshape(acc, (-1,)), energy]))
 
 
-def _power_step(total: Any, old: Any, k: int, seed: int) -> tuple[Any, Any]:
-    """(basis, verdict) of a power step from the summed accumulation ``total`` (W of
-    the k mapped rows, then the energy) of a key whose basis is ``old`` (cap, n): the
-    orthonormal rows of W with old's unmapped rows carried along, and the
-    :func:`_verdict` that says whether the state takes them; in ``total``'s
-    namespace. The call maps with the basis either way: any orthonormal basis maps
-    exactly, and the orthonormalization reads non-finite sums as 0."""
+def _power_step(total: Any, old: Any, k: int, seed: int) -> tuple[Any, Any, Any]:
+    """(basis, verdict, digest) of a power step from the summed accumulation ``total``
+    (W of the k mapped rows, then the energy) of a key whose basis is ``old`` (cap, n):
+    the orthonormal rows of W with old's unmapped rows carried along, the
+    :func:`_verdict` that says whether the state takes them and the basis's
+    :func:`~geocomm.codecs.geo.kernels.basis_hash` (what the state's checksum holds of
+    it: the basis itself never comes to the host); in ``total``'s namespace. The call
+    maps with the basis either way: any orthonormal basis maps exactly, and the
+    orthonormalization reads non-finite sums as 0."""
     xp = array_namespace(total, old)
     cap, n = old.shape
     w = xp.reshape(total[: k * n], (k, n))
     rows = w if k == cap else xp.concat([w, old[k:, :]], axis=0)
     basis = kernels.orthonormalize(rows, seed)
-    return basis, _verdict(total, basis[:k, :], old)
+    return basis, _verdict(total, basis[:k, :], old), kernels.basis_hash(basis)
 
 
 def _verdict(total: Any, new: Any, old: Any) -> Any:

@@ -28,6 +28,7 @@ from geocomm.kernels import native
 __all__ = [
     "LaterCopy",
     "accumulate",
+    "basis_hash",
     "column_sumsq",
     "expand",
     "host_copy",
@@ -52,6 +53,8 @@ _DOT_CHUNK = 512  # GC_DOT_CHUNK of native/gc_linalg.h: columns per chunk of a d
 _ACC_ROWS = 128  # GC_ACC_ROWS of native/gc_linalg.h: rows per tile of an accumulation
 _ORTHO_LANES = 256  # GC_ORTHO_LANES of native/gc_linalg.h: one block's threads
 _U64 = 2**64 - 1
+_HASH_THREADS = 256  # GC_HASH_THREADS of native/gc_geometry.cu
+_HASH_STEP = 0x9E3779B97F4A7C15  # GC_HASH_STEP of native/gc_geometry.cu
 
 
 def rows(lo: int, length: int, n: int) -> int:
@@ -240,6 +243,29 @@ def row_sumsq_f32(a: Any) -> Any:
 def column_sumsq(coef: Any) -> list[float]:
     """:func:`sumsq` of every column of an (m, k) coefficient matrix (one copy to the host)."""
     return [float(e) for e in host_copy(row_sumsq(coef.T))]
+
+
+def basis_hash(a: Any) -> Any:
+    """A 64-bit hash of a float32 array's bits, as a (1,) uint64 array of its namespace
+    (CuPy: computed on the device, nothing copied): the sum over its C-order elements
+    of bits(a[i]) * ((i + 1) * GC_HASH_STEP | 1) mod 2^64. Integer sums mod 2^64 do
+    not depend on their order, so every device gives the same bits; each weight is
+    odd, so a change of any one element always changes the hash. What a key's state
+    checksum holds of its basis (KeyState), so a power step need not copy its basis
+    to the host."""
+    if is_cupy_array(a):
+        import cupy
+
+        words = cupy.ascontiguousarray(a, cupy.float32).reshape(-1).view(cupy.uint32)
+        out = cupy.empty(1, cupy.uint64)
+        _kernel(cupy, "gc_geo_hash")((1,), (_HASH_THREADS,), (words, np.uint64(words.size), out))
+        return out
+    xp = array_namespace(a)
+    words = np.ascontiguousarray(_host(a), np.float32).reshape(-1).view(np.uint32)
+    weights = np.arange(1, words.size + 1, dtype=np.uint64) * np.uint64(_HASH_STEP)
+    with np.errstate(over="ignore"):
+        total = np.sum(words.astype(np.uint64) * (weights | np.uint64(1)), dtype=np.uint64)
+    return xp.asarray(np.array([total], np.uint64))
 
 
 def orthonormalize(rows_: Any, seed: int) -> Any:

@@ -120,7 +120,7 @@ class SplitPlan:
         self.map_shape, self.vt, self.steps, self.state = dims, vt, steps, state
         self.settled = not steps  # the codec's step sets it once the basis is final
         self.side: Any = None
-        self.pending: Any = None  # after a step: (basis, the step's verdict)
+        self.pending: Any = None  # after a step: (basis, the step's verdict, basis hash)
         self._packed: Any = None
 
     @property
@@ -129,11 +129,12 @@ class SplitPlan:
         says whether the key's state takes the new basis."""
         return self.pending is not None
 
-    def stepped(self, vt: Any, verdict: Any) -> None:
+    def stepped(self, vt: Any, verdict: Any, digest: Any) -> None:
         """The step's result: ``vt`` (the key's tracked rows, the mapped ones first)
         maps from now on; the state takes it after the call, as ``verdict`` (an array
-        of the codec's) says. Call before :meth:`begin`."""
-        self.vt, self.pending = vt[: self.map_shape.k, :], (vt, verdict)
+        of the codec's) says, with ``digest``, its
+        :func:`~geocomm.codecs.geo.kernels.basis_hash`. Call before :meth:`begin`."""
+        self.vt, self.pending = vt[: self.map_shape.k, :], (vt, verdict, digest)
 
     def resume(self, pending: Any) -> None:
         """Take :attr:`pending` of an earlier call's plan of the same key, basis and step,
@@ -280,9 +281,9 @@ class WhitenPlan:
         self._side: Any = None
         self._bases: Any = None  # (U^T, forward rows, inverse rows), or () for none
 
-    def stepped(self, vt: Any, verdict: Any) -> None:
+    def stepped(self, vt: Any, verdict: Any, digest: Any) -> None:
         """As :meth:`SplitPlan.stepped` (before :attr:`side` is read)."""
-        self.vt, self.pending = vt[: self.map_shape.k, :], (vt, verdict)
+        self.vt, self.pending = vt[: self.map_shape.k, :], (vt, verdict, digest)
 
     @property
     def side(self) -> Any:

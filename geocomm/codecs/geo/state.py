@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from array_api_compat import is_cupy_array
 
+from geocomm.codecs.geo.kernels import basis_hash
 from geocomm.codecs.geo.policy import MapShape
 
 
@@ -80,7 +81,8 @@ class KeyState:
 
     @property
     def crc(self) -> int:
-        """CRC32 of the whole state (the basis is hashed once, when it changes)."""
+        """CRC32 of the whole state (the basis through its
+        :func:`~geocomm.codecs.geo.kernels.basis_hash`, taken once, when it changes)."""
         dims = self.map_shape
         head = struct.pack(
             f"<7q??d{len(self.energies) + 1}d",
@@ -103,19 +105,22 @@ class KeyState:
         white = struct.pack(f"<d{len(self.wenergies)}d", self.wbulk, *self.wenergies)
         return zlib.crc32(white, crc ^ self._white_crc)
 
-    def _set_basis(self, vt: Any, host: np.ndarray | None = None) -> None:
-        """``vt`` becomes the basis; ``host``: its NumPy copy, if the caller has one. A
-        device basis of the same shape is copied into the old one's memory (in stream
-        order), so CUDA graphs of mapped calls, which read it from there, stay valid;
-        the first basis is kept as given, so later updates write into it: a caller
-        hands over memory that nothing else keeps (a view of it would change)."""
+    def _set_basis(self, vt: Any, digest: int | None = None) -> None:
+        """``vt`` becomes the basis; ``digest``: its
+        :func:`~geocomm.codecs.geo.kernels.basis_hash`, if the caller has it (else
+        hashed from a host copy). A device basis of the same shape is copied into the
+        old one's memory (in stream order), so CUDA graphs of mapped calls, which read
+        it from there, stay valid; the first basis is kept as given, so later updates
+        write into it: a caller hands over memory that nothing else keeps (a view of it
+        would change)."""
         old = self.vt
         if is_cupy_array(old) and is_cupy_array(vt) and old.shape == vt.shape and old is not vt:
             old[...] = vt
         else:
             self.vt = vt
-        host = _host_array(vt) if host is None else host
-        self._basis_crc = zlib.crc32(np.ascontiguousarray(host, "<f4").tobytes())
+        if digest is None:
+            digest = int(basis_hash(_host_array(vt))[0])
+        self._basis_crc = zlib.crc32(struct.pack("<Q", digest))
 
     def commit(
         self,
@@ -124,12 +129,12 @@ class KeyState:
         total: float,
         period: int,
         summed: bool,
-        host: np.ndarray | None = None,
+        digest: int | None = None,
     ) -> None:
-        """A basis update: the new basis (``host``: its NumPy copy, if the caller has
-        one), the energies along its directions, the whole energy (the share follows),
-        the next period and whether the update summed over ranks."""
-        self._set_basis(vt, host)
+        """A basis update: the new basis (``digest``: its hash, if the caller has it),
+        the energies along its directions, the whole energy (the share follows), the
+        next period and whether the update summed over ranks."""
+        self._set_basis(vt, digest)
         self.refreshed, self.period = self.calls, int(period)
         self.summed = bool(summed)
         self.energies, self.total = tuple(float(e) for e in energies), float(total)
@@ -180,7 +185,7 @@ class KeyState:
             vt = np.array(data["vt"], "<f4", order="C")  # a copy: the caller's stays theirs
             if vt.shape != (st.map_shape.k, st.map_shape.n):
                 raise ValueError(f"basis of shape {vt.shape} does not fit {st.map_shape}")
-            st._set_basis(xp.asarray(vt), vt)
+            st._set_basis(xp.asarray(vt), int(basis_hash(vt)[0]))
         if data.get("wt") is not None:
             wt = np.asarray(data["wt"], np.float32)
             if wt.ndim != 2 or wt.shape[1] != st.map_shape.n:
