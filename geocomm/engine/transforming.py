@@ -124,8 +124,7 @@ class SideChannel:
 
     def begin(self, planned: list[tuple[Any, Any]], values: Any) -> None:
         """The ranged plans' whole-tensor step, each writing its side into its slot, with
-        the channel's scratch (:meth:`reserve`)."""
-        self.reserve(planned)
+        the channel's scratch (made by :meth:`reserve` first, outside any graph)."""
         for (part, plan), slot in zip(planned, self._slots(self.values), strict=True):
             if plan.ranged:
                 plan.begin(values[part.offset : part.offset + part.size], slot, self.scratch)
