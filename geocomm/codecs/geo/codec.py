@@ -373,8 +373,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
             period = policy.next_period(st.period, overlap, self.refresh_period, self.refresh_max)
             stale = whole / st.total if st.total > 0 else 0.0
             carried = [e * stale for e in st.energies[k:]]
-            digest_ = int(hashed[0])
-            st.commit(vt, (*mapped, *carried), whole, period, summed=True, digest=digest_)
+            st.commit(vt, (*mapped, *carried), whole, period, summed=True, digest=int(hashed[0]))
             self._version += 1
 
         self._later(st, commit, side_sum[plan.map_shape.m, :], verdict, digest)

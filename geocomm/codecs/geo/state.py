@@ -27,6 +27,14 @@ def _host_array(a: Any) -> np.ndarray:
     return np.array(host, "<f4", order="C", copy=True)
 
 
+def _fingerprint(a: Any, digest: int | None = None) -> int:
+    """CRC32 of a basis's :func:`~geocomm.codecs.geo.kernels.basis_hash` (``digest``
+    when the caller has it, else hashed from a host copy of ``a``)."""
+    if digest is None:
+        digest = int(basis_hash(_host_array(a))[0])
+    return zlib.crc32(struct.pack("<Q", digest))
+
+
 def _host_bytes(a: Any) -> bytes:
     """The little-endian float32 bytes of an array of any namespace (CuPy copies)."""
     return _host_array(a).tobytes()
@@ -77,11 +85,11 @@ class KeyState:
         if self.vt is not None:
             self._set_basis(self.vt)
         if self.wt is not None:
-            self._white_crc = zlib.crc32(_host_bytes(self.wt))
+            self._white_crc = _fingerprint(self.wt)
 
     @property
     def crc(self) -> int:
-        """CRC32 of the whole state (the basis through its
+        """CRC32 of the whole state (each basis through its
         :func:`~geocomm.codecs.geo.kernels.basis_hash`, taken once, when it changes)."""
         dims = self.map_shape
         head = struct.pack(
@@ -118,9 +126,7 @@ class KeyState:
             old[...] = vt
         else:
             self.vt = vt
-        if digest is None:
-            digest = int(basis_hash(_host_array(vt))[0])
-        self._basis_crc = zlib.crc32(struct.pack("<Q", digest))
+        self._basis_crc = _fingerprint(vt, digest)
 
     def commit(
         self,
@@ -148,7 +154,7 @@ class KeyState:
         direction."""
         self.wt, self.wbulk = wt, float(bulk)
         self.wenergies = tuple(float(e) for e in energies)
-        self._white_crc = zlib.crc32(_host_bytes(wt if host is None else host))
+        self._white_crc = _fingerprint(wt if host is None else host)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON- and NumPy-only snapshot (for checkpoints)."""
