@@ -262,10 +262,22 @@ def basis_hash(a: Any) -> Any:
         return out
     xp = array_namespace(a)
     words = np.ascontiguousarray(_host(a), np.float32).reshape(-1).view(np.uint32)
-    weights = np.arange(1, words.size + 1, dtype=np.uint64) * np.uint64(_HASH_STEP)
-    with np.errstate(over="ignore"):
-        total = np.sum(words.astype(np.uint64) * (weights | np.uint64(1)), dtype=np.uint64)
-    return xp.asarray(np.array([total], np.uint64))
+    terms = words.astype(np.uint64)
+    np.multiply(terms, _hash_weights(words.size), out=terms)  # integer products wrap
+    return xp.asarray(np.array([terms.sum(dtype=np.uint64)], np.uint64))
+
+
+_HASH_WEIGHTS = np.zeros(0, np.uint64)
+
+
+def _hash_weights(n: int) -> np.ndarray:
+    """The first n weights of :func:`basis_hash`, (i + 1) * GC_HASH_STEP | 1, computed
+    once for the largest n asked so far (they are most of a host hash's work)."""
+    global _HASH_WEIGHTS
+    if _HASH_WEIGHTS.size < n:
+        index = np.arange(1, n + 1, dtype=np.uint64)
+        _HASH_WEIGHTS = (index * np.uint64(_HASH_STEP)) | np.uint64(1)
+    return _HASH_WEIGHTS[:n]
 
 
 def orthonormalize(rows_: Any, seed: int) -> Any:
