@@ -27,14 +27,13 @@ FLOAT_CHECKS=-fsanitize=float-cast-overflow,float-divide-by-zero
 SANITIZE=(-Db_sanitize=address,undefined -Db_lundef=false "-Dc_args=$FLOAT_CHECKS")
 # the build tools, beside the test environment's cffi (pyproject's build-system)
 "$PY" -m pip install -q "meson-python>=0.16" "meson>=1.3" ninja
-# C tests
+# one sanitized build (build-asan) serves both: the package, then the C tests in it
 rm -rf build-asan
-meson setup build-asan "${SANITIZE[@]}" -Dnative_tests=true -Dbuildtype=debugoptimized >/dev/null
-meson test -C build-asan --print-errorlogs
-# Python tests against the sanitized extension
 PACKAGE="$PWD/build-asan/python"
 "$PY" -m pip install -q --no-deps --no-build-isolation --target "$PACKAGE" . \
-  "${SANITIZE[@]/#/-Csetup-args=}"
+  -Cbuild-dir=build-asan "${SANITIZE[@]/#/-Csetup-args=}" -Csetup-args=-Dnative_tests=true
+meson test -C build-asan --print-errorlogs
+# Python tests against the sanitized extension
 export PYTHONPATH="$PACKAGE"
 export LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)"
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
