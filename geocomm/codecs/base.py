@@ -217,6 +217,9 @@ class TransformingCodec(StatefulCodec):
       yields is summed exactly over the ranks and sent back into it; with
       ``alone`` (an all-reduce, where every rank holds the whole result)
       ``shard`` is the whole result and every yield is sent back as it is;
+    * after a call's refresh rounds, the collective calls ``codec.flush()``: the
+      codec may then queue what it copies to the host for the rounds' outcomes
+      (behind the call on the current stream; nothing waits for the device);
     * ``side_format`` ("fp32" or "bf16") is what those exact sums carry: every
       side and every yielded array holds values of that format (float32
       arrays), so the wire keeps them exactly at 4 or 2 bytes a value.
@@ -245,3 +248,6 @@ class TransformingCodec(StatefulCodec):
         self, plan: Any, shard: Any, lo: int, side_sum: Any, alone: bool = False
     ) -> Generator[Any, Any, None]:
         """Rounds that update the plan's key from this rank's shard of the result."""
+
+    def flush(self) -> None:
+        """Queue what the call's refresh rounds copy to the host (nothing here)."""

@@ -106,7 +106,7 @@ class Graphs:
         )
         self.cupy = xp
         #: key -> (graph, the capture's record, the body's return, its arena, keep)
-        self.kept: dict[Hashable, tuple[Any, Any, Any, Arena | None, Any]] = {}
+        self.kept: dict[Hashable, tuple[Any, Any, Any, Arena, Any]] = {}
         #: keys run eagerly once, oldest first -> the bytes that run allocated
         self._seen: dict[Hashable, int] = {}
         self._stream: Any = None  # the plan's capture stream, made at its first capture
@@ -141,23 +141,24 @@ class Graphs:
 
     def _capture(
         self, comm: Capturable, body: Callable[[], Any], nbytes: int, keep: Any
-    ) -> tuple[Any, Any, Any, Arena | None, Any] | None:
+    ) -> tuple[Any, Any, Any, Arena, Any] | None:
         """What :attr:`kept` holds of ``body``'s graph, captured on a stream of the
         plan's own (the current stream may be the legacy default stream, which cannot be
-        captured) with the plan's arena, grown to ``nbytes``, when the body allocates;
-        None when capture failed (nothing ran; the plan stops capturing)."""
+        captured) with the plan's arena, grown to ``nbytes`` (an empty one, which refuses
+        every allocation, when the eager run made none); None when capture failed
+        (nothing ran; the plan stops capturing)."""
         if self._stream is None:
             self._stream = self.cupy.cuda.Stream(non_blocking=True)
         capture = self._stream
         if nbytes and (self._arena is None or self._arena.nbytes < nbytes):
             self._arena = Arena(self.cupy, nbytes)  # graphs made before keep the old one
-        arena = self._arena if nbytes else None
+        # a body whose eager run allocated nothing gets an arena that refuses everything
+        arena = self._arena if nbytes and self._arena else Arena(self.cupy, 0)
         graph, returned, failed = None, None, False
         with comm.capturing() as record:
             capture.begin_capture()
             try:
-                serving = arena.serving() if arena else contextlib.nullcontext()
-                with capture, serving:
+                with capture, arena.serving():
                     returned = body()
             except (ArenaExhausted, self.cupy.cuda.runtime.CUDARuntimeError):
                 failed = True  # an operation capture does not take: discarded below

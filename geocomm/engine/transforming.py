@@ -322,7 +322,9 @@ def refresh(
         b = min(max(hi, part.offset), part.offset + part.size)
         shard = result[a - lo : b - lo]
         rounds.append(codec.refresh(plan, shard, a - part.offset, side_sum, alone=alone))
-    run_rounds(comm, codec, rounds)
+    if rounds:
+        run_rounds(comm, codec, rounds)
+        codec.flush()
 
 
 def run_rounds(comm: Communicator | None, codec: Any, rounds: list[Any]) -> None:

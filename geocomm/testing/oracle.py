@@ -37,6 +37,7 @@ def run_refresh_locally(codec: TransformingCodec, plan: Any, values: Any, side_s
     value = next(rounds, None)
     while value is not None:
         value = _send(rounds, value)
+    codec.flush()
 
 
 def _ordered_sum(values: Sequence[Any]) -> Any:
@@ -115,6 +116,8 @@ def _refresh(
             for c, p, s, lo in zip(codecs, plans, shards, los, strict=True)
         ]
     )
+    for c in codecs:
+        c.flush()
 
 
 def _lockstep(rounds: Sequence[Any]) -> None:

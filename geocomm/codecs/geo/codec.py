@@ -142,8 +142,11 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         self._planned: set[Any] = set()  # keys planned in this round of calls
         self._map_shapes: dict[tuple[tuple[int, ...], bool], MapShape | None] = {}
         # basis updates whose outcomes are still on their way to the host, in call
-        # order: the key's state, the copies and the commit that takes them (:meth:`_later`)
-        self._unsettled: list[tuple[KeyState, kernels.LaterCopy, Callable[..., None]]] = []
+        # order: the key's state, the copies of the call (the update's are those at
+        # the slice) and the commit that takes them (:meth:`_later`, :meth:`flush`)
+        self._unsettled: list[tuple[KeyState, kernels.LaterCopy, slice, Callable[..., None]]] = []
+        # this call's updates, their copies not yet queued (:meth:`flush` does)
+        self._queued: list[tuple[KeyState, Callable[..., None], tuple[Any, ...]]] = []
 
     # ---- configuration --------------------------------------------------------
     def _knobs(self) -> dict[str, Any]:
@@ -321,7 +324,9 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         st, dims = plan.state, plan.map_shape
         if st.vt is None:
             raise RuntimeError("a plan steps from a measured basis, and this key has none")
-        coef = kernels.project(x, 0, dims.n, plan.vt)
+        # from the state's basis, not the plan's: a step run again (eagerly, after a
+        # failed capture of the call) starts where the first did
+        coef = kernels.project(x, 0, dims.n, st.vt[: dims.k, :])
         total = yield _accumulation(x, 0, coef, dims)
         plan.settled = True  # the basis is final from here on (a plan's side may be read)
         plan.stepped(*_power_step(total, st.vt, dims.k, self.seed))
@@ -380,9 +385,21 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
 
     def _later(self, st: KeyState, commit: Callable[..., None], *arrays: Any) -> None:
         """Hand ``commit``, an update of ``st``, the host copies of ``arrays`` when the
-        state is next read (:class:`~geocomm.codecs.geo.kernels.LaterCopy`: the call
-        goes on at once)."""
-        self._unsettled.append((st, kernels.LaterCopy(*arrays), commit))
+        state is next read; the copies leave with the call's others (:meth:`flush`)."""
+        self._queued.append((st, commit, arrays))
+
+    def flush(self) -> None:
+        """Queue the host copies of every update this call's rounds left, behind one
+        event (:class:`~geocomm.codecs.geo.kernels.LaterCopy`: the call goes on at
+        once; the collective calls this after the refresh rounds)."""
+        if not self._queued:
+            return
+        queued, self._queued = self._queued, []
+        copy = kernels.LaterCopy(*(a for _, _, arrays in queued for a in arrays))
+        at = 0
+        for st, commit, arrays in queued:
+            self._unsettled.append((st, copy, slice(at, at + len(arrays)), commit))
+            at += len(arrays)
 
     def _settle(self, st: KeyState | None = None) -> None:
         """Run the updates whose outcomes were on their way (:meth:`_later`), in call
@@ -390,15 +407,16 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         waits only for the calls the reader needs (the device runs them in order).
         Every reader of a key's state calls this first; readers decide at the same
         calls on every rank, so every rank's state takes the same updates."""
+        self.flush()  # a driver of the rounds other than the collective may not have
         pending = self._unsettled
         done = len(pending)
         if st is not None:
-            done = max((i + 1 for i, (owner, _, _) in enumerate(pending) if owner is st), default=0)
+            done = max((i + 1 for i, (owner, *_) in enumerate(pending) if owner is st), default=0)
         if not done:
             return
         self._unsettled = pending[done:]
-        for _, copies, commit in pending[:done]:
-            commit(*copies.result())
+        for _, copies, taken, commit in pending[:done]:
+            commit(*copies.result()[taken])
 
     def measure(
         self, st: KeyState, shard: Any, lo: int, summed: bool = False, whiten: int = 0
@@ -512,6 +530,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
     def reset_state(self) -> None:
         """Forget every key's geometry."""
         self._unsettled.clear()
+        self._queued.clear()
         self._state.clear()
         self._version += 1
         self._ranks = (-1, {})

@@ -78,29 +78,38 @@ def host_copy(a: Any) -> np.ndarray:
 
 class LaterCopy:
     """Host copies of small arrays, read when needed: CuPy arrays' are queued on the
-    current stream into pinned memory behind one event, so the host goes on at
-    once and :meth:`result` waits for the device only if the copies have not
-    landed by then (the stream went on, in order, since). Other arrays are
+    current stream into one block of pinned memory behind one event, so the host
+    goes on at once and :meth:`result` waits for the device only if the copies have
+    not landed by then (the stream went on, in order, since). Other arrays are
     copied at once."""
+
+    #: bytes between the starts of two arrays in the pinned block (any dtype's alignment)
+    ALIGN = 64
 
     def __init__(self, *arrays: Any):
         self._event: Any = None
         self._host: list[np.ndarray] = []
+        device = [a for a in arrays if is_cupy_array(a)]
+        if not device:
+            self._host = [host_copy(a) for a in arrays]
+            return
+        import cupy
+
+        starts, end = [], 0
+        for a in device:
+            starts.append(end)
+            end += -(-max(a.nbytes, 1) // self.ALIGN) * self.ALIGN
+        memory, at = cupy.cuda.alloc_pinned_memory(end), iter(starts)
         for a in arrays:
             if not is_cupy_array(a):
                 self._host.append(host_copy(a))
                 continue
-            import cupy
-
             a = cupy.ascontiguousarray(a)
-            memory = cupy.cuda.alloc_pinned_memory(max(a.nbytes, 1))
-            host = np.frombuffer(memory, a.dtype, a.size).reshape(a.shape)
+            host = np.frombuffer(memory, a.dtype, a.size, next(at)).reshape(a.shape)
             a.get(out=host, blocking=False)
             self._host.append(host)
-            if self._event is None:
-                self._event = cupy.cuda.Event(disable_timing=True)
-        if self._event is not None:
-            self._event.record()
+        self._event = cupy.cuda.Event(disable_timing=True)
+        self._event.record()
 
     def result(self) -> list[np.ndarray]:
         """The copies, in the order given (NumPy; do not write to them)."""
