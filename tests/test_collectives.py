@@ -267,6 +267,15 @@ def test_mismatched_codec_raises_everywhere(comm):
         geocomm.allreduce(np.ones(64, np.float32), codec=codec)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_stage_sizes_raise_everywhere(comm):
+    """Different stage sizes cut different pieces, so the ranks' transfers would not
+    match in size (a hang, or bytes read as the wrong piece): the check compares them."""
+    stage_size = 8192 if comm.rank == 0 else 32768
+    with pytest.raises(CollectiveMismatchError, match="stage size"):
+        geocomm.allreduce(np.ones(1 << 16, np.float32), codec="fp8", stage_size=stage_size)
+
+
 def test_auto_switches_at_the_crossover(comm):
     """Below crossover_bytes the plain all-reduce runs (exact), above it fp8."""
     auto = {"id": "auto", "codec": "fp8", "crossover_bytes": 4 * 1000}

@@ -256,7 +256,8 @@ class NCCLCommunicator:
             raise ValueError(f"{name}: a segment lies outside the {buf.nbytes}-byte buffer")
         return [(int(d), int(c)) for d, c in zip(displs, counts, strict=True)]
 
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
+        """RuntimeError unless the communicator can take work (not closed or aborted)."""
         if self.aborted or self.closed:
             why = "aborted (after a timeout or failure)" if self.aborted else "closed"
             raise RuntimeError(
@@ -281,7 +282,7 @@ class NCCLCommunicator:
 
     def _start(self) -> None:
         """Order the communicator stream after the work queued so far on the current stream."""
-        self._check_usable()
+        self.check_usable()
         if not self._capturing:
             self._check_overdue()
         self.stream.wait_event(self._cupy.cuda.get_current_stream().record())
@@ -332,7 +333,7 @@ class NCCLCommunicator:
         """The transfers started inside are being captured into a CUDA graph (the caller
         captures the current stream): they are not queued work to watch, and nothing is
         queried meanwhile. A graph launch is watched through :meth:`track`."""
-        self._check_usable()
+        self.check_usable()
         self._check_overdue()
         self._capturing = True
         try:
@@ -370,7 +371,7 @@ class NCCLCommunicator:
 
     def allreduce(self, send: Any, recv: Any, op: str) -> None:
         """All-reduce (``op`` "sum" or "max") of float32/float64 cupy arrays (current stream)."""
-        self._check_usable()
+        self.check_usable()
         self._check_overdue()
         cupy = self._cupy
         for name, a in (("send", send), ("recv", recv)):
@@ -419,7 +420,7 @@ class NCCLCommunicator:
         """Block until this rank's queued transfers completed: at most GEOCOMM_TIMEOUT,
         then abort the communicator and raise CollectiveTimeout (unlike a device
         synchronization, never forever)."""
-        self._check_usable()
+        self.check_usable()
         self._drain()
 
     def _drain(self) -> None:

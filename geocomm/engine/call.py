@@ -192,7 +192,7 @@ def shard_parts(parts: tuple[Part, ...], ranges: list[tuple[int, int]]) -> tuple
 
 #: What each column of a fingerprint row is.
 FIELDS = ("collective", "count", "dtype", "op", "codec config", "parts or key", "codec state",
-          "topology")  # fmt: skip
+          "topology", "stage size")  # fmt: skip
 STATE = FIELDS.index("codec state")
 
 
@@ -204,17 +204,22 @@ def fingerprint(
     With the state, the signature's own row (computed once) with its state filled in."""
     s = signature
     if not with_state:
-        return call_fingerprint(s.kind, s.count, s.dtype, s.op, s.codec, s.parts, s.topology)
+        return call_fingerprint(
+            s.kind, s.count, s.dtype, s.op, s.codec, s.parts, s.topology, s.stage_size
+        )
     row: np.ndarray = s.fingerprint.copy()
     row[STATE] = state_checksum(s.codec, s.parts, s.topology == "flat" if flat is None else flat)
     return row
 
 
 def call_fingerprint(kind: str, count: int, dtype: np.dtype, op: str, codec: Codec,
-                     parts: tuple[Part, ...], topology: str) -> np.ndarray:  # fmt: skip
+                     parts: tuple[Part, ...], topology: str,
+                     stage_size: int | None = None) -> np.ndarray:  # fmt: skip
     """The int64 row that identifies a call on this rank, one column per :data:`FIELDS`
     entry, the codec state 0 (:func:`state_checksum` fills it): ranks whose rows are
-    equal make the same call."""
+    equal make the same call. ``stage_size``: the one the caller asked for (None, 0 in
+    the row: the backend's, which every rank derives alike); the pipeline's pieces,
+    and so every transfer's size, follow from it."""
     config = json.dumps(codec.get_config(), sort_keys=True).encode()
     layout = json.dumps([(repr(p.key), p.shape) for p in parts]).encode()
     return np.array(
@@ -227,6 +232,7 @@ def call_fingerprint(kind: str, count: int, dtype: np.dtype, op: str, codec: Cod
             zlib.crc32(layout),
             0,
             zlib.crc32(topology.encode()),
+            stage_size or 0,
         ],
         dtype=np.int64,
     )

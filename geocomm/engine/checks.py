@@ -2,7 +2,7 @@
 
 Before a call moves, the ranks compare its fingerprint
 (:func:`geocomm.engine.call.fingerprint`: collective, count, dtype, op, codec
-config, tensors and keys, the keys' codec state, topology), so that mismatched
+config, tensors and keys, the keys' codec state, topology, stage size), so that mismatched
 calls or diverged codec state fail with
 :class:`~geocomm.engine.call.CollectiveMismatchError` on every rank instead of
 hanging or returning garbage.

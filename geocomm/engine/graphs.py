@@ -135,6 +135,7 @@ class Graphs:
         while len(self.kept) > self.KEPT:
             self.kept.pop(next(iter(self.kept)))
         graph, record, returned, _, _ = kept
+        comm.check_usable()  # a closed or aborted communicator's transfers must not run
         graph.launch(stream=stream)
         comm.track(stream, record)
         return returned

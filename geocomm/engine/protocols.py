@@ -143,8 +143,12 @@ class Capturable(Protocol):
     exist in the graph); it gives a record of the capture (or None) to pass to
     ``track(stream, captured)`` after each launch of the graph, which takes note of the
     work the launch queued on ``stream`` (its transfers' timeouts are watched like any
-    other; a meter counts the captured bytes again)."""
+    other; a meter counts the captured bytes again). ``check_usable()`` raises
+    RuntimeError when it can take no more work (closed, or aborted after a failure):
+    a graph of its transfers is not launched then."""
 
     def capturing(self) -> AbstractContextManager[Any]: ...
 
     def track(self, stream: Any, captured: Any = None) -> None: ...
+
+    def check_usable(self) -> None: ...

@@ -29,6 +29,9 @@ class _Capturable:
     def track(self, stream, captured=None) -> None:
         self.tracked += 1
 
+    def check_usable(self) -> None:
+        pass
+
 
 class _Buffers:
     """Stands for what owns a graph's buffers (a side channel)."""

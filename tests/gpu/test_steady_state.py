@@ -254,6 +254,26 @@ def test_geofp8_replays_a_bucket_of_many_keys_stepping_at_once(cp, comms):
     assert dev.state_checksum() == host.state_checksum()
 
 
+def test_a_closed_communicator_replays_no_graph(cp):
+    """A call whose graph is kept refuses a communicator that was closed (or aborted
+    after a timeout or a mismatch) as an eager call does, instead of launching the
+    graph's transfers on it."""
+    from geocomm.comm.nccl import NCCLCommunicator
+
+    comm = NCCLCommunicator()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        x, out = cp.ones(COUNT, cp.float32), cp.empty(COUNT, cp.float32)
+        for _ in range(3):  # eager, captured, replayed
+            with counted() as cost:
+                geocomm.allreduce(x, codec="fp8", comm=comm, out=out)
+        assert cost.get("graph_launches") == 1, cost
+        comm.close()
+        with counted() as cost, pytest.raises(RuntimeError, match="closed"):
+            geocomm.allreduce(x, codec="fp8", comm=comm, out=out)
+    assert "graph_launches" not in cost, cost
+
+
 def test_a_geofp8_call_whose_capture_fails_after_its_step_steps_again_alike(cp, comms, monkeypatch):
     """A call with a power step whose capture fails after the step's rounds ran (here
     the arena comes one block short, as when a body allocates more under capture than
