@@ -276,6 +276,24 @@ def test_mismatched_stage_sizes_raise_everywhere(comm):
         geocomm.allreduce(np.ones(1 << 16, np.float32), codec="fp8", stage_size=stage_size)
 
 
+def test_a_communicator_is_not_kept_alive_by_its_calls(comm):
+    """The signatures of a communicator's calls, and their plans (which hold the
+    communicator), live on the communicator: once the caller lets it go, it goes,
+    with its buffers, however many compressed calls it made."""
+    import gc
+    import weakref
+
+    from geocomm.comm.mpi import MPICommunicator
+
+    own = MPICommunicator()
+    for codec in ("fp8", "none", "nvfp4"):
+        geocomm.allreduce(np.ones(1 << 14, np.float32), codec=codec, comm=own)
+    gone = weakref.ref(own)
+    del own
+    gc.collect()
+    assert gone() is None
+
+
 def test_auto_switches_at_the_crossover(comm):
     """Below crossover_bytes the plain all-reduce runs (exact), above it fp8."""
     auto = {"id": "auto", "codec": "fp8", "crossover_bytes": 4 * 1000}

@@ -17,7 +17,6 @@ import collections
 import json
 import math
 import os
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -190,10 +189,23 @@ def check_enabled(check: bool | None) -> bool:
 # ---------------------------------------------------------------------------
 # signatures and calls
 
-#: Per communicator (held weakly), the signatures of recent calls by their arguments.
-_signatures: weakref.WeakKeyDictionary[Any, collections.OrderedDict[tuple[Any, ...], Any]] = (
-    weakref.WeakKeyDictionary()
-)
+#: The attribute of a communicator that holds the signatures of its recent calls by
+#: their arguments: on the communicator, so that they go when it goes (their plans
+#: hold it, so a cache keyed by it weakly would keep it alive for ever).
+_SIGNATURES = "_geocomm_signatures"
+
+
+def _signatures(comm: Any, make: bool) -> collections.OrderedDict[tuple[Any, ...], Any] | None:
+    """``comm``'s cache of signatures (``make``: made if it has none; None for a
+    communicator that takes no attributes: its calls are not cached)."""
+    cache = getattr(comm, _SIGNATURES, None)
+    if cache is None and make:
+        cache = collections.OrderedDict()
+        try:
+            setattr(comm, _SIGNATURES, cache)
+        except AttributeError:
+            return None
+    return cache
 
 
 def signature(kind: str, x: Any, codec: Any, op: str, options: Options) -> Signature:
@@ -206,7 +218,7 @@ def signature(kind: str, x: Any, codec: Any, op: str, options: Options) -> Signa
     check = check_enabled(options.get("check"))
     topology = requested_topology(options.get("topology"))
     key = _cache_key(kind, x, codec, op, options, check, topology)
-    cache = _signatures.get(comm) if key is not None else None
+    cache = _signatures(comm, make=False) if key is not None else None
     if cache is not None and key is not None:
         cached = cache.get(key)
         if cached is not None:
@@ -214,9 +226,8 @@ def signature(kind: str, x: Any, codec: Any, op: str, options: Options) -> Signa
             return cached[0]
     result = _describe(kind, x, codec, op, options, comm, check, topology)
     if key is not None:
-        try:
-            cache = _signatures.setdefault(comm, collections.OrderedDict())
-        except TypeError:  # a communicator without weak references: nothing kept
+        cache = _signatures(comm, make=True)
+        if cache is None:
             return result
         cache[key] = (result, codec)  # the codec argument kept: its id is in the key
         if len(cache) > SIGNATURES_KEPT:
