@@ -116,6 +116,23 @@ def test_ddp_trains_identically_on_ranks_close_to_gloo(comm):
     assert 0 < drift < 0.05
 
 
+@pytest.mark.mpi(min_size=4)
+def test_compressed_calls_of_a_job_on_several_nodes_run_flat(comm, monkeypatch):
+    """torchrun on two nodes of two ranks sets ``GROUP_RANK`` to the node's rank, which
+    makes the default topology ("auto") node-aware. The backend's compressed calls
+    travel over a process group outside torch.distributed's registry, which cannot be
+    split into the nodes' groups: they run flat, and give the flat call's bits."""
+    rank = dist.get_rank() if dist.is_initialized() else comm.rank
+    monkeypatch.setenv("GROUP_RANK", str(rank // 2))
+    monkeypatch.setenv("GEOCOMM_TOPOLOGY", "auto")
+    group = _geocomm_group()
+    x = torch.from_numpy(np.random.default_rng(rank).standard_normal(1 << 16).astype(np.float32))
+    got = x.clone()
+    dist.all_reduce(got, group=group)
+    want = geocomm.allreduce(x.numpy(), codec="fp8", topology="flat")
+    assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
+
+
 @pytestmark_mpi
 def test_exact_calls_beside_compressed_gradients(comm):
     group = _geocomm_group()

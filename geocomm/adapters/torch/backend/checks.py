@@ -25,10 +25,15 @@ import numpy as np
 import torch
 
 from geocomm.adapters.torch.grads import NUMPY_DTYPES
-from geocomm.api.calls import parts_of, requested_topology
+from geocomm.api.calls import parts_of
 from geocomm.codecs.base import Codec, StatefulCodec
 from geocomm.comm.torchdist import TorchWork
 from geocomm.engine.call import call_fingerprint, raise_on_mismatch
+
+#: the topology of the backend's compressed calls: flat on any number of nodes (their
+#: process group lies outside torch.distributed's registry, which cannot make
+#: sub-groups of it)
+TOPOLOGY = "flat"
 
 #: what an early check's ``wait`` is: raises CollectiveMismatchError if ranks differ
 Wait = Callable[[], None]
@@ -48,10 +53,14 @@ class EarlyChecks:
         collective resolves it for the call's count): the codec keeps no state."""
         return not isinstance(codec, StatefulCodec)
 
-    def start(self, kind: str, tensor: torch.Tensor, op: str, codec: Codec, key: Any) -> Wait:
+    def start(
+        self, kind: str, tensor: torch.Tensor, op: str, codec: Codec, key: Any,
+        stage_size: int | None = None,
+    ) -> Wait:  # fmt: skip
         """Start the all-gather of this rank's fingerprint of the call (``kind``:
-        "allreduce" or "reduce_scatter"; ``codec`` as the collective resolves it) and
-        return the function that waits for it and compares the rows."""
+        "allreduce" or "reduce_scatter"; ``codec`` as the collective resolves it;
+        ``stage_size`` as configured) and return the function that waits for it and
+        compares the rows."""
         shape = tuple(tensor.shape)
         row = call_fingerprint(
             kind,
@@ -60,7 +69,8 @@ class EarlyChecks:
             op,
             codec,
             parts_of(shape, tensor.numel(), key, None),
-            requested_topology(None),
+            TOPOLOGY,
+            stage_size,
         )
         send = torch.from_numpy(row)
         rows = torch.empty((self.size, row.size), dtype=torch.int64)

@@ -60,7 +60,7 @@ import torch.distributed as dist
 
 from geocomm import api
 from geocomm.adapters.torch import checkpoints
-from geocomm.adapters.torch.backend.checks import EarlyChecks
+from geocomm.adapters.torch.backend.checks import TOPOLOGY, EarlyChecks
 from geocomm.adapters.torch.backend.config import (
     FLOATS,
     BackendConfig,
@@ -231,13 +231,15 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
         self, kind: str, tensor: torch.Tensor, op: str, run: Callable[..., None], result: list
     ) -> FutureWork:
         """Queue ``run(options)`` (the collective's keywords codec, key, comm, check,
-        stage_size) for the worker; the work's value is ``result`` once it ran. Key,
+        topology, stage_size) for the worker; the work's value is ``result`` once it ran. Key,
         codec and settings are fixed now, in call order; so is the metadata check
         started (adapters/torch/backend/checks.py)."""
         key = self._key(kind, tensor)
         config, codec, comm = self.config, self.codec, self._device(tensor).comm
         resolved = costs.codec_for(codec, tensor.numel(), comm.backend, comm.size)
-        wait_check = self._checks.start(kind, tensor, op, resolved, key) if config.check else None
+        wait_check = None
+        if config.check:
+            wait_check = self._checks.start(kind, tensor, op, resolved, key, config.stage_size)
         state_check = config.check and not EarlyChecks.complete(resolved)
         itemsize = tensor.element_size()
         factor = 2 if kind == "all_reduce" else 1
@@ -260,7 +262,7 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
                     if wait_check is not None:
                         wait_check()
                     run({"codec": codec, "key": key, "comm": comm,
-                         "check": state_check,
+                         "check": state_check, "topology": TOPOLOGY,
                          "stage_size": config.stage_size})  # fmt: skip
                 except CollectiveMismatchError as exc:
                     raise CollectiveMismatchError(f"{what}: {exc}") from exc
