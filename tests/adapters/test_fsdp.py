@@ -204,6 +204,36 @@ def test_exclusions_go_plain(comm):
         at += p.numel()
 
 
+def test_ignored_parameters_stay_out_of_the_compressed_reduce_scatter(comm):
+    """``fully_shard(..., ignored_params=...)`` leaves a parameter plain, outside FSDP's
+    buffers and its reduce-scatter (its gradient stays this rank's own): the compressed
+    reduce-scatter lays out the sharded ones only, and they still get FSDP's average
+    within fp8's bound."""
+    init_distributed_from_mpi()
+    model = _mlp()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    ignored = model[2].bias
+    for i, layer in enumerate(model):
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, ignored_params={ignored} if i == 2 else None)
+    fully_shard(model)
+    fsdp = compress_fsdp(model, "fp8")
+    inputs, exact = _exact_grads(rank, 0)
+    _loss(model, rank, 0).backward()
+    full = reduce_scatter_bound(inputs, geocomm.get_codec("fp8")) / size
+    at = 0
+    for name, p in model.named_parameters():
+        if p is ignored:  # this rank's own gradient, untouched by any collective
+            assert not isinstance(p.grad, torch.distributed.tensor.DTensor)
+            assert fsdp.last_step.collectives == 4
+        else:
+            want = _my_rows(exact[name], rank, size)
+            bound = _my_rows(full[at : at + p.numel()].reshape(p.shape), rank, size)
+            got = p.grad.to_local().double().numpy()
+            assert np.all(np.abs(got - want) <= bound + FP32_UNIT * np.abs(want)), name
+        at += p.numel()
+
+
 def test_bf16_reduce_dtype(comm):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     model = _sharded(mp=mp)

@@ -230,7 +230,10 @@ class GeocommAllReduceHook(_ModuleReduction):
 def _managed_params(module: nn.Module) -> list[nn.Parameter]:
     """The parameters ``fully_shard(module)`` manages, in FSDP's order: a post-order
     walk of the submodules that stops at nested FSDP modules, each module's own
-    parameters once (FSDP's ``_get_managed_states``)."""
+    parameters once (FSDP's ``_get_managed_states``), those it shards: the
+    ``ignored_params`` of ``fully_shard`` stay plain tensors, outside its buffers."""
+    from torch.distributed.tensor import DTensor
+
     modules: list[nn.Module] = []
     seen: set[int] = set()
 
@@ -248,7 +251,7 @@ def _managed_params(module: nn.Module) -> list[nn.Parameter]:
     visited: set[int] = set()
     for m in modules:
         for p in m.parameters(recurse=False):
-            if id(p) not in visited:
+            if id(p) not in visited and isinstance(p, DTensor):
                 visited.add(id(p))
                 params.append(p)
     return params
