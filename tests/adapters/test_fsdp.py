@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import geocomm
 from geocomm import CollectiveMismatchError
@@ -270,6 +270,38 @@ def test_replica_all_reduce_hook(comm):
     rows = [torch.empty(got.size, dtype=torch.float64) for _ in range(size)]
     dist.all_gather(rows, torch.from_numpy(got))
     assert all(torch.equal(r, rows[0]) for r in rows)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_replica_all_reduce_sums_under_a_custom_divide_factor(comm):
+    """With ``set_gradient_divide_factor(F)`` (and sum-only comms, which F needs here)
+    FSDP divides each reduced shard by F after the all-reduce hook, and native HSDP's
+    all-reduce sums: F is the whole divisor. The replicas' all-reduce sums too, so the
+    gradient is the ranks' sum over F (here F = 2 N: half the average). The lossless
+    codec makes that exact up to fp32's rounding of the sums (N + 2 roundings of at
+    most 2^-24 of the sum of magnitudes; an average over the replicas would be off by
+    a factor N / 2)."""
+    init_distributed_from_mpi()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if size % 2:
+        pytest.skip("two shards per replica")
+    mesh = init_device_mesh("cpu", (size // 2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _sharded(mesh["shard"])
+    compress_fsdp(model, "none", replicate_group=mesh.get_group("replicate"))
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(2.0 * size)
+            module.set_force_sum_reduction_for_comms(True)
+    inputs, exact = _exact_grads(rank, 0)
+    _loss(model, rank, 0).backward()
+    shard = mesh["shard"].get_local_rank()
+    magnitudes, at = np.sum(np.abs(inputs), axis=0), 0
+    for name, p in model.named_parameters():
+        want = _my_rows(exact[name] / 2, shard, 2)
+        scale = _my_rows(magnitudes[at : at + p.numel()].reshape(p.shape), shard, 2)
+        got = p.grad.to_local().double().numpy()
+        assert np.all(np.abs(got - want) <= (size + 2) * FP32_UNIT * scale / (2 * size)), name
+        at += p.numel()
 
 
 def test_premul_sum_is_refused_clearly(comm):

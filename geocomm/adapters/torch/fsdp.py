@@ -213,18 +213,33 @@ class GeocommReduceScatter(_ModuleReduction, _ReduceScatter):
 
 
 class GeocommAllReduceHook(_ModuleReduction):
-    """FSDP2 all-reduce hook (``set_all_reduce_hook``): averages this rank's reduced
-    shard over the replicas, in place, with one compressed all-reduce."""
+    """FSDP2 all-reduce hook (``set_all_reduce_hook``) of ``module``: reduces this
+    rank's reduced shard over the replicas, in place, with one compressed all-reduce,
+    as native HSDP's all-reduce would: an average, or with a custom
+    ``set_gradient_divide_factor`` a sum (FSDP's division by that factor after the hook
+    is then the whole division, over shards and replicas alike)."""
+
+    def __init__(self, module: nn.Module, *args: Any):
+        super().__init__(*args)
+        self.module = module
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         self.reducer.allreduce(
             self.layout,
             reduce_output,
             self.index,
-            "avg",
+            "avg" if _divide_factor(self.module) is None else "sum",
             what=f"FSDP module {self.index} replica all-reduce",
         )
         self.owner._ran()
+
+
+def _divide_factor(module: nn.Module) -> float | None:
+    """The module's ``set_gradient_divide_factor`` (None: unset). torch has no getter:
+    FSDP keeps it on the module's parameter groups (torch 2.9 to 2.15)."""
+    state = module._get_fsdp_state()  # type: ignore[operator]  # an FSDPModule's method
+    factors = {group.gradient_divide_factor for group in state._fsdp_param_groups}
+    return factors.pop() if len(factors) == 1 else None
 
 
 def _managed_params(module: nn.Module) -> list[nn.Parameter]:
@@ -422,7 +437,7 @@ def _install(owner: FSDPCompression, settings: _Settings) -> None:
         owner.unused_params = unused is not None
         if replica_reducer is not None:
             layout = grads.BufferLayout(replica_entries, selection)
-            hook = GeocommAllReduceHook(layout, replica_reducer, index, owner)
+            hook = GeocommAllReduceHook(module, layout, replica_reducer, index, owner)
             support.require(module, "set_all_reduce_hook", "2.7", "compress_fsdp")(hook)
             owner.all_reduce_hooks.append(hook)
             owner._expect(1)
