@@ -376,3 +376,17 @@ def test_parameters_of_another_module_are_refused(comm):
     model.register_comm_hook(state, geocomm_hook)
     with pytest.raises(RuntimeError, match="not a parameter of the module"):
         _step(model, dist.get_rank(), 0)
+
+
+def test_a_bucket_of_another_dtype_is_refused_by_name(comm):
+    """fp64 gradients are not geocomm's to reduce: the hook refuses the bucket at once
+    with a TypeError naming its dtype and the ones it takes (DDP reports it from
+    backward), instead of failing later on the worker thread."""
+    init_distributed_from_mpi()
+    net = _mlp().double()
+    model = DDP(net, bucket_cap_mb=BUCKET_MB)
+    model.register_comm_hook(GeocommHookState(net, codec="fp8"), geocomm_hook)
+    x = torch.randn(8, 64, dtype=torch.float64)
+    refused = r"torch\.float64 gradients; geocomm reduces"
+    with pytest.raises((TypeError, RuntimeError), match=refused):  # DDP may wrap it
+        model(x).sum().backward()

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from geocomm.adapters.torch import checkpoints
 from geocomm.adapters.torch.distributed import dedicated_comm
-from geocomm.adapters.torch.grads import BufferLayout, Entry, GradReducer, Selection
+from geocomm.adapters.torch.grads import BufferLayout, Entry, GradReducer, Selection, check_dtype
 from geocomm.adapters.torch.telemetry import BucketStats, StepStats, Telemetry
 from geocomm.adapters.torch.worker import Worker
 from geocomm.api import resolve_codec
@@ -236,7 +236,9 @@ class GeocommHookState:
     def submit(
         self, buffer: torch.Tensor, params: Sequence[torch.Tensor], index: int, last: bool
     ) -> torch.futures.Future:
-        """Queue the bucket; the future's value is ``buffer`` once it holds the average."""
+        """Queue the bucket; the future's value is ``buffer`` once it holds the average.
+        TypeError at once for a bucket of a dtype geocomm does not reduce."""
+        check_dtype(buffer.dtype, "a DDP bucket")
         self._start(buffer.device)
         if buffer.is_cuda:
             ready = torch.cuda.current_stream(buffer.device).record_event()

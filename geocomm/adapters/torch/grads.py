@@ -42,6 +42,13 @@ NUMPY_DTYPES = {
 }
 
 
+def check_dtype(dtype: torch.dtype, what: str) -> None:
+    """TypeError unless gradients of ``dtype`` can be reduced (:data:`NUMPY_DTYPES`)."""
+    if dtype not in NUMPY_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in NUMPY_DTYPES)
+        raise TypeError(f"{what} holds {dtype} gradients; geocomm reduces {names}")
+
+
 # ---------------------------------------------------------------------------
 # which parameters are compressed
 
