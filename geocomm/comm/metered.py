@@ -20,9 +20,9 @@ class MeteredComm:
     ``sent``: bytes this rank passed to all-to-alls and all-gathers (its own
     segments only, as a network would see them), ``calls``: number of
     collective calls; :meth:`reset` zeroes both. Over a communicator whose transfers
-    can be captured into CUDA graphs it can be too (``capturing``, ``track``): a
-    capture counts nothing, and every launch of its graph counts what the capture
-    would have.
+    can be captured into CUDA graphs it can be too (``capturing``, ``track``,
+    ``check_usable``): a capture counts nothing, and every launch of its graph counts
+    what the capture would have.
     """
 
     def __init__(self, comm: Any, parent: MeteredComm | None = None):
@@ -40,6 +40,7 @@ class MeteredComm:
             self.start_allgather_int64 = comm.start_allgather_int64
         if hasattr(comm, "capturing"):
             self.capturing, self.track = self._capturing, self._track
+            self.check_usable = comm.check_usable
 
     def _count(self, nbytes: int, calls: int = 1) -> None:
         meter: MeteredComm | None = self

@@ -12,6 +12,7 @@ kept. What a body allocates while it is captured comes from an
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
@@ -21,6 +22,12 @@ from geocomm.engine.protocols import Capturable
 
 #: the alignment of every block an arena hands out (cudaMalloc's)
 ALIGN = 256
+
+
+def enabled() -> bool:
+    """Whether calls may be captured into CUDA graphs: ``GEOCOMM_GRAPHS`` ("0", "false",
+    "no" turn them off; every rank must set it alike)."""
+    return os.environ.get("GEOCOMM_GRAPHS", "1") not in ("0", "false", "no")
 
 
 def _aligned(nbytes: int) -> int:
@@ -102,7 +109,7 @@ class Graphs:
     def __init__(self, comm: Any, xp: Any):
         #: the communicator while calls can be captured (None: eager calls)
         self.comm: Capturable | None = (
-            comm if xp is not np and isinstance(comm, Capturable) else None
+            comm if xp is not np and isinstance(comm, Capturable) and enabled() else None
         )
         self.cupy = xp
         #: key -> (graph, the capture's record, the body's return, its arena, keep)

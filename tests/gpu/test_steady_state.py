@@ -254,6 +254,32 @@ def test_geofp8_replays_a_bucket_of_many_keys_stepping_at_once(cp, comms):
     assert dev.state_checksum() == host.state_checksum()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_with_graphs_off_arrays_may_move_on_some_ranks_only(cp, monkeypatch):
+    """NCCL lets a transfer be captured into a CUDA graph only on every rank alike. A
+    call replays its graph when its arrays are where they were, a rank-local fact, so
+    arrays that move on some ranks only (here rank 0 passes the same ``out`` every call,
+    the others one of six in turn) have rank 0 replay graphs of transfers the others
+    run eagerly. ``GEOCOMM_GRAPHS=0`` on every rank captures no call: each runs eagerly,
+    with the same bits."""
+    from geocomm.comm.nccl import NCCLCommunicator
+
+    monkeypatch.setenv("GEOCOMM_GRAPHS", "0")
+    comm = NCCLCommunicator()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        x = cp.asarray(np.full(COUNT, comm.rank + 1, np.float32))
+        outs = [cp.empty_like(x) for _ in range(6)]
+        for call in range(10):
+            out = outs[0] if comm.rank == 0 else outs[call % 6]
+            with counted() as cost:
+                geocomm.allreduce(x, codec="fp8", comm=comm, out=out)
+            assert "graph_launches" not in cost and "captured" not in cost, cost
+        want = sum(range(1, comm.size + 1))
+        assert np.all(out.get() == want)  # small integers: exact in fp8
+    comm.close()
+
+
 def test_a_closed_communicator_replays_no_graph(cp):
     """A call whose graph is kept refuses a communicator that was closed (or aborted
     after a timeout or a mismatch) as an eager call does, instead of launching the
