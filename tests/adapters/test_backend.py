@@ -23,6 +23,7 @@ from geocomm import CollectiveMismatchError
 from geocomm.adapters.torch import backend as tb
 from geocomm.adapters.torch import init_distributed_from_mpi
 from geocomm.codecs.bounds import FP32_UNIT, allreduce_bound
+from geocomm.engine.call import FIELDS
 
 MIN_NUMEL = 1024  # the tests' models are small
 
@@ -292,14 +293,14 @@ def test_state_dict_round_trip_and_world_size_check(comm):
 def test_mismatch_raises_on_every_rank_and_the_group_goes_on(comm, codec):
     """fp8 checks when the call is made (adapters/torch/backend/checks.py), geofp8 (stateful)
     on the worker; either way before any payload moves: a 2000-value fp8 payload
-    is over 2000 bytes, a check's all-gather 64 bytes per peer."""
+    is over 2000 bytes, a check's all-gather a row of int64 per peer (72 bytes)."""
     group = _geocomm_group(codec=codec)
     rank, size = dist.get_rank(), dist.get_world_size()
     t = torch.ones(2000 + 100 * rank)  # every rank compresses, counts differ
     before = tb.stats(group).sent
     with pytest.raises(CollectiveMismatchError, match="count"):
         dist.all_reduce(t, group=group)
-    assert tb.stats(group).sent - before <= 64 * (size - 1)
+    assert tb.stats(group).sent - before <= 8 * len(FIELDS) * (size - 1)
     ok = torch.ones(2000)
     dist.all_reduce(ok, group=group)
     assert torch.equal(ok, torch.full((2000,), float(size)))
