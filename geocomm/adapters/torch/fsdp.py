@@ -236,10 +236,11 @@ class GeocommAllReduceHook(_ModuleReduction):
 
 def _divide_factor(module: nn.Module) -> float | None:
     """The module's ``set_gradient_divide_factor`` (None: unset). torch has no getter:
-    FSDP keeps it on the module's parameter groups (torch 2.9 to 2.15)."""
+    FSDP keeps it on the module's parameter group (one, where an all-reduce hook is
+    set; ``_fsdp_param_group`` in torch 2.9 to 2.15)."""
     state = module._get_fsdp_state()  # type: ignore[operator]  # an FSDPModule's method
-    factors = {group.gradient_divide_factor for group in state._fsdp_param_groups}
-    return factors.pop() if len(factors) == 1 else None
+    group = state._fsdp_param_group
+    return None if group is None else group.gradient_divide_factor
 
 
 def _managed_params(module: nn.Module) -> list[nn.Parameter]:
