@@ -338,19 +338,14 @@ class FlatPlan:
             self.mapped_graphs = Graphs(self.comm, xp)
         inputs = tuple((p.steps, int(a.data.ptr), a.shape) for _, p in planned for a in p.inputs)
         scratch = channel.scratch
-        where = (int(source.data.ptr), int(result.data.ptr), id(channel), _address(scratch))
-        key = (*where, divisor, inputs)
+        at = 0 if scratch is None else int(scratch.data.ptr)
+        key = (int(source.data.ptr), int(result.data.ptr), divisor, id(channel), at, inputs)
         # the graph keeps its channel and the channel's scratch: a channel dropped from
         # self.channels, or a scratch it outgrew (reserve), stays alive with the graph
         taken = self.mapped_graphs.run(key, lambda: body(divisor), keep=(channel, scratch))
         if taken:  # a replay's plans take what its graph's steps write
             resume_steps(planned, taken)
         return channel.summed(), bool(divisor)
-
-
-def _address(a: Any) -> int:
-    """The device address of array ``a`` (0 for None)."""
-    return 0 if a is None else int(a.data.ptr)
 
 
 def compressed(

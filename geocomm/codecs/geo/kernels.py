@@ -89,25 +89,26 @@ class LaterCopy:
     def __init__(self, *arrays: Any):
         self._event: Any = None
         self._host: list[np.ndarray] = []
-        device = [a for a in arrays if is_cupy_array(a)]
-        if not device:
+        # each CuPy array's bytes in the pinned block (0: a host array, copied at once)
+        spans = [
+            -(-max(a.nbytes, 1) // self.ALIGN) * self.ALIGN if is_cupy_array(a) else 0
+            for a in arrays
+        ]
+        if not any(spans):
             self._host = [host_copy(a) for a in arrays]
             return
         import cupy
 
-        starts, end = [], 0
-        for a in device:
-            starts.append(end)
-            end += -(-max(a.nbytes, 1) // self.ALIGN) * self.ALIGN
-        memory, at = cupy.cuda.alloc_pinned_memory(end), iter(starts)
-        for a in arrays:
-            if not is_cupy_array(a):
+        memory, at = cupy.cuda.alloc_pinned_memory(sum(spans)), 0
+        for a, span in zip(arrays, spans, strict=True):
+            if not span:
                 self._host.append(host_copy(a))
                 continue
             a = cupy.ascontiguousarray(a)
-            host = np.frombuffer(memory, a.dtype, a.size, next(at)).reshape(a.shape)
+            host = np.frombuffer(memory, a.dtype, a.size, at).reshape(a.shape)
             a.get(out=host, blocking=False)
             self._host.append(host)
+            at += span
         self._event = cupy.cuda.Event(disable_timing=True)
         self._event.record()
 

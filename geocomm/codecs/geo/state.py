@@ -35,11 +35,6 @@ def _fingerprint(a: Any, digest: int | None = None) -> int:
     return zlib.crc32(struct.pack("<Q", digest))
 
 
-def _host_bytes(a: Any) -> bytes:
-    """The little-endian float32 bytes of an array of any namespace (CuPy copies)."""
-    return _host_array(a).tobytes()
-
-
 @dataclass
 class KeyState:
     """What GeoFP8 knows about one tensor.
@@ -205,5 +200,4 @@ def _host_matrix(a: Any, n: int) -> np.ndarray | None:
     """A host copy of a (rows, n) basis of any namespace (None stays None)."""
     if a is None:
         return None
-    host: np.ndarray = np.frombuffer(_host_bytes(a), "<f4").reshape(-1, n).copy()
-    return host
+    return _host_array(a).reshape(-1, n)
