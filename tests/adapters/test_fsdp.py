@@ -272,6 +272,36 @@ def test_replica_all_reduce_hook(comm):
     assert all(torch.equal(r, rows[0]) for r in rows)
 
 
+def test_replicas_accumulate_micro_batches_without_an_all_reduce(comm):
+    """Gradient accumulation as FSDP documents it for HSDP: under
+    ``set_requires_all_reduce(False)`` a backward reduce-scatters but sends nothing to
+    the replicas, and the next all-reducing backward sends the sum of both micro-batches.
+    The lossless codec makes the gradient the exact average over the ranks of the two
+    micro-batches' sums, up to fp32's rounding (each rank's two additions of its
+    micro-batches, its N - 1 additions of the ranks' sums and the division: at most N + 2
+    roundings of 2^-24 of the sum of magnitudes, over N)."""
+    init_distributed_from_mpi()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (size, 1), mesh_dim_names=("replicate", "shard"))
+    model = _sharded(mesh["shard"])
+    fsdp = compress_fsdp(model, "none", replicate_group=mesh.get_group("replicate"))
+    model.set_requires_all_reduce(False)
+    _loss(model, rank, 0).backward()
+    assert fsdp.last_step.collectives == 0 and fsdp.last_step.buckets == []
+    assert all(p.grad.to_local().abs().max() == 0 for p in model.parameters())
+    model.set_requires_all_reduce(True)
+    _loss(model, rank, 1).backward()
+    assert fsdp.last_step.collectives == 4
+    assert all(hook.partial is None for hook in fsdp.all_reduce_hooks)
+    micro_batches = np.array([_exact_grads(rank, step)[0] for step in (0, 1)])  # step, rank
+    want = np.mean(micro_batches.sum(axis=0), axis=0)
+    magnitudes = np.abs(micro_batches).sum(axis=(0, 1))
+    got = np.concatenate(
+        [p.grad.to_local().double().numpy().reshape(-1) for p in model.parameters()]
+    )
+    assert np.all(np.abs(got - want) <= (size + 2) * FP32_UNIT * magnitudes / size)
+
+
 @pytest.mark.mpi(min_size=4)
 def test_replica_all_reduce_sums_under_a_custom_divide_factor(comm):
     """With ``set_gradient_divide_factor(F)`` (and sum-only comms, which F needs here)

@@ -28,7 +28,8 @@ FSDP2's public hooks (torch 2.9 to 2.15, :mod:`geocomm.adapters.torch.support`):
   holding the same shard), :class:`GeocommAllReduceHook` averages the shard
   over the replicas with one compressed all-reduce (keys ``(name, "replica",
   shard rank)``). Do not use a 2-D HSDP mesh with it: FSDP's own replica
-  all-reduce would then run as well.
+  all-reduce would then run as well. Under ``set_requires_all_reduce(False)``
+  it sends nothing and keeps the shard for the next all-reducing backward.
 
 From torch 2.13 FSDP includes zero gradients for parameters without one
 (``set_reduce_scatter_unused_params(True)``), so every call has the module's
@@ -217,30 +218,50 @@ class GeocommAllReduceHook(_ModuleReduction):
     rank's reduced shard over the replicas, in place, with one compressed all-reduce,
     as native HSDP's all-reduce would: an average, or with a custom
     ``set_gradient_divide_factor`` a sum (FSDP's division by that factor after the hook
-    is then the whole division, over shards and replicas alike)."""
+    is then the whole division, over shards and replicas alike).
+
+    Under ``set_requires_all_reduce(False)`` (gradient accumulation that reduce-scatters
+    every micro-batch and all-reduces only the last) it sends nothing, as native HSDP:
+    it adds the shard to :attr:`partial` and leaves zeros for FSDP to add to the
+    gradient; the next all-reducing call adds :attr:`partial` to its shard first."""
 
     def __init__(self, module: nn.Module, *args: Any):
         super().__init__(*args)
         self.module = module
+        #: the shards of the micro-batches not all-reduced yet, summed (None: none)
+        self.partial: torch.Tensor | None = None
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
+        group = _param_group(self.module)
+        if group is not None and not group.all_reduce_grads:
+            if self.partial is None:
+                self.partial = reduce_output.clone()
+            else:
+                self.partial += reduce_output
+            reduce_output.zero_()
+            self.owner._ran()
+            return
+        if self.partial is not None:
+            reduce_output += self.partial
+            self.partial = None
+        divide_factor = None if group is None else group.gradient_divide_factor
         self.reducer.allreduce(
             self.layout,
             reduce_output,
             self.index,
-            "avg" if _divide_factor(self.module) is None else "sum",
+            "avg" if divide_factor is None else "sum",
             what=f"FSDP module {self.index} replica all-reduce",
         )
         self.owner._ran()
 
 
-def _divide_factor(module: nn.Module) -> float | None:
-    """The module's ``set_gradient_divide_factor`` (None: unset). torch has no getter:
-    FSDP keeps it on the module's parameter group (one, where an all-reduce hook is
-    set; ``_fsdp_param_group`` in torch 2.9 to 2.15)."""
+def _param_group(module: nn.Module) -> Any:
+    """The module's FSDP parameter group (one, where an all-reduce hook is set), which
+    holds what FSDP has no getters for: ``set_gradient_divide_factor``'s
+    ``gradient_divide_factor`` (None: unset) and ``set_requires_all_reduce``'s
+    ``all_reduce_grads`` (``_fsdp_param_group`` in torch 2.9 to 2.15)."""
     state = module._get_fsdp_state()  # type: ignore[operator]  # an FSDPModule's method
-    group = state._fsdp_param_group
-    return None if group is None else group.gradient_divide_factor
+    return state._fsdp_param_group
 
 
 def _managed_params(module: nn.Module) -> list[nn.Parameter]:
