@@ -12,24 +12,52 @@ A :class:`Codec` turns float arrays into bytes and back. It has two faces:
   out, accumulate)`` on flat float32 arrays.
 
 ``get_config()`` is JSON-able and defines equality:
-``get_codec(c.get_config()) == c``. :class:`geocomm.codecs.frames.FramedCodec`
-implements the standalone API over the frame format; every built-in codec
-derives from it.
+``get_codec(c.get_config()) == c``. A codec's configuration is fixed once it is
+made: its public attributes cannot be set again (its hash is its config's, and the
+collectives keep what they derived from a codec instance, plans and graphs, for its
+later calls). Private attributes (``_name``) are the codec's own working state.
+:class:`geocomm.codecs.frames.FramedCodec` implements the standalone API over the
+frame format; every built-in codec derives from it.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from abc import ABC, abstractmethod
+from abc import ABCMeta, abstractmethod
 from collections.abc import Generator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
 
-class Codec(ABC):
+class _Sealing(ABCMeta):
+    """Seals every codec once its ``__init__`` returned (:meth:`Codec.__setattr__`)."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        codec = super().__call__(*args, **kwargs)
+        codec.__dict__["_sealed"] = True
+        return codec
+
+
+class Codec(metaclass=_Sealing):
     """Base class of every geocomm codec (see the module docstring)."""
+
+    _sealed = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._sealed and not name.startswith("_"):
+            raise AttributeError(
+                f"{type(self).__name__}.{name} cannot change: a codec's configuration is "
+                f"fixed once made; make a new codec, such as "
+                f"geocomm.get_codec({{**codec.get_config(), {name!r}: ...}})"
+            )
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self._sealed and not name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__}.{name} cannot be deleted")
+        super().__delattr__(name)
 
     codec_id: ClassVar[str]
     #: True when decode(encode(x)) == x exactly (then collectives may sum natively)

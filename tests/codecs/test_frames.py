@@ -231,6 +231,28 @@ def test_config_json_round_trip_defines_equality(config):
     assert codec != config  # a config dict is not a codec
 
 
+@pytest.mark.parametrize(
+    "config",
+    [*CONFIGS, {"id": "geofp8"}, {"id": "fp8", "error_feedback": True}, {"id": "auto"}],
+    ids=[*CONFIG_IDS, "geofp8", "ef", "auto"],
+)
+def test_a_codec_is_fixed_once_made(config):
+    """Setting or deleting any public attribute of a made codec raises, so its hash and
+    what the collectives derived from it (plans and graphs kept by the instance) stay
+    right; its private working state stays its own to change."""
+    codec = geocomm.get_codec(config)
+    before, public = codec.get_config(), [n for n in vars(codec) if not n.startswith("_")]
+    for name in public:
+        with pytest.raises(AttributeError, match=f"{name} cannot change"):
+            setattr(codec, name, getattr(codec, name))
+        with pytest.raises(AttributeError, match=f"{name} cannot be deleted"):
+            delattr(codec, name)
+    with pytest.raises(AttributeError, match="rounding cannot change"):
+        codec.rounding = "stochastic"  # nor can a class default be shadowed
+    codec._scratch = 1
+    assert codec.get_config() == before and codec == geocomm.get_codec(before)
+
+
 def test_unknown_id_is_key_error():
     with pytest.raises(KeyError, match="nosuch"):
         geocomm.get_codec("nosuch")
