@@ -38,6 +38,10 @@ class MeteredComm:
             self.subgroups = self._subgroups
         if hasattr(comm, "start_allgather_int64"):
             self.start_allgather_int64 = comm.start_allgather_int64
+        if hasattr(comm, "settlers"):  # one list: the wrapped communicator runs them
+            self.settlers = comm.settlers
+        if hasattr(comm, "abort_local"):
+            self.abort_local = comm.abort_local
         if hasattr(comm, "capturing"):
             self.capturing, self.track = self._capturing, self._track
             self.check_usable = comm.check_usable

@@ -35,7 +35,10 @@ Failures and timeouts: since a collective returns with its transfers queued,
   :class:`~geocomm.comm.base.CollectiveTimeout` is raised;
 * ``synchronize()``, ``barrier()`` and ``close()`` block until the queued
   transfers complete, at most the timeout, then abort and raise likewise, as
-  does a request's ``wait()``;
+  does a request's ``wait()``; first they run :attr:`NCCLCommunicator.settlers`
+  (the collectives' cross-rank checks still in flight: a call found to differ
+  across ranks raises there, instead of its transfers timing out or its result
+  going unnoticed);
 * the host side (the collectives' metadata all-gather, barrier) waits with the
   same timeout, so a rank whose peer died fails at its next call there.
 
@@ -61,7 +64,7 @@ import os
 import pickle
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +237,10 @@ class NCCLCommunicator:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.aborted = self.closed = False
         self.queued: collections.deque = collections.deque()  # (monotonic time, event)
+        #: what finishes host work deferred on this communicator (the collectives'
+        #: cross-rank checks in flight): run, in order, by synchronize(), barrier() and
+        #: close() before they wait for the transfers; each raises on what it finds
+        self.settlers: list[Callable[[], None]] = []
         self._capturing = False
         abort.register(self)
 
@@ -421,7 +428,12 @@ class NCCLCommunicator:
         then abort the communicator and raise CollectiveTimeout (unlike a device
         synchronization, never forever)."""
         self.check_usable()
+        self._settle()
         self._drain()
+
+    def _settle(self) -> None:
+        for settle in self.settlers:
+            settle()
 
     def _drain(self) -> None:
         """Wait (at most GEOCOMM_TIMEOUT, then abort) for the work queued on the
@@ -454,6 +466,7 @@ class NCCLCommunicator:
         communicator and raises CollectiveTimeout instead of hanging."""
         if self.aborted or self.closed:
             return
+        self._settle()
         self._drain()
         self.closed = True
         self.nccl_comm.destroy()

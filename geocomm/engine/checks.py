@@ -16,12 +16,15 @@ hanging or returning garbage.
   the checks still in flight without blocking, and waits for the oldest once
   more than :data:`IN_FLIGHT` are. A mismatch found then raises on that later
   call, after aborting the communicator (the mismatched transfers may never
-  complete).
+  complete). A communicator with ``settlers`` (NCCL's) finishes the checks still in
+  flight in ``synchronize()``, ``barrier()`` and ``close()``, so the job's last calls
+  are checked too.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import weakref
 from typing import Any
 
@@ -66,6 +69,9 @@ def verify(call: Call) -> None:
         return
     if pending is None:
         pending = _in_flight[comm] = collections.deque()
+        settlers = getattr(comm, "settlers", None)
+        if settlers is not None:
+            settlers.append(functools.partial(_settle, comm, pending, 0))
     _settle(comm, pending, IN_FLIGHT, block=False)
     current = (signature.kind, *start(row))
     pending.append(current)

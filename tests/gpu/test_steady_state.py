@@ -628,6 +628,49 @@ def test_a_steady_call_that_differs_across_ranks_fails_on_every_rank():
             time.sleep(0.01)
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("finish", ["synchronize", "barrier", "close"])
+def test_a_last_call_that_differs_across_ranks_fails_where_the_job_finishes(finish):
+    """The last calls' checks are still in flight when no call follows; the NCCL
+    communicator's synchronize(), barrier() and close() finish them before they wait for
+    the transfers. Here the ranks' last calls differ (rank 1 averages where the others
+    sum), known signatures both, so their checks are deferred. Rank 1 calls only once
+    every other rank's call returned (an MPI barrier of the world), so their checks
+    cannot have finished in the call: ``finish`` raises the mismatch on them, and aborts
+    (their call moved), where it used to time out or, had rank 1's transfers come, end
+    the job with rank 1's result a sum over N and nothing said. Rank 1 raises at its
+    call or at ``finish``."""
+    import cupy as cp
+    from mpi4py import MPI
+
+    from geocomm.comm.nccl import NCCLCommunicator
+
+    comm = NCCLCommunicator(MPI.COMM_WORLD.Dup())
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        d, out = cp.asarray(inputs(comm.rank, COUNT)), cp.empty(COUNT, cp.float32)
+        for op in ("sum", "avg", "sum", "avg"):  # both signatures known and checked
+            geocomm.allreduce(d, codec="fp8", op=op, comm=comm, out=out)
+        stream.synchronize()
+        if comm.rank != 1:
+            geocomm.allreduce(d, codec="fp8", comm=comm, out=out)
+        MPI.COMM_WORLD.barrier()
+        with pytest.raises(geocomm.CollectiveMismatchError, match="op"):
+            if comm.rank == 1:
+                geocomm.allreduce(d, codec="fp8", op="avg", comm=comm, out=out)
+            getattr(comm, finish)()
+    assert comm.aborted or comm.rank == 1
+    comm.close()  # nothing left to do once aborted
+    if comm.aborted:  # its stuck transfers fail, and the streams drain, within this test
+        from cupy import _device
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (
+            _device._failure and all(not s._queue for s in list(_device._streams_by_ptr.values()))
+        ):
+            time.sleep(0.01)
+
+
 def test_the_ddp_hooks_calls_replay_over_nccl_bootstrapped_by_torch(cp):
     """What the DDP hook runs for a CUDA bucket (dedicated_comm's communicator: geocomm's
     NCCL over a gloo group of torch.distributed, metered; one compressed all-reduce of
