@@ -204,6 +204,23 @@ def test_exclusions_go_plain(comm):
         at += p.numel()
 
 
+def test_min_numel_counts_the_whole_parameter_as_the_ddp_hook_does(comm):
+    """``min_numel`` compares a parameter's values, not one rank's chunk of them: the
+    64 x 256 weight (16384 values, chunks of 16384 / N) travels compressed at
+    ``min_numel=16384`` on any number of ranks, and the 3 x 129 weight (387) does not.
+    The replica all-reduce decides alike."""
+    init_distributed_from_mpi()
+    size = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (1, size), mesh_dim_names=("replicate", "shard"))
+    model = _sharded(mesh["shard"])
+    fsdp = compress_fsdp(model, "fp8", min_numel=16384, replicate_group=mesh.get_group("replicate"))
+    for reductions in (fsdp.reduce_scatters, fsdp.all_reduce_hooks):
+        compressed = {
+            e.name for r in reductions if r.layout.compressed for e in r.layout.compressed.entries
+        }
+        assert compressed == {"0.weight", "2.weight", "4.weight"}
+
+
 def test_ignored_parameters_stay_out_of_the_compressed_reduce_scatter(comm):
     """``fully_shard(..., ignored_params=...)`` leaves a parameter plain, outside FSDP's
     buffers and its reduce-scatter (its gradient stays this rank's own): the compressed

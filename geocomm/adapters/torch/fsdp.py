@@ -353,7 +353,8 @@ def compress_fsdp(
         exclude: name patterns of parameters whose chunks travel exact
             (:class:`~geocomm.adapters.torch.Selection`); a module's excluded
             chunks share one exact collective.
-        min_numel: parameters with fewer values travel exact too.
+        min_numel: parameters with fewer values (the whole parameter's, not a
+            chunk's) travel exact too.
         check, error_sample, stage_size, history, log_every: as for
             :class:`~geocomm.adapters.torch.GeocommHookState`.
 
@@ -444,8 +445,9 @@ def _install(owner: FSDPCompression, settings: _Settings) -> None:
             name = names[id(p)]
             _, _, dim = _shard_dims(p)
             chunk = _chunk_shape(p.shape, dim, size)
-            entries.append(grads.Entry(offset, chunk, name, name))
-            replica_entries.append(grads.Entry(offset, chunk, (name, "replica", shard_rank), name))
+            entries.append(grads.Entry(offset, chunk, name, name, p.numel()))
+            replica_key = (name, "replica", shard_rank)
+            replica_entries.append(grads.Entry(offset, chunk, replica_key, name, p.numel()))
             offset += math.prod(chunk)
         if size > 1:
             layout = grads.BufferLayout(entries, selection, rows=size)

@@ -57,8 +57,9 @@ def check_dtype(dtype: torch.dtype, what: str) -> None:
 class Selection:
     """Which tensors travel compressed: those whose name matches no ``exclude``
     pattern (:func:`fnmatch.fnmatchcase`, e.g. ``"*embed*"``, ``"*norm*"``,
-    ``"head.*"``) and that hold at least ``min_numel`` values. The others are
-    reduced exactly (the plain collective)."""
+    ``"head.*"``) and whose parameter holds at least ``min_numel`` values (the whole
+    parameter's, for FSDP's chunks as for DDP's). The others are reduced exactly
+    (the plain collective)."""
 
     exclude: tuple[str, ...] = ()
     min_numel: int = 0
@@ -89,9 +90,12 @@ class Selection:
 class Entry(Part):
     """One tensor of a row, a :class:`~geocomm.engine.call.Part` (values ``offset``
     on, viewed as ``shape``; ``key`` for the codec's per-tensor state) with the
-    ``name`` :class:`Selection` matches."""
+    ``name`` :class:`Selection` matches and the values of the whole parameter it
+    holds (``param_numel``; 0: the tensor is the whole parameter, not a shard's
+    chunk of it), which :class:`Selection` compares with ``min_numel``."""
 
     name: str = ""
+    param_numel: int = 0
 
     @property
     def numel(self) -> int:
@@ -168,7 +172,7 @@ class BufferLayout:
             if e.offset != offset:
                 raise ValueError(f"tensor {e.name!r} starts at {e.offset}, expected {offset}")
             offset += e.numel
-        chosen = [selection.compressed(e.name, e.numel) for e in self.entries]
+        chosen = [selection.compressed(e.name, e.param_numel or e.numel) for e in self.entries]
         comp = [e for e, c in zip(self.entries, chosen, strict=True) if c]
         plain = [e for e, c in zip(self.entries, chosen, strict=True) if not c]
         if order is not None:
