@@ -419,7 +419,9 @@ class DevicePlan:
 
     ``kernels``: :class:`CudaKernels` (default) or :class:`HostKernels` (NumPy arrays,
     tests). The plan's buffers are used by one call at a time: a call on another stream
-    than the last one first waits for the last one's work.
+    than the last one first waits for the last one's work, and once the plan is
+    dropped the streams its signature's buffers came from wait for the last call's
+    (:meth:`__del__`).
     """
 
     def __init__(
@@ -455,6 +457,29 @@ class DevicePlan:
         #: the CUDA graphs of its calls without a map, by source, result and divisor
         self.graphs = Graphs(None if staged else comm, xp)
         self._last_stream: Any = None
+        #: every stream a call of the plan ran on, by handle: the streams of CuPy's pool
+        #: that hold its buffers and those of its signature (:meth:`__del__`)
+        self._streams: dict[int, Any] = {}
+        if xp is not np:
+            home = xp.cuda.get_current_stream()
+            self._streams[home.ptr] = home
+
+    def __del__(self) -> None:
+        """Dropped (its signature evicted, its communicator gone): every stream its
+        signature's buffers came from waits for the work of its last call. CuPy's pool
+        hands a freed block out again at once on the stream it was allocated on, and
+        that stream's later work is then ordered after what the plan's calls queued on
+        the others."""
+        last = self._last_stream
+        if last is None or all(ptr == last.ptr for ptr in self._streams):
+            return
+        try:
+            event = last.record()
+            for ptr, stream in self._streams.items():
+                if ptr != last.ptr:
+                    stream.wait_event(event)
+        except Exception:  # CUDA gone at interpreter exit: nothing to order
+            pass
 
     def _segments(self, span: slice) -> Segments:
         return Segments(self.tables.rows[span], self.table[span])
@@ -476,6 +501,7 @@ class DevicePlan:
             last = self._last_stream
             if last is not None and last.ptr != stream.ptr:
                 stream.wait_event(last.record())
+                self._streams.setdefault(stream.ptr, stream)
             self._last_stream = stream
         if self.fmt.stochastic:
             self.write_keys(rounding_stream)

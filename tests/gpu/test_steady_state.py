@@ -12,6 +12,7 @@ compare each call's result with NumPy over MPI, bit for bit.
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 
 import numpy as np
@@ -576,6 +577,49 @@ def test_a_call_on_another_stream_waits_for_the_plans_last_one(cp, comms, same_o
     cp.cuda.Device().synchronize()
     for i, out in enumerate(outs):
         assert np.array_equal(out.get().view(np.uint32), want.view(np.uint32)), i
+
+
+def test_a_dropped_signatures_buffers_come_back_after_its_last_calls_work(cp, monkeypatch):
+    """A signature's buffers come from CuPy's pool on the stream of its first call; its
+    later calls may run on another. When the signature is dropped (evicted from its
+    communicator's cache here, which keeps one), the pool hands its blocks out again on
+    the first stream at once: a new signature's plan there takes them back while the
+    other stream's last call may still use them, unless the first stream waited for that
+    call. The twin pools as CuPy does and reports the race; the blocks must come back
+    (the assertion on their addresses), so the test has teeth."""
+    from cupy import _device
+
+    from geocomm.api import calls
+    from geocomm.comm.nccl import NCCLCommunicator
+
+    monkeypatch.setattr(calls, "SIGNATURES_KEPT", 1)
+    comm = NCCLCommunicator(MPICommunicator().comm.Dup())  # a cache of its own
+    first, other = (cp.cuda.Stream(non_blocking=True) for _ in range(2))
+    with first:
+        d, out = cp.asarray(inputs(comm.rank, COUNT)), cp.empty(COUNT, cp.float32)
+        geocomm.allreduce(d, codec="fp8", comm=comm, out=out)
+        (signature,) = getattr(comm, calls._SIGNATURES).values()
+        (plan,) = signature[0].plans["flat"].device_plans.values()
+        blocks = {a.data.ptr for a in (*plan.a2a_send, *plan.a2a_recv, *plan.ag_buf)}
+        del signature, plan
+    other.wait_event(first.record())
+    with other:
+        for _ in range(3):  # eager, captured, replayed: the buffers' last users
+            geocomm.allreduce(d, codec="fp8", comm=comm, out=out)
+    deadline = time.monotonic() + 60  # the twin ran other's work; the host never waited
+    while other._queue and time.monotonic() < deadline:
+        time.sleep(0.001)
+    with first:
+        geocomm.allreduce(d[:-1], codec="fp8", comm=comm, out=out[:-1])  # evicts the first
+        gc.collect()
+        geocomm.allreduce(d, codec="fp8", comm=comm, out=out)  # a plan made on first again
+        (signature,) = getattr(comm, calls._SIGNATURES).values()
+        (plan,) = signature[0].plans["flat"].device_plans.values()
+        again = {a.data.ptr for a in (*plan.a2a_send, *plan.a2a_recv, *plan.ag_buf)}
+        assert blocks & again, "the pool handed the dropped plan's blocks back"
+    first.synchronize()
+    assert not _device._failure
+    comm.close()
 
 
 @pytest.mark.mpi(min_size=2)

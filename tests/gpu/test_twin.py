@@ -6,7 +6,9 @@ twin both allows the correct program and refuses the broken one.
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -71,6 +73,43 @@ def test_overwrite_before_a_reader_finished_is_reported(cp):
     x.fill(0)
     side.synchronize()
     del y
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_a_freed_block_comes_back_on_its_stream_after_what_other_streams_did(cp, ordered):
+    """CuPy's pool hands a freed block out again on the stream it was allocated on, at
+    once, trusting that stream's order: work another stream queued on the block is
+    ordered before the new owner's only if the block's stream waited for it. The twin
+    pools alike, and the new owner's first write races the side stream's read unless
+    the block's stream waited for the side stream before the block died."""
+    x = cp.ones(4096, cp.float32)  # allocated on the current stream
+    address = x.data.ptr
+    side = cp.cuda.Stream(non_blocking=True)
+    side.wait_event(cp.cuda.get_current_stream().record())
+    with side:
+        y = x * 3  # the side stream reads x
+    if ordered:
+        cp.cuda.get_current_stream().wait_event(side.record())
+    _drained(side)  # ran (the queued work held x), though the host never waited for it
+    del x
+    z = cp.empty(4096, cp.float32)
+    assert z.data.ptr == address  # the block came back
+    if ordered:
+        z.fill(0)
+    else:
+        with pytest.raises(cp.cuda.StreamOrderError, match="read"):
+            z.fill(0)
+    side.synchronize()
+    del y
+
+
+def _drained(stream) -> None:
+    """Wait until the twin's worker ran everything queued on ``stream``, without the
+    host synchronizing with it (which would order everything after it)."""
+    deadline = time.monotonic() + 60
+    while stream._queue and time.monotonic() < deadline:
+        time.sleep(0.001)
+    gc.collect()  # and what the work held is gone
 
 
 def test_host_read_of_unordered_memory_raises(cp):

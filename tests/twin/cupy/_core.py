@@ -102,10 +102,11 @@ class MemoryPointer:
 
 
 def _malloc(nbytes: int) -> MemoryPointer:
-    """The twin's own allocator (CuPy's pool): a fresh allocation, refused under capture
-    (see :mod:`cupy._device`)."""
-    _device.current_stream()._not_capturing("an allocation")
-    return MemoryPointer(_memory.Allocation(nbytes), 0)
+    """The twin's own allocator (CuPy's pool, see :mod:`cupy._memory`): a block of the
+    current stream's, refused under capture (see :mod:`cupy._device`)."""
+    stream = _device.current_stream()
+    stream._not_capturing("an allocation")
+    return MemoryPointer(_memory.Allocation(nbytes, stream.ptr), 0)
 
 
 class _AllocatorTLS(__import__("threading").local):

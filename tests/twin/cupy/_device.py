@@ -328,6 +328,7 @@ class Stream:
                     f"{type(exc).__name__}: {exc}"
                 )
             finally:
+                del op  # with the queue's reference below, what it held (arrays) may die
                 with self._cv:
                     self._queue.popleft()
 

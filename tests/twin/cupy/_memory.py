@@ -9,6 +9,17 @@ check loosened from ``<`` to ``<=``) changes a red-zone byte and raises
 :class:`OutOfBounds`. Addresses are real host addresses, so kernels compiled
 for the host use them as they are; :func:`find` maps an address back to its
 allocation (NCCL and memcpy take raw pointers).
+
+A pool, as CuPy's: the memory of an allocation that died (every array and
+pointer into it gone) goes back to the free blocks of the stream it was allocated
+on, and the next allocation of the same size on that stream takes it again, at
+the same address, with its stale bytes and its access history. CuPy hands a freed
+block out again on its own stream only, trusting that stream's order: work that
+another stream queued on the block before it was freed comes before the new
+owner's only if the block's stream waited for that stream, and the stream-order
+checker (:mod:`cupy._device`) reports the new owner's first access otherwise,
+as the race it would be on a GPU. A dead allocation's address is no longer
+:func:`find`'s, so a pointer kept past its array's death still fails as before.
 """
 
 from __future__ import annotations
@@ -51,19 +62,27 @@ class Allocation:
 
     _ids = iter(range(1, 1 << 62))
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, stream: int | None = None):
+        """A block of ``nbytes`` for ``stream`` (the pool's, when it holds a freed one of
+        that size; None: always a new one, never pooled)."""
         if nbytes < 0:
             raise ValueError(f"cannot allocate {nbytes} bytes")
         self.id = next(Allocation._ids)
         count("allocations")
         self.nbytes = int(nbytes)
-        self.raw = np.full(self.nbytes + 2 * REDZONE, POISON, np.uint8)
+        freed = _take_freed(stream, self.nbytes) if stream is not None else None
+        if freed is None:
+            self.raw = np.full(self.nbytes + 2 * REDZONE, POISON, np.uint8)
+            # per-range access history for the stream-order checker (geocomm twin _device)
+            self.writes: list = []
+            self.reads: list = []
+        else:
+            self.raw, self.writes, self.reads = freed
         self.ptr = int(self.raw.ctypes.data) + REDZONE
         self.payload = self.raw[REDZONE : REDZONE + self.nbytes]
-        # per-range access history for the stream-order checker (geocomm twin _device)
-        self.writes: list = []
-        self.reads: list = []
         _register(self)
+        freed = None if stream is None else (stream, self.raw, self.writes, self.reads)
+        weakref.finalize(self, _release, self.ptr, freed)
 
     def __repr__(self) -> str:
         return f"<twin allocation #{self.id} of {self.nbytes} bytes>"
@@ -84,11 +103,54 @@ def _register(alloc: Allocation) -> None:
     with _lock:
         bisect.insort(_starts, alloc.ptr)
         _by_start[alloc.ptr] = weakref.ref(alloc)
-    weakref.finalize(alloc, _unregister, alloc.ptr)
+
+
+def _release(ptr: int, freed: tuple | None) -> None:
+    """A dead allocation: its address leaves :func:`find`'s view, then its block (when
+    pooled: ``freed``) joins the free ones."""
+    _unregister(ptr)
+    if freed is not None:
+        _give_back(*freed)
+
+
+#: Freed blocks (raw buffer, writes, reads) by (stream, payload bytes), oldest first
+_free: collections.OrderedDict[tuple[int, int], list[tuple]] = collections.OrderedDict()
+_free_bytes = 0
+#: what the pool keeps at most; the oldest blocks beyond it go for good
+POOL_BYTES = 256 << 20
+
+
+def _take_freed(stream: int, nbytes: int) -> tuple | None:
+    global _free_bytes
+    with _lock:
+        blocks = _free.get((stream, nbytes))
+        if not blocks:
+            return None
+        _free_bytes -= nbytes
+        block = blocks.pop()
+        if not blocks:
+            del _free[(stream, nbytes)]
+        return block
+
+
+def _give_back(stream: int, raw: np.ndarray, writes: list, reads: list) -> None:
+    global _free_bytes
+    nbytes = raw.size - 2 * REDZONE
+    with _lock:
+        _free.setdefault((stream, nbytes), []).append((raw, writes, reads))
+        _free_bytes += nbytes
+        while _free_bytes > POOL_BYTES:
+            key, blocks = next(iter(_free.items()))
+            _free_bytes -= blocks.pop(0)[0].size - 2 * REDZONE
+            if not blocks:
+                del _free[key]
 
 
 def _unregister(ptr: int) -> None:
     with _lock:
+        ref = _by_start.get(ptr)
+        if ref is not None and ref() is not None:  # the address is a new allocation's
+            return
         i = bisect.bisect_left(_starts, ptr)
         if i < len(_starts) and _starts[i] == ptr:
             del _starts[i]
