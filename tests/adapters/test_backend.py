@@ -435,3 +435,16 @@ def test_lightning_process_group_backend_geocomm():
 
 if __name__ == "__main__":
     {"gpt2": _scenario_gpt2, "lightning": _scenario_lightning}[sys.argv[1]]()
+
+
+@pytestmark_mpi
+def test_an_aborted_group_returns_at_once_and_refuses_compressed_calls(comm):
+    """torch's _abort_process_group calls the group's abort() when a peer is gone: it
+    returns without waiting for queued calls, and a compressed call made on the group
+    afterwards raises at once instead of starting a collective no peer will join."""
+    group = _geocomm_group()
+    tensor = torch.ones(MIN_NUMEL)
+    dist.all_reduce(tensor, group=group)  # a compressed call that works
+    dist.distributed_c10d._abort_process_group(group)
+    with pytest.raises(RuntimeError, match="was aborted"):
+        group.allreduce([tensor])

@@ -8,6 +8,7 @@ import sys
 import textwrap
 import threading
 
+import pytest
 import torch
 from torchrun_ranks import two_torchrun_ranks
 
@@ -62,6 +63,36 @@ def test_a_close_that_timed_out_still_keeps_the_jobs_in_order():
     second.wait()
     assert order == ["first", "second"]
     assert worker.close(timeout=10)
+
+
+def test_an_abort_fails_the_queued_jobs_at_once_and_every_later_one():
+    """abort() is what torch's _abort_process_group calls when a peer is gone: it must not
+    wait for the running job (stuck on that peer), and the jobs behind it must not run
+    (their peers are gone too): their futures fail with the abort's error, as does every
+    job submitted afterwards. The running job finishes; then the thread stops."""
+    started, release, ran = threading.Event(), threading.Event(), []
+    worker = Worker("abort-test")
+    running, queued, later = (torch.futures.Future() for _ in range(3))
+
+    def stuck() -> None:
+        started.set()
+        release.wait(60)
+        ran.append("running")
+        running.set_result(1)
+
+    worker.submit(stuck, running)
+    worker.submit(lambda: (ran.append("queued"), queued.set_result(2)), queued)
+    assert started.wait(10)
+    error = RuntimeError("aborted for the test")
+    worker.abort(error)  # returns while the running job still waits for `release`
+    assert not running.done()
+    worker.submit(lambda: (ran.append("later"), later.set_result(3)), later)
+    for future in (queued, later):
+        with pytest.raises(RuntimeError, match="aborted for the test"):
+            future.wait()
+    release.set()
+    assert running.wait() == 1
+    assert worker.close(timeout=10) and ran == ["running"]
 
 
 # Twenty transfers through geocomm's torch.distributed communicator over gloo, and

@@ -42,10 +42,14 @@ class Worker:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closing = False  # the thread has its stop marker and runs out its queue
+        self._aborted: BaseException | None = None  # what every later job fails with
         self._lock = threading.Lock()
 
     def submit(self, job: Callable[[], None], future: torch.futures.Future) -> None:
         with self._lock:
+            if self._aborted is not None:
+                future.set_exception(self._aborted)
+                return
             if self._thread is not None and self._closing:
                 # a close is under way: the jobs before its marker run first, in order
                 self._thread.join()
@@ -66,6 +70,23 @@ class Worker:
                 job()
             except BaseException as exc:
                 future.set_exception(exc)
+
+    def abort(self, error: BaseException) -> None:
+        """Fail the queued jobs' futures, and every later job's, with ``error``, and stop
+        the thread after the job it runs; never waits (a job stuck on a peer that is
+        gone ends when its collective does)."""
+        with self._lock:
+            self._aborted = error
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[1].set_exception(error)
+            if self._thread is not None:
+                self._queue.put(None)
+                self._closing = True
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish the queued jobs and stop the thread, waiting at most ``timeout``

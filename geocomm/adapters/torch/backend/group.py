@@ -136,6 +136,7 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
         self._stats = BackendStats()
         self._lock = threading.Lock()  # the counters: exact calls may come from any thread
         self._worker = Worker(f"geocomm-backend-{group_id}")
+        self._aborted: RuntimeError | None = None  # what every call raises once aborted
         self._streams: dict[int, Any] = {}
         self._devices: dict[str, _Device] = {}
         self._store, self._rank, self._size = store, rank, size
@@ -233,7 +234,9 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
         """Queue ``run(options)`` (the collective's keywords codec, key, comm, check,
         topology, stage_size) for the worker; the work's value is ``result`` once it ran. Key,
         codec and settings are fixed now, in call order; so is the metadata check
-        started (adapters/torch/backend/checks.py)."""
+        started (adapters/torch/backend/checks.py). RuntimeError once aborted."""
+        if self._aborted is not None:
+            raise self._aborted
         key = self._key(kind, tensor)
         config, codec, comm = self.config, self.codec, self._device(tensor).comm
         resolved = costs.codec_for(codec, tensor.numel(), comm.backend, comm.size)
@@ -345,7 +348,17 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
                 exact.shutdown()
 
     def abort(self) -> None:
-        self.shutdown()
+        """torch.distributed's abort (``_abort_process_group``): returns at once. Queued
+        compressed calls fail (their works raise), as does every later one; the
+        backends' transfers are aborted where torch can (NCCL; gloo where its release
+        can), and the worker thread stops once its running call returns."""
+        self._aborted = RuntimeError(f"the geocomm process group {self.group_id!r} was aborted")
+        self._worker.abort(self._aborted)
+        groups = [d.exact for d in self._devices.values()] + [self._checks.group]
+        groups += [d.comm.comm.group for d in self._devices.values()]
+        for group in groups:
+            with contextlib.suppress(Exception):
+                group.abort()
 
     # -- configuration, statistics, state -----------------------------------------
 
