@@ -336,11 +336,11 @@ def test_metadata_checked_once_per_bucket_layout(comm, monkeypatch, setting):
     for step in range(4):
         _step(model, dist.get_rank(), step)
     layouts = {(i, tuple(id(p) for p in params)) for i, params, _ in recorder.buckets}
-    expected = {
-        "default": len(layouts),
-        "env1": len(recorder.buckets),
+    expected = {  # and, unless checks are off, the first bucket's replica check
+        "default": len(layouts) + 1,
+        "env1": len(recorder.buckets) + 1,
         "env0": 0,
-        "true": len(recorder.buckets),
+        "true": len(recorder.buckets) + 1,
     }[setting]
     # the first step's layout and DDP's rebuilt buckets: fewer checks than calls
     assert len(layouts) < len(recorder.buckets)
@@ -358,6 +358,33 @@ def test_mismatched_layouts_raise_on_every_rank(comm):
     with pytest.raises(RuntimeError, match="differ from rank 0 in parts or key"):
         _step(model, rank, 0)
     state.close()
+
+
+def test_a_hook_over_ranks_that_hold_other_parameters_is_refused(comm):
+    """DDP over a subgroup needs the state to be given it: left at the world, the hook
+    would average the gradients of other DDP groups' models with its own, and a
+    tensor-parallel model's shards, alike in shape, pass every metadata check. Here each
+    rank is a DDP group of its own with parameters of its own: the first bucket compares
+    the parameters across the hook's ranks and raises on every rank, naming ``group=``;
+    given its group, the state runs."""
+    init_distributed_from_mpi()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    groups = [dist.new_group([r]) for r in range(size)]
+    for group in (None, groups[rank]):
+        net = _mlp()
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(rank)  # another model on every rank
+        model = DDP(net, process_group=groups[rank], bucket_cap_mb=BUCKET_MB)
+        state = GeocommHookState(net, codec="fp8", group=group)
+        model.register_comm_hook(state, geocomm_hook)
+        if group is None:
+            with pytest.raises((ValueError, RuntimeError), match=r"group=\.\.\."):
+                _step(model, rank, 0)
+        else:
+            _step(model, rank, 0)
+            assert state.last_step is not None and state.comm.size == 1
+        state.close()
 
 
 def test_bad_codec_fails_before_any_collective(comm):

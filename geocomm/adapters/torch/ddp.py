@@ -38,6 +38,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -55,6 +56,29 @@ def _module_device(module: torch.nn.Module) -> torch.device:
     for p in module.parameters():
         return p.device
     return torch.device("cpu")
+
+
+#: the integer view of each floating-point dtype DDP buckets geocomm reduces hold
+_BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def _parameters_digest(module: torch.nn.Module, chunk: int = 1 << 24) -> np.ndarray:
+    """(the sum of every fp32/fp16/bf16 parameter's values read as integers, modulo
+    2^63; how many): what replicas share, exact whatever the order of the sums. Each
+    chunk sums on the parameters' device in int64 (under 2^31 a value, 2^24 values: no
+    overflow), and the chunks' sums come to the host at once."""
+    sums: list[torch.Tensor] = []
+    count = 0
+    for p in module.parameters():
+        bits = _BITS.get(p.dtype)
+        if bits is None:
+            continue
+        flat = p.detach().reshape(-1).view(bits)
+        for at in range(0, flat.numel(), chunk):
+            sums.append(flat[at : at + chunk].sum(dtype=torch.int64))
+        count += flat.numel()
+    total = sum(int(v) for v in torch.stack(sums).cpu()) if sums else 0
+    return np.array([total % (1 << 63), count], np.int64)
 
 
 def _group_size(group: Any) -> int | None:
@@ -75,10 +99,12 @@ class GeocommHookState:
         module: the module DDP wraps; its parameter names are GeoFP8's keys and what
             ``exclude`` matches.
         codec: codec id, config or Codec (default "fp8").
-        group: the process group whose ranks take part (default: the world).
+        group: the process group whose ranks take part (default: the world): DDP's
+            ``process_group`` when it has one (the first bucket raises ValueError when
+            the ranks hold different parameters, as other DDP groups' do).
         check: compare the bucket's metadata across ranks: None (default) on the
             first call of each bucket layout, every call under ``GEOCOMM_CHECK=1``;
-            True every call; False never.
+            True every call; False never (nor the parameters, at the first bucket).
         comm: a geocomm communicator to use instead of the state's own group.
         exclude: name patterns (:func:`fnmatch.fnmatchcase`) of parameters that
             travel exact (:class:`~geocomm.adapters.torch.Selection`); a bucket's
@@ -150,12 +176,32 @@ class GeocommHookState:
 
     def _start(self, device: torch.device) -> None:
         """Set up on the first bucket: device, stream and communicator, on the thread
-        that calls the hook, at the same point on every rank (the first bucket)."""
-        if self.device is None:
-            self.device = device
-            if device.type == "cuda":
-                self._stream = torch.cuda.Stream(device)
-        self.reducer.comm  # noqa: B018  (made now, in bucket order, not on the worker)
+        that calls the hook, at the same point on every rank (the first bucket); then
+        :meth:`_check_replicas` (unless ``check=False``)."""
+        if self.device is not None:
+            return
+        self.device = device
+        if device.type == "cuda":
+            self._stream = torch.cuda.Stream(device)
+        comm = self.reducer.comm  # made now, in bucket order, not on the worker
+        if self.reducer.policy != "never":
+            self._check_replicas(comm)
+
+    def _check_replicas(self, comm: Any) -> None:
+        """ValueError on every rank unless the communicator's ranks hold the same
+        parameters (DDP's replicas do: it broadcasts them when it wraps the module).
+        Ranks that hold others belong to other DDP groups: DDP runs over a subgroup
+        and the state was not given it, and a tensor-parallel model's shards, alike
+        in shape, would otherwise be averaged together without a word."""
+        digest = _parameters_digest(self.module)
+        rows = comm.allgather_int64(digest)
+        differ = [r for r in range(len(rows)) if not np.array_equal(rows[r], rows[0])]
+        if differ:
+            raise ValueError(
+                f"GeocommHookState: ranks {differ} of the hook's {len(rows)} hold other "
+                "parameters than rank 0, so they are not replicas of one DDP model; for DDP "
+                "over a process group, pass that group as GeocommHookState(..., group=...)"
+            )
 
     @property
     def codec(self) -> Any:
