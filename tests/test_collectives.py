@@ -182,6 +182,48 @@ def test_bad_out_and_op(comm):
         geocomm.allreduce(x, codec="fp8", out=frozen)
 
 
+def test_an_out_whose_elements_share_memory_is_refused(comm):
+    """A broadcast view (stride 0) would keep only its last row of the result."""
+    x = np.ones((4, 3), np.float32)
+    shared = np.lib.stride_tricks.as_strided(np.zeros(3, np.float32), (4, 3), (0, 4))
+    with pytest.raises(ValueError, match="share memory"):
+        geocomm.allreduce(x, codec="none", out=shared)
+
+
+@pytest.mark.parametrize("name", ["none", "fp8"])
+def test_unaligned_arrays_reduce_like_aligned_ones(comm, name):
+    """A float32 view at an odd byte offset is C-contiguous but unaligned: MPI cannot read
+    it in place (it raised a KeyError from mpi4py), so it is copied, and an unaligned out
+    is written through a copy; the result is the aligned input's."""
+    xs = inputs(1000, comm.size, tag=11)
+    raw = np.zeros(4 * 1000 + 1, np.uint8)
+    x = np.frombuffer(raw.data, np.float32, count=1000, offset=1)
+    x[...] = xs[comm.rank]
+    assert not x.flags.aligned
+    want = geocomm.allreduce(xs[comm.rank], codec=CODECS[name])
+    np.testing.assert_array_equal(geocomm.allreduce(x, codec=CODECS[name]), want)
+    out = np.frombuffer(np.zeros(4 * 1000 + 1, np.uint8).data, np.float32, 1000, 1)
+    assert geocomm.allreduce(xs[comm.rank], codec=CODECS[name], out=out) is out
+    np.testing.assert_array_equal(out, want)
+    shard = geocomm.reduce_scatter(x, codec=CODECS[name])
+    np.testing.assert_array_equal(shard, geocomm.reduce_scatter(xs[comm.rank], codec=CODECS[name]))
+
+
+def test_parts_and_stage_size_are_checked(comm):
+    """parts may be any iterable (a generator is read once); their dimensions and the
+    stage size must be integers (2.5 was truncated to 2, "6" parsed, 4096.5 failed deep
+    inside and True was taken for 1)."""
+    x = np.ones(6, np.float32)
+    parts = (p for p in [("a", (2, 3))])
+    np.testing.assert_array_equal(geocomm.allreduce(x, codec="fp8", parts=parts), x * comm.size)
+    for bad in ([("a", (2.5, 2)), ("b", (2,))], [("a", "6")]):
+        with pytest.raises(TypeError, match="parts entries"):
+            geocomm.allreduce(x, codec="fp8", parts=bad)
+    for bad_size in (4096.5, True):
+        with pytest.raises(TypeError, match="stage_size must be an integer"):
+            geocomm.allreduce(x, codec="fp8", stage_size=bad_size)
+
+
 @pytest.mark.parametrize("name", ["fp8", "bf16"])
 def test_chunking_does_not_change_bytes(comm, name):
     """Pieces start at multiples of 4096 within a shard, so 128-blocks never

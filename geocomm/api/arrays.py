@@ -87,6 +87,11 @@ def bf16_bits_to_float32(bits: Any) -> Any:
     return wide.view(np.float32)
 
 
+def _contiguous(a: Any) -> Any:
+    """``a`` C-contiguous, of its shape (``ascontiguousarray`` makes 0-d arrays 1-d)."""
+    return _xp(a).ascontiguousarray(a).reshape(a.shape)
+
+
 def float32_to_bf16_bits(values: Any) -> Any:
     """uint16 bfloat16 bit patterns of float32 ``values`` (NumPy or CuPy), rounded
     to nearest even, NaN -> sign | 0x7fc0: the C core's ``gc_bf16_code`` and
@@ -95,7 +100,7 @@ def float32_to_bf16_bits(values: Any) -> Any:
     if values.dtype != np.float32:
         raise TypeError(f"values must be float32, got {values.dtype}")
     u32 = xp.uint32
-    bits = xp.ascontiguousarray(values).view(np.uint32)
+    bits = _contiguous(values).view(np.uint32)
     # uint32 wrap-around only happens for NaN patterns, which are replaced below
     rounded = (bits + u32(0x7FFF) + ((bits >> u32(16)) & u32(1))) >> u32(16)
     nan = ((bits >> u32(16)) & u32(0x8000)) | u32(0x7FC0)
@@ -115,7 +120,7 @@ def _torch_cpu(t: Any) -> _Operand:
         array = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         return _Operand(
             array,
-            lambda r: torch.from_numpy(np.ascontiguousarray(r).view(np.int16)).view(torch.bfloat16),
+            lambda r: torch.from_numpy(_contiguous(r).view(np.int16)).view(torch.bfloat16),
         )
     return _Operand(t.numpy(), torch.from_numpy)
 
@@ -278,9 +283,26 @@ def as_array(x: Any, name: str = "x") -> tuple[Any, Restore]:
 
 
 def _out_operand(out: Any, x: Any, x_operand: _Operand, name: str = "out") -> _Operand:
-    """The array through which ``out`` is written (plus its commit step)."""
-    if _module_of(out) in ("jax", "jaxlib"):
+    """The array through which ``out`` is written (plus its commit step). A torch
+    ``out`` is checked as torch checks one: the same dtype as x, and none that autograd
+    records (``requires_grad`` in grad mode)."""
+    module = _module_of(out)
+    if module in ("jax", "jaxlib"):
         raise TypeError("JAX arrays are immutable and cannot be an out= target")
+    if module != _module_of(x):
+        raise TypeError(
+            f"out must be an array like x ({type(x).__name__}), got {type(out).__name__}"
+        )
+    if module == "torch":
+        import torch
+
+        if out.dtype != x.dtype:
+            raise ValueError(f"out is {out.dtype}, expected {x.dtype}")
+        if out.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError(
+                "out= requires grad: geocomm's collectives are not differentiable (write "
+                "into it under torch.no_grad())"
+            )
     if out is x:
         return x_operand  # in place: one conversion serves both
     return _operand(out, name)
@@ -312,11 +334,12 @@ class Operands:
             self.x, self.out = x, out
             self._operand = self._target = None
             return self
-        self._stack = contextlib.ExitStack()
-        self._stack.enter_context(_torch_stream(x, out))
-        operand = self._operand = _operand(x, "x")
-        target = self._target = _out_operand(out, x, operand) if out is not None else None
-        self.x, self.out = operand.array, None if target is None else target.array
+        with contextlib.ExitStack() as stack:  # closed unless every conversion succeeds
+            stack.enter_context(_torch_stream(x, out))
+            operand = self._operand = _operand(x, "x")
+            target = self._target = _out_operand(out, x, operand) if out is not None else None
+            self.x, self.out = operand.array, None if target is None else target.array
+            self._stack = stack.pop_all()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -329,6 +352,10 @@ class Operands:
         if self._out_in is not None:
             if self._target is not None and self._target.commit is not None:
                 self._target.commit()
+            if _module_of(self._out_in) == "torch":  # written behind torch's back: as in place
+                import torch
+
+                torch.autograd.graph.increment_version(self._out_in)
             return self._out_in
         return result if self._operand is None else self._operand.restore(result)
 

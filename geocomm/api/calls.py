@@ -16,6 +16,8 @@ from __future__ import annotations
 import collections
 import json
 import math
+import numbers
+import operator
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -136,7 +138,8 @@ def check_out(out: Any, x: Any, shape: tuple[int, ...] | None = None) -> None:
     and dtype and of ``shape`` (default: x's)."""
     if out is None:
         return
-    if type(out) is not type(x):
+    xp = array_module(x)
+    if array_module(out) is not xp or not isinstance(out, xp.ndarray):
         raise TypeError(
             f"out must be an array like x ({type(x).__name__}), got {type(out).__name__}"
         )
@@ -145,6 +148,8 @@ def check_out(out: Any, x: Any, shape: tuple[int, ...] | None = None) -> None:
         raise ValueError(f"out is {out.dtype}{list(out.shape)}, expected {x.dtype}{list(shape)}")
     if not getattr(out.flags, "writeable", True):
         raise ValueError("out is read-only")
+    if any(stride == 0 and n > 1 for stride, n in zip(out.strides, out.shape, strict=True)):
+        raise ValueError("out has elements that share memory (a broadcast or expanded view)")
 
 
 def parts_of(shape: tuple[int, ...], count: int, key: Any, parts: Any) -> tuple[Part, ...]:
@@ -159,7 +164,7 @@ def parts_of(shape: tuple[int, ...], count: int, key: Any, parts: Any) -> tuple[
     for entry in parts:
         try:
             name, part_shape = entry
-            part_shape = tuple(int(d) for d in part_shape)
+            part_shape = tuple(operator.index(d) for d in part_shape)
         except (TypeError, ValueError):
             raise TypeError(f"parts entries must be (key, shape) pairs, got {entry!r}") from None
         if any(d < 0 for d in part_shape):
@@ -214,6 +219,9 @@ def signature(kind: str, x: Any, codec: Any, op: str, options: Options) -> Signa
     unknown = set(options) - set(Options.__annotations__)
     if unknown:
         raise TypeError(f"geocomm.{kind}() got unexpected keyword arguments {sorted(unknown)}")
+    parts = options.get("parts")
+    if parts is not None and not isinstance(parts, (tuple, list)):  # read once: a generator
+        options = {**options, "parts": tuple(parts)}
     comm = get_comm(options.get("comm"))
     check = check_enabled(options.get("check"))
     topology = requested_topology(options.get("topology"))
@@ -248,6 +256,10 @@ def _describe(kind: str, x: Any, codec: Any, op: str, options: Options, comm: Co
             "float32 first or use codec='none' for an exact float64 reduction"
         )
     stage_size = options.get("stage_size")
+    if stage_size is not None and (
+        isinstance(stage_size, bool) or not isinstance(stage_size, numbers.Integral)
+    ):
+        raise TypeError(f"stage_size must be an integer, got {stage_size!r}")
     if stage_size is not None and stage_size <= 0:
         raise ValueError(f"stage_size must be positive, got {stage_size}")
     key, parts = options.get("key"), options.get("parts")
@@ -300,8 +312,11 @@ def prepare(kind: str, x: Any, out: Any, codec: Any, op: str, options: Options) 
     xp = array_module(x)
     exact = sig.codec.lossless
     dtype = np.float64 if x.dtype == np.float64 else np.float32
-    flat = x.ndim == 1 and x.dtype == dtype and x.flags.c_contiguous
+    # (MPI reads only aligned memory: a NumPy view at an odd offset is copied)
+    flat = x.ndim == 1 and x.dtype == dtype and x.flags.c_contiguous and _aligned(x)
     source = x if flat else xp.ascontiguousarray(x, dtype=dtype).reshape(-1)
+    if not _aligned(source):  # ascontiguousarray keeps an unaligned contiguous view
+        source = source.copy()
     if kind == "allgather":
         result = xp.empty((comm.size, sig.count), dtype)
     elif shard is not None:  # into out's memory only where it is apart from x's
@@ -340,6 +355,8 @@ def _direct_result(out: Any, dtype: Any, source: Any, same_ok: bool) -> Any:
     same memory; else None (reduce into scratch and copy)."""
     if out is None or out.dtype != dtype or not out.flags.c_contiguous or out.size == 0:
         return None
+    if not _aligned(out):
+        return None
     flat = out if out.ndim == 1 else out.reshape(-1)
     if out is source or flat is source:
         return flat if same_ok else None
@@ -348,6 +365,11 @@ def _direct_result(out: Any, dtype: Any, source: Any, same_ok: bool) -> Any:
     ):
         return None
     return flat
+
+
+def _aligned(a: Any) -> bool:
+    """Whether ``a``'s elements lie at multiples of their size (CuPy's always do)."""
+    return bool(getattr(a.flags, "aligned", True))
 
 
 def _same_memory(a: Any, b: Any) -> bool:

@@ -102,3 +102,30 @@ def test_jax_roundtrip(comm):
     np.testing.assert_allclose(np.asarray(y), comm.size * (comm.size + 1) / 2, rtol=2.0**-3)
     with pytest.raises(TypeError, match="immutable"):
         geocomm.allreduce(x, codec="fp8", out=x)
+
+
+def test_torch_out_is_checked_and_versioned_as_torch_does(comm):
+    """A torch out is what torch would accept as one: x's dtype, not recorded by
+    autograd; its write bumps its version counter, so autograd refuses to use values
+    it saved before the write (it used the overwritten ones, without a word)."""
+    x = torch.full((3,), 5.0)
+    with pytest.raises(ValueError, match=r"out is torch\.float64"):
+        geocomm.allreduce(x, codec="none", out=torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(TypeError, match="array like x"):
+        geocomm.allreduce(x, codec="none", out=np.zeros(3, np.float32))
+    w = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(RuntimeError, match="requires grad"):
+        geocomm.allreduce(x, codec="none", out=w)
+    saved = torch.ones(3, requires_grad=True)
+    buffer = torch.ones(3)
+    y = (saved * buffer).sum()  # autograd saves buffer for the gradient of saved
+    geocomm.allreduce(x, codec="none", out=buffer)
+    assert buffer._version == 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_0d_tensor_keeps_its_shape(comm, dtype):
+    got = geocomm.allreduce(torch.tensor(1.5, dtype=dtype), codec="none")
+    assert got.shape == () and got.dtype == dtype and float(got) == 1.5 * comm.size

@@ -348,6 +348,7 @@ class GradReducer:
         what: str = "bucket",
     ) -> BucketStats:
         """Reduce the flat ``buffer`` (one row of ``layout``) in place over the ranks."""
+        check_dtype(buffer.dtype, what)
         if buffer.numel() != layout.numel or layout.rows != 1:
             raise ValueError(
                 f"{what}: buffer of {buffer.numel()} values, layout of "
@@ -384,6 +385,7 @@ class GradReducer:
     ) -> BucketStats:
         """Reduce-scatter ``source`` (``layout.rows`` = ranks rows) into this rank's
         ``out`` (its row of the reduced buffer)."""
+        check_dtype(source.dtype, what)
         size, rank = self.comm.size, self.comm.rank
         if layout.rows != size or source.numel() != layout.numel or out.numel() != layout.width:
             raise ValueError(
