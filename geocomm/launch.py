@@ -16,11 +16,13 @@ BLAS thread per core oversubscribe the cores many times over.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -91,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     argv_, env = mpiexec_command(args.nranks, command, args.mpi_arg)
     # own process group, so a timeout takes down mpiexec and every rank with it
     job = subprocess.Popen(argv_, env=env, start_new_session=True)
+    for stop in (signal.SIGTERM, signal.SIGHUP):  # a batch system's or a terminal's end
+        signal.signal(stop, _stopped)
     try:
-        return job.wait(timeout=args.timeout)
+        status = job.wait(timeout=args.timeout)
     except subprocess.TimeoutExpired:
         print(f"geocomm.launch: job exceeded {args.timeout} s; killing it", file=sys.stderr)
         _kill_group(job)
@@ -100,20 +104,70 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _kill_group(job)
         return 130
+    except _Stopped as stopped:
+        _kill_group(job)
+        return 128 + stopped.signum
+    if status < 0:  # mpiexec itself was killed: its ranks may live on
+        _kill_group(job)
+        return 128 - status
+    return status
 
 
-def _kill_group(job: subprocess.Popen) -> None:
-    """SIGTERM the job's process group (mpiexec forwards it), then SIGKILL."""
-    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(job.pid, sig)
-        except ProcessLookupError:
+class _Stopped(Exception):
+    """The launcher got SIGTERM or SIGHUP."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stopped(signum: int, frame: object) -> None:
+    raise _Stopped(signum)
+
+
+def _kill_group(job: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM the job's session, mpiexec's process group and every process of it (Open
+    MPI puts each rank in a process group of its own; mpiexec forwards the signal to
+    the ranks while it lives), then, once ``grace`` seconds passed with any of it alive,
+    SIGKILL."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not _signal_session(job.pid, sig):
             return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            job.poll()  # reaps mpiexec once it exited
+            if not _session(job.pid):
+                return
+            time.sleep(0.05)
+
+
+def _signal_session(sid: int, sig: int) -> bool:
+    """Send ``sig`` to mpiexec's process group and to each process of its session;
+    whether any was found."""
+    found = False
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(sid, sig)
+        found = True
+    for pid in _session(sid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+            found = True
+    return found
+
+
+def _session(sid: int) -> list[int]:
+    """The live processes of session ``sid`` (Linux's /proc; elsewhere none: the process
+    group alone is signalled)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            job.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        # after the command: state, ppid, pgrp, session; a zombie is dead already
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            members.append(int(stat.parent.name))
+    return members
 
 
 if __name__ == "__main__":

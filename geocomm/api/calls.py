@@ -89,25 +89,28 @@ def init(comm: Any = None, backend: str = "mpi") -> Communicator:
         comm: a geocomm Communicator, an mpi4py communicator, or None for
             ``MPI.COMM_WORLD``.
         backend: "mpi" (host arrays; CuPy arrays are staged through host memory) or
-            "nccl" (CuPy arrays stay on the device).
+            "nccl" (CuPy arrays stay on the device: a NCCL communicator over ``comm``,
+            or ``comm`` itself when it is a device communicator already).
 
     Returns:
         The communicator the collectives use when no ``comm=`` is given.
     """
     global _default_comm
-    if comm is not None and isinstance(comm, Communicator):
-        _default_comm = comm
-    elif backend == "mpi":
-        from geocomm.comm.mpi import MPICommunicator
-
-        _default_comm = MPICommunicator(comm)
-    elif backend == "nccl":
+    if backend not in ("mpi", "nccl"):
+        raise ValueError(f"unknown backend {backend!r} (expected 'mpi' or 'nccl')")
+    made: Communicator
+    if backend == "nccl" and not (isinstance(comm, Communicator) and comm.device_arrays):
         from geocomm.comm.nccl import NCCLCommunicator
 
-        _default_comm = NCCLCommunicator(comm)
+        made = NCCLCommunicator(comm)  # over comm (a host communicator, or MPI's)
+    elif isinstance(comm, Communicator):
+        made = comm
     else:
-        raise ValueError(f"unknown backend {backend!r} (expected 'mpi' or 'nccl')")
-    return _default_comm
+        from geocomm.comm.mpi import MPICommunicator
+
+        made = MPICommunicator(comm)
+    _default_comm = made
+    return made
 
 
 def get_comm(comm: Communicator | None = None) -> Communicator:

@@ -22,6 +22,8 @@ releases what would block this process (``abort_local``: NCCL's
 ``ncclCommAbort`` cancels queued GPU work), then the newest one ends every
 rank (``abort``: ``MPI_Abort``). ``GEOCOMM_ABORT_ON_ERROR=0`` turns this off
 (checked when a communicator registers and again when an exception arrives).
+``sys.exit(n)`` in the main thread reaches neither hook (Python exits without one):
+``python -m mpi4py`` aborts on a non-zero ``n``; geocomm alone does not.
 """
 
 from __future__ import annotations

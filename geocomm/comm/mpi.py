@@ -101,7 +101,10 @@ class MPICommunicator:
 
     def node_key(self) -> int:
         """This rank's node: the lowest world rank sharing its memory
-        (``Split_type(COMM_TYPE_SHARED)``). Collective over this communicator."""
+        (``Split_type(COMM_TYPE_SHARED)``). Collective over this communicator; a barrier
+        first, so that a missing peer times out (GEOCOMM_TIMEOUT) rather than blocking
+        the split for good."""
+        self.barrier()
         shared = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         try:
             return int(shared.allreduce(MPI.COMM_WORLD.Get_rank(), op=MPI.MIN))
@@ -111,7 +114,8 @@ class MPICommunicator:
     def subgroups(self, groups: list[list[int]]) -> MPICommunicator:
         """The communicator of the group (of ``groups``, a partition of the ranks) that
         holds this rank, ranks in the group's order; ``MPI_Comm_split``, so collective:
-        every rank passes the same ``groups``."""
+        every rank passes the same ``groups``; after a barrier, as :meth:`node_key`."""
+        self.barrier()
         color = next(i for i, g in enumerate(groups) if self.rank in g)
         return MPICommunicator(self.comm.Split(color, groups[color].index(self.rank)))
 

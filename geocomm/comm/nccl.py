@@ -169,6 +169,24 @@ class _NCCLRequest:
         self._buffers = ()
 
 
+class _AbortingRequest:
+    """A host request whose timeout aborts the NCCL communicator (``on_timeout``): the
+    peer that never answered will not run its transfers either."""
+
+    __slots__ = ("_request", "on_timeout", "wait_for")
+
+    def __init__(self, request: Any, on_timeout: Any):
+        self._request, self.on_timeout = request, on_timeout
+        if hasattr(request, "wait_for"):  # slept on, not polled (geocomm.comm.base.wait)
+            self.wait_for = request.wait_for
+
+    def test(self) -> bool:
+        return bool(self._request.test())
+
+    def wait(self) -> None:
+        self._request.wait()
+
+
 def _local_rank(mpi: Any, comm: Any) -> int:
     """Rank among the processes of this node."""
     node = comm.Split_type(mpi.COMM_TYPE_SHARED)
@@ -215,13 +233,13 @@ class NCCLCommunicator:
     def __init__(self, host: Any = None, device: int | None = None):
         cupy, nccl = require_nccl()
         self._cupy, self._nccl = cupy, nccl
-        if host is None or not isinstance(host, Communicator):
-            from geocomm.comm.mpi import MPICommunicator
+        from geocomm.comm.mpi import MPICommunicator
 
-            mpi = require_mpi()
-            host = MPICommunicator(mpi.COMM_WORLD if host is None else host)
+        if host is None or not isinstance(host, Communicator):
+            host = MPICommunicator(require_mpi().COMM_WORLD if host is None else host)
+        if isinstance(host, MPICommunicator):
             if device is None:
-                device = _local_rank(mpi, host.comm)
+                device = _local_rank(require_mpi(), host.comm)
         elif device is None:
             local = os.environ.get("LOCAL_RANK", "")
             device = int(local) if local.isdigit() else cupy.cuda.Device().id
@@ -398,24 +416,32 @@ class NCCLCommunicator:
         if op not in _OPS:
             raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
         with self.device:
+            stream = cupy.cuda.get_current_stream()
             self.nccl_comm.allReduce(
                 send.data.ptr,
                 recv.data.ptr,
                 send.size,
                 getattr(self._nccl, _DTYPES[send.dtype]),
                 getattr(self._nccl, _OPS[op]),
-                cupy.cuda.get_current_stream().ptr,
+                stream.ptr,
             )
+            if not self._capturing:  # watched like the grouped transfers
+                self.queued.append((time.monotonic(), stream.record()))
 
     def allgather_int64(self, values: np.ndarray) -> np.ndarray:
         """All-gather of a small host int64 vector over the host communicator (waits at
-        most GEOCOMM_TIMEOUT); returns (size, len) rows."""
-        return self.host.allgather_int64(values)
+        most GEOCOMM_TIMEOUT, then aborts this communicator: a peer is gone); returns
+        (size, len) rows."""
+        request, rows = self.start_allgather_int64(values)
+        wait(request, "a metadata all-gather", self.rank)
+        return rows
 
     def start_allgather_int64(self, values: np.ndarray) -> tuple[Any, np.ndarray]:
         """Start the all-gather of a small host int64 vector over the host communicator:
-        (its request, the (size, len) rows it fills); the caller tests or waits for it."""
-        return self.host.start_allgather_int64(values)  # type: ignore[attr-defined]
+        (its request, the (size, len) rows it fills); the caller tests or waits for it,
+        and a wait that times out aborts this communicator (``on_timeout``)."""
+        request, rows = self.host.start_allgather_int64(values)  # type: ignore[attr-defined]
+        return _AbortingRequest(request, self.abort_local), rows
 
     def barrier(self) -> None:
         """Wait for this rank's queued transfers, then for every rank (the host's

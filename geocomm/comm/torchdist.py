@@ -127,17 +127,24 @@ class TorchWork:
     callback ran, which aborts a process that is finalizing by then).
     """
 
-    __slots__ = ("_finish", "_keep", "_on_stream", "_work")
+    __slots__ = ("_finish", "_keep", "_on_stream", "_poll", "_work")
 
-    def __init__(self, work: Any, finish: Any = None, keep: tuple = ()):
+    def __init__(self, work: Any, finish: Any = None, keep: tuple = (), poll: bool = False):
         self._work, self._finish, self._keep = work, finish, keep
         tensor = _torch().Tensor
-        self._on_stream = any(isinstance(t, tensor) and t.device.type == "cuda" for t in keep)
+        cuda = any(isinstance(t, tensor) and t.device.type == "cuda" for t in keep)
+        #: ``poll``: the host waits for a work of CUDA tensors too, polling torch's
+        #: ``is_completed`` (a query of its event), as for what the host reads
+        self._poll = poll and cuda
+        self._on_stream = cuda and not poll
 
     def wait_for(self, seconds: float) -> bool:
         """Block at most ``seconds`` for completion; True when done (failed included)."""
         if self._work is None or self._on_stream:
             return True
+        if self._poll:
+            time.sleep(min(seconds, 1e-3))
+            return bool(self._work.is_completed())
         with contextlib.suppress(RuntimeError):  # timed out, or failed: is_completed says
             self._work.wait(datetime.timedelta(seconds=seconds))
         return self._work.is_completed()
@@ -477,10 +484,8 @@ class TorchDistCommunicator:
         tensor = self._t(flat)
         with self._ordered(tensor):
             # no name kept for the torch work: TorchWork drops the only reference
-            TorchWork(
-                self._dist.all_reduce(tensor, op=ops[op], group=self.group, async_op=True),
-                keep=(tensor,),
-            ).wait()
+            work = self._dist.all_reduce(tensor, op=ops[op], group=self.group, async_op=True)
+            wait(TorchWork(work, keep=(tensor,)), "an all-reduce", self.rank)
 
     def allgather_int64(self, values: np.ndarray) -> np.ndarray:
         request, rows = self.start_allgather_int64(values)
@@ -501,10 +506,13 @@ class TorchDistCommunicator:
             def finish() -> None:
                 rows.reshape(-1)[...] = gathered.cpu().numpy()
 
-        return TorchWork(work, finish, (send, gathered)), rows
+        # polled on the host, a NCCL group's too: the rows are the host's to read
+        return TorchWork(work, finish, (send, gathered), poll=True), rows
 
     def barrier(self) -> None:
-        self._dist.barrier(group=self.group)
+        """Every rank's arrival, waited for at most GEOCOMM_TIMEOUT."""
+        work = self._dist.barrier(group=self.group, async_op=True)
+        wait(TorchWork(work), "a barrier", self.rank)
 
     def node_key(self) -> int:
         """This rank's node from torch's launcher: ``GROUP_RANK`` (torchrun's node rank),

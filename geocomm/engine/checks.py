@@ -15,10 +15,12 @@ hanging or returning garbage.
   so the host never waits for the other ranks' hosts; each call first looks at
   the checks still in flight without blocking, and waits for the oldest once
   more than :data:`IN_FLIGHT` are. A mismatch found then raises on that later
-  call, after aborting the communicator (the mismatched transfers may never
-  complete). A communicator with ``settlers`` (NCCL's) finishes the checks still in
-  flight in ``synchronize()``, ``barrier()`` and ``close()``, so the job's last calls
-  are checked too.
+  call. On such a communicator every mismatch aborts it first, wherever it is
+  found: a peer whose call was a known signature has queued its transfers
+  already, and they would pair with this rank's next call's (or never complete).
+  A communicator with ``settlers`` (NCCL's) finishes the checks still in flight in
+  ``synchronize()``, ``barrier()`` and ``close()``, so the job's last calls are
+  checked too.
 """
 
 from __future__ import annotations
@@ -64,7 +66,11 @@ def verify(call: Call) -> None:
     if start is None or _CHECKED not in signature.plans:
         if pending:
             _settle(comm, pending, 0)
-        raise_on_mismatch(signature.kind, comm.allgather_int64(row))
+        rows = comm.allgather_int64(row)
+        if start is None:
+            raise_on_mismatch(signature.kind, rows)
+        else:
+            _raise_aborting(comm, signature.kind, rows)
         signature.plans[_CHECKED] = True
         return
     if pending is None:
@@ -73,38 +79,40 @@ def verify(call: Call) -> None:
         if settlers is not None:
             settlers.append(functools.partial(_settle, comm, pending, 0))
     _settle(comm, pending, IN_FLIGHT, block=False)
-    current = (signature.kind, *start(row))
-    pending.append(current)
-    _settle(comm, pending, IN_FLIGHT, current=current)
+    pending.append((signature.kind, *start(row)))
+    _settle(comm, pending, IN_FLIGHT)
 
 
 def _settle(
-    comm: Communicator,
-    pending: collections.deque[Any],
-    keep: int,
-    block: bool = True,
-    current: Any = None,
+    comm: Communicator, pending: collections.deque[Any], keep: int, block: bool = True
 ) -> None:
     """Finish the checks in flight on ``comm`` until at most ``keep`` are left (oldest
-    first; ``block`` False: only those already complete) and raise on a mismatch. A
-    mismatch of a call that already moved aborts the communicator first (its transfers
-    may never complete); one of ``current``, the call about to move, does not."""
+    first; ``block`` False: only those already complete); a mismatch drops the rest,
+    aborts the communicator and raises."""
     while pending:
-        check = pending[0]
-        kind, request, rows = check
+        kind, request, rows = pending[0]
         if not request.test():
             if not block or len(pending) <= keep:
                 return
             wait(request, "a deferred metadata all-gather", comm.rank)
         pending.popleft()
         try:
-            raise_on_mismatch(kind, rows)
+            _raise_aborting(comm, kind, rows)
         except CollectiveMismatchError:
             pending.clear()
-            abort = getattr(comm, "abort_local", None)
-            if abort is not None and check is not current:
-                abort()
             raise
+
+
+def _raise_aborting(comm: Communicator, kind: str, rows: Any) -> None:
+    """raise_on_mismatch, aborting ``comm`` first (a device communicator that defers its
+    checks: a peer may have moved already)."""
+    try:
+        raise_on_mismatch(kind, rows)
+    except CollectiveMismatchError:
+        abort = getattr(comm, "abort_local", None)
+        if abort is not None:
+            abort()
+        raise
 
 
 def verify_flat_state(call: Call) -> None:

@@ -184,3 +184,53 @@ def test_plain_mpiexec_abort_can_be_turned_off():
     assert "CollectiveTimeout" in out and "injected failure on rank 1" in out, out
     assert elapsed < 60, f"the job took {elapsed:.1f} s:\n{out}"
     assert no_survivors(tag)
+
+
+_SLEEPER = "import time; print('ready', flush=True); time.sleep(600)"
+
+
+@pytest.mark.parametrize("target", ["launcher", "mpiexec"])
+def test_a_stopped_launcher_or_mpiexec_leaves_no_rank_behind(target):
+    """A batch system ends a job with SIGTERM (SIGHUP when a terminal closes) to the
+    launcher, which then takes down mpiexec and the ranks (it only did on its own
+    timeout, and the ranks lived on); an mpiexec killed outright leaves its ranks to the
+    launcher too. The exit status says which signal ended the job (128 + its number)."""
+    tag = f"tag-{uuid.uuid4().hex}"
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "geocomm.launch",
+            "-n",
+            "2",
+            "--",
+            sys.executable,
+            "-c",
+            _SLEEPER,
+            tag,
+        ],
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert launcher.stdout is not None
+        for _ in range(2):  # both ranks run
+            assert launcher.stdout.readline().strip() == "ready"
+        if target == "launcher":
+            launcher.send_signal(signal.SIGTERM)
+            expected = 128 + signal.SIGTERM
+        else:
+            children = subprocess.run(
+                ["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True
+            ).stdout.split()
+            assert len(children) == 1, children  # mpiexec
+            os.kill(int(children[0]), signal.SIGKILL)
+            expected = 128 + signal.SIGKILL
+        assert launcher.wait(timeout=60) == expected
+        assert no_survivors(tag)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.communicate()

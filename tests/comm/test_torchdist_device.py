@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ import pytest
 import geocomm
 from geocomm import get_codec
 from geocomm.comm import torchdist
-from geocomm.comm.base import wait, wait_ordered
+from geocomm.comm.base import CollectiveTimeout, wait, wait_ordered
 from geocomm.engine import device as gp
 from geocomm.engine import device_tables as gpl
 from geocomm.engine.arithmetic import add_into, subtract_from
@@ -452,3 +453,32 @@ def test_collectives_over_device_mode_torchdist(group, mpi_comm, codec):
         got = geocomm.allreduce(x, codec=mine, key="w", comm=comm, stage_size=4096)
         want = geocomm.allreduce(x, codec=reference, key="w", comm=mpi_comm, stage_size=4096)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), step
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("call", ["allreduce", "barrier"])
+def test_a_late_peer_times_out_the_host_waits(group, monkeypatch, call):
+    """The plain all-reduce and the barrier wait at most GEOCOMM_TIMEOUT, as every other
+    call does (they waited in torch's Work.wait(), bounded only by the process group's
+    own timeout: 30 minutes by default). Rank 1 comes 5 s late; the others give up
+    after 0.5 s, and their calls complete when rank 1's arrives (gloo keeps them)."""
+    monkeypatch.setenv("GEOCOMM_TIMEOUT", "0.5")
+    comm = torchdist.TorchDistCommunicator(group)
+    x, out = np.ones(64, np.float32), np.empty(64, np.float32)
+
+    def run() -> None:
+        if call == "allreduce":
+            comm.allreduce(x, out, "sum")
+        else:
+            comm.barrier()
+
+    if comm.rank == 1:
+        time.sleep(5)
+        run()
+    else:
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeout, match=call.replace("allreduce", "all-reduce")):
+            run()
+        assert time.monotonic() - start < 4
+    monkeypatch.setenv("GEOCOMM_TIMEOUT", "60")
+    MPI.COMM_WORLD.barrier()

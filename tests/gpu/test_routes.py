@@ -283,3 +283,26 @@ def test_node_aware_routes(cp, torch_comm, mpi_comm, name, monkeypatch):
             )
         )
         assert_bits(got, want, f"node-aware reduce_scatter {name} call {call}")
+
+
+def test_init_with_backend_nccl_over_a_host_communicator_makes_a_nccl_one(cp):
+    """geocomm.init(comm, backend="nccl") with a geocomm host communicator makes the NCCL
+    communicator over it (the backend was ignored: CuPy arrays went through the host),
+    and a device communicator is taken as it is; the default comes back after."""
+    from geocomm.api import calls
+    from geocomm.comm.nccl import NCCLCommunicator
+
+    before = calls._default_comm
+    try:
+        host = MPICommunicator()
+        made = geocomm.init(host, backend="nccl")
+        assert isinstance(made, NCCLCommunicator) and made.host is host
+        assert geocomm.init(made, backend="nccl") is made
+        x = cp.asarray(inputs(made.rank, 1000))
+        want = geocomm.allreduce(inputs(made.rank, 1000), codec="fp8", comm=host)
+        np.testing.assert_array_equal(geocomm.allreduce(x, codec="fp8").get(), want)
+        made.close()
+        with pytest.raises(ValueError, match="unknown backend"):
+            geocomm.init(host, backend="gloo")
+    finally:
+        calls._default_comm = before

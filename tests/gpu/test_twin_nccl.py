@@ -88,3 +88,70 @@ def test_absent_peer_is_an_error_after_the_timeout(tmp_path):
     out, seconds = run_job(tmp_path, "absent")
     assert "rank 0 ERROR" in out and "within 2 s" in out, out
     assert seconds < 60
+
+
+# geocomm's NCCLCommunicator over the twin's NCCL, a peer absent or late
+COMMUNICATOR_JOB = textwrap.dedent("""
+    import sys, time, numpy as np, cupy
+    from mpi4py import MPI
+    from geocomm.comm.base import CollectiveTimeout
+    from geocomm.comm.mpi import MPICommunicator
+    from geocomm.comm.nccl import NCCLCommunicator
+    rank, scenario = MPI.COMM_WORLD.Get_rank(), sys.argv[1]
+    comm = NCCLCommunicator(MPICommunicator(MPI.COMM_WORLD))
+    print(f"rank {rank} device {comm.device.id}", flush=True)
+    if scenario == "device":
+        sys.exit(0)
+    try:
+        if scenario == "allreduce" and rank == 0:
+            x = cupy.ones(64, cupy.float32)
+            comm.allreduce(x, cupy.empty_like(x), "sum")  # rank 1 never calls it
+            comm.synchronize()
+        if scenario == "metadata" and rank == 0:
+            comm.allgather_int64(np.arange(3))  # rank 1 comes late
+        print(f"rank {rank} done", flush=True)
+    except CollectiveTimeout as exc:
+        print(f"rank {rank} timed out: {exc} (aborted: {comm.aborted})", flush=True)
+    if rank == 1:  # alive until rank 0 gave up
+        time.sleep(4)
+    if scenario == "metadata" and rank == 1:
+        comm.host.allgather_int64(np.arange(3))  # completes rank 0's on MPI
+""")
+
+
+@pytest.mark.parametrize("scenario", ["allreduce", "metadata", "device"])
+def test_the_communicator_bounds_what_the_host_waits_for(tmp_path, scenario):
+    """geocomm's NCCL communicator: a plain (exact) all-reduce is watched like the grouped
+    transfers, so synchronize() gives up after GEOCOMM_TIMEOUT (it returned at once,
+    and a device synchronization behind it waits for good on a real GPU); a metadata
+    all-gather that times out aborts the communicator, whose peer is gone (its later
+    calls each waited out the timeout again); over a geocomm MPI communicator each
+    rank takes its node-local device (every rank took device 0)."""
+    script = tmp_path / "communicator_job.py"
+    script.write_text(COMMUNICATOR_JOB)
+    env = {**os.environ, "GEOCOMM_TIMEOUT": "1", "GEOCOMM_TWIN_DEVICES": "2"}
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "geocomm.launch",
+            "-n",
+            "2",
+            "--timeout",
+            "120",
+            "--",
+            sys.executable,
+            str(script),
+            scenario,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
+    out = run.stdout + run.stderr
+    if scenario == "device":
+        assert "rank 0 device 0" in out and "rank 1 device 1" in out, out
+    else:
+        assert "rank 0 timed out" in out and "(aborted: True)" in out, out
+        assert "rank 1 done" in out, out
