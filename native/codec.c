@@ -33,7 +33,8 @@
 #define GC_INLINE static inline
 #endif
 
-static size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
+/* a / b rounded up, for any a (a + b - 1 would wrap near SIZE_MAX) */
+static size_t ceil_div(size_t a, size_t b) { return a / b + (a % b != 0); }
 
 static size_t fp8_block(size_t n, size_t block) { return block ? block : n; }
 

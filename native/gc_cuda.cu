@@ -781,10 +781,10 @@ extern "C" __global__ void gc_divide_f64(double *values, gc_u64 n, double d)
 
 /* ---- fp32 sums and differences of the collectives ------------------------------- */
 
-/* out[i] = a[i] + b[i] (negate: a[i] + (-b[i])) for four consecutive values per
- * thread, in 16-byte accesses where aligned. Each thread reads its values of a and b
- * before it writes them, so out may be a or b itself. */
-GC_DEV void gc_add4_f32(float *out, const float *a, const float *b, gc_u64 n, bool negate)
+/* out[i] = a[i] + b[i] (residual: a[i] + (-b[i]), 0 where that is not finite) for
+ * four consecutive values per thread, in 16-byte accesses where aligned. Each thread
+ * reads its values of a and b before it writes them, so out may be a or b itself. */
+GC_DEV void gc_add4_f32(float *out, const float *a, const float *b, gc_u64 n, bool residual)
 {
     gc_u64 i = 4 * gc_global_id();
     if (i >= n)
@@ -792,8 +792,11 @@ GC_DEV void gc_add4_f32(float *out, const float *a, const float *b, gc_u64 n, bo
     float x[4], y[4];
     gc_load4_f32(a + i, n - i, x);
     gc_load4_f32(b + i, n - i, y);
-    for (int j = 0; j < 4; ++j)
-        x[j] = __fadd_rn(x[j], negate ? -y[j] : y[j]);
+    for (int j = 0; j < 4; ++j) {
+        x[j] = __fadd_rn(x[j], residual ? -y[j] : y[j]);
+        if (residual && !gc_finite(x[j]))
+            x[j] = 0.0f;
+    }
     gc_store4_f32(out + i, n - i, x);
 }
 
@@ -805,10 +808,12 @@ extern "C" __global__ void gc_add_f32(float *acc, const float *v, gc_u64 n)
     gc_add4_f32(acc, acc, v, n, false);
 }
 
-/* out[i] = a[i] - b[i], written as a[i] + (-b[i]): the negation is exact and IEEE
- * subtraction is that addition, rounded to nearest, subnormals kept. out may be a or
- * b itself. */
-extern "C" __global__ void gc_sub_f32(float *out, const float *a, const float *b, gc_u64 n)
+/* out[i] = a[i] - b[i], written as a[i] + (-b[i]) (the negation is exact and IEEE
+ * subtraction is that addition, rounded to nearest, subnormals kept), and 0 where it
+ * is not finite: error feedback's residual, what a quantization of a lost (b: what it
+ * decodes to), which must not send a non-finite value again with every later call.
+ * out may be a or b itself. */
+extern "C" __global__ void gc_residual_f32(float *out, const float *a, const float *b, gc_u64 n)
 {
     gc_add4_f32(out, a, b, n, true);
 }

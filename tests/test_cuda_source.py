@@ -87,7 +87,7 @@ UNITS = {
             "gc_divide_f32",
             "gc_divide_f64",
             "gc_add_f32",
-            "gc_sub_f32",
+            "gc_residual_f32",
         },
     ),
     "pipeline": (
@@ -276,7 +276,7 @@ VECTOR_ACCESSES = {
     "gc_pipe_mxfp4_encode": {_LOAD_VALUES: 1},
     "gc_divide_f32": {_LOAD_VALUES: 1, _STORE_VALUES: 1},
     "gc_add_f32": {_LOAD_VALUES: 2, _STORE_VALUES: 1},
-    "gc_sub_f32": {_LOAD_VALUES: 2, _STORE_VALUES: 1},
+    "gc_residual_f32": {_LOAD_VALUES: 2, _STORE_VALUES: 1},
     "gc_geo_expand": {_LOAD_VALUES: 1, _STORE_VALUES: 1},
 }
 

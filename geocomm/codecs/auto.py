@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from geocomm.codecs.base import Codec
+from geocomm.codecs.base import Codec, StatefulCodec
 from geocomm.codecs.formats import NoneCodec
 from geocomm.codecs.frames import FramedCodec
 
@@ -35,8 +35,16 @@ class AutoCodec(FramedCodec):
         self.inner = get_codec(codec)
         if isinstance(self.inner, AutoCodec) or self.inner.lossless:
             raise ValueError("auto needs a compressing codec to switch to")
+        if isinstance(self.inner, StatefulCodec):
+            # its state would live behind auto, out of checkpoints and cross-rank checks
+            raise ValueError(
+                f"auto switches to a stateless codec, not {self.inner.get_config()} "
+                "(use a stateful codec, GeoFP8 or error feedback, directly)"
+            )
         if crossover_bytes is not None and (
-            not isinstance(crossover_bytes, (int, np.integer)) or crossover_bytes < 0
+            isinstance(crossover_bytes, bool)
+            or not isinstance(crossover_bytes, (int, np.integer))
+            or crossover_bytes < 0
         ):
             raise ValueError(
                 f"crossover_bytes must be None or a non-negative integer, got {crossover_bytes!r}"

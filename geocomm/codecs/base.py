@@ -46,7 +46,7 @@ class Codec(metaclass=_Sealing):
     _sealed = False
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if self._sealed and not name.startswith("_"):
+        if name[:1] != "_" and self._sealed:  # private names first: a call's own state
             raise AttributeError(
                 f"{type(self).__name__}.{name} cannot change: a codec's configuration is "
                 f"fixed once made; make a new codec, such as "
@@ -55,7 +55,7 @@ class Codec(metaclass=_Sealing):
         super().__setattr__(name, value)
 
     def __delattr__(self, name: str) -> None:
-        if self._sealed and not name.startswith("_"):
+        if name[:1] != "_" and self._sealed:
             raise AttributeError(f"{type(self).__name__}.{name} cannot be deleted")
         super().__delattr__(name)
 

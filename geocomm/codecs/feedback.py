@@ -100,10 +100,17 @@ class ErrorFeedbackCodec(WireOf, FramedCodec, StatefulCodec):
             raise ValueError(
                 f"state was saved by {data.get('config')}, this codec is {self.get_config()}"
             )
-        self._residuals = {
-            k: xp.asarray(np.asarray(v, np.float32)) for k, v in data["residuals"].items()
-        }
-        self._calls = {k: int(v) for k, v in data["calls"].items()}
+        residuals, calls = data["residuals"], data["calls"]
+        if set(residuals) != set(calls):
+            raise ValueError("the state's residuals and call counts name other signatures")
+        loaded = {}
+        for k, v in residuals.items():
+            r = np.array(v, np.float32)  # a copy: the calls update residuals in place
+            if r.ndim != 1:
+                raise ValueError(f"the residual of {k!r} has shape {r.shape}, not (n,)")
+            loaded[k] = xp.asarray(r)
+        self._residuals = loaded
+        self._calls = {k: int(v) for k, v in calls.items()}
         if self.mapping_codec is not None and data.get("inner") is not None:
             self.mapping_codec.load_state_dict(data["inner"])
 

@@ -34,7 +34,7 @@ class NoneCodec(FramedCodec):
         return {"id": self.codec_id}
 
     def wire_size(self, n: int) -> int:
-        return 4 * n
+        return 4 * native.check_count(n)
 
     def encode_wire(
         self, x: np.ndarray, wire: np.ndarray, *, rounding_stream: int = 0, offset: int = 0
@@ -95,8 +95,11 @@ class NativeFormat(FramedCodec):
     def _set_rounding(self, rounding: str, seed: int) -> None:
         if rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+        seed = native.check_u64(seed, "seed")
+        if rounding == "nearest" and seed:  # not in the config: it would be lost there
+            raise ValueError(f"a seed ({seed}) is for rounding='stochastic' only")
         self.rounding = rounding
-        self.seed = native.check_u64(seed, "seed")
+        self.seed = seed
 
     def _rounding_config(self) -> dict[str, Any]:
         """Config entries of the rounding: none for the default (so old configs stay valid)."""

@@ -139,7 +139,12 @@ class FramedCodec(Codec):
 
     def encode(self, x: np.ndarray) -> np.ndarray:
         x = check_float_array(x)
-        values = np.ascontiguousarray(x, np.float32)
+        if x.ndim > MAX_NDIM or x.size > MAX_COUNT:  # what decode would refuse
+            raise ValueError(
+                f"a frame holds at most {MAX_NDIM} dimensions and {MAX_COUNT} values, "
+                f"not {x.ndim} and {x.size}"
+            )
+        values = np.require(x, np.float32, ["C_CONTIGUOUS", "ALIGNED"])
         return write_frame(
             self.get_config(),
             x.dtype,

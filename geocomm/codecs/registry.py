@@ -60,7 +60,7 @@ def registered_ids() -> list[str]:
     return sorted(_registry)
 
 
-def get_codec(codec: str | dict[str, Any] | Codec | None, **params: Any) -> Codec:
+def get_codec(codec: str | dict[str, Any] | Codec | None, /, **params: Any) -> Codec:
     """A codec by id or config.
 
     Args:
@@ -108,6 +108,8 @@ def get_codec(codec: str | dict[str, Any] | Codec | None, **params: Any) -> Code
     feedback = config.pop("error_feedback", False)
     if not isinstance(feedback, bool):
         raise ValueError(f"error_feedback must be True or False, got {feedback!r}")
+    if feedback and codec_id == "auto":
+        raise ValueError("error feedback wraps the codec auto switches to, not auto itself")
     codec = _registry[codec_id].from_config(config)
     if feedback:
         from geocomm.codecs.feedback import ErrorFeedbackCodec

@@ -484,8 +484,11 @@ class TorchDistCommunicator:
         tensor = self._t(flat)
         with self._ordered(tensor):
             # no name kept for the torch work: TorchWork drops the only reference
-            work = self._dist.all_reduce(tensor, op=ops[op], group=self.group, async_op=True)
-            wait(TorchWork(work, keep=(tensor,)), "an all-reduce", self.rank)
+            request = TorchWork(
+                self._dist.all_reduce(tensor, op=ops[op], group=self.group, async_op=True),
+                keep=(tensor,),
+            )
+            wait(request, "an all-reduce", self.rank)
 
     def allgather_int64(self, values: np.ndarray) -> np.ndarray:
         request, rows = self.start_allgather_int64(values)
@@ -511,8 +514,7 @@ class TorchDistCommunicator:
 
     def barrier(self) -> None:
         """Every rank's arrival, waited for at most GEOCOMM_TIMEOUT."""
-        work = self._dist.barrier(group=self.group, async_op=True)
-        wait(TorchWork(work), "a barrier", self.rank)
+        wait(TorchWork(self._dist.barrier(group=self.group, async_op=True)), "a barrier", self.rank)
 
     def node_key(self) -> int:
         """This rank's node from torch's launcher: ``GROUP_RANK`` (torchrun's node rank),

@@ -28,20 +28,21 @@ def add_into(acc: Any, values: Any) -> None:
         cuda.add(acc, values)
 
 
-def subtract_from(values: Any, decoded: Any) -> None:
+def residual_of(values: Any, decoded: Any) -> None:
     """``decoded = values - decoded`` in place (what a quantization lost), the same bits
-    on every device: IEEE fp32, rounded to nearest, subnormals kept. NumPy computes
-    ``-1 * decoded + values`` as it always has (the IEEE difference; of two NaNs it
-    keeps decoded's, as ``np.subtract`` would not); CuPy arrays go through
-    :func:`geocomm.kernels.cuda.subtract` (CuPy's own arithmetic flushes subnormals; GPU NaNs
-    are canonical anyway). C-contiguous float32 arrays of one size and kind, apart."""
+    on every device: IEEE fp32, rounded to nearest, subnormals kept; 0 where that is
+    not finite (a non-finite value was sent once, and a residual would send it again on
+    every later call). NumPy computes ``-1 * decoded + values``; CuPy arrays go through
+    :func:`geocomm.kernels.cuda.residual` (CuPy's own arithmetic flushes subnormals).
+    C-contiguous float32 arrays of one size and kind, apart."""
     if array_module(decoded) is np:
         np.multiply(decoded, -1, out=decoded)
         np.add(decoded, values, out=decoded)
+        decoded[~np.isfinite(decoded)] = 0
     else:
         from geocomm.kernels import cuda
 
-        cuda.subtract(decoded, values, decoded)
+        cuda.residual(decoded, values, decoded)
 
 
 def divide(values: Any, size: int) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from geocomm.comm.base import Communicator
-from geocomm.engine.arithmetic import add_into, subtract_from
+from geocomm.engine.arithmetic import add_into, residual_of
 from geocomm.engine.exact import ExactSum, exact_sum
 from geocomm.engine.layout import array_module
 from geocomm.engine.protocols import WireCodec
@@ -242,7 +242,7 @@ class PartsMap:
             assert self.codec is not None, "a residual comes with the codec of its wire"
             sent = self.residual[lo:hi]
             self.codec.decode_wire(wire, sent)
-            subtract_from(values, sent)  # residual = values - decode(wire)
+            residual_of(values, sent)  # residual = values - decode(wire), finite
 
     def _sole(self, lo: int, hi: int) -> Any:
         """(part, plan, side sum) when [lo, hi) lies inside one tensor with a ranged

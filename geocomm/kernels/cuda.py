@@ -11,8 +11,8 @@ except NaN payloads: GPU arithmetic returns the canonical NaN, so only the
 positions of NaNs are guaranteed to agree. Format ids, flags and layout
 constants are the C core's (``geocomm.kernels.native``, from the compiled
 cdef); this module forwards them (``geocomm.kernels.cuda.E4M3`` ...). ``divide`` is
-the IEEE division of op="avg", ``add`` and ``subtract`` the fp32 sums and
-differences of the collectives (CuPy's own arithmetic flushes subnormals).
+the IEEE division of op="avg", ``add`` the fp32 sums of the collectives and
+``residual`` error feedback's differences (CuPy's own arithmetic flushes subnormals).
 
 Importing this module never imports CuPy. ``available`` (computed on first
 access) says whether CuPy imports and sees a CUDA device; every function that
@@ -51,7 +51,7 @@ __all__ = [
     "fp8_launch",
     "kernel_source",
     "require",
-    "subtract",
+    "residual",
     "wire_size",
 ]
 
@@ -442,8 +442,9 @@ def add(acc: Any, values: Any, stream: Any = None) -> None:
         kernel(cupy, "gc_add_f32")(_grid(-(-n // 4)), (THREADS,), (acc, values, _u64(n)))
 
 
-def subtract(out: Any, a: Any, b: Any, stream: Any = None) -> None:
-    """``out = a - b`` on the GPU, as NumPy's ``np.subtract(a, b, out=out)`` does it.
+def residual(out: Any, a: Any, b: Any, stream: Any = None) -> None:
+    """``out = a - b`` on the GPU, as NumPy's ``np.subtract(a, b, out=out)`` does it,
+    and 0 where that is not finite (error feedback's residual).
 
     C-contiguous float32 cupy arrays of one size on one device; ``out`` may be
     ``a`` or ``b`` itself, else it must not overlap them. Every value becomes
@@ -460,4 +461,4 @@ def subtract(out: Any, a: Any, b: Any, stream: Any = None) -> None:
     if n == 0:
         return
     with _launch_context(out.device, stream):
-        kernel(cupy, "gc_sub_f32")(_grid(-(-n // 4)), (THREADS,), (out, a, b, _u64(n)))
+        kernel(cupy, "gc_residual_f32")(_grid(-(-n // 4)), (THREADS,), (out, a, b, _u64(n)))

@@ -90,10 +90,24 @@ def format_id(fmt: int | str) -> int:
     return int(code)
 
 
+#: the most values a wire body may hold: every size computed from it fits 64 bits
+MAX_WIRE_VALUES = 1 << 56
+
+
+def check_count(n: Any, name: str = "n") -> int:
+    """``n`` as a count of values: an integer in [0, :data:`MAX_WIRE_VALUES`], else
+    TypeError or ValueError."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer count of values, got {n!r}")
+    if not 0 <= n <= MAX_WIRE_VALUES:
+        raise ValueError(f"{name} must lie in [0, 2^56], got {n}")
+    return int(n)
+
+
 def wire_size(fmt: int | str, n: int, block: int = 0) -> int:
     """Bytes of the headerless wire body of ``n`` values (the C gc_wire_size)."""
     fmt = format_id(fmt)  # first: it raises NativeBuildMissing without the build
-    return int(_lib.gc_wire_size(fmt, n, block))
+    return int(_lib.gc_wire_size(fmt, check_count(n), block))
 
 
 _MASK64 = (1 << 64) - 1
@@ -117,6 +131,8 @@ def sr_key(seed: int, rounding_stream: int) -> int:
 def _check_f32(x: np.ndarray, name: str, writable: bool = False) -> None:
     if not isinstance(x, np.ndarray) or x.dtype != np.float32 or not x.flags.c_contiguous:
         raise TypeError(f"{name} must be a C-contiguous float32 numpy array")
+    if not x.flags.aligned:  # the C core reads and writes floats where they lie
+        raise ValueError(f"{name} is not aligned to 4 bytes (copy it first)")
     if writable and not x.flags.writeable:
         raise ValueError(f"{name} is read-only")
 
@@ -442,6 +458,9 @@ def geo_orthonormalize(rows: np.ndarray, seed: int) -> None:
 
 #: environment variables read at import for the codec's thread count, first set wins
 THREAD_VARIABLES = ("GEOCOMM_CODEC_THREADS", "OMP_NUM_THREADS")
+#: the most threads a call uses (``GC_MAX_THREADS`` of native/geocomm.h): larger
+#: requests are clamped here, before they reach C's int
+MAX_THREADS = 64
 #: gc_codec_simd levels by name
 SIMD_LEVELS = {"portable": 0, "avx512": 1}
 
@@ -458,9 +477,9 @@ def threads_from_env(environ: Mapping[str, str] | None = None) -> int:
     if value:
         if not value.isdigit() or int(value) < 1:
             raise ValueError(f"{THREAD_VARIABLES[0]} must be a positive integer, got {value!r}")
-        return int(value)
+        return min(int(value), MAX_THREADS)
     first = env.get(THREAD_VARIABLES[1], "").split(",")[0].strip()
-    return int(first) if first.isdigit() and int(first) > 0 else 1
+    return min(int(first), MAX_THREADS) if first.isdigit() and int(first) > 0 else 1
 
 
 def set_threads(count: int) -> int:
@@ -468,7 +487,7 @@ def set_threads(count: int) -> int:
     require()
     if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
         raise ValueError(f"thread count must be a positive integer, got {count!r}")
-    return int(_lib.gc_codec_threads(int(count)))
+    return int(_lib.gc_codec_threads(min(int(count), MAX_THREADS)))
 
 
 def threads() -> int:

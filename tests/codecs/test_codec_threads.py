@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -140,10 +141,15 @@ def test_thread_count_from_environment():
         native.threads_from_env({"GEOCOMM_CODEC_THREADS": "0"})
     env = {k: v for k, v in os.environ.items() if k not in native.THREAD_VARIABLES}
     code = "from geocomm.kernels import native; print(native.threads())"
+    # beyond the C core's GC_MAX_THREADS, clamped before C's int (import raised)
+    assert native.threads_from_env({"OMP_NUM_THREADS": "99999999999"}) == native.MAX_THREADS
+    header = (Path(__file__).parents[2] / "native" / "geocomm.h").read_text()
+    assert f"#define GC_MAX_THREADS {native.MAX_THREADS}\n" in header
     for extra, want in (
         ({}, "1"),
         ({"OMP_NUM_THREADS": "2"}, "2"),
         ({"OMP_NUM_THREADS": "2", "GEOCOMM_CODEC_THREADS": "5"}, "5"),
+        ({"GEOCOMM_CODEC_THREADS": "2147483648"}, str(native.MAX_THREADS)),
     ):
         got = subprocess.run(
             [sys.executable, "-P", "-c", code],
@@ -156,6 +162,7 @@ def test_thread_count_from_environment():
 
 
 def test_bad_settings_raise(restore):
+    assert native.set_threads(2**40) == native.MAX_THREADS  # clamped, not OverflowError
     with pytest.raises(ValueError):
         native.set_threads(0)
     with pytest.raises(ValueError):

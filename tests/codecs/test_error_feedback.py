@@ -130,3 +130,47 @@ def test_bad_feedback_flag_is_refused():
         geocomm.get_codec("fp8", error_feedback="yes")
     with pytest.raises(ValueError, match="lossy"):
         geocomm.get_codec("none", error_feedback=True)
+
+
+def test_a_non_finite_value_is_sent_once_not_with_every_later_call(comm):
+    """An inf in one call comes out non-finite in that call's result (loss scalers see
+    it); its residual would be inf - NaN = NaN, sent again with every later call, so
+    every later step would be skipped. The residual is 0 there, and later results are
+    finite."""
+    import geocomm
+
+    codec = geocomm.get_codec("fp8", error_feedback=True)
+    x = np.linspace(-1, 1, 4096, dtype=np.float32)
+    for step in range(4):
+        g = x.copy()
+        if step == 1:
+            g[7] = np.inf
+        y = geocomm.allreduce(g, codec=codec, key="grad")
+        assert np.isfinite(y).all() == (step != 1), step
+        assert np.isfinite(y[np.arange(4096) != 7]).all(), step
+
+
+def test_a_loaded_state_is_the_codecs_own(comm):
+    """load_state_dict copies the residuals (the calls update them in place: a shared
+    array changed the saved state and every codec loaded from it), and refuses residuals
+    of the wrong shape or without call counts."""
+    import geocomm
+
+    a = geocomm.get_codec("fp8", error_feedback=True)
+    x = np.linspace(-1, 1, 1000, dtype=np.float32) / 3
+    geocomm.allreduce(x, codec=a, key="w")
+    saved = a.state_dict()
+    kept = {k: v.copy() for k, v in saved["residuals"].items()}
+    b, c = (geocomm.get_codec("fp8", error_feedback=True) for _ in range(2))
+    b.load_state_dict(saved)
+    c.load_state_dict(saved)
+    geocomm.allreduce(x, codec=b, key="w")
+    assert all(np.array_equal(saved["residuals"][k], v) for k, v in kept.items())
+    assert c.state_dict()["residuals"].keys() == kept.keys()
+    assert all(np.array_equal(c.state_dict()["residuals"][k], v) for k, v in kept.items())
+    (name,) = kept
+    bad = {**saved, "residuals": {name: kept[name].reshape(-1, 1)}}
+    with pytest.raises(ValueError, match="shape"):
+        c.load_state_dict(bad)
+    with pytest.raises(ValueError, match="call counts"):
+        c.load_state_dict({**saved, "calls": {}})

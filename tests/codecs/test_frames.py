@@ -253,6 +253,69 @@ def test_a_codec_is_fixed_once_made(config):
     assert codec.get_config() == before and codec == geocomm.get_codec(before)
 
 
+def test_what_a_frame_cannot_hold_is_refused_when_encoding():
+    """decode refuses frames of more than 32 dimensions; encode wrote them."""
+    codec = geocomm.get_codec("fp8")
+    codec.encode(np.ones((1,) * 32, np.float32))
+    with pytest.raises(ValueError, match="at most 32 dimensions"):
+        codec.encode(np.ones((1,) * 33, np.float32))
+
+
+def test_an_unaligned_array_encodes_like_an_aligned_one():
+    """The C core reads floats where they lie: the wire API refuses an array at an odd
+    address (undefined behaviour in C), the frame API copies it."""
+    codec = geocomm.get_codec("fp8")
+    x = sample((1000,), np.float32)
+    odd = np.frombuffer(np.zeros(4 * 1000 + 1, np.uint8).data, np.float32, 1000, 1)
+    odd[...] = x
+    assert not odd.flags.aligned
+    assert np.array_equal(codec.encode(odd), codec.encode(x))
+    with pytest.raises(ValueError, match="not aligned"):
+        codec.encode_wire(odd, np.empty(codec.wire_size(1000), np.uint8))
+
+
+@pytest.mark.parametrize("codec_id", ["none", "bf16", "fp8", "nvfp4", "mxfp8", "mxfp4"])
+def test_wire_sizes_of_any_count_are_exact_or_refused(codec_id):
+    """Counts are integers up to 2^56, where every size fits 64 bits (ceil_div wrapped
+    near 2^64: bf16's size of 2^63 values was 0); others raise."""
+    codec = geocomm.get_codec(codec_id)
+    n = 2**56
+    per_value = {"none": 4, "bf16": 2, "fp8": 1 + 4 / 128, "nvfp4": 0.5 + 1 / 16 + 4 / 4096}
+    per_value |= {"mxfp8": 1 + 1 / 32, "mxfp4": 0.5 + 1 / 32}
+    assert codec.wire_size(n) == int(n * per_value[codec_id])
+    for bad, error in ((2**56 + 1, ValueError), (-1, ValueError), (1.5, TypeError)):
+        with pytest.raises(error):
+            codec.wire_size(bad)
+    with pytest.raises(TypeError):
+        codec.wire_size(True)
+
+
+def test_auto_takes_its_codec_by_keyword_and_switches_to_stateless_codecs_only():
+    """get_codec("auto", codec=...) is auto's documented keyword (it collided with
+    get_codec's own first parameter). A stateful codec behind auto (error feedback,
+    GeoFP8) would keep its state out of checkpoints and cross-rank checks, and error
+    feedback around auto compressed every call: both are refused, as is a bool
+    crossover."""
+    auto = geocomm.get_codec("auto", codec="nvfp4", crossover_bytes=1024)
+    assert auto.get_config()["codec"] == {"id": "nvfp4"}
+    for inner in ({"id": "fp8", "error_feedback": True}, "geofp8"):
+        with pytest.raises(ValueError, match="stateless"):
+            geocomm.get_codec("auto", codec=inner)
+    with pytest.raises(ValueError, match="error feedback wraps"):
+        geocomm.get_codec("auto", error_feedback=True)
+    with pytest.raises(ValueError, match="crossover_bytes"):
+        geocomm.get_codec("auto", crossover_bytes=True)
+
+
+def test_a_seed_goes_with_stochastic_rounding_only():
+    """Nearest rounding's config has no seed: one given was kept on the codec but lost
+    in its config (equal to the seedless codec, and gone once made from the config)."""
+    with pytest.raises(ValueError, match="stochastic"):
+        geocomm.get_codec("fp8", seed=5)
+    assert geocomm.get_codec("fp8", rounding="stochastic", seed=5).get_config()["seed"] == 5
+    assert geocomm.get_codec("geofp8", seed=5).get_config()["seed"] == 5  # GeoFP8's own
+
+
 def test_unknown_id_is_key_error():
     with pytest.raises(KeyError, match="nosuch"):
         geocomm.get_codec("nosuch")

@@ -129,7 +129,9 @@ def test_the_communicator_bounds_what_the_host_waits_for(tmp_path, scenario):
     rank takes its node-local device (every rank took device 0)."""
     script = tmp_path / "communicator_job.py"
     script.write_text(COMMUNICATOR_JOB)
-    env = {**os.environ, "GEOCOMM_TIMEOUT": "1", "GEOCOMM_TWIN_DEVICES": "2"}
+    # the twin's NCCL gives up on a peer later than geocomm does (a GPU's never does)
+    env = {**os.environ, "GEOCOMM_TIMEOUT": "1", "GEOCOMM_TWIN_NCCL_TIMEOUT": "60"}
+    env["GEOCOMM_TWIN_DEVICES"] = "2"
     run = subprocess.run(
         [
             sys.executable,

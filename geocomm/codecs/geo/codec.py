@@ -696,7 +696,8 @@ class GeoFP8Codec(GeoCodec):
         seed: int = DEFAULTS["seed"],
         **knobs: Any,
     ):
-        super().__init__(FP8Codec(fmt, block, rounding, seed), seed=seed, **knobs)
+        stochastic_seed = seed if rounding == "stochastic" else 0
+        super().__init__(FP8Codec(fmt, block, rounding, stochastic_seed), seed=seed, **knobs)
 
 
 class GeoNVFP4Codec(GeoCodec):
@@ -705,7 +706,8 @@ class GeoNVFP4Codec(GeoCodec):
     codec_id: ClassVar[str] = "geonvfp4"
 
     def __init__(self, rounding: str = "nearest", seed: int = DEFAULTS["seed"], **knobs: Any):
-        super().__init__(NVFP4Codec(rounding, seed), seed=seed, **knobs)
+        stochastic_seed = seed if rounding == "stochastic" else 0
+        super().__init__(NVFP4Codec(rounding, stochastic_seed), seed=seed, **knobs)
 
 
 class HadamardCodec(GeoCodec):
