@@ -352,7 +352,8 @@ class Operands:
         if self._out_in is not None:
             if self._target is not None and self._target.commit is not None:
                 self._target.commit()
-            if _module_of(self._out_in) == "torch":  # written behind torch's back: as in place
+            if self._target is not None and _module_of(self._out_in) == "torch":
+                # written behind torch's back: counted as an in-place write
                 import torch
 
                 torch.autograd.graph.increment_version(self._out_in)

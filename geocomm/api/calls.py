@@ -141,8 +141,7 @@ def check_out(out: Any, x: Any, shape: tuple[int, ...] | None = None) -> None:
     and dtype and of ``shape`` (default: x's)."""
     if out is None:
         return
-    xp = array_module(x)
-    if array_module(out) is not xp or not isinstance(out, xp.ndarray):
+    if type(out) is not type(x) and not isinstance(out, array_module(x).ndarray):
         raise TypeError(
             f"out must be an array like x ({type(x).__name__}), got {type(out).__name__}"
         )
@@ -151,7 +150,9 @@ def check_out(out: Any, x: Any, shape: tuple[int, ...] | None = None) -> None:
         raise ValueError(f"out is {out.dtype}{list(out.shape)}, expected {x.dtype}{list(shape)}")
     if not getattr(out.flags, "writeable", True):
         raise ValueError("out is read-only")
-    if any(stride == 0 and n > 1 for stride, n in zip(out.strides, out.shape, strict=True)):
+    if not out.flags.c_contiguous and any(
+        stride == 0 and n > 1 for stride, n in zip(out.strides, out.shape, strict=True)
+    ):
         raise ValueError("out has elements that share memory (a broadcast or expanded view)")
 
 
@@ -222,9 +223,8 @@ def signature(kind: str, x: Any, codec: Any, op: str, options: Options) -> Signa
     unknown = set(options) - set(Options.__annotations__)
     if unknown:
         raise TypeError(f"geocomm.{kind}() got unexpected keyword arguments {sorted(unknown)}")
-    parts = options.get("parts")
-    if parts is not None and not isinstance(parts, (tuple, list)):  # read once: a generator
-        options = {**options, "parts": tuple(parts)}
+    if "parts" in options and not isinstance(options["parts"], (tuple, list, type(None))):
+        options = {**options, "parts": tuple(options["parts"])}  # read once: a generator
     comm = get_comm(options.get("comm"))
     check = check_enabled(options.get("check"))
     topology = requested_topology(options.get("topology"))
@@ -315,21 +315,23 @@ def prepare(kind: str, x: Any, out: Any, codec: Any, op: str, options: Options) 
     xp = array_module(x)
     exact = sig.codec.lossless
     dtype = np.float64 if x.dtype == np.float64 else np.float32
-    # (MPI reads only aligned memory: a NumPy view at an odd offset is copied)
-    flat = x.ndim == 1 and x.dtype == dtype and x.flags.c_contiguous and _aligned(x)
+    # MPI and the C core read aligned memory only: a NumPy view at an odd offset is
+    # copied (ascontiguousarray keeps it as it is; CuPy's arrays are always aligned)
+    host = xp is np
+    flat = x.ndim == 1 and x.dtype == dtype and x.flags.c_contiguous
     source = x if flat else xp.ascontiguousarray(x, dtype=dtype).reshape(-1)
-    if not _aligned(source):  # ascontiguousarray keeps an unaligned contiguous view
+    if host and not source.flags.aligned:
         source = source.copy()
     if kind == "allgather":
         result = xp.empty((comm.size, sig.count), dtype)
     elif shard is not None:  # into out's memory only where it is apart from x's
-        result = _direct_result(out, dtype, source, same_ok=False)
+        result = _direct_result(out, dtype, source, same_ok=False, host=host)
         if result is None:
             result = xp.empty(shard, dtype)
     else:
         # the compressed pipeline writes a range only once it has read it, so it may
         # run in place; MPI and NCCL reductions need distinct buffers
-        result = _direct_result(out, dtype, source, same_ok=not exact)
+        result = _direct_result(out, dtype, source, same_ok=not exact, host=host)
         if result is None:
             result = xp.empty(sig.count, dtype)
     return new_call(sig, source, result)
@@ -352,13 +354,14 @@ def output(call: Call, x: Any, out: Any) -> Any:
     return out
 
 
-def _direct_result(out: Any, dtype: Any, source: Any, same_ok: bool) -> Any:
+def _direct_result(out: Any, dtype: Any, source: Any, same_ok: bool, host: bool) -> Any:
     """A flat view of ``out`` to reduce into, when out is C-contiguous, of
-    ``dtype``, and either apart from ``source`` or (``same_ok``) exactly the
-    same memory; else None (reduce into scratch and copy)."""
+    ``dtype``, aligned (``host``: a NumPy array, which may not be), and either apart
+    from ``source`` or (``same_ok``) exactly the same memory; else None (reduce into
+    scratch and copy)."""
     if out is None or out.dtype != dtype or not out.flags.c_contiguous or out.size == 0:
         return None
-    if not _aligned(out):
+    if host and not out.flags.aligned:
         return None
     flat = out if out.ndim == 1 else out.reshape(-1)
     if out is source or flat is source:
@@ -368,11 +371,6 @@ def _direct_result(out: Any, dtype: Any, source: Any, same_ok: bool) -> Any:
     ):
         return None
     return flat
-
-
-def _aligned(a: Any) -> bool:
-    """Whether ``a``'s elements lie at multiples of their size (CuPy's always do)."""
-    return bool(getattr(a.flags, "aligned", True))
 
 
 def _same_memory(a: Any, b: Any) -> bool:

@@ -169,24 +169,6 @@ class _NCCLRequest:
         self._buffers = ()
 
 
-class _AbortingRequest:
-    """A host request whose timeout aborts the NCCL communicator (``on_timeout``): the
-    peer that never answered will not run its transfers either."""
-
-    __slots__ = ("_request", "on_timeout", "wait_for")
-
-    def __init__(self, request: Any, on_timeout: Any):
-        self._request, self.on_timeout = request, on_timeout
-        if hasattr(request, "wait_for"):  # slept on, not polled (geocomm.comm.base.wait)
-            self.wait_for = request.wait_for
-
-    def test(self) -> bool:
-        return bool(self._request.test())
-
-    def wait(self) -> None:
-        self._request.wait()
-
-
 def _local_rank(mpi: Any, comm: Any) -> int:
     """Rank among the processes of this node."""
     node = comm.Split_type(mpi.COMM_TYPE_SHARED)
@@ -432,16 +414,17 @@ class NCCLCommunicator:
         """All-gather of a small host int64 vector over the host communicator (waits at
         most GEOCOMM_TIMEOUT, then aborts this communicator: a peer is gone); returns
         (size, len) rows."""
-        request, rows = self.start_allgather_int64(values)
-        wait(request, "a metadata all-gather", self.rank)
-        return rows
+        try:
+            return self.host.allgather_int64(values)
+        except CollectiveTimeout:
+            self.abort_local()
+            raise
 
     def start_allgather_int64(self, values: np.ndarray) -> tuple[Any, np.ndarray]:
         """Start the all-gather of a small host int64 vector over the host communicator:
-        (its request, the (size, len) rows it fills); the caller tests or waits for it,
-        and a wait that times out aborts this communicator (``on_timeout``)."""
-        request, rows = self.host.start_allgather_int64(values)  # type: ignore[attr-defined]
-        return _AbortingRequest(request, self.abort_local), rows
+        (its request, the (size, len) rows it fills); the caller tests or waits for it
+        (and aborts this communicator when that times out)."""
+        return self.host.start_allgather_int64(values)  # type: ignore[attr-defined]
 
     def barrier(self) -> None:
         """Wait for this rank's queued transfers, then for every rank (the host's

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from geocomm.codecs import StatefulCodec
-from geocomm.comm.base import Communicator, wait
+from geocomm.comm.base import CollectiveTimeout, Communicator, wait
 from geocomm.engine.call import (
     STATE,
     Call,
@@ -67,10 +67,12 @@ def verify(call: Call) -> None:
         if pending:
             _settle(comm, pending, 0)
         rows = comm.allgather_int64(row)
-        if start is None:
+        try:
             raise_on_mismatch(signature.kind, rows)
-        else:
-            _raise_aborting(comm, signature.kind, rows)
+        except CollectiveMismatchError:
+            if start is not None:
+                _abort(comm)
+            raise
         signature.plans[_CHECKED] = True
         return
     if pending is None:
@@ -94,25 +96,27 @@ def _settle(
         if not request.test():
             if not block or len(pending) <= keep:
                 return
-            wait(request, "a deferred metadata all-gather", comm.rank)
+            try:
+                wait(request, "a deferred metadata all-gather", comm.rank)
+            except CollectiveTimeout:  # a peer is gone: its transfers will never come
+                pending.clear()
+                _abort(comm)
+                raise
         pending.popleft()
         try:
-            _raise_aborting(comm, kind, rows)
+            raise_on_mismatch(kind, rows)
         except CollectiveMismatchError:
             pending.clear()
+            _abort(comm)
             raise
 
 
-def _raise_aborting(comm: Communicator, kind: str, rows: Any) -> None:
-    """raise_on_mismatch, aborting ``comm`` first (a device communicator that defers its
-    checks: a peer may have moved already)."""
-    try:
-        raise_on_mismatch(kind, rows)
-    except CollectiveMismatchError:
-        abort = getattr(comm, "abort_local", None)
-        if abort is not None:
-            abort()
-        raise
+def _abort(comm: Communicator) -> None:
+    """Abort ``comm`` (a device communicator that defers its checks: a peer may have
+    queued its transfers already)."""
+    abort = getattr(comm, "abort_local", None)
+    if abort is not None:
+        abort()
 
 
 def verify_flat_state(call: Call) -> None:

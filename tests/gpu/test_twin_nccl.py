@@ -109,6 +109,14 @@ COMMUNICATOR_JOB = textwrap.dedent("""
             comm.synchronize()
         if scenario == "metadata" and rank == 0:
             comm.allgather_int64(np.arange(3))  # rank 1 comes late
+        if scenario == "deferred":
+            import geocomm
+            x = cupy.ones(4096, cupy.float32)
+            out = cupy.empty_like(x)
+            for _ in range(1 if rank else 2):  # rank 0's second call: a deferred check
+                geocomm.allreduce(x, codec="fp8", comm=comm, out=out)
+            if rank == 0:
+                comm.synchronize()  # finishes the check: rank 1 never sends its row
         print(f"rank {rank} done", flush=True)
     except CollectiveTimeout as exc:
         print(f"rank {rank} timed out: {exc} (aborted: {comm.aborted})", flush=True)
@@ -116,22 +124,26 @@ COMMUNICATOR_JOB = textwrap.dedent("""
         time.sleep(4)
     if scenario == "metadata" and rank == 1:
         comm.host.allgather_int64(np.arange(3))  # completes rank 0's on MPI
+    if scenario == "deferred" and rank == 1:
+        from geocomm.engine.call import FIELDS
+        comm.host.allgather_int64(np.zeros(len(FIELDS), np.int64))  # the row rank 0 waited for
 """)
 
 
-@pytest.mark.parametrize("scenario", ["allreduce", "metadata", "device"])
+@pytest.mark.parametrize("scenario", ["allreduce", "metadata", "deferred", "device"])
 def test_the_communicator_bounds_what_the_host_waits_for(tmp_path, scenario):
     """geocomm's NCCL communicator: a plain (exact) all-reduce is watched like the grouped
     transfers, so synchronize() gives up after GEOCOMM_TIMEOUT (it returned at once,
     and a device synchronization behind it waits for good on a real GPU); a metadata
-    all-gather that times out aborts the communicator, whose peer is gone (its later
-    calls each waited out the timeout again); over a geocomm MPI communicator each
+    all-gather that times out, at once or deferred (finished by synchronize()), aborts
+    the communicator, whose peer is gone (its later calls each waited out the timeout
+    again); over a geocomm MPI communicator each
     rank takes its node-local device (every rank took device 0)."""
     script = tmp_path / "communicator_job.py"
     script.write_text(COMMUNICATOR_JOB)
     # the twin's NCCL gives up on a peer later than geocomm does (a GPU's never does)
     env = {**os.environ, "GEOCOMM_TIMEOUT": "1", "GEOCOMM_TWIN_NCCL_TIMEOUT": "60"}
-    env["GEOCOMM_TWIN_DEVICES"] = "2"
+    env["GEOCOMM_TWIN_DEVICES"] = "2" if scenario == "device" else "1"  # (twin arrays: device 0)
     run = subprocess.run(
         [
             sys.executable,
