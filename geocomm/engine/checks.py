@@ -89,23 +89,18 @@ def _settle(
     comm: Communicator, pending: collections.deque[Any], keep: int, block: bool = True
 ) -> None:
     """Finish the checks in flight on ``comm`` until at most ``keep`` are left (oldest
-    first; ``block`` False: only those already complete); a mismatch drops the rest,
-    aborts the communicator and raises."""
+    first; ``block`` False: only those already complete); a mismatch or a timeout
+    drops the rest, aborts the communicator and raises."""
     while pending:
         kind, request, rows = pending[0]
-        if not request.test():
-            if not block or len(pending) <= keep:
-                return
-            try:
-                wait(request, "a deferred metadata all-gather", comm.rank)
-            except CollectiveTimeout:  # a peer is gone: its transfers will never come
-                pending.clear()
-                _abort(comm)
-                raise
-        pending.popleft()
         try:
+            if not request.test():
+                if not block or len(pending) <= keep:
+                    return
+                wait(request, "a deferred metadata all-gather", comm.rank)
+            pending.popleft()
             raise_on_mismatch(kind, rows)
-        except CollectiveMismatchError:
+        except (CollectiveTimeout, CollectiveMismatchError):  # a peer is gone or differs
             pending.clear()
             _abort(comm)
             raise

@@ -47,10 +47,12 @@ JOB = textwrap.dedent("""
 """)
 
 
-def run_job(tmp_path, scenario: str) -> tuple[str, float]:
+def run_job(tmp_path, scenario: str, job: str = JOB, **env: str) -> tuple[str, float]:
+    """Run ``job`` on 2 ranks with ``scenario`` and the environment's ``env`` (default
+    GEOCOMM_TIMEOUT 2 s); (its output, seconds)."""
     script = tmp_path / "nccl_job.py"
-    script.write_text(JOB)
-    env = {**os.environ, "GEOCOMM_TIMEOUT": "2"}
+    script.write_text(job)
+    env = {**os.environ, "GEOCOMM_TIMEOUT": "2", **env}
     start = time.monotonic()
     run = subprocess.run(
         [
@@ -135,30 +137,14 @@ def test_the_communicator_bounds_what_the_host_waits_for(tmp_path, scenario):
     all-gather that times out, at once or deferred (finished by synchronize()), aborts
     the communicator, whose peer is gone (its later calls each waited out the timeout
     again)."""
-    script = tmp_path / "communicator_job.py"
-    script.write_text(COMMUNICATOR_JOB)
     # the twin's NCCL gives up on a peer later than geocomm does (a GPU's never does)
-    env = {**os.environ, "GEOCOMM_TIMEOUT": "1", "GEOCOMM_TWIN_NCCL_TIMEOUT": "60"}
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "geocomm.launch",
-            "-n",
-            "2",
-            "--timeout",
-            "120",
-            "--",
-            sys.executable,
-            str(script),
-            scenario,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=180,
+    out, _ = run_job(
+        tmp_path,
+        scenario,
+        COMMUNICATOR_JOB,
+        GEOCOMM_TIMEOUT="1",
+        GEOCOMM_TWIN_NCCL_TIMEOUT="60",
     )
-    out = run.stdout + run.stderr
     assert "rank 0 timed out" in out and "(aborted: True)" in out, out
     assert "rank 1 done" in out, out
 
