@@ -757,19 +757,28 @@ extern "C" __global__ void gc_e2m1_decode(const unsigned char *wire, gc_u64 n, i
 
 /* ---- op="avg" ------------------------------------------------------------------ */
 
-/* values[i] /= d: one IEEE division, rounded to nearest, subnormals kept (CuPy's
- * elementwise kernels, compiled with -ftz=true, would flush them). Each thread takes
- * four consecutive values (one 16-byte access each way where aligned). */
-extern "C" __global__ void gc_divide_f32(float *values, gc_u64 n, float d)
+/* out[i] = f(x[i]) for the four consecutive values of this thread (one 16-byte
+ * access each way where aligned); out may be x. */
+template <class F> GC_DEV void gc_map4_f32(float *out, const float *x, gc_u64 n, F f)
 {
     gc_u64 i = 4 * gc_global_id();
     if (i >= n)
         return;
     float v[4];
-    gc_load4_f32(values + i, n - i, v);
+    gc_load4_f32(x + i, n - i, v);
     for (int j = 0; j < 4; ++j)
-        v[j] = __fdiv_rn(v[j], d);
-    gc_store4_f32(values + i, n - i, v);
+        v[j] = f(v[j]);
+    gc_store4_f32(out + i, n - i, v);
+}
+
+/* values[i] /= d: one IEEE division, rounded to nearest, subnormals kept (CuPy's
+ * elementwise kernels, compiled with -ftz=true, would flush them). Each thread takes
+ * four consecutive values (one 16-byte access each way where aligned). The values
+ * move (gc_moved): a call's graph divides its result. */
+extern "C" __global__ void gc_divide_f32(float *values, const gc_u64 *moved, gc_u64 n, float d)
+{
+    values = gc_moved(values, moved);
+    gc_map4_f32(values, values, n, [d](float v) { return __fdiv_rn(v, d); });
 }
 
 extern "C" __global__ void gc_divide_f64(double *values, gc_u64 n, double d)
@@ -780,6 +789,14 @@ extern "C" __global__ void gc_divide_f64(double *values, gc_u64 n, double d)
 }
 
 /* ---- fp32 sums and differences of the collectives ------------------------------- */
+
+/* out[i] = x[i], four values per thread; both move (gc_moved): a call's graph copies
+ * a caller's values. */
+extern "C" __global__ void gc_copy_f32(float *out, const gc_u64 *out_moved, const float *x,
+                                       const gc_u64 *x_moved, gc_u64 n)
+{
+    gc_map4_f32(gc_moved(out, out_moved), gc_moved(x, x_moved), n, [](float v) { return v; });
+}
 
 /* out[i] = a[i] + b[i] (residual: a[i] + (-b[i]), 0 where that is not finite) for
  * four consecutive values per thread, in 16-byte accesses where aligned. Each thread

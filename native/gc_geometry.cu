@@ -32,7 +32,10 @@
  *
  * A range is [lo, lo + len) of a row-major matrix with n columns; coef rows
  * are numbered from row lo / n. Compile with -fmad=false -ftz=false (the
- * chains are written with __fmul_rn/__fadd_rn anyway). 64-bit indices.
+ * chains are written with __fmul_rn/__fadd_rn anyway). 64-bit indices. The
+ * kernels that read a caller's values (project, expand, accumulate, the sums of
+ * squares) move them by a shift in device memory (gc_moved, gc_scalar.h): a
+ * GeoFP8 call's graph serves calls on other arrays.
  */
 #include "gc_linalg.h"
 
@@ -64,10 +67,11 @@ __device__ __forceinline__ void gc_geo_row_span(gc_u64 lo, gc_u64 len, gc_u64 n,
  * is the coefficients (rows, k); otherwise gc_geo_project_chunks adds the chunks. */
 #define GC_GEO_COEFS 8
 
-extern "C" __global__ void gc_geo_project(const float *x, gc_u64 lo, gc_u64 len, gc_u64 n,
-                                          const float *vt, gc_u64 k, gc_u64 rows,
-                                          gc_u64 chunks, float *out)
+extern "C" __global__ void gc_geo_project(const float *x, const gc_u64 *x_moved, gc_u64 lo,
+                                          gc_u64 len, gc_u64 n, const float *vt, gc_u64 k,
+                                          gc_u64 rows, gc_u64 chunks, float *out)
 {
+    x = gc_moved(x, x_moved);
     gc_u64 g = gc_geo_id();
     gc_u64 o = g / GC_LANES, blocks = (k + GC_GEO_COEFS - 1) / GC_GEO_COEFS;
     unsigned int q = (unsigned int)(g % GC_LANES);
@@ -88,7 +92,7 @@ extern "C" __global__ void gc_geo_project(const float *x, gc_u64 lo, gc_u64 len,
         const float *xr = x + (lo / n + r) * n - lo;
         const float *vl = vt + l0 * n;
         for (gc_u64 col = c0 + q; col < c1; col += GC_LANES) {
-            float v = gc_finite_or_zero(xr[col]);
+            float v = gc_finite_or_zero(gc_load_global(xr + col));
 #pragma unroll
             for (int j = 0; j < GC_GEO_COEFS; j++)
                 if ((gc_u64)j < kb)
@@ -128,10 +132,13 @@ extern "C" __global__ void gc_geo_project_chunks(const float *partial, gc_u64 lo
 
 /* Four consecutive elements per thread (16-byte accesses of x and out where aligned;
  * each element's chain unchanged). out may be x itself. */
-extern "C" __global__ void gc_geo_expand(const float *x, gc_u64 lo, gc_u64 len, gc_u64 n,
-                                         const float *coef, const float *vt, gc_u64 k,
-                                         float sign, float *out)
+extern "C" __global__ void gc_geo_expand(const float *x, const gc_u64 *x_moved, gc_u64 lo,
+                                         gc_u64 len, gc_u64 n, const float *coef,
+                                         const float *vt, gc_u64 k, float sign, float *out,
+                                         const gc_u64 *out_moved)
 {
+    x = gc_moved(x, x_moved);
+    out = gc_moved(out, out_moved);
     gc_u64 e0 = 4 * gc_geo_id();
     if (e0 >= len)
         return;
@@ -150,10 +157,11 @@ extern "C" __global__ void gc_geo_expand(const float *x, gc_u64 lo, gc_u64 len, 
 /* partial[(t * k + l) * n + j]: tile t's chain (from +0) down its GC_ACC_ROWS rows of
  * the range, for GC_GEO_COEFS coefficients per thread, which reads each value once
  * for them; the grid covers n * tiles * ceil(k / GC_GEO_COEFS) threads. */
-extern "C" __global__ void gc_geo_accumulate(const float *x, gc_u64 lo, gc_u64 len, gc_u64 n,
-                                             const float *coef, gc_u64 k, gc_u64 rows,
-                                             float *partial)
+extern "C" __global__ void gc_geo_accumulate(const float *x, const gc_u64 *x_moved, gc_u64 lo,
+                                             gc_u64 len, gc_u64 n, const float *coef, gc_u64 k,
+                                             gc_u64 rows, float *partial)
 {
+    x = gc_moved(x, x_moved);
     gc_u64 g = gc_geo_id();
     gc_u64 tiles = (rows + GC_ACC_ROWS - 1) / GC_ACC_ROWS;
     if (g >= n * tiles * ((k + GC_GEO_COEFS - 1) / GC_GEO_COEFS))
@@ -169,7 +177,7 @@ extern "C" __global__ void gc_geo_accumulate(const float *x, gc_u64 lo, gc_u64 l
         gc_u64 e = (lo / n + r) * n + j;
         if (e < lo || e >= lo + len)
             continue;
-        float v = x[e - lo];
+        float v = gc_load_global(x + (e - lo));
 #pragma unroll
         for (int q = 0; q < GC_GEO_COEFS; q++)
             if ((gc_u64)q < kb)
@@ -240,7 +248,7 @@ __device__ void gc_geo_sum_level(const T *x, gc_u64 rows, gc_u64 len, double *ou
         const T *xr = x + r * len;
         gc_u64 end = (c + 1) * GC_SUMSQ_CHUNK < len ? (c + 1) * GC_SUMSQ_CHUNK : len;
         for (gc_u64 i = c * GC_SUMSQ_CHUNK + q; i < end; i += GC_LANES) {
-            double v = (double)xr[i];
+            double v = (double)gc_load_global(xr + i);
             p = __dadd_rn(p, SQUARE ? __dmul_rn(v, v) : v);
         }
     }
@@ -262,10 +270,10 @@ extern "C" __global__ void gc_geo_to_f32(const double *x, gc_u64 len, float *out
 }
 
 /* Level 0: blockDim.x a multiple of 32, as for gc_geo_project. */
-extern "C" __global__ void gc_geo_sumsq_squares(const float *x, gc_u64 rows, gc_u64 len,
-                                                double *out)
+extern "C" __global__ void gc_geo_sumsq_squares(const float *x, const gc_u64 *x_moved,
+                                                gc_u64 rows, gc_u64 len, double *out)
 {
-    gc_geo_sum_level<float, true>(x, rows, len, out);
+    gc_geo_sum_level<float, true>(gc_moved(x, x_moved), rows, len, out);
 }
 
 /* The levels above 0. */

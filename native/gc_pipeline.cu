@@ -32,7 +32,10 @@
  * the sum); the decoders decode every piece of a stage into its place.
  *
  * Encoders read their stochastic-rounding key (gc_sr_key of the call's
- * quantization stream) from device memory: see gc_load_key.
+ * quantization stream) from device memory: see gc_load_key. Every kernel reads
+ * the caller's values, and writes its results, at its argument's address plus
+ * a shift it reads from device memory (`moved`: gc_moved in gc_scalar.h), so a
+ * CUDA graph of a call serves every later call, wherever its arrays lie.
  *
  * The _split kernels (fp8 teams) run GeoFP8's split map in the same pass
  * (gc_split): the encoder quantizes x - A V^T, the decoder writes its value
@@ -161,25 +164,33 @@ GC_DEV void gc_sums4(gc_in in, const gc_seg &s, const float *x, gc_u64 k, gc_u64
                      float *v)
 {
     gc_load4_f32(x + s.values + i, end - i, v);
-    for (gc_u64 j = 0; j < 4 && i + j < end; ++j)
-        v[j] = gc_sum_at(in, s, v[j], k, i + j);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) /* v in registers: indices known once unrolled */
+        if (i + j < end)
+            v[j] = gc_sum_at(in, s, v[j], k, i + j);
 }
 
 /* An encoder's stochastic-rounding key, read from device memory (`sr_key`, one
  * u64) rather than passed by value: a CUDA graph keeps the arguments it
- * captured, so a replayed call reads the key gc_pipe_set_keys wrote just before
- * the replay (DevicePlan.write_keys in geocomm/engine/device.py). Nearest
- * rounding (sr == 0) reads nothing. */
+ * captured, so a replayed call reads the key gc_pipe_set_call wrote just before
+ * the replay (DevicePlan.bind in geocomm/engine/device.py). Nearest rounding
+ * (sr == 0) reads nothing. */
 GC_DEV gc_u64 gc_load_key(int sr, const gc_u64 *sr_key) { return sr ? *sr_key : 0u; }
 
-/* keys[0], keys[1] = a call's two stochastic-rounding keys: one thread, queued in
- * stream order before the call's encoders (no host-to-device copy, which from
- * pageable memory may wait for the stream). */
-extern "C" __global__ void gc_pipe_set_keys(gc_u64 *keys, gc_u64 first, gc_u64 second)
+/* A call's slots, written by one thread in stream order before its kernels (no
+ * host-to-device copy, which from pageable memory may wait for the stream):
+ * slots[0], slots[1] = its two stochastic-rounding keys; slots[2], slots[3] = how
+ * far its source and result lie from where the kernels about to run were given
+ * them (source_origin, result_origin: their addresses; gc_moved). */
+extern "C" __global__ void gc_pipe_set_call(gc_u64 *slots, gc_u64 first, gc_u64 second,
+                                            const float *source, gc_u64 source_origin,
+                                            float *result, gc_u64 result_origin)
 {
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-        keys[0] = first;
-        keys[1] = second;
+        slots[0] = first;
+        slots[1] = second;
+        slots[2] = (gc_u64)source - source_origin;
+        slots[3] = (gc_u64)result - result_origin;
     }
 }
 
@@ -187,11 +198,12 @@ extern "C" __global__ void gc_pipe_set_keys(gc_u64 *keys, gc_u64 first, gc_u64 s
 
 /* RAW and BF16: four values per thread (a 16-byte load of values where aligned;
  * BF16 codes in two 4-byte stores where aligned). */
-extern "C" __global__ void gc_pipe_value_encode(int family, const float *x, const gc_u64 *table,
-                                                const unsigned char *in, unsigned int nin,
-                                                gc_u64 in_stride, int sr, const gc_u64 *sr_key,
-                                                unsigned char *wire)
+extern "C" __global__ void gc_pipe_value_encode(int family, const float *x, const gc_u64 *moved,
+                                                const gc_u64 *table, const unsigned char *in,
+                                                unsigned int nin, gc_u64 in_stride, int sr,
+                                                const gc_u64 *sr_key, unsigned char *wire)
 {
+    x = gc_moved(x, moved);
     const gc_u64 key = gc_load_key(sr, sr_key);
     gc_seg s = gc_seg_row(table);
     gc_u64 i = 4 * gc_global_id();
@@ -254,12 +266,13 @@ GC_DEV void gc_split4(const gc_split &m, gc_u64 p, gc_u64 avail, float sign, flo
  * gc_pipe_fp8_encode_team_wide), their sums formed once and kept in registers
  * between the amax and the codes. */
 template <int STEPS>
-GC_DEV void gc_pipe_fp8_encode_team_run(const float *x, const gc_u64 *table,
-                                        const unsigned char *in, unsigned int nin,
-                                        gc_u64 in_stride, unsigned int lshift, int e5m2, int sr,
-                                        const gc_u64 *sr_key, unsigned char *wire,
-                                        const gc_split &map)
+GC_DEV void gc_pipe_fp8_encode_team_run(const float *x, const gc_u64 *moved,
+                                        const gc_u64 *table, const unsigned char *in,
+                                        unsigned int nin, gc_u64 in_stride, unsigned int lshift,
+                                        int e5m2, int sr, const gc_u64 *sr_key,
+                                        unsigned char *wire, const gc_split &map)
 {
+    x = gc_moved(x, moved);
     const gc_u64 key = gc_load_key(sr, sr_key);
     const unsigned int width = 1u << lshift;
     gc_seg s = gc_seg_row(table);
@@ -290,54 +303,59 @@ GC_DEV void gc_pipe_fp8_encode_team_run(const float *x, const gc_u64 *table,
                              s.index + start, w + 4 * k, w + 4 * s.scales + start);
 }
 
-extern "C" __global__ void gc_pipe_fp8_encode_team(const float *x, const gc_u64 *table,
-                                                   const unsigned char *in, unsigned int nin,
-                                                   gc_u64 in_stride, unsigned int lshift,
-                                                   int e5m2, int sr, const gc_u64 *sr_key,
-                                                   unsigned char *wire)
+extern "C" __global__ void gc_pipe_fp8_encode_team(const float *x, const gc_u64 *moved,
+                                                   const gc_u64 *table, const unsigned char *in,
+                                                   unsigned int nin, gc_u64 in_stride,
+                                                   unsigned int lshift, int e5m2, int sr,
+                                                   const gc_u64 *sr_key, unsigned char *wire)
 {
-    gc_pipe_fp8_encode_team_run<1>(x, table, in, nin, in_stride, lshift, e5m2, sr, sr_key, wire,
-                                   gc_split{0, 1, 0, nullptr, nullptr});
+    gc_pipe_fp8_encode_team_run<1>(x, moved, table, in, nin, in_stride, lshift, e5m2, sr, sr_key,
+                                   wire, gc_split{0, 1, 0, nullptr, nullptr});
 }
 
-extern "C" __global__ void gc_pipe_fp8_encode_team_wide(const float *x, const gc_u64 *table,
+extern "C" __global__ void gc_pipe_fp8_encode_team_wide(const float *x, const gc_u64 *moved,
+                                                        const gc_u64 *table,
                                                         const unsigned char *in,
                                                         unsigned int nin, gc_u64 in_stride,
                                                         unsigned int lshift, int e5m2, int sr,
                                                         const gc_u64 *sr_key,
                                                         unsigned char *wire)
 {
-    gc_pipe_fp8_encode_team_run<GC_TEAM_STEPS>(x, table, in, nin, in_stride, lshift, e5m2, sr,
-                                               sr_key, wire, gc_split{0, 1, 0, nullptr, nullptr});
+    gc_pipe_fp8_encode_team_run<GC_TEAM_STEPS>(x, moved, table, in, nin, in_stride, lshift, e5m2,
+                                               sr, sr_key, wire,
+                                               gc_split{0, 1, 0, nullptr, nullptr});
 }
 
 /* The team encoders with a split map (t0, n, k, coef, vt: gc_split). */
 extern "C" __global__ void gc_pipe_fp8_encode_team_split(
-    const float *x, const gc_u64 *table, const unsigned char *in, unsigned int nin,
-    gc_u64 in_stride, unsigned int lshift, int e5m2, int sr, const gc_u64 *sr_key,
-    unsigned char *wire, gc_u64 t0, gc_u64 n, gc_u64 k, const float *coef, const float *vt)
+    const float *x, const gc_u64 *moved, const gc_u64 *table, const unsigned char *in,
+    unsigned int nin, gc_u64 in_stride, unsigned int lshift, int e5m2, int sr,
+    const gc_u64 *sr_key, unsigned char *wire, gc_u64 t0, gc_u64 n, gc_u64 k, const float *coef,
+    const float *vt)
 {
-    gc_pipe_fp8_encode_team_run<1>(x, table, in, nin, in_stride, lshift, e5m2, sr, sr_key, wire,
-                                   gc_split{t0, n, k, coef, vt});
+    gc_pipe_fp8_encode_team_run<1>(x, moved, table, in, nin, in_stride, lshift, e5m2, sr, sr_key,
+                                   wire, gc_split{t0, n, k, coef, vt});
 }
 
 extern "C" __global__ void gc_pipe_fp8_encode_team_wide_split(
-    const float *x, const gc_u64 *table, const unsigned char *in, unsigned int nin,
-    gc_u64 in_stride, unsigned int lshift, int e5m2, int sr, const gc_u64 *sr_key,
-    unsigned char *wire, gc_u64 t0, gc_u64 n, gc_u64 k, const float *coef, const float *vt)
+    const float *x, const gc_u64 *moved, const gc_u64 *table, const unsigned char *in,
+    unsigned int nin, gc_u64 in_stride, unsigned int lshift, int e5m2, int sr,
+    const gc_u64 *sr_key, unsigned char *wire, gc_u64 t0, gc_u64 n, gc_u64 k, const float *coef,
+    const float *vt)
 {
-    gc_pipe_fp8_encode_team_run<GC_TEAM_STEPS>(x, table, in, nin, in_stride, lshift, e5m2, sr,
-                                               sr_key, wire, gc_split{t0, n, k, coef, vt});
+    gc_pipe_fp8_encode_team_run<GC_TEAM_STEPS>(x, moved, table, in, nin, in_stride, lshift, e5m2,
+                                               sr, sr_key, wire, gc_split{t0, n, k, coef, vt});
 }
 
 /* FP8 tile walk (larger blocks, block 0), first pass: amax[s.amax + k] =
  * max(itself, bits of the largest finite |sum| of this tile of scaling block
  * k). The scratch must be zeroed before the launch. */
-extern "C" __global__ void gc_pipe_amax_tiles(const float *x, const gc_u64 *table,
-                                              const unsigned char *in, unsigned int nin,
-                                              gc_u64 in_stride, int e5m2, gc_u64 tile,
-                                              gc_u32 *amax)
+extern "C" __global__ void gc_pipe_amax_tiles(const float *x, const gc_u64 *moved,
+                                              const gc_u64 *table, const unsigned char *in,
+                                              unsigned int nin, gc_u64 in_stride, int e5m2,
+                                              gc_u64 tile, gc_u32 *amax)
 {
+    x = gc_moved(x, moved);
     gc_seg s = gc_seg_row(table);
     if (s.count == 0) /* the whole thread block: before gc_block_max's barrier */
         return;
@@ -357,12 +375,13 @@ extern "C" __global__ void gc_pipe_amax_tiles(const float *x, const gc_u64 *tabl
 }
 
 /* FP8 tile walk, second pass: the codes of this tile with its block's amax. */
-extern "C" __global__ void gc_pipe_fp8_encode_tiles(const float *x, const gc_u64 *table,
-                                                    const unsigned char *in, unsigned int nin,
-                                                    gc_u64 in_stride, int e5m2, gc_u64 tile,
-                                                    const gc_u32 *amax, int sr,
+extern "C" __global__ void gc_pipe_fp8_encode_tiles(const float *x, const gc_u64 *moved,
+                                                    const gc_u64 *table, const unsigned char *in,
+                                                    unsigned int nin, gc_u64 in_stride, int e5m2,
+                                                    gc_u64 tile, const gc_u32 *amax, int sr,
                                                     const gc_u64 *sr_key, unsigned char *wire)
 {
+    x = gc_moved(x, moved);
     const gc_u64 key = gc_load_key(sr, sr_key);
     const float fmax = e5m2 ? GC_E5M2_MAX : GC_E4M3_MAX;
     gc_seg s = gc_seg_row(table);
@@ -392,11 +411,12 @@ extern "C" __global__ void gc_pipe_fp8_encode_tiles(const float *x, const gc_u64
 /* NVFP4: one thread block of GC_NVFP4_THREADS threads per superblock
  * (gc_nvfp4_superblock), over the sums of the piece's values and the incoming
  * bodies. */
-extern "C" __global__ void gc_pipe_nvfp4_encode(const float *x, const gc_u64 *table,
-                                                const unsigned char *in, unsigned int nin,
-                                                gc_u64 in_stride, int sr, const gc_u64 *sr_key,
-                                                unsigned char *wire)
+extern "C" __global__ void gc_pipe_nvfp4_encode(const float *x, const gc_u64 *moved,
+                                                const gc_u64 *table, const unsigned char *in,
+                                                unsigned int nin, gc_u64 in_stride, int sr,
+                                                const gc_u64 *sr_key, unsigned char *wire)
 {
+    x = gc_moved(x, moved);
     const gc_u64 key = gc_load_key(sr, sr_key);
     gc_seg s = gc_seg_row(table);
     if (blockIdx.x >= s.scales) /* the whole thread block: before any barrier */
@@ -409,11 +429,13 @@ extern "C" __global__ void gc_pipe_nvfp4_encode(const float *x, const gc_u64 *ta
 /* MXFP8: 8 lanes per 32-value block, four values per lane (gc_mxfp8_team_block);
  * the incoming bodies added body by body, each one's scale read once, its codes
  * four at a time (gc_sum_at's adds: values past len stay 0). */
-extern "C" __global__ void gc_pipe_mxfp8_encode(const float *x, const gc_u64 *table,
-                                                const unsigned char *in, unsigned int nin,
-                                                gc_u64 in_stride, int e5m2, int rceil, int sr,
-                                                const gc_u64 *sr_key, unsigned char *wire)
+extern "C" __global__ void gc_pipe_mxfp8_encode(const float *x, const gc_u64 *moved,
+                                                const gc_u64 *table, const unsigned char *in,
+                                                unsigned int nin, gc_u64 in_stride, int e5m2,
+                                                int rceil, int sr, const gc_u64 *sr_key,
+                                                unsigned char *wire)
 {
+    x = gc_moved(x, moved);
     const gc_u64 key = gc_load_key(sr, sr_key);
     gc_seg s = gc_seg_row(table);
     gc_u64 g = gc_global_id();
@@ -436,11 +458,13 @@ extern "C" __global__ void gc_pipe_mxfp8_encode(const float *x, const gc_u64 *ta
 }
 
 /* MXFP4: four values (two code bytes) per thread, 8 lanes per 32-value block. */
-extern "C" __global__ void gc_pipe_mxfp4_encode(const float *x, const gc_u64 *table,
-                                                const unsigned char *in, unsigned int nin,
-                                                gc_u64 in_stride, int rceil, int sr,
-                                                const gc_u64 *sr_key, unsigned char *wire)
+extern "C" __global__ void gc_pipe_mxfp4_encode(const float *x, const gc_u64 *moved,
+                                                const gc_u64 *table, const unsigned char *in,
+                                                unsigned int nin, gc_u64 in_stride, int rceil,
+                                                int sr, const gc_u64 *sr_key,
+                                                unsigned char *wire)
 {
+    x = gc_moved(x, moved);
     const gc_u64 key = gc_load_key(sr, sr_key);
     gc_seg s = gc_seg_row(table);
     gc_u64 quad = gc_global_id();
@@ -464,9 +488,12 @@ extern "C" __global__ void gc_pipe_mxfp4_encode(const float *x, const gc_u64 *ta
 /* out[s.values + i] = the sum of value i and the incoming bodies of `family`:
  * four values per thread (fp8: block s.block). x and out may be one array. */
 extern "C" __global__ void gc_pipe_reduce(int family, int e5m2, const float *x,
-                                          const gc_u64 *table, const unsigned char *in,
-                                          unsigned int nin, gc_u64 in_stride, float *out)
+                                          const gc_u64 *x_moved, const gc_u64 *table,
+                                          const unsigned char *in, unsigned int nin,
+                                          gc_u64 in_stride, float *out, const gc_u64 *out_moved)
 {
+    x = gc_moved(x, x_moved);
+    out = gc_moved(out, out_moved);
     gc_seg s = gc_seg_row(table);
     gc_u64 i = 4 * gc_global_id();
     if (i >= s.count)
@@ -484,8 +511,9 @@ extern "C" __global__ void gc_pipe_reduce(int family, int e5m2, const float *x,
  * tiles): four values per thread, a 16-byte store of values where aligned (MXFP8:
  * a 4-byte load of codes). */
 extern "C" __global__ void gc_pipe_decode(int family, int e5m2, const unsigned char *wire,
-                                          const gc_u64 *table, float *out)
+                                          const gc_u64 *table, float *out, const gc_u64 *moved)
 {
+    out = gc_moved(out, moved);
     gc_seg s = gc_seg_row(table);
     gc_u64 i = 4 * gc_global_id();
     if (i >= s.count)
@@ -504,8 +532,10 @@ extern "C" __global__ void gc_pipe_decode(int family, int e5m2, const unsigned c
 /* NVFP4 (mx == 0) and MXFP4: one thread per chunk of 16 values of a piece
  * (gc_e2m1_decode_chunk). */
 extern "C" __global__ void gc_pipe_e2m1_decode(int mx, const unsigned char *wire,
-                                               const gc_u64 *table, float *out)
+                                               const gc_u64 *table, float *out,
+                                               const gc_u64 *moved)
 {
+    out = gc_moved(out, moved);
     gc_seg s = gc_seg_row(table);
     gc_u64 i = GC_E2M1_CHUNK * gc_global_id();
     if (i >= s.count)
@@ -520,8 +550,9 @@ extern "C" __global__ void gc_pipe_e2m1_decode(int mx, const unsigned char *wire
 template <class Post>
 GC_DEV void gc_pipe_fp8_decode_team_run(const unsigned char *wire, const gc_u64 *table,
                                         unsigned int lshift, int e5m2, float *out,
-                                        const Post &post)
+                                        const gc_u64 *moved, const Post &post)
 {
+    out = gc_moved(out, moved);
     const unsigned int width = 1u << lshift;
     gc_seg s = gc_seg_row(table);
     gc_u64 g = gc_global_id();
@@ -538,9 +569,10 @@ GC_DEV void gc_pipe_fp8_decode_team_run(const unsigned char *wire, const gc_u64 
 }
 
 extern "C" __global__ void gc_pipe_fp8_decode_team(const unsigned char *wire, const gc_u64 *table,
-                                                   unsigned int lshift, int e5m2, float *out)
+                                                   unsigned int lshift, int e5m2, float *out,
+                                                   const gc_u64 *moved)
 {
-    gc_pipe_fp8_decode_team_run(wire, table, lshift, e5m2, out,
+    gc_pipe_fp8_decode_team_run(wire, table, lshift, e5m2, out, moved,
                                 [](gc_u64, gc_u64, float *) {});
 }
 
@@ -548,12 +580,13 @@ extern "C" __global__ void gc_pipe_fp8_decode_team(const unsigned char *wire, co
  * expansion (sign +1), what the map's inverse adds after a plain decode. */
 extern "C" __global__ void gc_pipe_fp8_decode_team_split(const unsigned char *wire,
                                                          const gc_u64 *table, unsigned int lshift,
-                                                         int e5m2, float *out, gc_u64 t0,
+                                                         int e5m2, float *out,
+                                                         const gc_u64 *moved, gc_u64 t0,
                                                          gc_u64 n, gc_u64 k, const float *coef,
                                                          const float *vt)
 {
     const gc_split map = gc_split{t0, n, k, coef, vt};
-    gc_pipe_fp8_decode_team_run(wire, table, lshift, e5m2, out,
+    gc_pipe_fp8_decode_team_run(wire, table, lshift, e5m2, out, moved,
                                 [&](gc_u64 p, gc_u64 avail, float *v) {
                                     gc_split4(map, p, avail, 1.0f, v);
                                 });
@@ -562,8 +595,9 @@ extern "C" __global__ void gc_pipe_fp8_decode_team_split(const unsigned char *wi
 /* FP8, tile walk. */
 extern "C" __global__ void gc_pipe_fp8_decode_tiles(const unsigned char *wire,
                                                     const gc_u64 *table, gc_u64 tile, int e5m2,
-                                                    float *out)
+                                                    float *out, const gc_u64 *moved)
 {
+    out = gc_moved(out, moved);
     gc_seg s = gc_seg_row(table);
     if (s.count == 0)
         return;

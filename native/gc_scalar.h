@@ -77,6 +77,23 @@ GC_FN float gc_float(gc_u32 u)
 #endif
 
 #ifdef __CUDACC__
+/* p moved by *moved bytes: where a kernel reads or writes a caller's array. A CUDA
+ * graph keeps the addresses it captured, and NCCL lets a call be captured or
+ * replayed only on every rank alike, so whether a call replays may not depend on
+ * where its arrays lie (a rank-local fact). The kernels that run on a caller's
+ * arrays inside a call take the arrays of the call they were captured in, plus
+ * the shift gc_pipe_set_call (gc_pipeline.cu) wrote for this call in device
+ * memory (0 when it runs on those arrays, or eagerly). */
+template <class T> GC_FN T *gc_moved(T *p, const gc_u64 *moved)
+{
+    return (T *)((gc_u64)p + *moved);
+}
+
+/* *p from global memory (ld.global.ca, a plain load's caching): what a load of a
+ * pointer made by gc_moved would be if NVVM could see it is global (it cannot, from
+ * an integer, and would load through a generic address). */
+template <class T> GC_FN T gc_load_global(const T *p) { return __ldca(p); }
+
 /* Device memory, four fp32 values per access: the CUDA kernels' loads and stores. */
 GC_FN int gc_aligned(const void *p, unsigned int bytes)
 {
@@ -84,11 +101,12 @@ GC_FN int gc_aligned(const void *p, unsigned int bytes)
 }
 
 /* v[j] = p[j] for j < 4 where j < avail, else 0: one 16-byte load when all four
- * exist and p is 16-byte aligned, four loads otherwise (the same values). */
+ * exist and p is 16-byte aligned, four loads otherwise (the same values), from
+ * global memory (gc_load_global). */
 GC_FN void gc_load4_f32(const float *p, gc_u64 avail, float *v)
 {
     if (avail >= 4 && gc_aligned(p, 16)) {
-        float4 q = *reinterpret_cast<const float4 *>(p);
+        float4 q = gc_load_global(reinterpret_cast<const float4 *>(p));
         v[0] = q.x;
         v[1] = q.y;
         v[2] = q.z;
@@ -96,7 +114,7 @@ GC_FN void gc_load4_f32(const float *p, gc_u64 avail, float *v)
         return;
     }
     for (int j = 0; j < 4; ++j)
-        v[j] = (gc_u64)j < avail ? p[j] : 0.0f;
+        v[j] = (gc_u64)j < avail ? gc_load_global(p + j) : 0.0f;
 }
 
 /* p[j] = v[j] for j < 4 where j < avail: one 16-byte store when aligned and full

@@ -87,13 +87,14 @@ UNITS = {
             "gc_divide_f32",
             "gc_divide_f64",
             "gc_add_f32",
+            "gc_copy_f32",
             "gc_residual_f32",
         },
     ),
     "pipeline": (
         gpu_pipeline.kernel_source,
         {
-            "gc_pipe_set_keys",
+            "gc_pipe_set_call",
             "gc_pipe_value_encode",
             "gc_pipe_fp8_encode_team",
             "gc_pipe_fp8_encode_team_wide",
@@ -237,7 +238,7 @@ def test_kernels_compile_for_sm90_in_registers_without_stack(tmp_path: Path, uni
 #: per kernel: the 16-byte (values) and 4-byte (codes) vector accesses its aligned path
 #: must compile to (PTX), and how many at least (fp8 teams: one per step; E2M1: two
 #: loads of 4 codes and four stores of 4 values per chunk)
-_LOAD_VALUES = r"ld\.global(\.nc)?\.v4\.(f32|u32|b32)"
+_LOAD_VALUES = r"ld\.global(\.nc|\.ca)?\.v4\.(f32|u32|b32)"
 _STORE_CODES = r"st\.global\.v4\.(u8|b8)"
 _LOAD_CODES = r"ld\.global(\.nc)?\.v4\.(u8|b8)"
 _STORE_VALUES = r"st\.global(\.wb)?\.v4\.f32"
@@ -276,6 +277,7 @@ VECTOR_ACCESSES = {
     "gc_pipe_mxfp4_encode": {_LOAD_VALUES: 1},
     "gc_divide_f32": {_LOAD_VALUES: 1, _STORE_VALUES: 1},
     "gc_add_f32": {_LOAD_VALUES: 2, _STORE_VALUES: 1},
+    "gc_copy_f32": {_LOAD_VALUES: 1, _STORE_VALUES: 1},
     "gc_residual_f32": {_LOAD_VALUES: 2, _STORE_VALUES: 1},
     "gc_geo_expand": {_LOAD_VALUES: 1, _STORE_VALUES: 1},
 }

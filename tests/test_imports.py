@@ -29,11 +29,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 #: Private modules another module may import, with the reason.
 PRIVATE_MODULES = {
     "geocomm._native": "the cffi extension the build writes; geocomm.kernels.native uses it",
+    "geocomm._environ": "the on/off environment variables, read alike by every layer",
 }
 #: The layers, bottom first: a module imports from its own layer or those below it.
 #: Layers of one rank (a tuple) stand side by side and import nothing of each other.
 LAYERS: list[tuple[str, ...]] = [
-    ("geocomm._native",),
+    ("geocomm._native", "geocomm._environ"),
     ("geocomm.kernels",),
     ("geocomm.codecs",),
     ("geocomm.comm",),

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
+from geocomm._environ import switch
 from geocomm.codecs import Codec, get_codec
 from geocomm.codecs.frames import DTYPE_CODES
 from geocomm.comm.base import Communicator
@@ -189,10 +190,10 @@ def requested_topology(topology: str | None) -> str:
 
 
 def check_enabled(check: bool | None) -> bool:
-    """``check``, or ``GEOCOMM_CHECK`` ("0", "false", "no" turn it off), else True."""
+    """``check``, or ``GEOCOMM_CHECK`` (:func:`geocomm._environ.switch`), else True."""
     if check is not None:
         return check
-    return os.environ.get("GEOCOMM_CHECK", "1") not in ("0", "false", "no")
+    return switch("GEOCOMM_CHECK") is not False
 
 
 # ---------------------------------------------------------------------------

@@ -35,6 +35,8 @@ import traceback
 import weakref
 from typing import Any, Protocol
 
+from geocomm._environ import switch
+
 ENV_VAR = "GEOCOMM_ABORT_ON_ERROR"
 #: exit status of a job aborted by an uncaught exception (KeyboardInterrupt: 128 + SIGINT)
 EXIT_STATUS = 1
@@ -59,8 +61,9 @@ _aborting = False
 
 
 def enabled() -> bool:
-    """Whether uncaught exceptions abort the job (``GEOCOMM_ABORT_ON_ERROR``, default on)."""
-    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+    """Whether uncaught exceptions abort the job (``GEOCOMM_ABORT_ON_ERROR``, on unless
+    set off: :func:`geocomm._environ.switch`)."""
+    return switch(ENV_VAR) is not False
 
 
 def register(comm: Abortable) -> bool:
@@ -136,7 +139,11 @@ def _wrap_threading(previous: Any) -> Any:
 
 
 def _abort_if_enabled(code: int, reason: str) -> None:
-    if enabled():
+    try:
+        on = enabled()
+    except ValueError:  # set to nonsense since registration: abort, the default
+        on = True
+    if on:
         abort_job(code, reason)
 
 

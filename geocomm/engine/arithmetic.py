@@ -45,6 +45,19 @@ def residual_of(values: Any, decoded: Any) -> None:
         cuda.residual(decoded, values, decoded)
 
 
+def copy_into(out: Any, values: Any) -> None:
+    """``out[...] = values`` (C-contiguous float32 arrays of one size and kind, apart):
+    NumPy's copy, or :func:`geocomm.kernels.cuda.copy` for CuPy arrays, which moves with
+    a call's arrays inside its CUDA graph (CuPy's own copy would keep the addresses it
+    was captured with)."""
+    if array_module(out) is np:
+        out[...] = values
+    else:
+        from geocomm.kernels import cuda
+
+        cuda.copy(out, values)
+
+
 def divide(values: Any, size: int) -> None:
     """values /= size in place, one IEEE division per value on every device (CuPy's
     own elementwise kernels flush subnormals to zero, so CuPy arrays get ours)."""

@@ -52,6 +52,7 @@ NumPy arrays the whole batched pipeline runs on a CPU for the tests.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, NamedTuple
 
@@ -195,7 +196,9 @@ class CudaKernels:
     (fp8 tile walk only). ``split`` (fp8 teams, a one-row ``seg``): the piece's split
     map (:class:`~geocomm.codecs.formats.Split`), which ``encode`` applies to the
     values before anything is added and ``decode`` to the decoded values, in the same
-    pass.
+    pass. The values read and written move with the call's arrays
+    (:func:`geocomm.kernels.cuda.moved`: a CUDA graph of a call serves calls on other
+    arrays).
     """
 
     def __init__(self) -> None:
@@ -203,6 +206,9 @@ class CudaKernels:
 
     def _kernel(self, name: str) -> Any:
         return cuda_build.kernel(self.cupy, name, kernel_source)
+
+    def _moved(self, a: Any, writes: bool = False) -> Any:
+        return cuda.moved(a, self.cupy, writes)
 
     def encode(self, fmt: WireFormat, x: Any, seg: Segments, wire: Any, amax: Any,
                incoming: Incoming | None = None, rounding_stream: int = 0,
@@ -213,7 +219,7 @@ class CudaKernels:
         if grid is None:
             return
         inc = incoming or Incoming(wire, 0, 0)  # a valid pointer the kernel never reads
-        head = (x, seg.device, inc.wire, np.uint32(inc.count), _u64(inc.stride))
+        head = (x, self._moved(x), seg.device, inc.wire, np.uint32(inc.count), _u64(inc.stride))
         if not fmt.stochastic:
             key = seg.device  # a valid pointer the kernels never read
         elif key is None:
@@ -244,9 +250,16 @@ class CudaKernels:
                 grid, threads, (*head, e5m2, tile, amax, *rounding)
             )
 
-    def set_keys(self, keys: Any, first: int, second: int) -> None:
-        """keys[0], keys[1] = first, second (a device array of two uint64), in stream order."""
-        self._kernel("gc_pipe_set_keys")((1,), (32,), (keys, _u64(first), _u64(second)))
+    def set_call(self, slots: Any, keys: tuple[int, int], source: Any, result: Any,
+                 origin: tuple[int, int]) -> None:  # fmt: skip
+        """In stream order: ``slots[0:2]`` = ``keys`` (a call's stochastic-rounding keys),
+        ``slots[2:4]`` = how far ``source`` and ``result`` lie from ``origin`` (the
+        addresses the kernels about to run were given: their ``moved``)."""
+        self._kernel("gc_pipe_set_call")(
+            (1,), (32,),
+            (slots, _u64(keys[0]), _u64(keys[1]), source, _u64(origin[0]), result,
+             _u64(origin[1])),
+        )  # fmt: skip
 
     def reduce(self, fmt: WireFormat, x: Any, seg: Segments, incoming: Incoming, out: Any) -> None:
         grid = seg.grid("quad", fmt)
@@ -258,11 +271,13 @@ class CudaKernels:
                     np.int32(fmt.family),
                     np.int32(fmt.e5m2),
                     x,
+                    self._moved(x),
                     seg.device,
                     incoming.wire,
                     np.uint32(incoming.count),
                     _u64(incoming.stride),
                     out,
+                    self._moved(out, writes=True),
                 ),
             )
 
@@ -274,17 +289,17 @@ class CudaKernels:
         grid = seg.grid(walk, fmt)
         if grid is None:
             return
-        e5m2 = np.int32(fmt.e5m2)
+        e5m2, place = np.int32(fmt.e5m2), (out, self._moved(out, writes=True))
         if walk == "chunk":
             self._kernel("gc_pipe_e2m1_decode")(
-                grid, (cuda.THREADS,), (np.int32(fmt.family == MXFP4), wire, seg.device, out)
+                grid, (cuda.THREADS,), (np.int32(fmt.family == MXFP4), wire, seg.device, *place)
             )
         elif walk == "quad":
             self._kernel("gc_pipe_decode")(
-                grid, (cuda.THREADS,), (np.int32(fmt.family), e5m2, wire, seg.device, out)
+                grid, (cuda.THREADS,), (np.int32(fmt.family), e5m2, wire, seg.device, *place)
             )
         elif walk == "team":
-            args = (wire, seg.device, np.uint32(cuda.team_shift(fmt.block)), e5m2, out)
+            args = (wire, seg.device, np.uint32(cuda.team_shift(fmt.block)), e5m2, *place)
             if split is None:
                 self._kernel("gc_pipe_fp8_decode_team")(grid, (cuda.THREADS,), args)
             else:
@@ -293,7 +308,7 @@ class CudaKernels:
                 )
         else:
             self._kernel("gc_pipe_fp8_decode_tiles")(
-                grid, (cuda.THREADS,), (wire, seg.device, _u64(cuda.TILE), e5m2, out)
+                grid, (cuda.THREADS,), (wire, seg.device, _u64(cuda.TILE), e5m2, *place)
             )
 
 
@@ -362,8 +377,9 @@ class HostKernels:
                 native.encode(fmt.native_id, total, fmt.block, body, flags=fmt.flags, seed=fmt.seed,
                               rounding_stream=rounding_stream, offset=index)  # fmt: skip
 
-    def set_keys(self, keys: np.ndarray, first: int, second: int) -> None:
-        keys[:] = (first, second)
+    def set_call(self, slots: np.ndarray, keys: tuple[int, int], source: np.ndarray,
+                 result: np.ndarray, origin: tuple[int, int]) -> None:  # fmt: skip
+        slots[0:2] = keys  # NumPy calls run where they are: nothing moves
 
     def reduce(
         self, fmt: WireFormat, x: np.ndarray, seg: Segments, incoming: Incoming, out: np.ndarray
@@ -405,17 +421,20 @@ class DevicePlan:
 
     The segment tables of every stage (built on the host, uploaded once), the launch
     grids, the kernels' buffers (double-buffered all-to-all and all-gather bodies,
-    the staging buffer of mapped calls, the fp8 tile walk's amax slots) and, per pair of
-    source and result arrays, the CUDA graph of a call: after a call ran eagerly once
-    with the same arrays, the next one is captured (CuPy stream capture, the NCCL
-    transfers included) and every later one replays it with one graph launch
-    (:class:`~geocomm.engine.graphs.Graphs`). Graphs need a communicator that can be
-    captured (``capturing()``, NCCL's); a call with a map runs eagerly here, and its
-    caller may capture the whole mapped call (:func:`geocomm.engine.run.compressed`),
-    with :meth:`prepare` outside the graph and :meth:`eager` inside. Stochastic
-    rounding's keys change every call, so the kernels read them from the plan's
-    :attr:`keys`, which every call writes first (one launch of one thread, queued on
-    the current stream).
+    the staging buffer of mapped calls, the fp8 tile walk's amax slots) and, per
+    divisor, the CUDA graph of a call: the signature's first call runs eagerly, its
+    second is captured (CuPy stream capture, the NCCL transfers included) and every
+    later one replays it with one graph launch
+    (:class:`~geocomm.engine.graphs.Graphs`), on every rank alike, as NCCL requires:
+    which arrays a call names never decides it. The kernels read and write the
+    caller's arrays at the addresses they were captured with plus a shift they read
+    from the plan's :attr:`slots`, and a call whose arrays lie elsewhere, or that
+    rounds stochastically (new keys every call, read from the slots too), first
+    writes them (:meth:`bind`: one launch of one thread, queued on the current
+    stream). Graphs need a communicator that can be captured (``capturing()``,
+    NCCL's); a call with a map runs eagerly here, and its caller may capture the
+    whole mapped call (:func:`geocomm.engine.run.compressed`), with :meth:`prepare`
+    outside the graph and :meth:`eager` inside.
 
     ``kernels``: :class:`CudaKernels` (default) or :class:`HostKernels` (NumPy arrays,
     tests). The plan's buffers are used by one call at a time: a call on another stream
@@ -451,10 +470,14 @@ class DevicePlan:
         # staged mapped values (None when no piece is staged: then encode reads none)
         self.staging: Any = xp.empty(tables.staged, np.float32) if tables.staged else None
         self.amax = xp.zeros(max(tables.amax, 1), np.uint32)
-        # the stochastic-rounding keys of a call's two quantizations (write_keys)
-        self.keys = xp.zeros(2, np.uint64)
-        self.key_views = (self.keys[0:1], self.keys[1:2])
-        #: the CUDA graphs of its calls without a map, by source, result and divisor
+        #: what a call's kernels read (bind): the stochastic-rounding keys of its two
+        #: quantizations, how far its source and result lie from the kernels' arguments
+        #: (the bytes they add: gc_moved in native/gc_scalar.h), and a 0 (every other
+        #: array: the plan's buffers, a map's)
+        self.slots = xp.zeros(5, np.uint64)
+        self.key_views = (self.slots[0:1], self.slots[1:2])
+        self._moved = (0, 0)  # the shifts the slots hold
+        #: the CUDA graphs of its calls without a map, by divisor
         self.graphs = Graphs(None if staged else comm, xp)
         self._last_stream: Any = None
         #: every stream a call of the plan ran on, by handle: the streams of CuPy's pool
@@ -484,18 +507,43 @@ class DevicePlan:
     def _segments(self, span: slice) -> Segments:
         return Segments(self.tables.rows[span], self.table[span])
 
-    def write_keys(self, rounding_stream: int) -> None:
-        """Queue the write of a stochastic call's rounding keys into :attr:`keys` on the
-        current stream: the key of this rank's quantization stream 1 (its pieces of
-        other shards), then 2 (its own sum). Nearest rounding reads no key."""
-        me = self.comm.rank
-        first, second = (self.fmt.key(quantization_stream(rounding_stream, me, q)) for q in (1, 2))
-        self.kernels.set_keys(self.keys, first, second)
+    def bind(
+        self,
+        source: Any,
+        result: Any,
+        rounding_stream: int = 0,
+        origin: tuple[int, int] | None = None,
+        here: tuple[int, int] | None = None,
+    ) -> None:
+        """Queue, outside any graph, what a call's kernels read from :attr:`slots`: a
+        stochastic call's keys (this rank's quantization stream 1, for its pieces of
+        other shards, then 2, its own sum) and how far ``source`` and ``result`` (at
+        ``here``: their addresses, if known) lie from ``origin`` (the addresses the
+        kernels were given: a graph's; None: these, an eager call). Nothing when the
+        slots already hold it (nearest rounding on arrays where the kernels were given
+        them): steady calls on the same arrays queue no launch."""
+        if here is None:
+            here = _address(source), _address(result)
+        if origin is None or origin == here:
+            moved = (0, 0)
+        else:
+            moved = ((here[0] - origin[0]) % 2**64, (here[1] - origin[1]) % 2**64)
+        if not self.fmt.stochastic and moved == self._moved == (0, 0):
+            return
+        keys = (0, 0)
+        if self.fmt.stochastic:
+            me, key = self.comm.rank, self.fmt.key
+            keys = (
+                key(quantization_stream(rounding_stream, me, 1)),
+                key(quantization_stream(rounding_stream, me, 2)),
+            )
+        self.kernels.set_call(self.slots, keys, source, result, origin or here)
+        self._moved = moved
 
-    def prepare(self, rounding_stream: int = 0) -> None:
+    def prepare(self) -> None:
         """What every call queues first, outside any graph: an order after the plan's
         last call when the current stream changed (the buffers are the plan's, not the
-        stream's), then a stochastic call's keys (:meth:`write_keys`)."""
+        stream's)."""
         if self.xp is not np:
             stream = self.xp.cuda.get_current_stream()
             last = self._last_stream
@@ -503,8 +551,17 @@ class DevicePlan:
                 stream.wait_event(last.record())
                 self._streams.setdefault(stream.ptr, stream)
             self._last_stream = stream
-        if self.fmt.stochastic:
-            self.write_keys(rounding_stream)
+
+    def moving(self, source: Any, result: Any) -> Any:
+        """A context in which kernels read and write ``source`` and ``result`` (and views
+        of them) moved by the shifts :meth:`bind` writes
+        (:func:`geocomm.kernels.cuda.moving`); nothing moves on NumPy arrays."""
+        if self.xp is np:
+            return contextlib.nullcontext()
+        slots = self.slots
+        source_span = (_address(source), _address(source) + source.nbytes, slots[2:3])
+        result_span = (_address(result), _address(result) + result.nbytes, slots[3:4])
+        return cuda.moving(cuda.Moves(source_span, result_span, slots[4:5]))
 
     def eager(
         self,
@@ -514,8 +571,10 @@ class DevicePlan:
         rounding_stream: int = 0,
         divisor: int = 0,
     ) -> None:
-        """One call's work, queued on the current stream as it comes (after :meth:`prepare`)."""
-        BatchedPipeline.of(self, source, result, mapper, rounding_stream, divisor).run()
+        """One call's work, queued on the current stream as it comes (after :meth:`prepare`
+        and :meth:`bind`), its kernels :meth:`moving` with its arrays."""
+        with self.moving(source, result):
+            BatchedPipeline.of(self, source, result, mapper, rounding_stream, divisor).run()
 
     def run(
         self,
@@ -526,15 +585,27 @@ class DevicePlan:
         divisor: int = 0,
     ) -> None:
         """One call from ``source`` into ``result``, queued on the current stream: a call
-        without a map through :attr:`graphs` (keyed by the two arrays and ``divisor``),
-        one with a map eagerly. ``divisor``: divide the result by it afterwards (an
-        average; 0: no division), in the graph too."""
-        self.prepare(rounding_stream)
+        without a map through :attr:`graphs` (keyed by ``divisor``), one with a map
+        eagerly. ``divisor``: divide the result by it afterwards (an average; 0: no
+        division), in the graph too."""
+        self.prepare()
         if mapper is not None or self.graphs.comm is None:
+            self.bind(source, result, rounding_stream)
             self.eager(source, result, mapper, rounding_stream, divisor)
             return
-        key = (int(source.data.ptr), int(result.data.ptr), divisor)
-        self.graphs.run(key, lambda: self.eager(source, result, None, rounding_stream, divisor))
+        here = (int(source.data.ptr), int(result.data.ptr))  # CuPy arrays: graphs
+        self.graphs.run(
+            divisor,
+            lambda: self.eager(source, result, None, rounding_stream, divisor),
+            here=here,
+            bind=lambda origin: self.bind(source, result, rounding_stream, origin, here),
+        )
+
+
+def _address(a: Any) -> int:
+    """Where an array's first value lies (a CuPy array's device address; 0 on the host,
+    where nothing moves)."""
+    return int(a.data.ptr) if hasattr(a.data, "ptr") else 0
 
 
 class BatchedPipeline(PieceAccess):
@@ -567,8 +638,7 @@ class BatchedPipeline(PieceAccess):
             plan = DevicePlan(
                 comm, fmt, pieces, result_offset, gather, mapper is not None, xp, kernels
             )
-            if fmt.stochastic:  # a plan's own calls write them in run()
-                plan.write_keys(rounding_stream)
+            plan.bind(source, result, rounding_stream)  # a plan's own calls bind in run()
         self.plan = plan
         self.comm, self.fmt, self.pieces = plan.comm, plan.fmt, plan.pieces
         self.source, self.result, self.mapper = source, result, mapper

@@ -1,23 +1,29 @@
 """CUDA graphs of a plan's calls (docs/design.md, "The collective"): a call whose
-device work depends only on things the caller names in a key (the arrays'
-addresses, the plan's buffers, what the kernels read from device memory) is
-run eagerly the first time its key comes, captured the second (CuPy stream
-capture, the NCCL transfers included) and replayed with one graph launch
-every later time. Keys that alternate (two buffers used in turn) are
+device work depends only on things the caller names in a key (the plan's
+buffers, what the kernels read from device memory, the arrays' addresses where
+the kernels cannot take others) is run eagerly the first time its key comes,
+captured the second (CuPy stream capture, the NCCL transfers included) and
+replayed with one graph launch every later time. Keys that alternate are
 captured alike: the keys seen once are remembered, as many as graphs are
 kept. What a body allocates while it is captured comes from an
 :class:`Arena`, sized by the key's eager run.
+
+NCCL lets a transfer be captured, and a graph of it be replayed, only on every
+rank alike, so a key must be alike on every rank whenever the calls are: where
+a rank's arrays lie is a rank-local fact. Kernels that read the caller's arrays
+through a shift in device memory take a call's arrays wherever they lie: the
+caller's ``bind`` writes the shift before each call (:meth:`Graphs.run`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import numpy as np
 
+from geocomm._environ import switch
 from geocomm.engine.protocols import Capturable
 
 #: the alignment of every block an arena hands out (cudaMalloc's)
@@ -25,9 +31,9 @@ ALIGN = 256
 
 
 def enabled() -> bool:
-    """Whether calls may be captured into CUDA graphs: ``GEOCOMM_GRAPHS`` ("0", "false",
-    "no" turn them off; every rank must set it alike)."""
-    return os.environ.get("GEOCOMM_GRAPHS", "1") not in ("0", "false", "no")
+    """Whether calls may be captured into CUDA graphs: ``GEOCOMM_GRAPHS`` (on unless set
+    off: :func:`geocomm._environ.switch`; every rank must set it alike)."""
+    return switch("GEOCOMM_GRAPHS") is not False
 
 
 def _aligned(nbytes: int) -> int:
@@ -86,17 +92,23 @@ class Graphs:
     NumPy); at most :attr:`KEPT`, the least recently
     launched dropped first.
 
-    :meth:`run` ``(key, body, keep)``: ``body()`` queues the call's work on the
-    current stream and returns what the host needs of it afterwards (arrays the work
-    writes, say); a replay returns what the captured run returned, so its arrays must
-    be the graph's: the caller's buffers, or what the body allocated (from the plan's
-    :class:`Arena` under capture: its graphs never run at once, the plan's calls being
-    ordered, so they share one, as large as the largest body's, and an array one
+    :meth:`run` ``(key, body, keep, here, bind)``: ``body()`` queues the call's work on
+    the current stream and returns what the host needs of it afterwards (arrays the
+    work writes, say); a replay returns what the captured run returned, so its arrays
+    must be the graph's: the caller's buffers, or what the body allocated (from the
+    plan's :class:`Arena` under capture: its graphs never run at once, the plan's calls
+    being ordered, so they share one, as large as the largest body's, and an array one
     returns holds until the plan's next call). A captured body never waits for the
     device (the host cannot wait under capture) and must allocate as it did in the
     key's eager run.
     ``keep``: what owns buffers the graph uses that its caller may let go of before
-    the graph (kept alive with it; its identity belongs in the key). A body that
+    the graph (kept alive with it, and from the key's first eager run on: no other
+    buffer takes an address the key names, so keys match alike on every rank; its
+    identity belongs in the key). ``here``: where
+    the call's arrays lie (anything; a graph remembers its capture's), and
+    ``bind(origin)`` queues, outside any graph and before the call's work, what the
+    body's kernels read to find this call's arrays: ``origin`` is the ``here`` of the
+    capture whose graph is about to replay, None where the body runs now. A body that
     fails to capture (an operation CUDA cannot capture, or more memory than its eager
     run took) runs eagerly, and the plan stops capturing. A call made while
     the current stream is being captured already (a plan's call inside another's
@@ -112,44 +124,57 @@ class Graphs:
             comm if xp is not np and isinstance(comm, Capturable) and enabled() else None
         )
         self.cupy = xp
-        #: key -> (graph, the capture's record, the body's return, its arena, keep)
-        self.kept: dict[Hashable, tuple[Any, Any, Any, Arena, Any]] = {}
-        #: keys run eagerly once, oldest first -> the bytes that run allocated
-        self._seen: dict[Hashable, int] = {}
+        #: key -> (graph, the capture's record, the body's return, its arena, keep, here)
+        self.kept: dict[Hashable, tuple[Any, Any, Any, Arena, Any, Any]] = {}
+        #: keys run eagerly once, oldest first -> (the bytes that run allocated, its keep)
+        self._seen: dict[Hashable, tuple[int, Any]] = {}
         self._stream: Any = None  # the plan's capture stream, made at its first capture
         self._arena: Arena | None = None  # what its captured bodies allocate
 
-    def run(self, key: Hashable, body: Callable[[], Any], keep: Any = None) -> Any:
+    def run(
+        self,
+        key: Hashable,
+        body: Callable[[], Any],
+        keep: Any = None,
+        here: Any = None,
+        bind: Callable[[Any], None] = lambda origin: None,
+    ) -> Any:
         comm = self.comm
         if comm is None:
+            bind(None)
             return body()
         stream = self.cupy.cuda.get_current_stream()
         if stream.is_capturing():
+            bind(None)
             return body()
         kept = self.kept.pop(key, None)  # put back last: the most recently launched
         if kept is None and key not in self._seen:  # new: eager, captured on a repeat
+            bind(None)
             with measured(self.cupy) as nbytes:
                 returned = body()
-            self._seen[key] = nbytes[0]
+            self._seen[key] = nbytes[0], keep
             while len(self._seen) > self.KEPT:
                 self._seen.pop(next(iter(self._seen)))
             return returned
         if kept is None:
-            kept = self._capture(comm, body, self._seen.pop(key), keep)
+            bind(None)  # on the current stream, before the graph that is launched on it
+            kept = self._capture(comm, body, self._seen.pop(key)[0], keep, here)
             if kept is None:  # capture failed: this plan's calls run eagerly from now on
                 return body()
+        else:
+            bind(kept[5])
         self.kept[key] = kept
         while len(self.kept) > self.KEPT:
             self.kept.pop(next(iter(self.kept)))
-        graph, record, returned, _, _ = kept
+        graph, record, returned = kept[:3]
         comm.check_usable()  # a closed or aborted communicator's transfers must not run
         graph.launch(stream=stream)
         comm.track(stream, record)
         return returned
 
     def _capture(
-        self, comm: Capturable, body: Callable[[], Any], nbytes: int, keep: Any
-    ) -> tuple[Any, Any, Any, Arena, Any] | None:
+        self, comm: Capturable, body: Callable[[], Any], nbytes: int, keep: Any, here: Any
+    ) -> tuple[Any, Any, Any, Arena, Any, Any] | None:
         """What :attr:`kept` holds of ``body``'s graph, captured on a stream of the
         plan's own (the current stream may be the legacy default stream, which cannot be
         captured) with the plan's arena, grown to ``nbytes`` (an empty one, which refuses
@@ -178,4 +203,4 @@ class Graphs:
         if graph is None or failed:
             self.comm = None
             return None
-        return graph, record, returned, arena, keep
+        return graph, record, returned, arena, keep, here

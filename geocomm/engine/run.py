@@ -19,6 +19,7 @@ pieces, the device plan) is made at its first call and kept in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any
@@ -288,12 +289,15 @@ class FlatPlan:
 
         On the device, a call whose every plan maps ranges from arrays it names (its
         ``inputs``) with no refresh (GeoFP8's split, with or without a power step)
-        and keeps no residual depends on nothing but device memory at addresses it
-        names: the arrays, the signature's buffers and the plans' inputs, with sums
-        small enough for one all-gather each (the side's and the steps':
+        and keeps no residual depends on nothing but device memory: the call's arrays
+        (its kernels move with them: :meth:`~geocomm.engine.device.DevicePlan.moving`),
+        the signature's buffers and the plans' inputs, with sums small enough for one
+        all-gather each (the side's and the steps':
         :func:`~geocomm.engine.exact.pipelined` not set). It runs through
-        :attr:`mapped_graphs` keyed by them and by which plans step (one graph launch
-        once it repeats, the average inside; what a step allocates lives in the
+        :attr:`mapped_graphs` keyed by the buffers and inputs, which the key's graph
+        (or its first eager run) keeps alive, so a key is the same on every rank
+        whenever the calls are, as NCCL requires, and by which plans step (one graph
+        launch once it repeats, the average inside; what a step allocates lives in the
         graph's arena, and a replay hands the plans what the captured steps left:
         :func:`resume_steps`). Other calls run eagerly and leave the average to the
         caller (a refresh reads the sum).
@@ -311,38 +315,49 @@ class FlatPlan:
             self.scratch = xp.empty(self.pieces.piece, dtype=np.float32)
 
         def body(divide_by: int) -> list[Any]:
-            taken = step_parts(self.comm, codec, source, planned) if capturable else []
-            channel.begin(planned, source)
-            mapper = PartsMap(
-                source, result, self.offset, parts, planned, channel.sum(planned), residual,
-                self.codec, self.scratch,
-            )  # fmt: skip
-            if plan is None:
-                self.pipeline(source, result, mapper, rounding_stream)
-            else:
-                plan.eager(source, result, mapper, rounding_stream)
-            mapper.finish(self.offset, self.offset + result.size)
-            if divide_by:
-                divide(result, divide_by)
-            return taken
+            with contextlib.nullcontext() if plan is None else plan.moving(source, result):
+                taken = step_parts(self.comm, codec, source, planned) if capturable else []
+                channel.begin(planned, source)
+                mapper = PartsMap(
+                    source, result, self.offset, parts, planned, channel.sum(planned),
+                    residual, self.codec, self.scratch,
+                )  # fmt: skip
+                if plan is None:
+                    self.pipeline(source, result, mapper, rounding_stream)
+                else:
+                    plan.eager(source, result, mapper, rounding_stream)
+                mapper.finish(self.offset, self.offset + result.size)
+                if divide_by:
+                    divide(result, divide_by)
+                return taken
 
-        if plan is not None:
-            plan.prepare(rounding_stream)
+        if plan is not None:  # outside any graph: its stream's order
+            plan.prepare()
         steady = capturable and residual is None and not channel.exact.pipelined
         if steady and any(p.steps for _, p in planned):
             steady = not exact.pipelined(self.comm, sum(p.step_values for _, p in planned))
         if plan is None or not steady:
+            if plan is not None:
+                plan.bind(source, result, rounding_stream)
             body(0)
             return channel.summed(), False
         if self.mapped_graphs is None:
             self.mapped_graphs = Graphs(self.comm, xp)
+        arrays = [a for _, p in planned for a in p.inputs]
         inputs = tuple((p.steps, int(a.data.ptr), a.shape) for _, p in planned for a in p.inputs)
         scratch = channel.scratch
         at = 0 if scratch is None else int(scratch.data.ptr)
-        key = (int(source.data.ptr), int(result.data.ptr), divisor, id(channel), at, inputs)
-        # the graph keeps its channel and the channel's scratch: a channel dropped from
-        # self.channels, or a scratch it outgrew (reserve), stays alive with the graph
-        taken = self.mapped_graphs.run(key, lambda: body(divisor), keep=(channel, scratch))
+        key = (divisor, id(channel), at, inputs)
+        bound, here = plan, (int(source.data.ptr), int(result.data.ptr))
+
+        def bind(origin: tuple[int, int] | None) -> None:
+            bound.bind(source, result, rounding_stream, origin, here)
+
+        # the key's arrays stay alive with its graph (or while it waits for its capture):
+        # no other array can take their addresses, so keys match alike on every rank
+        taken = self.mapped_graphs.run(
+            key, lambda: body(divisor), keep=(channel, scratch, arrays), here=here, bind=bind
+        )
         if taken:  # a replay's plans take what its graph's steps write
             resume_steps(planned, taken)
         return channel.summed(), bool(divisor)

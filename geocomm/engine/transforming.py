@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from geocomm.comm.base import Communicator
-from geocomm.engine.arithmetic import add_into, residual_of
+from geocomm.engine.arithmetic import add_into, copy_into, residual_of
 from geocomm.engine.exact import ExactSum, exact_sum
 from geocomm.engine.layout import array_module
 from geocomm.engine.protocols import WireCodec
@@ -230,7 +230,7 @@ class PartsMap:
             if plan is not None and plan.ranged:
                 plan.forward_range(self.values[a:b], a - part.offset, out[a - lo : b - lo])
             elif plan is None:
-                out[a - lo : b - lo] = self.values[a:b]
+                copy_into(out[a - lo : b - lo], self.values[a:b])
             elif out is not inside:  # a whole-tensor plan's values, mapped up front
                 out[a - lo : b - lo] = self.mapped[id(part)][a - part.offset : b - part.offset]
         if self.residual is not None:

@@ -12,7 +12,14 @@ positions of NaNs are guaranteed to agree. Format ids, flags and layout
 constants are the C core's (``geocomm.kernels.native``, from the compiled
 cdef); this module forwards them (``geocomm.kernels.cuda.E4M3`` ...). ``divide`` is
 the IEEE division of op="avg", ``add`` the fp32 sums of the collectives and
-``residual`` error feedback's differences (CuPy's own arithmetic flushes subnormals).
+``residual`` error feedback's differences (CuPy's own arithmetic flushes subnormals),
+``copy`` a copy of fp32 values.
+
+Kernels that run inside a call's CUDA graph on the caller's arrays read and write
+them at their arguments' addresses plus a shift in device memory (``gc_moved``
+in ``native/gc_scalar.h``): :func:`moving` names the arrays of the call under way
+and their shifts' slots, and :func:`moved` gives a launch the slot of the array it
+passes (:class:`Moves`).
 
 Importing this module never imports CuPy. ``available`` (computed on first
 access) says whether CuPy imports and sees a CUDA device; every function that
@@ -24,6 +31,8 @@ kernels.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,13 +52,17 @@ __all__ = [
     "NVRTC_OPTIONS",
     "CudaUnavailable",
     "Fp8Launch",
+    "Moves",
     "add",
+    "copy",
     "decode",
     "divide",
     "divide_grid",
     "encode",
     "fp8_launch",
     "kernel_source",
+    "moved",
+    "moving",
     "require",
     "residual",
     "wire_size",
@@ -377,6 +390,76 @@ def _divisor(size: int) -> int:
     return int(size)
 
 
+# ---------------------------------------------------------------------------
+# where a call's arrays lie
+
+
+class Moves:
+    """The shifts a call's kernels add to the addresses of its source and result
+    (``gc_moved``): ``source`` and ``result`` are (first byte, end, slot), the slot a
+    device array of one uint64 that the call writes before its kernels run
+    (:meth:`geocomm.engine.device.DevicePlan.bind`); ``unmoved``: the slot of every
+    other array (0). A result is apart from its source or the same memory (an
+    in-place call), and a graph captured in place must serve calls that are not, and
+    the other way round: there an array is the result where the launch writes its
+    memory, else the source. That holds because a call reads its source only in
+    launches that write none of it (the pipeline writes a range only once it has
+    read it), and reads its result back only in launches that write it too (a
+    map's inverse, the average)."""
+
+    __slots__ = ("in_place", "result", "source", "unmoved")
+
+    def __init__(self, source: tuple[int, int, Any], result: tuple[int, int, Any], unmoved: Any):
+        self.source, self.result, self.unmoved = source, result, unmoved
+        self.in_place = source[:2] == result[:2]
+
+    def slot(self, a: Any, writes: bool = False) -> Any:
+        """The slot of the array whose memory holds ``a`` (a view of it, or itself),
+        whose memory the launch writes (``writes``) or only reads."""
+        at = int(a.data.ptr)
+        if self.in_place:
+            lo, hi, _ = self.source
+            if not lo <= at < hi:
+                return self.unmoved
+            return self.result[2] if writes else self.source[2]
+        for lo, hi, slot in (self.source, self.result):
+            if lo <= at < hi:
+                return slot
+        return self.unmoved
+
+
+_moves: contextvars.ContextVar[Moves | None] = contextvars.ContextVar("moves", default=None)
+#: a zero slot per namespace and device, for launches outside any call's :func:`moving`
+_unmoved: dict[tuple[str, Any], Any] = {}
+
+
+@contextlib.contextmanager
+def moving(moves: Moves) -> Iterator[None]:
+    """Launches inside (this thread's) take their slots from ``moves``."""
+    token = _moves.set(moves)
+    try:
+        yield
+    finally:
+        _moves.reset(token)
+
+
+def moved(a: Any, xp: Any = None, writes: bool = False) -> Any:
+    """The slot of the shift a kernel adds to ``a``'s address, whose memory the launch
+    writes (``writes``) or only reads: the :func:`moving` call's (:meth:`Moves.slot`),
+    else a zero slot of ``a``'s device (``xp``: the namespace to make it with; CuPy)."""
+    moves = _moves.get()
+    if moves is not None:
+        return moves.slot(a, writes)
+    xp = require() if xp is None else xp
+    device: Any = getattr(a, "device", None)
+    key = (xp.__name__, getattr(device, "id", None))
+    slot = _unmoved.get(key)
+    if slot is None:
+        with device if hasattr(device, "__enter__") else contextlib.nullcontext():
+            slot = _unmoved[key] = xp.zeros(1, np.uint64)
+    return slot
+
+
 def divide(values: Any, size: int, stream: Any = None) -> None:
     """``values /= size`` in place on the GPU, as NumPy does it on the CPU.
 
@@ -403,10 +486,27 @@ def divide(values: Any, size: int, stream: Any = None) -> None:
     n = values.size
     if n == 0:
         return
+    args: tuple[Any, ...] = (values, _u64(n), values.dtype.type(size))
+    if dtype == np.float32:  # a call's result, inside its graph: it moves
+        args = (values, moved(values, writes=True), *args[1:])
     with _launch_context(values.device, stream):
-        kernel(cupy, _DIVIDE_KERNELS[dtype][0])(
-            divide_grid(n, dtype), (THREADS,), (values, _u64(n), values.dtype.type(size))
-        )
+        kernel(cupy, _DIVIDE_KERNELS[dtype][0])(divide_grid(n, dtype), (THREADS,), args)
+
+
+def copy(out: Any, values: Any, stream: Any = None) -> None:
+    """``out[...] = values`` (C-contiguous float32 cupy arrays of one size on one
+    device, apart), both moving (:func:`moved`): a call's graph copies a caller's
+    values with it. Runs on ``stream`` (default: the current stream); returns without
+    synchronizing."""
+    cupy = require()
+    _check_f32(cupy, out, "out")
+    _check_operand(cupy, values, "values", out)
+    n = out.size
+    if n == 0:
+        return
+    args = (out, moved(out, writes=True), values, moved(values), _u64(n))
+    with _launch_context(out.device, stream):
+        kernel(cupy, "gc_copy_f32")(_grid(-(-n // 4)), (THREADS,), args)
 
 
 # ---------------------------------------------------------------------------

@@ -607,7 +607,7 @@ def test_the_flat_plan_takes_the_host_path_for_numpy():
 # ---------------------------------------------------------------------------
 # the CUDA launches, against the kernels' signatures (no GPU: the launches are recorded)
 
-_C_TYPES = {"int": np.int32, "unsigned int": np.uint32, "gc_u64": np.uint64}
+_C_TYPES = {"int": np.int32, "unsigned int": np.uint32, "gc_u64": np.uint64, "float": np.float32}
 
 
 def kernel_signatures() -> dict[str, list[type | None]]:
@@ -713,7 +713,8 @@ def test_cuda_launches_match_the_kernels(launches, name, stochastic):
     else:
         assert all(k is seg.device for k in keys)
     # the second encode adds the incoming bodies; the first passes none
-    at = 3 + (encoder[-1] == "gc_pipe_value_encode")  # (family,) x, table, in, nin, stride
+    # (family,) x, moved, table, in, nin, stride
+    at = 4 + (encoder[-1] == "gc_pipe_value_encode")
     incoming = [(int(args[at]), int(args[at + 1])) for n, _, _, args in log if n == encoder[-1]]
     assert incoming == [(0, 0), (2, fmt.wire_size(5000))]
 

@@ -54,10 +54,29 @@ def test_a_key_runs_eagerly_then_is_captured_then_replays(cp):
     assert np.array_equal(x.get(), np.full(8, 5, np.float32))
 
 
+def test_a_replay_binds_where_its_capture_found_the_arrays(cp):
+    """``bind`` comes before every call's work, outside any graph: with None where the
+    body runs (eagerly, or under capture, on the current stream before the graph is
+    launched on it), with the ``here`` its graph was captured at where a graph
+    replays, whatever this call's ``here`` is."""
+    graphs = Graphs(_Capturable(), cp)
+    x = cp.zeros(8, cp.float32)
+    bound = []
+
+    def body() -> None:
+        x[...] += 1
+
+    for call in range(4):
+        graphs.run("k", body, here=("call", call), bind=bound.append)
+    assert bound == [None, None, ("call", 1), ("call", 1)]
+    assert np.array_equal(x.get(), np.full(8, 4, np.float32))
+
+
 def test_a_graph_keeps_what_its_caller_hands_it_until_dropped(cp):
-    """The caller's owner of the graph's buffers lives as long as the graph: dropped
-    by the caller (a side channel evicted from its plan) it stays, and it goes once
-    KEPT newer graphs pushed this one out."""
+    """The caller's owner of the graph's buffers lives as long as the graph, and from
+    the key's first run on (no other array can take an address a key names, so keys
+    match alike on every rank): dropped by the caller (a side channel evicted from its
+    plan) it stays, and it goes once KEPT newer graphs pushed this one out."""
     graphs = Graphs(_Capturable(), cp)
     x = cp.zeros(8, cp.float32)
 
@@ -66,9 +85,12 @@ def test_a_graph_keeps_what_its_caller_hands_it_until_dropped(cp):
 
     owner = _Buffers()
     alive = weakref.ref(owner)
-    for _ in range(2):
-        graphs.run(("k", id(owner)), body, keep=owner)
+    key = ("k", id(owner))
+    graphs.run(key, body, keep=owner)
     del owner
+    gc.collect()
+    assert alive() is not None, "a key waiting for its capture keeps its owner"
+    graphs.run(key, body, keep=alive())
     gc.collect()
     assert alive() is not None, "a kept graph keeps its buffers' owner"
     for i in range(Graphs.KEPT):  # newer graphs push the first one out

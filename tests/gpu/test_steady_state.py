@@ -211,6 +211,53 @@ def test_geofp8_calls_replay_one_graph_with_and_between_power_steps(
         assert cost == want, (cost, kinds)
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize(("kind", "op"), [("allreduce", "avg"), ("reduce_scatter", "sum")])
+def test_geofp8_arrays_may_move_on_some_ranks_only(cp, comms, kind, op):
+    """GeoFP8's calls are captured and replayed by what they map (the keys' bases, the
+    side channel, which plans step), never by where the caller's arrays lie: rank 0
+    passes the same arrays every call, the others one of three pairs in turn (an
+    in-place call among them), and every rank captures and replays the same calls,
+    with and between power steps (the twin's NCCL checks that every transfer is
+    captured alike), every kernel of the map, the step, the side and the pipeline
+    reading and writing this call's arrays: NumPy's bits at every call, equal state."""
+    from mpi4py import MPI
+
+    from geocomm.engine import call as calls
+
+    shapes = [(256, 512), (64, 1100)]
+    parts = [("w1", shapes[0]), ("w2", shapes[1]), ("b", (512,))]
+    count = sum(m * n for m, n in shapes) + 512
+    config = {"id": "geofp8", "k": 4}
+    dev, host = geocomm.get_codec(config), geocomm.get_codec(config)
+    options = {"parts": parts, "op": op, "stage_size": -(-count // 4)}
+    collective = getattr(geocomm, kind)
+    rank = comms[0].rank
+    bounds = shard_bounds(count, comms[0].size)
+    length = count if kind == "allreduce" else int(np.diff(bounds)[rank])
+    stream = cp.cuda.Stream(non_blocking=True)
+    replayed = []
+    with stream:
+        sources = [cp.empty(count, cp.float32) for _ in range(3)]
+        outs = [cp.empty(length, cp.float32) for _ in range(3)]
+        for call in range(20):
+            at = 0 if rank == 0 else call % 3
+            in_place = kind == "allreduce" and at == 2
+            d, out = sources[at], sources[at] if in_place else outs[at]
+            x = geo_gradients(rank, call, shapes)
+            with calls.saved_call_counts():
+                want = collective(x, codec=host, comm=comms[1], **options)
+            d.set(x)
+            with counted() as cost:
+                collective(d, codec=dev, comm=comms[0], out=out, **options)
+            assert np.array_equal(out.get().view(np.uint32), want.view(np.uint32)), call
+            replayed.append("graph_launches" in cost and "captured" not in cost)
+    assert dev.state_checksum() == host.state_checksum()
+    every = MPI.COMM_WORLD.allgather(replayed)
+    assert all(r == replayed for r in every), every
+    assert sum(replayed) >= 8, replayed
+
+
 def test_geofp8_replays_a_bucket_of_many_keys_stepping_at_once(cp, comms):
     """A bucket of ten weight gradients, the same every call: their bases settle alike,
     so all ten take their power steps in the same calls, at the same ranks, and such a
@@ -256,29 +303,60 @@ def test_geofp8_replays_a_bucket_of_many_keys_stepping_at_once(cp, comms):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_with_graphs_off_arrays_may_move_on_some_ranks_only(cp, monkeypatch):
-    """NCCL lets a transfer be captured into a CUDA graph only on every rank alike. A
-    call replays its graph when its arrays are where they were, a rank-local fact, so
-    arrays that move on some ranks only (here rank 0 passes the same ``out`` every call,
-    the others one of six in turn) have rank 0 replay graphs of transfers the others
-    run eagerly. ``GEOCOMM_GRAPHS=0`` on every rank captures no call: each runs eagerly,
-    with the same bits."""
+@pytest.mark.parametrize(
+    ("graphs", "kind", "op", "place"),
+    [
+        ("1", "allreduce", "sum", "out"),
+        ("1", "allreduce", "avg", "in place"),
+        ("1", "allreduce", "sum", "mixed"),
+        ("1", "reduce_scatter", "avg", "out"),
+        ("1", "allreduce", "sum", "stochastic"),
+        ("0", "allreduce", "sum", "out"),
+    ],
+)
+def test_arrays_may_move_on_some_ranks_only(cp, monkeypatch, graphs, kind, op, place):
+    """NCCL lets a transfer be captured into a CUDA graph only on every rank alike (the
+    twin's NCCL checks it). Whether a call is captured or replayed depends on its
+    signature's calls alone, never on where its arrays lie, a rank-local fact: here
+    rank 0 passes the same arrays every call and the others one of six in turn (fresh
+    buffers from a pool that serves some ranks otherwise), and every rank runs its
+    first call eagerly, captures the second and replays the rest, with the kernels
+    reading and writing each call's arrays ("mixed": a graph captured in place, out=
+    the source, replays calls that are not, and the other way round).
+    ``GEOCOMM_GRAPHS=0`` on every rank captures nothing: each call runs eagerly, with
+    the same bits."""
     from geocomm.comm.nccl import NCCLCommunicator
 
-    monkeypatch.setenv("GEOCOMM_GRAPHS", "0")
+    monkeypatch.setenv("GEOCOMM_GRAPHS", graphs)
     comm = NCCLCommunicator()
+    codec = {"id": "fp8", "rounding": "stochastic", "seed": 3} if place == "stochastic" else "fp8"
+    x = np.full(COUNT, comm.rank + 1, np.float32)
+    want = (comm.size + 1) / 2 if op == "avg" else comm.size * (comm.size + 1) / 2
+    lo, hi = shard_bounds(COUNT, comm.size)[comm.rank : comm.rank + 2]
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
-        x = cp.asarray(np.full(COUNT, comm.rank + 1, np.float32))
-        outs = [cp.empty_like(x) for _ in range(6)]
+        sources = [cp.asarray(x) for _ in range(6)]
+        size = COUNT if kind == "allreduce" else int(hi - lo)
+        outs = [cp.empty(size, cp.float32) for _ in range(6)]
+        costs = []
         for call in range(10):
-            out = outs[0] if comm.rank == 0 else outs[call % 6]
+            at = 0 if comm.rank == 0 else call % 6
+            if place == "mixed":  # ranks > 0 capture in place (at 2) at their second call
+                at = 0 if comm.rank == 0 else (call + 1) % 3
+            source = sources[at]
+            source.set(x)  # an in-place call overwrote it
+            in_place = place == "in place" or (place == "mixed" and at == 2)
+            out = source if in_place else outs[at]
             with counted() as cost:
-                geocomm.allreduce(x, codec="fp8", comm=comm, out=out)
-            assert "graph_launches" not in cost and "captured" not in cost, cost
-        want = sum(range(1, comm.size + 1))
-        assert np.all(out.get() == want)  # small integers: exact in fp8
+                getattr(geocomm, kind)(source, codec=codec, comm=comm, op=op, out=out)
+            costs.append(cost)
+            assert np.all(out.get() == want), call  # small integers: exact in fp8
     comm.close()
+    if graphs == "0":
+        assert not any("graph_launches" in c or "captured" in c for c in costs), costs
+        return
+    assert "graph_launches" not in costs[0] and costs[1].get("captured", 0) > 0, costs[:2]
+    assert all(c.get("graph_launches") == 1 and "captured" not in c for c in costs[2:]), costs
 
 
 def test_a_closed_communicator_replays_no_graph(cp):
@@ -313,8 +391,8 @@ def test_a_geofp8_call_whose_capture_fails_after_its_step_steps_again_alike(cp, 
 
     capture = graphs.Graphs._capture
 
-    def short(self, comm, body, nbytes, keep):
-        return capture(self, comm, body, max(nbytes - graphs.ALIGN, 0), keep)
+    def short(self, comm, body, nbytes, keep, here):
+        return capture(self, comm, body, max(nbytes - graphs.ALIGN, 0), keep, here)
 
     monkeypatch.setattr(graphs.Graphs, "_capture", short)
     shapes = [(256, 512)]
@@ -492,10 +570,12 @@ def test_a_stochastic_call_replays_with_its_own_key(cp, comms, codec, stages):
     assert not np.array_equal(results[2], results[3])
 
 
-def test_a_changed_signature_or_array_is_planned_again(cp, comms):
-    """A new count is a new signature (planned: it allocates); new arrays of a known
-    signature run eagerly once, then get a graph of their own; the old arrays keep
-    theirs."""
+def test_a_changed_signature_is_planned_again_and_new_arrays_replay_its_graph(cp, comms):
+    """A new count is a new signature (planned: it allocates). New arrays of a known
+    signature replay its graph after one launch of one thread that tells the kernels
+    where this call's arrays lie (gc_pipe_set_call); so does the call that goes back to
+    the arrays it was captured with, and from then on a call on them is one graph
+    launch again."""
     comm = comms[0]
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
@@ -505,26 +585,30 @@ def test_a_changed_signature_or_array_is_planned_again(cp, comms):
         b, out_b = cp.asarray(inputs(comm.rank, COUNT, tag=1)), cp.empty(COUNT, cp.float32)
         with counted() as new_arrays:
             device_call(cp, comms, b, out_b, "fp8")
-        with counted() as old_arrays:
-            device_call(cp, comms, a, out_a, "fp8")
+        got_b = out_b.get()
+        costs = []
+        for _ in range(2):
+            with counted() as back:
+                device_call(cp, comms, a, out_a, "fp8")
+            costs.append(back)
+        got_a = out_a.get()
         small, out_small = cp.asarray(inputs(comm.rank, 5000)), cp.empty(5000, cp.float32)
         with counted() as new_count:
             device_call(cp, comms, small, out_small, "fp8")
-        got = out_b.get()
-    assert new_arrays.get("allocations", 0) == 0 and new_arrays.get("launches", 0) > 0
-    assert "graph_launches" not in new_arrays, "arrays seen once run eagerly"
-    assert old_arrays == {"graph_launches": 1, "events": 1}, old_arrays
+    assert new_arrays == {"launches": 1, "graph_launches": 1, "events": 1}, new_arrays
+    assert costs == [new_arrays, {"graph_launches": 1, "events": 1}], costs
     assert new_count.get("allocations", 0) > 0, "a new signature makes its plan"
-    want = reference(comms, inputs(comm.rank, COUNT, tag=1), "fp8")
-    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    want_b = reference(comms, inputs(comm.rank, COUNT, tag=1), "fp8")
+    assert np.array_equal(got_b.view(np.uint32), want_b.view(np.uint32))
+    want_a = reference(comms, inputs(comm.rank, COUNT), "fp8")
+    assert np.array_equal(got_a.view(np.uint32), want_a.view(np.uint32))
 
 
-def test_buffers_used_in_turn_each_replay_their_graph(cp, comms):
-    """A caller that alternates between two output buffers (double buffering) runs each
-    eagerly once, captures each at its second call and from then on replays both; more
-    buffers in turn than a plan keeps graphs for run eagerly instead of capturing one
-    graph after another. (A count of its own: a new signature, whose plan has seen no
-    array yet.)"""
+def test_buffers_used_in_turn_replay_one_graph(cp, comms):
+    """A caller that alternates between output buffers (double buffering, or more
+    buffers than a plan keeps graphs) runs the first call eagerly, captures the second
+    and replays that graph from then on, into whichever buffer a call names. (A count
+    of its own: a new signature.)"""
     comm = comms[0]
     count = COUNT - 4096
     x = inputs(comm.rank, count)
@@ -532,24 +616,18 @@ def test_buffers_used_in_turn_each_replay_their_graph(cp, comms):
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         d = cp.asarray(x)
-        outs = [cp.empty(count, cp.float32) for _ in range(2)]
+        outs = [cp.empty(count, cp.float32) for _ in range(6)]
         costs = []
-        for i in range(8):
+        for i in range(14):
+            out = outs[i % 2] if i < 8 else outs[i % 6]
+            out.fill(0)
             with counted() as cost:
-                device_call(cp, comms, d, outs[i % 2], "fp8")
+                device_call(cp, comms, d, out, "fp8")
             costs.append(cost)
-            assert np.array_equal(outs[i % 2].get().view(np.uint32), want.view(np.uint32))
-        assert all("graph_launches" not in c for c in costs[:2]), costs[:2]
-        assert all(c.get("captured", 0) > 0 for c in costs[2:4]), costs[2:4]
-        assert all(c == {"graph_launches": 1, "events": 1} for c in costs[4:]), costs[4:]
-        many = [cp.empty(count, cp.float32) for _ in range(6)]  # more than Graphs.KEPT
-        cycled = []
-        for i in range(18):
-            with counted() as cost:
-                device_call(cp, comms, d, many[i % 6], "fp8")
-            cycled.append(cost)
-        assert not any(c.get("captured") for c in cycled), "no capture after capture"
-        assert np.array_equal(many[5].get().view(np.uint32), want.view(np.uint32))
+            assert np.array_equal(out.get().view(np.uint32), want.view(np.uint32)), i
+    assert "graph_launches" not in costs[0] and costs[1].get("captured", 0) > 0, costs[:2]
+    for cost in costs[2:]:
+        assert cost == {"launches": 1, "graph_launches": 1, "events": 1}, costs
 
 
 @pytest.mark.parametrize("same_out", [False, True])

@@ -2,7 +2,8 @@
 
 Each scenario is a real 2-rank job (geocomm.launch) driving ``cupy.cuda.nccl``
 directly: matching calls move the bytes in stream order; a size mismatch fails
-at once; a peer that never calls fails after GEOCOMM_TIMEOUT.
+at once; a peer that never calls fails after GEOCOMM_TIMEOUT; a call captured
+into a CUDA graph on one rank only fails (NCCL's rule).
 """
 
 from __future__ import annotations
@@ -32,11 +33,16 @@ JOB = textwrap.dedent("""
     stream.wait_event(cupy.cuda.get_current_stream().record())
     peer = 1 - rank
     count = 50 if scenario == "mismatch" and rank == 1 else 100
+    captured = scenario == "graph on both" or (scenario == "graph on one" and rank == 0)
+    if captured:
+        stream.begin_capture()
     if not (scenario == "absent" and rank == 1):
         nccl.groupStart()
         comm.send(send.data.ptr, 100, nccl.NCCL_UINT8, peer, stream.ptr)
         comm.recv(recv.data.ptr, count, nccl.NCCL_UINT8, peer, stream.ptr)
         nccl.groupEnd()
+    if captured:
+        stream.end_capture().launch(stream)
     try:
         stream.synchronize()
         print(f"rank {rank} got", int(recv.get()[0]), flush=True)
@@ -84,6 +90,19 @@ def test_matching_calls_move_the_bytes(tmp_path):
 def test_size_mismatch_is_an_error(tmp_path):
     out, _ = run_job(tmp_path, "mismatch")
     assert "rank 1 ERROR" in out and "does not match its peer" in out, out
+
+
+def test_calls_captured_on_every_rank_move_the_bytes(tmp_path):
+    out, _ = run_job(tmp_path, "graph on both")
+    assert "rank 0 got 2" in out and "rank 1 got 1" in out, out
+
+
+def test_a_call_captured_on_one_rank_only_is_an_error(tmp_path):
+    """NCCL's rule: whether a call is captured is a property every rank shares."""
+    out, _ = run_job(tmp_path, "graph on one")
+    assert "rank 0 ERROR" in out and "rank 1 ERROR" in out, out
+    assert "captured in capture 1 met rank 1's eager transfer" in out, out
+    assert "queued eagerly met rank 0's transfer of capture 1" in out, out
 
 
 def test_absent_peer_is_an_error_after_the_timeout(tmp_path):

@@ -968,7 +968,7 @@ def test_divide_keeps_subnormal_quotients(codec, n):
     for size in (1, 3, 4):
         got = x.copy()
         codec.function("gc_divide_f32").launch(
-            cuda.divide_grid(n), (THREADS,), (got, u64(n), np.float32(size))
+            cuda.divide_grid(n), (THREADS,), (got, np.zeros(1, np.uint64), u64(n), np.float32(size))
         )
         assert same_values(got, x / np.float32(size))
         assert got[0] != 0
@@ -990,7 +990,7 @@ def test_divide_flushes_when_built_like_rawmodule():
     )
     x = np.full(300, 3e-38, np.float32)
     image.function("gc_divide_f32").launch(
-        cuda.divide_grid(300), (THREADS,), (x, u64(300), np.float32(3))
+        cuda.divide_grid(300), (THREADS,), (x, np.zeros(1, np.uint64), u64(300), np.float32(3))
     )
     assert (x == 0).all()
 
@@ -1020,6 +1020,12 @@ def test_pipeline_and_geometry_units_build():
             assert len(k.resolved) == len(k.params)
 
 
+def moved_to(target: np.ndarray, given: np.ndarray) -> np.ndarray:
+    """The slot that moves a kernel from ``given`` to ``target`` (gc_moved): their
+    addresses' difference modulo 2^64."""
+    return np.array([(target.ctypes.data - given.ctypes.data) % 2**64], np.uint64)
+
+
 @needs_core
 @pytest.mark.parametrize(
     "lo,length,n,k",
@@ -1035,6 +1041,9 @@ def test_pipeline_and_geometry_units_build():
     ],
 )
 def test_geometry_kernels_match_the_c_core(lo, length, n, k):
+    """Each kernel gives the C core's bits, reading its values where its shift slot
+    moves it (a decoy argument and the shift to the values, as a CUDA graph's replay
+    on other arrays; 0 for the rest)."""
     image = _kernels.load(
         _kernels.compile_source(geo._source(), "gc_geometry.cu", cuda.NVRTC_OPTIONS)
     )
@@ -1047,10 +1056,11 @@ def test_geometry_kernels_match_the_c_core(lo, length, n, k):
     chunks = -(-n // geo._DOT_CHUNK)
     partial = coef if chunks == 1 else np.full(touched * chunks * k, np.nan, np.float32)
     sizes = (u64(k), u64(touched), u64(chunks))
+    decoy, unmoved = np.full_like(x, np.nan), np.zeros(1, np.uint64)
     image.function("gc_geo_project").launch(
         geo._grid(touched * chunks * -(-k // geo._PROJECT_COEFS) * geo._LANES),
         (geo._THREADS,),
-        (x, u64(lo), u64(length), u64(n), vt, *sizes, partial),
+        (decoy, moved_to(x, decoy), u64(lo), u64(length), u64(n), vt, *sizes, partial),
     )
     if chunks > 1:
         image.function("gc_geo_project_chunks").launch(
@@ -1061,20 +1071,23 @@ def test_geometry_kernels_match_the_c_core(lo, length, n, k):
     assert np.array_equal(bits(coef), bits(want))
     out, want_out = np.zeros_like(x), np.zeros_like(x)
     native.geo_expand(x, lo, n, want, vt, -1.0, want_out)
+    out_decoy = np.zeros_like(x)
     image.function("gc_geo_expand").launch(
         geo._expand_grid(length),
         (geo._THREADS,),
-        (x, u64(lo), u64(length), u64(n), coef, vt, u64(k), np.float32(-1.0), out),
-    )
-    assert same_values(out, want_out)
+        (decoy, moved_to(x, decoy), u64(lo), u64(length), u64(n), coef, vt, u64(k),
+         np.float32(-1.0), out_decoy, moved_to(out, out_decoy)),
+    )  # fmt: skip
+    assert same_values(out, want_out) and not out_decoy.any()
     # off the 16-byte boundary (values one float into their allocation), and in place
     shifted = np.zeros(length + 1, np.float32)[1:]
     shifted[...] = x
     image.function("gc_geo_expand").launch(
         geo._expand_grid(length),
         (geo._THREADS,),
-        (shifted, u64(lo), u64(length), u64(n), coef, vt, u64(k), np.float32(-1.0), shifted),
-    )
+        (shifted, unmoved, u64(lo), u64(length), u64(n), coef, vt, u64(k), np.float32(-1.0),
+         shifted, unmoved),
+    )  # fmt: skip
     assert same_values(shifted, want_out)
     acc, want_acc = np.ones((k, n), np.float32), np.ones((k, n), np.float32)
     native.geo_accumulate(x, lo, n, want, want_acc)
@@ -1083,8 +1096,9 @@ def test_geometry_kernels_match_the_c_core(lo, length, n, k):
     image.function("gc_geo_accumulate").launch(
         geo._grid(n * tiles * -(-k // geo._PROJECT_COEFS)),
         (geo._THREADS,),
-        (x, u64(lo), u64(length), u64(n), coef, u64(k), u64(touched), partial),
-    )
+        (decoy, moved_to(x, decoy), u64(lo), u64(length), u64(n), coef, u64(k), u64(touched),
+         partial),
+    )  # fmt: skip
     image.function("gc_geo_accumulate_tiles").launch(
         geo._grid(k * n), (geo._THREADS,), (partial, u64(tiles), u64(k * n), acc)
     )

@@ -986,6 +986,7 @@ inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b)
     return (unsigned long long)(((unsigned __int128)a * b) >> 64);
 }
 template <class T> inline T __ldg(const T *p) { return *p; }
+template <class T> inline T __ldca(const T *p) { return *p; }
 
 /* CUDA's min/max overloads. */
 #define GCTWIN_MINMAX(T)                                                                           \

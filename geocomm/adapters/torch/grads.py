@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 
 from geocomm import api
+from geocomm._environ import switch
 from geocomm.adapters.torch.telemetry import BucketStats, ErrorSample, Telemetry
 from geocomm.api import resolve_codec
 from geocomm.comm.metered import MeteredComm
@@ -212,10 +212,10 @@ def check_policy(check: bool | None) -> str:
     ``"never"`` (check=False or ``GEOCOMM_CHECK=0``)."""
     if check is not None:
         return "always" if check else "never"
-    env = os.environ.get("GEOCOMM_CHECK", "").strip().lower()
-    if not env:
+    env = switch("GEOCOMM_CHECK")  # geocomm._environ: on, off, or unset
+    if env is None:
         return "first"
-    return "never" if env in ("0", "false", "no", "off") else "always"
+    return "always" if env else "never"
 
 
 def baseline_bytes(kind: str, numel: int, itemsize: int, size: int) -> int:

@@ -23,7 +23,7 @@ import numpy as np
 from array_api_compat import array_namespace, is_cupy_array
 
 from geocomm.codecs.formats import BF16Codec, round_trip
-from geocomm.kernels import native
+from geocomm.kernels import cuda, native
 
 __all__ = [
     "LaterCopy",
@@ -339,10 +339,13 @@ def _expand_grid(length: int) -> tuple[int]:
     return _grid(-(-length // 4))
 
 
-def _range_args(values: Any, lo: int, n: int) -> tuple[Any, ...]:
-    """The arguments every geometry kernel starts with: the range's values, where the
-    range starts in the matrix, its length and the row length."""
-    return (values, np.uint64(lo), np.uint64(values.size), np.uint64(n))
+def _range_args(values: Any, lo: int, n: int, writes: bool = False) -> tuple[Any, ...]:
+    """The arguments every geometry kernel that reads a range starts with: the range's
+    values and the slot of their shift (:func:`geocomm.kernels.cuda.moved`; ``writes``:
+    the launch writes their memory too), where the range starts in the matrix, its
+    length and the row length."""
+    moved = cuda.moved(values, writes=writes)
+    return (values, moved, np.uint64(lo), np.uint64(values.size), np.uint64(n))
 
 
 def _cuda_project(values: Any, lo: int, n: int, vt: Any, out: Any, scratch: Any) -> Any:
@@ -368,7 +371,7 @@ def _cuda_project(values: Any, lo: int, n: int, vt: Any, out: Any, scratch: Any)
     )
     if chunks > 1:
         _kernel(cupy, "gc_geo_project_chunks")(
-            _grid(touched * k), (_THREADS,), (partial, *range_args[1:], *sizes, coef)
+            _grid(touched * k), (_THREADS,), (partial, *range_args[2:], *sizes, coef)
         )
     return coef
 
@@ -377,10 +380,16 @@ def _cuda_expand(values: Any, lo: int, n: int, coef: Any, vt: Any, sign: float, 
     import cupy
 
     if values.size:
+        in_place = int(values.data.ptr) == int(out.data.ptr)  # a map's inverse
+        range_args = _range_args(values, lo, n, writes=in_place)
         _kernel(cupy, "gc_geo_expand")(
             _expand_grid(values.size),
             (_THREADS,),
-            (*_range_args(values, lo, n), coef, vt, np.uint64(vt.shape[0]), np.float32(sign), out),
+            (
+                *range_args,
+                *(coef, vt, np.uint64(vt.shape[0]), np.float32(sign)),
+                *(out, cuda.moved(out, writes=True)),
+            ),
         )
 
 
@@ -432,10 +441,11 @@ def _cuda_row_sumsq(a: Any) -> Any:
     while True:
         chunks = -(-length // _SUMSQ_CHUNK)
         out = cupy.empty((rows, chunks), cupy.float64)
+        first = (level, cuda.moved(level)) if name == "gc_geo_sumsq_squares" else (level,)
         _kernel(cupy, name)(
             _grid(rows * chunks * _LANES),
             (_THREADS,),
-            (level, np.uint64(rows), np.uint64(length), out),
+            (*first, np.uint64(rows), np.uint64(length), out),
         )
         if chunks == 1:
             return out.reshape(rows)

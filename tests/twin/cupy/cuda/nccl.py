@@ -16,6 +16,13 @@ a real GPU's NCCL waits for good, so tests of geocomm's own timeouts set it
 longer) or when the communicator is aborted; either becomes the device's sticky
 error. Needs MPI_THREAD_MULTIPLE
 (mpi4py's default), since streams transfer on their own threads.
+
+NCCL's rule for CUDA graphs is checked too: whether a call is captured is a
+collective property, so a call queued eagerly must meet eager calls on its
+peers, and a replayed one calls that the peers captured in the same capture
+(the k-th capture of this communicator on each rank). Every transfer carries
+how it was queued (an eager call, or capture k), and one received from a call
+queued otherwise fails, naming both.
 """
 
 from __future__ import annotations
@@ -65,6 +72,9 @@ _DTYPES = {
     NCCL_INT64: np.int64,
 }
 _BOOT_TAG = 0x6E63
+#: the MPI tag of an eager call's transfers; capture k's are _EAGER_TAG + 1 + k % _CAPTURES
+_EAGER_TAG = 1
+_CAPTURES = 30000
 
 
 class NcclError(RuntimeError):
@@ -153,6 +163,18 @@ def _span(ptr: int, count: int, dtype: int) -> tuple[np.ndarray, _device.Access]
     return view, _device.Access(alloc, off, off + nbytes)
 
 
+def _tag(mode: int) -> int:
+    return _EAGER_TAG if mode == 0 else _EAGER_TAG + 1 + mode % _CAPTURES
+
+
+def _queued(mode: int) -> str:
+    return "queued eagerly" if mode == 0 else f"captured in capture {mode}"
+
+
+def _queued_tag(tag: int) -> str:
+    return "eager transfer" if tag == _EAGER_TAG else f"transfer of capture {tag - _EAGER_TAG - 1}"
+
+
 class NcclCommunicator:
     """``NcclCommunicator(nranks, uid, rank)`` over an MPI communicator of the clique."""
 
@@ -181,6 +203,7 @@ class NcclCommunicator:
         self._mpi = mpi
         self._aborted = threading.Event()
         self._destroyed = False
+        self._captures = itertools.count(1)  # this communicator's captures, numbered
 
     def _check(self) -> None:
         _device.check_failure()
@@ -192,16 +215,27 @@ class NcclCommunicator:
             raise NcclError(f"ncclInvalidArgument: peer {peer} of {self.nranks} ranks")
         return int(peer)
 
+    def _mode(self, stream: int) -> int:
+        """How a call on ``stream`` is queued: 0 eagerly, k > 0 in this communicator's
+        k-th capture (a replay of its graph runs the call as captured)."""
+        capture = _device.stream_of(int(stream)).capture
+        if capture is None:
+            return 0
+        numbers = capture.__dict__.setdefault("nccl_numbers", {})
+        if id(self) not in numbers:
+            numbers[id(self)] = next(self._captures)
+        return int(numbers[id(self)])
+
     # -- calls ------------------------------------------------------------------
     def send(self, ptr: int, count: int, datatype: int, peer: int, stream: int) -> None:
         self._check()
         view, acc = _span(ptr, count, datatype)
-        _submit(("send", self, int(stream), self._peer(peer), [acc], view))
+        _submit(("send", self, int(stream), self._peer(peer), [acc], view, self._mode(stream)))
 
     def recv(self, ptr: int, count: int, datatype: int, peer: int, stream: int) -> None:
         self._check()
         view, acc = _span(ptr, count, datatype)
-        _submit(("recv", self, int(stream), self._peer(peer), [acc], view))
+        _submit(("recv", self, int(stream), self._peer(peer), [acc], view, self._mode(stream)))
 
     def allReduce(
         self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int
@@ -216,7 +250,7 @@ class NcclCommunicator:
                 "allreduce",
                 self,
                 int(stream),
-                (int(count), datatype, op),
+                (int(count), datatype, op, self._mode(stream)),
                 [s_acc],
                 [r_acc],
                 send,
@@ -238,11 +272,11 @@ class NcclCommunicator:
         requests, expected = [], []
         for op in ops:
             if op[0] == "send":
-                requests.append(comm.Isend(op[5], dest=op[3], tag=1))
+                requests.append(comm.Isend(op[5], dest=op[3], tag=_tag(op[6])))
                 expected.append(None)
             elif op[0] == "recv":
-                requests.append(comm.Irecv(op[5], source=op[3], tag=1))
-                expected.append((op[3], op[5].nbytes))
+                requests.append(comm.Irecv(op[5], source=op[3], tag=self._mpi.ANY_TAG))
+                expected.append((op[3], op[5].nbytes, op[6]))
         self._complete(requests, expected, "send/recv group")
         for op in ops:
             if op[0] == "allreduce":
@@ -278,23 +312,32 @@ class NcclCommunicator:
                 raise NcclError(f"rank {self.rank}: {what} did not complete: {why}")
             time.sleep(2e-4)
         for status, want in zip(statuses, expected, strict=True):
-            if want is not None and status.Get_count(self._mpi.BYTE) != want[1]:
+            if want is None:
+                continue
+            if status.Get_tag() != _tag(want[2]):
+                raise NcclError(
+                    f"rank {self.rank}: {what}: a transfer {_queued(want[2])} met rank "
+                    f"{want[0]}'s {_queued_tag(status.Get_tag())}: NCCL needs a call captured "
+                    "alike on every rank (and the graphs of one capture replayed together)"
+                )
+            if status.Get_count(self._mpi.BYTE) != want[1]:
                 raise NcclError(
                     f"rank {self.rank}: {what}: expected {want[1]} bytes from rank {want[0]}, "
                     f"it sent {status.Get_count(self._mpi.BYTE)} (the calls do not match)"
                 )
 
     def _allreduce(
-        self, count: int, datatype: int, op: int, send: np.ndarray, recv: np.ndarray
+        self, count: int, datatype: int, op: int, mode: int, send: np.ndarray, recv: np.ndarray
     ) -> None:
         mpi, comm = self._mpi, self._comm
-        mine = np.array([count, datatype, op], np.int64)
-        rows = np.empty((self.nranks, 3), np.int64)
+        mine = np.array([count, datatype, op, mode], np.int64)
+        rows = np.empty((self.nranks, 4), np.int64)
         self._complete([comm.Iallgather(mine, rows)], [None], "allReduce descriptor")
         if (rows != mine).any():
             raise NcclError(
-                f"rank {self.rank}: allReduce calls differ across ranks "
-                f"(count, datatype, op per rank: {rows.tolist()})"
+                f"rank {self.rank}: allReduce calls differ across ranks (count, datatype, "
+                f"op and capture (0: eager) per rank: {rows.tolist()}); NCCL needs a call "
+                "captured alike on every rank"
             )
         reduce_op = mpi.SUM if op == NCCL_SUM else mpi.MAX
         staged = np.array(send)  # a copy (send may be recv); alive until the transfer ends
