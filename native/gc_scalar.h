@@ -77,16 +77,16 @@ GC_FN float gc_float(gc_u32 u)
 #endif
 
 #ifdef __CUDACC__
-/* p moved by *moved bytes: where a kernel reads or writes a caller's array. A CUDA
- * graph keeps the addresses it captured, and NCCL lets a call be captured or
- * replayed only on every rank alike, so whether a call replays may not depend on
- * where its arrays lie (a rank-local fact). The kernels that run on a caller's
- * arrays inside a call take the arrays of the call they were captured in, plus
- * the shift gc_pipe_set_call (gc_pipeline.cu) wrote for this call in device
- * memory (0 when it runs on those arrays, or eagerly). */
+/* p moved by *moved bytes (moved NULL: p itself): where a kernel reads or writes
+ * a caller's array. A CUDA graph keeps the addresses it captured, and NCCL lets a
+ * call be captured or replayed only on every rank alike, so whether a call
+ * replays may not depend on where its arrays lie (a rank-local fact). The kernels
+ * that run on a caller's arrays inside a call take the arrays of the call they
+ * were captured in, plus the shift gc_pipe_set_call (gc_pipeline.cu) wrote for
+ * this call in device memory (0 when it runs on those arrays, or eagerly). */
 template <class T> GC_FN T *gc_moved(T *p, const gc_u64 *moved)
 {
-    return (T *)((gc_u64)p + *moved);
+    return moved ? (T *)((gc_u64)p + *moved) : p;
 }
 
 /* *p from global memory (ld.global.ca, a plain load's caching): what a load of a

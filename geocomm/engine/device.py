@@ -208,7 +208,7 @@ class CudaKernels:
         return cuda_build.kernel(self.cupy, name, kernel_source)
 
     def _moved(self, a: Any, writes: bool = False) -> Any:
-        return cuda.moved(a, self.cupy, writes)
+        return cuda.moved(a, writes)
 
     def encode(self, fmt: WireFormat, x: Any, seg: Segments, wire: Any, amax: Any,
                incoming: Incoming | None = None, rounding_stream: int = 0,
@@ -471,12 +471,11 @@ class DevicePlan:
         self.staging: Any = xp.empty(tables.staged, np.float32) if tables.staged else None
         self.amax = xp.zeros(max(tables.amax, 1), np.uint32)
         #: what a call's kernels read (bind): the stochastic-rounding keys of its two
-        #: quantizations, how far its source and result lie from the kernels' arguments
-        #: (the bytes they add: gc_moved in native/gc_scalar.h), and a 0 (every other
-        #: array: the plan's buffers, a map's)
-        self.slots = xp.zeros(5, np.uint64)
+        #: quantizations and how far its source and result lie from the kernels'
+        #: arguments (the bytes they add: gc_moved in native/gc_scalar.h)
+        self.slots = xp.zeros(4, np.uint64)
         self.key_views = (self.slots[0:1], self.slots[1:2])
-        self._moved = (0, 0)  # the shifts the slots hold
+        self._moved: tuple[int, int] | None = (0, 0)  # the shifts the slots hold (None: unknown)
         #: the CUDA graphs of its calls without a map, by divisor
         self.graphs = Graphs(None if staged else comm, xp)
         self._last_stream: Any = None
@@ -520,15 +519,24 @@ class DevicePlan:
         other shards, then 2, its own sum) and how far ``source`` and ``result`` (at
         ``here``: their addresses, if known) lie from ``origin`` (the addresses the
         kernels were given: a graph's; None: these, an eager call). Nothing when the
-        slots already hold it (nearest rounding on arrays where the kernels were given
-        them): steady calls on the same arrays queue no launch."""
+        slots hold zero shifts and nearest rounding needs no key: steady calls on the
+        arrays of their graph's capture queue no launch. (Not when they hold the same
+        nonzero shifts: a caller's graph that captured a call rewrites the slots with
+        its own, zero, whenever it runs.) A call that the caller's capture of the
+        current stream records writes the slots in that graph, and the host no longer
+        knows what they hold until the next write."""
         if here is None:
             here = _address(source), _address(result)
         if origin is None or origin == here:
             moved = (0, 0)
         else:
             moved = ((here[0] - origin[0]) % 2**64, (here[1] - origin[1]) % 2**64)
-        if not self.fmt.stochastic and moved == self._moved == (0, 0):
+        recorded = (
+            origin is None  # only eager bodies run under a caller's capture
+            and self.xp is not np
+            and self.xp.cuda.get_current_stream().is_capturing()
+        )
+        if not recorded and not self.fmt.stochastic and moved == self._moved == (0, 0):
             return
         keys = (0, 0)
         if self.fmt.stochastic:
@@ -538,7 +546,7 @@ class DevicePlan:
                 key(quantization_stream(rounding_stream, me, 2)),
             )
         self.kernels.set_call(self.slots, keys, source, result, origin or here)
-        self._moved = moved
+        self._moved = None if recorded else moved
 
     def prepare(self) -> None:
         """What every call queues first, outside any graph: an order after the plan's
@@ -561,7 +569,7 @@ class DevicePlan:
         slots = self.slots
         source_span = (_address(source), _address(source) + source.nbytes, slots[2:3])
         result_span = (_address(result), _address(result) + result.nbytes, slots[3:4])
-        return cuda.moving(cuda.Moves(source_span, result_span, slots[4:5]))
+        return cuda.moving(cuda.Moves(source_span, result_span))
 
     def eager(
         self,

@@ -394,12 +394,16 @@ def _divisor(size: int) -> int:
 # where a call's arrays lie
 
 
+#: the slot of an array that does not move: NULL (``gc_moved`` adds nothing)
+UNMOVED = np.uint64(0)
+
+
 class Moves:
     """The shifts a call's kernels add to the addresses of its source and result
     (``gc_moved``): ``source`` and ``result`` are (first byte, end, slot), the slot a
     device array of one uint64 that the call writes before its kernels run
-    (:meth:`geocomm.engine.device.DevicePlan.bind`); ``unmoved``: the slot of every
-    other array (0). A result is apart from its source or the same memory (an
+    (:meth:`geocomm.engine.device.DevicePlan.bind`); every other array takes
+    :data:`UNMOVED`. A result is apart from its source or the same memory (an
     in-place call), and a graph captured in place must serve calls that are not, and
     the other way round: there an array is the result where the launch writes its
     memory, else the source. That holds because a call reads its source only in
@@ -407,11 +411,13 @@ class Moves:
     read it), and reads its result back only in launches that write it too (a
     map's inverse, the average)."""
 
-    __slots__ = ("in_place", "result", "source", "unmoved")
+    __slots__ = ("in_place", "result", "source")
 
-    def __init__(self, source: tuple[int, int, Any], result: tuple[int, int, Any], unmoved: Any):
-        self.source, self.result, self.unmoved = source, result, unmoved
+    def __init__(self, source: tuple[int, int, Any], result: tuple[int, int, Any]):
+        self.source, self.result = source, result
         self.in_place = source[:2] == result[:2]
+        if not self.in_place and source[0] < result[1] and result[0] < source[1]:
+            raise ValueError("a call's result overlaps its source without being the same memory")
 
     def slot(self, a: Any, writes: bool = False) -> Any:
         """The slot of the array whose memory holds ``a`` (a view of it, or itself),
@@ -420,17 +426,15 @@ class Moves:
         if self.in_place:
             lo, hi, _ = self.source
             if not lo <= at < hi:
-                return self.unmoved
+                return UNMOVED
             return self.result[2] if writes else self.source[2]
         for lo, hi, slot in (self.source, self.result):
             if lo <= at < hi:
                 return slot
-        return self.unmoved
+        return UNMOVED
 
 
 _moves: contextvars.ContextVar[Moves | None] = contextvars.ContextVar("moves", default=None)
-#: a zero slot per namespace and device, for launches outside any call's :func:`moving`
-_unmoved: dict[tuple[str, Any], Any] = {}
 
 
 @contextlib.contextmanager
@@ -443,21 +447,12 @@ def moving(moves: Moves) -> Iterator[None]:
         _moves.reset(token)
 
 
-def moved(a: Any, xp: Any = None, writes: bool = False) -> Any:
+def moved(a: Any, writes: bool = False) -> Any:
     """The slot of the shift a kernel adds to ``a``'s address, whose memory the launch
     writes (``writes``) or only reads: the :func:`moving` call's (:meth:`Moves.slot`),
-    else a zero slot of ``a``'s device (``xp``: the namespace to make it with; CuPy)."""
+    else :data:`UNMOVED`."""
     moves = _moves.get()
-    if moves is not None:
-        return moves.slot(a, writes)
-    xp = require() if xp is None else xp
-    device: Any = getattr(a, "device", None)
-    key = (xp.__name__, getattr(device, "id", None))
-    slot = _unmoved.get(key)
-    if slot is None:
-        with device if hasattr(device, "__enter__") else contextlib.nullcontext():
-            slot = _unmoved[key] = xp.zeros(1, np.uint64)
-    return slot
+    return UNMOVED if moves is None else moves.slot(a, writes)
 
 
 def divide(values: Any, size: int, stream: Any = None) -> None:

@@ -359,6 +359,46 @@ def test_arrays_may_move_on_some_ranks_only(cp, monkeypatch, graphs, kind, op, p
     assert all(c.get("graph_launches") == 1 and "captured" not in c for c in costs[2:]), costs
 
 
+def test_a_call_the_callers_capture_records_leaves_its_slots_to_be_written_again(cp, comms):
+    """A call made while the caller captures the current stream runs into the caller's
+    graph, which writes the plan's slots (zero shifts: that call's arrays) whenever it
+    runs, so geocomm no longer knows what they hold: here they held the shifts of a
+    replay on other arrays, and the next call on the capture's arrays writes them
+    again instead of trusting them. Every call, and the caller's graph, gives NumPy's
+    bits. One rank: over NCCL with transfers a caller cannot capture a whole call (its
+    transfers' timeouts query events), only geocomm's own graphs nest calls."""
+    comm = comms[0]
+    if comm.size > 1:
+        pytest.skip("a caller's capture of a whole call is a one-rank scenario")
+    count = COUNT - 8192  # a signature of its own
+    x = inputs(comm.rank, count)
+    want = reference(comms, x, "fp8").view(np.uint32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        a, b = cp.asarray(x), cp.asarray(x)
+        out_a, out_b = cp.empty(count, cp.float32), cp.empty(count, cp.float32)
+        for _ in range(2):  # eager, then captured on a and out_a
+            device_call(cp, comms, a, out_a, "fp8", check=False)
+        device_call(cp, comms, b, out_b, "fp8", check=False)  # a replay that moves
+        stream.begin_capture()
+        device_call(cp, comms, a, out_a, "fp8", check=False)  # the caller's graph
+        graph = stream.end_capture()
+        out_a.fill(0)
+        with counted() as cost:
+            device_call(cp, comms, a, out_a, "fp8", check=False)
+        assert np.array_equal(out_a.get().view(np.uint32), want)
+        out_b.fill(0)
+        device_call(cp, comms, b, out_b, "fp8", check=False)
+        out_a.fill(0)
+        graph.launch(stream)
+        assert np.array_equal(out_a.get().view(np.uint32), want)
+        assert np.array_equal(out_b.get().view(np.uint32), want)
+        out_b.fill(0)
+        device_call(cp, comms, b, out_b, "fp8", check=False)
+        assert np.array_equal(out_b.get().view(np.uint32), want)
+    assert cost == {"launches": 1, "graph_launches": 1, "events": 1}, cost
+
+
 def test_a_closed_communicator_replays_no_graph(cp):
     """A call whose graph is kept refuses a communicator that was closed (or aborted
     after a timeout or a mismatch) as an eager call does, instead of launching the

@@ -1056,7 +1056,7 @@ def test_geometry_kernels_match_the_c_core(lo, length, n, k):
     chunks = -(-n // geo._DOT_CHUNK)
     partial = coef if chunks == 1 else np.full(touched * chunks * k, np.nan, np.float32)
     sizes = (u64(k), u64(touched), u64(chunks))
-    decoy, unmoved = np.full_like(x, np.nan), np.zeros(1, np.uint64)
+    decoy, unmoved = np.full_like(x, np.nan), np.uint64(0)  # NULL: no shift
     image.function("gc_geo_project").launch(
         geo._grid(touched * chunks * -(-k // geo._PROJECT_COEFS) * geo._LANES),
         (geo._THREADS,),

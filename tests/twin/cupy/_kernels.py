@@ -42,7 +42,8 @@ Contract
     checked as strictly as the kernel's signature demands, which CuPy does
     not do: a pointer parameter takes a NumPy array or anything with
     ``.data.ptr`` and ``.dtype`` (the twin's device arrays) whose dtype is
-    the pointee's (``void *`` and struct pointees take any); a value
+    the pointee's (``void *`` and struct pointees take any), or
+    ``np.uint64(0)``, NULL (CuPy packs it as eight zero bytes); a value
     parameter takes a NumPy scalar of exactly its type, and a Python int,
     float or bool only where CuPy's conversion (int64, float64, bool) is the
     parameter's type (``long long``, ``double``, ``bool``). Any mismatch, a
@@ -638,6 +639,8 @@ class Kernel:
         return LaunchError(f"kernel {self.name}: {message}")
 
     def _pointer(self, i: int, param: Param, resolved: _Resolved, arg: Any) -> int:
+        if isinstance(arg, np.uint64) and arg == 0:
+            return 0  # NULL: eight zero bytes, as CuPy packs a uint64 scalar
         if isinstance(arg, np.ndarray):
             ptr, dtype = arg.ctypes.data, arg.dtype
             if not param.const and not arg.flags.writeable:
