@@ -50,6 +50,7 @@ from geocomm.kernels.cuda_build import (
 
 __all__ = [
     "NVRTC_OPTIONS",
+    "UNMOVED",
     "CudaUnavailable",
     "Fp8Launch",
     "Moves",

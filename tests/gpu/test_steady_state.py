@@ -3,10 +3,12 @@
 where no graph can be kept, exactly the launches its plan names), at any rank count.
 
 A call's signature is planned at its first call (tables, buffers: the allocations);
-the second call with the same arrays is captured into a CUDA graph; every later call
-replays it. The twin counts what reaches the device (``cupy._memory.counters``) and
-checks the stream order of the graph's replay like any eager work, and these tests
-compare each call's result with NumPy over MPI, bit for bit.
+its second call is captured into a CUDA graph; every later call replays it, on the
+arrays it names (one more one-thread launch where they lie elsewhere than the
+capture's), alike on every rank (the twin's NCCL checks it). The twin counts what
+reaches the device (``cupy._memory.counters``) and checks the stream order of the
+graph's replay like any eager work, and these tests compare each call's result with
+NumPy over MPI, bit for bit.
 """
 
 from __future__ import annotations
