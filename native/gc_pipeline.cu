@@ -181,7 +181,9 @@ GC_DEV gc_u64 gc_load_key(int sr, const gc_u64 *sr_key) { return sr ? *sr_key : 
  * host-to-device copy, which from pageable memory may wait for the stream):
  * slots[0], slots[1] = its two stochastic-rounding keys; slots[2], slots[3] = how
  * far its source and result lie from where the kernels about to run were given
- * them (source_origin, result_origin: their addresses; gc_moved). */
+ * them (source_origin, result_origin: their addresses; gc_moved). It takes the
+ * arrays as arrays, read and written, so a stream-order checker (the CPU twin's)
+ * sees the call's accesses here, where a replay's kernels name the capture's. */
 extern "C" __global__ void gc_pipe_set_call(gc_u64 *slots, gc_u64 first, gc_u64 second,
                                             const float *source, gc_u64 source_origin,
                                             float *result, gc_u64 result_origin)
