@@ -82,19 +82,16 @@ def run_job(tmp_path, scenario: str, job: str = JOB, **env: str) -> tuple[str, f
     return run.stdout + run.stderr, time.monotonic() - start
 
 
-def test_matching_calls_move_the_bytes(tmp_path):
-    out, _ = run_job(tmp_path, "ok")
+@pytest.mark.parametrize("scenario", ["ok", "graph on both"])
+def test_matching_calls_move_the_bytes(tmp_path, scenario):
+    """Eagerly, or captured on every rank alike and replayed."""
+    out, _ = run_job(tmp_path, scenario)
     assert "rank 0 got 2" in out and "rank 1 got 1" in out, out
 
 
 def test_size_mismatch_is_an_error(tmp_path):
     out, _ = run_job(tmp_path, "mismatch")
     assert "rank 1 ERROR" in out and "does not match its peer" in out, out
-
-
-def test_calls_captured_on_every_rank_move_the_bytes(tmp_path):
-    out, _ = run_job(tmp_path, "graph on both")
-    assert "rank 0 got 2" in out and "rank 1 got 1" in out, out
 
 
 def test_a_call_captured_on_one_rank_only_is_an_error(tmp_path):
