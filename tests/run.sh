@@ -13,6 +13,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # each stage's header says how long the run has taken so far
 stage() { printf '== [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"; }
+# Processes keep the bytecode they compile (pytest's rewritten test modules, the torch
+# window's venvs): some CI images set PYTHONDONTWRITEBYTECODE, and then every rank of
+# every stage compiles them again (tests/run_torch_window.sh says what that cost).
+unset PYTHONDONTWRITEBYTECODE
 source tools/setup_venv.sh test,frameworks
 # the window's venvs download and unpack while the suites below compute
 bash tests/run_torch_window.sh prepare >.torch-window.log 2>&1 &
