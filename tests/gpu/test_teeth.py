@@ -22,7 +22,7 @@ import sys
 import textwrap
 
 import pytest
-from gpu_helpers import ON_TWIN
+from gpu_helpers import ON_TWIN, on_ranks
 
 pytestmark = pytest.mark.skipif(not ON_TWIN, reason="mutations are caught by the twin's checks")
 
@@ -60,25 +60,8 @@ JOB = textwrap.dedent("""
 def run(tmp_path, mutation: str) -> str:
     script = tmp_path / "mutated_job.py"
     script.write_text(JOB)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "geocomm.launch",
-            "-n",
-            "2",
-            "--timeout",
-            "240",
-            "--",
-            sys.executable,
-            "-P",
-            str(script),
-            mutation,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    command = on_ranks([sys.executable, "-P", str(script), mutation], 2, timeout_s=240)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     return done.stdout + done.stderr
 
 

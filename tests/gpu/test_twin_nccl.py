@@ -15,7 +15,7 @@ import textwrap
 import time
 
 import pytest
-from gpu_helpers import ON_TWIN
+from gpu_helpers import ON_TWIN, on_ranks
 
 pytestmark = pytest.mark.skipif(not ON_TWIN, reason="the twin's NCCL itself")
 
@@ -60,25 +60,8 @@ def run_job(tmp_path, scenario: str, job: str = JOB, **env: str) -> tuple[str, f
     script.write_text(job)
     env = {**os.environ, "GEOCOMM_TIMEOUT": "2", **env}
     start = time.monotonic()
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "geocomm.launch",
-            "-n",
-            "2",
-            "--timeout",
-            "120",
-            "--",
-            sys.executable,
-            str(script),
-            scenario,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=180,
-    )
+    command = on_ranks([sys.executable, str(script), scenario], 2, timeout_s=120)
+    run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=180)
     return run.stdout + run.stderr, time.monotonic() - start
 
 
