@@ -315,6 +315,7 @@ def test_fetch_then_dry_run_on_the_twin(tmp_path):
     prefix and run with --twin. Bounds: under 64 MiB (the device machine's limit on
     what travels) and every step of run.sh passing."""
     folder = tmp_path / "kit"
+    site = Path(importlib.metadata.distribution("geocomm").locate_file("")).resolve()
     subprocess.run(
         ["bash", str(KIT_DIR / "fetch.sh"), "--python", THIS_PYTHON, "--out", str(folder)],
         check=True,
@@ -332,6 +333,12 @@ def test_fetch_then_dry_run_on_the_twin(tmp_path):
         timeout=1200,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    # the machine's own geocomm (this test's) is still there: the kit's pip installs
+    # into its prefix beside it and must not uninstall it (it did, before
+    # --ignore-installed on the build)
+    where = "import geocomm, os; print(os.path.dirname(geocomm.__file__))"
+    kept = subprocess.run([sys.executable, "-P", "-c", where], capture_output=True, text=True)
+    assert kept.returncode == 0 and Path(kept.stdout.strip()).resolve().parent == site, kept
     record = json.loads((tmp_path / "out" / "gpu_kit_run.json").read_text())
     assert record["ok"] and {s["step"] for s in record["steps"]} >= {
         "wheels",

@@ -107,8 +107,10 @@ echo "$exports"
 step mpi 60 "$PY" -c "from mpi4py import MPI; print(MPI.Get_library_version().split(chr(0))[0].splitlines()[0])" ||
   fatal "mpi4py does not load the prefix's Open MPI"
 command -v cc >/dev/null || command -v gcc >/dev/null || fatal "no C compiler (cc or gcc)"
+# --ignore-installed, as for the wheels: without it pip uninstalls a geocomm the
+# machine's Python already has (from its own environment, not the prefix)
 step build 180 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
-  --prefix "$PREFIX" "$SRC" || fatal "geocomm did not build"
+  --ignore-installed --prefix "$PREFIX" "$SRC" || fatal "geocomm did not build"
 step import 60 "$PY" -P -c "
 import os, geocomm, geocomm.kernels.native as n
 assert n.available, 'no native core'
