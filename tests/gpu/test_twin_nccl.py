@@ -41,9 +41,9 @@ JOB = textwrap.dedent("""
         comm.send(send.data.ptr, 100, nccl.NCCL_UINT8, peer, stream.ptr)
         comm.recv(recv.data.ptr, count, nccl.NCCL_UINT8, peer, stream.ptr)
         nccl.groupEnd()
-    if captured:
-        stream.end_capture().launch(stream)
-    try:
+    try:  # a device error surfaces at whichever call comes next: the launch or the sync
+        if captured:
+            stream.end_capture().launch(stream)
         stream.synchronize()
         print(f"rank {rank} got", int(recv.get()[0]), flush=True)
     except Exception as exc:
