@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -690,14 +689,22 @@ def test_compile_errors():
 
 
 def test_cache_reuse(tmp_path, monkeypatch):
+    """A unit built once comes from the cache: building it again only preprocesses it
+    (the preprocessed text keys the cache) and compiles nothing."""
     monkeypatch.setenv("GEOCOMM_TWIN_CACHE", str(tmp_path))
     src = KERNELS + "\n// cache test\n"
-    t0 = time.perf_counter()
+    ran, run = [], _kernels._run
+
+    def logged(cmd: list[str], what: str, source: str | None = None) -> str:
+        ran.append(what.split()[0])
+        return run(cmd, what, source)
+
+    monkeypatch.setattr(_kernels, "_run", logged)
     first = _kernels.compile_source(src, "k.cu", ["-fmad=false"])
-    t1 = time.perf_counter()
+    assert ran == ["preprocessing", "compiling"]
+    ran.clear()
     second = _kernels.compile_source(src, "k.cu", ["-fmad=false"])
-    t2 = time.perf_counter()
-    assert first == second and t2 - t1 < 0.5 * (t1 - t0), (t1 - t0, t2 - t1)
+    assert first == second and ran == ["preprocessing"]
     assert _kernels.load(first) is _kernels.load(second)
     assert _kernels.compile_source(src, "k.cu", ["-fmad=true"]) != first
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".lock", ".lock", ".so", ".so"]
@@ -995,16 +1002,10 @@ def test_divide_flushes_when_built_like_rawmodule():
     assert (x == 0).all()
 
 
-def test_fp8_team_encode_timing(codec):
+def test_fp8_team_encode_over_many_blocks(codec):
     """One launch over 100K values (391 blocks of 256 fibers, 5 shuffle rounds each)."""
-    n = 100_000
-    x = values(n, tag=5)
-    codec.function("gc_fp8_encode_team")  # loaded before timing
-    t = time.perf_counter()
-    wire = twin_encode(codec, "e4m3", x, 32)
-    elapsed = time.perf_counter() - t
-    assert np.array_equal(wire, reference.encode("e4m3", x, 32))
-    assert elapsed < 1.0, elapsed
+    x = values(100_000, tag=5)
+    assert np.array_equal(twin_encode(codec, "e4m3", x, 32), reference.encode("e4m3", x, 32))
 
 
 def test_pipeline_and_geometry_units_build():
