@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import time
 
 import numpy as np
 import pytest
@@ -262,14 +261,15 @@ def test_hook_future_completes_asynchronously(comm):
     buffer = torch.randn(
         sum(p.numel() for p in params), generator=torch.Generator().manual_seed(rank)
     )
-    dist.barrier()
+    state._start(buffer.device)  # the first bucket's replica check, a collective
     if rank != 0:
-        time.sleep(0.5)  # rank 0 submits while the others have not started
+        dist.barrier()  # (the default group, not the hook's) until rank 0 checked below
     future = state.submit(buffer, params, 0, True)
     if rank == 0:
-        # the all-reduce needs every rank, so it cannot have finished: submit returned
-        # before the communication (the worker thread runs it)
+        # the all-reduce needs every rank, and the others wait for this barrier before
+        # they submit: submit returned before the communication (the worker runs it)
         assert not future.done()
+        dist.barrier()
     assert future.wait().data_ptr() == buffer.data_ptr()  # completes, with the bucket's buffer
     assert future.done()
     stats = state.last_step

@@ -20,13 +20,16 @@ from geocomm.adapters.torch.worker import Worker
 # GIL guard aborts the process (SIGABRT, "terminate called without an active exception").
 _EXIT_WHILE_A_JOB_RUNS = textwrap.dedent(
     """
+    import threading
     import torch
     from geocomm.adapters.torch.worker import Worker
 
     a = torch.randn(1000, 1000)
     worker, future = Worker("exit-test"), torch.futures.Future()
+    exiting = threading.Event()
 
     def job():
+        exiting.wait(60)  # runs on while the main thread exits
         for _ in range(20):
             torch.mm(a, a)
         print("job done", flush=True)
@@ -34,6 +37,7 @@ _EXIT_WHILE_A_JOB_RUNS = textwrap.dedent(
 
     worker.submit(job, future)
     print("main exits", flush=True)
+    exiting.set()
     """
 )
 

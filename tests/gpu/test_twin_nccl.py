@@ -2,7 +2,7 @@
 
 Each scenario is a real 2-rank job (geocomm.launch) driving ``cupy.cuda.nccl``
 directly: matching calls move the bytes in stream order; a size mismatch fails
-at once; a peer that never calls fails after GEOCOMM_TIMEOUT; a call captured
+at once; a peer that never calls fails after GEOCOMM_TWIN_NCCL_TIMEOUT; a call captured
 into a CUDA graph on one rank only fails (NCCL's rule).
 """
 
@@ -48,17 +48,18 @@ JOB = textwrap.dedent("""
         print(f"rank {rank} got", int(recv.get()[0]), flush=True)
     except Exception as exc:
         print(f"rank {rank} ERROR {exc}", flush=True)
-    if scenario == "absent" and rank == 1:
-        import time; time.sleep(4)
+    if scenario == "absent":  # rank 1 stays until rank 0 gave up on it
+        world.send(None, dest=1, tag=99) if rank == 0 else world.recv(source=0, tag=99)
 """)
 
 
 def run_job(tmp_path, scenario: str, job: str = JOB, **env: str) -> tuple[str, float]:
-    """Run ``job`` on 2 ranks with ``scenario`` and the environment's ``env`` (default
-    GEOCOMM_TIMEOUT 2 s); (its output, seconds)."""
+    """Run ``job`` on 2 ranks with ``scenario`` and the environment's ``env`` (default:
+    the twin's NCCL waits 60 s for a peer, so that only a test that means a peer to be
+    absent sees one time out on a loaded machine); (its output, seconds)."""
     script = tmp_path / "nccl_job.py"
     script.write_text(job)
-    env = {**os.environ, "GEOCOMM_TIMEOUT": "2", **env}
+    env = {**os.environ, "GEOCOMM_TWIN_NCCL_TIMEOUT": "60", **env}
     start = time.monotonic()
     command = on_ranks([sys.executable, str(script), scenario], 2, timeout_s=120)
     run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=180)
@@ -86,20 +87,26 @@ def test_a_call_captured_on_one_rank_only_is_an_error(tmp_path):
 
 
 def test_absent_peer_is_an_error_after_the_timeout(tmp_path):
-    out, seconds = run_job(tmp_path, "absent")
+    out, seconds = run_job(tmp_path, "absent", GEOCOMM_TWIN_NCCL_TIMEOUT="2")
     assert "rank 0 ERROR" in out and "within 2 s" in out, out
     assert seconds < 60
 
 
 # geocomm's NCCLCommunicator over the twin's NCCL, a peer absent or late
 COMMUNICATOR_JOB = textwrap.dedent("""
-    import sys, time, numpy as np, cupy
+    import os, sys, numpy as np, cupy
     from mpi4py import MPI
+    import geocomm
     from geocomm.comm.base import CollectiveTimeout
     from geocomm.comm.mpi import MPICommunicator
     from geocomm.comm.nccl import NCCLCommunicator
-    rank, scenario = MPI.COMM_WORLD.Get_rank(), sys.argv[1]
-    comm = NCCLCommunicator(MPICommunicator(MPI.COMM_WORLD))
+    from geocomm.engine.call import FIELDS
+    world = MPI.COMM_WORLD
+    rank, scenario = world.Get_rank(), sys.argv[1]
+    if rank == 1:  # only rank 0 gives up; rank 1's waits are not the test's
+        os.environ["GEOCOMM_TIMEOUT"] = "60"
+    comm = NCCLCommunicator(MPICommunicator(world))
+    world.Barrier()  # both start the timed calls together
     try:
         if scenario == "allreduce" and rank == 0:
             x = cupy.ones(64, cupy.float32)
@@ -108,7 +115,6 @@ COMMUNICATOR_JOB = textwrap.dedent("""
         if scenario == "metadata" and rank == 0:
             comm.allgather_int64(np.arange(3))  # rank 1 comes late
         if scenario == "deferred":
-            import geocomm
             x = cupy.ones(4096, cupy.float32)
             out = cupy.empty_like(x)
             for _ in range(1 if rank else 2):  # rank 0's second call: a deferred check
@@ -118,12 +124,13 @@ COMMUNICATOR_JOB = textwrap.dedent("""
         print(f"rank {rank} done", flush=True)
     except CollectiveTimeout as exc:
         print(f"rank {rank} timed out: {exc} (aborted: {comm.aborted})", flush=True)
-    if rank == 1:  # alive until rank 0 gave up
-        time.sleep(3)
+    if rank == 0:
+        world.send(None, dest=1, tag=99)  # gave up: rank 1 may come now
+    else:
+        world.recv(source=0, tag=99)
     if scenario == "metadata" and rank == 1:
         comm.host.allgather_int64(np.arange(3))  # completes rank 0's on MPI
     if scenario == "deferred" and rank == 1:
-        from geocomm.engine.call import FIELDS
         comm.host.allgather_int64(np.zeros(len(FIELDS), np.int64))  # the row rank 0 waited for
 """)
 
@@ -136,14 +143,9 @@ def test_the_communicator_bounds_what_the_host_waits_for(tmp_path, scenario):
     all-gather that times out, at once or deferred (finished by synchronize()), aborts
     the communicator, whose peer is gone (its later calls each waited out the timeout
     again)."""
-    # the twin's NCCL gives up on a peer later than geocomm does (a GPU's never does)
-    out, _ = run_job(
-        tmp_path,
-        scenario,
-        COMMUNICATOR_JOB,
-        GEOCOMM_TIMEOUT="1",
-        GEOCOMM_TWIN_NCCL_TIMEOUT="60",
-    )
+    # geocomm gives up on rank 1 after 1 s; the twin's NCCL, as run_job sets it, only
+    # after 60 s (a GPU's never does)
+    out, _ = run_job(tmp_path, scenario, COMMUNICATOR_JOB, GEOCOMM_TIMEOUT="1")
     assert "rank 0 timed out" in out and "(aborted: True)" in out, out
     assert "rank 1 done" in out, out
 

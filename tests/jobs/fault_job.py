@@ -13,11 +13,15 @@ import threading
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 import geocomm
 
 scenario = sys.argv[1]
 comm = geocomm.init()
+# the ranks start together: the tests' short GEOCOMM_TIMEOUT bounds the healthy first
+# call too, and one rank's start-up on a loaded machine may take longer than that
+MPI.COMM_WORLD.Barrier()
 x = np.ones(1 << 16, np.float32)
 geocomm.allreduce(x, codec="fp8")  # everyone healthy first
 print(f"rank {comm.rank}: first all-reduce done", flush=True)
