@@ -207,9 +207,6 @@ class CudaKernels:
     def _kernel(self, name: str) -> Any:
         return cuda_build.kernel(self.cupy, name, kernel_source)
 
-    def _moved(self, a: Any, writes: bool = False) -> Any:
-        return cuda.moved(a, writes)
-
     def encode(self, fmt: WireFormat, x: Any, seg: Segments, wire: Any, amax: Any,
                incoming: Incoming | None = None, rounding_stream: int = 0,
                key: Any = None, split: Split | None = None) -> None:  # fmt: skip
@@ -219,7 +216,7 @@ class CudaKernels:
         if grid is None:
             return
         inc = incoming or Incoming(wire, 0, 0)  # a valid pointer the kernel never reads
-        head = (x, self._moved(x), seg.device, inc.wire, np.uint32(inc.count), _u64(inc.stride))
+        head = (x, cuda.moved(x), seg.device, inc.wire, np.uint32(inc.count), _u64(inc.stride))
         if not fmt.stochastic:
             key = seg.device  # a valid pointer the kernels never read
         elif key is None:
@@ -271,13 +268,13 @@ class CudaKernels:
                     np.int32(fmt.family),
                     np.int32(fmt.e5m2),
                     x,
-                    self._moved(x),
+                    cuda.moved(x),
                     seg.device,
                     incoming.wire,
                     np.uint32(incoming.count),
                     _u64(incoming.stride),
                     out,
-                    self._moved(out, writes=True),
+                    cuda.moved(out, writes=True),
                 ),
             )
 
@@ -289,7 +286,7 @@ class CudaKernels:
         grid = seg.grid(walk, fmt)
         if grid is None:
             return
-        e5m2, place = np.int32(fmt.e5m2), (out, self._moved(out, writes=True))
+        e5m2, place = np.int32(fmt.e5m2), (out, cuda.moved(out, writes=True))
         if walk == "chunk":
             self._kernel("gc_pipe_e2m1_decode")(
                 grid, (cuda.THREADS,), (np.int32(fmt.family == MXFP4), wire, seg.device, *place)
