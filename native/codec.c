@@ -1263,6 +1263,7 @@ typedef struct {
     int fmt, decode, accumulate, sr, rceil, simd;
     size_t n, block; /* block: fp8's values per scale (n for one scale) */
     const float *x;
+    const float *base; /* decode onto a base (gc_decode_onto): copied to out tile by tile */
     float *out;
     uint8_t *wire;
     gc_u64 key, offset;
@@ -1527,11 +1528,72 @@ static void split_range(const gc_call *k, size_t lo, size_t hi, size_t tile)
     }
 }
 
+/* Values per tile of the vector loop of a decode onto a base (16 KiB, in L1
+ * beside its stretch of base; whole units of the call, so a multiple of 16 on
+ * the vector path). */
+#define GC_ONTO_TILE ((size_t)4096)
+
+#if GC_HAVE_AVX512
+/* decode_onto_range's vector loop (a call of the vector path, base apart from
+ * out): each tile decoded into a buffer in L1, then added to base vector by
+ * vector and written through one sink for the whole range, which streams
+ * when it is large (out is never read). Each value is base + its decoded
+ * value, one fp32 addition: the bits of the accumulating decode. */
+GC_AVX512 static void decode_onto_v(const gc_call *k, size_t lo, size_t hi, size_t tile)
+{
+    float buf[GC_ONTO_TILE] __attribute__((aligned(64)));
+    gc_call plain = *k;
+    plain.accumulate = 0;
+    size_t n = hi - lo, nvec = n / 16, a = 0;
+    const float *base = k->base + lo;
+    float *out = k->out + lo;
+    gc_sink s = sink_open(out, n, 0);
+    for (;;) {
+        size_t b = n - a < tile ? n : a + tile;
+        decode_range(&plain, lo + a, lo + b, buf);
+        for (size_t m = a / 16; m < b / 16; m++)
+            sink_put(&s, m, _mm512_add_ps(_mm512_loadu_ps(base + 16 * m),
+                                          _mm512_load_ps(buf + 16 * m - a)));
+        if (b == n)
+            break;
+        a = b;
+    }
+    sink_close(&s, nvec);
+    for (size_t i = 16 * nvec; i < n; i++) /* the last tile's values past the last vector */
+        out[i] = base[i] + buf[i - a];
+}
+#endif
+
+/* [lo, hi) decoded onto the call's base: the vector loop (decode_onto_v), or
+ * tile by tile each tile of base copied into out and the tile's values added
+ * to it while it is in cache (accumulate: the bits of the copy and the
+ * accumulating decode of the whole range, since each value is added on its
+ * own). A unit larger than a tile is a tile of its own. */
+static void decode_onto_range(const gc_call *k, size_t lo, size_t hi)
+{
+    size_t unit = split_unit(k->fmt, k->block);
+#if GC_HAVE_AVX512
+    if (vector_call(k) && k->base != k->out && unit <= GC_ONTO_TILE) {
+        decode_onto_v(k, lo, hi, GC_ONTO_TILE / unit * unit);
+        return;
+    }
+#endif
+    size_t tile = GC_SPLIT_TILE > unit ? GC_SPLIT_TILE / unit * unit : unit;
+    for (size_t a = lo; a < hi; a += tile) {
+        size_t b = hi - a < tile ? hi : a + tile;
+        if (k->base != k->out)
+            memcpy(k->out + a, k->base + a, (b - a) * sizeof(float));
+        decode_range(k, a, b, k->out + a);
+    }
+}
+
 static void *run_range(void *arg)
 {
     const gc_call *k = arg;
     if (k->split)
         split_range(k, k->lo, k->hi, split_tile(k));
+    else if (k->base)
+        decode_onto_range(k, k->lo, k->hi);
     else if (k->decode)
         decode_range(k, k->lo, k->hi, k->out + k->lo);
     else
@@ -1628,7 +1690,9 @@ int gc_encode(int fmt, const float *x, size_t n, size_t block, uint8_t *wire)
     return gc_encode_ex(fmt, x, n, block, wire, 0, 0, 0, 0);
 }
 
-int gc_decode(int fmt, const uint8_t *wire, size_t n, size_t block, float *out, int accumulate)
+/* The decode call of gc_decode's arguments, onto base (NULL: none). */
+static int decode_call(int fmt, const uint8_t *wire, size_t n, size_t block, const float *base,
+                       float *out, int accumulate)
 {
     if (!known_format(fmt))
         return GC_EINVAL;
@@ -1641,10 +1705,24 @@ int gc_decode(int fmt, const uint8_t *wire, size_t n, size_t block, float *out, 
     k.simd = gc_codec_simd(GC_SIMD_CURRENT);
     k.n = n;
     k.block = fp8_block(n, block);
+    k.base = base;
     k.out = out;
     k.wire = (uint8_t *)(uintptr_t)wire; /* read only: decode_range writes to out */
     run_call(&k, split_unit(fmt, k.block));
     return 0;
+}
+
+int gc_decode(int fmt, const uint8_t *wire, size_t n, size_t block, float *out, int accumulate)
+{
+    return decode_call(fmt, wire, n, block, NULL, out, accumulate);
+}
+
+int gc_decode_onto(int fmt, const uint8_t *wire, size_t n, size_t block, const float *base,
+                   float *out)
+{
+    if (n && !base)
+        return GC_EINVAL;
+    return decode_call(fmt, wire, n, block, base, out, 1);
 }
 
 /* ---- split calls: the map and the codec in one pass ----------------------- */

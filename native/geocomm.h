@@ -85,6 +85,14 @@ int gc_encode_ex(int fmt, const float *x, size_t n, size_t block, uint8_t *wire,
 int gc_decode(int fmt, const uint8_t *wire, size_t n, size_t block, float *out,
               int accumulate);
 
+/* out = base + decode(wire) for n values, element by element in fp32: the
+ * bits of copying base into out and then decoding with accumulate, in one
+ * pass over memory (the pipeline's own piece plus a peer's: nothing is read
+ * back from out). base == out is gc_decode's accumulate; otherwise the two
+ * must not overlap. GC_EINVAL for an unknown format. */
+int gc_decode_onto(int fmt, const uint8_t *wire, size_t n, size_t block, const float *base,
+                   float *out);
+
 /* The vector loops of the codec and of the geometry kernels below:
  * GC_SIMD_PORTABLE (0) the portable C loops,
  * GC_SIMD_AVX512 (1) AVX-512 loops where the CPU has AVX-512 F/BW/DQ/VL

@@ -270,6 +270,55 @@ static void test_accumulate(void)
     }
 }
 
+/* gc_decode_onto writes base + the decoded values, the bits of a copy and an
+ * accumulating decode, on both loops, one and three threads, a length that
+ * ends inside a vector and an output past a cache line's start (streamed). */
+static void test_decode_onto(void)
+{
+    enum { N = 3 * (1 << 19) + 4103 };
+    float *x = malloc(N * sizeof(float)), *base = malloc(N * sizeof(float));
+    float *want = malloc(N * sizeof(float)), *space = malloc((N + 16) * sizeof(float));
+    uint8_t *w = malloc(4 * N + 4 * N / 16 + 64);
+    CHECK(x && base && want && space && w, "decode onto: memory");
+    if (!(x && base && want && space && w))
+        goto done;
+    for (size_t i = 0; i < N; i++) {
+        x[i] = sinf((float)i) * (float)(1 + i % 7);
+        base[i] = cosf((float)i);
+    }
+    int fmts[] = {GC_E4M3, GC_E5M2, GC_NVFP4, GC_BF16, GC_MXFP8_E4M3, GC_MXFP8_E5M2, GC_MXFP4};
+    for (int f = 0; f < 7; f++) {
+        gc_encode(fmts[f], x, N, 128, w);
+        memcpy(want, base, N * sizeof(float));
+        gc_decode(fmts[f], w, N, 128, want, 1);
+        for (int simd = 0; simd < 2; simd++) {
+            for (int threads = 1; threads <= 3; threads += 2) {
+                gc_codec_simd(simd ? GC_SIMD_AUTO : GC_SIMD_PORTABLE);
+                gc_codec_threads(threads);
+                float *out = space + 3;
+                CHECK(gc_decode_onto(fmts[f], w, N, 128, base, out) == 0, "decode onto runs");
+                CHECK(memcmp(out, want, N * sizeof(float)) == 0,
+                      "decode onto fmt %d (simd %d, %d threads) is copy + accumulate", fmts[f],
+                      simd, threads);
+                memcpy(out, base, N * sizeof(float));
+                gc_decode_onto(fmts[f], w, N, 128, out, out);
+                CHECK(memcmp(out, want, N * sizeof(float)) == 0,
+                      "decode onto itself fmt %d is the accumulating decode", fmts[f]);
+            }
+        }
+    }
+    CHECK(gc_decode_onto(GC_E4M3, w, 4, 0, NULL, want) == GC_EINVAL, "a NULL base is refused");
+    CHECK(gc_decode_onto(99, w, 4, 0, base, want) == GC_EINVAL, "unknown format refused");
+done:
+    gc_codec_simd(GC_SIMD_AUTO);
+    gc_codec_threads(1);
+    free(x);
+    free(base);
+    free(want);
+    free(space);
+    free(w);
+}
+
 static void test_random_wires(void)
 {
     /* any bytes decode without touching memory beyond the body */
@@ -401,6 +450,7 @@ int main(void)
     test_nonfinite();
     test_nvfp4_zero_scale();
     test_accumulate();
+    test_decode_onto();
     test_random_wires();
     test_paths();
     printf("%d passed, %d failed\n", passed, failed);

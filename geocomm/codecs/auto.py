@@ -76,6 +76,9 @@ class AutoCodec(FramedCodec):
     def decode_wire(self, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
         self.inner.decode_wire(wire, out, accumulate)
 
+    def decode_wire_onto(self, wire: np.ndarray, base: np.ndarray, out: np.ndarray) -> None:
+        self.inner.decode_wire_onto(wire, base, out)
+
     def frame_body_size(self, shape: tuple[int, ...]) -> int:
         return self.inner.frame_body_size(shape)
 

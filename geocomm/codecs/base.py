@@ -9,7 +9,8 @@ A :class:`Codec` turns float arrays into bytes and back. It has two faces:
 * the wire API used inside collectives, where no header travels and every
   rank derives the layout from the element count: ``wire_size(n)``,
   ``encode_wire(x, wire, rounding_stream=0, offset=0)``, ``decode_wire(wire,
-  out, accumulate)`` on flat float32 arrays.
+  out, accumulate)`` and ``decode_wire_onto(wire, base, out)`` on flat float32
+  arrays.
 
 ``get_config()`` is JSON-able and defines equality:
 ``get_codec(c.get_config()) == c``. A codec's configuration is fixed once it is
@@ -126,6 +127,16 @@ class Codec(metaclass=_Sealing):
                 overwriting it.
         """
 
+    def decode_wire_onto(self, wire: Any, base: Any, out: Any) -> None:
+        """out = base + the values :meth:`decode_wire` decodes, added one by one in
+        float32: the bits of copying ``base`` into ``out`` and decoding with
+        ``accumulate``, which is what this does. ``base`` is ``out`` or shares no
+        memory with it. Codecs with a loop that reads ``base`` as it decodes
+        (one pass over memory) override it."""
+        if base is not out:
+            out[...] = base
+        self.decode_wire(wire, out, accumulate=True)
+
     # ---- frame bodies (override when the body depends on more than the count) --
     def frame_body_size(self, shape: tuple[int, ...]) -> int:
         """Bytes of the frame body for an array of ``shape``."""
@@ -187,6 +198,9 @@ class WireOf:
 
     def decode_wire(self, wire: Any, out: Any, accumulate: bool = False) -> None:
         self.wire_codec.decode_wire(wire, out, accumulate)
+
+    def decode_wire_onto(self, wire: Any, base: Any, out: Any) -> None:
+        self.wire_codec.decode_wire_onto(wire, base, out)
 
 
 class StatefulCodec(Codec):

@@ -13,7 +13,7 @@ ones alike (register yours first, or pass the instance)::
 
 * :func:`check_roundtrip`: the wire API and the frame API give back every
   finite value within a stated bound (exactly for lossless codecs), keep
-  shapes and dtypes, and accumulate in place;
+  shapes and dtypes, and accumulate in place or onto a base;
 * :func:`check_config`: ``get_codec(codec.get_config())`` builds an equal
   codec that writes the same bytes, and the config is JSON;
 * :func:`check_golden_frame`: the frame of an input is the same bytes as one
@@ -60,9 +60,10 @@ def check_roundtrip(codec: Codec, values: np.ndarray, bound: Bound | float | Non
 
     ``bound``: the largest error allowed per value, as a function of the float32
     values or a number (None: 0, which lossless codecs must meet). Checked for the
-    wire API (flat float32), ``accumulate=True`` (decoding adds onto ``out``) and the
-    frame API (``decode(encode(x))`` has x's shape and dtype, and the same values as
-    the wire API's). Non-finite inputs are not checked against the bound."""
+    wire API (flat float32), ``accumulate=True`` (decoding adds onto ``out``),
+    ``decode_wire_onto`` (onto a base, into another array) and the frame API
+    (``decode(encode(x))`` has x's shape and dtype, and the same values as the
+    wire API's). Non-finite inputs are not checked against the bound."""
     x = np.asarray(values)
     flat = np.ascontiguousarray(x, np.float32).reshape(-1)
     allowed = (
@@ -90,6 +91,11 @@ def check_roundtrip(codec: Codec, values: np.ndarray, bound: Bound | float | Non
     codec.decode_wire(wire, acc, accumulate=True)
     np.testing.assert_array_equal(
         acc, base + decoded, err_msg=f"{codec.get_config()}: accumulate=True"
+    )
+    onto = np.empty_like(base)
+    codec.decode_wire_onto(wire, base, onto)
+    np.testing.assert_array_equal(
+        onto, base + decoded, err_msg=f"{codec.get_config()}: decode_wire_onto"
     )
     frame = codec.encode(x)
     back = codec.decode(frame)

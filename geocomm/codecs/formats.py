@@ -48,6 +48,12 @@ class NoneCodec(FramedCodec):
         else:
             out[...] = values
 
+    def decode_wire_onto(self, wire: np.ndarray, base: np.ndarray, out: np.ndarray) -> None:
+        if isinstance(out, np.ndarray):  # one pass; device arrays as the base class
+            np.add(base, wire[: 4 * out.size].view("<f4"), out=out)
+        else:
+            super().decode_wire_onto(wire, base, out)
+
 
 def _backend(array: Any) -> Any:
     """The codec core for ``array``: the C core for NumPy, the CUDA kernels for CuPy."""
@@ -136,6 +142,13 @@ class NativeFormat(FramedCodec):
 
     def decode_wire(self, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
         _backend(out).decode(self._fmt, wire, self._block, out, accumulate)
+
+    def decode_wire_onto(self, wire: np.ndarray, base: np.ndarray, out: np.ndarray) -> None:
+        """In one pass for host arrays (the C core); on the device as the base class."""
+        if _backend(out) is native:
+            native.decode_onto(self._fmt, wire, self._block, base, out)
+        else:
+            super().decode_wire_onto(wire, base, out)
 
     def encode_split_wire(
         self, x: np.ndarray, split: Split, wire: np.ndarray, *, rounding_stream: int = 0,

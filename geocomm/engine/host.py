@@ -198,19 +198,25 @@ class Pipeline(PieceAccess):
     def reduce_stage(self, s: int) -> None:
         """My piece of my shard (exact), then the other ranks' decoded pieces in
         rank order, summed in fp32 into result. Own piece first: out may alias
-        the source, and the order must not depend on that."""
+        the source, and the order must not depend on that. The first peer's
+        values are decoded onto my piece (``decode_wire_onto``: the piece is
+        read and the sum written in one pass, where a copy into the result
+        and an accumulating decode took two)."""
         wait(self.a2a_req.pop(s), f"the all-to-all of stage {s}", self.me)
         lo, hi = self.pieces.piece_range(self.me, s)
         acc = self._local(lo, hi)
-        acc[...] = self._read(lo, hi)
+        own = self._read(lo, hi)
         seg = self.codec.wire_size(hi - lo)
         buf = self.a2a_recv[s % 2]
-        offset = 0
-        for i in range(self.comm.size):
-            if i != self.me:
-                self.codec.decode_wire(buf[offset : offset + seg], acc, accumulate=True)
-                offset += seg
-                self._progress()
+        if self.comm.size == 1:
+            acc[...] = own
+        for k in range(self.comm.size - 1):
+            wire = buf[k * seg : (k + 1) * seg]
+            if k == 0:
+                self.codec.decode_wire_onto(wire, own, acc)
+            else:
+                self.codec.decode_wire(wire, acc, accumulate=True)
+            self._progress()
         if not self.gather:  # reduce-scatter: the owner's sum is final
             self._done(lo, hi)
 

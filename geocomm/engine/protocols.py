@@ -26,6 +26,8 @@ class WireCodec(Protocol):
 
     def decode_wire(self, wire: Any, out: Any, accumulate: bool = False) -> None: ...
 
+    def decode_wire_onto(self, wire: Any, base: Any, out: Any) -> None: ...
+
 
 class Phases(Protocol):
     """One call's pipeline, phase by phase: what :func:`~geocomm.engine.layout.run_schedule`

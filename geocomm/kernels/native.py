@@ -221,6 +221,33 @@ def decode(
         raise ValueError(f"the native core refused format {fmt} ({rc})")
 
 
+def decode_onto(
+    fmt: int | str, wire: np.ndarray, block: int, base: np.ndarray, out: np.ndarray
+) -> None:
+    """out = base + the ``out.size`` values decoded from ``wire`` (fp32, element by
+    element; one pass over memory). ``base`` is ``out`` itself (an accumulating
+    decode) or shares no memory with it."""
+    fmt = format_id(fmt)
+    _check_f32(out, "out", writable=True)
+    _check_f32(base, "base")
+    if base.size != out.size:
+        raise ValueError(f"base holds {base.size} values, out {out.size}")
+    same = base.ctypes.data == out.ctypes.data
+    if not same and np.may_share_memory(base, out):
+        raise ValueError("base overlaps out without being out")
+    _check_wire(wire, wire_size(fmt, out.size, block))
+    rc = _lib.gc_decode_onto(
+        fmt,
+        _ffi.from_buffer("uint8_t[]", wire),
+        out.size,
+        block,
+        _ffi.from_buffer("float[]", base),
+        _ffi.from_buffer("float[]", out, require_writable=True),
+    )
+    if rc:
+        raise ValueError(f"the native core refused format {fmt} ({rc})")
+
+
 # ---------------------------------------------------------------------------
 # GeoFP8 geometry kernels (native/geocomm.h: the contract and the fixed order)
 

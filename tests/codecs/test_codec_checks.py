@@ -11,6 +11,7 @@ import pytest
 import geocomm
 from geocomm.codecs import checks
 from geocomm.codecs.formats import BF16Codec
+from geocomm.codecs.registry import registered_ids
 
 GOLDEN = pathlib.Path(__file__).resolve().parent / "golden"
 
@@ -62,6 +63,15 @@ def test_checks_catch_a_broken_codec(tmp_path):
         checks.check_roundtrip(codec, values(), lambda x: np.abs(x) * 2.0**-8)
     with pytest.raises(KeyError, match="sloppy-bf16"):
         checks.check_config(codec)
+
+    class LostBase(BF16Codec):  # its one-pass decode forgets the base
+        codec_id = "lost-base-bf16"
+
+        def decode_wire_onto(self, wire, base, out):
+            self.decode_wire(wire, out)
+
+    with pytest.raises(AssertionError, match="decode_wire_onto"):
+        checks.check_roundtrip(LostBase(), values(), lambda x: np.abs(x) * 2.0**-8)
     x = values(64)
     path = tmp_path / "bf16.bin"
     with pytest.raises(AssertionError, match="no golden frame"):
@@ -70,3 +80,21 @@ def test_checks_catch_a_broken_codec(tmp_path):
     checks.check_golden_frame(BF16Codec(), x, path)
     with pytest.raises(AssertionError, match="differs"):
         checks.check_golden_frame(BF16Codec(), x + 1, path)
+
+
+@pytest.mark.parametrize("codec_id", registered_ids())
+def test_every_codec_decodes_onto_a_base_as_it_accumulates(codec_id):
+    """decode_wire_onto(wire, base, out) is a copy of base into out and an accumulating
+    decode, to the bit, for every registered codec (the host pipeline adds a peer's
+    piece to its own that way); with base being out it is the accumulating decode."""
+    codec = geocomm.get_codec(codec_id)
+    x, base = values(5000, seed=1), values(5000, seed=2)
+    wire = np.empty(codec.wire_size(x.size), np.uint8)
+    codec.encode_wire(x, wire)
+    want = base.copy()
+    codec.decode_wire(wire, want, accumulate=True)
+    out = np.empty_like(base)
+    codec.decode_wire_onto(wire, base, out)
+    assert out.tobytes() == want.tobytes()
+    codec.decode_wire_onto(wire, base, base)
+    assert base.tobytes() == want.tobytes()

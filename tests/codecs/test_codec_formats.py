@@ -107,7 +107,7 @@ def check_native_matches_reference(
     fmt: str, x: np.ndarray, block: int, onto_seed: int = 0, **options
 ) -> None:
     """Same bytes from encode (with the reference's encode ``options``); same values
-    from decode and from decode-accumulate."""
+    from decode, decode-accumulate and decode onto a base."""
     x = np.ascontiguousarray(x, F32).reshape(-1)
     wire = native_encode(fmt, x, block, **options)
     assert_same_bytes(wire, ref.encode(fmt, x, block, **options))
@@ -116,6 +116,9 @@ def check_native_matches_reference(
     onto = np.random.default_rng(onto_seed).standard_normal(x.size).astype(F32)
     with np.errstate(invalid="ignore", over="ignore"):
         assert_same_floats(native_decode(fmt, wire, x.size, block, onto=onto), onto + expected)
+        out = np.empty(x.size, F32)
+        native.decode_onto(native.FORMATS[fmt], wire, block, onto, out)
+        assert_same_floats(out, onto + expected)
 
 
 def bits(*patterns: int) -> np.ndarray:

@@ -131,6 +131,54 @@ def test_unaligned_output_streams_the_same_values(restore):
         assert same(out, want), skip
 
 
+def decode_onto(fmt: str, wire: np.ndarray, block: int, base: np.ndarray, out: np.ndarray):
+    native.decode_onto(fmt, wire, block, base, out)
+    return out
+
+
+@pytest.mark.parametrize("fmt,block", CASES)
+def test_decode_onto_is_a_copy_then_an_accumulating_decode(fmt, block, restore):
+    """out = base + decode(wire) in one pass: the bits of copying base into out and
+    decoding with accumulate (each value is one fp32 addition), on every path (the
+    vector loop's L1 tiles and streamed sink, the copy-and-accumulate tiles), thread
+    split, alignment of out, wires from real inputs and arbitrary bytes, and base
+    being out itself (the accumulating decode)."""
+    n = N + 3  # not a whole vector: the vector loop's scalar tail
+    x = varied(n, 21)
+    garbage = np.random.default_rng(22).integers(
+        0, 256, native.wire_size(fmt, n, block), dtype=np.uint8
+    )
+    rng = np.random.default_rng(23)
+    buf = rng.standard_normal(n + 16).astype(np.float32)
+    space = np.empty(n + 16, np.float32)
+    native.set_simd("portable")
+    native.set_threads(1)
+    wires = [encode(fmt, x, block), garbage]
+    for level in ("portable", "auto"):
+        for count in (1, 3):
+            native.set_simd(level)
+            native.set_threads(count)
+            for wire in wires:
+                for skip in (0, 5):
+                    base = buf[skip + 1 : skip + 1 + n]  # never where out starts
+                    want = decode(fmt, wire, block, n, base)
+                    got = decode_onto(fmt, wire, block, base, space[skip : skip + n])
+                    assert same(got, want), (level, count, skip)
+                    inplace = base.copy()
+                    assert same(decode_onto(fmt, wire, block, inplace, inplace), want)
+
+
+def test_decode_onto_refuses_a_base_that_overlaps_out():
+    wire = encode("e4m3", np.ones(64, np.float32), 0)
+    buf = np.zeros(70, np.float32)
+    with pytest.raises(ValueError, match="overlaps"):
+        native.decode_onto("e4m3", wire, 0, buf[1:65], buf[:64])
+    with pytest.raises(ValueError, match="holds 63 values"):
+        native.decode_onto("e4m3", wire, 0, buf[:63], np.zeros(64, np.float32))
+    with pytest.raises(TypeError, match="base"):
+        native.decode_onto("e4m3", wire, 0, buf[:128:2], np.zeros(64, np.float32))
+
+
 def test_thread_count_from_environment():
     assert native.threads_from_env({}) == 1
     assert native.threads_from_env({"OMP_NUM_THREADS": "3"}) == 3
