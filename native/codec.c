@@ -1263,7 +1263,7 @@ typedef struct {
     int fmt, decode, accumulate, sr, rceil, simd;
     size_t n, block; /* block: fp8's values per scale (n for one scale) */
     const float *x;
-    const float *base; /* decode onto a base (gc_decode_onto): copied to out tile by tile */
+    const float *base; /* gc_decode_onto's base (NULL: a plain or accumulating decode) */
     float *out;
     uint8_t *wire;
     gc_u64 key, offset;

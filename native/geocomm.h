@@ -87,9 +87,10 @@ int gc_decode(int fmt, const uint8_t *wire, size_t n, size_t block, float *out,
 
 /* out = base + decode(wire) for n values, element by element in fp32: the
  * bits of copying base into out and then decoding with accumulate, in one
- * pass over memory (the pipeline's own piece plus a peer's: nothing is read
- * back from out). base == out is gc_decode's accumulate; otherwise the two
- * must not overlap. GC_EINVAL for an unknown format. */
+ * pass over memory (the pipeline's own piece plus a peer's; out is streamed,
+ * never read, where the AVX-512 loops run, and goes through the cache tile
+ * by tile elsewhere). base == out is gc_decode's accumulate; otherwise the
+ * two must not overlap. GC_EINVAL for an unknown format or a NULL base. */
 int gc_decode_onto(int fmt, const uint8_t *wire, size_t n, size_t block, const float *base,
                    float *out);
 
