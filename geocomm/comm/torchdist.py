@@ -42,6 +42,7 @@ torchrun answers by stopping the other ranks.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -58,6 +59,10 @@ from geocomm.comm.base import wait
 RELEASE_WAIT_S = 0.1
 #: how many completed transfers found their tensors still held after RELEASE_WAIT_S
 late_releases = 0
+#: how long the exit waits, at most, for torch to release the tensors of late ones
+EXIT_RELEASE_WAIT_S = 10.0
+#: the host tensors of late releases, kept alive until torch released them
+_unreleased: list = []
 
 #: DLPack device types of CUDA memory (``DLDeviceType``: kDLCUDA, kDLCUDAManaged)
 DLPACK_CUDA = (2, 13)
@@ -85,32 +90,51 @@ def _on_cupy_stream(torch: Any, device: Any, stream: Any = None) -> contextlib.E
     return stack
 
 
+def _held_by_torch(tensor: Any) -> bool:
+    return bool(tensor._use_count() > 1)  # ours (the Python object's) and torch's
+
+
 def _await_release(held: tuple) -> bool:
     """Wait (GIL released, at most RELEASE_WAIT_S) until torch holds none of the host
     tensors in ``held`` any more, once their work completed and the caller dropped
-    it; whether it did (a late one is counted in ``late_releases``).
+    it; whether it did. A late one is counted in ``late_releases``, and its tensors
+    are kept until torch released them, which the exit waits for.
 
     gloo's worker thread keeps a completed work, and with it the work's tensors,
     for a moment longer. Whoever drops a tensor's last C++ reference releases its
     Python object, so gloo's thread would take the GIL for that; if this process
     is finalizing by then (a transfer waited for just before exit), it aborts
     ("terminate called without an active exception"). Waiting here, while Python
-    is alive, makes that release happen now. CUDA tensors are left alone: their
-    work completes on the stream, later than the host may wait for.
+    is alive, makes that release happen now; a loaded machine may hold gloo's
+    thread back longer, and then the last reference stays ours until
+    :func:`_release_at_exit`. CUDA tensors are left alone: their work completes on
+    the stream, later than the host may wait for.
     """
     global late_releases
+    host = [t for t in held if isinstance(t, _torch().Tensor) and t.device.type == "cpu"]
     deadline = None
-    for tensor in held:
-        if not isinstance(tensor, _torch().Tensor) or tensor.device.type != "cpu":
-            continue
-        while tensor._use_count() > 1:  # ours (the Python object's) and gloo's
+    for tensor in host:
+        while _held_by_torch(tensor):
             now = time.monotonic()
             deadline = deadline if deadline is not None else now + RELEASE_WAIT_S
             if now > deadline:
                 late_releases += 1
+                if late_releases == 1:  # torch's exit handlers exist by now, and
+                    atexit.register(_release_at_exit)  # this one runs before them
+                _unreleased[:] = [t for t in _unreleased if _held_by_torch(t)]
+                _unreleased.extend(host)
                 return False
             time.sleep(0)
     return True
+
+
+def _release_at_exit() -> None:
+    """Wait (at most EXIT_RELEASE_WAIT_S) until torch released the tensors of late
+    releases, then drop them, while Python is still alive."""
+    deadline = time.monotonic() + EXIT_RELEASE_WAIT_S
+    while any(_held_by_torch(t) for t in _unreleased) and time.monotonic() < deadline:
+        time.sleep(1e-3)
+    _unreleased.clear()
 
 
 class TorchWork:

@@ -86,6 +86,37 @@ def test_a_host_request_sleeps_in_work_wait_and_finishes_once():
     assert torchdist.TorchWork(None).test()
 
 
+def test_a_late_release_keeps_its_tensors_until_torch_lets_go(monkeypatch):
+    """A transfer whose host tensors torch still holds after RELEASE_WAIT_S is counted,
+    and its tensors stay referenced here (so gloo's thread never drops the last one,
+    which would abort a finalizing process) until the exit handler saw them released,
+    or waited EXIT_RELEASE_WAIT_S."""
+    import torch
+
+    monkeypatch.setattr(torchdist, "RELEASE_WAIT_S", 0.0)
+    monkeypatch.setattr(torchdist, "EXIT_RELEASE_WAIT_S", 0.05)
+    monkeypatch.setattr(torchdist, "_unreleased", [])
+    late = torchdist.late_releases
+    tensor, other = torch.zeros(4), torch.ones(4)
+    # a C++ reference to the tensor, as gloo's completed work keeps: autograd's saved one
+    gloo = torch.ones(4, requires_grad=True) * tensor
+    assert tensor._use_count() == 2
+    assert torchdist._await_release((other,))  # nobody else holds it: no wait
+    assert not torchdist._await_release((tensor, other))
+    assert torchdist.late_releases == late + 1
+    assert [t is tensor or t is other for t in torchdist._unreleased] == [True, True]
+    del gloo  # torch lets go
+    assert tensor._use_count() == 1
+    torchdist._release_at_exit()
+    assert torchdist._unreleased == []
+    # one torch never lets go: the exit gives up after EXIT_RELEASE_WAIT_S
+    held = torch.zeros(4)
+    kept = torch.ones(4, requires_grad=True) * held
+    torchdist._unreleased.append(held)
+    torchdist._release_at_exit()
+    assert torchdist._unreleased == [] and held._use_count() == 2 and kept.grad_fn
+
+
 def test_packed_base():
     base = torchdist._packed_base
     c = np.array([3, 0, 2, 4])
