@@ -16,10 +16,14 @@
 #define GC_HAVE_AVX512 0
 #endif
 
-/* Outputs from this many bytes up are written around the cache: a host
- * pipeline's pieces of 4 MiB do not stay in a core's caches anyway, and
- * decoding 4096^2 values by such pieces took 3.7 ms streamed, 9.2 ms stored. */
-#define GC_STREAM_BYTES ((size_t)1 << 20)
+/* Outputs from this many bytes up are written around the cache. A host
+ * pipeline's pieces are 4 MiB / ranks at its default stage (512 KiB at 8
+ * ranks) and land in a result that does not stay in a core's caches: fp8
+ * decodes of 512 KiB into successive pieces of a 64 MiB array took 3.4 ms per
+ * 16M values streamed, 9.2 stored (256 KiB: 3.8 and 9.6). Into one buffer
+ * already in cache, storing is faster (2.5 and 2.9 ms against 3.3 and 3.7),
+ * which is why smaller outputs, more likely to be such buffers, are stored. */
+#define GC_STREAM_BYTES ((size_t)1 << 18)
 
 #if GC_HAVE_AVX512
 #include <immintrin.h>
