@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from geocomm.codecs.formats import NoneCodec, sent_codec, split_format
-from geocomm.engine.layout import Pieces, segments
+from geocomm.engine.layout import Pieces, call_bytes
 from geocomm.engine.protocols import WireCodec
 from geocomm.kernels import cuda, native
 
@@ -259,15 +259,13 @@ def call_tables(
     size = pieces.size
     rows: list[np.ndarray] = []
     stages = []
-    at = amax = 0
-    send_bytes = recv_bytes = gather_bytes = staged_values = 0
-    for s in range(pieces.stages):
-        ranges = [pieces.piece_range(j, s) for j in range(size)]
-        sizes = [fmt.wire_size(hi - lo) for lo, hi in ranges]
-        mine = sizes[rank]
-        send_counts, send_displs = segments([0 if j == rank else b for j, b in enumerate(sizes)])
-        recv_counts, recv_displs = segments([0 if j == rank else mine for j in range(size)])
-        gather_counts, gather_displs = segments(sizes)
+    at = amax = staged_values = 0
+    layout = call_bytes(fmt.wire_size, pieces, rank)
+    for stage in layout.stages:
+        ranges, mine = stage.ranges, stage.sizes[rank]
+        send_counts, send_displs = stage.send_counts, stage.send_displs
+        recv_counts, recv_displs = stage.recv_counts, stage.recv_displs
+        gather_counts, gather_displs = stage.gather_counts, stage.gather_displs
         send, packed = [], 0
         for j, (lo, hi) in enumerate(ranges):
             if j != rank:
@@ -309,9 +307,14 @@ def call_tables(
                 own_bytes=mine,
             )
         )
-        send_bytes = max(send_bytes, int(send_counts.sum()))
-        recv_bytes = max(recv_bytes, int(recv_counts.sum()))
-        gather_bytes = max(gather_bytes, int(gather_counts.sum()))
         staged_values = max(staged_values, packed if staged else 0)
     table = np.concatenate(rows) if rows else np.zeros((0, len(FIELDS)), np.uint64)
-    return CallTables(table, stages, send_bytes, recv_bytes, gather_bytes, staged_values, amax)
+    return CallTables(
+        table,
+        stages,
+        layout.send_bytes,
+        layout.recv_bytes,
+        layout.gather_bytes,
+        staged_values,
+        amax,
+    )

@@ -14,7 +14,14 @@ from geocomm.comm.base import Communicator, wait_ordered
 from geocomm.engine import device
 from geocomm.engine.arithmetic import add_into
 from geocomm.engine.host import Pipeline
-from geocomm.engine.layout import DEFAULT_STAGE_SIZE, Pieces, array_module, segments
+from geocomm.engine.layout import (
+    DEFAULT_STAGE_SIZE,
+    CallBytes,
+    Pieces,
+    array_module,
+    call_bytes,
+    segments,
+)
 
 _PLAIN = NoneCodec()
 #: the exact sums' wire formats (a transforming codec's ``side_format``)
@@ -77,6 +84,7 @@ class ExactSum:
         self.decoded: Any = None
         self.sent: Any = None
         self.plan: device.DevicePlan | None = None
+        self.layout: CallBytes | None = None  # the host pipeline's stages
         if self.gathered:
             shape = (comm.size, size) if plain else (comm.size, nbytes)
             self.rows = xp.empty(shape, dtype=np.float32 if plain else np.uint8)
@@ -87,6 +95,8 @@ class ExactSum:
             batched = device.batched_format(comm, _PLAIN, self.total)
             if batched is not None:  # CuPy arrays over NCCL: the batched pipeline
                 self.plan = device.DevicePlan(comm, batched, self.pieces, 0, True, False, xp)
+            else:
+                self.layout = call_bytes(_PLAIN.wire_size, self.pieces, comm.rank)
 
     def __call__(self, values: Any) -> Any:
         if values.shape != (self.size,) or values.dtype != np.float32:
@@ -102,7 +112,9 @@ class ExactSum:
         if self.plan is not None:
             self.plan.run(source, self.total)
         else:
-            Pipeline(self.comm, _PLAIN, self.pieces, source, self.total, 0, gather=True).run()
+            Pipeline(
+                self.comm, _PLAIN, self.pieces, source, self.total, 0, True, layout=self.layout
+            ).run()
         return self.total
 
     def _as_sent(self, values: Any, out: Any) -> Any:

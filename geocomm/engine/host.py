@@ -33,12 +33,13 @@ import numpy as np
 
 from geocomm.comm.base import Communicator, Request, wait
 from geocomm.engine.layout import (
+    CallBytes,
     PieceAccess,
     Pieces,
     array_module,
+    call_bytes,
     quantization_stream,
     run_schedule,
-    segments,
 )
 from geocomm.engine.protocols import RangeMap, WireCodec
 
@@ -97,7 +98,9 @@ class Pipeline(PieceAccess):
 
     ``source`` holds the values to reduce (or ``mapper`` maps them piece by
     piece); ``result`` receives the sum from absolute index
-    ``result_offset`` on and may be ``source``.
+    ``result_offset`` on and may be ``source``. ``layout``: the call's
+    :func:`~geocomm.engine.layout.call_bytes`, kept per signature by the caller
+    (default: derived here).
     """
 
     def __init__(
@@ -111,8 +114,11 @@ class Pipeline(PieceAccess):
         gather: bool,
         mapper: RangeMap | None = None,
         rounding_stream: int = 0,
+        layout: CallBytes | None = None,
     ):
         self.comm, self.codec, self.pieces = comm, codec, pieces
+        layout = layout if layout is not None else call_bytes(codec.wire_size, pieces, comm.rank)
+        self.stages = layout.stages
         # stochastic rounding: every quantization of the call draws from its own
         # stream (this rank's first one, its second one), counted by element index
         self.rounding_streams = (
@@ -123,31 +129,20 @@ class Pipeline(PieceAccess):
         self.result_offset = result_offset  # absolute index of result[0]
         self.gather = gather
         self.open: list[Request] = []
-        n, me = comm.size, comm.rank
+        self.me = comm.rank
         xp = array_module(source)
-        wire = codec.wire_size
-        mine = wire(pieces.piece)
-        every = [
-            wire(min(pieces.piece, int(b - a)))
-            for a, b in zip(pieces.bounds[:-1], pieces.bounds[1:], strict=True)
-        ]
+
         # two stages in flight at most per phase: double buffers
-        self.a2a_send = [_SCRATCH.take(xp, sum(every)) for _ in range(2)]
-        self.a2a_recv = [_SCRATCH.take(xp, n * mine) for _ in range(2)]
-        self.ag_send = [_SCRATCH.take(xp, mine) for _ in range(2)]
-        self.ag_recv = [_SCRATCH.take(xp, sum(every)) for _ in range(2)]
-        self.me = me
+        self.a2a_send = [_SCRATCH.take(xp, layout.send_bytes) for _ in range(2)]
+        self.a2a_recv = [_SCRATCH.take(xp, layout.recv_bytes) for _ in range(2)]
+        self.ag_send = [_SCRATCH.take(xp, layout.own_bytes) for _ in range(2)]
+        self.ag_recv = [_SCRATCH.take(xp, layout.gather_bytes) for _ in range(2)]
         self.a2a_req: dict[int, Request] = {}
         self.ag_req: dict[int, Request] = {}
 
     # -- helpers ------------------------------------------------------------
     def _progress(self) -> None:
         self.open = [r for r in self.open if not r.test()]
-
-    def _stage_sizes(self, stage: int) -> list[int]:
-        """Wire bytes of every shard's piece in ``stage``."""
-        ranges = (self.pieces.piece_range(j, stage) for j in range(self.comm.size))
-        return [self.codec.wire_size(hi - lo) for lo, hi in ranges]
 
     def _done(self, lo: int, hi: int) -> bool:
         if not super()._done(lo, hi):
@@ -156,23 +151,14 @@ class Pipeline(PieceAccess):
         return True
 
     # -- phases ---------------------------------------------------------------
-    def _a2a_sizes(self, s: int) -> tuple[list[int], list[int]]:
-        """Wire bytes this rank sends to and receives from each rank in stage
-        ``s``'s all-to-all: its piece of every other shard, and every other
-        rank's piece of its own shard; nothing to itself (its own piece enters
-        the sum unquantized)."""
-        sizes = self._stage_sizes(s)
-        mine = sizes[self.me]
-        sizes[self.me] = 0
-        return sizes, [0 if i == self.me else mine for i in range(self.comm.size)]
-
     def encode_stage(self, s: int) -> None:
-        counts, displs = segments(self._a2a_sizes(s)[0])
-        buf = self.a2a_send[s % 2]
-        for j in range(self.comm.size):
+        """This rank's pieces of the other shards, into the all-to-all's send buffer
+        (its own piece enters the sum unquantized)."""
+        stage, buf = self.stages[s], self.a2a_send[s % 2]
+        for j, (lo, hi) in enumerate(stage.ranges):
             if j != self.me:
-                lo, hi = self.pieces.piece_range(j, s)
-                wire, stream = buf[displs[j] : displs[j] + counts[j]], self.rounding_streams[0]
+                at = int(stage.send_displs[j])
+                wire, stream = buf[at : at + stage.sizes[j]], self.rounding_streams[0]
                 if self.mapper is None or not self.mapper.encode(lo, hi, self.codec, wire, stream):
                     values = self._read(lo, hi)
                     self.codec.encode_wire(values, wire, rounding_stream=stream, offset=lo)
@@ -181,16 +167,14 @@ class Pipeline(PieceAccess):
                 self._progress()
 
     def start_alltoall(self, s: int) -> None:
-        send_sizes, recv_sizes = self._a2a_sizes(s)
-        send_counts, send_displs = segments(send_sizes)
-        recv_counts, recv_displs = segments(recv_sizes)
+        stage = self.stages[s]
         req = self.comm.alltoallv(
             self.a2a_send[s % 2],
-            send_counts,
-            send_displs,
+            stage.send_counts,
+            stage.send_displs,
             self.a2a_recv[s % 2],
-            recv_counts,
-            recv_displs,
+            stage.recv_counts,
+            stage.recv_displs,
         )
         self.a2a_req[s] = req
         self.open.append(req)
@@ -203,10 +187,11 @@ class Pipeline(PieceAccess):
         read and the sum written in one pass, where a copy into the result
         and an accumulating decode took two)."""
         wait(self.a2a_req.pop(s), f"the all-to-all of stage {s}", self.me)
-        lo, hi = self.pieces.piece_range(self.me, s)
+        stage = self.stages[s]
+        lo, hi = stage.ranges[self.me]
         acc = self._local(lo, hi)
         own = self._read(lo, hi)
-        seg = self.codec.wire_size(hi - lo)
+        seg = stage.sizes[self.me]
         buf = self.a2a_recv[s % 2]
         if self.comm.size == 1:
             acc[...] = own
@@ -222,7 +207,7 @@ class Pipeline(PieceAccess):
 
     def reencode_stage(self, s: int) -> None:
         """Encode my reduced piece for the all-gather (the second quantization)."""
-        lo, hi = self.pieces.piece_range(self.me, s)
+        lo, hi = self.stages[s].ranges[self.me]
         values = self._local(lo, hi)
         self.codec.encode_wire(
             values, self.ag_send[s % 2], rounding_stream=self.rounding_streams[1], offset=lo
@@ -232,20 +217,21 @@ class Pipeline(PieceAccess):
         self._progress()
 
     def start_allgather(self, s: int) -> None:
-        sizes = self._stage_sizes(s)
-        counts, displs = segments(sizes)
-        send = self.ag_send[s % 2][: sizes[self.me]]
-        req = self.comm.allgatherv(send, self.ag_recv[s % 2], counts, displs)
+        stage = self.stages[s]
+        send = self.ag_send[s % 2][: stage.sizes[self.me]]
+        req = self.comm.allgatherv(
+            send, self.ag_recv[s % 2], stage.gather_counts, stage.gather_displs
+        )
         self.ag_req[s] = req
         self.open.append(req)
 
     def decode_stage(self, s: int) -> None:
         wait(self.ag_req.pop(s), f"the all-gather of stage {s}", self.me)
-        counts, displs = segments(self._stage_sizes(s))
-        buf = self.ag_recv[s % 2]
-        for j in range(self.comm.size):
-            lo, hi = self.pieces.piece_range(j, s)
-            wire = buf[displs[j] : displs[j] + counts[j]]
+        stage, buf = self.stages[s], self.ag_recv[s % 2]
+        for (lo, hi), at, count in zip(
+            stage.ranges, stage.gather_displs, stage.gather_counts, strict=True
+        ):
+            wire = buf[int(at) : int(at + count)]
             if self.mapper is not None and self.mapper.decode(lo, hi, self.codec, wire):
                 self._progress()
                 continue

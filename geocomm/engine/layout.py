@@ -7,7 +7,7 @@ bottom of :mod:`geocomm.engine` with :mod:`geocomm.engine.costs`, which it impor
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +73,62 @@ class Pieces:
         start, end = int(self.bounds[shard]), int(self.bounds[shard + 1])
         lo = min(start + stage * self.piece, end)
         return lo, min(lo + self.piece, end)
+
+
+@dataclass(frozen=True)
+class StageBytes:
+    """One stage of a call on one rank: every shard's piece (absolute [lo, hi), in
+    rank order), the wire bytes of each, and the counts and displacements of the
+    stage's two exchanges. The all-to-all sends this rank's pieces of the other
+    shards, packed in rank order, and receives the other ranks' pieces of its own
+    shard, packed in rank order, nothing to or from itself; the all-gather moves
+    every piece, packed in rank order."""
+
+    ranges: tuple[tuple[int, int], ...]
+    sizes: tuple[int, ...]
+    send_counts: np.ndarray
+    send_displs: np.ndarray
+    recv_counts: np.ndarray
+    recv_displs: np.ndarray
+    gather_counts: np.ndarray
+    gather_displs: np.ndarray
+
+
+@dataclass(frozen=True)
+class CallBytes:
+    """Every stage of a call on one rank, and the largest byte counts any stage has:
+    of the all-to-all's send and receive buffers, of this rank's re-encoded piece,
+    and of the all-gather's buffer."""
+
+    stages: list[StageBytes]
+    send_bytes: int
+    recv_bytes: int
+    own_bytes: int
+    gather_bytes: int
+
+
+def call_bytes(wire_size: Callable[[int], int], pieces: Pieces, rank: int) -> CallBytes:
+    """The stages of a call on ``rank`` whose codec sends ``wire_size(n)`` bytes for n
+    values: what the host and the device pipelines derive once per signature."""
+    stages = []
+    for s in range(pieces.stages):
+        ranges = tuple(pieces.piece_range(j, s) for j in range(pieces.size))
+        sizes = tuple(wire_size(hi - lo) for lo, hi in ranges)
+        mine = sizes[rank]
+        send = segments([0 if j == rank else b for j, b in enumerate(sizes)])
+        recv = segments([0 if j == rank else mine for j in range(pieces.size)])
+        stages.append(StageBytes(ranges, sizes, *send, *recv, *segments(list(sizes))))
+
+    def largest(counts: Callable[[StageBytes], Any]) -> int:
+        return max((int(np.sum(counts(t))) for t in stages), default=0)
+
+    return CallBytes(
+        stages,
+        largest(lambda t: t.send_counts),
+        largest(lambda t: t.recv_counts),
+        largest(lambda t: t.sizes[rank]),
+        largest(lambda t: t.gather_counts),
+    )
 
 
 def stage_size(backend: str | None, count: int, size: int, ratio: float = costs.FP8_RATIO) -> int:

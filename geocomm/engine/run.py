@@ -36,7 +36,15 @@ from geocomm.engine.device_tables import wire_format
 from geocomm.engine.graphs import Graphs
 from geocomm.engine.hierarchical import node_allreduce, node_reduce_scatter
 from geocomm.engine.host import Pipeline
-from geocomm.engine.layout import PIECE_ALIGN, Pieces, array_module, segments, shard_bounds
+from geocomm.engine.layout import (
+    PIECE_ALIGN,
+    CallBytes,
+    Pieces,
+    array_module,
+    call_bytes,
+    segments,
+    shard_bounds,
+)
 from geocomm.engine.layout import stage_size as backend_stage_size
 from geocomm.engine.transforming import (
     PartsMap,
@@ -209,7 +217,8 @@ class _Across:
 
 class FlatPlan:
     """The flat compressed path of one signature, made at its first call: shard bounds,
-    pieces, and, when its arrays live on the device, the device plans
+    pieces, the host pipeline's stages (:func:`~geocomm.engine.layout.call_bytes`,
+    at its first host call), and, when its arrays live on the device, the device plans
     (:class:`~geocomm.engine.device.DevicePlan`, one for calls with a map and one
     without); for a stateful codec also the side channels of its calls (one per layout
     of sides, :class:`~geocomm.engine.transforming.SideChannel`), the read scratch of
@@ -227,6 +236,7 @@ class FlatPlan:
         self.pieces = Pieces.cut(count, comm.size, stage)
         self.fmt = wire_format(codec) if comm.device_arrays else None
         self.device_plans: dict[bool, device.DevicePlan] = {}
+        self.host_layout: CallBytes | None = None  # the host pipeline's stages
         #: whether calls may map their tensors or keep residuals (a stateful codec)
         self.stateful = isinstance(codec, (TransformingCodec, ErrorFeedbackCodec))
         self.channels: dict[tuple[Any, ...], SideChannel] = {}
@@ -253,9 +263,11 @@ class FlatPlan:
         the device pipeline divides the result by it (an average); True if it did."""
         plan = self.device_plan(mapper is not None, array_module(source))
         if plan is None:
+            if self.host_layout is None:
+                self.host_layout = call_bytes(self.codec.wire_size, self.pieces, self.comm.rank)
             Pipeline(
                 self.comm, self.codec, self.pieces, source, result, self.offset, self.gather,
-                mapper, rounding_stream,
+                mapper, rounding_stream, self.host_layout,
             ).run()  # fmt: skip
             return False
         plan.run(source, result, mapper, rounding_stream, divisor)

@@ -13,6 +13,9 @@ piece: the most stages), with both roundings.
 Stochastic rounding's stream also counts the calls made with a codec and key
 (``geocomm.calls`` counts them): the two calls compared start from a fresh
 count, as two runs of a training job would.
+
+The stages' byte layout (``call_bytes``, derived once per signature) agrees
+across ranks: every all-to-all sends what its receiver expects.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import pytest
 
 import geocomm
 from geocomm.engine import call as calls
-from geocomm.engine.layout import PIECE_ALIGN, Pieces
+from geocomm.engine.layout import PIECE_ALIGN, Pieces, call_bytes
 
 COUNT = 300_007  # shards of odd lengths; 2^15 gives several stages, 2^20 one
 CHUNKS = (1 << 20, 1 << 15)
@@ -57,6 +60,42 @@ def test_pieces_start_at_multiples_of_4096_in_their_shard():
                     for stage in range(plan.stages):
                         lo, hi = plan.piece_range(shard, stage)
                         assert (lo - start) % PIECE_ALIGN == 0 or lo == hi
+
+
+def test_call_bytes_agree_across_ranks():
+    # what rank r sends to rank j in a stage's all-to-all is what j expects from r (the
+    # wire bytes of r's piece of shard j), packed in rank order on both sides; every
+    # rank sees the same all-gather; the buffer sizes are the largest stage's
+    wire = geocomm.get_codec("nvfp4").wire_size  # not proportional: a body has scales
+    for count in (1, 4097, COUNT):
+        for size in (1, 2, 3, 5):
+            for chunk in (4096, *CHUNKS):
+                pieces = Pieces.cut(count, size, chunk)
+                ranks = [call_bytes(wire, pieces, r) for r in range(size)]
+                for s in range(pieces.stages):
+                    stages = [layout.stages[s] for layout in ranks]
+                    for r, mine in enumerate(stages):
+                        assert mine.ranges == tuple(pieces.piece_range(j, s) for j in range(size))
+                        assert mine.sizes == tuple(wire(hi - lo) for lo, hi in mine.ranges)
+                        for j, theirs in enumerate(stages):
+                            sent = 0 if j == r else mine.sizes[j]
+                            assert mine.send_counts[j] == theirs.recv_counts[r] == sent
+                        for counts, displs in (
+                            (mine.send_counts, mine.send_displs),
+                            (mine.recv_counts, mine.recv_displs),
+                            (mine.gather_counts, mine.gather_displs),
+                        ):
+                            assert list(displs) == [0, *np.cumsum(counts)[:-1]]
+                        assert list(mine.gather_counts) == list(stages[0].sizes)
+                for r, layout in enumerate(ranks):
+                    for field, counts in (
+                        ("send_bytes", lambda t: t.send_counts.sum()),
+                        ("recv_bytes", lambda t: t.recv_counts.sum()),
+                        ("own_bytes", lambda t, r=r: t.sizes[r]),
+                        ("gather_bytes", lambda t: t.gather_counts.sum()),
+                    ):
+                        largest = max((int(counts(t)) for t in layout.stages), default=0)
+                        assert getattr(layout, field) == largest, (count, size, chunk, field)
 
 
 @pytest.fixture
