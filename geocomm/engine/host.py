@@ -131,7 +131,6 @@ class Pipeline(PieceAccess):
         self.open: list[Request] = []
         self.me = comm.rank
         xp = array_module(source)
-
         # two stages in flight at most per phase: double buffers
         self.a2a_send = [_SCRATCH.take(xp, layout.send_bytes) for _ in range(2)]
         self.a2a_recv = [_SCRATCH.take(xp, layout.recv_bytes) for _ in range(2)]

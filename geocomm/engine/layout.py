@@ -79,10 +79,10 @@ class Pieces:
 class StageBytes:
     """One stage of a call on one rank: every shard's piece (absolute [lo, hi), in
     rank order), the wire bytes of each, and the counts and displacements of the
-    stage's two exchanges. The all-to-all sends this rank's pieces of the other
-    shards, packed in rank order, and receives the other ranks' pieces of its own
-    shard, packed in rank order, nothing to or from itself; the all-gather moves
-    every piece, packed in rank order."""
+    stage's two exchanges, as read-only arrays. The all-to-all sends this rank's
+    pieces of the other shards, packed in rank order, and receives the other
+    ranks' pieces of its own shard, packed in rank order, nothing to or from
+    itself; the all-gather moves every piece, packed in rank order."""
 
     ranges: tuple[tuple[int, int], ...]
     sizes: tuple[int, ...]
@@ -117,7 +117,10 @@ def call_bytes(wire_size: Callable[[int], int], pieces: Pieces, rank: int) -> Ca
         mine = sizes[rank]
         send = segments([0 if j == rank else b for j, b in enumerate(sizes)])
         recv = segments([0 if j == rank else mine for j in range(pieces.size)])
-        stages.append(StageBytes(ranges, sizes, *send, *recv, *segments(list(sizes))))
+        arrays = (*send, *recv, *segments(list(sizes)))
+        for array in arrays:  # every call of the signature passes these: none may change
+            array.flags.writeable = False
+        stages.append(StageBytes(ranges, sizes, *arrays))
 
     def largest(counts: Callable[[StageBytes], Any]) -> int:
         return max((int(np.sum(counts(t))) for t in stages), default=0)

@@ -18,6 +18,7 @@ pytest.importorskip("torch")
 _JOB = textwrap.dedent(
     """
     import os, socket, sys
+    import torch
     import torch.distributed as dist
     from mpi4py import MPI
     from geocomm.adapters.torch import init_distributed_from_mpi
@@ -33,9 +34,7 @@ _JOB = textwrap.dedent(
     except RuntimeError as error:
         print(f"rank {world.rank} refused: {error}", flush=True)
     else:
-        x = dist.get_rank() + 1.0
-        import torch
-        t = torch.tensor([x])
+        t = torch.tensor([dist.get_rank() + 1.0])
         dist.all_reduce(t)
         print(f"rank {dist.get_rank()} of {dist.get_world_size()} sum {t.item()} "
               f"port {os.environ['MASTER_PORT']} {port}", flush=True)
