@@ -6,6 +6,7 @@ geocomm[mpi]``). ``geocomm.native_available`` says whether the C core is built.
 
 from geocomm.api import allgather, allreduce, get_comm, init, reduce_scatter
 from geocomm.codecs import Codec, decode, get_codec, register_codec, registered_ids
+from geocomm.comm.base import CollectiveTimeout
 from geocomm.engine.call import CollectiveMismatchError
 from geocomm.kernels.native import available as native_available
 
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Codec",
     "CollectiveMismatchError",
+    "CollectiveTimeout",
     "__version__",
     "allgather",
     "allreduce",

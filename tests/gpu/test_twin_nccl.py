@@ -97,7 +97,6 @@ COMMUNICATOR_JOB = textwrap.dedent("""
     import os, sys, numpy as np, cupy
     from mpi4py import MPI
     import geocomm
-    from geocomm.comm.base import CollectiveTimeout
     from geocomm.comm.mpi import MPICommunicator
     from geocomm.comm.nccl import NCCLCommunicator
     from geocomm.engine.call import FIELDS
@@ -122,7 +121,7 @@ COMMUNICATOR_JOB = textwrap.dedent("""
             if rank == 0:
                 comm.synchronize()  # finishes the check: rank 1 never sends its row
         print(f"rank {rank} done", flush=True)
-    except CollectiveTimeout as exc:
+    except geocomm.CollectiveTimeout as exc:  # what a user catches
         print(f"rank {rank} timed out: {exc} (aborted: {comm.aborted})", flush=True)
     if rank == 0:
         world.send(None, dest=1, tag=99)  # gave up: rank 1 may come now
