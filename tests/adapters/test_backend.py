@@ -174,6 +174,28 @@ def test_exact_calls_beside_compressed_gradients(comm):
 
 
 @pytestmark_mpi
+def test_a_parameter_is_reduced_in_place_under_no_grad(comm):
+    """As gloo does: the backend's worker thread, whose grad mode is its own, writes a
+    tensor that requires grad (it refused to before, since a new thread's grad mode is
+    on). fp8 carries the small integer sum exactly."""
+    group = _geocomm_group()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    weight = torch.nn.Parameter(torch.full((4096,), float(rank + 1)))
+    with torch.no_grad():
+        dist.all_reduce(weight, group=group)
+    assert torch.equal(weight.detach(), torch.full((4096,), float(size * (size + 1) // 2)))
+    assert tb.stats(group).compressed == 1
+
+
+@pytestmark_mpi
+def test_groups_configured_alike_keep_their_own_codec_state(comm):
+    """A codec's state (GeoFP8's bases, error feedback's residuals) is per group: two
+    groups of one configuration never share one codec object."""
+    first, second = _geocomm_group(codec="geofp8"), _geocomm_group(codec="geofp8")
+    assert first.codec == second.codec and first.codec is not second.codec
+
+
+@pytestmark_mpi
 def test_async_compressed_calls_complete_in_order(comm):
     group = _geocomm_group()
     rank, size = dist.get_rank(), dist.get_world_size()

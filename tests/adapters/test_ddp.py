@@ -417,3 +417,35 @@ def test_a_bucket_of_another_dtype_is_refused_by_name(comm):
     refused = r"torch\.float64 gradients; geocomm reduces"
     with pytest.raises((TypeError, RuntimeError), match=refused):  # DDP may wrap it
         model(x).sum().backward()
+
+
+def _train_b(codec: dict, a_hooked: bool) -> bytes:
+    """Model B's parameters after 4 steps, with model A (same architecture, 100x the
+    gradients) trained beside it, hooked with the same codec config or not."""
+    init_distributed_from_mpi()
+    nets = {name: _mlp() for name in "ab"}
+    models = {name: DDP(net) for name, net in nets.items()}
+    states = []
+    for name in "ab" if a_hooked else "b":
+        states.append(GeocommHookState(nets[name], codec=codec))
+        models[name].register_comm_hook(states[-1], geocomm_hook)
+    opt = torch.optim.SGD(nets["b"].parameters(), lr=0.05)
+    for step in range(4):
+        x, _ = _batch(dist.get_rank(), step, 64)
+        opt.zero_grad()  # one backward: the two models' buckets reduce side by side
+        ((100 * models["a"](x)).pow(2).mean() + models["b"](x).pow(2).mean()).backward()
+        opt.step()
+    for state in states:
+        state.close()
+    return _params_digest(nets["b"])
+
+
+@pytest.mark.parametrize("codec", [{"id": "fp8", "error_feedback": True}, {"id": "geofp8"}])
+def test_models_hooked_with_one_codec_config_keep_their_own_state(comm, codec):
+    """An id or config gives each hook state a codec of its own: model A's residuals
+    and bases (the same parameter names and shapes as B's) never reach B, so B trains
+    to the same bits whether A is hooked beside it or not. When the states shared
+    one codec, GeoFP8's ranks disagreed on its state in the first step (the two
+    hooks' threads changed it while the other checked it) and B's error-feedback
+    run ended 61% away."""
+    assert _train_b(codec, a_hooked=True) == _train_b(codec, a_hooked=False)

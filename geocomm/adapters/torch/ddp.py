@@ -47,7 +47,7 @@ from geocomm.adapters.torch.distributed import dedicated_comm
 from geocomm.adapters.torch.grads import BufferLayout, Entry, GradReducer, Selection, check_dtype
 from geocomm.adapters.torch.telemetry import BucketStats, StepStats, Telemetry
 from geocomm.adapters.torch.worker import Worker
-from geocomm.api import resolve_codec
+from geocomm.codecs import get_codec
 
 __all__ = ["GeocommHookState", "geocomm_hook"]
 
@@ -98,7 +98,10 @@ class GeocommHookState:
     Args:
         module: the module DDP wraps; its parameter names are GeoFP8's keys and what
             ``exclude`` matches.
-        codec: codec id, config or Codec (default "fp8").
+        codec: codec id, config or Codec (default "fp8"): an id or config makes
+            this model's own codec, with state of its own (GeoFP8's bases, error feedback's
+            residuals); a Codec is used as it is, so one shared by two models shares its
+            state between them.
         group: the process group whose ranks take part (default: the world): DDP's
             ``process_group`` when it has one (the first bucket raises ValueError when
             the ranks hold different parameters, as other DDP groups' do).
@@ -146,7 +149,7 @@ class GeocommHookState:
         history: int = 100,
         log_every: int = 0,
     ):
-        codec = resolve_codec(codec)  # a bad codec fails here, before any collective
+        codec = get_codec(codec)  # a bad codec fails here, before any collective
         self.module = module
         self.group = group
         self.selection = Selection.of(exclude, min_numel)

@@ -59,8 +59,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _Redu
 from geocomm.adapters.torch import checkpoints, grads, support
 from geocomm.adapters.torch.distributed import dedicated_comm
 from geocomm.adapters.torch.telemetry import StepStats, Telemetry
-from geocomm.api import resolve_codec
-from geocomm.codecs import Codec
+from geocomm.codecs import Codec, get_codec
 
 __all__ = ["FSDPCompression", "GeocommAllReduceHook", "GeocommReduceScatter", "compress_fsdp"]
 
@@ -342,7 +341,10 @@ def compress_fsdp(
     Args:
         model: the model, whose ``fully_shard`` modules get a compressed
             reduce-scatter each (FSDP2's ``set_custom_reduce_scatter``).
-        codec: codec id, config or Codec (default "fp8").
+        codec: codec id, config or Codec (default "fp8"): an id or config makes
+            this model's own codec, with state of its own (GeoFP8's bases, error feedback's
+            residuals); a Codec is used as it is, so one shared by two models shares its
+            state between them.
         replicate_group: the ranks holding the same shard (HSDP-style replicas):
             a compressed all-reduce of each reduced shard over them
             (``set_all_reduce_hook``); None: no replicas.
@@ -370,7 +372,7 @@ def compress_fsdp(
         fully_shard(model)
         fsdp = compress_fsdp(model, codec="geofp8")
     """
-    codec = resolve_codec(codec)  # a bad codec fails here, before any collective
+    codec = get_codec(codec)  # a bad codec fails here, before any collective
     owner = FSDPCompression(Telemetry(history, log_every), model, codec)
     selection = grads.Selection.of(exclude, min_numel)
     settings = _Settings(

@@ -27,7 +27,7 @@ import torch
 from geocomm import api
 from geocomm._environ import switch
 from geocomm.adapters.torch.telemetry import BucketStats, ErrorSample, Telemetry
-from geocomm.api import resolve_codec
+from geocomm.codecs import get_codec
 from geocomm.comm.metered import MeteredComm
 from geocomm.engine.call import CollectiveMismatchError, Part
 from geocomm.engine.checks import check_consistent
@@ -249,7 +249,7 @@ class GradReducer:
         *,
         connect: Callable[[], Any] | None = None,
     ):
-        self.codec = resolve_codec(codec)
+        self.codec = get_codec(codec)
         if (comm is None) == (connect is None):
             raise TypeError("GradReducer takes a comm or a connect function, one of them")
         self._connect = connect

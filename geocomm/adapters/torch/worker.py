@@ -34,7 +34,10 @@ class Worker:
     """One daemon thread running jobs in submission order (the same on every rank).
 
     A job's exception goes to its future (DDP raises it from backward), so a
-    failure never kills the thread silently nor leaves the future pending.
+    failure never kills the thread silently nor leaves the future pending. Jobs run
+    under ``torch.no_grad()``: like torch's own collectives they write tensors in
+    place whatever grad mode the submitting thread had (grad mode is per thread, and
+    a new thread's is on).
     """
 
     def __init__(self, name: str):
@@ -67,7 +70,8 @@ class Worker:
                 return
             job, future = item
             try:
-                job()
+                with torch.no_grad():
+                    job()
             except BaseException as exc:
                 future.set_exception(exc)
 

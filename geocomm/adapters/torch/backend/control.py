@@ -16,7 +16,7 @@ from geocomm.adapters.torch.backend.config import (
     env_config,
 )
 from geocomm.adapters.torch.backend.group import NAME, GeocommProcessGroup
-from geocomm.api import resolve_codec
+from geocomm.codecs import get_codec
 
 __all__ = ["configure", "load_state_dict", "reset_configuration", "state_dict", "stats", "step"]
 
@@ -61,7 +61,7 @@ def configure(group: Any = None, **fields: Any) -> BackendConfig:
     if group is not None:
         return _group(group).configure(**fields)
     trial = BackendConfig(**{**env_config(), **configured, **fields})
-    resolve_codec(trial.codec)  # a bad codec fails here
+    get_codec(trial.codec)  # a bad codec fails here
     configured.update(fields)
     return trial
 

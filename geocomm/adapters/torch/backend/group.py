@@ -72,7 +72,7 @@ from geocomm.adapters.torch.backend.config import (
 from geocomm.adapters.torch.backend.exact import ExactCalls
 from geocomm.adapters.torch.backend.work import FutureWork, ProcessGroupBase, first_tensor, op_name
 from geocomm.adapters.torch.worker import Worker
-from geocomm.api import resolve_codec
+from geocomm.codecs import get_codec
 from geocomm.codecs.base import Codec
 from geocomm.comm.metered import MeteredComm
 from geocomm.comm.torchdist import TorchDistCommunicator
@@ -131,7 +131,7 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
         self.group_id, self.timeout = group_id, timeout
         self.ranks = list(ranks) or list(range(size))
         self.config = new_config(configured)
-        self.codec: Codec = resolve_codec(self.config.codec)
+        self.codec: Codec = get_codec(self.config.codec)
         self._keys = Keys()
         self._stats = BackendStats()
         self._lock = threading.Lock()  # the counters: exact calls may come from any thread
@@ -368,7 +368,7 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
         self.flush()
         config = replace(self.config, **fields)
         if "codec" in fields:
-            self.codec = resolve_codec(config.codec)
+            self.codec = get_codec(config.codec)
             with self._lock:
                 self._keys.new_step()
         self.config = config
