@@ -65,6 +65,9 @@ class AutoCodec(FramedCodec):
         return self._plain
 
     # standalone frames and the wire API use the compressing codec
+    def scale_span(self) -> int:
+        return self.inner.scale_span()
+
     def wire_size(self, n: int) -> int:
         return self.inner.wire_size(n)
 

@@ -94,6 +94,14 @@ class Codec(metaclass=_Sealing):
         return f"{type(self).__name__}({params})"
 
     # ---- wire API (headerless, flat float32) -------------------------------
+    def scale_span(self) -> int:
+        """Values whose codes depend on one another, counted from the start of a wire
+        body: one scale's block (FP8's ``block``, MX's 32, NVFP4's superblock of 4096),
+        1 for codecs that encode each value on its own, 0 for one scale over a whole
+        body. The collectives cut their pieces at multiples of it, so no result
+        depends on the stage size."""
+        return 1
+
     @abstractmethod
     def wire_size(self, n: int) -> int:
         """Bytes of the wire body of ``n`` values."""
@@ -189,6 +197,9 @@ class WireOf:
     one and sends its bytes: GeoFP8 its quantizer, error feedback its inner codec)."""
 
     wire_codec: Codec
+
+    def scale_span(self) -> int:
+        return self.wire_codec.scale_span()
 
     def wire_size(self, n: int) -> int:
         return self.wire_codec.wire_size(n)

@@ -233,7 +233,8 @@ MAX_BLOCK = 2**48
 
 
 class FP8Codec(NativeFormat):
-    """FP8 with one fp32 scale per ``block`` values (``block=0``: one per tensor).
+    """FP8 with one fp32 scale per ``block`` values (``block=0``: one per wire body, a
+    frame's tensor or, in a collective, a shard).
 
     ``fmt`` is ``"e4m3"`` (E4M3FN, max 448) or ``"e5m2"`` (max 57344).
     """
@@ -257,6 +258,9 @@ class FP8Codec(NativeFormat):
         self._block = self.block
         self._set_rounding(rounding, seed)
 
+    def scale_span(self) -> int:
+        return self.block
+
     def get_config(self) -> dict[str, Any]:
         return {
             "id": self.codec_id,
@@ -277,6 +281,9 @@ class NVFP4Codec(NativeFormat):
     codec_id: ClassVar[str] = "nvfp4"
     _fmt = "nvfp4"
 
+    def scale_span(self) -> int:
+        return 4096
+
 
 SCALE_RULES = ("floor", "rceil")
 
@@ -292,6 +299,9 @@ class _MXCodec(NativeFormat):
     nearest rounding and rceil with stochastic rounding, which needs it: a
     saturated value is biased whatever the rounding.
     """
+
+    def scale_span(self) -> int:
+        return 32
 
     def _set_scale_rule(self, scale_rule: str | None) -> None:
         if scale_rule is None:

@@ -7,6 +7,7 @@ bottom of :mod:`geocomm.engine` with :mod:`geocomm.engine.costs`, which it impor
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -56,16 +57,26 @@ class Pieces:
     stages: int
 
     @classmethod
-    def cut(cls, count: int, size: int, stage_size: int = DEFAULT_STAGE_SIZE) -> Pieces:
+    def cut(
+        cls, count: int, size: int, stage_size: int = DEFAULT_STAGE_SIZE, span: int = 1
+    ) -> Pieces:
         """Cut ``count`` values on ``size`` ranks into pieces for stages of about
-        ``stage_size`` values of the whole buffer (each shard's piece rounded up to
-        :data:`PIECE_ALIGN`)."""
+        ``stage_size`` values of the whole buffer. Each shard's piece is a multiple of
+        ``lcm(PIECE_ALIGN, span)`` (``span``: the codec's :meth:`Codec.scale_span`;
+        0 makes each shard one piece), so every scale covers the same values whatever
+        the stage size, and so do the bits."""
         if stage_size <= 0:
             raise ValueError(f"stage_size must be positive, got {stage_size}")
+        if span < 0:
+            raise ValueError(f"span must be >= 0, got {span}")
         bounds = shard_bounds(count, size)
-        per_shard = -(-stage_size // size)
-        piece = max(PIECE_ALIGN, -(-per_shard // PIECE_ALIGN) * PIECE_ALIGN)
         longest = int(np.max(np.diff(bounds))) if count else 0
+        if span == 0:
+            piece = max(PIECE_ALIGN, longest)
+        else:
+            unit = math.lcm(PIECE_ALIGN, span)
+            per_shard = -(-stage_size // size)
+            piece = max(unit, -(-per_shard // unit) * unit)
         return cls(count, size, bounds, piece, -(-longest // piece))
 
     def piece_range(self, shard: int, stage: int) -> tuple[int, int]:

@@ -233,7 +233,7 @@ class FlatPlan:
         self.gather = signature.kind == "allreduce"
         self.bounds = shard_bounds(count, comm.size)
         stage = signature.stage_size or default_stage_size(comm, codec, count)
-        self.pieces = Pieces.cut(count, comm.size, stage)
+        self.pieces = Pieces.cut(count, comm.size, stage, codec.scale_span())
         self.fmt = wire_format(codec) if comm.device_arrays else None
         self.device_plans: dict[bool, device.DevicePlan] = {}
         self.host_layout: CallBytes | None = None  # the host pipeline's stages

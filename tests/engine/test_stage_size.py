@@ -2,13 +2,15 @@
 
 The collectives cut every shard into pieces of about ``stage_size / N``
 values and encode each piece as its own wire body. Every scale of every
-format covers a fixed run of values counted from the start of its body (fp8:
-128, MX: 32, NVFP4: 16 under a superblock scale of 4096), and pieces start at
-multiples of ``PIECE_ALIGN`` (4096) from their shard's start, so the same
-values share a scale whatever the piece size; stochastic rounding draws by
-global element index. So ``allreduce`` and ``reduce_scatter`` give identical
-bits for stage_size 2^20, 2^15 and 4096 per rank (one aligned unit per
-piece: the most stages), with both roundings.
+format covers a fixed run of values counted from the start of its body, its
+``scale_span`` (fp8: its block, 128 by default; MX: 32; NVFP4: 16 under a
+superblock scale of 4096), and pieces start at multiples of
+``lcm(PIECE_ALIGN, scale_span)`` from their shard's start (a span of 0, one
+scale a body, makes each shard one piece), so the same values share a scale
+whatever the piece size; stochastic rounding draws by global element index.
+So ``allreduce`` and ``reduce_scatter`` give identical bits for stage_size
+2^20, 2^15 and 4096 per rank (one aligned unit per piece: the most stages),
+with both roundings.
 
 Stochastic rounding's stream also counts the calls made with a codec and key
 (``geocomm.calls`` counts them): the two calls compared start from a fresh
@@ -19,6 +21,8 @@ across ranks: every all-to-all sends what its receiver expects.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -31,6 +35,11 @@ COUNT = 300_007  # shards of odd lengths; 2^15 gives several stages, 2^20 one
 CHUNKS = (1 << 20, 1 << 15)
 CODECS = {
     "fp8": {"id": "fp8", "fmt": "e4m3", "block": 128},
+    # blocks that 4096 is no multiple of: pieces of lcm(4096, 96) = 12288 values,
+    # and one piece a shard for one scale a body (these changed with the stage
+    # size before pieces followed the codec's scale span)
+    "fp8 block 96": {"id": "fp8", "block": 96},
+    "fp8 block 0": {"id": "fp8", "block": 0},
     "nvfp4": {"id": "nvfp4"},
     "mxfp8": {"id": "mxfp8", "fmt": "e4m3"},
     "mxfp4": {"id": "mxfp4"},
@@ -46,20 +55,26 @@ def rank_input(rank: int) -> np.ndarray:
     return (rng.standard_normal(COUNT) * scale).astype(np.float32)
 
 
-def test_pieces_start_at_multiples_of_4096_in_their_shard():
-    # every piece of every stage starts PIECE_ALIGN-aligned relative to its shard, which
-    # an NVFP4 superblock (and every smaller scaling block) divides
+@pytest.mark.parametrize("span", [1, 16, 4096, 96, 1000, 0])
+def test_pieces_start_at_multiples_of_the_scale_span_in_their_shard(span):
+    # every piece of every stage starts at a multiple of lcm(PIECE_ALIGN, span) from
+    # its shard's start (PIECE_ALIGN itself for the formats' spans, which divide it);
+    # a span of 0 (one scale over a body) leaves each shard one piece
     assert PIECE_ALIGN % 4096 == 0
+    unit = math.lcm(PIECE_ALIGN, span) if span else None
     for count in (1, 4095, 4097, COUNT, 10**6 + 7):
         for size in (1, 2, 3, 5, 8):
             for chunk in (1, 777, 4096, *CHUNKS, 1 << 24):
-                plan = Pieces.cut(count, size, chunk)
-                assert plan.piece % PIECE_ALIGN == 0
+                plan = Pieces.cut(count, size, chunk, span)
+                if unit is None:
+                    assert plan.stages == 1
+                    continue
+                assert plan.piece % unit == 0
                 for shard in range(size):
                     start = int(plan.bounds[shard])
                     for stage in range(plan.stages):
                         lo, hi = plan.piece_range(shard, stage)
-                        assert (lo - start) % PIECE_ALIGN == 0 or lo == hi
+                        assert (lo - start) % unit == 0 or lo == hi
 
 
 def test_call_bytes_agree_across_ranks():
@@ -117,9 +132,12 @@ def _run(kind: str, x: np.ndarray, codec: dict, chunk: int) -> np.ndarray:
 @pytest.mark.parametrize("name", list(CODECS))
 def test_stage_size_does_not_change_the_bits(comm, saved_counts, kind, rounding, name):
     chunks = (*CHUNKS, PIECE_ALIGN * comm.size)
-    stages = [Pieces.cut(COUNT, comm.size, chunk).stages for chunk in chunks]
-    assert stages[0] == 1 < stages[1] < stages[2]  # the calls really cut differently
     codec = {**CODECS[name], **ROUNDINGS[rounding]}
+    span = geocomm.get_codec(codec).scale_span()
+    stages = [Pieces.cut(COUNT, comm.size, chunk, span).stages for chunk in chunks]
+    assert stages[0] == 1
+    if span:  # the calls really cut differently
+        assert stages[0] < stages[1] <= stages[2]
     x = rank_input(comm.rank)
     results = []
     for chunk in chunks:
