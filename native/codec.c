@@ -1162,13 +1162,21 @@ GC_AVX512 static inline void decode_mx_v(int fmt, int accumulate, const uint8_t 
 
 /* ---- AVX-512 BF16 ---- */
 
-/* gc_bf16_code of 16 values, as dwords. */
+/* gc_bf16_code of 16 values, as dwords (finite values past the largest bfloat16
+ * saturate to it). */
 GC_AVX512 static inline __m512i v_bf16_code(__m512 v)
 {
     __m512i b = _mm512_castps_si512(v), hi = _mm512_srli_epi32(b, 16);
     __m512i lsb = _mm512_and_si512(hi, v_u32(1));
     __m512i rounded =
         _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, v_u32(0x7fffu)), lsb), 16);
+    __mmask16 finite =
+        _mm512_cmplt_epi32_mask(_mm512_and_si512(b, v_u32(0x7fffffffu)), v_u32(0x7f800000u));
+    __mmask16 over =
+        finite & _mm512_cmpeq_epi32_mask(_mm512_and_si512(rounded, v_u32(0x7fffu)),
+                                         v_u32(0x7f80u));
+    __m512i top = _mm512_ternarylogic_epi32(hi, v_u32(0x8000u), v_u32(0x7f7fu), 0xea);
+    rounded = _mm512_mask_blend_epi32(over, rounded, top);
     __m512i nan = _mm512_ternarylogic_epi32(hi, v_u32(0x8000u), v_u32(0x7fc0u), 0xea);
     return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, nan);
 }

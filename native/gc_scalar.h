@@ -270,18 +270,21 @@ GC_FN float gc_e2m1_value(gc_u32 c)
 
 /* fp32 to bfloat16, round-to-nearest-even or (sr) stochastically; any NaN
  * becomes the canonical quiet NaN 0x7fc0 with its sign (as ml_dtypes does).
- * There is no saturation (as in ml_dtypes): above the largest finite
- * bfloat16 the upper neighbour is 2^128, i.e. inf. */
+ * A finite x that rounds past the largest finite bfloat16 (0x7f7f,
+ * 3.3895e38) saturates to it, with its sign, where a cast (ml_dtypes, torch)
+ * gives inf: the codec never turns a finite value into inf, and its bound
+ * holds there too (|x| - 0x1.fep127 < 2^-8 |x|). inf stays inf. */
 GC_FN gc_u16 gc_bf16_code(float x, int sr, gc_u32 rnd)
 {
     gc_u32 bits = gc_bits(x);
+    gc_u32 sign = (bits >> 16) & 0x8000u;
     gc_u32 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
     if (sr) /* the same bits on the magnitude: bfloat16 is an 8-bit-mantissa minifloat */
-        rounded = ((bits >> 16) & 0x8000u)
-                  | gc_round_minifloat_sr(gc_float(bits & 0x7fffffffu), 7, 127, rnd);
-    gc_u32 nan = ((bits >> 16) & 0x8000u) | 0x7fc0u;
+        rounded = sign | gc_round_minifloat_sr(gc_float(bits & 0x7fffffffu), 7, 127, rnd);
+    int finite = (bits & 0x7fffffffu) < 0x7f800000u;
     int is_nan = (bits & 0x7fffffffu) > 0x7f800000u;
-    return (gc_u16)(is_nan ? nan : rounded);
+    rounded = (finite && (rounded & 0x7fffu) == 0x7f80u) ? (sign | 0x7f7fu) : rounded;
+    return (gc_u16)(is_nan ? (sign | 0x7fc0u) : rounded);
 }
 
 GC_FN float gc_bf16_value(gc_u32 c) { return gc_float(c << 16); }

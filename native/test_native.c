@@ -4,7 +4,7 @@
  * every representable value back to its code; every E2M1 code through the
  * NVFP4 decoder; every E8M0 scale through the MX decoders; wire sizes;
  * NVFP4 superblocks (their scales, and a body cut at multiples of 4096);
- * non-finite rules; gc_encode_ex's flags and its stochastic rounding staying
+ * non-finite rules; bfloat16's saturation; gc_encode_ex's flags and its stochastic rounding staying
  * between the two neighbours; accumulate; and encoding random values and
  * decoding random bytes in every format (run under -Db_sanitize=address,
  * undefined, that catches any out-of-bounds access); the AVX-512 loops and
@@ -210,6 +210,31 @@ static void test_nonfinite(void)
     gc_decode(GC_NVFP4, w, 40, 0, y, 0);
     for (int i = 0; i < 40; i++)
         CHECK(isfinite(y[i]) == (i >= 32), "nvfp4: blocks 0 and 1 non-finite, 2 finite (%d)", i);
+}
+
+/* bfloat16 saturates a finite value that rounds past its largest finite value
+ * (0x7f7f) and keeps inf and NaN, on the vector path (32 values a step) and
+ * the portable one, with both roundings. */
+static void test_bf16_saturates(void)
+{
+    uint32_t bits[8] = {0x7f7fffffu, 0xff7fffffu, 0x7f7f8000u, 0x7f7f7fffu,
+                        0x7f800000u, 0xff800000u, 0x7fc00000u, 0x3f800000u};
+    uint16_t want[8] = {0x7f7f, 0xff7f, 0x7f7f, 0x7f7f, 0x7f80, 0xff80, 0x7fc0, 0x3f80};
+    float x[48];
+    for (int i = 0; i < 48; i++)
+        memcpy(&x[i], &bits[i % 8], sizeof x[i]);
+    for (int level = 0; level < 2; level++)
+        for (unsigned flags = 0; flags < 2; flags++) {
+            uint16_t w[48];
+            gc_codec_simd(level ? GC_SIMD_AUTO : GC_SIMD_PORTABLE);
+            CHECK(gc_encode_ex(GC_BF16, x, 48, 0, (uint8_t *)w, flags, 1, 2, 3) == 0, "bf16");
+            /* above 0x7f7f both neighbours of a finite value code as 0x7f7f, so
+             * stochastic rounding gives the same codes */
+            for (int i = 0; i < 48; i++)
+                CHECK(w[i] == want[i % 8], "bf16 code of %08x: %04x, want %04x (simd %d flags %u)",
+                      bits[i % 8], w[i], want[i % 8], level, flags);
+        }
+    gc_codec_simd(GC_SIMD_AUTO);
 }
 
 /* NVFP4 blocks whose decoded scale is 0 write codes 0 (gc_nvfp4_keeps_codes),
@@ -448,6 +473,7 @@ int main(void)
     test_stochastic_neighbours();
     test_nvfp4_superblocks();
     test_nonfinite();
+    test_bf16_saturates();
     test_nvfp4_zero_scale();
     test_accumulate();
     test_decode_onto();

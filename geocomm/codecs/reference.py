@@ -276,16 +276,23 @@ def decode_nvfp4(wire: np.ndarray, n: int) -> np.ndarray:
     return result
 
 
+#: the largest finite bfloat16's code (3.3895e38)
+BF16_MAX_CODE = 0x7F7F
+
+
 def encode_bf16(x: np.ndarray, rnd: np.ndarray | None = None) -> np.ndarray:
-    """Wire body: one little-endian bfloat16 (round-to-nearest-even) per value."""
+    """Wire body: one little-endian bfloat16 (round-to-nearest-even) per value; a
+    finite value that rounds to inf saturates to the largest finite bfloat16."""
     flat = np.ascontiguousarray(x, F32).ravel()
     if rnd is None:
-        result: np.ndarray = flat.astype(ml_dtypes.bfloat16).view("<u2").view(np.uint8).copy()
-        return result
-    codes = _round_stochastic(np.abs(flat), ml_dtypes.bfloat16, rnd).astype("<u2")
-    codes |= np.signbit(flat).astype("<u2") << np.uint16(15)
-    nan = np.isnan(flat)
-    codes[nan] = flat[nan].astype(ml_dtypes.bfloat16).view("<u2")  # canonical NaN, its sign
+        codes = flat.astype(ml_dtypes.bfloat16).view("<u2").copy()
+    else:
+        codes = _round_stochastic(np.abs(flat), ml_dtypes.bfloat16, rnd).astype("<u2")
+        codes |= np.signbit(flat).astype("<u2") << np.uint16(15)
+        nan = np.isnan(flat)
+        codes[nan] = flat[nan].astype(ml_dtypes.bfloat16).view("<u2")  # canonical NaN, its sign
+    over = np.isfinite(flat) & ((codes & np.uint16(0x7FFF)) == 0x7F80)
+    codes[over] = (codes[over] & np.uint16(0x8000)) | np.uint16(BF16_MAX_CODE)
     return codes.view(np.uint8)
 
 
