@@ -293,7 +293,8 @@ def encode_bf16(x: np.ndarray, rnd: np.ndarray | None = None) -> np.ndarray:
         codes[nan] = flat[nan].astype(ml_dtypes.bfloat16).view("<u2")  # canonical NaN, its sign
     over = np.isfinite(flat) & ((codes & np.uint16(0x7FFF)) == 0x7F80)
     codes[over] = (codes[over] & np.uint16(0x8000)) | np.uint16(BF16_MAX_CODE)
-    return codes.view(np.uint8)
+    body: np.ndarray = codes.view(np.uint8)
+    return body
 
 
 def decode_bf16(wire: np.ndarray, n: int) -> np.ndarray:
