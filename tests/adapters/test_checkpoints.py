@@ -75,11 +75,11 @@ def _saved(obj: object) -> object:
 class _DDPJob:
     """A fresh DDP job (model, Adam, hook state with a codec of its own)."""
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, **ddp):
         calls.reset_call_counts()
         self.net = _net()
         self.state = GeocommHookState(self.net, codec=get_codec(config), error_sample=0)
-        self.model = DDP(self.net)
+        self.model = DDP(self.net, **ddp)
         self.model.register_comm_hook(self.state, geocomm_hook)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-2)
 
@@ -140,6 +140,27 @@ def test_ddp_resume_gives_the_bits_of_a_straight_run(comm, name):
     bare.opt.load_state_dict(checkpoint["opt"])
     bare.run(range(SAVE_AT, STEPS))
     assert _digest(bare.net) != _digest(straight.net)
+
+
+def test_ddp_resume_over_several_buckets_that_ddp_never_rebuilds(comm):
+    """DDP rebuilds its buckets after a job's first step (from the order its gradients
+    arrived) unless it looks for unused parameters, so a resumed job's first step
+    groups several buckets as the straight job's first step did, not as its step at
+    the save did (docs/torch.md, "Checkpoints"). With find_unused_parameters=True
+    the first buckets stay, and the resumed job gives the straight job's bits."""
+    init_distributed_from_mpi()
+    config = CODECS["fp8-error-feedback"]
+    ddp = {"bucket_cap_mb": 0.02, "find_unused_parameters": True}
+    straight = _DDPJob(config, **ddp)
+    straight.run(range(STEPS))
+    assert len(straight.state.last_step.buckets) > 1  # the parameters span buckets
+    first = _DDPJob(config, **ddp)
+    first.run(range(SAVE_AT))
+    checkpoint = first.save()
+    resumed = _DDPJob(config, **ddp)
+    resumed.load(checkpoint)
+    resumed.run(range(SAVE_AT, STEPS))
+    assert _digest(resumed.net) == _digest(straight.net)
 
 
 def test_loading_into_another_job_raises(comm):
