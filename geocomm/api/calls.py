@@ -51,7 +51,8 @@ class Options(TypedDict, total=False):
         stage_size: values of the whole buffer per pipeline stage (default: the
             backend's; the bits do not depend on it).
         check: compare the call across ranks first (default: ``GEOCOMM_CHECK``, else
-            on); a mismatch raises :class:`geocomm.CollectiveMismatchError`.
+            on); a mismatch raises :class:`geocomm.CollectiveMismatchError`. The check
+            is a collective itself: the same on every rank.
         topology: "flat", "node" (exact inside each node, compressed between nodes) or
             "auto" (the cost model's choice; default ``GEOCOMM_TOPOLOGY``, else "auto").
     """
