@@ -222,6 +222,14 @@ def test_parts_and_stage_size_are_checked(comm):
     for bad_size in (4096.5, True):
         with pytest.raises(TypeError, match="stage_size must be an integer"):
             geocomm.allreduce(x, codec="fp8", stage_size=bad_size)
+    # a key names one tensor of a call: two would share one state (GeoFP8's basis
+    # flipped between them from call to call); None keys stand for the shape
+    for twice in ([("w", (3,)), ("w", (3,))], [(None, (3,)), (None, (3,))]):
+        with pytest.raises(ValueError, match="twice"):
+            geocomm.allreduce(x, codec="geofp8", parts=twice)
+    np.testing.assert_array_equal(
+        geocomm.allreduce(x, codec="fp8", parts=[(None, (2,)), (None, (4,))]), x * comm.size
+    )
 
 
 @pytest.mark.parametrize("name", ["fp8", "bf16"])

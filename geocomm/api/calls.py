@@ -160,13 +160,14 @@ def check_out(out: Any, x: Any, shape: tuple[int, ...] | None = None) -> None:
 
 def parts_of(shape: tuple[int, ...], count: int, key: Any, parts: Any) -> tuple[Part, ...]:
     """The tensors of the buffer: ``parts`` is a sequence of (key, shape) that tiles
-    the flat buffer in order; without it the buffer is one tensor of ``shape``.
-    A key of None stands for the tensor's shape."""
+    the flat buffer in order, each key once (a stateful codec keeps one state a
+    key); without it the buffer is one tensor of ``shape``. A key of None stands
+    for the tensor's shape."""
     if parts is None:
         return (Part(0, tuple(shape), ("shape", tuple(shape)) if key is None else key),)
     if key is not None:
         raise TypeError("pass either key= or parts=, not both")
-    result, offset = [], 0
+    result, offset, seen = [], 0, set()
     for entry in parts:
         try:
             name, part_shape = entry
@@ -175,7 +176,14 @@ def parts_of(shape: tuple[int, ...], count: int, key: Any, parts: Any) -> tuple[
             raise TypeError(f"parts entries must be (key, shape) pairs, got {entry!r}") from None
         if any(d < 0 for d in part_shape):
             raise ValueError(f"part {name!r} has a negative dimension: {part_shape}")
-        result.append(Part(offset, part_shape, ("shape", part_shape) if name is None else name))
+        part_key = ("shape", part_shape) if name is None else name
+        if repr(part_key) in seen:  # keys are compared across ranks by their repr too
+            raise ValueError(
+                f"parts name the key {part_key!r} twice: every tensor of a call needs a key "
+                f"of its own (a key of None stands for the tensor's shape)"
+            )
+        seen.add(repr(part_key))
+        result.append(Part(offset, part_shape, part_key))
         offset += math.prod(part_shape)
     if offset != count:
         raise ValueError(f"parts hold {offset} values, the buffer {count}")

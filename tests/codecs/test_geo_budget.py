@@ -251,3 +251,29 @@ def test_an_allreduce_sends_the_coefficients_and_the_power_steps(comm, transform
     rs = get_codec("geofp8", min_dim=8, min_numel=0)
     geocomm.reduce_scatter(spiked_inputs(size, m, n, 0)[rank], codec=rs, key="w", check=False)
     assert rs.state_info("w")["summed"] is True
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_is_a_reader_one_rank_may_call_anywhere(comm):
+    """GeoCodec.ranks() on one rank, in the middle of a round of calls, changes no
+    bit: a round's allocation is made by its first call, on every rank alike. Before,
+    ranks() kept the allocation it made, from states where the round's later keys
+    were not measured yet, and that rank alone planned the next round with it: the
+    ranks' side channels differed and MPI failed (MPI_ERR_TRUNCATE)."""
+    import geocomm
+
+    shapes = {"a": (64, 96), "b": (96, 64), "c": (48, 80)}
+
+    def run(read: bool) -> list[np.ndarray]:
+        codec = get_codec("geofp8", min_dim=8, min_numel=0)
+        results = []
+        for step in range(4):
+            for i, (key, (m, n)) in enumerate(shapes.items()):
+                x = spiked_inputs(comm.size, m, n, 10 * step + i, noise=0.05)[comm.rank]
+                results.append(geocomm.allreduce(x, codec=codec, key=key))
+                if read and comm.rank == 0 and key == "b":
+                    codec.ranks()
+        return results
+
+    for plain, read in zip(run(False), run(True), strict=True):
+        np.testing.assert_array_equal(plain, read)

@@ -281,31 +281,39 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         """The rank the model-wide budget gives each measured key in this round
         of calls (:func:`~geocomm.codecs.geo.policy.allocate`; -1: flat, plain
         and re-measured); a pure function of the keys' states, so equal on
-        ranks whose states are."""
+        ranks whose states are. A reader: it never fixes a round's allocation
+        (only a round's first call does, on every rank alike), so one rank may
+        call it anywhere."""
         self._settle()
-        return self._allocation()
+        if self._ranks[0] >= 0:
+            return dict(self._ranks[1])
+        return self._allocate()
 
     def _allocation(self) -> dict[Any, int]:
-        """:meth:`ranks` from the states as they are, made when none is kept."""
+        """The allocation of this round of calls, made at its first call."""
         if self._ranks[0] < 0:
-            spectra = {
-                key: policy.Spectrum(
-                    st.map_shape,
-                    st.energies,
-                    st.total,
-                    self.quantizer.wire_size(st.map_shape.m * st.map_shape.n),
-                    st.period,
-                    st.summed,
-                )
-                for key, st in self._state.items()
-                if st.energies
-            }
-            allocation = policy.allocate(spectra, self.side_budget, self.min_share)
-            for key, st in self._state.items():
-                if st.energies and self._flat(st):
-                    allocation[key] = -1
-            self._ranks = (self._version, allocation)
+            self._ranks = (self._version, self._allocate())
         return self._ranks[1]
+
+    def _allocate(self) -> dict[Any, int]:
+        """:meth:`ranks` from the states as they are."""
+        spectra = {
+            key: policy.Spectrum(
+                st.map_shape,
+                st.energies,
+                st.total,
+                self.quantizer.wire_size(st.map_shape.m * st.map_shape.n),
+                st.period,
+                st.summed,
+            )
+            for key, st in self._state.items()
+            if st.energies
+        }
+        allocation = policy.allocate(spectra, self.side_budget, self.min_share)
+        for key, st in self._state.items():
+            if st.energies and self._flat(st):
+                allocation[key] = -1
+        return allocation
 
     def step(self, plan: Any, x: Any) -> Rounds:
         """The round that turns ``plan``'s basis one power step towards this call's
