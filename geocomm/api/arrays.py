@@ -12,7 +12,7 @@ Details that are easy to get wrong:
 * bfloat16 CUDA tensors: CuPy 13 has no bfloat16 dtype, so the tensor's bits
   are read as int16 through DLPack and widened to float32 on the device
   (exact); the result is rounded back to bfloat16 with round-to-nearest-even
-  (:func:`float32_to_bf16_bits`, the C core's ``gc_bf16_code``), and ``out=``
+  (:func:`float32_to_bf16_bits`, ml_dtypes' cast, as the host route), and ``out=``
   is written through the same int16 view. The collective sees float32, so
   its metadata check compares float32 on such ranks.
 * torch CUDA tensors: geocomm's CuPy work (conversions, codec kernels, NCCL's
@@ -94,8 +94,10 @@ def _contiguous(a: Any) -> Any:
 
 def float32_to_bf16_bits(values: Any) -> Any:
     """uint16 bfloat16 bit patterns of float32 ``values`` (NumPy or CuPy), rounded
-    to nearest even, NaN -> sign | 0x7fc0: the C core's ``gc_bf16_code`` and
-    ml_dtypes' cast, bit for bit. Same shape, C-contiguous."""
+    to nearest even, NaN -> sign | 0x7fc0: ml_dtypes' cast, bit for bit, as a host
+    route narrows a bfloat16 caller's result (a result past bfloat16's range is
+    inf, where the bf16 codec's ``gc_bf16_code`` saturates what it sends). Same
+    shape, C-contiguous."""
     xp = _xp(values)
     if values.dtype != np.float32:
         raise TypeError(f"values must be float32, got {values.dtype}")
