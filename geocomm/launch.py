@@ -90,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command given (put it after --)")
+    if args.nranks < 1:
+        parser.error(f"-n must be at least 1, got {args.nranks}")
+    if args.timeout is not None and not args.timeout > 0:
+        parser.error(f"--timeout must be a number of seconds > 0, got {args.timeout}")
     argv_, env = mpiexec_command(args.nranks, command, args.mpi_arg)
     # own process group, so a timeout takes down mpiexec and every rank with it
     job = subprocess.Popen(argv_, env=env, start_new_session=True)

@@ -37,7 +37,7 @@ from lab import breakdown, emulated_link, launch_command, parse_size, timed, yar
 
 import geocomm
 from geocomm.api import get_comm, resolve_codec
-from geocomm.codecs import TransformingCodec, bounds
+from geocomm.codecs import TransformingCodec, bounds, get_codec
 from geocomm.engine.costs import codec_for
 from geocomm.testing import MeteredComm
 
@@ -69,7 +69,9 @@ def parse_args(name: str, argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("-f", "--stepfactor", type=int, default=2)
     p.add_argument("-n", "--iters", type=int, default=20)
     p.add_argument("-w", "--warmup_iters", type=int, default=5)
-    p.add_argument("-c", "--check", type=int, default=1, help="check results (1) or not (0)")
+    p.add_argument(
+        "-c", "--check", type=int, default=1, choices=[0, 1], help="check results (1) or not (0)"
+    )
     p.add_argument("-o", "--op", default="sum", choices=["sum", "avg"])
     p.add_argument("-d", "--datatype", default="float", choices=list(DTYPES))
     p.add_argument("-J", "--output_file", default=None, help="write results as JSON")
@@ -94,7 +96,17 @@ def parse_args(name: str, argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--cols", type=int, default=4096, help="columns of gradient-like inputs")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.minbytes < 1 or args.maxbytes < args.minbytes:
+        p.error(f"sizes must satisfy 1 <= -b <= -e, got -b {args.minbytes} -e {args.maxbytes}")
+    if args.stepfactor < 1 or args.iters < 1 or args.warmup_iters < 0:
+        p.error("-f and -n must be at least 1 and -w at least 0")
+    try:
+        args.codec_config = {"id": args.codec, **json.loads(args.codec_args)}
+        get_codec(args.codec_config)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        p.error(f"--codec {args.codec} --codec-args {args.codec_args}: {exc}")
+    return args
 
 
 def _inputs(
@@ -138,8 +150,8 @@ def check(
     op: str,
     dtype: Any,
 ) -> tuple[int, float]:
-    """(#wrong over all ranks, this rank's relative error) of ``result`` against the
-    fp64 reduction of every rank's input ``xs``, slice by slice.
+    """(#wrong over all ranks, the largest relative error of any rank's result) of
+    ``result`` against the fp64 reduction of every rank's input ``xs``, slice by slice.
 
     Element-wise codecs count the elements outside the derived bound;
     transforming codecs (no element-wise bound) count 1 when the error's norm
@@ -182,7 +194,10 @@ def check(
         bound = bound * (1 + out_unit) + out_unit * np.sqrt(norm2)
         mine = int(np.sqrt(err2) > bound)
     wrong = int(comm.allgather_int64(np.array([mine], np.int64)).sum())
-    return wrong, (float(np.sqrt(err2 / norm2)) if norm2 > 0 else 0.0)
+    relerr = np.array([np.sqrt(err2 / norm2) if norm2 > 0 else 0.0])
+    worst = np.empty_like(relerr)
+    comm.allreduce(relerr, worst, "max")
+    return wrong, float(worst[0])
 
 
 def _slices(lo: int, hi: int) -> Any:
@@ -193,7 +208,7 @@ def main(coll: Collective, argv: list[str] | None = None) -> int:
     args = parse_args(coll.name, argv)
     comm = get_comm()
     rank, size = comm.rank, comm.size
-    codec = resolve_codec({"id": args.codec, **json.loads(args.codec_args)})
+    codec = resolve_codec(args.codec_config)
     big = codec_for(
         codec, args.maxbytes // np.dtype(DTYPES[args.datatype]).itemsize, comm.backend, size
     )

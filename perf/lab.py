@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -68,12 +69,14 @@ def slowest(comm: Any, value: float) -> float:
 
 def timed(comm: Any, fn: Callable[[], Any], iters: int) -> float:
     """Mean seconds per call of ``fn`` over ``iters`` calls after a barrier, the
-    slowest rank's (as nccl-tests reports)."""
+    slowest rank's (as nccl-tests reports); ``iters`` >= 1."""
+    if iters < 1:
+        raise ValueError(f"timed needs at least one call, got iters={iters}")
     comm.barrier()
     start = time.perf_counter()
     for _ in range(iters):
         fn()
-    return slowest(comm, (time.perf_counter() - start) / max(iters, 1))
+    return slowest(comm, (time.perf_counter() - start) / iters)
 
 
 def breakdown(
@@ -156,7 +159,7 @@ def launch_command(nranks: int) -> str:
         if link
         else f"python -m geocomm.launch -n {nranks}"
     )
-    return " ".join([launcher, "--", "python", *sys.argv])
+    return " ".join([launcher, "--", "python", shlex.join(sys.argv)])
 
 
 @dataclass(frozen=True)

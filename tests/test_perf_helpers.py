@@ -250,3 +250,40 @@ def test_ddp_ceiling_is_first_hook_plus_shared_link_plus_optimizer():
     assert row["measured"] == pytest.approx(2.0)
     assert report.link_Bps("500mbit") == 62.5e6 and report.link_Bps("unshaped") is None
     assert report.ceiling_rows({**ddp, "link": "unshaped"}) == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-b", "0"],  # looped for ever: 0 times any step factor is 0
+        ["-b", "64K", "-e", "1K"],  # no sizes: printed no row and "0 OK"
+        ["-f", "0"],
+        ["-n", "0"],  # timed no call and printed a time
+        ["-w", "-1"],
+        ["-c", "2"],
+        ["--codec", "nosuch"],  # tracebacks on every rank
+        ["--codec-args", "{bad"],
+        ["--codec-args", '{"block": -1}'],
+    ],
+)
+def test_sweep_flags_that_make_no_sweep_are_refused(argv):
+    driver = _perf_module("_driver")
+    with pytest.raises(SystemExit) as refused:
+        driver.parse_args("all_reduce", argv)
+    assert refused.value.code == 2  # argparse's usage error
+    args = driver.parse_args("all_reduce", ["-b", "1K", "-e", "1K", "-n", "1", "-w", "0"])
+    assert args.codec_config == {"id": "fp8"}
+
+
+def test_timed_needs_a_call():
+    with pytest.raises(ValueError, match="at least one call"):
+        timed(None, lambda: None, 0)
+
+
+def test_the_launcher_refuses_no_ranks_and_no_time():
+    from geocomm import launch
+
+    for argv in (["-n", "0", "--", "true"], ["--timeout", "0", "--", "true"]):
+        with pytest.raises(SystemExit) as refused:
+            launch.main(argv)
+        assert refused.value.code == 2

@@ -191,10 +191,15 @@ def parts_of(shape: tuple[int, ...], count: int, key: Any, parts: Any) -> tuple[
 
 
 def requested_topology(topology: str | None) -> str:
-    """``topology``, or ``GEOCOMM_TOPOLOGY``, or "auto"; checked."""
-    value = topology if topology is not None else os.environ.get("GEOCOMM_TOPOLOGY") or "auto"
+    """``topology``, or ``GEOCOMM_TOPOLOGY`` (any case), or "auto"; checked."""
+    if topology is not None:
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
+        return topology
+    text = os.environ.get("GEOCOMM_TOPOLOGY", "")
+    value = text.strip().lower() or "auto"
     if value not in TOPOLOGIES:
-        raise ValueError(f"topology must be one of {TOPOLOGIES}, got {value!r}")
+        raise ValueError(f"GEOCOMM_TOPOLOGY={text!r}: expected one of {', '.join(TOPOLOGIES)}")
     return value
 
 

@@ -9,6 +9,7 @@ library calls.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Protocol, runtime_checkable
@@ -30,12 +31,16 @@ class CollectiveTimeout(TimeoutError):
 
 def timeout_seconds() -> float:
     """The collective timeout: ``GEOCOMM_TIMEOUT`` seconds (default 300, 0 = none)."""
-    text = os.environ.get("GEOCOMM_TIMEOUT", "")
+    text = os.environ.get("GEOCOMM_TIMEOUT", "").strip()
     try:
         value = float(text) if text else DEFAULT_TIMEOUT_S
     except ValueError:
-        raise ValueError(f"GEOCOMM_TIMEOUT must be a number of seconds, got {text!r}") from None
-    return value if value > 0 else float("inf")
+        value = math.nan
+    if not value >= 0:  # NaN and negative numbers alike
+        raise ValueError(
+            f"GEOCOMM_TIMEOUT must be a number of seconds >= 0 (0: no timeout), got {text!r}"
+        )
+    return value if value > 0 else math.inf
 
 
 @runtime_checkable

@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from geocomm._environ import positive_number
 from geocomm.codecs.auto import AutoCodec
 
 #: Host backends: values of the whole buffer per pipeline stage, measured on a
@@ -198,12 +199,13 @@ def links(backend: str | None, env: dict[str, str] | None = None) -> Links:
     the bandwidths."""
     base = DEVICE_LINKS.get(backend or "", HOST_LINKS)
     env = env or {}
-    intra, inter = base.intra_Bps, base.inter_Bps
-    if env.get(ENV_INTRA):
-        intra = float(env[ENV_INTRA]) * 1e9
-    if env.get(ENV_INTER):
-        inter = float(env[ENV_INTER]) * 1e9
-    return Links(intra, inter, base.latency_s, base.codec_Bps)
+    intra, inter = positive_number(ENV_INTRA, env), positive_number(ENV_INTER, env)
+    return Links(
+        base.intra_Bps if intra is None else intra * 1e9,
+        base.inter_Bps if inter is None else inter * 1e9,
+        base.latency_s,
+        base.codec_Bps,
+    )
 
 
 def flat_seconds(links: Links, nbytes: float, sizes: list[int], ratio: float) -> float:

@@ -48,11 +48,21 @@ def env_config() -> dict[str, Any]:
     """``GEOCOMM_CODEC`` (an id, or a JSON config) and ``GEOCOMM_MIN_NUMEL``."""
     fields: dict[str, Any] = {}
     codec = os.environ.get("GEOCOMM_CODEC", "").strip()
-    if codec:
-        fields["codec"] = json.loads(codec) if codec.startswith("{") else codec
+    if codec.startswith("{"):
+        try:
+            fields["codec"] = json.loads(codec)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"GEOCOMM_CODEC={codec!r} is no JSON config: {exc}") from None
+    elif codec:
+        fields["codec"] = codec
     numel = os.environ.get("GEOCOMM_MIN_NUMEL", "").strip()
     if numel:
-        fields["min_numel"] = int(numel)
+        try:
+            fields["min_numel"] = int(numel)
+        except ValueError:
+            raise ValueError(
+                f"GEOCOMM_MIN_NUMEL={numel!r}: expected a whole number of values"
+            ) from None
     return fields
 
 
