@@ -90,7 +90,9 @@ def breakdown(
     first: a fresh array's first writes fault its pages in, which the decode
     would be timed with (about 20 ms of a 64 MiB result here)."""
     source = np.ascontiguousarray(x, np.float32).reshape(-1)
-    pieces = Pieces.cut(source.size, comm.size, stage_size or DEFAULT_STAGE_SIZE)
+    pieces = Pieces.cut(
+        source.size, comm.size, stage_size or DEFAULT_STAGE_SIZE, codec.scale_span()
+    )
     bounds = pieces.bounds
     length = source.size if gather else int(bounds[comm.rank + 1] - bounds[comm.rank])
     result = np.ones(length, np.float32)  # written, so its pages are in before any timing
