@@ -237,8 +237,9 @@ class GeocommHookState:
         """The layout of a bucket of ``params`` (in bucket order), cached. Its tensors
         travel in reverse module order, whatever the bucket's order: DDP rebuilds its
         buckets after the first step (in the order gradients become ready, which is
-        usually that one), so the first step of a resumed job sends its values in the
-        same order, and with the same bits, as the same step of a straight run."""
+        usually that one), so a resumed job's first step sends a bucket of the same
+        parameters in the same order, and with the same bits, as the same step of a
+        straight run (the buckets themselves may differ: docs/torch.md, "Checkpoints")."""
         cache_key = (index, tuple(id(p) for p in params))
         layout = self._layouts.get(cache_key)
         if layout is None:
