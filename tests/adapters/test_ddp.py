@@ -420,8 +420,9 @@ def test_a_bucket_of_another_dtype_is_refused_by_name(comm):
 
 
 def _train_b(codec: dict, a_hooked: bool) -> bytes:
-    """Model B's parameters after 4 steps, with model A (same architecture, 100x the
-    gradients) trained beside it, hooked with the same codec config or not."""
+    """Model B's parameters after 4 steps, with the gradients of model A (same
+    architecture, 100x the gradients) reduced beside B's, by a hook state made from
+    the same codec config or by DDP's own all-reduce."""
     init_distributed_from_mpi()
     nets = {name: _mlp() for name in "ab"}
     models = {name: DDP(net) for name, net in nets.items()}
