@@ -114,3 +114,44 @@ def test_dtype_and_op_mismatch_across_ranks(comm):
         geocomm.allreduce(
             np.ones(16, np.float32), codec="fp8", op="sum" if comm.rank == 0 else "avg"
         )
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+@pytest.mark.parametrize(
+    "refused",
+    [
+        lambda: np.zeros(16),  # float64 through a lossy codec
+        lambda: np.zeros(16, np.int32),
+        lambda: [1.0] * 16,  # not an array
+    ],
+    ids=["float64", "int32", "list"],
+)
+def test_a_call_one_rank_refuses_raises_on_every_rank(comm, entry, refused):
+    """The last rank refuses the call before the ranks compare (its own TypeError);
+    it still takes part in the check, so the others raise CollectiveMismatchError
+    naming it at once, where they used to wait for it until GEOCOMM_TIMEOUT (300 s;
+    the suite runs under a far shorter limit). Nothing moved, so the next call of
+    every rank pairs with the next call of the others."""
+    last = comm.size - 1
+    x = refused() if comm.rank == last else np.ones(16, np.float32)
+    if comm.rank == last:
+        with pytest.raises(TypeError):
+            ENTRY_POINTS[entry](x, "fp8")
+    else:
+        with pytest.raises(geocomm.CollectiveMismatchError, match=rf"ranks \[{last}\] refused"):
+            ENTRY_POINTS[entry](x, "fp8")
+    got = geocomm.allreduce(np.full(8, comm.rank + 1, np.float32), codec="bf16")
+    assert np.array_equal(got, np.full(8, comm.size * (comm.size + 1) / 2, np.float32))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_call_every_rank_refuses_raises_each_ranks_own_error(comm):
+    """Every rank refuses: each raises its own error (all rows refused: no mismatch to
+    report), and the ranks stay in step."""
+    with pytest.raises(ValueError, match="op must be"):
+        geocomm.allreduce(np.ones(8, np.float32), codec="fp8", op="max")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        geocomm.allreduce(np.ones(8, np.float32), codec="fp8", stream=0)
+    got = geocomm.allreduce(np.ones(8, np.float32), codec="bf16")
+    assert np.array_equal(got, np.full(8, comm.size, np.float32))

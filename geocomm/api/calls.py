@@ -28,7 +28,7 @@ from geocomm._environ import switch
 from geocomm.codecs import Codec, get_codec
 from geocomm.codecs.frames import DTYPE_CODES
 from geocomm.comm.base import Communicator
-from geocomm.engine import costs
+from geocomm.engine import checks, costs
 from geocomm.engine.call import KINDS, OPS, TOPOLOGIES, Call, Part, Signature, new_call
 from geocomm.engine.layout import array_module, shard_bounds
 
@@ -350,6 +350,21 @@ def prepare(kind: str, x: Any, out: Any, codec: Any, op: str, options: Options) 
         if result is None:
             result = xp.empty(sig.count, dtype)
     return new_call(sig, source, result)
+
+
+def refuse(options: Options) -> None:
+    """After this rank refused a call on its own: its part of the call's check
+    (:func:`geocomm.engine.checks.refuse`), so that ranks that made the call raise
+    CollectiveMismatchError instead of waiting for it. Nothing when the options name
+    no communicator this rank can use, or no check (``check=False`` on every rank:
+    there is none to pair with)."""
+    try:
+        comm = get_comm(options.get("comm"))
+        check = check_enabled(options.get("check"))
+    except (ImportError, RuntimeError, TypeError, ValueError):
+        return  # no communicator to tell, or no way to know whether the peers check
+    if check is True and isinstance(comm, Communicator) and comm.size > 1:
+        checks.refuse(comm)
 
 
 def output(call: Call, x: Any, out: Any) -> Any:

@@ -2,17 +2,20 @@
 (docs/design.md, "The collective").
 
 Each converts its arrays (:class:`~geocomm.api.arrays.Operands`), builds the call
-(:func:`~geocomm.api.calls.prepare`), hands it to the engine
+(:func:`~geocomm.api.calls.prepare`; a call it refuses, it refuses to its peers
+too), hands it to the engine
 (:func:`geocomm.engine.run.run`) and returns the result as the caller's kind.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 from geocomm.api.arrays import Operands
-from geocomm.api.calls import Options, output, prepare
+from geocomm.api.calls import Options, output, prepare, refuse
 from geocomm.comm.base import Communicator
+from geocomm.engine.call import Call
 from geocomm.engine.run import run
 
 if TYPE_CHECKING:
@@ -47,8 +50,8 @@ def allreduce(
 
         avg = geocomm.allreduce(grad, codec="fp8", op="avg")
     """
-    with Operands(x, out) as arrays:
-        call = prepare("allreduce", arrays.x, arrays.out, codec, op, options)
+    with contextlib.ExitStack() as stack:
+        arrays, call = _prepared(stack, "allreduce", x, out, codec, op, options)
         run(call)
         return arrays.finish(output(call, arrays.x, arrays.out))
 
@@ -71,8 +74,8 @@ def reduce_scatter(
     Returns:
         A 1-D array of x's kind and dtype: ``out`` if given.
     """
-    with Operands(x, out) as arrays:
-        call = prepare("reduce_scatter", arrays.x, arrays.out, codec, op, options)
+    with contextlib.ExitStack() as stack:
+        arrays, call = _prepared(stack, "reduce_scatter", x, out, codec, op, options)
         run(call)
         return arrays.finish(output(call, arrays.x, arrays.out))
 
@@ -93,7 +96,29 @@ def allgather(
     Returns:
         An array of shape ``(size, *x.shape)``, x's kind and dtype.
     """
-    with Operands(x) as arrays:
-        call = prepare("allgather", arrays.x, None, codec, "sum", {"comm": comm, "check": check})
+    with contextlib.ExitStack() as stack:
+        options: Options = {"comm": comm, "check": check}
+        arrays, call = _prepared(stack, "allgather", x, None, codec, "sum", options)
         run(call)
         return arrays.finish(output(call, arrays.x, None))
+
+
+def _prepared(
+    stack: contextlib.ExitStack,
+    kind: str,
+    x: Any,
+    out: Any,
+    codec: Any,
+    op: str,
+    options: Options,
+) -> tuple[Operands, Call]:
+    """The call's operands (entered on ``stack``) and its :class:`Call`: what this rank
+    checks on its own. A call it refuses (TypeError, ValueError) it first refuses to
+    its peers too (:func:`~geocomm.api.calls.refuse`), so that they raise rather than
+    wait for it."""
+    try:
+        arrays = stack.enter_context(Operands(x, out))
+        return arrays, prepare(kind, arrays.x, arrays.out, codec, op, options)
+    except (TypeError, ValueError):
+        refuse(options)
+        raise

@@ -253,9 +253,24 @@ def state_checksum(codec: Codec | None, parts: tuple[Part, ...], flat: bool) -> 
     return state
 
 
+#: The fingerprint row of a rank that refused a call on its own (every crc32 is >= 0).
+REFUSED = -1
+
+
+def refused_row() -> np.ndarray:
+    """The row a rank posts for a call it refused before the ranks compared."""
+    return np.full(len(FIELDS), REFUSED, dtype=np.int64)
+
+
 def raise_on_mismatch(kind: str, rows: np.ndarray) -> None:
     """Raise CollectiveMismatchError unless every rank's fingerprint (one row per rank,
     gathered) equals rank 0's; every rank holding the rows raises alike."""
+    refused = np.nonzero(rows[:, 0] == REFUSED)[0]
+    if refused.size:
+        raise CollectiveMismatchError(
+            f"geocomm.{kind}: ranks {refused.tolist()} refused this call on their own "
+            "(their error says why) and did not take part"
+        )
     bad = np.nonzero((rows != rows[0]).any(axis=1))[0]
     if bad.size:
         diffs = [FIELDS[f] for f in np.nonzero(rows[bad[0]] != rows[0])[0]]

@@ -35,6 +35,7 @@ import numpy as np
 from geocomm.codecs import StatefulCodec
 from geocomm.comm.base import CollectiveTimeout, Communicator, wait
 from geocomm.engine.call import (
+    REFUSED,
     STATE,
     Call,
     CollectiveMismatchError,
@@ -43,6 +44,7 @@ from geocomm.engine.call import (
     call_fingerprint,
     fingerprint,
     raise_on_mismatch,
+    refused_row,
     state_checksum,
 )
 
@@ -83,6 +85,26 @@ def verify(call: Call) -> None:
     _settle(comm, pending, IN_FLIGHT, block=False)
     pending.append((signature.kind, *start(row)))
     _settle(comm, pending, IN_FLIGHT)
+
+
+def refuse(comm: Communicator) -> None:
+    """Post this rank's part of the check of a call it refused on its own (a
+    :func:`~geocomm.engine.call.refused_row`), so that ranks that made the call raise
+    CollectiveMismatchError instead of waiting for it; the caller then raises its own
+    error. Waits for the peers' rows (a peer that never calls leaves this rank to
+    GEOCOMM_TIMEOUT, which this swallows: the caller's error is the news). A device
+    communicator that defers checks is aborted when a peer made the call: that peer
+    may have queued its transfers (and aborts too, :func:`verify`)."""
+    pending = _in_flight.get(comm)
+    if pending:
+        _settle(comm, pending, 0)
+    try:
+        rows = comm.allgather_int64(refused_row())
+    except CollectiveTimeout:
+        return
+    deferring = comm.device_arrays and hasattr(comm, "start_allgather_int64")
+    if deferring and (rows[:, 0] != REFUSED).any():
+        _abort(comm)
 
 
 def _settle(

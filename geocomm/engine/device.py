@@ -84,7 +84,6 @@ from geocomm.engine.device_tables import (
     decode_walk,
     encode_walk,
     launch_grid,
-    wire_format,
 )
 from geocomm.engine.graphs import Graphs
 from geocomm.engine.layout import (
@@ -94,7 +93,7 @@ from geocomm.engine.layout import (
     quantization_stream,
     run_schedule,
 )
-from geocomm.engine.protocols import RangeMap, WireCodec
+from geocomm.engine.protocols import RangeMap
 from geocomm.kernels import cuda, cuda_build, native
 
 _SOURCE = "gc_pipeline.cu"
@@ -827,15 +826,3 @@ class BatchedPipeline(PieceAccess):
 
     def run(self) -> None:
         run_schedule(self)
-
-
-def batched_format(comm: Communicator, codec: WireCodec, source: Any) -> WireFormat | None:
-    """The :class:`WireFormat` to run a call on with :class:`BatchedPipeline`, or None
-    when the host-driven pipeline runs it: the batched one takes CuPy arrays over a
-    communicator of device arrays whose codec sends a native format's bytes
-    (:func:`wire_format`). Both give the same bits; the caller
-    (:meth:`geocomm.engine.run.FlatPlan.pipeline`, :func:`geocomm.engine.exact.exact_sum`)
-    decides."""
-    if array_module(source) is np or not comm.device_arrays:
-        return None
-    return wire_format(codec)

@@ -19,9 +19,7 @@ Three stages are in flight: while stage ``s`` is encoded, stage ``s-1``'s
 all-to-all and stage ``s-2``'s all-gather move, and every codec call is
 followed by a ``test()`` of the open requests so MPI makes progress without a
 progress thread. Reduce-scatter is steps 1-3 without the all-gather; the owner
-keeps its fp32 sum. With the lossless codec the same algorithm is an exact,
-rank-ordered sum (:func:`geocomm.engine.exact.exact_sum`), which the side channels of transforming
-codecs use.
+keeps its fp32 sum.
 """
 
 from __future__ import annotations

@@ -108,9 +108,9 @@ class MapPlan(Protocol):
     for device kernels (None: the map is not a split). A ranged plan that names
     ``inputs`` (the arrays its map and its step read besides the values and the sides)
     may be replayed from a CUDA graph of its call when it has no refresh: the graph
-    reads those arrays where they lie. With ``steps`` it also names ``step_values`` (the
-    values its step round sums) and, after the step rounds, ``pending`` (what they left
-    on the device), which a replay hands to its plan with ``resume(pending)``."""
+    reads those arrays where they lie. With ``steps`` it also names, after the step
+    rounds, ``pending`` (what they left on the device), which a replay hands to its plan
+    with ``resume(pending)``."""
 
     ranged: bool
     steps: bool

@@ -29,7 +29,7 @@ import numpy as np
 from geocomm.codecs import Codec, ErrorFeedbackCodec, TransformingCodec
 from geocomm.comm.base import Communicator, wait_ordered
 from geocomm.comm.nodes import NodeComms, node_comms, node_layout
-from geocomm.engine import checks, costs, device, exact
+from geocomm.engine import checks, costs, device
 from geocomm.engine.arithmetic import divide
 from geocomm.engine.call import Call, Part, Signature, new_call, shard_parts
 from geocomm.engine.device_tables import wire_format
@@ -303,9 +303,8 @@ class FlatPlan:
         ``inputs``) with no refresh (GeoFP8's split, with or without a power step)
         and keeps no residual depends on nothing but device memory: the call's arrays
         (its kernels move with them: :meth:`~geocomm.engine.device.DevicePlan.moving`),
-        the signature's buffers and the plans' inputs, with sums small enough for one
-        all-gather each (the side's and the steps':
-        :func:`~geocomm.engine.exact.pipelined` not set). It runs through
+        the signature's buffers and the plans' inputs (the side's and the steps' exact
+        sums are kernels and collectives a graph captures). It runs through
         :attr:`mapped_graphs` keyed by the buffers and inputs, which the key's graph
         (or its first eager run) keeps alive, so a key is the same on every rank
         whenever the calls are, as NCCL requires, and by which plans step (one graph
@@ -345,9 +344,7 @@ class FlatPlan:
 
         if plan is not None:  # outside any graph: its stream's order
             plan.prepare()
-        steady = capturable and residual is None and not channel.exact.pipelined
-        if steady and any(p.steps for _, p in planned):
-            steady = not exact.pipelined(self.comm, sum(p.step_values for _, p in planned))
+        steady = capturable and residual is None
         if plan is None or not steady:
             if plan is not None:
                 plan.bind(source, result, rounding_stream)

@@ -24,7 +24,6 @@ from array_api_compat import array_namespace
 
 from geocomm.codecs import Codec, TransformingCodec
 from geocomm.codecs.checks import host_array, roundtrip
-from geocomm.engine.exact import SMALL_SUM_VALUES
 from geocomm.engine.layout import shard_bounds
 
 __all__ = ["roundtrip", "run_refresh_locally", "simulate_allreduce", "simulate_reduce_scatter"]
@@ -41,25 +40,11 @@ def run_refresh_locally(codec: TransformingCodec, plan: Any, values: Any, side_s
 
 
 def _ordered_sum(values: Sequence[Any]) -> Any:
-    """The collectives' exact sum (:func:`geocomm.engine.exact.exact_sum`): small ones add
-    every rank's values in rank order; larger ones, per shard, the owner's values
-    first, then the others in rank order."""
-    xp = array_namespace(*values)
-    size = len(values)
-    count = values[0].shape[0]
-    if count * size <= SMALL_SUM_VALUES:
-        total = values[0]
-        for other in values[1:]:
-            total = total + other
-        return total
-    bounds = shard_bounds(count, size)
-    total = xp.zeros(count, dtype=xp.float32)
-    for owner, (lo, hi) in enumerate(itertools.pairwise(int(b) for b in bounds)):
-        acc = values[owner][lo:hi]
-        for rank in range(size):
-            if rank != owner:
-                acc = acc + values[rank][lo:hi]
-        total[lo:hi] = acc
+    """The collectives' exact sum (:func:`geocomm.engine.exact.exact_sum`): every rank's
+    values added in rank order, whatever the route."""
+    total = values[0]
+    for other in values[1:]:
+        total = total + other
     return total
 
 

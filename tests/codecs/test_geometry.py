@@ -815,39 +815,68 @@ def test_collectives_match_the_simulation(comm, codec_id, extra):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("count", [1000, (1 << 20) // 2 + 3])  # all-gather, then pipeline
-def test_bf16_exact_sum_sends_each_value_once_as_bfloat16(comm, count):
-    """The side channel's sum: every rank's values rounded to bfloat16 (ml_dtypes'
-    nearest even), added in fp32; the small route sends 2 bytes a value
-    where fp32 sends 4, and both routes give every rank the same bits."""
-    from geocomm.engine.exact import SMALL_SUM_VALUES, exact_sum
+@pytest.mark.parametrize("route", ["chosen", "gathered", "sharded"])
+@pytest.mark.parametrize("count", [3, 1000, 50_000])
+@pytest.mark.parametrize("fmt", ["bf16", "fp32"])
+def test_exact_sum_adds_in_rank_order_on_either_route(comm, monkeypatch, fmt, count, route):
+    """The side channel's sum: every rank's values as the wire carries them (bf16:
+    ml_dtypes' nearest even), added in fp32 in rank order, the same bits on every
+    rank and on either route; each route sends the bytes it promises (route_bytes),
+    and the chosen one is never more than GATHER_SLACK_BYTES above the other."""
+    from geocomm.engine import exact
     from geocomm.testing import MeteredComm
 
-    size = comm.size
+    size, rank = comm.size, comm.rank
+    if route != "chosen":
+        monkeypatch.setattr(exact, "gathers", lambda *args: route == "gathered")
     rng = np.random.default_rng(11)
     xs = [rng.standard_normal(count).astype(np.float32) for _ in range(size)]
-    rounded = [x.astype(ml_dtypes.bfloat16).astype(np.float32) for x in xs]
-    metered = MeteredComm(comm)
-    before = xs[comm.rank].copy()
-    got = exact_sum(metered, xs[comm.rank], "bf16")
-    assert np.array_equal(xs[comm.rank], before)  # the input is kept
-    small = count * size <= SMALL_SUM_VALUES
-    if small:
-        want = rounded[0].copy()
-        for r in rounded[1:]:
-            want += r
-        assert np.array_equal(got, want)
+    if fmt == "bf16":
+        xs_sent = [x.astype(ml_dtypes.bfloat16).astype(np.float32) for x in xs]
     else:
-        assert np.array_equal(got, exact_sum(comm, rounded[comm.rank]))
+        xs_sent = xs
+    metered = MeteredComm(comm)
+    before = xs[rank].copy()
+    got = exact.exact_sum(metered, xs[rank], fmt)
+    assert np.array_equal(xs[rank], before)  # the input is kept
+    want = xs_sent[0].copy()
+    for x in xs_sent[1:]:
+        want += x
+    assert np.array_equal(got, want)
     digest = np.frombuffer(hashlib.sha256(got.tobytes()).digest()[:8], np.int64)
     assert len(set(comm.allgather_int64(digest).reshape(-1).tolist())) == 1
-    if small and size > 1:
-        assert metered.sent == 2 * count * (size - 1)  # one all-gather: 2 bytes a value
-        fp32 = MeteredComm(comm)
-        exact_sum(fp32, xs[comm.rank])
-        assert fp32.sent == 2 * metered.sent
+    wire = 2 if fmt == "bf16" else 4
+    gathered, sharded = exact.route_bytes(size, count, wire)
+    taken = route if route != "chosen" else None
+    if taken is None:
+        taken = "gathered" if gathered - sharded <= exact.GATHER_SLACK_BYTES else "sharded"
+        assert min(gathered, sharded) + exact.GATHER_SLACK_BYTES >= metered.sent
+    if size == 1:
+        assert metered.sent == 0
+    elif taken == "gathered":
+        assert metered.sent == gathered  # one all-gather: wire bytes a value to N - 1
+    else:  # the others' shards to their owners, then this shard's sum to the others
+        bounds = exact.shard_bounds(count, size)
+        mine = int(bounds[rank + 1] - bounds[rank])
+        assert metered.sent == wire * (count - mine) + 4 * mine * (size - 1)
     with pytest.raises(ValueError, match="travels as one of"):
-        exact_sum(comm, xs[comm.rank], "fp8")
+        exact.exact_sum(comm, xs[rank], "fp8")
+
+
+def test_exact_sums_gather_while_it_sends_no_more():
+    """bf16 (2 bytes a value) gathers on up to 3 ranks whatever the size (the
+    sharded route's fp32 sums cost as much as the all-gather saves), and shards
+    from 4 ranks on once the all-gather's extra bytes pass the slack; at 64 ranks
+    the all-gather would send 2 * 63 bytes a value against about 6."""
+    from geocomm.engine.exact import GATHER_SLACK_BYTES, gathers, route_bytes
+
+    assert all(gathers(n, 1 << 24, 2) for n in (2, 3))
+    assert gathers(2, 1 << 24, 4) and not gathers(3, 1 << 24, 4)
+    limit = GATHER_SLACK_BYTES / 1.5  # N = 4: 2 * 3 - 6 * 3 / 4 = 1.5 bytes a value
+    assert gathers(4, int(limit), 2) and not gathers(4, int(limit) + 1, 2)
+    gathered, sharded = route_bytes(64, 10_000, 2)
+    assert (gathered, sharded) == (2 * 63 * 10_000, 6 * 63 * 10_000 / 64)
+    assert not gathers(64, 10_000, 2)
 
 
 @pytest.mark.mpi(min_size=1)

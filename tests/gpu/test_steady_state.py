@@ -794,6 +794,53 @@ def test_a_steady_call_that_differs_across_ranks_fails_on_every_rank():
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_steady_call_one_rank_refuses_fails_on_every_rank():
+    """Rank 1 refuses a call of a known signature on its own (a float64 array through
+    fp8: TypeError) while the others make it, their checks deferred and their
+    transfers queued. Rank 1 still posts its part of the check, marked refused, and
+    aborts the communicator (the others' queued transfers would pair with its next
+    call's); the others find the refusal within IN_FLIGHT + 1 calls, raise
+    CollectiveMismatchError naming rank 1 and abort too, where they used to wait for
+    rank 1 until GEOCOMM_TIMEOUT."""
+    import cupy as cp
+    from mpi4py import MPI
+
+    from geocomm.comm.nccl import NCCLCommunicator
+    from geocomm.engine.checks import IN_FLIGHT
+
+    comm = NCCLCommunicator(MPI.COMM_WORLD.Dup())
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        d, out = cp.asarray(inputs(comm.rank, COUNT)), cp.empty(COUNT, cp.float32)
+        for _ in range(2):
+            geocomm.allreduce(d, codec="fp8", comm=comm, out=out)
+        stream.synchronize()
+        if comm.rank == 1:
+            with pytest.raises(TypeError, match="float64"):
+                geocomm.allreduce(d.astype(cp.float64), codec="fp8", comm=comm)
+            assert comm.aborted
+            return
+        raised_at = None
+        for call in range(IN_FLIGHT + 2):
+            try:
+                geocomm.allreduce(d, codec="fp8", comm=comm, out=out)
+            except geocomm.CollectiveMismatchError as exc:
+                assert "ranks [1] refused" in str(exc)
+                raised_at = call
+                break
+    assert raised_at is not None, "a refusal is found within IN_FLIGHT + 1 calls"
+    assert comm.aborted
+    if comm.aborted:  # its stuck transfers fail, and the streams drain, within this test
+        from cupy import _device
+
+        deadline = time.monotonic() + 60  # (an aborted transfer fails, then leaves)
+        while time.monotonic() < deadline and any(
+            s._queue for s in list(_device._streams_by_ptr.values())
+        ):
+            time.sleep(0.01)
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("finish", ["synchronize", "barrier", "close"])
 def test_a_last_call_that_differs_across_ranks_fails_where_the_job_finishes(finish):
     """The last calls' checks are still in flight when no call follows; the NCCL

@@ -151,12 +151,6 @@ class SplitPlan:
         return (self.vt,)
 
     @property
-    def step_values(self) -> int:
-        """The values its step round sums over ranks (the codec's ``step``: k x n and the
-        energy; 0 without a step)."""
-        return self.map_shape.k * self.map_shape.n + 1 if self.steps else 0
-
-    @property
     def side_shape(self) -> tuple[int, int]:
         """The shape :meth:`begin` gives :attr:`side` (known before the step rounds)."""
         return side_shape(self.map_shape, self.steps)
