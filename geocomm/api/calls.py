@@ -363,7 +363,7 @@ def refuse(options: Options) -> None:
         check = check_enabled(options.get("check"))
     except (ImportError, RuntimeError, TypeError, ValueError):
         return  # no communicator to tell, or no way to know whether the peers check
-    if check is True and isinstance(comm, Communicator) and comm.size > 1:
+    if check and isinstance(comm, Communicator) and comm.size > 1:
         checks.refuse(comm)
 
 

@@ -52,6 +52,12 @@ class Request(Protocol):
         """Block until complete."""
 
 
+#: Requests a wait gave up on. They are still posted (MPI cannot cancel a collective),
+#: so they and the buffers they hold are kept: a late peer's data lands in memory
+#: nothing else has taken, even where a caller catches the timeout and goes on.
+_ABANDONED: list[Request] = []
+
+
 def wait(request: Request, what: str, rank: int, timeout: float | None = None) -> None:
     """Wait for ``request``, testing it (which also drives progress) until it
     completes; raise :class:`CollectiveTimeout` naming ``what`` and ``rank``
@@ -75,6 +81,7 @@ def wait(request: Request, what: str, rank: int, timeout: float | None = None) -
             on_timeout = getattr(request, "on_timeout", None)
             if on_timeout is not None:
                 on_timeout()
+            _ABANDONED.append(request)  # still posted: its buffers must outlive it
             raise CollectiveTimeout(
                 f"geocomm: rank {rank} waited {waited:.1f} s for {what}; a peer rank failed, "
                 "exited or never called it (GEOCOMM_TIMEOUT sets the limit)"

@@ -91,17 +91,16 @@ def refuse(comm: Communicator) -> None:
     """Post this rank's part of the check of a call it refused on its own (a
     :func:`~geocomm.engine.call.refused_row`), so that ranks that made the call raise
     CollectiveMismatchError instead of waiting for it; the caller then raises its own
-    error. Waits for the peers' rows (a peer that never calls leaves this rank to
-    GEOCOMM_TIMEOUT, which this swallows: the caller's error is the news). A device
-    communicator that defers checks is aborted when a peer made the call: that peer
-    may have queued its transfers (and aborts too, :func:`verify`)."""
+    error. Waits for the peers' rows like any check: a peer that never calls leaves
+    this rank to GEOCOMM_TIMEOUT's CollectiveTimeout (raised during the caller's
+    error, which it names as its context), after which the communicator is
+    unusable. A device communicator that defers checks is aborted when a peer made
+    the call: that peer may have queued its transfers (and aborts too,
+    :func:`verify`)."""
     pending = _in_flight.get(comm)
     if pending:
         _settle(comm, pending, 0)
-    try:
-        rows = comm.allgather_int64(refused_row())
-    except CollectiveTimeout:
-        return
+    rows = comm.allgather_int64(refused_row())
     deferring = comm.device_arrays and hasattr(comm, "start_allgather_int64")
     if deferring and (rows[:, 0] != REFUSED).any():
         _abort(comm)

@@ -148,6 +148,38 @@ def test_absent_rank_times_out_with_a_named_collective():
     assert no_survivors(tag)
 
 
+def test_a_refusal_whose_peer_never_checks_times_out_naming_both():
+    """Rank 1 refuses its call (float64 through fp8) and takes part in the check; rank
+    0 never arrives. Rank 1 raises CollectiveTimeout after GEOCOMM_TIMEOUT (2 s),
+    during its TypeError, which the traceback shows: the communicator is unusable
+    then (its all-gather is still posted), so the refusal is no plain TypeError to
+    catch and go on from. Uncaught, it ends the job."""
+    rc, out, elapsed, tag = run_job("refuse-late", timeout_s=2.0)
+    assert rc != 0
+    assert "float64" in out and "TypeError" in out
+    assert "rank 1 waited" in out and "CollectiveTimeout" in out
+    assert elapsed < 60
+    assert no_survivors(tag)
+
+
+def test_a_request_a_wait_gave_up_on_is_kept():
+    """MPI cannot cancel a posted collective: a late peer's data still lands in its
+    buffers, so the request (which holds them) outlives the timeout."""
+    from geocomm.comm import base
+
+    class Never:
+        def test(self) -> bool:
+            return False
+
+        def wait(self) -> None:
+            raise AssertionError("wait() polls test()")
+
+    request = Never()
+    with pytest.raises(base.CollectiveTimeout, match="rank 3 waited"):
+        base.wait(request, "a test", 3, timeout=0.01)
+    assert any(kept is request for kept in base._ABANDONED)
+
+
 def test_mismatched_counts_fail_on_every_rank():
     rc, out, elapsed, tag = run_job("mismatch")
     assert rc != 0

@@ -34,6 +34,8 @@ if comm.rank == 1:
         time.sleep(3600)  # never arrives at the next collective
     if scenario == "mismatch":
         x = np.ones(1 << 15, np.float32)
+    if scenario == "refuse-late":
+        x = x.astype(np.float64)  # refused on its own: fp8 takes no float64
     if scenario == "thread":
         # a worker thread dies; the main thread never reaches the next collective
         def work():
@@ -43,5 +45,7 @@ if comm.rank == 1:
         worker.start()
         worker.join()
         time.sleep(3600)
+if scenario == "refuse-late" and comm.rank == 0:
+    time.sleep(3600)  # never arrives at the check rank 1's refusal takes part in
 geocomm.allreduce(x, codec="fp8")
 print(f"rank {comm.rank}: second all-reduce done", flush=True)
