@@ -742,15 +742,32 @@ def test_a_dropped_signatures_buffers_come_back_after_its_last_calls_work(cp, mo
     comm.close()
 
 
+def drain_aborted(comm) -> None:
+    """Once ``comm`` is aborted, wait (at most 60 s) until its stuck transfers failed and
+    every stream drained, so that nothing of this test outlives it."""
+    if not comm.aborted:
+        return
+    from cupy import _device
+
+    deadline = time.monotonic() + 60  # (an aborted transfer fails, then leaves)
+    while time.monotonic() < deadline and any(
+        s._queue for s in list(_device._streams_by_ptr.values())
+    ):
+        time.sleep(0.01)
+
+
 @pytest.mark.mpi(min_size=2)
-def test_a_steady_call_that_differs_across_ranks_fails_on_every_rank():
+@pytest.mark.parametrize("differs", ["op", "refused"])
+def test_a_steady_call_that_differs_across_ranks_fails_on_every_rank(differs):
     """Later calls of a known signature compare their fingerprint without waiting for the
-    other ranks: a rank whose call differs (here rank 1 asks for an average where the
-    others repeat their sum) fails at once, since its signature is new and checked
-    before it moves. The others find the mismatch once rank 1's row has arrived, at
-    the latest when more than IN_FLIGHT checks are open; a call found to differ after
-    it moved aborts the communicator (its transfers cannot complete), and so does one
-    found before it moved: the others' transfers of that call are queued, and would
+    other ranks. Rank 1's call differs where the others repeat their sum: ``op``, it
+    asks for an average, and fails at once, since its signature is new and checked
+    before it moves; ``refused``, it passes a float64 array through fp8 and refuses
+    the call on its own (TypeError), its part of the check marked refused. The others
+    find the mismatch once rank 1's row has arrived, at the latest when more than
+    IN_FLIGHT checks are open; a call found to differ after it moved aborts the
+    communicator (its transfers cannot complete), and so does one found before it
+    moved, on rank 1 too: the others' transfers of that call are queued, and would
     pair with the next call's. (The communicator runs over a duplicate of MPI's world:
     the checks left open on it never meet another test's collectives.)"""
     import cupy as cp
@@ -761,6 +778,7 @@ def test_a_steady_call_that_differs_across_ranks_fails_on_every_rank():
 
     comm = NCCLCommunicator(MPI.COMM_WORLD.Dup())
     stream = cp.cuda.Stream(non_blocking=True)
+    found = "op" if differs == "op" else "ranks [1] refused"
     with stream:
         d, out = cp.asarray(inputs(comm.rank, COUNT)), cp.empty(COUNT, cp.float32)
         for _ in range(2):
@@ -769,8 +787,12 @@ def test_a_steady_call_that_differs_across_ranks_fails_on_every_rank():
         # a peer's transfers of a call the aborting rank dropped would wait for good
         stream.synchronize()
         if comm.rank == 1:
-            with pytest.raises(geocomm.CollectiveMismatchError, match="op"):
-                geocomm.allreduce(d, codec="fp8", op="avg", comm=comm, out=out)
+            if differs == "op":
+                with pytest.raises(geocomm.CollectiveMismatchError, match="op"):
+                    geocomm.allreduce(d, codec="fp8", op="avg", comm=comm, out=out)
+            else:
+                with pytest.raises(TypeError, match="float64"):
+                    geocomm.allreduce(d.astype(cp.float64), codec="fp8", comm=comm)
             assert comm.aborted
             return
         raised_at = None
@@ -778,66 +800,12 @@ def test_a_steady_call_that_differs_across_ranks_fails_on_every_rank():
             try:
                 geocomm.allreduce(d, codec="fp8", comm=comm, out=out)
             except geocomm.CollectiveMismatchError as exc:
-                assert "op" in str(exc)
+                assert found in str(exc)
                 raised_at = call
                 break
     assert raised_at is not None, "a mismatch is found within IN_FLIGHT + 1 calls"
     assert comm.aborted
-    if comm.aborted:  # its stuck transfers fail, and the streams drain, within this test
-        from cupy import _device
-
-        deadline = time.monotonic() + 60  # (an aborted transfer fails, then leaves)
-        while time.monotonic() < deadline and any(
-            s._queue for s in list(_device._streams_by_ptr.values())
-        ):
-            time.sleep(0.01)
-
-
-@pytest.mark.mpi(min_size=2)
-def test_a_steady_call_one_rank_refuses_fails_on_every_rank():
-    """Rank 1 refuses a call of a known signature on its own (a float64 array through
-    fp8: TypeError) while the others make it, their checks deferred and their
-    transfers queued. Rank 1 still posts its part of the check, marked refused, and
-    aborts the communicator (the others' queued transfers would pair with its next
-    call's); the others find the refusal within IN_FLIGHT + 1 calls, raise
-    CollectiveMismatchError naming rank 1 and abort too, where they used to wait for
-    rank 1 until GEOCOMM_TIMEOUT."""
-    import cupy as cp
-    from mpi4py import MPI
-
-    from geocomm.comm.nccl import NCCLCommunicator
-    from geocomm.engine.checks import IN_FLIGHT
-
-    comm = NCCLCommunicator(MPI.COMM_WORLD.Dup())
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        d, out = cp.asarray(inputs(comm.rank, COUNT)), cp.empty(COUNT, cp.float32)
-        for _ in range(2):
-            geocomm.allreduce(d, codec="fp8", comm=comm, out=out)
-        stream.synchronize()
-        if comm.rank == 1:
-            with pytest.raises(TypeError, match="float64"):
-                geocomm.allreduce(d.astype(cp.float64), codec="fp8", comm=comm)
-            assert comm.aborted
-            return
-        raised_at = None
-        for call in range(IN_FLIGHT + 2):
-            try:
-                geocomm.allreduce(d, codec="fp8", comm=comm, out=out)
-            except geocomm.CollectiveMismatchError as exc:
-                assert "ranks [1] refused" in str(exc)
-                raised_at = call
-                break
-    assert raised_at is not None, "a refusal is found within IN_FLIGHT + 1 calls"
-    assert comm.aborted
-    if comm.aborted:  # its stuck transfers fail, and the streams drain, within this test
-        from cupy import _device
-
-        deadline = time.monotonic() + 60  # (an aborted transfer fails, then leaves)
-        while time.monotonic() < deadline and any(
-            s._queue for s in list(_device._streams_by_ptr.values())
-        ):
-            time.sleep(0.01)
+    drain_aborted(comm)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -873,14 +841,7 @@ def test_a_last_call_that_differs_across_ranks_fails_where_the_job_finishes(fini
             getattr(comm, finish)()
     assert comm.aborted
     comm.close()  # nothing left to do once aborted
-    if comm.aborted:  # its stuck transfers fail, and the streams drain, within this test
-        from cupy import _device
-
-        deadline = time.monotonic() + 60  # (an aborted transfer fails, then leaves)
-        while time.monotonic() < deadline and any(
-            s._queue for s in list(_device._streams_by_ptr.values())
-        ):
-            time.sleep(0.01)
+    drain_aborted(comm)
 
 
 def test_the_ddp_hooks_calls_replay_over_nccl_bootstrapped_by_torch(cp):
