@@ -37,7 +37,9 @@ from lab import breakdown, emulated_link, launch_command, parse_size, timed, yar
 
 import geocomm
 from geocomm.api import get_comm, resolve_codec
+from geocomm.api.calls import requested_topology
 from geocomm.codecs import TransformingCodec, bounds, get_codec
+from geocomm.comm.nodes import node_layout
 from geocomm.engine.costs import codec_for
 from geocomm.testing import MeteredComm
 
@@ -54,9 +56,11 @@ class Collective:
     #: span(count, rank, size) -> the flat range [lo, hi) of the reduction this rank holds
     span: Callable
     #: bound(input slices, codec, size, op, amaxes, a_prime) -> per-element error bound of
-    #: those elements of the result (amaxes, a_prime: whole-tensor scalars of the bound)
+    #: those elements of the result (amaxes, a_prime: whole-tensor scalars of the bound;
+    #: a_prime None: the result was quantized once)
     bound: Callable
-    #: norm_bound(inputs, codec, rank, size, op) -> bound of ||error|| (transforming codecs)
+    #: norm_bound(inputs, codec, rank, size, op, twice) -> bound of ||error|| (transforming
+    #: codecs; twice: whether the result was quantized twice)
     norm_bound: Callable
     #: gather: whether the all-gather phase exists (wire bytes, breakdown)
     gather: bool
@@ -167,8 +171,9 @@ def check(
     out_unit = 0.0 if dtype == np.float32 else (2.0**-11 if dtype == np.float16 else 2.0**-8)
     transforms = isinstance(codec, TransformingCodec)
     amaxes = [float(np.max(np.abs(f))) if f.size else 0.0 for f in flat]
+    twice = coll.gather or _uneven_nodes(comm)
     a_prime = None
-    if not transforms and not codec.lossless and coll.gather:
+    if not transforms and not codec.lossless and twice:
         a_prime = max(
             (
                 bounds.stage_two_amax([f[a:b] for f in flat], codec, amaxes)
@@ -190,7 +195,7 @@ def check(
             bound = coll.bound([f[a:b] for f in flat], codec, size, op, amaxes, a_prime)
             mine += int(np.sum(diff > bound * (1 + out_unit) + out_unit * np.abs(exact)))
     if transforms:
-        bound = coll.norm_bound(xs, codec, rank, size, op)
+        bound = coll.norm_bound(xs, codec, rank, size, op, twice)
         bound = bound * (1 + out_unit) + out_unit * np.sqrt(norm2)
         mine = int(np.sqrt(err2) > bound)
     wrong = int(comm.allgather_int64(np.array([mine], np.int64)).sum())
@@ -198,6 +203,17 @@ def check(
     worst = np.empty_like(relerr)
     comm.allreduce(relerr, worst, "max")
     return wrong, float(worst[0])
+
+
+def _uneven_nodes(comm: Any) -> bool:
+    """Whether a call may run node-aware on nodes of unequal size, where a
+    reduce-scatter returns the node-aware all-reduce's shard (quantized twice):
+    GEOCOMM_TOPOLOGY is not "flat" and the layout (gathered at the sweep's first
+    call, cached) is such. Every rank asks at the same point."""
+    if comm.size == 1 or requested_topology(None) == "flat":
+        return False
+    layout = node_layout(comm)
+    return layout is not None and not layout.trivial and len(set(layout.sizes())) > 1
 
 
 def _slices(lo: int, hi: int) -> Any:

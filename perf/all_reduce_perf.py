@@ -20,7 +20,7 @@ def _bound(xs, codec, size, op, amaxes, a_prime):
     return b / size + 2.0**-23 * b if op == "avg" else b
 
 
-def _norm_bound(xs, codec, rank, size, op):
+def _norm_bound(xs, codec, rank, size, op, twice):
     b = bounds.transformed_bound(xs, codec, gather=True)
     return b / size + 2.0**-23 * b if op == "avg" else b
 

@@ -19,17 +19,21 @@ def _span(count, rank, size):
 
 
 def _bound(xs, codec, size, op, amaxes, a_prime):
-    """Element bound on slices ``xs`` of the inputs (whole-tensor ``amaxes``)."""
+    """Element bound on slices ``xs`` of the inputs (whole-tensor ``amaxes``); with
+    ``a_prime`` the all-reduce's (on nodes of unequal size a node-aware reduce-scatter
+    returns the node-aware all-reduce's shard, quantized twice)."""
     if codec.lossless:
         b = 2 * size * bounds.FP32_UNIT * np.sum([np.abs(x) for x in xs], axis=0)
+    elif a_prime is not None:
+        b = bounds.allreduce_bound(xs, codec, amaxes, a_prime)
     else:
         b = bounds.reduce_scatter_bound(xs, codec, amaxes)
     return b / size + 2.0**-23 * b if op == "avg" else b
 
 
-def _norm_bound(xs, codec, rank, size, op):
+def _norm_bound(xs, codec, rank, size, op, twice):
     """The whole buffer's error bound also bounds this rank's shard of it."""
-    b = bounds.transformed_bound(xs, codec, gather=False)
+    b = bounds.transformed_bound(xs, codec, gather=twice)
     return b / size + 2.0**-23 * b if op == "avg" else b
 
 

@@ -239,11 +239,13 @@ def dlpack_device_type(x: Any) -> int | None:
 
 
 def _dlpack(x: Any, name: str) -> _Operand:
-    """Any other DLPack producer: CuPy for CUDA memory, NumPy for host memory.
-    The result is a CuPy or NumPy array (the producer's own type is unknown)."""
+    """Any other DLPack producer: CuPy for CUDA memory, NumPy for host memory. The
+    result comes back through the producer's array API namespace (its ``from_dlpack``)
+    where it has one, else as the CuPy or NumPy array."""
     kind = dlpack_device_type(x)
+    restore = _namespace_restore(x)
     if kind in DLPACK_CUDA:
-        return _Operand(_cupy().from_dlpack(x), _identity)
+        return _Operand(_cupy().from_dlpack(x), restore)
     if kind is not None and kind not in DLPACK_HOST:
         raise TypeError(
             f"{name} of type {type(x).__name__} lives on DLPack device type {kind}; "
@@ -251,11 +253,20 @@ def _dlpack(x: Any, name: str) -> _Operand:
             f"{sorted(DLPACK_CUDA.values())} memory with CuPy"
         )
     try:
-        return _Operand(np.from_dlpack(x), _identity)
+        return _Operand(np.from_dlpack(x), restore)
     except (BufferError, TypeError, RuntimeError) as exc:
         raise TypeError(
             f"{name} of type {type(x).__name__} cannot be read through DLPack on the CPU: {exc}"
         ) from None
+
+
+def _namespace_restore(x: Any) -> Restore:
+    """The caller's kind for a result of the DLPack producer ``x``: its array API
+    namespace's ``from_dlpack`` (sharing the result's memory) where ``x`` names one."""
+    namespace = getattr(x, "__array_namespace__", None)
+    if namespace is None:
+        return _identity
+    return namespace().from_dlpack
 
 
 def _operand(x: Any, name: str) -> _Operand:

@@ -32,7 +32,8 @@ A / 2^EMAX gives C = q_sub / 2^(EMAX + 1) (E4M3 2^-18, E5M2 2^-32, E2M1
 2^-4). With rceil nothing saturates (U as for the element format) and
 2^X < 2 A / FMAX gives C = q_sub / FMAX (for amax up to FMAX 2^(127 - EMAX),
 about 2.5e38 or more: above, X is capped so that FMAX 2^X stays finite, and
-values saturate as with floor). A block whose X is clamped to
+values saturate as with floor, so U is floor's: ``error_constants`` takes the
+amax). A block whose X is clamped to
 E8M0's smallest -127 loses up to q_sub / 2 * 2^-127 absolute, and a decoded
 fp32 subnormal 2^-150: D = q_sub 2^-128 + 2^-150 (E4M3 < 2^-136, E5M2 <
 2^-143, E2M1 < 2^-128).
@@ -70,16 +71,20 @@ _MX_ELEMENT = {
 FP32_UNIT = 2.0**-24
 
 
-def _mx_constants(element: str, scale_rule: str) -> tuple[float, float, float]:
+def _mx_constants(element: str, scale_rule: str, amax: float | None) -> tuple[float, float, float]:
     m, emax, fmax, q_sub = _MX_ELEMENT[element]
     d = q_sub * 2.0**-128 + 2.0**-150
-    if scale_rule == "rceil":
-        return 2.0 ** -(m + 1), q_sub / fmax, d
-    return max(2.0 ** -(m + 1), 1 - fmax / 2.0 ** (emax + 1)), q_sub / 2.0 ** (emax + 1), d
+    saturating = max(2.0 ** -(m + 1), 1 - fmax / 2.0 ** (emax + 1))
+    if scale_rule == "rceil":  # nothing saturates below the cap on X
+        capped = amax is None or amax > fmax * 2.0 ** (127 - emax)
+        return saturating if capped else 2.0 ** -(m + 1), q_sub / fmax, d
+    return saturating, q_sub / 2.0 ** (emax + 1), d
 
 
-def error_constants(codec: Codec) -> tuple[float, float, float]:
-    """(U, C, D) of the single-quantization bound |Q(v) - v| <= U|v| + C A + D."""
+def error_constants(codec: Codec, amax: float | None = None) -> tuple[float, float, float]:
+    """(U, C, D) of the single-quantization bound |Q(v) - v| <= U|v| + C A + D, for
+    values whose amax is ``amax`` (None: any; only MX with rceil depends on it, which
+    saturates as floor does above FMAX 2^(127 - EMAX))."""
     if isinstance(codec, TransformingCodec):
         codec = codec.quantizer
     config = codec.get_config()
@@ -95,7 +100,7 @@ def error_constants(codec: Codec) -> tuple[float, float, float]:
         u, c, d = _E5M2 if config["fmt"] == "e5m2" else _E4M3
     elif kind in ("mxfp8", "mxfp4"):
         element = config["fmt"] if kind == "mxfp8" else "e2m1"
-        u, c, d = _mx_constants(element, config["scale_rule"])
+        u, c, d = _mx_constants(element, config["scale_rule"], amax)
     else:
         raise ValueError(f"no error bound is derived for codec {kind!r}")
     return (2 * u, 2 * c, 2 * d) if stochastic else (u, c, d)
@@ -107,10 +112,10 @@ def single_bound(values: np.ndarray, codec: Codec, amax: float | None = None) ->
     ``amax``: max |v| over the whole encoded tensor when ``values`` is only a
     slice of it (the bound's C A term uses the tensor's largest value).
     """
-    u, c, d = error_constants(codec)
     v = np.abs(np.asarray(values, np.float64))
     if amax is None:
         amax = float(v.max()) if v.size else 0.0
+    u, c, d = error_constants(codec, amax)
     return u * v + c * amax + (d if v.size else 0.0)
 
 
@@ -131,13 +136,13 @@ def allreduce_bound(
     checks) pass the whole tensors' ``amaxes`` (max |x_i|) and ``a_prime``
     (max over elements of |S| + E1, :func:`stage_two_amax`).
     """
-    u, c, d = error_constants(codec)
     known: list[float | None] = list(amaxes) if amaxes else [None] * len(inputs)
     abs_sum = np.sum([np.abs(np.asarray(x, np.float64)) for x in inputs], axis=0)
     e1 = np.sum([single_bound(x, codec, a) for x, a in zip(inputs, known, strict=True)], axis=0)
     s_prime = np.abs(np.sum([np.asarray(x, np.float64) for x in inputs], axis=0)) + e1
     if a_prime is None:
         a_prime = float(s_prime.max()) if s_prime.size else 0.0
+    u, c, d = error_constants(codec, a_prime)  # the second quantization's
     fp32 = 2 * len(inputs) * FP32_UNIT * (abs_sum + e1)
     result: np.ndarray = e1 + u * s_prime + c * a_prime + d + fp32
     return result

@@ -19,7 +19,9 @@ residuals. A signature whose size changes starts from a zero residual.
 
 from __future__ import annotations
 
+import json
 import zlib
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -57,6 +59,16 @@ class ErrorFeedbackCodec(WireOf, FramedCodec, StatefulCodec):
         self.inner.decode_frame_body(body, out)
 
     # ---- residuals ----------------------------------------------------------------
+    @staticmethod
+    def residual_name(kind: str, parts: Sequence[Any]) -> str:
+        """The signature a call of ``kind`` on ``parts`` (objects with ``key`` and
+        ``shape``) keeps its residual under."""
+        return json.dumps([kind, [(repr(p.key), p.shape) for p in parts]])
+
+    def calls_of(self, signature: str) -> int:
+        """How many calls the residual of ``signature`` has taken (0: none yet)."""
+        return self._calls.get(signature, 0)
+
     def residual(self, signature: str, count: int, xp: Any) -> Any:
         """The residual (flat float32, ``count`` values) of a call signature, counting
         the call; zeros for a new signature or one whose size changed."""
@@ -95,24 +107,40 @@ class ErrorFeedbackCodec(WireOf, FramedCodec, StatefulCodec):
         }
 
     def load_state_dict(self, data: dict[str, Any], xp: Any = np) -> None:
-        """Restore :meth:`state_dict` output; residuals go to namespace ``xp``."""
+        """Restore :meth:`state_dict` output; residuals go to namespace ``xp``. All of it
+        is checked before anything changes: a state this codec cannot take raises
+        (TypeError for no dict, else ValueError) and leaves the codec as it was."""
+        if not isinstance(data, Mapping):
+            raise TypeError(f"an error-feedback state is a dict, got {type(data).__name__}")
         if data.get("version") != 1 or data.get("config") != self.get_config():
             raise ValueError(
                 f"state was saved by {data.get('config')}, this codec is {self.get_config()}"
             )
-        residuals, calls = data["residuals"], data["calls"]
-        if set(residuals) != set(calls):
+        try:
+            residuals, calls = dict(data["residuals"]), dict(data["calls"])
+            counts = {k: int(v) for k, v in calls.items()}
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"malformed error-feedback state: {error!r}") from None
+        if set(residuals) != set(counts):
             raise ValueError("the state's residuals and call counts name other signatures")
         loaded = {}
         for k, v in residuals.items():
             r = np.array(v, np.float32)  # a copy: the calls update residuals in place
             if r.ndim != 1:
                 raise ValueError(f"the residual of {k!r} has shape {r.shape}, not (n,)")
-            loaded[k] = xp.asarray(r)
-        self._residuals = loaded
-        self._calls = {k: int(v) for k, v in calls.items()}
-        if self.mapping_codec is not None and data.get("inner") is not None:
-            self.mapping_codec.load_state_dict(data["inner"])
+            if not np.isfinite(r).all():  # a residual is 0 wherever it would not be finite
+                raise ValueError(f"the residual of {k!r} holds non-finite values")
+            loaded[k] = r
+        inner = data.get("inner")
+        if (inner is None) != (self.mapping_codec is None):
+            raise ValueError(
+                "the state's inner codec state does not fit this codec's "
+                f"({'none' if inner is None else 'one'} given)"
+            )
+        if self.mapping_codec is not None and inner is not None:
+            self.mapping_codec.load_state_dict(inner)  # checked whole, like this one
+        self._residuals = {k: xp.asarray(r) for k, r in loaded.items()}
+        self._calls = counts
 
 
 def _to_numpy(a: Any) -> np.ndarray:

@@ -97,7 +97,7 @@ def parse_frame(buf: Any, body_size: Callable[[dict[str, Any], tuple[int, ...]],
         raise ValueError(f"a frame must be a bytes-like object: {exc}") from None
     if data.size < HEAD.size + CRC.size:
         raise ValueError(f"frame of {data.size} bytes is shorter than a frame header")
-    magic, version, dtype_code, ndim, _reserved, config_len, body_len = HEAD.unpack_from(data.data)
+    magic, version, dtype_code, ndim, reserved, config_len, body_len = HEAD.unpack_from(data.data)
     if magic != MAGIC:
         raise ValueError(f"not a geocomm frame (magic {magic!r})")
     if version != FRAME_VERSION:
@@ -106,6 +106,8 @@ def parse_frame(buf: Any, body_size: Callable[[dict[str, Any], tuple[int, ...]],
         raise ValueError(f"unknown dtype code {dtype_code} in frame")
     if ndim > MAX_NDIM:
         raise ValueError(f"frame claims {ndim} dimensions (at most {MAX_NDIM})")
+    if reserved != 0:
+        raise ValueError(f"frame header's reserved byte is {reserved}, not 0")
     head_len = HEAD.size + 8 * ndim + config_len
     if head_len + body_len + CRC.size != data.size:
         raise ValueError(
@@ -123,7 +125,7 @@ def parse_frame(buf: Any, body_size: Callable[[dict[str, Any], tuple[int, ...]],
         raise ValueError(f"frame codec config is not valid JSON: {exc}") from None
     if not isinstance(config, dict) or not isinstance(config.get("id"), str):
         raise ValueError("frame codec config must be an object with a string 'id'")
-    if math.prod(shape) > MAX_COUNT:
+    if math.prod(shape) > MAX_COUNT or max(shape, default=0) > MAX_COUNT:
         raise ValueError(f"frame shape {shape} holds more than {MAX_COUNT} values")
     expected = body_size(config, tuple(int(d) for d in shape))
     if expected != body_len:

@@ -94,6 +94,8 @@ def get_codec(codec: str | dict[str, Any] | Codec | None, /, **params: Any) -> C
     if isinstance(codec, dict):
         config = {**codec, **params}
         codec_id = config.get("id")
+        if not isinstance(codec_id, str):
+            raise TypeError(f"a codec config's 'id' is a codec id string, got {codec_id!r}")
     elif isinstance(codec, str):
         config = {"id": codec, **params}
         codec_id = codec

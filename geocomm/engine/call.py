@@ -21,6 +21,7 @@ import functools
 import itertools
 import json
 import math
+import os
 import weakref
 import zlib
 from collections.abc import Iterator
@@ -32,6 +33,8 @@ import numpy as np
 from geocomm.codecs import Codec, ErrorFeedbackCodec, StatefulCodec
 from geocomm.codecs.frames import DTYPE_CODES
 from geocomm.comm.base import Communicator
+from geocomm.comm.nodes import ENV_RANKS_PER_NODE
+from geocomm.engine.costs import ENV_INTER, ENV_INTRA
 from geocomm.kernels.native import mix64
 
 #: The collectives a call can be.
@@ -192,8 +195,18 @@ def shard_parts(parts: tuple[Part, ...], ranges: list[tuple[int, int]]) -> tuple
 
 #: What each column of a fingerprint row is.
 FIELDS = ("collective", "count", "dtype", "op", "codec config", "parts or key", "codec state",
-          "topology", "stage size")  # fmt: skip
+          "topology", "stage size", "node settings")  # fmt: skip
 STATE = FIELDS.index("codec state")
+#: The environment variables that decide how a call runs beyond its arguments (its
+#: node layout, the links ``auto`` weighs): in the fingerprint, since ranks that set
+#: them apart would run other collectives (and the node layout's would block for good).
+NODE_SETTINGS = (ENV_RANKS_PER_NODE, ENV_INTRA, ENV_INTER)
+
+
+def node_settings() -> int:
+    """CRC32 of this process's :data:`NODE_SETTINGS` (each stripped; unset is empty)."""
+    text = "\0".join(os.environ.get(name, "").strip() for name in NODE_SETTINGS)
+    return zlib.crc32(text.encode())
 
 
 def fingerprint(
@@ -208,7 +221,8 @@ def fingerprint(
             s.kind, s.count, s.dtype, s.op, s.codec, s.parts, s.topology, s.stage_size
         )
     row: np.ndarray = s.fingerprint.copy()
-    row[STATE] = state_checksum(s.codec, s.parts, s.topology == "flat" if flat is None else flat)
+    flat = s.topology == "flat" if flat is None else flat
+    row[STATE] = state_checksum(s.codec, s.kind, s.parts, flat)
     return row
 
 
@@ -233,21 +247,26 @@ def call_fingerprint(kind: str, count: int, dtype: np.dtype, op: str, codec: Cod
             0,
             zlib.crc32(topology.encode()),
             stage_size or 0,
+            node_settings(),
         ],
         dtype=np.int64,
     )
 
 
-def state_checksum(codec: Codec | None, parts: tuple[Part, ...], flat: bool) -> int:
-    """CRC32 of ``codec``'s state of the keys of ``parts`` (0 for a stateless codec). A
-    call that may run node-aware (``flat`` False) keeps error-feedback residuals per
-    local index (checked across nodes): only the map's state of its keys is every
-    rank's."""
-    if isinstance(codec, ErrorFeedbackCodec) and not flat:
+def state_checksum(codec: Codec | None, kind: str, parts: tuple[Part, ...], flat: bool) -> int:
+    """CRC32 of ``codec``'s state for a call of ``kind`` on ``parts`` (0 for a stateless
+    codec): the map's state of its keys and, for a flat call, the count of calls of
+    its error-feedback residual. A call that may run node-aware (``flat`` False) keeps
+    its residuals per local index (checked across nodes), and so do the node-aware
+    calls before a flat one: no other call's residual is every rank's."""
+    state = 0
+    if isinstance(codec, ErrorFeedbackCodec):
+        if flat:
+            name = codec.residual_name(kind, parts)
+            state = zlib.crc32(f"{name}:{codec.calls_of(name)}".encode())
         codec = codec.mapping_codec
     if not isinstance(codec, StatefulCodec):
-        return 0
-    state = 0
+        return state
     for p in parts:
         state = zlib.crc32(codec.state_checksum(p.key).to_bytes(4, "little"), state)
     return state
@@ -274,11 +293,15 @@ def raise_on_mismatch(kind: str, rows: np.ndarray) -> None:
     bad = np.nonzero((rows != rows[0]).any(axis=1))[0]
     if bad.size:
         diffs = [FIELDS[f] for f in np.nonzero(rows[bad[0]] != rows[0])[0]]
-        detail = ", ".join(f"rank {r}: count={rows[r, 1]}" for r in range(rows.shape[0]))
+        detail = ""
+        if "count" in diffs:
+            counts = ", ".join(f"rank {r}: count={rows[r, 1]}" for r in range(rows.shape[0]))
+            detail = f" ({counts})"
         raise CollectiveMismatchError(
-            f"geocomm.{kind}: ranks {bad.tolist()} differ from rank 0 in {', '.join(diffs)} "
-            f"({detail}); every rank must pass the same count, dtype, op, codec, keys and "
-            "topology, and stateful codecs must hold the same state"
+            f"geocomm.{kind}: ranks {bad.tolist()} differ from rank 0 in {', '.join(diffs)}"
+            f"{detail}; every rank must pass the same count, dtype, op, codec, keys and "
+            f"topology, set {', '.join(NODE_SETTINGS)} alike, and stateful codecs must "
+            "hold the same state"
         )
 
 

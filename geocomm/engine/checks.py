@@ -157,7 +157,7 @@ def check_consistent(
     """Compare one call's fingerprint across ``comm``'s ranks now (what adapters that
     keep their own check policy call); raise CollectiveMismatchError on mismatch."""
     row = call_fingerprint(kind, count, dtype, op, codec, parts, topology)
-    row[STATE] = state_checksum(codec, parts, topology == "flat")
+    row[STATE] = state_checksum(codec, kind, parts, topology == "flat")
     raise_on_mismatch(kind, comm.allgather_int64(row))
 
 

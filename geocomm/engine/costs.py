@@ -220,12 +220,13 @@ def flat_seconds(links: Links, nbytes: float, sizes: list[int], ratio: float) ->
 
 
 def node_seconds(links: Links, nbytes: float, sizes: list[int], ratio: float) -> float:
-    """The node-aware all-reduce: an exact reduce-scatter and an all-gather of fp32 in
-    the largest node (``(G - 1) / G B`` each way), and a compressed all-reduce of a
-    ``1 / w`` shard (w: the smallest node's ranks) over the ``M`` nodes:
-    ``4 latency + 2 (G - 1) / G B / intra + max(2 (M - 1) / M r B / w / inter, B / w / codec)``."""
+    """The node-aware all-reduce: in the largest node (G ranks) an exact reduce-scatter
+    and an all-gather of fp32 onto the w shard owners (w: the smallest node's ranks),
+    each owner receiving and sending ``(G - 1) B / w``, and a compressed all-reduce of
+    its ``1 / w`` shard over the ``M`` nodes:
+    ``4 latency + 2 (G - 1) / w B / intra + max(2 (M - 1) / M r B / w / inter, B / w / codec)``."""
     m, g, w = len(sizes), max(sizes), min(sizes)
-    inside = 2 * (g - 1) / g * nbytes / links.intra_Bps
+    inside = 2 * (g - 1) / w * nbytes / links.intra_Bps
     shard = nbytes / w
     cross = 2 * (m - 1) / m * ratio * shard / links.inter_Bps
     return 4 * links.latency_s + inside + max(cross, shard / links.codec_Bps)

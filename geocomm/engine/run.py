@@ -20,7 +20,6 @@ pieces, the device plan) is made at its first call and kept in
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from typing import Any
 
@@ -422,6 +421,5 @@ def _stateful(
     """(the codec that maps the tensors or None, the error-feedback residual of this
     call's tensors or None)."""
     if isinstance(codec, ErrorFeedbackCodec):
-        name = json.dumps([kind, [(repr(p.key), p.shape) for p in parts]])
-        return codec.mapping_codec, codec.residual(name, count, xp)
+        return codec.mapping_codec, codec.residual(codec.residual_name(kind, parts), count, xp)
     return (codec if isinstance(codec, TransformingCodec) else None), None

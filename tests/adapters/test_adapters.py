@@ -87,6 +87,21 @@ def test_dlpack_producer(comm):
     np.testing.assert_array_equal(y, np.full(6, comm.size, np.float32))
 
 
+def test_an_array_api_producer_comes_back_as_its_own_kind(comm):
+    """A DLPack producer that names its array API namespace gets its result back
+    through that namespace's from_dlpack (it once came back as NumPy); out= of that
+    kind is written in place."""
+    import array_api_strict as xp
+
+    x = xp.asarray(np.arange(6, dtype=np.float32) + comm.rank)
+    y = geocomm.allreduce(x, codec="bf16")
+    assert type(y) is type(x) and y.dtype == xp.float32 and y.shape == (6,)
+    want = comm.size * np.arange(6) + comm.size * (comm.size - 1) / 2
+    np.testing.assert_array_equal(np.asarray(y), want)
+    shard = geocomm.reduce_scatter(x, codec="bf16")
+    assert type(shard) is type(x)
+
+
 def test_unknown_type(comm):
     with pytest.raises(TypeError, match="not an array"):
         geocomm.allreduce([1.0, 2.0], codec="fp8")

@@ -174,3 +174,41 @@ def test_a_loaded_state_is_the_codecs_own(comm):
         c.load_state_dict(bad)
     with pytest.raises(ValueError, match="call counts"):
         c.load_state_dict({**saved, "calls": {}})
+
+
+def test_a_state_load_that_fails_changes_nothing(comm):
+    """A state the codec cannot take raises and leaves the codec as it was: its call
+    counts and residuals, and a GeoFP8 inner codec's bases (a malformed inner state
+    once raised only after the residuals and counts were replaced). A NaN residual is
+    refused: a residual is 0 wherever it would not be finite."""
+    import geocomm
+
+    x = np.outer(np.linspace(-1, 1, 64), np.linspace(0.5, 1, 48)).astype(np.float32)
+    x += np.float32(0.01) * np.arange(x.size, dtype=np.float32).reshape(x.shape) % 7
+    knobs = {"min_dim": 8, "min_numel": 0}
+    a, twin = (geocomm.get_codec("geofp8", error_feedback=True, **knobs) for _ in range(2))
+    for codec in (a, twin):
+        for _ in range(3):
+            geocomm.allreduce(x, codec=codec, key="w")
+    saved = a.state_dict()
+    (name,) = saved["residuals"]
+    nan = saved["residuals"][name].copy()
+    nan[3] = np.nan
+    bad_states = [
+        ({**saved, "inner": {**saved["inner"], "keys": [("w", {"shape": [64, 48]})]}}, "malformed"),
+        ({**saved, "inner": None}, "inner"),
+        ({**saved, "residuals": {name: nan}}, "non-finite"),
+        ({**saved, "calls": {name: "three"}}, "malformed"),
+        ({k: v for k, v in saved.items() if k != "residuals"}, "malformed"),
+    ]
+    for bad, match in bad_states:
+        with pytest.raises(ValueError, match=match):
+            a.load_state_dict(bad)
+    with pytest.raises(TypeError, match="dict"):
+        a.load_state_dict(None)
+    assert a.state_checksum("w") == twin.state_checksum("w")
+    assert a.state_dict()["calls"] == saved["calls"]
+    for _ in range(2):
+        assert np.array_equal(
+            geocomm.allreduce(x, codec=a, key="w"), geocomm.allreduce(x, codec=twin, key="w")
+        )

@@ -347,6 +347,8 @@ def test_unknown_param_and_mismatched_id():
         geocomm.get_codec("nvfp4", block=16)
     with pytest.raises(ValueError, match="does not match"):
         geocomm.codecs.FP8Codec.from_config({"id": "nvfp4"})
+    with pytest.raises(TypeError, match="'id' is a codec id string"):
+        geocomm.get_codec({"id": ["fp8"]})
 
 
 # ---- encode / decode over dtypes and shapes ---------------------------------
@@ -534,6 +536,8 @@ def test_every_single_bit_flip_is_rejected(small_frame):
         ({"shape": (2, 5, 1, 0)}, "body"),
         ({"shape": (2**40, 2**40)}, "holds more"),
         ({"shape": (2**64 - 1,)}, "holds more"),
+        ({"shape": (0, 2**64 - 1)}, "holds more"),  # no values, but no array has that dim
+        ({"reserved": 1}, "reserved"),
         ({"body": b""}, "body"),
         ({"body": b"\0" * 200}, "body"),
         ({"config": b'{"id":"fp8","fmt":"e4m3","block":4}x'}, "JSON"),

@@ -614,6 +614,56 @@ def test_state_dict_round_trip_continues_bit_for_bit():
         get_codec("geofp8", k=5).load_state_dict(a[0].state_dict())
 
 
+def test_a_state_load_that_fails_changes_nothing():
+    """A malformed or non-finite state raises (ValueError, TypeError for no dict) before
+    anything changes: the codec goes on bit for bit with its twin (a failed load once
+    dropped the basis updates still on their way, and kept nothing of the old state)."""
+    a, twin = geo(2), geo(2)
+    for step in range(4):
+        for codecs in (a, twin):
+            simulate_allreduce(codecs, rank_inputs(2, 80, 72, step), key="w")
+    saved = a[0].state_dict()
+    (key, good), *_ = saved["keys"]
+    nan_basis = np.array(good["vt"], np.float32)
+    nan_basis[0, 0] = np.nan
+    bad_states = [
+        ({**saved, "keys": [(key, {k: v for k, v in good.items() if k != "calls"})]}, "calls"),
+        ({**saved, "keys": [(key, {**good, "vt": nan_basis})]}, "non-finite"),
+        ({**saved, "keys": [(key, {**good, "vt": nan_basis[:, :5]})]}, "does not fit"),
+        ({k: v for k, v in saved.items() if k != "keys"}, "keys"),
+        ({**saved, "keys": 3}, "malformed"),
+    ]
+    for bad, match in bad_states:
+        with pytest.raises(ValueError, match=match):
+            a[0].load_state_dict(bad)
+    with pytest.raises(TypeError, match="dict"):
+        a[0].load_state_dict([saved])
+    for step in range(4, 6):
+        xs = rank_inputs(2, 80, 72, step)
+        assert np.array_equal(
+            simulate_allreduce(a, xs, key="w"), simulate_allreduce(twin, xs, key="w")
+        )
+
+
+def test_an_infinite_budget_or_side_cap_is_no_cap():
+    """``budget`` and ``max_side`` of inf are accepted (as ``side_budget`` of inf is)
+    and mean no cap: the rank is ``k``'s and half the smaller side's only (they once
+    failed every call with a NaN-to-integer conversion)."""
+    from geocomm.codecs.geo.policy import map_shape
+
+    config = {**get_codec("geofp8").get_config(), "k": 12, "min_dim": 8, "min_numel": 0}
+    free = {**config, "budget": math.inf, "max_side": math.inf}
+    assert map_shape((80, 72), free, payload_bytes=1).k == 12
+    assert map_shape((20, 72), free, payload_bytes=1).k == 10
+    assert map_shape((80, 72), config, payload_bytes=1) is None  # 1 byte buys no side
+    codecs = geo(2, budget=math.inf, max_side=math.inf, k=12)
+    xs = rank_inputs(2, 80, 72, 0)
+    for _ in range(2):
+        got = simulate_allreduce(codecs, xs, key="w")
+    assert codecs[0].state_info("w")["k"] == 12
+    assert rel(got, exact_sum(xs)) < 0.05
+
+
 def _jsonable(value):
     return value.tolist() if isinstance(value, np.ndarray) else value
 
@@ -753,6 +803,26 @@ def test_hadamard_is_orthogonal_and_rank_consistent():
     xs = [gaussian(24, 40, seed=r) for r in range(3)]  # 40 columns: two rotations of 32
     got = simulate_allreduce(codecs, xs)
     assert rel(got, exact_sum(xs)) < 0.1  # E4M3: ~3% per quantization
+
+
+@pytest.mark.parametrize("n", [128, 256, 200])  # log2(p) odd, even; two rotations
+def test_hadamard_keeps_rows_whose_rotation_fits_finite(n):
+    """Rows of +-1e37 (norm up to 1.6e38, under fp32's largest): their rotation fits
+    fp32's range, and so does every butterfly on the way (1 / sqrt(p) is applied as a
+    power of two before them, the rest after). Unscaled butterflies overflowed to inf
+    from |x| above FLT_MAX / p. Both ways, frames and collectives, within the bound."""
+    rng = np.random.default_rng(n)
+    xs = [(np.sign(rng.standard_normal((16, n))) * 1e37).astype(np.float32) for _ in range(2)]
+    xs[1] *= np.float32(0.5)  # the sum stays finite too
+    codec = get_codec("hadamard", min_dim=8, min_numel=0)
+    y = decode(codec.encode(xs[0]))
+    assert np.isfinite(y).all()
+    assert np.linalg.norm(y.astype(np.float64) - xs[0]) <= transformed_bound([xs[0]], codec)
+    codecs = [get_codec("hadamard", min_dim=8, min_numel=0) for _ in range(2)]
+    got = simulate_allreduce(codecs, xs)
+    assert np.isfinite(got).all()
+    want = xs[0].astype(np.float64) + xs[1]
+    assert np.linalg.norm(got - want) <= transformed_bound(xs, codecs[0])
 
 
 @pytest.mark.parametrize("codec_id", ["geofp8", "geonvfp4", "hadamard"])

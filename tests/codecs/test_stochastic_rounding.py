@@ -535,10 +535,8 @@ def test_error_bound(fmt, block, options):
     # may replace the tensor's. Tight: some element comes within 4x of it.
     x = random_wide(1 << 18, seed=41)
     x = x[np.isfinite(x)]
-    if fmt == "bf16":
-        x = x[np.abs(x) < 3.38e38]
     codec = codec_for(fmt, block, rounding="stochastic")
-    u, c, d = bounds.error_constants(codec)
+    u, c, d = bounds.error_constants(codec, float(np.abs(x).max()))
     # NVFP4: C is relative to the superblock amax there (64 superblocks)
     b = {"nvfp4": 4096, "bf16": 1}.get(fmt, 32 if fmt.startswith("mx") else block or x.size)
     padded = np.zeros(-(-x.size // b) * b)

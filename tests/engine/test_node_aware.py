@@ -9,6 +9,7 @@ nodes, with the shard keys of :func:`geocomm.engine.call.shard_parts`.
 from __future__ import annotations
 
 import hashlib
+import math
 
 import numpy as np
 import pytest
@@ -21,7 +22,9 @@ from geocomm.engine.call import Part, shard_parts
 from geocomm.engine.layout import shard_bounds
 from geocomm.testing import simulate_allreduce, simulate_reduce_scatter
 
-SHAPE = (96, 1024)  # rows split evenly into 1, 2 and 3 shards
+#: rows split evenly into 1, 2 and 3 shards, each at least GeoFP8's min_dim (64) rows:
+#: a node-aware call maps each local index's shard, and fewer rows would go plain
+SHAPE = (192, 1024)
 
 
 def same_on_all_ranks(comm, array) -> bool:
@@ -99,6 +102,9 @@ def test_allreduce_matches_the_oracle(comm, monkeypatch, name, per_node):
         y = geocomm.allreduce(xs[comm.rank], codec=codec, topology="node")
         assert same_on_all_ranks(comm, y)
         np.testing.assert_array_equal(y, oracle_allreduce(oracle, xs, layout))
+    if name == "geofp8":  # every shard was mapped (the oracle's state is the codec's)
+        states = [st for c in oracle.values() for _, st in c.state_dict()["keys"]]
+        assert states and all(st["use"] > 0 for st in states), states
 
 
 @pytest.mark.mpi(min_size=2)
@@ -143,6 +149,27 @@ def test_error_feedback_node_aware(comm, monkeypatch):
 
 
 @pytest.mark.mpi(min_size=3)
+@pytest.mark.parametrize("codec_id", ["fp8", "geofp8"])
+def test_error_feedback_goes_flat_after_node_aware_calls(comm, monkeypatch, codec_id):
+    """One error-feedback codec through node-aware calls and then flat ones (as
+    ``auto`` picks by size in a model of large and small buckets): the node-aware
+    calls keep residuals per local index, which differ across ranks by design, and a
+    flat call's check compares its own residual's count only. It compared them all,
+    and every flat call after a node-aware one raised a false CollectiveMismatchError
+    ("codec state") on every rank."""
+    monkeypatch.setenv("GEOCOMM_RANKS_PER_NODE", "2")
+    codec = get_codec(codec_id, error_feedback=True)
+    xs = gradients(comm.size, 3)
+    small = xs[comm.rank][:8].copy()
+    for call in range(3):
+        big = geocomm.allreduce(xs[comm.rank], codec=codec, key="big", topology="node")
+        assert same_on_all_ranks(comm, big)
+        for topology in ("flat", "auto"):  # auto: 32 KiB goes flat
+            y = geocomm.allreduce(small, codec=codec, key="small", topology=topology)
+            assert same_on_all_ranks(comm, y), (call, topology)
+
+
+@pytest.mark.mpi(min_size=3)
 @pytest.mark.parametrize("per_node", [2, 3])
 def test_reduce_scatter_keeps_the_flat_ownership(comm, monkeypatch, per_node):
     if per_node not in _nodes_for(comm.size):
@@ -178,6 +205,28 @@ def test_topology_is_in_the_fingerprint(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("GEOCOMM_RANKS_PER_NODE", "2"), ("GEOCOMM_INTER_GBPS", "1"), ("GEOCOMM_INTRA_GBPS", "9")],
+)
+def test_node_settings_set_on_one_rank_only_fail_on_every_rank(comm, monkeypatch, variable, value):
+    """Rank 0 alone sets a variable that decides the node layout or ``auto``'s choice.
+    The ranks would run other collectives: with GEOCOMM_RANKS_PER_NODE rank 0 skipped
+    the node-key split the others blocked in, for good (no timeout bounds MPI's
+    split). The fingerprint holds the settings, so every rank raises at the check."""
+    if comm.rank == 0:
+        monkeypatch.setenv(variable, value)
+    else:
+        monkeypatch.delenv(variable, raising=False)
+    x = gradients(comm.size, 9)[comm.rank]
+    with pytest.raises(CollectiveMismatchError, match="node settings"):
+        geocomm.allreduce(x, codec="fp8", topology="auto")
+    monkeypatch.delenv(variable, raising=False)
+    y = geocomm.allreduce(x, codec="fp8", topology="flat")
+    assert same_on_all_ranks(comm, y)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_auto_is_flat_with_one_rank_per_node(comm, monkeypatch):
     monkeypatch.setenv("GEOCOMM_RANKS_PER_NODE", "1")
     xs = gradients(comm.size, 7)
@@ -195,6 +244,17 @@ def test_auto_never_goes_node_aware_on_trivial_layouts():
             assert not costs.node_aware_pays("nccl", nbytes, sizes)
     assert costs.node_aware_pays("mpi", 64 << 20, [2, 2])
     assert costs.node_aware_pays("nccl", 1 << 30, [8] * 16)
+
+
+def test_the_node_model_charges_the_shard_owners_their_traffic():
+    """Inside a node of G ranks the w shard owners (w: the smallest node's ranks) each
+    receive and send (G - 1) B / w: a 3 + 1 layout moved 2 MiB each way through rank 0
+    for 1 MiB (MeteredComm), where the model charged 2 (G - 1) / G B in all. Even
+    layouts (w = G) are as before."""
+    free = costs.Links(intra_Bps=1.0, inter_Bps=math.inf, latency_s=0.0, codec_Bps=math.inf)
+    assert costs.node_seconds(free, 1.0, [3, 1], 0.25) == pytest.approx(2 * 2 / 1)
+    assert costs.node_seconds(free, 1.0, [8, 2], 0.25) == pytest.approx(2 * 7 / 2)
+    assert costs.node_seconds(free, 1.0, [4, 4], 0.25) == pytest.approx(2 * 3 / 4)
 
 
 def test_link_overrides():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -562,15 +562,23 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
         }
 
     def load_state_dict(self, data: dict[str, Any], xp: Any = np) -> None:
-        """Restore :meth:`state_dict` output; the basis goes to namespace ``xp``."""
+        """Restore :meth:`state_dict` output; the basis goes to namespace ``xp``. All of
+        it is checked before anything changes: a state this codec cannot take raises
+        (TypeError for no dict, else ValueError) and leaves the codec as it was."""
+        if not isinstance(data, Mapping):
+            raise TypeError(f"a GeoFP8 state is a dict, got {type(data).__name__}")
         if data.get("version") != 1:
             raise ValueError(f"unknown GeoFP8 state version {data.get('version')!r}")
         if data.get("config") != self.get_config():
             raise ValueError(
                 f"state was saved by {data.get('config')}, this codec is {self.get_config()}"
             )
+        try:
+            state = {_key(k): KeyState.from_dict(v, xp) for k, v in data["keys"]}
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"malformed GeoFP8 state: {error!r}") from None
         self._unsettled.clear()
-        self._state = {_key(k): KeyState.from_dict(v, xp) for k, v in data["keys"]}
+        self._state = state
         self._version += 1
         self._ranks = (-1, {})
         self._planned.clear()

@@ -382,13 +382,17 @@ class HadamardPlan:
         xp = array_namespace(block)
         n, p = self.map_shape.n, self.p
         parts = list(zip((0, n - p), self._signs, strict=False))
-        scale = xp.asarray(1.0 / math.sqrt(p), dtype=xp.float32)
+        # 1 / sqrt(p) as 2^-h before the butterflies (exact: a power of two) times
+        # 2^h / sqrt(p) after (1, or sqrt(2) for odd log2(p)): a butterfly sum then
+        # stays within 2^(log2(p) - h) <= sqrt(p) times the largest input, so only a
+        # row whose rotation itself passes fp32's range overflows
+        h = (p.bit_length() - 1 + 1) // 2
+        pre = xp.asarray(2.0**-h, dtype=xp.float32)
+        post = xp.asarray(2.0**h / math.sqrt(p), dtype=xp.float32)
         for start, signs in reversed(parts) if inverse else parts:
             s = xp.asarray(signs)
             cols = block[:, start : start + p]
-            if not inverse:
-                cols = cols * s
-            cols = _fwht(cols) * scale
+            cols = _fwht(cols * pre if inverse else cols * (s * pre)) * post
             block[:, start : start + p] = cols * s if inverse else cols
 
     def _apply(self, values: Any, lo: int, inverse: bool) -> Any:

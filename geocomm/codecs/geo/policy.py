@@ -7,10 +7,12 @@ at values or at the machine. The knobs (defaults in :data:`DEFAULTS`):
   split map of rank k costs 3k per call (project and subtract on the way
   out, add back on the way in) plus 2k every ``refresh`` calls (the basis's
   power step on the call's own gradients: project on the old basis, then
-  accumulate), so k = floor(budget / (3 + 2 / refresh)), capped by ``k``;
+  accumulate), so k = floor(budget / (3 + 2 / refresh)), capped by ``k``
+  (inf: no cap but ``k``);
 * ``max_side``: bytes of the exact side channel (the summed coefficients and
   the power steps' sums, bfloat16; a frame stores its coefficients and its
-  fp32 basis) as a fraction of the quantized payload; k shrinks until it fits;
+  fp32 basis) as a fraction of the quantized payload; k shrinks until it fits
+  (inf: never);
 * ``min_dim``, ``min_numel``: smaller matrices go plain (the fixed costs of
   a map outweigh what it saves);
 * ``min_share``: a tensor whose measured top-k energy share beats a flat
@@ -81,6 +83,8 @@ ALPHAS = (0.5, 0.25, 0.125, 0.0625)
 #: The smallest whitening scale: the inverse multiplies a direction's share of the
 #: quantization error by at most 1 / WHITEN_FLOOR.
 WHITEN_FLOOR = 1.0 / 64
+#: A rank no cap reaches (``budget`` of inf): above any matrix's rank.
+NO_CAP = 1 << 62
 #: Bytes of one value on the side channel: coefficients, step and refresh sums travel
 #: as bfloat16 (GeoCodec.side_format); a frame's stored basis is fp32 (4).
 SIDE_BYTES = 2
@@ -104,7 +108,10 @@ class MapShape:
 
 
 def rank_for_budget(budget: float, refresh: int) -> int:
-    """The largest split rank whose cost (3 + 2 / refresh) k fits in ``budget``."""
+    """The largest split rank whose cost (3 + 2 / refresh) k fits in ``budget`` (inf: no
+    cap, as large as any matrix's rank may be)."""
+    if math.isinf(budget):
+        return NO_CAP
     return int(budget // (3 + 2 / refresh))
 
 
@@ -131,7 +138,8 @@ def map_shape(
     per_vector: float = SIDE_BYTES * m + 4 * n
     if not framed:
         per_vector = direction_bytes(MapShape(m, n, k), config["refresh"])
-    k = min(k, int(config["max_side"] * payload_bytes // per_vector))
+    if not math.isinf(config["max_side"]):  # inf: no cap
+        k = min(k, int(config["max_side"] * payload_bytes // per_vector))
     return MapShape(m, n, k) if k >= 1 else None
 
 

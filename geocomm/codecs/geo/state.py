@@ -186,11 +186,15 @@ class KeyState:
             vt = np.array(data["vt"], "<f4", order="C")  # a copy: the caller's stays theirs
             if vt.shape != (st.map_shape.k, st.map_shape.n):
                 raise ValueError(f"basis of shape {vt.shape} does not fit {st.map_shape}")
+            if not np.isfinite(vt).all():
+                raise ValueError("the basis holds non-finite values")
             st._set_basis(xp.asarray(vt), int(basis_hash(vt)[0]))
         if data.get("wt") is not None:
             wt = np.asarray(data["wt"], np.float32)
             if wt.ndim != 2 or wt.shape[1] != st.map_shape.n:
                 raise ValueError(f"whitening basis of shape {wt.shape} does not fit {st.map_shape}")
+            if not np.isfinite(wt).all():
+                raise ValueError("the whitening basis holds non-finite values")
             energies = tuple(float(e) for e in data.get("wenergies", ()))
             st.commit_whitening(xp.asarray(wt), energies, float(data.get("wbulk", 0.0)))
         return st
