@@ -232,6 +232,15 @@ class BF16Codec(NativeFormat):
 MAX_BLOCK = 2**48
 
 
+def check_frame_scales(raw: np.ndarray, fmt: str) -> None:
+    """ValueError unless the fp32 scales ``raw`` (bytes) of a frame are what an encoder
+    writes, amax / FMAX of finite values: finite and not negative. A frame that passed
+    its CRC with others was made by hand, and would decode to NaNs or flipped signs."""
+    scales = np.frombuffer(raw.tobytes(), "<f4")
+    if not (np.isfinite(scales) & ~np.signbit(scales)).all():
+        raise ValueError(f"{fmt} frame holds a scale no encoder writes (non-finite or negative)")
+
+
 class FP8Codec(NativeFormat):
     """FP8 with one fp32 scale per ``block`` values (``block=0``: one per wire body, a
     frame's tensor or, in a collective, a shard).
@@ -269,6 +278,12 @@ class FP8Codec(NativeFormat):
             **self._rounding_config(),
         }
 
+    def decode_frame_body(self, body: np.ndarray, out: np.ndarray) -> None:
+        """Decode a frame's body, its fp32 block scales checked first (they lead it)."""
+        blocks = -(-out.size // (self.block or out.size)) if out.size else 0
+        check_frame_scales(body[: 4 * blocks], "fp8")
+        super().decode_frame_body(body, out)
+
 
 class NVFP4Codec(NativeFormat):
     """NVFP4: E2M1 values, one E4M3 scale per 16 values, one fp32 scale per
@@ -283,6 +298,12 @@ class NVFP4Codec(NativeFormat):
 
     def scale_span(self) -> int:
         return 4096
+
+    def decode_frame_body(self, body: np.ndarray, out: np.ndarray) -> None:
+        """Decode a frame's body, its fp32 superblock scales checked first (they lead
+        it; a block's E4M3 scale may be NaN: the block held a non-finite value)."""
+        check_frame_scales(body[: 4 * -(-out.size // 4096)], "nvfp4")
+        super().decode_frame_body(body, out)
 
 
 SCALE_RULES = ("floor", "rceil")

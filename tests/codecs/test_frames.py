@@ -568,6 +568,30 @@ def test_malformed_header_is_rejected(small_frame, changes, match):
         geocomm.get_codec("fp8", fmt="e4m3", block=4).decode(frame)
 
 
+@pytest.mark.parametrize(
+    ("config", "scale"),
+    [
+        ({"id": "fp8", "fmt": "e4m3", "block": 4}, np.nan),
+        ({"id": "fp8", "fmt": "e5m2", "block": 0}, -1.0),
+        ({"id": "fp8", "fmt": "e4m3", "block": 4}, np.inf),
+        ({"id": "nvfp4"}, np.nan),
+        ({"id": "nvfp4"}, -0.5),
+        ({"id": "geofp8", "min_dim": 2, "min_numel": 0}, np.nan),
+    ],
+)
+def test_a_scale_no_encoder_writes_is_rejected(config, scale):
+    """fp32 scales are amax / FMAX of finite values: a NaN, infinite or negative one in
+    a frame whose CRC was made again decoded to NaNs or flipped signs; it is refused."""
+    codec = geocomm.get_codec(config)
+    x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8)
+    fields = split_frame(codec.encode(x))
+    body = bytearray(fields["body"])
+    start = 0 if config["id"] != "geofp8" else len(body) - codec.quantizer.wire_size(x.size)
+    body[start : start + 4] = np.float32(scale).tobytes()
+    with pytest.raises(ValueError, match="scale no encoder writes"):
+        geocomm.decode(build_frame(fields, body=bytes(body)))
+
+
 def test_wrong_crc_is_rejected(small_frame):
     fields = split_frame(small_frame)
     body = bytearray(fields["body"])

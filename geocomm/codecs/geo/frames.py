@@ -85,7 +85,7 @@ def decode_body(codec: Any, body: np.ndarray, out: np.ndarray) -> None:
     """Decode ``body`` into float32 ``out`` (the frame's shape); ValueError if malformed."""
     dims, side = _side_bytes(codec, out.shape)
     flat = out.reshape(-1)
-    codec.quantizer.decode_wire(body[side:], flat)
+    codec.quantizer.decode_frame_body(body[side:], flat)  # its scales checked too
     if dims is not None and dims.k == 0:
         HadamardPlan(dims, codec.seed, [0, flat.size]).inverse(flat, 0, None)
         return
