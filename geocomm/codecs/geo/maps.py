@@ -386,7 +386,7 @@ class HadamardPlan:
         # 2^h / sqrt(p) after (1, or sqrt(2) for odd log2(p)): a butterfly sum then
         # stays within 2^(log2(p) - h) <= sqrt(p) times the largest input, so only a
         # row whose rotation itself passes fp32's range overflows
-        h = (p.bit_length() - 1 + 1) // 2
+        h = p.bit_length() // 2  # ceil(log2(p) / 2)
         pre = xp.asarray(2.0**-h, dtype=xp.float32)
         post = xp.asarray(2.0**h / math.sqrt(p), dtype=xp.float32)
         for start, signs in reversed(parts) if inverse else parts:
