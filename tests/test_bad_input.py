@@ -119,28 +119,28 @@ def test_dtype_and_op_mismatch_across_ranks(comm):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("entry", list(ENTRY_POINTS))
 @pytest.mark.parametrize(
-    "refused",
+    ("refused", "codec", "error"),
     [
-        lambda: np.zeros(16),  # float64 through a lossy codec
-        lambda: np.zeros(16, np.int32),
-        lambda: [1.0] * 16,  # not an array
+        (lambda: np.zeros(16), "fp8", TypeError),  # float64 through a lossy codec
+        (lambda: np.zeros(16, np.int32), "fp8", TypeError),
+        (lambda: [1.0] * 16, "fp8", TypeError),  # not an array
+        (lambda: np.ones(16, np.float32), "fp9", KeyError),  # no such codec
     ],
-    ids=["float64", "int32", "list"],
+    ids=["float64", "int32", "list", "unknown-codec"],
 )
-def test_a_call_one_rank_refuses_raises_on_every_rank(comm, entry, refused):
-    """The last rank refuses the call before the ranks compare (its own TypeError);
-    it still takes part in the check, so the others raise CollectiveMismatchError
+def test_a_call_one_rank_refuses_raises_on_every_rank(comm, entry, refused, codec, error):
+    """The last rank refuses the call before the ranks compare (its own error); it
+    still takes part in the check, so the others raise CollectiveMismatchError
     naming it at once, where they used to wait for it until GEOCOMM_TIMEOUT (300 s;
     the suite runs under a far shorter limit). Nothing moved, so the next call of
     every rank pairs with the next call of the others."""
     last = comm.size - 1
-    x = refused() if comm.rank == last else np.ones(16, np.float32)
     if comm.rank == last:
-        with pytest.raises(TypeError):
-            ENTRY_POINTS[entry](x, "fp8")
+        with pytest.raises(error):
+            ENTRY_POINTS[entry](refused(), codec)
     else:
         with pytest.raises(geocomm.CollectiveMismatchError, match=rf"ranks \[{last}\] refused"):
-            ENTRY_POINTS[entry](x, "fp8")
+            ENTRY_POINTS[entry](np.ones(16, np.float32), "fp8")
     got = geocomm.allreduce(np.full(8, comm.rank + 1, np.float32), codec="bf16")
     assert np.array_equal(got, np.full(8, comm.size * (comm.size + 1) / 2, np.float32))
 

@@ -113,12 +113,12 @@ def _prepared(
     options: Options,
 ) -> tuple[Operands, Call]:
     """The call's operands (entered on ``stack``) and its :class:`Call`: what this rank
-    checks on its own. A call it refuses (TypeError, ValueError) it first refuses to
-    its peers too (:func:`~geocomm.api.calls.refuse`), so that they raise rather than
-    wait for it."""
+    checks on its own. A call it refuses (TypeError, ValueError, or the KeyError of
+    an unknown codec) it first refuses to its peers too
+    (:func:`~geocomm.api.calls.refuse`), so that they raise rather than wait for it."""
     try:
         arrays = stack.enter_context(Operands(x, out))
         return arrays, prepare(kind, arrays.x, arrays.out, codec, op, options)
-    except (TypeError, ValueError):
+    except (LookupError, TypeError, ValueError):
         refuse(options)
         raise

@@ -20,7 +20,6 @@ residuals. A signature whose size changes starts from a zero residual.
 from __future__ import annotations
 
 import json
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -81,14 +80,13 @@ class ErrorFeedbackCodec(WireOf, FramedCodec, StatefulCodec):
 
     # ---- state ----------------------------------------------------------------------
     def state_checksum(self, key: Any = None) -> int:
-        """CRC32 of the signatures and call counts (and of the inner codec's state for
-        ``key``); equal on ranks that agree. Residuals are per rank and excluded."""
-        crc = 0
-        for signature in sorted(self._calls):
-            crc = zlib.crc32(f"{signature}:{self._calls[signature]}".encode(), crc)
-        if self.mapping_codec is not None:
-            crc = zlib.crc32(self.mapping_codec.state_checksum(key).to_bytes(4, "little"), crc)
-        return crc
+        """CRC32 of the inner codec's state of ``key`` (0 when it keeps none); equal on
+        ranks that agree. The residuals are left out, and so are their call counts:
+        node-aware calls keep theirs per local index, and a flat call's check compares
+        its own residual's count (:func:`geocomm.engine.call.state_checksum`)."""
+        if self.mapping_codec is None:
+            return 0
+        return self.mapping_codec.state_checksum(key)
 
     def reset_state(self) -> None:
         self._residuals.clear()

@@ -198,14 +198,20 @@ FIELDS = ("collective", "count", "dtype", "op", "codec config", "parts or key", 
           "topology", "stage size", "node settings")  # fmt: skip
 STATE = FIELDS.index("codec state")
 #: The environment variables that decide how a call runs beyond its arguments (its
-#: node layout, the links ``auto`` weighs): in the fingerprint, since ranks that set
-#: them apart would run other collectives (and the node layout's would block for good).
+#: node layout, the links ``auto`` weighs): in the fingerprint of the calls that read
+#: them, since ranks that set them apart would run other collectives (and the node
+#: layout's would block for good).
 NODE_SETTINGS = (ENV_RANKS_PER_NODE, ENV_INTRA, ENV_INTER)
 
 
-def node_settings() -> int:
-    """CRC32 of this process's :data:`NODE_SETTINGS` (each stripped; unset is empty)."""
-    text = "\0".join(os.environ.get(name, "").strip() for name in NODE_SETTINGS)
+def node_settings(kind: str, codec: Codec, topology: str) -> int:
+    """CRC32 of the :data:`NODE_SETTINGS` a call reads (each stripped; unset is empty):
+    none for an all-gather, a lossless codec or ``topology="flat"``, the ranks per
+    node for ``"node"``, all three for ``"auto"``."""
+    if kind == "allgather" or codec.lossless or topology == "flat":
+        return 0
+    names = NODE_SETTINGS if topology == "auto" else (ENV_RANKS_PER_NODE,)
+    text = "\0".join(os.environ.get(name, "").strip() for name in names)
     return zlib.crc32(text.encode())
 
 
@@ -247,7 +253,7 @@ def call_fingerprint(kind: str, count: int, dtype: np.dtype, op: str, codec: Cod
             0,
             zlib.crc32(topology.encode()),
             stage_size or 0,
-            node_settings(),
+            node_settings(kind, codec, topology),
         ],
         dtype=np.int64,
     )
@@ -300,8 +306,8 @@ def raise_on_mismatch(kind: str, rows: np.ndarray) -> None:
         raise CollectiveMismatchError(
             f"geocomm.{kind}: ranks {bad.tolist()} differ from rank 0 in {', '.join(diffs)}"
             f"{detail}; every rank must pass the same count, dtype, op, codec, keys and "
-            f"topology, set {', '.join(NODE_SETTINGS)} alike, and stateful codecs must "
-            "hold the same state"
+            f"topology, set {', '.join(NODE_SETTINGS)} alike (where the topology is "
+            "not flat), and stateful codecs must hold the same state"
         )
 
 

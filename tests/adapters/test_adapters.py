@@ -100,6 +100,9 @@ def test_an_array_api_producer_comes_back_as_its_own_kind(comm):
     np.testing.assert_array_equal(np.asarray(y), want)
     shard = geocomm.reduce_scatter(x, codec="bf16")
     assert type(shard) is type(x)
+    out = xp.zeros(6, dtype=xp.float32)
+    assert geocomm.allreduce(x, codec="bf16", out=out) is out
+    np.testing.assert_array_equal(np.asarray(out), want)
 
 
 def test_unknown_type(comm):

@@ -213,7 +213,8 @@ def test_node_settings_set_on_one_rank_only_fail_on_every_rank(comm, monkeypatch
     """Rank 0 alone sets a variable that decides the node layout or ``auto``'s choice.
     The ranks would run other collectives: with GEOCOMM_RANKS_PER_NODE rank 0 skipped
     the node-key split the others blocked in, for good (no timeout bounds MPI's
-    split). The fingerprint holds the settings, so every rank raises at the check."""
+    split). The fingerprint of a call that reads the settings holds them, so every
+    rank raises at the check; calls that read none are not refused for them."""
     if comm.rank == 0:
         monkeypatch.setenv(variable, value)
     else:
@@ -221,9 +222,17 @@ def test_node_settings_set_on_one_rank_only_fail_on_every_rank(comm, monkeypatch
     x = gradients(comm.size, 9)[comm.rank]
     with pytest.raises(CollectiveMismatchError, match="node settings"):
         geocomm.allreduce(x, codec="fp8", topology="auto")
-    monkeypatch.delenv(variable, raising=False)
-    y = geocomm.allreduce(x, codec="fp8", topology="flat")
-    assert same_on_all_ranks(comm, y)
+    # calls that never read it go on: flat, lossless, all-gathers, and "node" for the
+    # link speeds (it reads the ranks per node only)
+    calls = [
+        lambda: geocomm.allreduce(x, codec="fp8", topology="flat"),
+        lambda: geocomm.allreduce(x, codec="none", topology="auto"),
+        lambda: geocomm.allgather(x[:4], codec="fp8"),
+    ]
+    if variable != "GEOCOMM_RANKS_PER_NODE":
+        calls.append(lambda: geocomm.allreduce(x, codec="fp8", topology="node"))
+    for call in calls:
+        assert same_on_all_ranks(comm, call())
 
 
 @pytest.mark.mpi(min_size=2)

@@ -382,17 +382,13 @@ class HadamardPlan:
         xp = array_namespace(block)
         n, p = self.map_shape.n, self.p
         parts = list(zip((0, n - p), self._signs, strict=False))
-        # 1 / sqrt(p) as 2^-h before the butterflies (exact: a power of two) times
-        # 2^h / sqrt(p) after (1, or sqrt(2) for odd log2(p)): a butterfly sum then
-        # stays within 2^(log2(p) - h) <= sqrt(p) times the largest input, so only a
-        # row whose rotation itself passes fp32's range overflows
-        h = p.bit_length() // 2  # ceil(log2(p) / 2)
-        pre = xp.asarray(2.0**-h, dtype=xp.float32)
-        post = xp.asarray(2.0**h / math.sqrt(p), dtype=xp.float32)
+        scale = xp.asarray(1.0 / math.sqrt(p), dtype=xp.float32)
         for start, signs in reversed(parts) if inverse else parts:
             s = xp.asarray(signs)
             cols = block[:, start : start + p]
-            cols = _fwht(cols * pre if inverse else cols * (s * pre)) * post
+            if not inverse:
+                cols = cols * s
+            cols = _rotate_rows(cols, p, scale)
             block[:, start : start + p] = cols * s if inverse else cols
 
     def _apply(self, values: Any, lo: int, inverse: bool) -> Any:
@@ -412,6 +408,24 @@ class HadamardPlan:
 
     def inverse(self, values: Any, lo: int, side_sum: Any) -> None:
         self._apply(values, lo, True)
+
+
+def _rotate_rows(cols: Any, p: int, scale: Any) -> Any:
+    """The normalized Walsh-Hadamard rotation of every row of ``cols`` (r, p):
+    ``_fwht(cols) * scale``, except that a row whose largest |value| passes
+    FLT_MAX / p (where a butterfly's sum of p values could overflow) has 1 / sqrt(p)
+    applied as 2^-h before the butterflies (exact for values that large: a power of
+    two) and 2^h / sqrt(p) after, so its sums stay within sqrt(p) times its largest
+    value. Chosen per row from the row's own values, on the device without a host
+    round trip (a CUDA graph may hold it)."""
+    xp = array_namespace(cols)
+    h = p.bit_length() // 2  # ceil(log2(p) / 2)
+    amax = xp.max(xp.abs(cols), axis=1, keepdims=True) if cols.shape[0] else cols[:, :1]
+    large = amax > np.float32(np.finfo(np.float32).max / p)
+    one = xp.asarray(1.0, dtype=xp.float32)
+    pre = xp.where(large, xp.asarray(2.0**-h, dtype=xp.float32), one)
+    post = xp.where(large, xp.asarray(2.0**h / math.sqrt(p), dtype=xp.float32), scale)
+    return _fwht(cols * pre) * post
 
 
 def _fwht(x: Any) -> Any:
