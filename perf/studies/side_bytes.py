@@ -31,26 +31,12 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
+import geo_steps  # noqa: E402
 import numpy as np  # noqa: E402
 import zoo  # noqa: E402
 
 PAIRS = (("geofp8", "fp8"), ("geonvfp4", "nvfp4"))
-BUCKET_VALUES = 25 * 2**20 // 4  # DDP's default bucket_cap_mb, in fp32 values
 SOURCE = "gpt2-192-0.5k-late64-x8"
-
-
-def buckets(names: list[str], shapes: dict[str, tuple[int, ...]]) -> list[list[str]]:
-    """DDP's buckets: parameters in reverse order, a new bucket once one holds
-    :data:`BUCKET_VALUES` values."""
-    out: list[list[str]] = [[]]
-    held = 0
-    for name in reversed(names):
-        if held >= BUCKET_VALUES:
-            out.append([])
-            held = 0
-        out[-1].append(name)
-        held += int(np.prod(shapes[name]))
-    return out
 
 
 def sent_bytes(codec_id: str, layout: str, z: dict[str, Any], comm: Any) -> int:
@@ -70,7 +56,7 @@ def sent_bytes(codec_id: str, layout: str, z: dict[str, Any], comm: Any) -> int:
             for name in names:
                 geocomm.allreduce(grads[name], codec=codec, comm=metered, key=name)
             continue
-        for bucket in buckets(names, {n: grads[n].shape for n in names}):
+        for bucket in geo_steps.buckets({n: grads[n].size for n in names}):
             flat = np.concatenate([grads[n].reshape(-1) for n in bucket])
             parts = [(n, grads[n].shape) for n in bucket]
             geocomm.allreduce(flat, codec=codec, comm=metered, parts=parts)
