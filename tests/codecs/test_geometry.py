@@ -917,8 +917,8 @@ def test_exact_sum_adds_in_rank_order_on_either_route(comm, monkeypatch, fmt, co
     assert len(set(comm.allgather_int64(digest).reshape(-1).tolist())) == 1
     wire = 2 if fmt == "bf16" else 4
     gathered, sharded = exact.route_bytes(size, count, wire)
-    taken = route if route != "chosen" else None
-    if taken is None:
+    taken = route
+    if route == "chosen":
         taken = "gathered" if gathered - sharded <= exact.GATHER_SLACK_BYTES else "sharded"
         assert min(gathered, sharded) + exact.GATHER_SLACK_BYTES >= metered.sent
     if size == 1:
@@ -926,7 +926,7 @@ def test_exact_sum_adds_in_rank_order_on_either_route(comm, monkeypatch, fmt, co
     elif taken == "gathered":
         assert metered.sent == gathered  # one all-gather: wire bytes a value to N - 1
     else:  # the others' shards to their owners, then this shard's sum to the others
-        bounds = exact.shard_bounds(count, size)
+        bounds = shard_bounds(count, size)
         mine = int(bounds[rank + 1] - bounds[rank])
         assert metered.sent == wire * (count - mine) + 4 * mine * (size - 1)
     with pytest.raises(ValueError, match="travels as one of"):
