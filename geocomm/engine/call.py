@@ -123,6 +123,12 @@ class Signature:
                           sort_keys=True)  # fmt: skip
 
     @functools.cached_property
+    def residual_name(self) -> str:
+        """What an error-feedback codec keeps this call's residual under
+        (:meth:`~geocomm.codecs.feedback.ErrorFeedbackCodec.residual_name`)."""
+        return ErrorFeedbackCodec.residual_name(self.kind, self.parts)
+
+    @functools.cached_property
     def call_count_hash(self) -> int:
         """CRC-32 of :attr:`call_count_name`: the stream's high bits are the call count."""
         return zlib.crc32(self.call_count_name.encode())
@@ -228,7 +234,7 @@ def fingerprint(
         )
     row: np.ndarray = s.fingerprint.copy()
     flat = s.topology == "flat" if flat is None else flat
-    row[STATE] = state_checksum(s.codec, s.kind, s.parts, flat)
+    row[STATE] = state_checksum(s.codec, s.parts, flat, s.residual_name)
     return row
 
 
@@ -259,17 +265,20 @@ def call_fingerprint(kind: str, count: int, dtype: np.dtype, op: str, codec: Cod
     )
 
 
-def state_checksum(codec: Codec | None, kind: str, parts: tuple[Part, ...], flat: bool) -> int:
-    """CRC32 of ``codec``'s state for a call of ``kind`` on ``parts`` (0 for a stateless
-    codec): the map's state of its keys and, for a flat call, the count of calls of
-    its error-feedback residual. A call that may run node-aware (``flat`` False) keeps
-    its residuals per local index (checked across nodes), and so do the node-aware
-    calls before a flat one: no other call's residual is every rank's."""
+def state_checksum(
+    codec: Codec | None, parts: tuple[Part, ...], flat: bool, residual_name: str
+) -> int:
+    """CRC32 of ``codec``'s state for a call on ``parts`` (0 for a stateless codec): the
+    map's state of its keys and, for a flat call, the count of calls of its
+    error-feedback residual (kept under ``residual_name``). A call that may run
+    node-aware (``flat`` False) keeps its residuals per local index (checked across
+    nodes), and so do the node-aware calls before a flat one: no other call's
+    residual is every rank's."""
     state = 0
     if isinstance(codec, ErrorFeedbackCodec):
         if flat:
-            name = codec.residual_name(kind, parts)
-            state = zlib.crc32(f"{name}:{codec.calls_of(name)}".encode())
+            calls = codec.calls_of(residual_name)
+            state = zlib.crc32(f"{residual_name}:{calls}".encode())
         codec = codec.mapping_codec
     if not isinstance(codec, StatefulCodec):
         return state

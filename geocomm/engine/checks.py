@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from geocomm.codecs import StatefulCodec
+from geocomm.codecs import ErrorFeedbackCodec, StatefulCodec
 from geocomm.comm.base import CollectiveTimeout, Communicator, wait
 from geocomm.engine.call import (
     REFUSED,
@@ -157,7 +157,8 @@ def check_consistent(
     """Compare one call's fingerprint across ``comm``'s ranks now (what adapters that
     keep their own check policy call); raise CollectiveMismatchError on mismatch."""
     row = call_fingerprint(kind, count, dtype, op, codec, parts, topology)
-    row[STATE] = state_checksum(codec, kind, parts, topology == "flat")
+    name = ErrorFeedbackCodec.residual_name(kind, parts)
+    row[STATE] = state_checksum(codec, parts, topology == "flat", name)
     raise_on_mismatch(kind, comm.allgather_int64(row))
 
 

@@ -394,7 +394,8 @@ def compressed(
         return plan.pipeline(source, result, None, rounding_stream, divisor)
     comm, codec, parts = plan.comm, plan.codec, signature.parts
     count = signature.count
-    mapping_codec, residual = _stateful(codec, plan.kind, parts, count, array_module(source))
+    xp = array_module(source)
+    mapping_codec, residual = _stateful(codec, signature.residual_name, count, xp)
     planned = plan_parts(mapping_codec, source, list(parts), plan.bounds)
     if not planned and residual is None:
         return plan.pipeline(source, result, None, rounding_stream, divisor)
@@ -416,10 +417,10 @@ def default_stage_size(comm: Communicator, codec: Codec, count: int) -> int:
 
 
 def _stateful(
-    codec: Codec, kind: str, parts: tuple[Part, ...], count: int, xp: Any
+    codec: Codec, residual_name: str, count: int, xp: Any
 ) -> tuple[TransformingCodec | None, Any]:
     """(the codec that maps the tensors or None, the error-feedback residual of this
-    call's tensors or None)."""
+    call's tensors, kept under ``residual_name``, or None)."""
     if isinstance(codec, ErrorFeedbackCodec):
-        return codec.mapping_codec, codec.residual(codec.residual_name(kind, parts), count, xp)
+        return codec.mapping_codec, codec.residual(residual_name, count, xp)
     return (codec if isinstance(codec, TransformingCodec) else None), None
