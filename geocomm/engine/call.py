@@ -299,6 +299,9 @@ def refused_row() -> np.ndarray:
 def raise_on_mismatch(kind: str, rows: np.ndarray) -> None:
     """Raise CollectiveMismatchError unless every rank's fingerprint (one row per rank,
     gathered) equals rank 0's; every rank holding the rows raises alike."""
+    raw = rows.tobytes()  # the steady state, equal rows: one comparison of bytes
+    if raw == raw[: len(raw) // rows.shape[0]] * rows.shape[0] and rows[0, 0] != REFUSED:
+        return
     refused = np.nonzero(rows[:, 0] == REFUSED)[0]
     if refused.size:
         raise CollectiveMismatchError(
