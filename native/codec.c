@@ -1681,8 +1681,8 @@ static int flags_ok(int fmt, unsigned flags)
            && (!(flags & GC_RCEIL) || is_mx(fmt));
 }
 
-int gc_encode_ex(int fmt, const float *x, size_t n, size_t block, uint8_t *wire, unsigned flags,
-                 uint64_t seed, uint64_t stream, uint64_t offset)
+static GC_NOINLINE int encode_ex(int fmt, const float *x, size_t n, size_t block, uint8_t *wire,
+                                 unsigned flags, uint64_t seed, uint64_t stream, uint64_t offset)
 {
     if (!flags_ok(fmt, flags))
         return GC_EINVAL;
@@ -1693,13 +1693,21 @@ int gc_encode_ex(int fmt, const float *x, size_t n, size_t block, uint8_t *wire,
     return 0;
 }
 
+int gc_encode_ex(int fmt, const float *x, size_t n, size_t block, uint8_t *wire, unsigned flags,
+                 uint64_t seed, uint64_t stream, uint64_t offset)
+{
+    int result;
+    GC_IEEE(result, encode_ex(fmt, x, n, block, wire, flags, seed, stream, offset));
+    return result;
+}
+
 int gc_encode(int fmt, const float *x, size_t n, size_t block, uint8_t *wire)
 {
     return gc_encode_ex(fmt, x, n, block, wire, 0, 0, 0, 0);
 }
 
 /* The decode call of gc_decode's arguments, onto base (NULL: none). */
-static int decode_call(int fmt, const uint8_t *wire, size_t n, size_t block, const float *base,
+static GC_NOINLINE int decode_call(int fmt, const uint8_t *wire, size_t n, size_t block, const float *base,
                        float *out, int accumulate)
 {
     if (!known_format(fmt))
@@ -1722,7 +1730,9 @@ static int decode_call(int fmt, const uint8_t *wire, size_t n, size_t block, con
 
 int gc_decode(int fmt, const uint8_t *wire, size_t n, size_t block, float *out, int accumulate)
 {
-    return decode_call(fmt, wire, n, block, NULL, out, accumulate);
+    int result;
+    GC_IEEE(result, decode_call(fmt, wire, n, block, NULL, out, accumulate));
+    return result;
 }
 
 int gc_decode_onto(int fmt, const uint8_t *wire, size_t n, size_t block, const float *base,
@@ -1730,7 +1740,9 @@ int gc_decode_onto(int fmt, const uint8_t *wire, size_t n, size_t block, const f
 {
     if (n && !base)
         return GC_EINVAL;
-    return decode_call(fmt, wire, n, block, base, out, 1);
+    int result;
+    GC_IEEE(result, decode_call(fmt, wire, n, block, base, out, 1));
+    return result;
 }
 
 /* ---- split calls: the map and the codec in one pass ----------------------- */
@@ -1749,9 +1761,10 @@ static int run_split(gc_call *k)
     return 0;
 }
 
-int gc_geo_encode(int fmt, const float *x, size_t lo, size_t len, size_t n, const float *coef,
-                  const float *vt, const float *packed, size_t k, size_t block, uint8_t *wire,
-                  unsigned flags, uint64_t seed, uint64_t stream, uint64_t offset)
+static GC_NOINLINE int geo_encode(int fmt, const float *x, size_t lo, size_t len, size_t n,
+                                  const float *coef, const float *vt, const float *packed,
+                                  size_t k, size_t block, uint8_t *wire, unsigned flags,
+                                  uint64_t seed, uint64_t stream, uint64_t offset)
 {
     if (!flags_ok(fmt, flags) || n == 0 || k == 0 || (len && !(x && coef && vt && packed && wire)))
         return GC_EINVAL;
@@ -1774,9 +1787,9 @@ int gc_geo_encode(int fmt, const float *x, size_t lo, size_t len, size_t n, cons
     return 0;
 }
 
-int gc_geo_decode(int fmt, const uint8_t *wire, size_t lo, size_t len, size_t n,
-                  const float *coef, const float *vt, const float *packed, size_t k, size_t block,
-                  float *out)
+static GC_NOINLINE int geo_decode(int fmt, const uint8_t *wire, size_t lo, size_t len,
+                                  size_t n, const float *coef, const float *vt,
+                                  const float *packed, size_t k, size_t block, float *out)
 {
     if (!known_format(fmt) || n == 0 || k == 0 || (len && !(wire && coef && vt && packed && out)))
         return GC_EINVAL;
@@ -1798,4 +1811,23 @@ int gc_geo_decode(int fmt, const uint8_t *wire, size_t lo, size_t len, size_t n,
     run_call(&call, split_unit(fmt, call.block)); /* a unit larger than a tile: */
     split_expand(&map, out, 0, len, 1.0f, out, 0); /* decode whole, then map back */
     return 0;
+}
+
+int gc_geo_encode(int fmt, const float *x, size_t lo, size_t len, size_t n, const float *coef,
+                  const float *vt, const float *packed, size_t k, size_t block, uint8_t *wire,
+                  unsigned flags, uint64_t seed, uint64_t stream, uint64_t offset)
+{
+    int result;
+    GC_IEEE(result, geo_encode(fmt, x, lo, len, n, coef, vt, packed, k, block, wire, flags, seed,
+                               stream, offset));
+    return result;
+}
+
+int gc_geo_decode(int fmt, const uint8_t *wire, size_t lo, size_t len, size_t n,
+                  const float *coef, const float *vt, const float *packed, size_t k, size_t block,
+                  float *out)
+{
+    int result;
+    GC_IEEE(result, geo_decode(fmt, wire, lo, len, n, coef, vt, packed, k, block, out));
+    return result;
 }

@@ -1,5 +1,6 @@
 /*
- * What codec.c calls of geometry.c beyond the binding contract (geocomm.h).
+ * What codec.c calls of geometry.c beyond the binding contract (geocomm.h),
+ * and the floating-point mode both run their entry points in.
  */
 #ifndef GC_INTERNAL_H
 #define GC_INTERNAL_H
@@ -24,5 +25,64 @@ int gc_geo_expand_stream(const float *x, size_t lo, size_t len, size_t n, const 
 int gc_geo_decode_fp8_stream(int e5m2, const uint8_t *scales, const uint8_t *codes, size_t block,
                              size_t lo, size_t len, size_t n, const float *coef,
                              const float *packed, size_t k, float sign, float *out);
+
+/* ---- the floating-point mode ----------------------------------------------
+ * The codec's bytes assume IEEE 754's default mode: round to nearest even,
+ * subnormal inputs and results kept (the GPU kernels compile with -ftz=false).
+ * A process may run in another: torch.set_flush_denormal(True) and libraries
+ * linked with -ffast-math set flush-to-zero and denormals-are-zero, and the
+ * same call then wrote other bytes than the GPU and codecs/reference.py. So
+ * every entry point of geocomm.h that computes runs its body in the default
+ * mode and gives the caller's back: gc_ieee_enter sets it and returns the
+ * caller's, gc_ieee_leave restores that. Threads a body starts inherit the
+ * mode (POSIX). The body is a GC_NOINLINE function: the compiler may move
+ * floating-point arithmetic across a change of mode, but not out of a call. */
+#define GC_NOINLINE __attribute__((noinline))
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+typedef unsigned gc_fpmode;
+/* MXCSR: FTZ (bit 15), DAZ (bit 6) and the rounding control (bits 13-14) cleared */
+static inline gc_fpmode gc_ieee_enter(void)
+{
+    gc_fpmode caller = _mm_getcsr();
+    _mm_setcsr(caller & ~(0x8000u | 0x0040u | 0x6000u));
+    return caller;
+}
+static inline void gc_ieee_leave(gc_fpmode caller) { _mm_setcsr(caller); }
+#elif defined(__aarch64__)
+typedef uint64_t gc_fpmode;
+/* FPCR: FZ (bit 24), FZ16 (bit 19) and RMode (bits 22-23) cleared */
+static inline gc_fpmode gc_ieee_enter(void)
+{
+    gc_fpmode caller;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(caller));
+    gc_fpmode ieee = caller & ~((1ull << 24) | (1ull << 19) | (3ull << 22));
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(ieee));
+    return caller;
+}
+static inline void gc_ieee_leave(gc_fpmode caller)
+{
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(caller));
+}
+#else
+#include <fenv.h>
+typedef int gc_fpmode; /* the rounding mode only: C has no portable flush-to-zero switch */
+static inline gc_fpmode gc_ieee_enter(void)
+{
+    gc_fpmode caller = fegetround();
+    fesetround(FE_TONEAREST);
+    return caller;
+}
+static inline void gc_ieee_leave(gc_fpmode caller) { fesetround(caller); }
+#endif
+
+/* `result = call`, `call` (of a GC_NOINLINE function) run in the default mode. */
+#define GC_IEEE(result, call)                                                                     \
+    do {                                                                                           \
+        gc_fpmode gc_caller_mode_ = gc_ieee_enter();                                               \
+        result = call;                                                                             \
+        gc_ieee_leave(gc_caller_mode_);                                                            \
+    } while (0)
 
 #endif /* GC_INTERNAL_H */

@@ -876,8 +876,8 @@ size_t gc_geo_rows(size_t lo, size_t len, size_t n)
     return (lo + len - 1) / n - lo / n + 1;
 }
 
-int64_t gc_geo_project(const float *x, size_t lo, size_t len, size_t n, const float *vt,
-                       size_t k, float *coef)
+static GC_NOINLINE int64_t geo_project(const float *x, size_t lo, size_t len, size_t n,
+                                       const float *vt, size_t k, float *coef)
 {
     if (!geo_args_ok(x, len, n, vt, k, coef))
         return GC_EINVAL;
@@ -895,8 +895,9 @@ int64_t gc_geo_project(const float *x, size_t lo, size_t len, size_t n, const fl
     return redone;
 }
 
-int gc_geo_expand(const float *x, size_t lo, size_t len, size_t n, const float *coef,
-                  const float *vt, const float *packed, size_t k, float sign, float *out)
+static GC_NOINLINE int geo_expand(const float *x, size_t lo, size_t len, size_t n,
+                                  const float *coef, const float *vt, const float *packed,
+                                  size_t k, float sign, float *out)
 {
     if (!geo_args_ok(x, len, n, vt, k, out) || (len && !coef) || (sign != 1.0f && sign != -1.0f))
         return GC_EINVAL;
@@ -926,7 +927,7 @@ int gc_geo_expand_stream(const float *x, size_t lo, size_t len, size_t n, const 
         return 0;
     }
 #endif
-    return gc_geo_expand(x, lo, len, n, coef, vt, packed, k, sign, out);
+    return geo_expand(x, lo, len, n, coef, vt, packed, k, sign, out);
 }
 
 int gc_geo_decode_fp8_stream(int e5m2, const uint8_t *scales, const uint8_t *codes, size_t block,
@@ -950,8 +951,8 @@ int gc_geo_decode_fp8_stream(int e5m2, const uint8_t *scales, const uint8_t *cod
     return 1;
 }
 
-int gc_geo_accumulate(const float *x, size_t lo, size_t len, size_t n, const float *coef,
-                      size_t k, float *acc)
+static GC_NOINLINE int geo_accumulate(const float *x, size_t lo, size_t len, size_t n,
+                                      const float *coef, size_t k, float *acc)
 {
     if (!geo_args_ok(x, len, n, coef, k, acc))
         return GC_EINVAL;
@@ -1001,8 +1002,8 @@ static size_t residual_rows(const float *x, size_t rows, size_t n, const float *
     return redone;
 }
 
-int64_t gc_geo_residual(const float *x, size_t m, size_t n, const float *vt, size_t k,
-                        float *coef, float *out)
+static GC_NOINLINE int64_t geo_residual(const float *x, size_t m, size_t n, const float *vt,
+                                        size_t k, float *coef, float *out)
 {
     if (!geo_args_ok(x, m * n, n, vt, k, out) || (m && !coef))
         return GC_EINVAL;
@@ -1067,7 +1068,7 @@ static void sum_push(sum_chunk *level, size_t l, double t)
  * open chunk; at the end the open chunks close bottom up (the last chunk of
  * each level, then its total as the last value of the level above). Levels
  * above the last one that had two totals pass their one total on unchanged. */
-double gc_geo_sumsq(const float *x, size_t len)
+static GC_NOINLINE double geo_sumsq(const float *x, size_t len)
 {
     enum { LEVELS = 7 }; /* GC_SUMSQ_CHUNK^6 = 2^66 values: more than a size_t counts */
     if (len <= GC_SUMSQ_CHUNK)
@@ -1117,7 +1118,7 @@ static void ortho_subtract(const double *q, size_t count, const double *r, doubl
 /* Classical Gram-Schmidt twice (CGS2: each pass projects out every earlier row at
  * once), so a GPU block runs each pass's dot products side by side (gc_geometry.cu
  * follows this function step by step). */
-int gc_geo_orthonormalize(float *rows, size_t k, size_t n, uint64_t seed)
+static GC_NOINLINE int geo_orthonormalize(float *rows, size_t k, size_t n, uint64_t seed)
 {
     if (k == 0 || n < k || !rows)
         return GC_EINVAL;
@@ -1159,4 +1160,53 @@ int gc_geo_orthonormalize(float *rows, size_t k, size_t n, uint64_t seed)
         rows[e] = (float)q[e];
     free(q);
     return 0;
+}
+
+/* ---- the entry points of geocomm.h: each body in the default floating-point
+ * mode (gc_internal.h, GC_IEEE) ------------------------------------------- */
+
+int64_t gc_geo_project(const float *x, size_t lo, size_t len, size_t n, const float *vt,
+                       size_t k, float *coef)
+{
+    int64_t result;
+    GC_IEEE(result, geo_project(x, lo, len, n, vt, k, coef));
+    return result;
+}
+
+int gc_geo_expand(const float *x, size_t lo, size_t len, size_t n, const float *coef,
+                  const float *vt, const float *packed, size_t k, float sign, float *out)
+{
+    int result;
+    GC_IEEE(result, geo_expand(x, lo, len, n, coef, vt, packed, k, sign, out));
+    return result;
+}
+
+int gc_geo_accumulate(const float *x, size_t lo, size_t len, size_t n, const float *coef,
+                      size_t k, float *acc)
+{
+    int result;
+    GC_IEEE(result, geo_accumulate(x, lo, len, n, coef, k, acc));
+    return result;
+}
+
+int64_t gc_geo_residual(const float *x, size_t m, size_t n, const float *vt, size_t k,
+                        float *coef, float *out)
+{
+    int64_t result;
+    GC_IEEE(result, geo_residual(x, m, n, vt, k, coef, out));
+    return result;
+}
+
+double gc_geo_sumsq(const float *x, size_t len)
+{
+    double result;
+    GC_IEEE(result, geo_sumsq(x, len));
+    return result;
+}
+
+int gc_geo_orthonormalize(float *rows, size_t k, size_t n, uint64_t seed)
+{
+    int result;
+    GC_IEEE(result, geo_orthonormalize(rows, k, n, seed));
+    return result;
 }

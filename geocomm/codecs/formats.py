@@ -300,9 +300,13 @@ class NVFP4Codec(NativeFormat):
         return 4096
 
     def decode_frame_body(self, body: np.ndarray, out: np.ndarray) -> None:
-        """Decode a frame's body, its fp32 superblock scales checked first (they lead
-        it; a block's E4M3 scale may be NaN: the block held a non-finite value)."""
-        check_frame_scales(body[: 4 * -(-out.size // 4096)], "nvfp4")
+        """Decode a frame's body, its scales checked first: the fp32 superblock scales
+        (they lead it) and the E4M3 block scales after them, which an encoder writes
+        not negative (the NaN code 0x7f: the block held a non-finite value)."""
+        supers = -(-out.size // 4096)
+        check_frame_scales(body[: 4 * supers], "nvfp4")
+        if (body[4 * supers : 4 * supers + -(-out.size // 16)] & 0x80).any():
+            raise ValueError("nvfp4 frame holds a scale no encoder writes (a negative block scale)")
         super().decode_frame_body(body, out)
 
 
@@ -362,6 +366,14 @@ class MXFP8Codec(_MXCodec):
     def get_config(self) -> dict[str, Any]:
         mine = {"id": self.codec_id, "fmt": self.fmt, "scale_rule": self.scale_rule}
         return {**mine, **self._rounding_config()}
+
+    def decode_frame_body(self, body: np.ndarray, out: np.ndarray) -> None:
+        """Decode a frame's body, its E8M0 scales (they lead it) checked first: an MXFP8
+        encoder never writes the NaN scale 0xff (a non-finite value keeps its own code;
+        MXFP4 marks a non-finite block with it)."""
+        if (body[: -(-out.size // 32)] == 0xFF).any():
+            raise ValueError("mxfp8 frame holds a scale no encoder writes (the NaN scale 0xff)")
+        super().decode_frame_body(body, out)
 
 
 class MXFP4Codec(_MXCodec):

@@ -592,6 +592,29 @@ def test_a_scale_no_encoder_writes_is_rejected(config, scale):
         geocomm.decode(build_frame(fields, body=bytes(body)))
 
 
+@pytest.mark.parametrize(
+    ("config", "offset", "code"),
+    [
+        ({"id": "nvfp4"}, 4, 0x80),  # the block scales follow the one superblock scale
+        ({"id": "nvfp4"}, 4, 0xFF),
+        ({"id": "mxfp8"}, 0, 0xFF),
+        ({"id": "mxfp8", "fmt": "e5m2"}, 1, 0xFF),
+    ],
+)
+def test_a_scale_code_no_encoder_writes_is_rejected(config, offset, code):
+    """An NVFP4 block scale is an E4M3 code of amax / 6 (or NaN, 0x7f): never negative;
+    an MXFP8 E8M0 scale is at most 254 - EMAX (a non-finite value keeps its own code),
+    never 0xff. Made by hand, a negative block scale decoded to flipped signs and 0xff
+    to NaNs; both are refused."""
+    codec = geocomm.get_codec(config)
+    x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8)
+    fields = split_frame(codec.encode(x))
+    body = bytearray(fields["body"])
+    body[offset] = code
+    with pytest.raises(ValueError, match="scale no encoder writes"):
+        geocomm.decode(build_frame(fields, body=bytes(body)))
+
+
 def test_wrong_crc_is_rejected(small_frame):
     fields = split_frame(small_frame)
     body = bytearray(fields["body"])
