@@ -72,16 +72,36 @@ _codecs: dict[str, Codec] = {}
 _default_comm: Communicator | None = None
 
 
-def resolve_codec(codec: Any) -> Codec:
+#: The attribute of a communicator that holds the codecs its calls named by id or
+#: config: one instance per communicator, since a stateful codec's state is the state
+#: of the ranks it was used with (GeoFP8's model-wide allocation spans every key the
+#: instance holds, so keys of another communicator would change it on some ranks only).
+_CODECS = "_geocomm_codecs"
+
+
+def resolve_codec(codec: Any, comm: Any = None) -> Codec:
     """A codec instance for an id, config or Codec; ids and configs map to one cached
-    instance each, so stateful codecs keep their per-key state across calls."""
+    instance each per communicator (``comm``, default: the default communicator), so
+    stateful codecs keep their per-key state across calls, and never share it with the
+    calls of another communicator."""
     if isinstance(codec, Codec):
         return codec
     config = get_codec(codec).get_config()
     name = json.dumps(config, sort_keys=True)
-    if name not in _codecs:
-        _codecs[name] = get_codec(config)
-    return _codecs[name]
+    comm = comm if comm is not None else _default_comm
+    cache: dict[str, Codec] = _codecs  # no communicator, or one that takes no attributes
+    if comm is not None:
+        mine = getattr(comm, _CODECS, None)
+        if mine is None:
+            mine = {}
+            try:
+                setattr(comm, _CODECS, mine)
+            except AttributeError:
+                mine = _codecs
+        cache = mine
+    if name not in cache:
+        cache[name] = get_codec(config)
+    return cache[name]
 
 
 def init(comm: Any = None, backend: str = "mpi") -> Communicator:
@@ -267,7 +287,7 @@ def _describe(kind: str, x: Any, codec: Any, op: str, options: Options, comm: Co
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    resolved = resolve_codec(codec)
+    resolved = resolve_codec(codec, comm)
     if x.dtype == np.float64 and not resolved.lossless:
         raise TypeError(
             "float64 arrays are not compressed (the formats start from float32); cast to "

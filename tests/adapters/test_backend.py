@@ -209,6 +209,24 @@ def test_async_compressed_calls_complete_in_order(comm):
 
 
 @pytestmark_mpi
+@pytest.mark.parametrize("monitored", [False, True])
+def test_a_barrier_completes_after_the_groups_earlier_calls(comm, monitored):
+    """As gloo's and NCCL's: the compressed calls run on the backend's worker, outside
+    the exact group the barrier runs on, which returned with none of 8 done."""
+    group = _geocomm_group()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    tensors = [torch.full((1 << 16,), float(rank + 1)) for _ in range(8)]
+    works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
+    if monitored:
+        group.monitored_barrier()
+    else:
+        dist.barrier(group=group)
+    assert all(work.is_completed() for work in works)
+    total = float(size * (size + 1) // 2)
+    assert all(torch.equal(t, torch.full_like(t, total)) for t in tensors)
+
+
+@pytestmark_mpi
 @pytest.mark.parametrize("listed", [False, True])
 def test_reduce_scatter_is_compressed_within_bound(comm, listed):
     group = _geocomm_group()

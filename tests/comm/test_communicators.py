@@ -22,6 +22,7 @@ import pytest
 
 import geocomm
 from geocomm import get_codec
+from geocomm.api import resolve_codec
 from geocomm.comm.mpi import MPICommunicator
 from geocomm.testing import roundtrip, simulate_allreduce, simulate_reduce_scatter
 
@@ -149,6 +150,35 @@ def test_allgather(group, name):
     if name == "none":
         assert np.array_equal(rows, np.stack(xs))
     assert identical_in_group(comm, rows)
+
+
+def test_a_codec_named_by_id_keeps_a_state_per_communicator():
+    """GeoFP8's allocation of directions spans every key its codec instance holds, so
+    one instance shared by the calls of two communicators gave the ranks of the
+    second different allocations when only some of them had called on the first:
+    side channels of other sizes (MPI_ERR_TRUNCATE, or a crash) at 3 ranks, a
+    sub-communicator of ranks 0 and 1 first. A codec named by id or config is now
+    one instance per communicator; the world's calls match the simulation."""
+    world = MPI.COMM_WORLD
+    config = {"id": "geofp8", "min_dim": 8, "min_numel": 0}
+    raw = world.Split(int(world.Get_rank() < 2), world.Get_rank())
+    try:
+        sub = MPICommunicator(raw)
+        world_comm = MPICommunicator(world)
+        assert resolve_codec(config, sub) is not resolve_codec(config, world_comm)
+        if world.Get_rank() < 2:
+            for step in range(4):
+                x = inputs(list(range(sub.size)), step)[sub.rank] * 8
+                geocomm.allreduce(x.reshape(-1)[: 96 * 80].reshape(96, 80), codec=config,
+                                  key="z", comm=sub)  # fmt: skip
+        ranks = list(range(world.Get_size()))
+        simulated = [get_codec(config) for _ in ranks]
+        for step in range(STEPS + 1):
+            xs = inputs(ranks, step)
+            got = geocomm.allreduce(xs[world_comm.rank], codec=config, key="w", comm=world_comm)
+            assert np.array_equal(got, simulate_allreduce(simulated, xs, key="w"))
+    finally:
+        raw.Free()
 
 
 def test_init_sets_the_default_to_any_mpi4py_communicator():

@@ -27,6 +27,7 @@ import torch
 from geocomm.adapters.torch.grads import NUMPY_DTYPES
 from geocomm.api.calls import parts_of
 from geocomm.codecs.base import Codec, StatefulCodec
+from geocomm.comm.base import wait as wait_bounded
 from geocomm.comm.torchdist import TorchWork
 from geocomm.engine.call import call_fingerprint, raise_on_mismatch
 
@@ -78,8 +79,12 @@ class EarlyChecks:
         request = TorchWork(self.group.allgather([outputs], [send]), keep=(send, *outputs))
         self.sent += row.nbytes * (self.size - 1)
 
+        rank = self.group.rank()
+
         def wait() -> None:
-            request.wait()
+            # at most GEOCOMM_TIMEOUT, like every other wait for a peer (torch's own
+            # Work.wait() would wait for the group's timeout, 30 minutes by default)
+            wait_bounded(request, f"the metadata check of a compressed {kind}", rank)
             raise_on_mismatch(kind, rows.numpy())
 
         return wait

@@ -332,6 +332,18 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
         flat = torch.cat([p.reshape(-1) for p in pieces])
         return self._reduce_scatter_flat(output, flat, op, output_tensors)
 
+    def barrier(self, opts: Any = None) -> Any:
+        """gloo's and NCCL's barrier complete after the group's earlier calls: so does
+        this one, the queued compressed calls first (they run on the worker, outside
+        the exact backend that runs the barrier)."""
+        self.flush()
+        return super().barrier(opts)
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> Any:
+        """As :meth:`barrier`: after the queued compressed calls."""
+        self.flush()
+        return super().monitored_barrier(timeout, wait_all_ranks)
+
     # -- life cycle ---------------------------------------------------------------
 
     def flush(self) -> None:
