@@ -45,6 +45,8 @@ class MeteredComm:
         if hasattr(comm, "capturing"):
             self.capturing, self.track = self._capturing, self._track
             self.check_usable = comm.check_usable
+        if hasattr(comm, "hold_graphs"):
+            self.hold_graphs = comm.hold_graphs
 
     def _count(self, nbytes: int, calls: int = 1) -> None:
         meter: MeteredComm | None = self

@@ -56,14 +56,17 @@ missing.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import ctypes
 import functools
+import gc
 import os
 import pickle
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -135,6 +138,34 @@ def require_nccl() -> tuple[Any, Any]:
     return cupy, nccl
 
 
+#: cudaErrorNotReady: what cudaEventQuery returns while the work before an event runs
+_NOT_READY = 600
+
+
+def _completed(event: Any) -> bool:
+    """Whether the work before ``event`` completed. CuPy's ``Event.done`` is
+    ``runtime.eventQuery(ptr) == 0`` and so reads False on any error status (a kernel
+    fault, the sticky error of the context): every poll would take a failed device for
+    a transfer still running until GEOCOMM_TIMEOUT, then report a lost peer. Any
+    status but cudaSuccess and cudaErrorNotReady raises the device's error instead."""
+    status = _event_status(event)
+    if status == 0:
+        return True
+    if status == _NOT_READY:
+        return False
+    event.synchronize()  # returns the sticky error at once: raised with CUDA's message
+    from cupy.cuda import runtime
+
+    raise runtime.CUDARuntimeError(status)
+
+
+def _event_status(event: Any) -> int:
+    """cudaEventQuery's status of a CuPy event (CuPy returns it; it raises nothing)."""
+    from cupy.cuda import runtime
+
+    return int(runtime.eventQuery(event.ptr))
+
+
 class _NCCLRequest:
     """Completion of work queued on the communicator stream.
 
@@ -150,7 +181,7 @@ class _NCCLRequest:
         self.on_timeout = on_timeout
 
     def test(self) -> bool:
-        done = bool(self._event.done)
+        done = _completed(self._event)
         if done:
             self._buffers = ()
         return done
@@ -167,6 +198,12 @@ class _NCCLRequest:
         self.wait_stream()
         self._event.synchronize()
         self._buffers = ()
+
+
+def _release_at_exit(ref: weakref.ReferenceType) -> None:
+    comm = ref()
+    if comm is not None:
+        comm._release_graphs(drained=False)
 
 
 def _local_rank(mpi: Any, comm: Any) -> int:
@@ -242,6 +279,14 @@ class NCCLCommunicator:
         #: close() before they wait for the transfers; each raises on what it finds
         self.settlers: list[Callable[[], None]] = []
         self._capturing = False
+        #: what holds CUDA graphs of this communicator's transfers (engine.graphs.Graphs):
+        #: NCCL's ncclCommDestroy and ncclCommAbort wait until every such graph is
+        #: destroyed (commDestroySync polls comm->localPersistentRefs), so close() and
+        #: abort_local() drop them first
+        self._graph_holders: weakref.WeakSet = weakref.WeakSet()
+        # at exit CuPy's NcclCommunicator.__dealloc__ destroys the NCCL communicator in
+        # whatever order teardown frees objects: its graphs must be gone first
+        atexit.register(_release_at_exit, weakref.ref(self))
         abort.register(self)
 
     # -- helpers ---------------------------------------------------------------
@@ -274,7 +319,7 @@ class NCCLCommunicator:
     def _check_overdue(self) -> None:
         """Abort and raise CollectiveTimeout when the oldest transfer still queued was
         queued more than GEOCOMM_TIMEOUT ago (a non-blocking look at its event)."""
-        while self.queued and self.queued[0][1].done:
+        while self.queued and _completed(self.queued[0][1]):
             self.queued.popleft()
         if not self.queued:
             return
@@ -347,6 +392,19 @@ class NCCLCommunicator:
             yield
         finally:
             self._capturing = False
+
+    def hold_graphs(self, holder: Any) -> None:
+        """``holder`` (with ``release()``) keeps CUDA graphs of this communicator's
+        transfers: released before the NCCL communicator is destroyed or aborted."""
+        self._graph_holders.add(holder)
+
+    def _release_graphs(self, drained: bool) -> None:
+        holders = list(self._graph_holders)
+        self._graph_holders.clear()
+        for holder in holders:
+            holder.release(drained)
+        if holders:  # a graph in a reference cycle must be gone before NCCL waits for it
+            gc.collect()
 
     def track(self, stream: Any, captured: Any = None) -> None:
         """Watch the work queued on ``stream`` so far (a launched graph's transfers) like
@@ -459,6 +517,7 @@ class NCCLCommunicator:
         communicator, without ending the job (idempotent)."""
         if not (self.aborted or self.closed):
             self.aborted = True
+            self._release_graphs(drained=False)  # a launch still running ends once NCCL aborts
             with self.device:
                 self.nccl_comm.abort()
 
@@ -478,4 +537,5 @@ class NCCLCommunicator:
         self._settle()
         self._drain()
         self.closed = True
+        self._release_graphs(drained=True)
         self.nccl_comm.destroy()

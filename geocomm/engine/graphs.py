@@ -18,6 +18,7 @@ caller's ``bind`` writes the shift before each call (:meth:`Graphs.run`).
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
@@ -28,6 +29,30 @@ from geocomm.engine.protocols import Capturable
 
 #: the alignment of every block an arena hands out (cudaMalloc's)
 ALIGN = 256
+
+#: what graphs dropped while a launch of them may still run wrote (Graphs.release)
+_ORPHANED: list[Any] = []
+
+
+def refused_by_capture(cupy: Any, exc: BaseException) -> bool:
+    """Whether ``exc`` says that an operation was refused under stream capture (or came
+    after one that invalidated the capture): more than its eager run's memory
+    (:class:`ArenaExhausted`), a CUDA runtime call (``CUDARuntimeError``), a kernel
+    launch (CuPy launches through the driver API: ``CUDADriverError``), an NCCL call
+    (``NcclError``), or one of CuPy's own guards, which raise a plain RuntimeError
+    ("the current stream is capturing, so H2D transfers are disallowed",
+    cupy/cuda/memory.pyx; "the stream was capturing, but an error has invalidated the
+    capture sequence", runtime.streamIsCapturing)."""
+    if isinstance(exc, ArenaExhausted):
+        return True
+    kinds = [
+        cupy.cuda.runtime.CUDARuntimeError,
+        getattr(getattr(cupy.cuda, "driver", None), "CUDADriverError", None),
+        getattr(sys.modules.get("cupy.cuda.nccl"), "NcclError", None),
+    ]
+    if isinstance(exc, tuple(kind for kind in kinds if isinstance(kind, type))):
+        return True
+    return type(exc) is RuntimeError and "captur" in str(exc)
 
 
 def enabled() -> bool:
@@ -147,6 +172,7 @@ class Graphs:
         if stream.is_capturing():
             bind(None)
             return body()
+        comm.check_usable()  # a closed or aborted communicator's graphs are gone
         kept = self.kept.pop(key, None)  # put back last: the most recently launched
         if kept is None and key not in self._seen:  # new: eager, captured on a repeat
             bind(None)
@@ -167,7 +193,6 @@ class Graphs:
         while len(self.kept) > self.KEPT:
             self.kept.pop(next(iter(self.kept)))
         graph, record, returned = kept[:3]
-        comm.check_usable()  # a closed or aborted communicator's transfers must not run
         graph.launch(stream=stream)
         comm.track(stream, record)
         return returned
@@ -193,7 +218,9 @@ class Graphs:
             try:
                 with capture, arena.serving():
                     returned = body()
-            except (ArenaExhausted, self.cupy.cuda.runtime.CUDARuntimeError):
+            except Exception as exc:
+                if not refused_by_capture(self.cupy, exc):
+                    raise
                 failed = True  # an operation capture does not take: discarded below
             finally:
                 try:
@@ -203,4 +230,19 @@ class Graphs:
         if graph is None or failed:
             self.comm = None
             return None
+        hold = getattr(comm, "hold_graphs", None)
+        if hold is not None:  # NCCL: the communicator drops its graphs before it ends
+            hold(self)
         return graph, record, returned, arena, keep, here
+
+    def release(self, drained: bool = True) -> None:
+        """Drop every graph (the communicator refuses later calls: it is ending). NCCL's
+        ``ncclCommDestroy`` and ``ncclCommAbort`` wait until every CUDA graph that
+        captured a transfer of the communicator has been destroyed, so the communicator
+        calls this before it ends (:meth:`geocomm.comm.nccl.NCCLCommunicator.close`).
+        ``drained``: no launch of them can still be running; otherwise (an abort) what
+        they write (their arenas, returns and kept buffers) stays allocated for good."""
+        if not drained:
+            _ORPHANED.extend(entry[1:] for entry in self.kept.values())
+        self.kept.clear()
+        self._seen.clear()

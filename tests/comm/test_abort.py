@@ -13,6 +13,7 @@ import contextlib
 import sys
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -251,7 +252,16 @@ def fake_nccl_comm(log: list, size: int = 2):
     comm.nccl_comm, comm.host = _NcclHandle(log), host
     comm.aborted = comm.closed = False
     comm.queued = collections.deque()
+    comm._graph_holders = weakref.WeakSet()
     return comm
+
+
+@pytest.fixture(autouse=True)
+def _fake_event_status(monkeypatch):
+    """cudaEventQuery of the fake events: 0 (done) or 600 (cudaErrorNotReady)."""
+    import geocomm.comm.nccl as nccl_mod
+
+    monkeypatch.setattr(nccl_mod, "_event_status", lambda event: 0 if event.done else 600)
 
 
 class _DoneEvent:

@@ -140,3 +140,20 @@ def test_a_capture_that_outgrows_its_arena_runs_eagerly(cp):
         graphs.run("k", body)
     assert graphs.comm is None and not graphs.kept
     assert np.array_equal(x.get(), np.full(8, 2, np.float32))
+
+
+def test_a_body_that_uploads_under_capture_runs_eagerly(cp):
+    """A body whose capture CuPy refuses with its own RuntimeError (a host-to-device
+    copy while the current stream is capturing: cupy/cuda/memory.pyx) is not captured:
+    that call and every later one run eagerly, with the right result."""
+    comm = _Capturable()
+    graphs = Graphs(comm, cp)
+    x = cp.zeros(8, cp.float32)
+
+    def body() -> None:
+        x[...] += cp.asarray(np.ones(8, np.float32))  # an upload: refused under capture
+
+    for _ in range(4):
+        graphs.run("k", body)
+    assert graphs.comm is None and comm.tracked == 0
+    assert np.array_equal(x.get(), np.full(8, 4, np.float32))

@@ -371,6 +371,28 @@ def test_split_kernels_match_their_host_contract(cp, name, stochastic, n, t0, k)
     assert not np.isfinite(back[count // 3])  # the gradient's inf stays non-finite
 
 
+@pytest.mark.skipif(not ON_TWIN, reason="holds the twin's device")
+def test_a_dropped_later_copy_keeps_its_pinned_memory_until_it_lands(cp):
+    """CuPy's pinned pool hands a freed block out again at once; a copy still queued
+    into it would then land in its next owner's bytes. A LaterCopy nobody holds any
+    more (a GeoFP8 state reset drops its pending ones) stays alive until its event
+    passed: the next LaterCopy made after that lets it go."""
+    import gc
+    import weakref
+
+    from cupy import _device
+
+    x = cp.asarray(np.arange(5, dtype=np.float32))
+    with _device.hold():  # the device lags: the copy has not landed
+        copy = weakref.ref(geo.LaterCopy(x))
+        gc.collect()
+        assert copy() is not None
+    cp.cuda.get_current_stream().synchronize()
+    geo.LaterCopy(x)  # sees the first one landed
+    gc.collect()
+    assert copy() is None
+
+
 def test_a_later_copy_holds_the_values_of_its_point_in_the_stream(cp):
     """``LaterCopy`` queues copies to pinned host memory behind one event and returns at
     once; ``result`` gives what the arrays held at that point of the stream, though the

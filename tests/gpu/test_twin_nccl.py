@@ -167,3 +167,58 @@ def test_over_a_geocomm_mpi_communicator_each_rank_takes_its_node_local_device(m
         comm.close()
     finally:
         cupy.cuda.Device(0).use()
+
+
+# geocomm's NCCLCommunicator ending: after captured calls, and on a failed device
+ENDING_JOB = textwrap.dedent("""
+    import contextlib, sys, threading, time, numpy as np, cupy
+    from mpi4py import MPI
+    import geocomm
+    from geocomm.comm.mpi import MPICommunicator
+    from geocomm.comm.nccl import NCCLCommunicator
+    world = MPI.COMM_WORLD
+    rank, scenario = world.Get_rank(), sys.argv[1]
+    comm = NCCLCommunicator(MPICommunicator(world))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        x = cupy.ones(1 << 14, cupy.float32)
+        out = cupy.empty_like(x)
+        for _ in range(3):  # the third replays a captured graph
+            geocomm.allreduce(x, codec="fp8", comm=comm, out=out)
+        # "fault": the device lags the host (its queues wait), and a kernel fails while
+        # close() waits for the transfers queued behind it
+        lagging = cupy._device.hold() if scenario == "fault" else contextlib.nullcontext()
+        with lagging:
+            geocomm.allreduce(x, codec="fp8", comm=comm, out=out)
+            if scenario == "fault":
+                threading.Timer(0.5, cupy._device.fail, ["an injected kernel fault"]).start()
+            start = time.monotonic()
+            try:
+                comm.close()
+                print(f"rank {rank} closed", flush=True)
+            except Exception as exc:
+                print(f"rank {rank} {type(exc).__name__} after "
+                      f"{time.monotonic() - start:.1f} s: {exc}", flush=True)
+""")
+
+
+def test_close_after_captured_calls_drops_their_graphs_first(tmp_path):
+    """NCCL's ncclCommDestroy and ncclCommAbort wait until every CUDA graph that captured
+    a call of the communicator is destroyed (commDestroySync: localPersistentRefs), and
+    the twin's refuse to: close() drops the communicator's graphs first (it waited for
+    good on a GPU, at close or at exit, once a multi-rank call had been captured)."""
+    out, _ = run_job(tmp_path, "close", ENDING_JOB)
+    assert "rank 0 closed" in out and "rank 1 closed" in out, out
+
+
+def test_a_device_fault_is_raised_as_itself_not_as_a_lost_peer(tmp_path):
+    """CuPy's Event.done reads False on any error status, so a failed device looked like
+    a transfer still running: close() waited GEOCOMM_TIMEOUT, then blamed a peer. The
+    communicator reads the event's status and raises the device's error at once."""
+    out, _ = run_job(tmp_path, "fault", ENDING_JOB, GEOCOMM_TIMEOUT="60")
+    for rank in (0, 1):
+        assert f"rank {rank} CUDARuntimeError after" in out, out
+        assert "an injected kernel fault" in out, out
+    seconds = [float(line.split(" after ")[1].split(" s")[0]) for line in out.splitlines()
+               if "CUDARuntimeError after" in line]  # fmt: skip
+    assert max(seconds) < 30, out  # far below GEOCOMM_TIMEOUT's 60 s

@@ -76,12 +76,19 @@ def host_copy(a: Any) -> np.ndarray:
     return np.array(_host(a), copy=True)
 
 
+#: The device copies queued and not yet seen landed. Each keeps its block of pinned
+#: memory until its event has passed, whoever dropped it (a state reset or load drops
+#: the codec's pending ones): CuPy's pool hands a freed block out again at once, and
+#: the copy would land in its next owner's bytes.
+_landing: list[LaterCopy] = []
+
+
 class LaterCopy:
     """Host copies of small arrays, read when needed: CuPy arrays' are queued on the
     current stream into one block of pinned memory behind one event, so the host
     goes on at once and :meth:`result` waits for the device only if the copies have
     not landed by then (the stream went on, in order, since). Other arrays are
-    copied at once."""
+    copied at once. The pinned block lives until the copies landed (:data:`_landing`)."""
 
     #: bytes between the starts of two arrays in the pinned block (any dtype's alignment)
     ALIGN = 64
@@ -111,6 +118,8 @@ class LaterCopy:
             at += span
         self._event = cupy.cuda.Event(disable_timing=True)
         self._event.record()
+        _landing[:] = [c for c in _landing if not c._event.done]
+        _landing.append(self)
 
     def result(self) -> list[np.ndarray]:
         """The copies, in the order given (NumPy; do not write to them)."""
@@ -282,12 +291,15 @@ _HASH_WEIGHTS = np.zeros(0, np.uint64)
 
 def _hash_weights(n: int) -> np.ndarray:
     """The first n weights of :func:`basis_hash`, (i + 1) * GC_HASH_STEP | 1, computed
-    once for the largest n asked so far (they are most of a host hash's work)."""
+    once for the largest n asked so far (they are most of a host hash's work).
+    Thread-safe: a thread reads the global once, so another's smaller table never
+    replaces the one it returns."""
     global _HASH_WEIGHTS
-    if _HASH_WEIGHTS.size < n:
+    weights = _HASH_WEIGHTS
+    if weights.size < n:
         index = np.arange(1, n + 1, dtype=np.uint64)
-        _HASH_WEIGHTS = (index * np.uint64(_HASH_STEP)) | np.uint64(1)
-    return _HASH_WEIGHTS[:n]
+        weights = _HASH_WEIGHTS = (index * np.uint64(_HASH_STEP)) | np.uint64(1)
+    return weights[:n]
 
 
 def orthonormalize(rows_: Any, seed: int) -> Any:

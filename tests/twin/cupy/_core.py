@@ -298,6 +298,8 @@ class ndarray:
         does not overlap the host); ``out`` reads as poison until the copy lands."""
         stream = stream or _device.current_stream()
         src = self
+        if stream.capture is not None:  # CuPy's guard (MemoryPointer.copy_to_host_async)
+            raise RuntimeError("the current stream is capturing, so D2H transfers are disallowed")
         if not blocking:
             if out is None or not _memory.is_pinned(out):
                 raise ValueError("twin: an asynchronous copy to the host needs pinned memory")
@@ -510,7 +512,8 @@ def _host_to_device(target: ndarray, values: np.ndarray, stream: Any = None) -> 
     """A host-to-device copy: the host buffer is read now (pageable memory), the device
     bytes written in stream order. Refused under capture: a graph's copy would read
     the host buffer at every replay, and CuPy's staging copy of it is gone by then."""
-    (stream or _device.current_stream())._not_capturing("a host-to-device copy")
+    if (stream or _device.current_stream()).capture is not None:  # CuPy's guard, its words
+        raise RuntimeError("the current stream is capturing, so H2D transfers are disallowed")
     snapshot = np.array(values, dtype=target.dtype, copy=True)
     _run(lambda: np.copyto(target._view(), snapshot), "a host-to-device copy", [], [target], stream)
 

@@ -58,6 +58,7 @@ import itertools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -228,6 +229,16 @@ def host_access(what: str, reads: Iterable[Access] = (), writes: Iterable[Access
 
 
 _stream_ids = itertools.count(0x1000, 0x10)
+_events_by_ptr: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def event_of(ptr: int) -> Event:
+    try:
+        return _events_by_ptr[int(ptr)]
+    except KeyError:
+        raise CUDARuntimeError(f"twin: no event has handle {int(ptr):#x}") from None
+
+
 _streams_by_ptr: dict[int, Any] = {}
 
 
@@ -237,6 +248,7 @@ class Event:
     def __init__(
         self, block: bool = False, disable_timing: bool = False, interprocess: bool = False
     ):
+        _events_by_ptr[id(self)] = self
         self._passed = threading.Event()
         self._passed.set()  # never recorded: complete, as in CUDA
         self.clock: dict[int, int] = {}
@@ -252,16 +264,27 @@ class Event:
                 f"cudaErrorStreamCaptureUnsupported: {what} of an event recorded under capture"
             )
 
+    def status(self) -> int:
+        """cudaEventQuery: 0 (cudaSuccess) once the work before the event completed, 600
+        (cudaErrorNotReady) before; the sticky device error's status (999 here) once the
+        device failed, 900 (cudaErrorStreamCaptureUnsupported) for an event recorded
+        under capture. CUDA returns these codes; it raises nothing."""
+        if self.capture is not None:
+            return 900
+        if _failure:
+            return 999
+        return 0 if self._passed.is_set() else 600
+
     @property
     def done(self) -> bool:
-        check_failure()
-        self._not_captured("a query")
-        return self._passed.is_set()
+        """CuPy's ``Event.done``: ``eventQuery(ptr) == 0``, False on any error."""
+        return self.status() == 0
 
     def query(self) -> bool:
         return self.done
 
     def synchronize(self) -> None:
+        check_failure()  # CUDA returns the sticky error at once, waiting for nothing
         self._not_captured("a synchronization")
         _host_waits("an event synchronization", not self._passed.is_set())
         while not self._passed.wait(0.05):
@@ -455,7 +478,10 @@ class Stream:
         finally:
             for stream in capture.streams:
                 stream.capture = None
-        return Graph(capture.nodes)
+        graph = Graph(capture.nodes)
+        for hook in capture.__dict__.get("on_graph", ()):  # NCCL's persistent references
+            hook(graph)
+        return graph
 
     @property
     def done(self) -> bool:

@@ -33,6 +33,12 @@ class Function:
         self, grid: Any, block: Any, args: Sequence[Any], shared_mem: int = 0, stream: Any = None
     ) -> None:
         kernel = self.kernel
+        for name, dims in (("grid", grid), ("block", block)):
+            if not isinstance(dims, tuple):  # CuPy's __call__(self, tuple grid, tuple block, ...)
+                raise TypeError(
+                    f"Argument '{name}' has incorrect type (expected tuple, got "
+                    f"{type(dims).__name__})"
+                )
         grid, block, args = _dims(grid, "grid"), _dims(block, "block"), tuple(args)
         kernel.check(grid, block, args, shared_mem)  # argument errors at call time, as CuPy's
         reads, writes = [], []

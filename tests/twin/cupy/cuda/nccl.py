@@ -27,10 +27,12 @@ queued otherwise fails, naming both.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -204,6 +206,9 @@ class NcclCommunicator:
         self._aborted = threading.Event()
         self._destroyed = False
         self._captures = itertools.count(1)  # this communicator's captures, numbered
+        #: the graphs that captured a call of this communicator (NCCL's persistent plans:
+        #: comm->localPersistentRefs, dropped only when such a graph is destroyed)
+        self._graphs: weakref.WeakSet = weakref.WeakSet()
 
     def _check(self) -> None:
         _device.check_failure()
@@ -224,6 +229,7 @@ class NcclCommunicator:
         numbers = capture.__dict__.setdefault("nccl_numbers", {})
         if id(self) not in numbers:
             numbers[id(self)] = next(self._captures)
+            capture.__dict__.setdefault("on_graph", []).append(self._graphs.add)
         return int(numbers[id(self)])
 
     # -- calls ------------------------------------------------------------------
@@ -258,13 +264,32 @@ class NcclCommunicator:
             )
         )
 
+    def _check_no_graphs(self, what: str) -> None:
+        """NCCL's ncclCommDestroy and ncclCommAbort (commReclaim -> commDestroySync) poll
+        ``while (comm->localPersistentRefs != 0)``: they return only once every CUDA graph
+        that captured a call of the communicator was destroyed. A GPU would wait for good
+        here; the twin says so."""
+        if len(self._graphs):
+            gc.collect()
+        alive = len(self._graphs)
+        if alive:
+            raise NcclError(
+                f"twin: {what} with {alive} CUDA graph(s) alive that captured calls of this "
+                "communicator: NCCL's commDestroySync waits until every such graph is "
+                "destroyed (localPersistentRefs), so on a GPU this call never returns"
+            )
+
     def abort(self) -> None:
         """Cancel what is queued: transfers still waiting fail at once."""
         self._aborted.set()
-        self._destroyed = True
+        if not self._destroyed:  # CuPy's abort() and destroy() do nothing the second time
+            self._destroyed = True
+            self._check_no_graphs("ncclCommAbort")
 
     def destroy(self) -> None:
-        self._destroyed = True
+        if not self._destroyed:
+            self._destroyed = True
+            self._check_no_graphs("ncclCommDestroy")
 
     # -- on the stream ------------------------------------------------------------
     def _run(self, ops: list) -> None:

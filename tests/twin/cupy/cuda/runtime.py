@@ -10,6 +10,7 @@ from cupy._device import CUDARuntimeError
 __all__ = [
     "CUDARuntimeError",
     "deviceSynchronize",
+    "eventQuery",
     "getDevice",
     "getDeviceCount",
     "memcpyAsync",
@@ -31,6 +32,12 @@ def getDevice() -> int:
 
 def deviceSynchronize() -> None:
     _device.synchronize_all()
+
+
+def eventQuery(event: int) -> int:
+    """CUDA's status of an event (``Event.status``): returned, never raised, as CuPy's
+    ``runtime.eventQuery`` does."""
+    return _device.event_of(event).status()
 
 
 def memcpyAsync(dst: int, src: int, size: int, kind: int, stream: int) -> None:
