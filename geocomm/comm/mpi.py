@@ -7,6 +7,8 @@ raises an ImportError that says how to install it.
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -100,21 +102,24 @@ class MPICommunicator:
         wait(MPIRequest(self.comm.Ibarrier()), "a barrier", self.rank)
 
     def node_key(self) -> int:
-        """This rank's node: the lowest world rank sharing its memory
-        (``Split_type(COMM_TYPE_SHARED)``). Collective over this communicator; a barrier
-        first, so that a missing peer times out (GEOCOMM_TIMEOUT) rather than blocking
-        the split for good."""
-        self.barrier()
-        shared = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        """This rank's host, as a 63-bit hash of its processor name and its kernel's
+        boot id (as NCCL tells hosts apart: containers of one host share the boot id;
+        hosts that share a name do not); ranks of equal keys share a node. Local: no
+        collective and no communicator (a ``Split_type`` here, on every communicator's
+        first call, escaped the timeout and deadlocked Open MPI 5 when two threads made
+        first calls on two communicators at once)."""
         try:
-            return int(shared.allreduce(MPI.COMM_WORLD.Get_rank(), op=MPI.MIN))
-        finally:
-            shared.Free()
+            boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        except OSError:
+            boot = ""
+        host = f"{MPI.Get_processor_name()}\0{boot}".encode()
+        return int.from_bytes(hashlib.blake2b(host, digest_size=8).digest(), "little") >> 1
 
     def subgroups(self, groups: list[list[int]]) -> MPICommunicator:
         """The communicator of the group (of ``groups``, a partition of the ranks) that
         holds this rank, ranks in the group's order; ``MPI_Comm_split``, so collective:
-        every rank passes the same ``groups``; after a barrier, as :meth:`node_key`."""
+        every rank passes the same ``groups``; after a barrier, so that a missing peer
+        times out (GEOCOMM_TIMEOUT) rather than blocking the split for good."""
         self.barrier()
         color = next(i for i, g in enumerate(groups) if self.rank in g)
         return MPICommunicator(self.comm.Split(color, groups[color].index(self.rank)))

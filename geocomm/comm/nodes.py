@@ -6,8 +6,8 @@ The node layout of a communicator comes from, in this order:
 1. ``GEOCOMM_RANKS_PER_NODE=G`` (emulation, unusual launchers): rank ``r`` of the
    communicator is on node ``r // G`` (so ``N`` ranks make nodes of ``G`` and a
    last node of ``N mod G``);
-2. the communicator's own ``node_key()`` (MPI: the first world rank of
-   ``Split_type(COMM_TYPE_SHARED)``; torch.distributed: the launcher's
+2. the communicator's own ``node_key()`` (MPI: a hash of the host's processor
+   name and boot id; torch.distributed: the launcher's
    ``GROUP_RANK``, else ``RANK - LOCAL_RANK``), gathered from every rank;
 3. nothing: the layout is unknown and the collectives stay flat.
 

@@ -356,6 +356,22 @@ def test_ranks_on_different_codecs_raise_instead_of_waiting(comm):
         dist.all_reduce(torch.ones(2000), group=group)
 
 
+def test_work_wait_keeps_its_timeout():
+    """``work.wait(timeout)`` raised nothing and blocked until the job ended; now a job
+    still running after a positive timeout raises (as gloo's work does), and a zero
+    timeout (torch's default, kNoTimeout) waits for the job."""
+    from datetime import timedelta
+
+    from geocomm.adapters.torch.backend.work import FutureWork
+
+    future = torch.futures.Future()
+    work = FutureWork(future)
+    with pytest.raises(geocomm.CollectiveTimeout, match=r"within 0:00:00\.050000"):
+        work.wait(timedelta(milliseconds=50))
+    future.set_result([torch.ones(1)])
+    assert work.wait(timedelta(seconds=5)) and work.wait(timedelta(0)) and work.wait()
+
+
 def test_bad_configuration_is_refused():
     with pytest.raises(ValueError, match="min_numel"):
         tb.BackendConfig(min_numel=0)

@@ -351,6 +351,61 @@ def test_replica_all_reduce_sums_under_a_custom_divide_factor(comm):
         at += p.numel()
 
 
+@pytest.mark.mpi(min_size=4)
+def test_hsdp_gives_the_replicas_a_geofp8_state_of_their_own(comm):
+    """HSDP with GeoFP8: the shard ranks' reduce-scatter and the replicas' all-reduce
+    each keep their own codec state. Shared, GeoFP8's allocation of directions over
+    every key the instance held differed between the ranks of one replica group (each
+    shard rank holds other replica keys), so their side channels differed in size:
+    gloo's "collective mismatch" and a SIGABRT at the second step on 4 ranks. The
+    replica state is saved with the rest and loads into a resumed job."""
+    init_distributed_from_mpi()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if size % 2:
+        pytest.skip("two shards per replica")
+    mesh = init_device_mesh("cpu", (size // 2, 2), mesh_dim_names=("replicate", "shard"))
+    config = {"id": "geofp8", "min_dim": 8, "min_numel": 0}
+    model = _sharded(mesh["shard"])
+    fsdp = compress_fsdp(model, config, replicate_group=mesh.get_group("replicate"))
+    assert fsdp.replica_codec is not None and fsdp.replica_codec is not fsdp.codec
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(6):
+        opt.zero_grad()
+        _loss(model, rank, step).backward()
+        opt.step()
+    fresh = geocomm.get_codec(config).state_checksum()
+    assert fsdp.replica_codec.state_checksum() != fresh  # the replicas' keys hold state
+    replicas = mesh.get_group("replicate")
+    for p in model.parameters():  # the replicas of a shard hold the same bits
+        mine = p.to_local().detach().clone()
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(replicas))]
+        dist.all_gather(rows, mine, group=replicas)
+        assert all(torch.equal(r, rows[0]) for r in rows)
+    saved = fsdp.state_dict()
+    resumed_model = _sharded(mesh["shard"])
+    resumed = compress_fsdp(resumed_model, config, replicate_group=replicas)
+    resumed.load_state_dict(saved)
+    assert resumed.replica_codec.state_checksum() == fsdp.replica_codec.state_checksum()
+
+
+def test_unfreezing_after_install_is_refused_naming_the_cause(comm):
+    """compress_fsdp lays out the parameters that require grad when it installs; one
+    unfrozen later changes FSDP's reduce-scatter buffer. Every rank refuses it alike,
+    and the error says why (it named sizes only)."""
+    init_distributed_from_mpi()
+    model = _mlp()
+    model[2].weight.requires_grad_(False)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    compress_fsdp(model, "fp8")
+    _loss(model, dist.get_rank(), 0).backward()
+    model[2].weight.requires_grad_(True)
+    with pytest.raises(ValueError, match="freezing or unfreezing one"):
+        _loss(model, dist.get_rank(), 1).backward()
+
+
 def test_premul_sum_is_refused_clearly(comm):
     model = _sharded()
     compress_fsdp(model, "fp8")

@@ -181,6 +181,43 @@ def test_a_codec_named_by_id_keeps_a_state_per_communicator():
         raw.Free()
 
 
+def test_node_keys_are_the_hosts_and_need_no_collective():
+    """Every rank of this job runs on one host: one key, the same on every rank."""
+    comm = MPICommunicator(MPI.COMM_WORLD)
+    key = comm.node_key()
+    assert key >= 0
+    assert (comm.allgather_int64(np.array([key], np.int64)) == key).all()
+
+
+def test_first_calls_on_two_communicators_from_two_threads():
+    """The first compressed call of a communicator learns its node layout. That split
+    the communicator (``Split_type``, then a blocking all-reduce): first calls on two
+    communicators made from two threads at once deadlocked Open MPI 5 within 30 rounds
+    (the timeout could not fire). Now the layout takes one bounded all-gather."""
+    import threading
+
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        pytest.skip("MPI gave less than MPI_THREAD_MULTIPLE")
+    x = np.ones(1 << 12, np.float32)
+    for _ in range(30):
+        a, b = (MPICommunicator(MPI.COMM_WORLD.Dup()) for _ in range(2))
+        errors: list[Exception] = []
+
+        def second(comm: MPICommunicator, errors: list[Exception]) -> None:
+            try:
+                geocomm.allreduce(x, codec="fp8", comm=comm)
+            except Exception as exc:  # reported below, on this rank
+                errors.append(exc)
+
+        thread = threading.Thread(target=second, args=(b, errors))
+        thread.start()
+        geocomm.allreduce(x, codec="fp8", comm=a)
+        thread.join(timeout=60)
+        assert not thread.is_alive() and not errors, errors
+        a.comm.Free()
+        b.comm.Free()
+
+
 def test_init_sets_the_default_to_any_mpi4py_communicator():
     """geocomm.init(MPI.COMM_SELF): collectives without comm= stay on this rank."""
     previous = geocomm.get_comm()

@@ -91,6 +91,16 @@ def codec_state(codec: Codec, world_size: int | None, parameters: Sequence[Any])
     }
 
 
+def load_stateful(codec: StatefulCodec, state: Any, xp: Any = np) -> None:
+    """Load a saved codec state (:func:`to_torch` of its ``state_dict()``) into
+    ``codec``, its arrays in namespace ``xp``."""
+    arrays = to_numpy(state)
+    if xp is np:
+        codec.load_state_dict(arrays)
+    else:  # the stateful codecs take the namespace their arrays live in
+        codec.load_state_dict(arrays, xp=xp)  # type: ignore[call-arg]
+
+
 def load_codec_state(
     codec: Codec, data: dict[str, Any], parameters: Sequence[Any], owner: str, xp: Any = np
 ) -> int | None:
@@ -112,11 +122,7 @@ def load_codec_state(
     if data["codec"] is not None:
         if not isinstance(codec, StatefulCodec):
             raise ValueError(f"{owner}: the saved state has codec state, {config} has none")
-        state = to_numpy(data["codec"])
-        if xp is np:
-            codec.load_state_dict(state)
-        else:  # the stateful codecs take the namespace their arrays live in
-            codec.load_state_dict(state, xp=xp)  # type: ignore[call-arg]
+        load_stateful(codec, data["codec"], xp)
     calls.restore_call_counts(data["rounding_calls"])
     world_size = data["world_size"]
     return None if world_size is None else int(world_size)

@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -59,7 +60,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _Redu
 from geocomm.adapters.torch import checkpoints, grads, support
 from geocomm.adapters.torch.distributed import dedicated_comm
 from geocomm.adapters.torch.telemetry import StepStats, Telemetry
-from geocomm.codecs import Codec, get_codec
+from geocomm.codecs import Codec, StatefulCodec, get_codec
 
 __all__ = ["FSDPCompression", "GeocommAllReduceHook", "GeocommReduceScatter", "compress_fsdp"]
 
@@ -97,6 +98,12 @@ class FSDPCompression:
     def __init__(self, telemetry: Telemetry, model: nn.Module, codec: Codec):
         self.telemetry = telemetry
         self.model, self.codec = model, codec
+        #: the replica all-reduce's own instance of a stateful codec (None: stateless,
+        #: shared): a codec's state (GeoFP8's model-wide allocation over every key it
+        #: holds) must be that of one communicator's ranks, and the shard ranks hold
+        #: other replica keys than each other
+        self.replica_codec: StatefulCodec | None = None
+        self._replica_state: tuple[Any, Any] = (None, None)  # loaded before the install
         self.reduce_scatters: list[GeocommReduceScatter] = []
         self.all_reduce_hooks: list[GeocommAllReduceHook] = []
         self.installed = False
@@ -122,7 +129,11 @@ class FSDPCompression:
         call counts, error-feedback residuals, rounding call counts, world size and
         parameters). Call between steps on every rank: each saves its own."""
         layout = checkpoints.parameter_layout(self.model)
-        return checkpoints.codec_state(self.codec, self.world_size(), layout)
+        state = checkpoints.codec_state(self.codec, self.world_size(), layout)
+        replica = self.replica_codec
+        if replica is not None:
+            state["replica_codec"] = checkpoints.to_torch(replica.state_dict())
+        return state
 
     def load_state_dict(self, data: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output before the first step of a resumed job;
@@ -132,7 +143,17 @@ class FSDPCompression:
         self._expected_size = checkpoints.load_codec_state(
             self.codec, data, checkpoints.parameter_layout(self.model), "compress_fsdp", xp
         )
+        self._replica_state = (data.get("replica_codec"), xp)
+        self._load_replica_state()
         self._check_size()
+
+    def _load_replica_state(self) -> None:
+        """Load a checkpoint's replica codec state once the replica codec exists."""
+        state, xp = self._replica_state
+        if state is None or self.replica_codec is None:
+            return
+        self._replica_state = (None, np)
+        checkpoints.load_stateful(self.replica_codec, state, xp)
 
     def _check_size(self) -> None:
         size = self.world_size()
@@ -435,7 +456,14 @@ def _install(owner: FSDPCompression, settings: _Settings) -> None:
                     if settings.replicate_comm is not None
                     else dedicated_comm(settings.replicate_group, device)
                 )
-                replica_reducer = grads.GradReducer(shard_reducer.codec, base, *options)
+                replica = shard_reducer.codec
+                if isinstance(replica, StatefulCodec):  # one for every module's replicas
+                    if owner.replica_codec is None:
+                        made = get_codec(replica.get_config())
+                        assert isinstance(made, StatefulCodec)  # the same config
+                        owner.replica_codec = made
+                    replica = owner.replica_codec
+                replica_reducer = grads.GradReducer(replica, base, *options)
         if size != shard_reducer.comm.size:
             raise ValueError(
                 f"FSDP module {index} shards over {size} ranks, an earlier one over "
@@ -468,4 +496,5 @@ def _install(owner: FSDPCompression, settings: _Settings) -> None:
             owner.all_reduce_hooks.append(hook)
             owner._expect(1)
     owner.installed = True
+    owner._load_replica_state()
     owner._check_size()

@@ -390,7 +390,9 @@ class GradReducer:
         if layout.rows != size or source.numel() != layout.numel or out.numel() != layout.width:
             raise ValueError(
                 f"{what}: reduce-scatter of {source.numel()} values into {out.numel()} on "
-                f"{size} ranks, but the layout has {layout.rows} rows of {layout.width} values"
+                f"{size} ranks, but the layout has {layout.rows} rows of {layout.width} "
+                "values (the parameters that require grad must stay those compress_fsdp "
+                "laid out: freezing or unfreezing one changes FSDP's buffers)"
             )
         start = self._start()
         self._check("reduce_scatter", layout, source.dtype, op, what)

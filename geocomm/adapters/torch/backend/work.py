@@ -3,12 +3,15 @@ calls share (reduce ops, the first tensor of a call's arguments)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from geocomm.comm.base import CollectiveTimeout
 
 # torch's stubs overload the collectives' signatures (the Python conveniences beside the
 # C++ ones this class overrides): typed as Any, the bases leave the overrides unchecked
@@ -27,6 +30,19 @@ class FutureWork(WorkBase):
         self._future = future
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        """Wait for the job (a ``timeout`` of zero or None: for as long as it takes; the
+        job's own waits are bounded by GEOCOMM_TIMEOUT); raise CollectiveTimeout once a
+        positive ``timeout`` passed with the job still running, as gloo raises."""
+        seconds = 0.0 if timeout is None else timeout.total_seconds()
+        if seconds > 0:
+            deadline = time.monotonic() + seconds
+            while not self._future.done():
+                if time.monotonic() >= deadline:
+                    raise CollectiveTimeout(
+                        f"geocomm: a compressed call did not complete within {timeout} "
+                        "(Work.wait's timeout)"
+                    )
+                time.sleep(0.001)
         self._future.wait()
         return True
 
