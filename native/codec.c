@@ -842,7 +842,7 @@ GC_AVX512 static inline gc_sink sink_open(float *out, size_t n, int accumulate)
 GC_AVX512 static inline void sink_value(gc_sink *s, size_t m, int accumulate, __m512 v)
 {
     if (accumulate) {
-        _mm_prefetch((const char *)(s->out + 16 * m + GC_PREFETCH_ACC), _MM_HINT_T0);
+        GC_PREFETCH(s->out, (16 * m + GC_PREFETCH_ACC) * sizeof(float));
         v = _mm512_add_ps(_mm512_loadu_ps(s->out + 16 * m), v);
     }
     sink_put(s, m, v);

@@ -30,6 +30,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Ask for the cache line `bytes` past p. The address is computed as an
+ * integer: it may lie past the end of p's array (a prefetch never faults),
+ * and a pointer formed there would be undefined behaviour. */
+#define GC_PREFETCH(p, bytes) _mm_prefetch((const char *)((uintptr_t)(p) + (bytes)), _MM_HINT_T0)
+
 GC_AVX512 static inline __m512i v_u32(uint32_t c) { return _mm512_set1_epi32((int)c); }
 
 /* gc_e4m3_value / gc_e5m2_value of 16 codes (dwords): the magnitude's
@@ -67,7 +72,7 @@ GC_AVX512 static inline __m512 v_fp8_value(int e5m2, __m512i c)
  * masked stores. Line m holds nothing past vector m, so a loop may read
  * vector m + 1 of out after putting m. Without `stream`, plain stores. */
 typedef struct {
-    float *out, *line;
+    float *out;
     __m512 prev;
     __m512i idx;
     unsigned k;
@@ -81,7 +86,6 @@ GC_AVX512 static inline gc_sink sink_open_as(float *out, int stream)
     s.out = out;
     s.stream = stream && ((uintptr_t)out & 3u) == 0;
     s.k = (unsigned)(((uintptr_t)out & 63u) / 4u);
-    s.line = out - s.k;
     s.prev = _mm512_setzero_ps();
     s.idx = _mm512_add_epi32(_mm512_set1_epi32(16 - (int)s.k),
                              _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
@@ -95,11 +99,13 @@ GC_AVX512 static inline void sink_put(gc_sink *s, size_t m, __m512 v)
     } else if (s->k == 0) {
         _mm512_stream_ps(s->out + 16 * m, v);
     } else {
-        __m512 line = _mm512_permutex2var_ps(s->prev, s->idx, v);
+        /* line m starts at out + 16 m - k: line 0 before out, so its part is
+         * the first 16 - k values of v, stored from out (no pointer before it) */
         if (m == 0)
-            _mm512_mask_storeu_ps(s->line, (__mmask16)(0xffffu << s->k), line);
+            _mm512_mask_storeu_ps(s->out, (__mmask16)((1u << (16 - s->k)) - 1u), v);
         else
-            _mm512_stream_ps(s->line + 16 * m, line);
+            _mm512_stream_ps(s->out + (16 * m - s->k),
+                             _mm512_permutex2var_ps(s->prev, s->idx, v));
         s->prev = v;
     }
 }
@@ -108,7 +114,7 @@ GC_AVX512 static inline void sink_put(gc_sink *s, size_t m, __m512 v)
 GC_AVX512 static inline void sink_finish(gc_sink *s, size_t m)
 {
     if (s->stream && s->k && m)
-        _mm512_mask_storeu_ps(s->line + 16 * m, (__mmask16)((1u << s->k) - 1u),
+        _mm512_mask_storeu_ps(s->out + (16 * m - s->k), (__mmask16)((1u << s->k) - 1u),
                               _mm512_permutex2var_ps(s->prev, s->idx, s->prev));
 }
 

@@ -539,7 +539,7 @@ GC_AVX512 GC_INLINE void project_pairs(const float *x, size_t ldx, size_t cols, 
                 b[q] = wload(w + q * stride + c * 2 * GC_LANES);
             if (p0 == 0 && c % 2 == 0) /* a line holds two chunks */
                 for (int r = 0; r < 4; r++)
-                    _mm_prefetch((const char *)(x + (4 + r) * ldx + c * GC_LANES), _MM_HINT_T0);
+                    GC_PREFETCH(x, ((4 + r) * ldx + c * GC_LANES) * sizeof(float));
             for (int r = 0; r < 4; r++) {
                 gc_wvec xr = wdup(x + r * ldx + c * GC_LANES);
                 for (size_t q = 0; q < np; q++)
