@@ -73,6 +73,16 @@ static float load_f32(const uint8_t *p)
 
 static void store_f32(uint8_t *p, float f) { memcpy(p, &f, sizeof f); }
 
+/* The fp32 sum of an accumulating decode, a NaN written as a GPU's one NaN
+ * (0x7fffffff): x86 keeps a NaN operand's sign and sets it for inf - inf, and
+ * a collective encodes the sum again, its NaN's sign into the codes, so the
+ * C core wrote other bytes than the kernels (whose adds give 0x7fffffff). */
+static inline float add_as_gpu(float a, float b)
+{
+    float sum = a + b;
+    return sum == sum ? sum : gc_float(0x7fffffffu);
+}
+
 /* Max |x| over the finite values of a block, and whether all are finite. For
  * non-negative floats the order of the bit patterns is the numeric order, so
  * this is an unsigned max; non-finite values are masked to 0 arithmetically,
@@ -302,7 +312,7 @@ static inline void fp8_block_values(int e5m2, int accumulate, const uint8_t *res
 {
     for (size_t i = 0; i < len; i++) {
         float v = (e5m2 ? gc_e5m2_value(cb[i]) : gc_e4m3_value(cb[i])) * scale;
-        ob[i] = accumulate ? ob[i] + v : v;
+        ob[i] = accumulate ? add_as_gpu(ob[i], v) : v;
     }
 }
 
@@ -355,7 +365,7 @@ static inline void e2m1_block_values(const uint8_t *restrict cb, size_t len, flo
 {
     for (size_t i = 0; i < len; i++) {
         float v = gc_e2m1_table[(cb[i >> 1] >> ((i & 1) * 4)) & 0xfu] * eff;
-        ob[i] = accumulate ? ob[i] + v : v;
+        ob[i] = accumulate ? add_as_gpu(ob[i], v) : v;
     }
 }
 
@@ -642,7 +652,7 @@ GC_CLONES static void decode_bf16(int accumulate, const uint8_t *wire, size_t n,
         gc_u16 c;
         memcpy(&c, wire + 2 * i, sizeof c);
         float v = gc_bf16_value(c);
-        out[i] = accumulate ? out[i] + v : v;
+        out[i] = accumulate ? add_as_gpu(out[i], v) : v;
     }
 }
 
@@ -838,12 +848,20 @@ GC_AVX512 static inline gc_sink sink_open(float *out, size_t n, int accumulate)
     return sink_open_as(out, n * sizeof(float) >= GC_STREAM_BYTES && !accumulate);
 }
 
+/* add_as_gpu of 16 lanes. */
+GC_AVX512 static inline __m512 v_add_as_gpu(__m512 a, __m512 b)
+{
+    __m512 sum = _mm512_add_ps(a, b);
+    return _mm512_mask_mov_ps(sum, _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q),
+                              _mm512_castsi512_ps(v_u32(0x7fffffffu)));
+}
+
 /* Vector m's values, stored or added to out (read before the sink writes). */
 GC_AVX512 static inline void sink_value(gc_sink *s, size_t m, int accumulate, __m512 v)
 {
     if (accumulate) {
         GC_PREFETCH(s->out, (16 * m + GC_PREFETCH_ACC) * sizeof(float));
-        v = _mm512_add_ps(_mm512_loadu_ps(s->out + 16 * m), v);
+        v = v_add_as_gpu(_mm512_loadu_ps(s->out + 16 * m), v);
     }
     sink_put(s, m, v);
 }
@@ -1216,7 +1234,7 @@ GC_AVX512 static inline void decode_bf16_v(int accumulate, const uint8_t *restri
         gc_u16 c;
         memcpy(&c, wire + 2 * i, sizeof c);
         float v = gc_bf16_value(c);
-        out[i] = accumulate ? out[i] + v : v;
+        out[i] = accumulate ? add_as_gpu(out[i], v) : v;
     }
 }
 #endif /* GC_HAVE_AVX512 */
@@ -1560,15 +1578,15 @@ GC_AVX512 static void decode_onto_v(const gc_call *k, size_t lo, size_t hi, size
         size_t b = n - a < tile ? n : a + tile;
         decode_range(&plain, lo + a, lo + b, buf);
         for (size_t m = a / 16; m < b / 16; m++)
-            sink_put(&s, m, _mm512_add_ps(_mm512_loadu_ps(base + 16 * m),
-                                          _mm512_load_ps(buf + 16 * m - a)));
+            sink_put(&s, m, v_add_as_gpu(_mm512_loadu_ps(base + 16 * m),
+                                         _mm512_load_ps(buf + 16 * m - a)));
         if (b == n)
             break;
         a = b;
     }
     sink_close(&s, nvec);
     for (size_t i = 16 * nvec; i < n; i++) /* the last tile's values past the last vector */
-        out[i] = base[i] + buf[i - a];
+        out[i] = add_as_gpu(base[i], buf[i - a]);
 }
 #endif
 

@@ -97,6 +97,8 @@ from geocomm.engine.protocols import RangeMap
 from geocomm.kernels import cuda, cuda_build, native
 
 _SOURCE = "gc_pipeline.cu"
+#: the one NaN a GPU's fp32 add writes
+GPU_NAN = np.uint32(0x7FFFFFFF).view(np.float32)
 _INCLUDE_LINES = ('#include "gc_cuda.cu"', '#include "gc_linalg.h"')
 
 
@@ -347,7 +349,12 @@ class HostKernels:
     ) -> None:
         if fmt.family == RAW:
             values = body[: 4 * out.size].view("<f4")
-            out[...] = out + values if accumulate else values
+            if not accumulate:
+                out[...] = values
+                return
+            with np.errstate(invalid="ignore"):  # inf - inf is a NaN like any other
+                out += values
+            np.copyto(out, GPU_NAN, where=np.isnan(out))  # as a GPU's add (and the C core)
         else:
             native.decode(fmt.native_id, body, fmt.block, out, accumulate)
 

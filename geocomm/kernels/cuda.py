@@ -7,8 +7,9 @@ stream=None)`` write the same wire bodies (``native/geocomm.h``) as the C
 core, byte for byte, because both run the arithmetic of
 ``native/gc_scalar.h``. ``stream`` is the CUDA stream; the stochastic
 rounding stream is ``rounding_stream``. Decoded values are bitwise equal too,
-except NaN payloads: GPU arithmetic returns the canonical NaN, so only the
-positions of NaNs are guaranteed to agree. Format ids, flags and layout
+except the payloads of decoded NaNs (GPU arithmetic returns the canonical NaN,
+where x86 keeps the code's sign); accumulated sums write that canonical NaN
+on both. Format ids, flags and layout
 constants are the C core's (``geocomm.kernels.native``, from the compiled
 cdef); this module forwards them (``geocomm.kernels.cuda.E4M3`` ...). ``divide`` is
 the IEEE division of op="avg", ``add`` the fp32 sums of the collectives and

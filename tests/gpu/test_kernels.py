@@ -183,6 +183,59 @@ def test_batched_kernels_match_their_host_contract(cp, name, stochastic):
     assert same_values(out.get(), ref), f"{name}: batched decode"
 
 
+@pytest.mark.parametrize("name", ["fp8-team", "fp8-tile", "mxfp8", "bf16", "none"])
+def test_a_nan_sum_is_encoded_again_as_the_kernels_do(cp, name):
+    """The encoder of a collective's second phase adds the incoming bodies to its own
+    values and encodes the sum, a NaN's sign into the codes. x86 keeps a NaN operand's
+    sign and sets it for inf - inf, a GPU's add writes 0x7fffffff: the C core wrote
+    0xff where the kernels wrote 0x7f (E4M3; E5M2 0xfe / 0x7e, bf16 0xffc0 / 0x7fc0).
+    Its sums now write the GPU's NaN: the same bytes."""
+    import geocomm
+
+    fmt = gpl.wire_format(geocomm.get_codec(CONFIGS[name]))
+    own, other = np.ones(64, np.float32), np.ones(64, np.float32)
+    own[:5] = [np.inf, -np.inf, np.nan, 1.0, -np.nan]
+    other[:5] = [-np.inf, np.inf, 1.0, -np.nan, 2.0]
+    size = fmt.wire_size(own.size)
+    body = np.zeros(size, np.uint8)
+    if fmt.family == gp.RAW:
+        body[:] = other.view(np.uint8)
+    else:
+        native.encode(fmt.native_id, other, fmt.block, body)
+    rows, slots = gpl.segment_rows(fmt, [gpl.Piece(0, own.size, 0, 0)])
+    want = np.zeros(size, np.uint8)
+    gp.HostKernels().encode(
+        fmt, own, gp.Segments(rows, rows), want, None, gp.Incoming(body, 1, size)
+    )
+    wire = cp.zeros(size, cp.uint8)
+    gp.CudaKernels().encode(fmt, cp.asarray(own), gp.Segments(rows, cp.asarray(rows)), wire,
+                            cp.zeros(max(slots, 1), cp.uint32),
+                            gp.Incoming(cp.asarray(body), 1, size))  # fmt: skip
+    assert np.array_equal(wire.get(), want), name
+
+
+def test_the_c_cores_sums_write_a_gpus_nan():
+    """native.decode(accumulate=True) and decode_onto, both loops: every NaN sum is
+    0x7fffffff, whatever the operands' NaNs (x86 gave -NaN for inf - inf)."""
+    x = np.array([np.inf, -np.nan, 1.0, 3.0] * 64, np.float32)
+    base = np.array([-np.inf, 1.0, -np.nan, np.nan] * 64, np.float32)
+    wire = np.zeros(native.wire_size("bf16", x.size), np.uint8)
+    native.encode("bf16", x, 0, wire)
+    previous = native.simd()
+    try:
+        for level in sorted(set(native.SIMD_LEVELS) & {"portable", "avx512"}):
+            if native.set_simd(level) != level:
+                continue
+            acc = base.copy()
+            native.decode("bf16", wire, 0, acc, accumulate=True)
+            onto = np.empty_like(base)
+            native.decode_onto("bf16", wire, 0, base, onto)
+            for got in (acc, onto):
+                assert (got.view(np.uint32) == 0x7FFFFFFF).all(), (level, got[:4])
+    finally:
+        native.set_simd(previous)
+
+
 def batched_encode(cp, fmt, x: np.ndarray, counts: tuple[int, ...]) -> tuple:
     """x cut into pieces of ``counts`` values, encoded in one launch of the batched
     kernels and by the C core running their contract: (device bytes, host bytes,
