@@ -105,9 +105,7 @@ def wire_size(fmt: int | str, n: int, block: int = 0) -> int:
     """Bytes of the headerless wire body of ``n`` values: the layout the kernels
     write (native/geocomm.h), with the compiled core's constants; needs no CuPy."""
     fmt = native.format_id(fmt)
-    n, block = int(n), int(block)
-    if n < 0 or block < 0:
-        raise ValueError(f"n and block must be non-negative, got n={n}, block={block}")
+    n, block = native.check_count(n), native.check_block(block)
     if n == 0:
         return 0
     if fmt in (native.E4M3, native.E5M2):
@@ -133,13 +131,6 @@ def _check_wire(cupy: Any, wire: Any, need: int, device: Any) -> None:
         raise ValueError(f"wire holds {wire.size} bytes, the body needs {need}")
     if wire.device != device:
         raise ValueError(f"wire is on {wire.device}, the values on {device}")
-
-
-def _check_block(block: int) -> int:
-    block = int(block)
-    if block < 0:
-        raise ValueError(f"block must be >= 0, got {block}")
-    return block
 
 
 def _grid(threads: int) -> tuple[int]:
@@ -255,7 +246,7 @@ def encode(
     stream) of x's device; returns without synchronizing.
     """
     cupy = require()
-    fmt, block = native.format_id(fmt), _check_block(block)
+    fmt, block = native.format_id(fmt), native.check_block(block)
     flags = native.check_flags(fmt, flags)
     seed = native.check_u64(seed, "seed")
     rounding_stream = native.check_u64(rounding_stream, "rounding_stream")
@@ -325,7 +316,7 @@ def decode(
     ``stream`` (default: the current stream) of out's device.
     """
     cupy = require()
-    fmt, block = native.format_id(fmt), _check_block(block)
+    fmt, block = native.format_id(fmt), native.check_block(block)
     _check_f32(cupy, out, "out")
     n = out.size
     _check_wire(cupy, wire, wire_size(fmt, n, block), out.device)

@@ -104,10 +104,21 @@ def check_count(n: Any, name: str = "n") -> int:
     return int(n)
 
 
+def check_block(block: Any) -> int:
+    """``block`` as an fp8 scaling block (0: one scale for all the values): an integer
+    in [0, 2^56], else TypeError or ValueError."""
+    if isinstance(block, bool) or not isinstance(block, (int, np.integer)):
+        raise TypeError(f"block must be an integer, got {block!r}")
+    if not 0 <= block <= MAX_WIRE_VALUES:
+        raise ValueError(f"block must lie in [0, 2^56], got {block}")
+    return int(block)
+
+
 def wire_size(fmt: int | str, n: int, block: int = 0) -> int:
-    """Bytes of the headerless wire body of ``n`` values (the C gc_wire_size)."""
+    """Bytes of the headerless wire body of ``n`` values (the C gc_wire_size); every
+    call of the core checks its block here first."""
     fmt = format_id(fmt)  # first: it raises NativeBuildMissing without the build
-    return int(_lib.gc_wire_size(fmt, check_count(n), block))
+    return int(_lib.gc_wire_size(fmt, check_count(n), check_block(block)))
 
 
 _MASK64 = (1 << 64) - 1

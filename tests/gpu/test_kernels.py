@@ -108,6 +108,24 @@ def test_kernels_give_the_same_bytes_from_unaligned_arrays(cp, fmt, block, shift
             assert same_values(out.get(), ref), f"{fmt}/{block} n={n} accumulate={accumulate}"
 
 
+@pytest.mark.parametrize(
+    ("block", "error"), [(-1, ValueError), (2**64, ValueError), (1.5, TypeError), (True, TypeError)]
+)
+def test_a_bad_block_is_refused_alike_by_the_c_core_and_the_kernels(cp, block, error):
+    """The low-level faces check ``block`` in one place (native.check_block): the C
+    core's raised OverflowError for -1 and 2^64, and the kernels took 1.5 as 1."""
+    x = np.ones(256, np.float32)
+    wire = np.zeros(4096, np.uint8)
+    with pytest.raises(error, match="block"):
+        native.encode("e4m3", x, block, wire)
+    with pytest.raises(error, match="block"):
+        native.decode("e4m3", wire, block, x)
+    with pytest.raises(error, match="block"):
+        cuda.encode("e4m3", cp.asarray(x), block, cp.asarray(wire))
+    with pytest.raises(error, match="block"):
+        cuda.wire_size("e4m3", x.size, block)
+
+
 def test_divide_keeps_subnormal_quotients(cp):
     x = np.array([2.0**-120, 3.0, -(2.0**-125), 1e-38], np.float32)
     out = cp.asarray(x)
