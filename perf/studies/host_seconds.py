@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # perf/codec_bench.py
+from codec_bench import cpu_model
 
 COUNT = 1 << 18
 CALLS = 3000
@@ -69,17 +71,6 @@ def measure(comm: Any, cupy: Any, codec: str, check: bool) -> dict[str, float]:
             _device.Graph.launch, _device.Stream.record, _device.Stream._record = saved
     seconds.sort()
     return {"median_us": seconds[CALLS // 2] * 1e6, "p10_us": seconds[CALLS // 10] * 1e6}
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux), else the machine type."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def markdown(runs: list[dict[str, Any]]) -> str:
@@ -126,7 +117,7 @@ def main() -> int:
     comm = NCCLCommunicator()
     rows = [{"call": n, **measure(comm, cupy, c, k)} for n, c, k in ROWS]
     run = {"label": args.label, "ranks": comm.size, "count": COUNT, "calls": CALLS,
-           "cpu": cpu_name(), "rows": rows}  # fmt: skip
+           "cpu": cpu_model(), "rows": rows}  # fmt: skip
     comm.close()
     if comm.rank == 0:
         print(markdown([run]))
