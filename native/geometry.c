@@ -47,6 +47,21 @@ GC_INLINE gc_vec load(const float *p)
 
 GC_INLINE void store(float *p, gc_vec v) { memcpy(p, &v, sizeof v); }
 
+/* An expansion's value x + sign t, a NaN written as a GPU's arithmetic writes it
+ * (0x7fffffff): x86 keeps a NaN operand's sign and sets it for inf - inf, and an
+ * encoder takes a NaN's code from its sign, so GeoFP8's wire bytes differed from
+ * the kernels' for a NaN gradient. */
+static inline float gpu_nan(float v) { return v == v ? v : gc_float(0x7fffffffu); }
+
+GC_INLINE gc_vec gpu_nans(gc_vec v)
+{
+    gc_ivec bits, nan = v != v; /* all ones where v is NaN */
+    memcpy(&bits, &v, sizeof bits);
+    bits = (bits & ~nan) | (nan & 0x7fffffff);
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
 /* v with its non-finite lanes replaced by +0 (gc_finite_or_zero per lane). */
 GC_INLINE gc_vec finite_or_zero(gc_vec v)
 {
@@ -286,7 +301,7 @@ GC_INLINE void expand_column(const float *x, size_t ldx, size_t j, const float *
         float t = 0.0f;
         for (size_t l = 0; l < k; l++)
             t = gc_mad(t, coef[r * k + l], vt[l * ldv + j]);
-        out[r * ldx + j] = x[r * ldx + j] + sign * t;
+        out[r * ldx + j] = gpu_nan(x[r * ldx + j] + sign * t);
     }
 }
 
@@ -311,7 +326,7 @@ GC_INLINE void expand_panels(const float *x, size_t ldx, size_t panels, const fl
         for (size_t r = 0; r < nrows; r++)
             for (int q = 0; q < 4; q++) {
                 size_t at = r * ldx + p * GC_PANEL + q * GC_LANES;
-                store(out + at, load(x + at) + sign * t[r][q]);
+                store(out + at, gpu_nans(load(x + at) + sign * t[r][q]));
             }
     }
 }
@@ -484,6 +499,16 @@ static void pair_basis(const float *vt, size_t k, size_t n, float *wp)
 
 typedef int32_t gc_wivec __attribute__((vector_size(8 * GC_LANES)));
 
+/* gpu_nans of 16 lanes. */
+GC_INLINE gc_wvec wgpu_nans(gc_wvec v)
+{
+    gc_wivec bits, nan = v != v;
+    memcpy(&bits, &v, sizeof bits);
+    bits = (bits & ~nan) | (nan & 0x7fffffff);
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
 /* The chunk ending at column `end` of coef[l], coef[l + 1] from a wide lane vector
  * (low half: basis row l), with no tail columns: the lanes combine in the vector,
  * lane 0 of each half becoming (p0 + p4 + ...) in gc_lane_sum's tree, step by step
@@ -627,7 +652,7 @@ GC_INLINE void expand_panels_wide(const float *x, size_t ldx, size_t panels, con
         for (size_t r = 0; r < nrows; r++)
             for (int q = 0; q < 2; q++) {
                 size_t at = r * ldx + p * GC_PANEL + q * 2 * GC_LANES;
-                wstore(out + at, wload(x + at) + sign * t[r][q]);
+                wstore(out + at, wgpu_nans(wload(x + at) + sign * t[r][q]));
             }
     }
 }
@@ -679,7 +704,7 @@ GC_AVX512 GC_INLINE void stream_panels_wide(gc_rows src, int fp8, size_t base,
             for (int q = 0; q < 2; q++) {
                 size_t e = base + r * ldx + p * GC_PANEL + q * 2 * GC_LANES;
                 gc_wvec v = rows_vector(src, fp8, e);
-                sink_put(&sink[r], 2 * p + q, (__m512)(v + sign * t[r][q]));
+                sink_put(&sink[r], 2 * p + q, (__m512)wgpu_nans(v + sign * t[r][q]));
             }
     }
 }
