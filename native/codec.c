@@ -73,15 +73,9 @@ static float load_f32(const uint8_t *p)
 
 static void store_f32(uint8_t *p, float f) { memcpy(p, &f, sizeof f); }
 
-/* The fp32 sum of an accumulating decode, a NaN written as a GPU's one NaN
- * (0x7fffffff): x86 keeps a NaN operand's sign and sets it for inf - inf, and
- * a collective encodes the sum again, its NaN's sign into the codes, so the
- * C core wrote other bytes than the kernels (whose adds give 0x7fffffff). */
-static inline float add_as_gpu(float a, float b)
-{
-    float sum = a + b;
-    return sum == sum ? sum : gc_float(0x7fffffffu);
-}
+/* The fp32 sum of an accumulating decode (a collective encodes it again), a
+ * NaN written as a GPU's (gc_gpu_nan). */
+static inline float add_as_gpu(float a, float b) { return gc_gpu_nan(a + b); }
 
 /* Max |x| over the finite values of a block, and whether all are finite. For
  * non-negative floats the order of the bit patterns is the numeric order, so
@@ -851,9 +845,7 @@ GC_AVX512 static inline gc_sink sink_open(float *out, size_t n, int accumulate)
 /* add_as_gpu of 16 lanes. */
 GC_AVX512 static inline __m512 v_add_as_gpu(__m512 a, __m512 b)
 {
-    __m512 sum = _mm512_add_ps(a, b);
-    return _mm512_mask_mov_ps(sum, _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q),
-                              _mm512_castsi512_ps(v_u32(0x7fffffffu)));
+    return v_gpu_nans(_mm512_add_ps(a, b));
 }
 
 /* Vector m's values, stored or added to out (read before the sink writes). */
@@ -1725,8 +1717,8 @@ int gc_encode(int fmt, const float *x, size_t n, size_t block, uint8_t *wire)
 }
 
 /* The decode call of gc_decode's arguments, onto base (NULL: none). */
-static GC_NOINLINE int decode_call(int fmt, const uint8_t *wire, size_t n, size_t block, const float *base,
-                       float *out, int accumulate)
+static GC_NOINLINE int decode_call(int fmt, const uint8_t *wire, size_t n, size_t block,
+                                   const float *base, float *out, int accumulate)
 {
     if (!known_format(fmt))
         return GC_EINVAL;

@@ -28,53 +28,63 @@ int gc_geo_decode_fp8_stream(int e5m2, const uint8_t *scales, const uint8_t *cod
 
 /* ---- the floating-point mode ----------------------------------------------
  * The codec's bytes assume IEEE 754's default mode: round to nearest even,
- * subnormal inputs and results kept (the GPU kernels compile with -ftz=false).
- * A process may run in another: torch.set_flush_denormal(True) and libraries
- * linked with -ffast-math set flush-to-zero and denormals-are-zero, and the
- * same call then wrote other bytes than the GPU and codecs/reference.py. So
- * every entry point of geocomm.h that computes runs its body in the default
- * mode and gives the caller's back: gc_ieee_enter sets it and returns the
- * caller's, gc_ieee_leave restores that. Threads a body starts inherit the
- * mode (POSIX). The body is a GC_NOINLINE function: the compiler may move
- * floating-point arithmetic across a change of mode, but not out of a call. */
+ * subnormal inputs and results kept, no trap on any exception (the GPU
+ * kernels compile with -ftz=false; the core with -fno-trapping-math). A
+ * process may run in another: torch.set_flush_denormal(True) and libraries
+ * linked with -ffast-math set flush-to-zero and denormals-are-zero (the same
+ * call then wrote other bytes than the GPU and codecs/reference.py), and
+ * feenableexcept() traps (inf - inf in a sum then raised SIGFPE). So every
+ * entry point of geocomm.h that computes runs its body in the default mode
+ * and gives the caller's back: gc_ieee_enter sets it and returns the
+ * caller's, gc_ieee_leave restores that (exception flags raised in between
+ * included). Threads a body starts inherit the mode (POSIX). The body is a
+ * GC_NOINLINE function: the compiler may move floating-point arithmetic
+ * across a change of mode, but not out of a call it may not analyse. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define GC_NOINLINE __attribute__((noipa))
+#else
 #define GC_NOINLINE __attribute__((noinline))
+#endif
 
-#if defined(__x86_64__) || defined(__i386__)
+#if defined(__x86_64__) || (defined(__i386__) && defined(__SSE_MATH__))
 #include <xmmintrin.h>
 typedef unsigned gc_fpmode;
-/* MXCSR: FTZ (bit 15), DAZ (bit 6) and the rounding control (bits 13-14) cleared */
+/* MXCSR: every exception masked (bits 7-12); FTZ (15), DAZ (6) and the
+ * rounding control (13-14) cleared */
 static inline gc_fpmode gc_ieee_enter(void)
 {
     gc_fpmode caller = _mm_getcsr();
-    _mm_setcsr(caller & ~(0x8000u | 0x0040u | 0x6000u));
+    _mm_setcsr((caller | 0x1f80u) & ~(0x8000u | 0x0040u | 0x6000u));
     return caller;
 }
 static inline void gc_ieee_leave(gc_fpmode caller) { _mm_setcsr(caller); }
 #elif defined(__aarch64__)
 typedef uint64_t gc_fpmode;
-/* FPCR: FZ (bit 24), FZ16 (bit 19) and RMode (bits 22-23) cleared */
+/* FPCR: the trap enables IOE..IXE (bits 8-12) and IDE (15), FZ (24), FZ16 (19),
+ * RMode (22-23), and FEAT_AFP's FIZ (0) and AH (1) cleared */
 static inline gc_fpmode gc_ieee_enter(void)
 {
     gc_fpmode caller;
-    __asm__ __volatile__("mrs %0, fpcr" : "=r"(caller));
-    gc_fpmode ieee = caller & ~((1ull << 24) | (1ull << 19) | (3ull << 22));
-    __asm__ __volatile__("msr fpcr, %0" : : "r"(ieee));
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(caller) : : "memory");
+    gc_fpmode ieee = caller & ~((gc_fpmode)0x9f03u | (1ull << 19) | (3ull << 22) | (1ull << 24));
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(ieee) : "memory");
     return caller;
 }
 static inline void gc_ieee_leave(gc_fpmode caller)
 {
-    __asm__ __volatile__("msr fpcr, %0" : : "r"(caller));
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(caller) : "memory");
 }
 #else
 #include <fenv.h>
-typedef int gc_fpmode; /* the rounding mode only: C has no portable flush-to-zero switch */
+typedef fenv_t gc_fpmode; /* no portable flush-to-zero switch: traps and rounding only */
 static inline gc_fpmode gc_ieee_enter(void)
 {
-    gc_fpmode caller = fegetround();
+    gc_fpmode caller;
+    feholdexcept(&caller); /* saves the environment, masks every trap */
     fesetround(FE_TONEAREST);
     return caller;
 }
-static inline void gc_ieee_leave(gc_fpmode caller) { fesetround(caller); }
+static inline void gc_ieee_leave(gc_fpmode caller) { fesetenv(&caller); }
 #endif
 
 /* `result = call`, `call` (of a GC_NOINLINE function) run in the default mode. */

@@ -76,6 +76,12 @@ GC_FN float gc_float(gc_u32 u)
 }
 #endif
 
+/* v, a NaN written as a GPU's arithmetic writes every NaN (0x7fffffff): the C
+ * core's sums and maps, whose results are encoded next (an encoder puts a
+ * NaN's sign in its code; x86 keeps a NaN operand's sign and sets it for
+ * inf - inf). The kernels' own arithmetic needs none. */
+GC_FN float gc_gpu_nan(float v) { return v == v ? v : gc_float(0x7fffffffu); }
+
 #ifdef __CUDACC__
 /* p moved by *moved bytes (moved NULL: p itself): where a kernel reads or writes
  * a caller's array. A CUDA graph keeps the addresses it captured, and NCCL lets a

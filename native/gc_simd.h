@@ -64,6 +64,13 @@ GC_AVX512 static inline __m512 v_fp8_value(int e5m2, __m512i c)
     return _mm512_castsi512_ps(_mm512_or_si512(v, sign));
 }
 
+/* gc_gpu_nan of 16 lanes. */
+GC_AVX512 static inline __m512 v_gpu_nans(__m512 v)
+{
+    return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                              _mm512_castsi512_ps(v_u32(0x7fffffffu)));
+}
+
 /* Where a loop's vectors go: vector m holds out[16 m .. 16 m + 16), put in
  * order m = 0, 1, ... With `stream`, whole 64-byte lines are written
  * non-temporally: out lies k floats past a line start, so line m is the

@@ -81,11 +81,13 @@ int gc_encode_ex(int fmt, const float *x, size_t n, size_t block, uint8_t *wire,
                  uint64_t seed, uint64_t stream, uint64_t offset);
 
 /* Decode a wire body of n values into out; with accumulate != 0 the values
- * are added to out (fp32, element by element) instead of stored. */
+ * are added to out (fp32, element by element) instead of stored, a NaN sum
+ * written as a GPU's add writes it (0x7fffffff). */
 int gc_decode(int fmt, const uint8_t *wire, size_t n, size_t block, float *out,
               int accumulate);
 
-/* out = base + decode(wire) for n values, element by element in fp32: the
+/* out = base + decode(wire) for n values, element by element in fp32 (a NaN
+ * sum written as gc_decode's): the
  * bits of copying base into out and then decoding with accumulate, in one
  * pass over memory (the pipeline's own piece plus a peer's; out is streamed,
  * never read, where the AVX-512 loops run, and goes through the cache tile

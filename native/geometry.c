@@ -47,12 +47,9 @@ GC_INLINE gc_vec load(const float *p)
 
 GC_INLINE void store(float *p, gc_vec v) { memcpy(p, &v, sizeof v); }
 
-/* An expansion's value x + sign t, a NaN written as a GPU's arithmetic writes it
- * (0x7fffffff): x86 keeps a NaN operand's sign and sets it for inf - inf, and an
- * encoder takes a NaN's code from its sign, so GeoFP8's wire bytes differed from
- * the kernels' for a NaN gradient. */
-static inline float gpu_nan(float v) { return v == v ? v : gc_float(0x7fffffffu); }
-
+/* An expansion's values x + sign t are written with gc_gpu_nan (GeoFP8 encodes
+ * them next: x86's NaN signs gave other codes than the kernels'); gpu_nans is
+ * gc_gpu_nan of a vector. */
 GC_INLINE gc_vec gpu_nans(gc_vec v)
 {
     gc_ivec bits, nan = v != v; /* all ones where v is NaN */
@@ -301,7 +298,7 @@ GC_INLINE void expand_column(const float *x, size_t ldx, size_t j, const float *
         float t = 0.0f;
         for (size_t l = 0; l < k; l++)
             t = gc_mad(t, coef[r * k + l], vt[l * ldv + j]);
-        out[r * ldx + j] = gpu_nan(x[r * ldx + j] + sign * t);
+        out[r * ldx + j] = gc_gpu_nan(x[r * ldx + j] + sign * t);
     }
 }
 
@@ -499,7 +496,8 @@ static void pair_basis(const float *vt, size_t k, size_t n, float *wp)
 
 typedef int32_t gc_wivec __attribute__((vector_size(8 * GC_LANES)));
 
-/* gpu_nans of 16 lanes. */
+/* gc_gpu_nan of 16 lanes (generic vectors, as gpu_nans: callers inline it in
+ * AVX-512 loops). */
 GC_INLINE gc_wvec wgpu_nans(gc_wvec v)
 {
     gc_wivec bits, nan = v != v;

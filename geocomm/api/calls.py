@@ -83,7 +83,8 @@ def resolve_codec(codec: Any, comm: Any = None) -> Codec:
     """A codec instance for an id, config or Codec; ids and configs map to one cached
     instance each per communicator (``comm``, default: the default communicator), so
     stateful codecs keep their per-key state across calls, and never share it with the
-    calls of another communicator."""
+    calls of another communicator (one that takes no attributes, and calls before
+    :func:`init` without ``comm``, share one process-wide instance per config)."""
     if isinstance(codec, Codec):
         return codec
     config = get_codec(codec).get_config()

@@ -43,14 +43,16 @@ class NoneCodec(FramedCodec):
 
     def decode_wire(self, wire: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
         values = wire[: 4 * out.size].view("<f4")
-        if accumulate:
+        if accumulate:  # a NaN sum as the C core's and a GPU's
             out += values
+            native.gpu_nans(out)
         else:
             out[...] = values
 
     def decode_wire_onto(self, wire: np.ndarray, base: np.ndarray, out: np.ndarray) -> None:
         if isinstance(out, np.ndarray):  # one pass; device arrays as the base class
             np.add(base, wire[: 4 * out.size].view("<f4"), out=out)
+            native.gpu_nans(out)
         else:
             super().decode_wire_onto(wire, base, out)
 

@@ -200,9 +200,14 @@ class _NCCLRequest:
         self._buffers = ()
 
 
-def _release_at_exit(ref: weakref.ReferenceType) -> None:
-    comm = ref()
-    if comm is not None:
+#: The communicators alive, whose graphs go at exit before CuPy's NcclCommunicator
+#: destroys its NCCL communicator in whatever order teardown frees objects.
+_alive: weakref.WeakSet[NCCLCommunicator] = weakref.WeakSet()
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    for comm in list(_alive):
         comm._release_graphs(drained=False)
 
 
@@ -284,9 +289,7 @@ class NCCLCommunicator:
         #: destroyed (commDestroySync polls comm->localPersistentRefs), so close() and
         #: abort_local() drop them first
         self._graph_holders: weakref.WeakSet = weakref.WeakSet()
-        # at exit CuPy's NcclCommunicator.__dealloc__ destroys the NCCL communicator in
-        # whatever order teardown frees objects: its graphs must be gone first
-        atexit.register(_release_at_exit, weakref.ref(self))
+        _alive.add(self)
         abort.register(self)
 
     # -- helpers ---------------------------------------------------------------

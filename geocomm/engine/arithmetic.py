@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from geocomm.engine.layout import array_module
+from geocomm.kernels import native
 
 
 def add_into(acc: Any, values: Any) -> None:
@@ -19,9 +20,11 @@ def add_into(acc: Any, values: Any) -> None:
     CuPy arrays with :func:`geocomm.kernels.cuda.add` (CuPy's own ``+=`` is compiled with
     ``-ftz=true`` and flushes subnormals, so the GPU would disagree with the CPU).
     ``acc``, ``values``: C-contiguous float32 arrays of one size and kind; ``values``
-    may be ``acc`` itself, else it must not overlap it."""
+    may be ``acc`` itself, else it must not overlap it. A NaN sum is written as a GPU's
+    (:func:`geocomm.kernels.native.gpu_nans`)."""
     if array_module(acc) is np:
         np.add(acc, values, out=acc)
+        native.gpu_nans(acc)
     else:
         from geocomm.kernels import cuda
 

@@ -97,8 +97,6 @@ from geocomm.engine.protocols import RangeMap
 from geocomm.kernels import cuda, cuda_build, native
 
 _SOURCE = "gc_pipeline.cu"
-#: the one NaN a GPU's fp32 add writes
-GPU_NAN = np.uint32(0x7FFFFFFF).view(np.float32)
 _INCLUDE_LINES = ('#include "gc_cuda.cu"', '#include "gc_linalg.h"')
 
 
@@ -354,7 +352,7 @@ class HostKernels:
                 return
             with np.errstate(invalid="ignore"):  # inf - inf is a NaN like any other
                 out += values
-            np.copyto(out, GPU_NAN, where=np.isnan(out))  # as a GPU's add (and the C core)
+            native.gpu_nans(out)
         else:
             native.decode(fmt.native_id, body, fmt.block, out, accumulate)
 

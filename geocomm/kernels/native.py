@@ -104,6 +104,19 @@ def check_count(n: Any, name: str = "n") -> int:
     return int(n)
 
 
+#: The one NaN a GPU's fp32 arithmetic writes, and the C core's sums and maps.
+GPU_NAN = np.uint32(0x7FFFFFFF).view(np.float32)
+
+
+def gpu_nans(values: np.ndarray) -> None:
+    """Write every NaN of the NumPy array ``values`` as :data:`GPU_NAN`, as the C core
+    writes its sums: NumPy's arithmetic on x86 keeps a NaN operand's sign and sets it
+    for inf - inf, and an encoder puts a NaN's sign in its code."""
+    nan = np.isnan(values)
+    if nan.any():
+        values[nan] = GPU_NAN
+
+
 def check_block(block: Any) -> int:
     """``block`` as an fp8 scaling block (0: one scale for all the values): an integer
     in [0, 2^56], else TypeError or ValueError."""

@@ -386,6 +386,9 @@ def test_hsdp_gives_the_replicas_a_geofp8_state_of_their_own(comm):
     resumed = compress_fsdp(resumed_model, config, replicate_group=replicas)
     resumed.load_state_dict(saved)
     assert resumed.replica_codec.state_checksum() == fsdp.replica_codec.state_checksum()
+    unreplicated = compress_fsdp(_sharded(mesh["shard"]), config)  # nothing to load it into
+    with pytest.raises(ValueError, match="replica all-reduce"):
+        unreplicated.load_state_dict(saved)
 
 
 def test_unfreezing_after_install_is_refused_naming_the_cause(comm):

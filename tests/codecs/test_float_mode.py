@@ -130,3 +130,49 @@ def test_geometry_gives_the_default_modes_bits_under_flushing():
         assert np.array_equal(bits(default), bits(flushed))
     assert outcomes[0][-1] > 0  # the subnormals' squares were summed, not flushed
     assert np.count_nonzero(outcomes[0][2]) == acc.size  # subnormal sums kept
+
+
+def test_a_caller_trapping_invalid_operations_gets_no_signal():
+    """A process that traps floating-point exceptions (glibc's feenableexcept) got
+    SIGFPE from the core's inf - inf in an accumulating decode (the core assumes no
+    traps: -fno-trapping-math). The default mode masks them; the caller's traps are
+    back afterwards."""
+    import ctypes
+    import ctypes.util
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("FE_INVALID's value is x86's here")
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    if not hasattr(libm, "feenableexcept"):
+        pytest.skip("no feenableexcept (not glibc)")
+    fe_invalid = 0x01  # x86
+    x = np.full(4096, np.inf, np.float32)
+    wire = np.empty(native.wire_size("bf16", x.size), np.uint8)
+    native.encode("bf16", x, 0, wire)
+    out = np.full_like(x, -np.inf)
+    libm.feenableexcept(fe_invalid)
+    try:
+        native.decode("bf16", wire, 0, out, accumulate=True)  # inf + -inf in every lane
+        trapping = libm.fegetexcept() & fe_invalid
+    finally:
+        libm.fedisableexcept(fe_invalid)
+    assert trapping, "the caller's trap was not given back"
+    assert (out.view(np.uint32) == 0x7FFFFFFF).all()
+
+
+def test_the_threads_a_call_starts_compute_in_the_default_mode_too():
+    """A call of 2^21 values runs on several threads (native.set_threads), which take
+    the mode the calling thread set before starting them."""
+    previous = native.threads()
+    native.set_threads(4)
+    try:
+        x = subnormal_gradient(1 << 21)
+        wire = np.empty(native.wire_size("e4m3", x.size, 128), np.uint8)
+        native.encode("e4m3", x, 128, wire)
+        flushed = np.empty_like(wire)
+        with flushing():
+            native.encode("e4m3", x, 128, flushed)
+    finally:
+        native.set_threads(previous)
+    assert np.array_equal(flushed, wire)

@@ -181,8 +181,9 @@ def test_a_codec_named_by_id_keeps_a_state_per_communicator():
         raw.Free()
 
 
-def test_node_keys_are_the_hosts_and_need_no_collective():
-    """Every rank of this job runs on one host: one key, the same on every rank."""
+def test_node_keys_are_equal_on_one_host():
+    """A node key is a hash of the host (this suite's ranks share one): the same on
+    every rank, without a collective of its own."""
     comm = MPICommunicator(MPI.COMM_WORLD)
     key = comm.node_key()
     assert key >= 0

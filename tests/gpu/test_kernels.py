@@ -133,6 +133,31 @@ def test_divide_keeps_subnormal_quotients(cp):
     assert np.array_equal(out.get().view(np.uint32), (x / np.float32(3)).view(np.uint32))
 
 
+def test_host_and_device_sums_write_the_same_nan(cp):
+    """add_into (error feedback's values + residual, the exact sums) and the lossless
+    codec's accumulating decodes: NumPy's NaN sums are written as the GPU's, so what is
+    encoded next has the same bits (x86 gave 0xffc00000 for inf - inf and kept a NaN
+    operand's sign, the kernels 0x7fffffff)."""
+    from geocomm.codecs.formats import NoneCodec
+    from geocomm.engine.arithmetic import add_into
+
+    a = np.array([np.inf, -np.nan, 1.0, np.nan, 2.0], np.float32)
+    b = np.array([-np.inf, 1.0, -np.nan, -np.nan, 3.0], np.float32)
+    host, device = a.copy(), cp.asarray(a)
+    with np.errstate(invalid="ignore"):
+        add_into(host, b)
+    add_into(device, cp.asarray(b))
+    assert np.array_equal(host.view(np.uint32), device.get().view(np.uint32))
+    assert (host[:4].view(np.uint32) == 0x7FFFFFFF).all()
+    codec, wire = NoneCodec(), b.view(np.uint8).copy()
+    summed, onto = a.copy(), np.empty_like(a)
+    with np.errstate(invalid="ignore"):
+        codec.decode_wire(wire, summed, accumulate=True)
+        codec.decode_wire_onto(wire, a, onto)
+    assert np.array_equal(summed.view(np.uint32), host.view(np.uint32))
+    assert np.array_equal(onto.view(np.uint32), host.view(np.uint32))
+
+
 @pytest.mark.parametrize("shift", [0, 1, 3], ids=["aligned", "+4B", "+12B"])
 def test_divide_add_and_subtract_give_numpys_bits_at_any_alignment(cp, shift):
     """The fp32 divide, add and residual kernels take four values per thread, in one

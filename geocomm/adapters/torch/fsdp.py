@@ -148,8 +148,14 @@ class FSDPCompression:
         self._check_size()
 
     def _load_replica_state(self) -> None:
-        """Load a checkpoint's replica codec state once the replica codec exists."""
+        """Load a checkpoint's replica codec state once the replica codec exists; once
+        installed without one (no replicas, or a stateless codec), refuse it."""
         state, xp = self._replica_state
+        if state is not None and self.replica_codec is None and self.installed:
+            raise ValueError(
+                "compress_fsdp: the saved state holds a replica all-reduce's codec state, "
+                "and this model has no replica all-reduce of a stateful codec"
+            )
         if state is None or self.replica_codec is None:
             return
         self._replica_state = (None, np)

@@ -17,6 +17,7 @@ matrix row the range touches (:func:`rows`), the first being row lo // n.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import numpy as np
@@ -81,6 +82,7 @@ def host_copy(a: Any) -> np.ndarray:
 #: the codec's pending ones): CuPy's pool hands a freed block out again at once, and
 #: the copy would land in its next owner's bytes.
 _landing: list[LaterCopy] = []
+_landing_lock = threading.Lock()  # a DDP hook's worker makes them too
 
 
 class LaterCopy:
@@ -118,8 +120,9 @@ class LaterCopy:
             at += span
         self._event = cupy.cuda.Event(disable_timing=True)
         self._event.record()
-        _landing[:] = [c for c in _landing if not c._event.done]
-        _landing.append(self)
+        with _landing_lock:
+            _landing[:] = [c for c in _landing if not c._event.done]
+            _landing.append(self)
 
     def result(self) -> list[np.ndarray]:
         """The copies, in the order given (NumPy; do not write to them)."""
