@@ -159,7 +159,9 @@ def _f32_pool(rng: np.random.Generator, n: int) -> np.ndarray:
 
 
 def test_fp32_helpers_keep_subnormals_and_the_residual_bits():
-    """add_into is NumPy's ``+=``; residual_of gives what error feedback always computed
+    """add_into is NumPy's ``+=``, a NaN sum written as a GPU's (0x7fffffff, whatever the
+    operands' NaNs: an encoder puts a NaN's sign in its code); residual_of gives what
+    error feedback always computed
     (``sent *= -1; sent += values``), the IEEE ``values - decoded`` (``np.subtract``),
     wherever that is finite, and 0 elsewhere (a non-finite value is sent once, not on
     every later call)."""
@@ -173,6 +175,7 @@ def test_fp32_helpers_keep_subnormals_and_the_residual_bits():
         add_into(acc, b)
         want = a.copy()
         want += b
+        want[np.isnan(want)] = np.uint32(0x7FFFFFFF).view(np.float32)
         assert np.array_equal(acc.view(np.uint32), want.view(np.uint32))
         tiny = np.finfo(np.float32).tiny
         subnormal = np.isfinite(acc) & (acc != 0) & (np.abs(acc) < tiny)
