@@ -19,7 +19,7 @@ import math
 import numbers
 import operator
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
@@ -90,16 +90,8 @@ def resolve_codec(codec: Any, comm: Any = None) -> Codec:
     config = get_codec(codec).get_config()
     name = json.dumps(config, sort_keys=True)
     comm = comm if comm is not None else _default_comm
-    cache: dict[str, Codec] = _codecs  # no communicator, or one that takes no attributes
-    if comm is not None:
-        mine = getattr(comm, _CODECS, None)
-        if mine is None:
-            mine = {}
-            try:
-                setattr(comm, _CODECS, mine)
-            except AttributeError:
-                mine = _codecs
-        cache = mine
+    mine = None if comm is None else _kept_on(comm, _CODECS, dict)
+    cache: dict[str, Codec] = _codecs if mine is None else mine
     if name not in cache:
         cache[name] = get_codec(config)
     return cache[name]
@@ -240,17 +232,18 @@ def check_enabled(check: bool | None) -> bool:
 _SIGNATURES = "_geocomm_signatures"
 
 
-def _signatures(comm: Any, make: bool) -> collections.OrderedDict[tuple[Any, ...], Any] | None:
-    """``comm``'s cache of signatures (``make``: made if it has none; None for a
-    communicator that takes no attributes: its calls are not cached)."""
-    cache = getattr(comm, _SIGNATURES, None)
-    if cache is None and make:
-        cache = collections.OrderedDict()
+def _kept_on(comm: Any, attribute: str, new: Callable[[], Any] | None) -> Any:
+    """What ``comm`` keeps under ``attribute`` (its signatures, its codecs), made by
+    ``new`` where it has none (``new`` None: nothing made); None for a communicator
+    that takes no attributes."""
+    kept = getattr(comm, attribute, None)
+    if kept is None and new is not None:
+        kept = new()
         try:
-            setattr(comm, _SIGNATURES, cache)
+            setattr(comm, attribute, kept)
         except AttributeError:
             return None
-    return cache
+    return kept
 
 
 def signature(kind: str, x: Any, codec: Any, op: str, options: Options) -> Signature:
@@ -265,7 +258,7 @@ def signature(kind: str, x: Any, codec: Any, op: str, options: Options) -> Signa
     check = check_enabled(options.get("check"))
     topology = requested_topology(options.get("topology"))
     key = _cache_key(kind, x, codec, op, options, check, topology)
-    cache = _signatures(comm, make=False) if key is not None else None
+    cache = _kept_on(comm, _SIGNATURES, None) if key is not None else None
     if cache is not None and key is not None:
         cached = cache.get(key)
         if cached is not None:
@@ -273,7 +266,7 @@ def signature(kind: str, x: Any, codec: Any, op: str, options: Options) -> Signa
             return cached[0]
     result = _describe(kind, x, codec, op, options, comm, check, topology)
     if key is not None:
-        cache = _signatures(comm, make=True)
+        cache = _kept_on(comm, _SIGNATURES, collections.OrderedDict)
         if cache is None:
             return result
         cache[key] = (result, codec)  # the codec argument kept: its id is in the key
