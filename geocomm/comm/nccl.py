@@ -5,11 +5,12 @@ The host communicator (MPI, by default over ``MPI.COMM_WORLD``; or a
 torch.distributed gloo group, for jobs that torchrun or a framework started)
 carries what is not GPU data: rank 0's NCCL unique id to every rank, the
 collectives' small metadata all-gathers, barriers, and ending the job on a
-failure. Over MPI each process drives the GPU ``local rank % device count``;
-over torch.distributed the device ``LOCAL_RANK`` names, else CuPy's current
-one. Encoded bytes travel as ``ncclUint8`` with
-grouped ``ncclSend``/``ncclRecv`` per peer (the rank's own segment is a
-device-to-device copy); NCCL is never asked to sum codes.
+failure. Over MPI each process drives the GPU ``local index % device count``,
+its index among its node's ranks (:mod:`geocomm.comm.nodes`); over
+torch.distributed the device ``LOCAL_RANK`` names, else CuPy's current one.
+Encoded bytes travel as ``ncclUint8`` with grouped ``ncclSend``/``ncclRecv``
+per peer (the rank's own segment is a device-to-device copy); NCCL is never
+asked to sum codes.
 
 Streams: transfers run on the communicator's own non-blocking stream, which
 first waits for the work already queued on the caller's current stream (the
@@ -73,7 +74,7 @@ from typing import Any
 
 import numpy as np
 
-from geocomm.comm import abort
+from geocomm.comm import abort, nodes
 from geocomm.comm.base import CollectiveTimeout, Communicator, timeout_seconds, wait
 from geocomm.comm.mpi import require_mpi
 from geocomm.kernels import cuda_build
@@ -154,16 +155,21 @@ def _completed(event: Any) -> bool:
     if status == _NOT_READY:
         return False
     event.synchronize()  # returns the sticky error at once: raised with CUDA's message
-    from cupy.cuda import runtime
-
-    raise runtime.CUDARuntimeError(status)
+    raise _runtime().CUDARuntimeError(status)
 
 
 def _event_status(event: Any) -> int:
     """cudaEventQuery's status of a CuPy event (CuPy returns it; it raises nothing)."""
+    return int(_runtime().eventQuery(event.ptr))
+
+
+@functools.cache
+def _runtime() -> Any:
+    """``cupy.cuda.runtime``, imported on the first poll (the module imports without
+    CuPy)."""
     from cupy.cuda import runtime
 
-    return int(runtime.eventQuery(event.ptr))
+    return runtime
 
 
 class _NCCLRequest:
@@ -211,13 +217,13 @@ def _release_at_exit() -> None:
         comm._release_graphs(drained=False)
 
 
-def _local_rank(mpi: Any, comm: Any) -> int:
-    """Rank among the processes of this node."""
-    node = comm.Split_type(mpi.COMM_TYPE_SHARED)
-    try:
-        return node.Get_rank()
-    finally:
-        node.Free()
+def _local_rank(host: Communicator) -> int:
+    """``host.rank``'s index among the ranks of its node (:mod:`geocomm.comm.nodes`:
+    ``GEOCOMM_RANKS_PER_NODE``, else the gathered node keys; its rank where the layout is
+    unknown). One all-gather that waits at most GEOCOMM_TIMEOUT, where an MPI
+    ``Split_type`` blocked for good on a missing peer."""
+    layout = nodes.node_layout(host)
+    return host.rank if layout is None else layout.local_index(host.rank)
 
 
 #: int64 words that carry a pickled NCCL unique id from rank 0 (its length first)
@@ -263,7 +269,7 @@ class NCCLCommunicator:
             host = MPICommunicator(require_mpi().COMM_WORLD if host is None else host)
         if isinstance(host, MPICommunicator):
             if device is None:
-                device = _local_rank(require_mpi(), host.comm)
+                device = _local_rank(host)
         elif device is None:
             local = os.environ.get("LOCAL_RANK", "")
             device = int(local) if local.isdigit() else cupy.cuda.Device().id

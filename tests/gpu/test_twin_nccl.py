@@ -149,24 +149,32 @@ def test_the_communicator_bounds_what_the_host_waits_for(tmp_path, scenario):
     assert "rank 1 done" in out, out
 
 
-def test_over_a_geocomm_mpi_communicator_each_rank_takes_its_node_local_device(monkeypatch):
-    """NCCL over a geocomm MPICommunicator asks MPI for the rank's place on its node, as
-    over an mpi4py communicator (it took torch's rule, LOCAL_RANK or the current device,
-    which mpiexec does not set: every rank on device 0). Here the node says 1, on a twin
-    of two devices."""
-    import cupy
-
-    from geocomm.comm import nccl
+DEVICE_JOB = textwrap.dedent("""
+    import sys
+    from mpi4py import MPI
     from geocomm.comm.mpi import MPICommunicator
+    from geocomm.comm.nccl import NCCLCommunicator
+    host = MPI.COMM_WORLD if sys.argv[1] == "mpi4py" else MPICommunicator()
+    comm = NCCLCommunicator(host)
+    print(f"rank {comm.rank} on device {comm.device.id}", flush=True)
+    comm.close()
+""")
 
-    monkeypatch.setenv("GEOCOMM_TWIN_DEVICES", "2")
-    monkeypatch.setattr(nccl, "_local_rank", lambda mpi, comm: 1)
-    try:
-        comm = nccl.NCCLCommunicator(MPICommunicator())
-        assert comm.device.id == 1
-        comm.close()
-    finally:
-        cupy.cuda.Device(0).use()
+
+@pytest.mark.parametrize("host", ["mpi4py", "geocomm"])
+@pytest.mark.parametrize("per_node", ["", "1"])
+def test_each_rank_takes_its_node_local_device(tmp_path, host, per_node):
+    """Over MPI a rank drives the device of its index among its node's ranks (the twin
+    has two devices here): both ranks share this host, so ranks 0 and 1 take devices
+    0 and 1; with GEOCOMM_RANKS_PER_NODE=1 each rank is a node of its own and takes
+    device 0. The same over an mpi4py communicator and a geocomm MPICommunicator (the
+    latter took torch's rule once, LOCAL_RANK or the current device, which mpiexec
+    does not set: every rank on device 0)."""
+    out, _ = run_job(tmp_path, host, DEVICE_JOB, GEOCOMM_TWIN_DEVICES="2",
+                     GEOCOMM_RANKS_PER_NODE=per_node)  # fmt: skip
+    for rank in (0, 1):
+        device = 0 if per_node else rank
+        assert f"rank {rank} on device {device}" in out, out
 
 
 # geocomm's NCCLCommunicator ending: after captured calls, and on a failed device
