@@ -217,15 +217,45 @@ class WireOf:
 class StatefulCodec(Codec):
     """A codec with state that lives across calls (GeoFP8's bases, error feedback's
     residuals). The collectives compare ``state_checksum`` across ranks before
-    every call; checkpoints carry ``state_dict``."""
+    every call; checkpoints carry ``state_dict``.
+
+    The state is the state of one group of ranks: GeoFP8 spreads its side budget
+    over every key it holds, and error feedback's call counts are compared across
+    ranks, so ranks whose instances also served calls of another group would send
+    different bytes. The collectives name the group (:meth:`hold_for`) before a
+    call uses the state; :meth:`reset_state` frees the codec for another."""
+
+    #: the group of ranks whose calls this state serves (None: none yet)
+    _group: Any = None
+
+    def hold_for(self, group: Any) -> None:
+        """Let the state serve the calls of ``group`` (a hashable name of a group of
+        ranks, equal for equal groups: their ranks in the job). Raises ValueError
+        when it serves another group."""
+        if self._group is None:
+            self._group = group
+        elif self._group != group:
+            raise ValueError(
+                f"this {type(self).__name__} object holds the state of the calls of "
+                f"{_describe_group(self._group)}; a call of {_describe_group(group)} would "
+                "mix theirs into it, and the ranks would then send different bytes. Give "
+                "each communicator (process group) its own instance: pass the codec's id "
+                "or config (get_config()), which keeps one per communicator, or "
+                "get_codec(codec.get_config()) per communicator; or reset_state() first"
+            )
+
+    def reset_state(self) -> None:
+        """Forget every key's state; the codec may then serve another group of ranks."""
+        self._group = None
+        self._forget()
 
     @abstractmethod
     def state_checksum(self, key: Any = None) -> int:
         """CRC32 of one key's state (or of all, key None); equal on ranks that agree."""
 
     @abstractmethod
-    def reset_state(self) -> None:
-        """Forget every key's state."""
+    def _forget(self) -> None:
+        """Forget every key's state (:meth:`reset_state`)."""
 
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
@@ -234,6 +264,12 @@ class StatefulCodec(Codec):
     @abstractmethod
     def load_state_dict(self, data: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
+
+
+def _describe_group(group: Any) -> str:
+    if isinstance(group, tuple) and all(isinstance(r, int) for r in group):
+        return f"ranks {list(group)}"
+    return "another communicator"
 
 
 class TransformingCodec(StatefulCodec):

@@ -88,7 +88,7 @@ class ErrorFeedbackCodec(WireOf, FramedCodec, StatefulCodec):
             return 0
         return self.mapping_codec.state_checksum(key)
 
-    def reset_state(self) -> None:
+    def _forget(self) -> None:
         self._residuals.clear()
         self._calls.clear()
         if self.mapping_codec is not None:

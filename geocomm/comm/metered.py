@@ -34,6 +34,8 @@ class MeteredComm:
         self.parent = parent  # a sub-communicator's counts go to its parent's too
         if hasattr(comm, "node_key"):
             self.node_key = comm.node_key
+        if hasattr(comm, "world_ranks"):
+            self.world_ranks = comm.world_ranks
         if hasattr(comm, "subgroups"):
             self.subgroups = self._subgroups
         if hasattr(comm, "start_allgather_int64"):

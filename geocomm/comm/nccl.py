@@ -298,6 +298,12 @@ class NCCLCommunicator:
         _alive.add(self)
         abort.register(self)
 
+    def world_ranks(self) -> tuple[int, ...] | None:
+        """The ranks of this communicator's processes in the job: its host's (None:
+        unknown)."""
+        ranks = getattr(self.host, "world_ranks", None)
+        return None if ranks is None else ranks()
+
     # -- helpers ---------------------------------------------------------------
 
     def _check_bytes(self, a: Any, name: str) -> None:

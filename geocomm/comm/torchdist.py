@@ -47,6 +47,7 @@ import contextlib
 import datetime
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -311,10 +312,17 @@ class TorchDistCommunicator:
     ("nccl" or "gloo").
     ``group`` may also be a ``ProcessGroup`` outside torch.distributed's registry
     (made from a store, its backend registered by hand); rank, size and backend
-    then come from the group object, and no default group is needed.
+    then come from the group object, and no default group is needed; ``ranks``
+    then names the group's global ranks, where known (:meth:`world_ranks`).
     """
 
-    def __init__(self, group: Any = None, *, device_arrays: bool | None = None):
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        device_arrays: bool | None = None,
+        ranks: Sequence[int] | None = None,
+    ):
         import torch
         import torch.distributed as dist
 
@@ -334,6 +342,10 @@ class TorchDistCommunicator:
             self.rank = dist.get_rank(group)
             self.size = dist.get_world_size(group)
             nccl = dist.get_backend(group) == "nccl"
+            ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        if ranks is not None and len(ranks) != self.size:
+            raise ValueError(f"ranks names {len(ranks)} ranks of a group of {self.size}")
+        self._world_ranks = None if ranks is None else tuple(int(r) for r in ranks)
         if device_arrays is None:
             device_arrays = nccl
         elif not device_arrays and nccl:
@@ -539,6 +551,11 @@ class TorchDistCommunicator:
     def barrier(self) -> None:
         """Every rank's arrival, waited for at most GEOCOMM_TIMEOUT."""
         wait(TorchWork(self._dist.barrier(group=self.group, async_op=True)), "a barrier", self.rank)
+
+    def world_ranks(self) -> tuple[int, ...] | None:
+        """The group's global ranks, in group rank order (None: a group outside
+        torch.distributed's registry made without ``ranks``)."""
+        return self._world_ranks
 
     def node_key(self) -> int:
         """This rank's node from torch's launcher: ``GROUP_RANK`` (torchrun's node rank),

@@ -188,11 +188,19 @@ def test_a_parameter_is_reduced_in_place_under_no_grad(comm):
 
 
 @pytestmark_mpi
-def test_groups_configured_alike_keep_their_own_codec_state(comm):
+@pytest.mark.parametrize("given", ["id", "object"])
+def test_groups_configured_alike_keep_their_own_codec_state(comm, given):
     """A codec's state (GeoFP8's bases, error feedback's residuals) is per group: two
-    groups of one configuration never share one codec object."""
-    first, second = _geocomm_group(codec="geofp8"), _geocomm_group(codec="geofp8")
+    groups of one configuration never share one codec object, also where a GeoFP8
+    object was configured (a state serves one group of ranks; torch makes groups of
+    other ranks from one configuration, a DeviceMesh's shard and replica groups). A
+    stateless object is used as it is."""
+    codec = "geofp8" if given == "id" else geocomm.get_codec("geofp8")
+    first, second = _geocomm_group(codec=codec), _geocomm_group(codec=codec)
     assert first.codec == second.codec and first.codec is not second.codec
+    assert first.codec is not codec and second.codec is not codec
+    fp8 = geocomm.get_codec("fp8")
+    assert _geocomm_group(codec=fp8).codec is fp8
 
 
 @pytestmark_mpi

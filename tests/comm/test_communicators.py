@@ -16,6 +16,7 @@ of two.
 from __future__ import annotations
 
 import hashlib
+import re
 
 import numpy as np
 import pytest
@@ -179,6 +180,53 @@ def test_a_codec_named_by_id_keeps_a_state_per_communicator():
             assert np.array_equal(got, simulate_allreduce(simulated, xs, key="w"))
     finally:
         raw.Free()
+
+
+def test_world_ranks_name_the_group(group):
+    """A communicator names its processes by their ranks in the world, in its own rank
+    order (what tells a codec's group apart; Split's key -rank reverses the order)."""
+    comm, world_ranks = group
+    assert comm.world_ranks() == tuple(world_ranks)
+
+
+def test_a_codec_object_serves_one_group_of_ranks():
+    """A Codec object keeps one state wherever it is used: shared by the calls of the
+    world and of a sub-communicator, GeoFP8's allocation then differed across the
+    world's ranks (MPI_ERR_TRUNCATE at 3 ranks). Its state now serves the first group
+    of ranks that calls with it: another group's call raises ValueError on each of its
+    ranks before anything moves, and the world's calls go on as the simulation's. A
+    communicator of the same ranks (a Dup) shares the state; reset_state() frees it."""
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    if size == 1:
+        pytest.skip("one rank makes one group of ranks")
+    config = {"id": "geofp8", "min_dim": 8, "min_numel": 0}
+    codec = get_codec(config)
+    world_comm = MPICommunicator(world)
+    ranks = list(range(size))
+    simulated = [get_codec(config) for _ in ranks]
+    raw_sub, raw_dup = world.Split(int(rank == 0), rank), world.Dup()
+    try:
+        sub, dup = MPICommunicator(raw_sub), MPICommunicator(raw_dup)
+        for step in range(STEPS + 1):
+            xs = inputs(ranks, step)
+            on = world_comm if step % 2 == 0 else dup  # the same ranks: one state
+            got = geocomm.allreduce(xs[rank], codec=codec, key="w", comm=on)
+            assert np.array_equal(got, simulate_allreduce(simulated, xs, key="w"))
+            mine = sorted(r for r in ranks if (r == 0) == (rank == 0))
+            held = re.escape(f"of ranks {ranks}; a call of ranks {mine}")
+            with pytest.raises(ValueError, match=held):
+                geocomm.allreduce(xs[rank], codec=codec, key="z", comm=sub)
+        codec.reset_state()  # now free for the sub-communicator's calls
+        x = inputs(ranks, 0)[rank]
+        assert geocomm.allreduce(x, codec=codec, key="z", comm=sub).shape == x.shape
+        with pytest.raises(
+            ValueError, match=re.escape(f"of ranks {mine}; a call of ranks {ranks}")
+        ):
+            geocomm.allreduce(x, codec=codec, key="w", comm=world_comm)  # a signature cached
+    finally:
+        raw_sub.Free()
+        raw_dup.Free()
 
 
 def test_node_keys_are_equal_on_one_host():

@@ -535,8 +535,7 @@ class GeoCodec(WireOf, FramedCodec, TransformingCodec):
             crc = zlib.crc32(repr(k).encode() + self._state[k].crc.to_bytes(4, "little"), crc)
         return crc
 
-    def reset_state(self) -> None:
-        """Forget every key's geometry."""
+    def _forget(self) -> None:
         self._unsettled.clear()
         self._queued.clear()
         self._state.clear()

@@ -22,8 +22,10 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 class BackendConfig:
     """What a geocomm process group compresses, and how.
 
-    ``codec``: codec id, config dict or Codec (a Codec instance is shared by
-    the groups made while it is configured); ``min_numel``: smaller tensors
+    ``codec``: codec id, config dict or Codec (a stateless Codec instance is
+    shared by the groups made while it is configured; a stateful one, GeoFP8 or
+    error feedback, gives its configuration: each group keeps a state of its
+    own, ``backend.state_dict(group)``); ``min_numel``: smaller tensors
     go exact; ``compress``: which of ``"all_reduce"``, ``"reduce_scatter"``
     are compressed; ``check``: compare every compressed call's metadata across
     ranks first (one small all-gather); ``stage_size``: the pipeline's stage

@@ -73,7 +73,7 @@ from geocomm.adapters.torch.backend.exact import ExactCalls
 from geocomm.adapters.torch.backend.work import FutureWork, ProcessGroupBase, first_tensor, op_name
 from geocomm.adapters.torch.worker import Worker
 from geocomm.codecs import get_codec
-from geocomm.codecs.base import Codec
+from geocomm.codecs.base import Codec, StatefulCodec
 from geocomm.comm.metered import MeteredComm
 from geocomm.comm.torchdist import TorchDistCommunicator
 from geocomm.engine import costs
@@ -131,7 +131,7 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
         self.group_id, self.timeout = group_id, timeout
         self.ranks = list(ranks) or list(range(size))
         self.config = new_config(configured)
-        self.codec: Codec = get_codec(self.config.codec)
+        self.codec: Codec = _codec_of_group(self.config.codec)
         self._keys = Keys()
         self._stats = BackendStats()
         self._lock = threading.Lock()  # the counters: exact calls may come from any thread
@@ -163,7 +163,7 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
         else:
             exact, inner = (_gloo(s, *args) for s in stores)
         group = _detached_group(inner, stores[1], self._rank, self._size, cuda)
-        comm = TorchDistCommunicator(group, device_arrays=cuda)
+        comm = TorchDistCommunicator(group, device_arrays=cuda, ranks=self.ranks)
         return _Device(exact, MeteredComm(comm))
 
     # -- what the backend is ----------------------------------------------------
@@ -380,7 +380,7 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
         self.flush()
         config = replace(self.config, **fields)
         if "codec" in fields:
-            self.codec = get_codec(config.codec)
+            self.codec = _codec_of_group(config.codec)
             with self._lock:
                 self._keys.new_step()
         self.config = config
@@ -435,6 +435,15 @@ class GeocommProcessGroup(ExactCalls, ProcessGroupBase):
             manual = self._keys.manual
             self._keys = Keys()
             self._keys.steps, self._keys.manual = int(state["steps"]), manual
+
+
+def _codec_of_group(codec: Any) -> Codec:
+    """A group's codec for a configured id, config or Codec: an instance of its own for
+    a stateful one (a state serves one group of ranks: ``StatefulCodec.hold_for``), so
+    that the groups torch makes (a DeviceMesh's shard and replica groups) never share
+    one; a stateless Codec as it is."""
+    codec = get_codec(codec)
+    return get_codec(codec.get_config()) if isinstance(codec, StatefulCodec) else codec
 
 
 def _create(options: Any, backend_options: Any = None) -> GeocommProcessGroup:
