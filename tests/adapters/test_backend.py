@@ -395,13 +395,14 @@ def test_bad_configuration_is_refused():
 # two torchrun-style ranks: the default group is geocomm's
 
 
-def _two_ranks(scenario: str, timeout: float = 240) -> list[str]:
-    """Run this file's ``scenario`` on 2 ranks with torchrun's environment; their outputs."""
+def _two_ranks(scenario: str, timeout: float = 240, **env: str) -> list[str]:
+    """Run this file's ``scenario`` on 2 ranks with torchrun's environment and ``env``;
+    their outputs."""
     # imported here: the ranks run this file as a script (-P: its folder not on the path)
     from torchrun_ranks import two_torchrun_ranks
 
     argv = [sys.executable, "-P", __file__, scenario]
-    return two_torchrun_ranks(argv, {"GEOCOMM_MIN_NUMEL": str(MIN_NUMEL)}, timeout)
+    return two_torchrun_ranks(argv, {"GEOCOMM_MIN_NUMEL": str(MIN_NUMEL), **env}, timeout)
 
 
 def _result(output: str) -> str:
@@ -483,6 +484,45 @@ def _scenario_lightning() -> None:
     print(f"RESULT {_digest(task)} {stats.compressed} {dist.get_backend()}")
 
 
+def _scenario_absent_peer() -> None:
+    """Rank 0 makes a compressed all-reduce that rank 1 never makes; rank 1 stays until
+    rank 0 is done (GEOCOMM_TEST_FLAG names the file rank 0 writes then)."""
+    import os
+    import time
+    from datetime import timedelta
+    from pathlib import Path
+
+    import geocomm.adapters.torch  # noqa: F401  registers "geocomm"
+
+    dist.init_process_group("geocomm", timeout=timedelta(seconds=120))
+    flag = Path(os.environ["GEOCOMM_TEST_FLAG"])
+    if dist.get_rank() == 0:
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(4 * MIN_NUMEL))
+            print("RESULT returned", flush=True)
+        except Exception as exc:
+            print(f"RESULT {time.monotonic() - start:.1f} {type(exc).__name__}: {exc}", flush=True)
+        flag.write_text("done")
+    else:
+        deadline = time.monotonic() + 200
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    os._exit(0)  # the group's peer is gone: no teardown to wait for
+
+
+def test_a_compressed_call_without_its_peer_fails_after_geocomm_timeout(tmp_path):
+    """The metadata check of a compressed call waits for its peers at most
+    GEOCOMM_TIMEOUT, as every other wait for a peer does; it waited for the group's
+    timeout (here 120 s; torch's default is 30 minutes). GEOCOMM_TIMEOUT=4: the call
+    fails within far less than 120 s, naming the check."""
+    flag = tmp_path / "done"
+    out = _two_ranks("absent_peer", GEOCOMM_TIMEOUT="4", GEOCOMM_TEST_FLAG=str(flag))[0]
+    seconds, error = _result(out).split(" ", 2)[1:]
+    assert float(seconds) < 60, out
+    assert "metadata check" in error and "4" in error, out
+
+
 def test_gpt2_from_config_trains_under_ddp_on_the_backend():
     pytest.importorskip("transformers")
     results = [_result(out).split(" ", 4) for out in _two_ranks("gpt2")]
@@ -498,7 +538,9 @@ def test_lightning_process_group_backend_geocomm():
 
 
 if __name__ == "__main__":
-    {"gpt2": _scenario_gpt2, "lightning": _scenario_lightning}[sys.argv[1]]()
+    scenarios = {"gpt2": _scenario_gpt2, "lightning": _scenario_lightning,
+                 "absent_peer": _scenario_absent_peer}  # fmt: skip
+    scenarios[sys.argv[1]]()
 
 
 @pytestmark_mpi
