@@ -29,6 +29,7 @@ from geocomm._environ import switch
 from geocomm.codecs import Codec, StatefulCodec, get_codec
 from geocomm.codecs.frames import DTYPE_CODES
 from geocomm.comm.base import Communicator
+from geocomm.comm.metered import MeteredComm
 from geocomm.engine import checks, costs
 from geocomm.engine.call import KINDS, OPS, TOPOLOGIES, Call, Part, Signature, new_call
 from geocomm.engine.layout import array_module, shard_bounds
@@ -86,13 +87,11 @@ def resolve_codec(codec: Any, comm: Any = None) -> Codec:
     stateful codecs keep their per-key state across calls, and never share it with the
     calls of another communicator (one that takes no attributes, and calls before
     :func:`init` without ``comm``, share one process-wide instance per config)."""
-    comm = comm if comm is not None else _default_comm
     if isinstance(codec, Codec):
-        if isinstance(codec, StatefulCodec) and comm is not None:
-            codec.hold_for(ranks_of(comm))
         return codec
     config = get_codec(codec).get_config()
     name = json.dumps(config, sort_keys=True)
+    comm = comm if comm is not None else _default_comm
     mine = None if comm is None else _kept_on(comm, _CODECS, dict)
     cache: dict[str, Codec] = _codecs if mine is None else mine
     if name not in cache:
@@ -102,12 +101,15 @@ def resolve_codec(codec: Any, comm: Any = None) -> Codec:
 
 def ranks_of(comm: Any) -> Any:
     """A name of ``comm``'s group of ranks, equal for communicators of the same ranks in
-    the same order: their ranks in the job (``comm.world_ranks()``), else the
-    communicator itself (a weak reference)."""
+    the same order: their ranks in the job (``comm.world_ranks()``, a tuple), else the
+    communicator itself (a weak reference; a :class:`MeteredComm` is named by what it
+    wraps)."""
     ranks = getattr(comm, "world_ranks", None)
     found = ranks() if ranks is not None else None
     if found is not None:
-        return tuple(found)
+        return found if isinstance(found, tuple) else tuple(found)
+    while isinstance(comm, MeteredComm):
+        comm = comm.comm
     try:
         return weakref.ref(comm)
     except TypeError:
@@ -280,17 +282,13 @@ def signature(kind: str, x: Any, codec: Any, op: str, options: Options) -> Signa
         cached = cache.get(key)
         if cached is not None:
             cache.move_to_end(key)
-            if cached[2] is not None:  # a stateful Codec object: it may serve others now
-                codec.hold_for(cached[2])
             return cached[0]
     result = _describe(kind, x, codec, op, options, comm, check, topology)
     if key is not None:
         cache = _kept_on(comm, _SIGNATURES, collections.OrderedDict)
         if cache is None:
             return result
-        # the codec argument kept (its id is in the key), and its group where it holds one
-        group = ranks_of(comm) if isinstance(codec, StatefulCodec) else None
-        cache[key] = (result, codec, group)
+        cache[key] = (result, codec)  # the codec argument kept: its id is in the key
         if len(cache) > SIGNATURES_KEPT:
             cache.popitem(last=False)
     return result
@@ -362,6 +360,8 @@ def prepare(kind: str, x: Any, out: Any, codec: Any, op: str, options: Options) 
         bounds = shard_bounds(sig.count, comm.size)
         shard = (int(bounds[comm.rank + 1] - bounds[comm.rank]),)
     check_out(out, x, shard)
+    if isinstance(codec, StatefulCodec):  # a Codec object: its state serves one group
+        codec.hold_for(ranks_of(comm))
     xp = array_module(x)
     exact = sig.codec.lossless
     dtype = np.float64 if x.dtype == np.float64 else np.float32

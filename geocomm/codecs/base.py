@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import weakref
 from abc import ABCMeta, abstractmethod
 from collections.abc import Generator, Sequence
 from typing import Any, ClassVar
@@ -229,20 +231,25 @@ class StatefulCodec(Codec):
     _group: Any = None
 
     def hold_for(self, group: Any) -> None:
-        """Let the state serve the calls of ``group`` (a hashable name of a group of
-        ranks, equal for equal groups: their ranks in the job). Raises ValueError
-        when it serves another group."""
-        if self._group is None:
-            self._group = group
-        elif self._group != group:
-            raise ValueError(
-                f"this {type(self).__name__} object holds the state of the calls of "
-                f"{_describe_group(self._group)}; a call of {_describe_group(group)} would "
-                "mix theirs into it, and the ranks would then send different bytes. Give "
-                "each communicator (process group) its own instance: pass the codec's id "
-                "or config (get_config()), which keeps one per communicator, or "
-                "get_codec(codec.get_config()) per communicator; or reset_state() first"
-            )
+        """Let the state serve the calls of ``group``: a hashable name of a group of
+        ranks, equal for equal groups (a tuple of their ranks in the job, or a weak
+        reference to a communicator that cannot name them: free again once that one
+        is gone). Raises ValueError when it serves another group."""
+        if group is self._group:  # every call after the first: the same name
+            return
+        with _HOLDING:
+            held = self._group
+            if held is None or held == group or _gone(held):
+                self._group = group
+                return
+        raise ValueError(
+            f"this {type(self).__name__} object holds the state of the calls of "
+            f"{_describe_group(held)}; a call of {_describe_group(group)} would mix theirs "
+            "into it, and the ranks would then send different bytes. Give each "
+            "communicator (process group) its own instance: pass the codec's id or "
+            "config (get_config()), which keeps one per communicator, or "
+            "get_codec(codec.get_config()) per communicator; or reset_state() first"
+        )
 
     def reset_state(self) -> None:
         """Forget every key's state; the codec may then serve another group of ranks."""
@@ -266,10 +273,19 @@ class StatefulCodec(Codec):
         """Restore :meth:`state_dict` output."""
 
 
+#: makes a codec's first group one, whichever threads call first
+_HOLDING = threading.Lock()
+
+
+def _gone(group: Any) -> bool:
+    """Whether ``group`` names a communicator that no longer exists."""
+    return isinstance(group, weakref.ref) and group() is None
+
+
 def _describe_group(group: Any) -> str:
-    if isinstance(group, tuple) and all(isinstance(r, int) for r in group):
+    if isinstance(group, tuple):
         return f"ranks {list(group)}"
-    return "another communicator"
+    return "a communicator that does not name its ranks (no world_ranks())"
 
 
 class TransformingCodec(StatefulCodec):

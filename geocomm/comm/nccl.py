@@ -6,7 +6,7 @@ torch.distributed gloo group, for jobs that torchrun or a framework started)
 carries what is not GPU data: rank 0's NCCL unique id to every rank, the
 collectives' small metadata all-gathers, barriers, and ending the job on a
 failure. Over MPI each process drives the GPU ``local index % device count``,
-its index among its node's ranks (:mod:`geocomm.comm.nodes`); over
+its index among the ranks of its host machine (``node_key()``); over
 torch.distributed the device ``LOCAL_RANK`` names, else CuPy's current one.
 Encoded bytes travel as ``ncclUint8`` with grouped ``ncclSend``/``ncclRecv``
 per peer (the rank's own segment is a device-to-device copy); NCCL is never
@@ -217,13 +217,14 @@ def _release_at_exit() -> None:
         comm._release_graphs(drained=False)
 
 
-def _local_rank(host: Communicator) -> int:
-    """``host.rank``'s index among the ranks of its node (:mod:`geocomm.comm.nodes`:
-    ``GEOCOMM_RANKS_PER_NODE``, else the gathered node keys; its rank where the layout is
-    unknown). One all-gather that waits at most GEOCOMM_TIMEOUT, where an MPI
-    ``Split_type`` blocked for good on a missing peer."""
-    layout = nodes.node_layout(host)
-    return host.rank if layout is None else layout.local_index(host.rank)
+def _local_rank(host: Any) -> int:
+    """``host.rank``'s index among the ranks of its host machine, from every rank's
+    ``node_key()`` (one all-gather that waits at most GEOCOMM_TIMEOUT, where an MPI
+    ``Split_type`` blocked for good on a missing peer). The physical host, never the
+    emulated nodes of GEOCOMM_RANKS_PER_NODE: those would put two ranks of one machine
+    on one GPU, which NCCL refuses."""
+    keys = host.allgather_int64(np.array([host.node_key()], np.int64))[:, 0]
+    return nodes.NodeLayout.from_keys(keys).local_index(host.rank)
 
 
 #: int64 words that carry a pickled NCCL unique id from rank 0 (its length first)

@@ -313,7 +313,8 @@ class TorchDistCommunicator:
     ``group`` may also be a ``ProcessGroup`` outside torch.distributed's registry
     (made from a store, its backend registered by hand); rank, size and backend
     then come from the group object, and no default group is needed; ``ranks``
-    then names the group's global ranks, where known (:meth:`world_ranks`).
+    then names the group's global ranks, where known (:meth:`world_ranks`; a
+    registered group's are torch's, which ``ranks`` must equal).
     """
 
     def __init__(
@@ -342,7 +343,12 @@ class TorchDistCommunicator:
             self.rank = dist.get_rank(group)
             self.size = dist.get_world_size(group)
             nccl = dist.get_backend(group) == "nccl"
-            ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+            registered = dist.get_process_group_ranks(
+                group if group is not None else dist.group.WORLD
+            )
+            if ranks is not None and list(ranks) != list(registered):
+                raise ValueError(f"ranks {list(ranks)} are not the group's, {registered}")
+            ranks = registered
         if ranks is not None and len(ranks) != self.size:
             raise ValueError(f"ranks names {len(ranks)} ranks of a group of {self.size}")
         self._world_ranks = None if ranks is None else tuple(int(r) for r in ranks)

@@ -150,11 +150,15 @@ def test_the_communicator_bounds_what_the_host_waits_for(tmp_path, scenario):
 
 
 DEVICE_JOB = textwrap.dedent("""
-    import sys
+    import os, sys
     from mpi4py import MPI
+    host_kind, emulated = sys.argv[1].split(",")
+    rank = MPI.COMM_WORLD.Get_rank()
+    if emulated == "all" or (emulated == "rank 1" and rank == 1):
+        os.environ["GEOCOMM_RANKS_PER_NODE"] = "1"  # one emulated node per rank
     from geocomm.comm.mpi import MPICommunicator
     from geocomm.comm.nccl import NCCLCommunicator
-    host = MPI.COMM_WORLD if sys.argv[1] == "mpi4py" else MPICommunicator()
+    host = MPI.COMM_WORLD if host_kind == "mpi4py" else MPICommunicator()
     comm = NCCLCommunicator(host)
     print(f"rank {comm.rank} on device {comm.device.id}", flush=True)
     comm.close()
@@ -162,19 +166,18 @@ DEVICE_JOB = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("host", ["mpi4py", "geocomm"])
-@pytest.mark.parametrize("per_node", ["", "1"])
-def test_each_rank_takes_its_node_local_device(tmp_path, host, per_node):
-    """Over MPI a rank drives the device of its index among its node's ranks (the twin
+@pytest.mark.parametrize("emulated", ["none", "all", "rank 1"])
+def test_each_rank_takes_its_host_local_device(tmp_path, host, emulated):
+    """Over MPI a rank drives the device of its index among its host's ranks (the twin
     has two devices here): both ranks share this host, so ranks 0 and 1 take devices
-    0 and 1; with GEOCOMM_RANKS_PER_NODE=1 each rank is a node of its own and takes
-    device 0. The same over an mpi4py communicator and a geocomm MPICommunicator (the
+    0 and 1, the same over an mpi4py communicator and a geocomm MPICommunicator (the
     latter took torch's rule once, LOCAL_RANK or the current device, which mpiexec
-    does not set: every rank on device 0)."""
-    out, _ = run_job(tmp_path, host, DEVICE_JOB, GEOCOMM_TWIN_DEVICES="2",
-                     GEOCOMM_RANKS_PER_NODE=per_node)  # fmt: skip
+    does not set: every rank on device 0). Nodes emulated by GEOCOMM_RANKS_PER_NODE
+    change nothing, on every rank or on one only (they put both ranks on device 0,
+    which NCCL refuses, or paired an all-gather with the unique id's)."""
+    out, _ = run_job(tmp_path, f"{host},{emulated}", DEVICE_JOB, GEOCOMM_TWIN_DEVICES="2")
     for rank in (0, 1):
-        device = 0 if per_node else rank
-        assert f"rank {rank} on device {device}" in out, out
+        assert f"rank {rank} on device {rank}" in out, out
 
 
 # geocomm's NCCLCommunicator ending: after captured calls, and on a failed device

@@ -203,6 +203,18 @@ class NcclCommunicator:
             members = world.recv(source=root, tag=tag)
         self._comm = world.Create_group(world.Get_group().Incl(members), tag)
         self._mpi = mpi
+        # NCCL's init refuses two ranks of one clique on one GPU (the twin's ranks share
+        # this host; devices as cupy.cuda.Device() names them now). A twin of one device
+        # (the default) stands for a GPU per rank: the suite's ranks all use device 0
+        from cupy._core import _current_device, device_count
+
+        devices = self._comm.allgather(_current_device())
+        for r, d in enumerate(devices):
+            if device_count() > 1 and devices.index(d) != r:
+                raise NcclError(
+                    f"ncclInvalidUsage: Duplicate GPU detected : rank {devices.index(d)} "
+                    f"and rank {r} both on CUDA device {d}"
+                )
         self._aborted = threading.Event()
         self._destroyed = False
         self._captures = itertools.count(1)  # this communicator's captures, numbered
