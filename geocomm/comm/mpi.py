@@ -68,7 +68,7 @@ class MPICommunicator:
         self.comm = mpi.COMM_WORLD if comm is None else comm
         self.rank: int = self.comm.Get_rank()
         self.size: int = self.comm.Get_size()
-        self._world_ranks: tuple[int, ...] | None = None
+        self._world_ranks: tuple[int, ...] | None = ()  # (): not worked out yet
         abort.register(self)
 
     def alltoallv(self, send, send_counts, send_displs, recv, recv_counts, recv_displs):
@@ -102,17 +102,19 @@ class MPICommunicator:
     def barrier(self) -> None:
         wait(MPIRequest(self.comm.Ibarrier()), "a barrier", self.rank)
 
-    def world_ranks(self) -> tuple[int, ...]:
+    def world_ranks(self) -> tuple[int, ...] | None:
         """The ranks of this communicator's processes in ``MPI_COMM_WORLD``, in rank
-        order (local; worked out once)."""
-        if self._world_ranks is None:
+        order (local; worked out once); None where some are not in it (processes
+        spawned or connected later)."""
+        if self._world_ranks == ():
             group, world = self.comm.Get_group(), MPI.COMM_WORLD.Get_group()
             try:
                 ranks = MPI.Group.Translate_ranks(group, list(range(self.size)), world)
             finally:
                 group.Free()
                 world.Free()
-            self._world_ranks = tuple(int(r) for r in ranks)
+            found = tuple(int(r) for r in ranks)
+            self._world_ranks = None if MPI.UNDEFINED in found else found
         return self._world_ranks
 
     def node_key(self) -> int:
