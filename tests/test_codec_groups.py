@@ -28,16 +28,18 @@ def test_a_communicator_without_world_ranks_is_named_by_itself():
     time), and no other communicator while it exists; once it is gone, any."""
     codec = get_codec("geofp8", min_dim=8, min_numel=0)
     (first,), (second,) = loopback(1), loopback(1)
-    want = reduce(codec, first)
+    reduce(codec, first)
     assert np.isfinite(reduce(codec, MeteredComm(first))).all()  # the same group
     with pytest.raises(ValueError, match=r"does not name its ranks.*reset_state\(\)"):
         reduce(codec, second)
     del first
     gc.collect()
-    assert reduce(codec, second).shape == want.shape
+    assert np.isfinite(reduce(codec, second)).all()  # the state carried over, now second's
 
 
 def test_reset_state_frees_the_codec_for_another_group():
+    """reset_state() forgets the state and its group: the next group's call takes it,
+    and the first group's is then refused."""
     codec = get_codec("geofp8", min_dim=8, min_numel=0)
     (first,), (second,) = loopback(1), loopback(1)
     reduce(codec, first)

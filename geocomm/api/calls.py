@@ -99,11 +99,12 @@ def resolve_codec(codec: Any, comm: Any = None) -> Codec:
     return cache[name]
 
 
-def ranks_of(comm: Any) -> Any:
+def group_name(comm: Any) -> Any:
     """A name of ``comm``'s group of ranks, equal for communicators of the same ranks in
     the same order: their ranks in the job (``comm.world_ranks()``, a tuple), else the
     communicator itself (a weak reference; a :class:`MeteredComm` is named by what it
-    wraps)."""
+    wraps; one that takes no weak reference, by its ``id``, which a later object may
+    reuse)."""
     ranks = getattr(comm, "world_ranks", None)
     found = ranks() if ranks is not None else None
     if found is not None:
@@ -361,7 +362,7 @@ def prepare(kind: str, x: Any, out: Any, codec: Any, op: str, options: Options) 
         shard = (int(bounds[comm.rank + 1] - bounds[comm.rank]),)
     check_out(out, x, shard)
     if isinstance(codec, StatefulCodec):  # a Codec object: its state serves one group
-        codec.hold_for(ranks_of(comm))
+        codec.hold_for(group_name(comm))
     xp = array_module(x)
     exact = sig.codec.lossless
     dtype = np.float64 if x.dtype == np.float64 else np.float32

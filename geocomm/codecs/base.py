@@ -234,7 +234,9 @@ class StatefulCodec(Codec):
         """Let the state serve the calls of ``group``: a hashable name of a group of
         ranks, equal for equal groups (a tuple of their ranks in the job, or a weak
         reference to a communicator that cannot name them: free again once that one
-        is gone). Raises ValueError when it serves another group."""
+        is gone, its state kept for the next, which the collectives' state check
+        then compares across its ranks). Raises ValueError when it serves another
+        group."""
         if group is self._group:  # every call after the first: the same name
             return
         with _HOLDING:

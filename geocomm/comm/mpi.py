@@ -68,7 +68,8 @@ class MPICommunicator:
         self.comm = mpi.COMM_WORLD if comm is None else comm
         self.rank: int = self.comm.Get_rank()
         self.size: int = self.comm.Get_size()
-        self._world_ranks: tuple[int, ...] | None = ()  # (): not worked out yet
+        self._world_ranks: tuple[int, ...] | None = None
+        self._world_ranks_known = False
         abort.register(self)
 
     def alltoallv(self, send, send_counts, send_displs, recv, recv_counts, recv_displs):
@@ -106,7 +107,7 @@ class MPICommunicator:
         """The ranks of this communicator's processes in ``MPI_COMM_WORLD``, in rank
         order (local; worked out once); None where some are not in it (processes
         spawned or connected later)."""
-        if self._world_ranks == ():
+        if not self._world_ranks_known:
             group, world = self.comm.Get_group(), MPI.COMM_WORLD.Get_group()
             try:
                 ranks = MPI.Group.Translate_ranks(group, list(range(self.size)), world)
@@ -115,6 +116,7 @@ class MPICommunicator:
                 world.Free()
             found = tuple(int(r) for r in ranks)
             self._world_ranks = None if MPI.UNDEFINED in found else found
+            self._world_ranks_known = True
         return self._world_ranks
 
     def node_key(self) -> int:

@@ -5,8 +5,8 @@ The host communicator (MPI, by default over ``MPI.COMM_WORLD``; or a
 torch.distributed gloo group, for jobs that torchrun or a framework started)
 carries what is not GPU data: rank 0's NCCL unique id to every rank, the
 collectives' small metadata all-gathers, barriers, and ending the job on a
-failure. Over MPI each process drives the GPU ``local index % device count``,
-its index among the ranks of its host machine (``node_key()``); over
+failure. Over MPI each process drives the GPU ``index % device count``, its
+index among the ranks on its machine (``node_key()``); over
 torch.distributed the device ``LOCAL_RANK`` names, else CuPy's current one.
 Encoded bytes travel as ``ncclUint8`` with grouped ``ncclSend``/``ncclRecv``
 per peer (the rank's own segment is a device-to-device copy); NCCL is never
@@ -217,14 +217,14 @@ def _release_at_exit() -> None:
         comm._release_graphs(drained=False)
 
 
-def _local_rank(host: Any) -> int:
-    """``host.rank``'s index among the ranks of its host machine, from every rank's
+def _machine_index(comm: Any) -> int:
+    """``comm.rank``'s index among the ranks on its machine, from every rank's
     ``node_key()`` (one all-gather that waits at most GEOCOMM_TIMEOUT, where an MPI
-    ``Split_type`` blocked for good on a missing peer). The physical host, never the
-    emulated nodes of GEOCOMM_RANKS_PER_NODE: those would put two ranks of one machine
-    on one GPU, which NCCL refuses."""
-    keys = host.allgather_int64(np.array([host.node_key()], np.int64))[:, 0]
-    return nodes.NodeLayout.from_keys(keys).local_index(host.rank)
+    ``Split_type`` blocked for good on a missing peer). The physical machine, never
+    the emulated nodes of GEOCOMM_RANKS_PER_NODE: those would put two ranks of one
+    machine on one GPU, which NCCL refuses."""
+    keys = comm.allgather_int64(np.array([comm.node_key()], np.int64))[:, 0]
+    return nodes.NodeLayout.from_keys(keys).local_index(comm.rank)
 
 
 #: int64 words that carry a pickled NCCL unique id from rank 0 (its length first)
@@ -270,7 +270,7 @@ class NCCLCommunicator:
             host = MPICommunicator(require_mpi().COMM_WORLD if host is None else host)
         if isinstance(host, MPICommunicator):
             if device is None:
-                device = _local_rank(host)
+                device = _machine_index(host)
         elif device is None:
             local = os.environ.get("LOCAL_RANK", "")
             device = int(local) if local.isdigit() else cupy.cuda.Device().id

@@ -159,7 +159,11 @@ DEVICE_JOB = textwrap.dedent("""
     from geocomm.comm.mpi import MPICommunicator
     from geocomm.comm.nccl import NCCLCommunicator
     host = MPI.COMM_WORLD if host_kind == "mpi4py" else MPICommunicator()
-    comm = NCCLCommunicator(host)
+    try:
+        comm = NCCLCommunicator(host, device=0 if emulated == "device 0" else None)
+    except Exception as exc:
+        print(f"rank {rank} ERROR {exc}", flush=True)
+        sys.exit(0)
     print(f"rank {comm.rank} on device {comm.device.id}", flush=True)
     comm.close()
 """)
@@ -178,6 +182,14 @@ def test_each_rank_takes_its_host_local_device(tmp_path, host, emulated):
     out, _ = run_job(tmp_path, f"{host},{emulated}", DEVICE_JOB, GEOCOMM_TWIN_DEVICES="2")
     for rank in (0, 1):
         assert f"rank {rank} on device {rank}" in out, out
+
+
+def test_two_ranks_on_one_gpu_are_refused(tmp_path):
+    """As NCCL's init: the twin's NCCL of two devices refuses a clique whose ranks both
+    chose device 0 (what guards the choice above)."""
+    out, _ = run_job(tmp_path, "geocomm,device 0", DEVICE_JOB, GEOCOMM_TWIN_DEVICES="2")
+    for rank in (0, 1):
+        assert f"rank {rank} ERROR ncclInvalidUsage: Duplicate GPU detected" in out, out
 
 
 # geocomm's NCCLCommunicator ending: after captured calls, and on a failed device

@@ -24,8 +24,9 @@ class BackendConfig:
 
     ``codec``: codec id, config dict or Codec (a stateless Codec instance is
     shared by the groups made while it is configured; a stateful one, GeoFP8 or
-    error feedback, gives its configuration: each group keeps a state of its
-    own, ``backend.state_dict(group)``); ``min_numel``: smaller tensors
+    error feedback, gives its configuration only: each group keeps a state of
+    its own, ``backend.state_dict(group)``, and the object's state is neither
+    used nor updated); ``min_numel``: smaller tensors
     go exact; ``compress``: which of ``"all_reduce"``, ``"reduce_scatter"``
     are compressed; ``check``: compare every compressed call's metadata across
     ranks first (one small all-gather); ``stage_size``: the pipeline's stage
