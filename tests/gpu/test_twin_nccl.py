@@ -53,6 +53,12 @@ JOB = textwrap.dedent("""
 """)
 
 
+#: what Open MPI's launcher prints when it could not start a job at all, before any
+#: rank ran (a race of the PMIx listeners of launches made at once on one machine,
+#: seen once in some thirty CI runs): such a job is started once more
+NOT_STARTED = "The PMIx server's listener thread failed to start"
+
+
 def run_job(tmp_path, scenario: str, job: str = JOB, **env: str) -> tuple[str, float]:
     """Run ``job`` on 2 ranks with ``scenario`` and the environment's ``env`` (default:
     the twin's NCCL waits 60 s for a peer, so that only a test that means a peer to be
@@ -60,10 +66,14 @@ def run_job(tmp_path, scenario: str, job: str = JOB, **env: str) -> tuple[str, f
     script = tmp_path / "nccl_job.py"
     script.write_text(job)
     env = {**os.environ, "GEOCOMM_TWIN_NCCL_TIMEOUT": "60", **env}
-    start = time.monotonic()
     command = on_ranks([sys.executable, str(script), scenario], 2, timeout_s=120)
-    run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=180)
-    return run.stdout + run.stderr, time.monotonic() - start
+    for _ in range(2):
+        start = time.monotonic()
+        run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=180)
+        out = run.stdout + run.stderr
+        if NOT_STARTED not in out:
+            break
+    return out, time.monotonic() - start
 
 
 @pytest.mark.parametrize("scenario", ["ok", "graph on both"])
