@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_check_common import REFERENCE_MAX_N
-from gpu_check_timing import MUST_SHOW_HOST_S, MUST_SHOW_VS_COPY
+from gpu_check_timing import KERNEL_BAR, MUST_SHOW_HOST_S, MUST_SHOW_VS_COPY
 
 
 def summary_word(result: dict[str, Any]) -> str:
@@ -96,12 +96,14 @@ def host_bound(row: dict[str, Any]) -> str:
 def kernel_lines(kernels: list[dict[str, Any]]) -> list[str]:
     """The table of the single-body kernels (gpu_check_timing.time_kernels)."""
     lines = [
-        "| format | block | kernel | MiB | device us | fp32 GB/s | traffic / copy's |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| format | block | kernel | rounding | MiB | device us | fp32 GB/s | traffic / copy's "
+        f"| >= {KERNEL_BAR} |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     return lines + [
-        f"| {r['fmt']} | {r['block']} | {r['op']} | {r['size_MiB']} | {r['device_s'] * 1e6:.1f} | "
-        f"{r['device_GBps']:.3g} | {r['vs_copy_traffic']:.2f}{host_bound(r)} |"
+        f"| {r['fmt']} | {r['block']} | {r['op']} | {r['rounding']} | {r['size_MiB']} | "
+        f"{r['device_s'] * 1e6:.1f} | {r['device_GBps']:.3g} | "
+        f"{r['vs_copy_traffic']:.2f}{host_bound(r)} | {'yes' if r['meets_bar'] else 'no'} |"
         for r in kernels
     ]
 

@@ -29,7 +29,9 @@ Inputs are gradient-like (a rank-4 signal plus noise, gpu_check_common.gradient,
 shaped rows x 4096 for GeoFP8's maps), seeded per rank. Then the kernel rows:
 every single-body encode, decode and decode+accumulate of geocomm.kernels.cuda at
 the largest size, device time and least traffic (bytes read + written) over the
-copy's traffic rate (gpu_check_timing.time_kernels). The yardsticks (the copy's
+copy's traffic rate (gpu_check_timing.time_kernels; in both roundings, against the
+bar of 0.85), and the host time of a signature's first two calls (first_call_rows:
+fp8, NVFP4, GeoFP8; target 300 us for the first). The yardsticks (the copy's
 traffic rate, NCCL's algorithm bandwidth) and the command line go in the header.
 On the twin the clocks are the host's: the numbers are not meaningful, and the
 table says so. ``--budget-s`` skips the rows that would start after it.
@@ -51,7 +53,7 @@ import numpy as np  # noqa: E402
 from gpu_check_common import PROFILES, gradient  # noqa: E402
 from gpu_check_report import host_bound, kernel_lines  # noqa: E402
 from gpu_check_timing import TWIN_NOTE, copy_op, time_kernels, timed_row  # noqa: E402
-from gpu_clock import device_clock, is_twin  # noqa: E402
+from gpu_clock import device_clock, is_twin, sync  # noqa: E402
 
 CODECS = (
     "none", "bf16", "fp8", "nvfp4", "nvfp4-sr", "mxfp8", "mxfp4",
@@ -69,6 +71,12 @@ SPECS: dict[str, Any] = {
 }
 #: columns of every input matrix (GeoFP8 maps rows x COLUMNS; the others see it flat)
 COLUMNS = 4096
+#: the codecs whose first call of a signature is timed (:func:`first_call_rows`), and
+#: the host time issue 38 allows it
+FIRST_CALL_CODECS = ("fp8", "nvfp4", "geofp8")
+FIRST_CALL_TARGET_S = 300e-6
+#: signatures each first-call row times (the median is reported)
+FIRST_CALL_TRIALS = 3
 
 
 def codec_spec(name: str) -> Any:
@@ -156,6 +164,38 @@ def size_rows(ctx: Any, size_mib: float, args: argparse.Namespace, start: float)
     return rows
 
 
+def first_call_rows(ctx: Any, size_mib: float, args: argparse.Namespace) -> list[dict]:
+    """The host time of a signature's first call (it plans: tables, buffers, the check's
+    first exchange) and of its second (captured into a CUDA graph), with the device
+    idle before each first call: each of :data:`FIRST_CALL_TRIALS` trials takes a new
+    signature (one row fewer, and for GeoFP8 a new key), and the row gives their
+    medians against :data:`FIRST_CALL_TARGET_S`."""
+    import geocomm
+
+    cp, nccl = ctx.cp, ctx.nccl()
+    rows_n = max(FIRST_CALL_TRIALS + 1, int(size_mib * (1 << 20)) // 4 // COLUMNS)
+    x = cp.asarray(gradient(np.random.default_rng([args.seed, ctx.rank, 1]), (rows_n, COLUMNS)))
+    y = cp.empty_like(x)
+    rows = []
+    for codec in (c for c in FIRST_CALL_CODECS if c in args.codecs):
+        first, second = [], []
+        for trial in range(FIRST_CALL_TRIALS):
+            part, out = x[: rows_n - 1 - trial], y[: rows_n - 1 - trial]
+            key = {"key": f"first call {trial}"} if codec.startswith("geofp8") else {}
+            sync(cp)
+            for times in (first, second):
+                began = time.perf_counter()
+                geocomm.allreduce(part, codec=codec_spec(codec), out=out, comm=nccl, **key)
+                times.append(time.perf_counter() - began)
+            sync(cp)
+        rows.append({
+            "size_MiB": size_mib, "op": f"geocomm {codec}", "trials": FIRST_CALL_TRIALS,
+            "first_call_host_s": float(np.median(first)),
+            "second_call_host_s": float(np.median(second)),
+        })  # fmt: skip
+    return rows
+
+
 def run(ctx: Any, args: argparse.Namespace) -> dict[str, Any]:
     start = time.monotonic()
     rows = [row for size in args.sizes_mib for row in size_rows(ctx, size, args, start)]
@@ -166,9 +206,14 @@ def run(ctx: Any, args: argparse.Namespace) -> dict[str, Any]:
     kernels: list[dict] = []
     if traffic_Bps and not ctx.decide(time.monotonic() - start > args.budget_s):
         kernels = ctx.on_root(lambda: time_kernels(ctx.cp, largest, args.calls, traffic_Bps)) or []
+    first_calls: list[dict] = []
+    if not ctx.decide(time.monotonic() - start > args.budget_s):
+        first_calls = first_call_rows(ctx, largest, args)
     return {
         "rows": rows,
         "kernels": kernels,
+        "first_calls": first_calls,
+        "first_call_target_s": FIRST_CALL_TARGET_S,
         "yardsticks": {
             "size_MiB": largest,
             "copy_traffic_GBps": traffic_Bps / 1e9 if traffic_Bps else None,
@@ -228,6 +273,23 @@ def markdown(result: dict[str, Any]) -> str:
             "over the copy's traffic rate):",
             "",
             *kernel_lines(result["kernels"]),
+        ]
+    if result["first_calls"]:
+        target = result["first_call_target_s"] * 1e6
+        lines += [
+            "",
+            "A signature's first two calls (host time, median of "
+            f"{result['first_calls'][0]['trials']} new signatures, the device idle before "
+            f"each; the first plans it, the second is captured into a CUDA graph; target for "
+            f"the first: <= {target:.0f} us):",
+            "",
+            "| MiB | operation | first call host us | second call host us |",
+            "| --- | --- | --- | --- |",
+            *(
+                f"| {r['size_MiB']} | {r['op']} | {r['first_call_host_s'] * 1e6:.1f} | "
+                f"{r['second_call_host_s'] * 1e6:.1f} |"
+                for r in result["first_calls"]
+            ),
         ]
     return "\n".join(lines) + "\n"
 

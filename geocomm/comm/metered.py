@@ -21,8 +21,8 @@ class MeteredComm:
     segments only, as a network would see them), ``calls``: number of
     collective calls; :meth:`reset` zeroes both. Over a communicator whose transfers
     can be captured into CUDA graphs it can be too (``capturing``, ``track``,
-    ``check_usable``): a capture counts nothing, and every launch of its graph counts
-    what the capture would have.
+    ``check_usable``, ``captured_everywhere``): a capture counts nothing, and every
+    launch of its graph counts what the capture would have.
     """
 
     def __init__(self, comm: Any, parent: MeteredComm | None = None):
@@ -47,6 +47,7 @@ class MeteredComm:
         if hasattr(comm, "capturing"):
             self.capturing, self.track = self._capturing, self._track
             self.check_usable = comm.check_usable
+            self.captured_everywhere = comm.captured_everywhere
         if hasattr(comm, "hold_graphs"):
             self.hold_graphs = comm.hold_graphs
 

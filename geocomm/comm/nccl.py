@@ -409,6 +409,17 @@ class NCCLCommunicator:
         finally:
             self._capturing = False
 
+    def captured_everywhere(self, ok: bool) -> bool:
+        """Whether every rank's capture of the same call succeeded (``ok``: this rank's):
+        one all-gather of a flag over the host (:meth:`allgather_int64`: at most
+        GEOCOMM_TIMEOUT, then this communicator is aborted).
+        NCCL requires a transfer to be captured on every rank or on none, so a capture
+        that failed on one rank (an operation CUDA refused under capture) is given up
+        on all."""
+        if self.size == 1:
+            return ok
+        return bool(self.allgather_int64(np.array([int(ok)], np.int64)).all())
+
     def hold_graphs(self, holder: Any) -> None:
         """``holder`` (with ``release()``) keeps CUDA graphs of this communicator's
         transfers: released before the NCCL communicator is destroyed or aborted."""

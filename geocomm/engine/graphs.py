@@ -135,7 +135,8 @@ class Graphs:
     body's kernels read to find this call's arrays: ``origin`` is the ``here`` of the
     capture whose graph is about to replay, None where the body runs now. A body that
     fails to capture (an operation CUDA cannot capture, or more memory than its eager
-    run took) runs eagerly, and the plan stops capturing. A call made while
+    run took) runs eagerly, and the plan stops capturing, on every rank alike: a capture
+    that failed on one rank is given up on all (``comm.captured_everywhere``). A call made while
     the current stream is being captured already (a plan's call inside another's
     graph) runs its body: the outer capture records it.
     """
@@ -155,6 +156,8 @@ class Graphs:
         self._seen: dict[Hashable, tuple[int, Any]] = {}
         self._stream: Any = None  # the plan's capture stream, made at its first capture
         self._arena: Arena | None = None  # what its captured bodies allocate
+        #: a graph just captured, while the ranks agree whether to keep it (_capture)
+        self._pending: Any = None
 
     def run(
         self,
@@ -227,12 +230,19 @@ class Graphs:
                     graph = capture.end_capture()
                 except Exception:  # capture broken by an unsupported operation
                     graph = None
-        if graph is None or failed:
+        if graph is not None and not failed:
+            hold = getattr(comm, "hold_graphs", None)
+            if hold is not None:  # NCCL: the communicator drops its graphs before it ends
+                hold(self)
+            self._pending = graph  # held there alone: an abort in the exchange drops it
+        graph = None
+        # given up on every rank alike when it failed on one (NCCL's rule): the ranks
+        # whose capture succeeded drop their graph, whose work never ran
+        agreed = comm.captured_everywhere(self._pending is not None)
+        graph, self._pending = self._pending, None
+        if not agreed or graph is None:
             self.comm = None
             return None
-        hold = getattr(comm, "hold_graphs", None)
-        if hold is not None:  # NCCL: the communicator drops its graphs before it ends
-            hold(self)
         return graph, record, returned, arena, keep, here
 
     def release(self, drained: bool = True) -> None:
@@ -246,3 +256,4 @@ class Graphs:
             _ORPHANED.extend(entry[1:] for entry in self.kept.values())
         self.kept.clear()
         self._seen.clear()
+        self._pending = None

@@ -147,10 +147,15 @@ class Capturable(Protocol):
     work the launch queued on ``stream`` (its transfers' timeouts are watched like any
     other; a meter counts the captured bytes again). ``check_usable()`` raises
     RuntimeError when it can take no more work (closed, or aborted after a failure):
-    a graph of its transfers is not launched then."""
+    a graph of its transfers is not launched then. ``captured_everywhere(ok)``: whether
+    the capture that just ended succeeded on every rank (``ok``: on this one), since
+    NCCL requires whether a transfer is captured, and which graph replays it, to be
+    the same on every rank."""
 
     def capturing(self) -> AbstractContextManager[Any]: ...
 
     def track(self, stream: Any, captured: Any = None) -> None: ...
 
     def check_usable(self) -> None: ...
+
+    def captured_everywhere(self, ok: bool) -> bool: ...

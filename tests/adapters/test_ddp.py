@@ -303,6 +303,20 @@ def test_error_estimate_tracks_the_actual_error(comm):
         assert b.rel_error / 1.5 <= actual <= 1.5 * b.rel_error, (actual, b.rel_error)
 
 
+def test_the_error_estimate_samples_cpu_gradients_by_default_and_device_ones_on_request():
+    """An estimate reads its sample on the host before and after the collective: on a
+    device tensor the host would wait for the device twice a bucket, so by default
+    only CPU gradients are sampled; an explicit ``error_sample`` applies anywhere
+    (the meta device stands for CUDA, which this machine may not have)."""
+    from geocomm.adapters.torch.telemetry import DEFAULT_SAMPLE, sample_budget
+
+    cpu, device = torch.zeros(8), torch.zeros(8, device="meta")
+    assert sample_budget(None, cpu) == DEFAULT_SAMPLE > 0
+    assert sample_budget(None, device) == 0
+    assert sample_budget(512, device) == sample_budget(512, cpu) == 512
+    assert sample_budget(0, cpu) == 0
+
+
 # ---------------------------------------------------------------------------
 # metadata checks and errors
 

@@ -311,7 +311,9 @@ def stand_ins(gc, monkeypatch):
     monkeypatch.setattr(
         cuda,
         "encode",
-        lambda fmt, x, block, wire, stream=None: native.encode(fmt_id(fmt), x, block, wire),
+        lambda fmt, x, block, wire, stream=None, **rounding: native.encode(
+            fmt_id(fmt), x, block, wire, **rounding
+        ),
     )
     monkeypatch.setattr(
         cuda,
@@ -396,17 +398,19 @@ def test_timing_section_reports_every_operation(gc, stand_ins):
     }
     md = gc.markdown(report)
     assert "| 1 | geocomm fp8 pipeline | 1 |" in md and "device GB/s" in md
-    kernels = {(r["fmt"], r["block"], r["op"]) for r in result["kernels"]}
-    assert kernels == {
-        (f, b, op) for f, b in timing.KERNEL_FORMATS for op in ("encode", "decode", "accumulate")
-    }
-    # every format the C core has, each with its least traffic counted
+    kernels = [(r["fmt"], r["block"], r["op"], r["rounding"]) for r in result["kernels"]]
+    assert kernels == timing.kernel_cases()
+    # every format the C core has, in both roundings, each with its least traffic counted
+    # and held against the bar
     assert {f for f, _ in timing.KERNEL_FORMATS} == set(native.FORMATS)
+    assert {f for f, _ in timing.STOCHASTIC_FORMATS} == set(native.FORMATS)
     n = timing.values_of(1)
     for r in result["kernels"]:
         wire = cuda.wire_size(r["fmt"], n, r["block"])
         extra = 4 * n if r["op"] == "accumulate" else 0
         assert r["traffic_bytes"] == 4 * n + wire + extra
+        assert r["meets_bar"] == (r["vs_copy_traffic"] >= timing.KERNEL_BAR)
+    assert "| e4m3 | 128 | encode | stochastic | 1 |" in md
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,9 @@ class _Capturable:
     def check_usable(self) -> None:
         pass
 
+    def captured_everywhere(self, ok: bool) -> bool:
+        return ok
+
 
 class _Buffers:
     """Stands for what owns a graph's buffers (a side channel)."""

@@ -401,6 +401,42 @@ def test_a_call_the_callers_capture_records_leaves_its_slots_to_be_written_again
     assert cost == {"launches": 1, "graph_launches": 1, "events": 1}, cost
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_capture_that_fails_on_one_rank_is_given_up_on_every_rank(cp, comms, monkeypatch):
+    """NCCL requires a transfer to be captured on every rank or on none. Here only rank
+    1's capture of the signature's second call fails (as an operation CUDA refuses
+    under capture makes it fail), while the other ranks' succeed: every rank then runs
+    that call and the later ones eagerly, giving NumPy's bits. Without the ranks'
+    exchange the others would replay their graph's transfers against rank 1's eager
+    ones, which the twin's NCCL refuses as NCCL forbids it."""
+    from mpi4py import MPI
+
+    from geocomm.engine import graphs
+
+    def refused(self):
+        raise graphs.ArenaExhausted("refused under capture, on this rank only")
+        yield
+
+    if MPI.COMM_WORLD.rank == 1:
+        monkeypatch.setattr(graphs.Arena, "serving", contextlib.contextmanager(refused))
+    comm, codec = comms[0], {"id": "fp8", "block": 64}  # a signature no other test makes
+    x = inputs(comm.rank, COUNT)
+    want = reference(comms, x, codec, stage_size=COUNT // 8)
+    stream = cp.cuda.Stream(non_blocking=True)
+    costs = []
+    with stream:
+        d, out = cp.asarray(x), cp.empty(COUNT, cp.float32)
+        for _ in range(5):
+            with counted() as cost:
+                device_call(cp, comms, d, out, codec, stage_size=COUNT // 8)
+            costs.append(cost)
+            assert np.array_equal(out.get().view(np.uint32), want.view(np.uint32))
+    assert all("graph_launches" not in cost for cost in costs), costs
+    # the other ranks did capture the second call, and dropped the graph
+    assert ("captured" in costs[1]) == (MPI.COMM_WORLD.rank != 1), costs[1]
+    assert all(cost.get("launches", 0) > 0 for cost in costs[2:]), costs  # eager
+
+
 def test_a_closed_communicator_replays_no_graph(cp):
     """A call whose graph is kept refuses a communicator that was closed (or aborted
     after a timeout or a mismatch) as an eager call does, instead of launching the

@@ -114,6 +114,8 @@ COMMUNICATOR_JOB = textwrap.dedent("""
     rank, scenario = world.Get_rank(), sys.argv[1]
     if rank == 1:  # only rank 0 gives up; rank 1's waits are not the test's
         os.environ["GEOCOMM_TIMEOUT"] = "60"
+    if scenario == "deferred":  # a second call that runs eagerly, not captured
+        os.environ["GEOCOMM_GRAPHS"] = "0"
     comm = NCCLCommunicator(MPICommunicator(world))
     world.Barrier()  # both start the timed calls together
     try:
@@ -123,11 +125,11 @@ COMMUNICATOR_JOB = textwrap.dedent("""
             comm.synchronize()
         if scenario == "metadata" and rank == 0:
             comm.allgather_int64(np.arange(3))  # rank 1 comes late
-        if scenario == "deferred":
+        if scenario in ("deferred", "capture"):
             x = cupy.ones(4096, cupy.float32)
             out = cupy.empty_like(x)
             for _ in range(1 if rank else 2):  # rank 0's second call: a deferred check
-                geocomm.allreduce(x, codec="fp8", comm=comm, out=out)
+                geocomm.allreduce(x, codec="fp8", comm=comm, out=out)  # capture: exchanges
             if rank == 0:
                 comm.synchronize()  # finishes the check: rank 1 never sends its row
         print(f"rank {rank} done", flush=True)
@@ -139,24 +141,32 @@ COMMUNICATOR_JOB = textwrap.dedent("""
         world.recv(source=0, tag=99)
     if scenario == "metadata" and rank == 1:
         comm.host.allgather_int64(np.arange(3))  # completes rank 0's on MPI
-    if scenario == "deferred" and rank == 1:
+    if scenario in ("deferred", "capture") and rank == 1:
         comm.host.allgather_int64(np.zeros(len(FIELDS), np.int64))  # the row rank 0 waited for
+    if scenario == "capture" and rank == 1:
+        comm.host.allgather_int64(np.ones(1, np.int64))  # the capture's flag rank 0 waited for
 """)
 
 
-@pytest.mark.parametrize("scenario", ["allreduce", "metadata", "deferred"])
+@pytest.mark.parametrize("scenario", ["allreduce", "metadata", "deferred", "capture"])
 def test_the_communicator_bounds_what_the_host_waits_for(tmp_path, scenario):
     """geocomm's NCCL communicator: a plain (exact) all-reduce is watched like the grouped
     transfers, so synchronize() gives up after GEOCOMM_TIMEOUT (it returned at once,
     and a device synchronization behind it waits for good on a real GPU); a metadata
-    all-gather that times out, at once or deferred (finished by synchronize()), aborts
-    the communicator, whose peer is gone (its later calls each waited out the timeout
+    all-gather that times out, at once, deferred (finished by synchronize()) or at a
+    capture (the ranks' exchange of whether theirs succeeded), aborts the
+    communicator, whose peer is gone (its later calls each waited out the timeout
     again)."""
     # geocomm gives up on rank 1 after 1 s; the twin's NCCL, as run_job sets it, only
     # after 60 s (a GPU's never does)
     out, _ = run_job(tmp_path, scenario, COMMUNICATOR_JOB, GEOCOMM_TIMEOUT="1")
     assert "rank 0 timed out" in out and "(aborted: True)" in out, out
     assert "rank 1 done" in out, out
+    # the deferred check is what times out without graphs; with them, the capture's
+    # exchange comes first (and an abort there drops the graph it was deciding on: the
+    # twin's NCCL refuses an abort while a graph of its transfers lives)
+    waited = {"deferred": "a deferred metadata all-gather", "capture": "a metadata all-gather"}
+    assert scenario not in waited or f"waited 1.0 s for {waited[scenario]}" in out, out
 
 
 DEVICE_JOB = textwrap.dedent("""

@@ -113,7 +113,9 @@ class GeocommHookState:
             travel exact (:class:`~geocomm.adapters.torch.Selection`); a bucket's
             excluded parameters share one exact collective.
         min_numel: parameters with fewer values travel exact too.
-        error_sample: values per bucket for the error estimate (0: none).
+        error_sample: values per bucket for the error estimate (0: none); default
+            4096 for CPU gradients and none for CUDA ones, whose estimate would make
+            the host wait for the device twice per bucket.
         stage_size: values per pipeline stage (default: the collectives' choice for
             the backend; docs/design.md, "Training integration").
         history: steps :attr:`telemetry` keeps.
@@ -144,7 +146,7 @@ class GeocommHookState:
         comm: Any = None,
         exclude: Sequence[str] = (),
         min_numel: int = 0,
-        error_sample: int = 4096,
+        error_sample: int | None = None,
         stage_size: int | None = None,
         history: int = 100,
         log_every: int = 0,

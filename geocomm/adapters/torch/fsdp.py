@@ -354,7 +354,7 @@ def compress_fsdp(
     exclude: Sequence[str] = (),
     min_numel: int = 0,
     check: bool | None = None,
-    error_sample: int = 4096,
+    error_sample: int | None = None,
     stage_size: int | None = None,
     history: int = 100,
     log_every: int = 0,
@@ -430,7 +430,7 @@ class _Settings:
     replicate_comm: Any
     selection: grads.Selection
     check: bool | None
-    error_sample: int
+    error_sample: int | None
     stage_size: int | None
 
 

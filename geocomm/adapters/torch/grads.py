@@ -26,7 +26,7 @@ import torch
 
 from geocomm import api
 from geocomm._environ import switch
-from geocomm.adapters.torch.telemetry import BucketStats, ErrorSample, Telemetry
+from geocomm.adapters.torch.telemetry import BucketStats, ErrorSample, Telemetry, sample_budget
 from geocomm.codecs import get_codec
 from geocomm.comm.metered import MeteredComm
 from geocomm.engine.call import CollectiveMismatchError, Part
@@ -243,7 +243,7 @@ class GradReducer:
         codec: Any,
         comm: Any,
         check: bool | None = None,
-        error_sample: int = 4096,
+        error_sample: int | None = None,
         stage_size: int | None = None,
         telemetry: Telemetry | None = None,
         *,
@@ -363,7 +363,9 @@ class GradReducer:
                 continue
             values = group.take(rows)
             sample = (
-                ErrorSample(self.codec, values, 0, values.numel(), self.error_sample)
+                ErrorSample(
+                    self.codec, values, 0, values.numel(), sample_budget(self.error_sample, values)
+                )
                 if group is layout.compressed
                 else None
             )
@@ -404,7 +406,7 @@ class GradReducer:
             values = group.take(rows)
             lo, hi = rank * group.numel, (rank + 1) * group.numel
             sample = (
-                ErrorSample(self.codec, values, lo, hi, self.error_sample)
+                ErrorSample(self.codec, values, lo, hi, sample_budget(self.error_sample, values))
                 if group is layout.compressed
                 else None
             )

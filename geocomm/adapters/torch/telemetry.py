@@ -23,6 +23,20 @@ LOG = logging.getLogger("geocomm.torch")
 #: values per sampled run of the error estimate: a multiple of every block length
 #: (fp8 128, NVFP4 16), so a run holds whole blocks
 SAMPLE_RUN = 256
+#: values an estimate samples per bucket of CPU tensors unless told otherwise; none
+#: for device tensors, whose sample the host would wait for (:func:`sample_budget`)
+DEFAULT_SAMPLE = 4096
+
+
+def sample_budget(requested: int | None, values: torch.Tensor) -> int:
+    """Values the error estimate of a bucket of ``values`` samples: ``requested``, or
+    by default :data:`DEFAULT_SAMPLE` on the CPU and none on a device. An estimate reads
+    its sample on the host before and after the collective, which on a GPU waits for the
+    device twice per bucket: the steady calls that replay as one CUDA graph would wait
+    for each other's work."""
+    if requested is not None:
+        return requested
+    return DEFAULT_SAMPLE if values.device.type == "cpu" else 0
 
 
 @dataclass

@@ -478,7 +478,7 @@ class Stream:
         finally:
             for stream in capture.streams:
                 stream.capture = None
-        graph = Graph(capture.nodes)
+        graph = Graph(capture.nodes, capture.__dict__.get("on_launch", ()))
         for hook in capture.__dict__.get("on_graph", ()):  # NCCL's persistent references
             hook(graph)
         return graph
@@ -583,10 +583,13 @@ class _Capture:
 
 
 class Graph:
-    """A captured graph (``cupy.cuda.graph.Graph``): ``launch(stream)`` replays it."""
+    """A captured graph (``cupy.cuda.graph.Graph``): ``launch(stream)`` replays it,
+    first calling ``on_launch`` (what its capture's users asked to hear of each launch,
+    on the host, in launch order)."""
 
-    def __init__(self, nodes: list[tuple]):
+    def __init__(self, nodes: list[tuple], on_launch: Any = ()):
         self.nodes = nodes
+        self._on_launch = tuple(on_launch)
         self._streams: dict[int, Stream] = {}  # a captured stream's replay stream
 
     def _replay_stream(self, captured: Stream) -> Stream:
@@ -601,6 +604,8 @@ class Graph:
         if stream.capture is not None:
             raise NotImplementedError("twin: a graph launched under capture")
         _memory.count("graph_launches")
+        for hook in self._on_launch:
+            hook()
         start = stream._record()
         used = {node[1].ptr: self._replay_stream(node[1]) for node in self.nodes}
         for replay in used.values():

@@ -20,9 +20,11 @@ error. Needs MPI_THREAD_MULTIPLE
 NCCL's rule for CUDA graphs is checked too: whether a call is captured is a
 collective property, so a call queued eagerly must meet eager calls on its
 peers, and a replayed one calls that the peers captured in the same capture
-(the k-th capture of this communicator on each rank). Every transfer carries
-how it was queued (an eager call, or capture k), and one received from a call
-queued otherwise fails, naming both.
+(the k-th capture of this communicator whose graph was launched, on each rank:
+a capture numbered when its graph is first launched, so that one whose graph
+is dropped unlaunched, as geocomm drops a capture that failed on another rank,
+takes no number). Every transfer carries how it was queued (an eager call, or
+capture k), and one received from a call queued otherwise fails, naming both.
 """
 
 from __future__ import annotations
@@ -177,6 +179,23 @@ def _queued_tag(tag: int) -> str:
     return "eager transfer" if tag == _EAGER_TAG else f"transfer of capture {tag - _EAGER_TAG - 1}"
 
 
+class _CaptureNumber:
+    """The number of one capture of a communicator: the next of ``counter`` when its
+    graph is first launched (``take``, on the host), read as an int when the launch's
+    transfers run."""
+
+    def __init__(self, counter: Any):
+        self._counter, self._number = counter, 0
+
+    def take(self) -> None:
+        if not self._number:
+            self._number = next(self._counter)
+
+    def __int__(self) -> int:
+        assert self._number, "twin: a captured transfer ran before its graph was launched"
+        return self._number
+
+
 class NcclCommunicator:
     """``NcclCommunicator(nranks, uid, rank)`` over an MPI communicator of the clique."""
 
@@ -232,17 +251,19 @@ class NcclCommunicator:
             raise NcclError(f"ncclInvalidArgument: peer {peer} of {self.nranks} ranks")
         return int(peer)
 
-    def _mode(self, stream: int) -> int:
-        """How a call on ``stream`` is queued: 0 eagerly, k > 0 in this communicator's
-        k-th capture (a replay of its graph runs the call as captured)."""
+    def _mode(self, stream: int) -> int | _CaptureNumber:
+        """How a call on ``stream`` is queued: 0 eagerly, else the number of its capture
+        (k > 0: this communicator's k-th capture whose graph was launched; a replay of
+        the graph runs the call as captured), given at the graph's first launch."""
         capture = _device.stream_of(int(stream)).capture
         if capture is None:
             return 0
         numbers = capture.__dict__.setdefault("nccl_numbers", {})
         if id(self) not in numbers:
-            numbers[id(self)] = next(self._captures)
+            number = numbers[id(self)] = _CaptureNumber(self._captures)
             capture.__dict__.setdefault("on_graph", []).append(self._graphs.add)
-        return int(numbers[id(self)])
+            capture.__dict__.setdefault("on_launch", []).append(number.take)
+        return numbers[id(self)]
 
     # -- calls ------------------------------------------------------------------
     def send(self, ptr: int, count: int, datatype: int, peer: int, stream: int) -> None:
@@ -309,15 +330,16 @@ class NcclCommunicator:
         requests, expected = [], []
         for op in ops:
             if op[0] == "send":
-                requests.append(comm.Isend(op[5], dest=op[3], tag=_tag(op[6])))
+                requests.append(comm.Isend(op[5], dest=op[3], tag=_tag(int(op[6]))))
                 expected.append(None)
             elif op[0] == "recv":
                 requests.append(comm.Irecv(op[5], source=op[3], tag=self._mpi.ANY_TAG))
-                expected.append((op[3], op[5].nbytes, op[6]))
+                expected.append((op[3], op[5].nbytes, int(op[6])))
         self._complete(requests, expected, "send/recv group")
         for op in ops:
             if op[0] == "allreduce":
-                self._allreduce(*op[3], op[6], op[7])
+                count, datatype, reduce_op, mode = op[3]
+                self._allreduce(count, datatype, reduce_op, int(mode), op[6], op[7])
 
     def _complete(self, requests: list, expected: list, what: str) -> None:
         if not requests:
