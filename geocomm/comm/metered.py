@@ -13,6 +13,10 @@ from typing import Any
 
 import numpy as np
 
+#: what a communicator whose transfers can be captured into CUDA graphs has
+#: (geocomm.engine.protocols.Capturable, a layer above this one)
+CAPTURE_PROTOCOL = ("capturing", "track", "check_usable", "captured_everywhere")
+
 
 class MeteredComm:
     """A communicator that forwards every call to ``comm`` and counts what it sends.
@@ -44,7 +48,7 @@ class MeteredComm:
             self.settlers = comm.settlers
         if hasattr(comm, "abort_local"):
             self.abort_local = comm.abort_local
-        if hasattr(comm, "capturing"):
+        if all(hasattr(comm, name) for name in CAPTURE_PROTOCOL):
             self.capturing, self.track = self._capturing, self._track
             self.check_usable = comm.check_usable
             self.captured_everywhere = comm.captured_everywhere

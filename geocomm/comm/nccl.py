@@ -412,12 +412,15 @@ class NCCLCommunicator:
     def captured_everywhere(self, ok: bool) -> bool:
         """Whether every rank's capture of the same call succeeded (``ok``: this rank's):
         one all-gather of a flag over the host (:meth:`allgather_int64`: at most
-        GEOCOMM_TIMEOUT, then this communicator is aborted).
-        NCCL requires a transfer to be captured on every rank or on none, so a capture
-        that failed on one rank (an operation CUDA refused under capture) is given up
-        on all."""
+        GEOCOMM_TIMEOUT, then this communicator is aborted), after the cross-rank checks
+        still in flight are settled (a call that differs across ranks raises
+        CollectiveMismatchError here, as it would later, rather than leaving a peer to
+        pair its next call's check with this flag). NCCL requires a transfer to be
+        captured on every rank or on none, so a capture that failed on one rank (an
+        operation CUDA refused under capture) is given up on all."""
         if self.size == 1:
             return ok
+        self._settle()
         return bool(self.allgather_int64(np.array([int(ok)], np.int64)).all())
 
     def hold_graphs(self, holder: Any) -> None:

@@ -238,8 +238,10 @@ class Graphs:
         graph = None
         # given up on every rank alike when it failed on one (NCCL's rule): the ranks
         # whose capture succeeded drop their graph, whose work never ran
-        agreed = comm.captured_everywhere(self._pending is not None)
-        graph, self._pending = self._pending, None
+        try:
+            agreed = comm.captured_everywhere(self._pending is not None)
+        finally:
+            graph, self._pending = self._pending, None
         if not agreed or graph is None:
             self.comm = None
             return None

@@ -91,9 +91,9 @@ def test_first_calls_of_new_signatures_are_timed(table):
     for r in rows:
         assert r["trials"] == script.FIRST_CALL_TRIALS and r["size_MiB"] == 1
         assert r["second_call_host_s"] > 0, r
-        # a first call plans its signature and runs every kernel eagerly (GeoFP8's also
-        # measures), where a steady call of the same codec replays one graph: it takes
-        # the host longer (3-6x on the twin)
+        # a first call plans its signature and runs every kernel eagerly, where a steady
+        # call of the same codec replays one graph: it takes the host longer (3-6x on
+        # the twin)
         assert r["first_call_host_s"] > steady[r["op"]], (r, steady[r["op"]])
     assert result["first_call_target_s"] == 300e-6
     assert "| 1 | geocomm fp8 |" in md and "target for the first: <= 300 us" in md

@@ -793,6 +793,40 @@ def drain_aborted(comm) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_call_that_differs_at_a_capture_fails_at_once_on_every_rank():
+    """The call that captures a signature's graph exchanges with the other ranks whether
+    their captures succeeded, so it settles the cross-rank checks still open first: a
+    call that differs across ranks then raises CollectiveMismatchError at once, where the
+    exchange would have waited out GEOCOMM_TIMEOUT and blamed a lost peer (or paired
+    with the peer's next check). Here every rank calls A, B, B; then rank 0 calls A
+    again (its capture of A) where the others call B (a replay). (No ``cp`` fixture: its
+    device synchronization would raise what the aborted transfers left, a sticky error
+    on the twin.)"""
+    import cupy as cp
+    from mpi4py import MPI
+
+    from geocomm.comm.nccl import NCCLCommunicator
+
+    comm = NCCLCommunicator(MPI.COMM_WORLD.Dup())  # its open checks meet no other test's
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        a, b = cp.ones(4096, cp.float32), cp.ones(8192, cp.float32)
+        a_out, b_out = cp.empty_like(a), cp.empty_like(b)
+        for x, out in ((a, a_out), (b, b_out), (b, b_out)):
+            geocomm.allreduce(x, codec="fp8", comm=comm, out=out)
+        stream.synchronize()
+        x, out = (a, a_out) if comm.rank == 0 else (b, b_out)
+        if comm.rank:  # rank 0 captures before the others' rows are there to check
+            time.sleep(0.5)
+        began = time.monotonic()
+        with pytest.raises(geocomm.CollectiveMismatchError):
+            geocomm.allreduce(x, codec="fp8", comm=comm, out=out)
+            comm.synchronize()  # the ranks that replayed find it when they settle
+        assert time.monotonic() - began < 30, "found from the rows, not after a timeout"
+    drain_aborted(comm)
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("differs", ["op", "refused"])
 def test_a_steady_call_that_differs_across_ranks_fails_on_every_rank(differs):
     """Later calls of a known signature compare their fingerprint without waiting for the

@@ -102,6 +102,61 @@ def test_absent_peer_is_an_error_after_the_timeout(tmp_path):
     assert seconds < 60
 
 
+# captures of the raw twin NCCL: two graphs launched in turn, or one dropped unlaunched
+ORDER_JOB = textwrap.dedent("""
+    import sys, numpy as np, cupy
+    from cupy.cuda import nccl
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    rank, scenario = world.Get_rank(), sys.argv[1]
+    uid = world.bcast(nccl.get_unique_id() if rank == 0 else None)
+    comm = nccl.NcclCommunicator(2, uid, rank)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    send = cupy.asarray(np.full(100, rank + 1, np.uint8))
+    recv = cupy.zeros(100, cupy.uint8)
+    stream.wait_event(cupy.cuda.get_current_stream().record())
+
+    def captured():
+        stream.begin_capture()
+        nccl.groupStart()
+        comm.send(send.data.ptr, 100, nccl.NCCL_UINT8, 1 - rank, stream.ptr)
+        comm.recv(recv.data.ptr, 100, nccl.NCCL_UINT8, 1 - rank, stream.ptr)
+        nccl.groupEnd()
+        return stream.end_capture()
+
+    try:
+        if scenario == "in turn":  # both capture A then B; rank 1 launches B first
+            graphs = [captured(), captured()]
+            for graph in graphs if rank == 0 else graphs[::-1]:
+                graph.launch(stream)
+        if scenario == "dropped":  # rank 0's first capture is dropped unlaunched
+            if rank == 0:
+                captured()
+            captured().launch(stream)
+        stream.synchronize()
+        print(f"rank {rank} got", int(recv.get()[0]), flush=True)
+    except Exception as exc:
+        print(f"rank {rank} ERROR {exc}", flush=True)
+    world.Barrier()
+""")
+
+
+def test_graphs_of_a_capture_dropped_unlaunched_take_no_number(tmp_path):
+    """A capture whose graph is never launched (geocomm's, given up because another rank's
+    capture failed) does not count: the ranks' next captures still match."""
+    out, _ = run_job(tmp_path, "dropped", ORDER_JOB)
+    assert "rank 0 got 2" in out and "rank 1 got 1" in out, out
+
+
+def test_graphs_launched_out_of_capture_order_are_refused(tmp_path):
+    """Captures are told apart across ranks by the order of their first launches, so a
+    graph launched while an earlier capture's graph lives unlaunched is refused: here
+    rank 1 would replay B against rank 0's A."""
+    out, _ = run_job(tmp_path, "in turn", ORDER_JOB, GEOCOMM_TWIN_NCCL_TIMEOUT="5")
+    assert "rank 1 ERROR twin: the graph of capture 2" in out, out
+    assert "before the graph of capture 1" in out, out
+
+
 # geocomm's NCCLCommunicator over the twin's NCCL, a peer absent or late
 COMMUNICATOR_JOB = textwrap.dedent("""
     import os, sys, numpy as np, cupy
@@ -118,6 +173,7 @@ COMMUNICATOR_JOB = textwrap.dedent("""
         os.environ["GEOCOMM_GRAPHS"] = "0"
     comm = NCCLCommunicator(MPICommunicator(world))
     world.Barrier()  # both start the timed calls together
+    where = "the call"
     try:
         if scenario == "allreduce" and rank == 0:
             x = cupy.ones(64, cupy.float32)
@@ -129,12 +185,13 @@ COMMUNICATOR_JOB = textwrap.dedent("""
             x = cupy.ones(4096, cupy.float32)
             out = cupy.empty_like(x)
             for _ in range(1 if rank else 2):  # rank 0's second call: a deferred check
-                geocomm.allreduce(x, codec="fp8", comm=comm, out=out)  # capture: exchanges
+                geocomm.allreduce(x, codec="fp8", comm=comm, out=out)  # capture: settles it
             if rank == 0:
+                where = "synchronize"
                 comm.synchronize()  # finishes the check: rank 1 never sends its row
         print(f"rank {rank} done", flush=True)
     except geocomm.CollectiveTimeout as exc:  # what a user catches
-        print(f"rank {rank} timed out: {exc} (aborted: {comm.aborted})", flush=True)
+        print(f"rank {rank} timed out in {where}: {exc} (aborted: {comm.aborted})", flush=True)
     if rank == 0:
         world.send(None, dest=1, tag=99)  # gave up: rank 1 may come now
     else:
@@ -143,8 +200,6 @@ COMMUNICATOR_JOB = textwrap.dedent("""
         comm.host.allgather_int64(np.arange(3))  # completes rank 0's on MPI
     if scenario in ("deferred", "capture") and rank == 1:
         comm.host.allgather_int64(np.zeros(len(FIELDS), np.int64))  # the row rank 0 waited for
-    if scenario == "capture" and rank == 1:
-        comm.host.allgather_int64(np.ones(1, np.int64))  # the capture's flag rank 0 waited for
 """)
 
 
@@ -162,11 +217,13 @@ def test_the_communicator_bounds_what_the_host_waits_for(tmp_path, scenario):
     out, _ = run_job(tmp_path, scenario, COMMUNICATOR_JOB, GEOCOMM_TIMEOUT="1")
     assert "rank 0 timed out" in out and "(aborted: True)" in out, out
     assert "rank 1 done" in out, out
-    # the deferred check is what times out without graphs; with them, the capture's
-    # exchange comes first (and an abort there drops the graph it was deciding on: the
-    # twin's NCCL refuses an abort while a graph of its transfers lives)
-    waited = {"deferred": "a deferred metadata all-gather", "capture": "a metadata all-gather"}
-    assert scenario not in waited or f"waited 1.0 s for {waited[scenario]}" in out, out
+    # the deferred check times out where it is settled: without graphs in synchronize(),
+    # with them in the call that captures, before the ranks exchange whether their
+    # captures succeeded (an abort there drops the graph it was deciding on: the twin's
+    # NCCL refuses an abort while a graph of its transfers lives)
+    where = {"deferred": "synchronize", "capture": "the call"}
+    assert scenario not in where or f"rank 0 timed out in {where[scenario]}: " in out, out
+    assert scenario not in where or "waited 1.0 s for a deferred metadata all-gather" in out, out
 
 
 DEVICE_JOB = textwrap.dedent("""

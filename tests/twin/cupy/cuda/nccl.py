@@ -25,6 +25,11 @@ a capture numbered when its graph is first launched, so that one whose graph
 is dropped unlaunched, as geocomm drops a capture that failed on another rank,
 takes no number). Every transfer carries how it was queued (an eager call, or
 capture k), and one received from a call queued otherwise fails, naming both.
+So that launch order stands for capture order, a graph's first launch while a
+graph of an earlier capture of the communicator lives unlaunched is refused:
+the twin could not tell two such graphs apart across ranks (NCCL itself allows
+it where every rank launches alike; geocomm launches a graph as soon as it is
+captured).
 """
 
 from __future__ import annotations
@@ -180,16 +185,34 @@ def _queued_tag(tag: int) -> str:
 
 
 class _CaptureNumber:
-    """The number of one capture of a communicator: the next of ``counter`` when its
-    graph is first launched (``take``, on the host), read as an int when the launch's
-    transfers run."""
+    """The numbers of one capture of communicator ``comm``: ``order``, its place among
+    the communicator's captures, and the next of its launch counter when its graph is
+    first launched (``take``, on the host), read as an int when the launch's transfers
+    run. Alive while its graph is (the graph's transfers hold it)."""
 
-    def __init__(self, counter: Any):
-        self._counter, self._number = counter, 0
+    def __init__(self, comm: NcclCommunicator):
+        self._comm, self._number = comm, 0
+        self.order = next(comm._captured)
+        comm._numbers.add(self)
+
+    def _earlier_unlaunched(self) -> list[int]:
+        numbers = self._comm._numbers
+        return sorted(n.order for n in numbers if n.order < self.order and not n._number)
 
     def take(self) -> None:
-        if not self._number:
-            self._number = next(self._counter)
+        if self._number:
+            return
+        if self._earlier_unlaunched():
+            gc.collect()  # a dropped graph in a reference cycle is no longer alive
+        earlier = self._earlier_unlaunched()
+        if earlier:
+            raise NcclError(
+                f"twin: the graph of capture {self.order} of this communicator is launched "
+                f"before the graph of capture {earlier[0]}, which lives and was never "
+                "launched: the twin numbers captures by their first launch, so it refuses "
+                "launches out of capture order"
+            )
+        self._number = next(self._comm._captures)
 
     def __int__(self) -> int:
         assert self._number, "twin: a captured transfer ran before its graph was launched"
@@ -236,7 +259,9 @@ class NcclCommunicator:
                 )
         self._aborted = threading.Event()
         self._destroyed = False
-        self._captures = itertools.count(1)  # this communicator's captures, numbered
+        self._captures = itertools.count(1)  # its launched captures, in first-launch order
+        self._captured = itertools.count(1)  # its captures, in capture order
+        self._numbers: weakref.WeakSet[_CaptureNumber] = weakref.WeakSet()  # of live graphs
         #: the graphs that captured a call of this communicator (NCCL's persistent plans:
         #: comm->localPersistentRefs, dropped only when such a graph is destroyed)
         self._graphs: weakref.WeakSet = weakref.WeakSet()
@@ -260,7 +285,7 @@ class NcclCommunicator:
             return 0
         numbers = capture.__dict__.setdefault("nccl_numbers", {})
         if id(self) not in numbers:
-            number = numbers[id(self)] = _CaptureNumber(self._captures)
+            number = numbers[id(self)] = _CaptureNumber(self)
             capture.__dict__.setdefault("on_graph", []).append(self._graphs.add)
             capture.__dict__.setdefault("on_launch", []).append(number.take)
         return numbers[id(self)]
