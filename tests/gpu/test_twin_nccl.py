@@ -19,7 +19,8 @@ from gpu_helpers import ON_TWIN, on_ranks
 
 pytestmark = pytest.mark.skipif(not ON_TWIN, reason="the twin's NCCL itself")
 
-JOB = textwrap.dedent("""
+#: two ranks of the raw twin NCCL, 100 bytes to send to each other and room for theirs
+SETUP = textwrap.dedent("""
     import sys, numpy as np, cupy
     from cupy.cuda import nccl
     from mpi4py import MPI
@@ -31,6 +32,8 @@ JOB = textwrap.dedent("""
     send = cupy.asarray(np.full(100, rank + 1, np.uint8))
     recv = cupy.zeros(100, cupy.uint8)
     stream.wait_event(cupy.cuda.get_current_stream().record())
+""")
+JOB = SETUP + textwrap.dedent("""
     peer = 1 - rank
     count = 50 if scenario == "mismatch" and rank == 1 else 100
     captured = scenario == "graph on both" or (scenario == "graph on one" and rank == 0)
@@ -103,18 +106,7 @@ def test_absent_peer_is_an_error_after_the_timeout(tmp_path):
 
 
 # captures of the raw twin NCCL: two graphs launched in turn, or one dropped unlaunched
-ORDER_JOB = textwrap.dedent("""
-    import sys, numpy as np, cupy
-    from cupy.cuda import nccl
-    from mpi4py import MPI
-    world = MPI.COMM_WORLD
-    rank, scenario = world.Get_rank(), sys.argv[1]
-    uid = world.bcast(nccl.get_unique_id() if rank == 0 else None)
-    comm = nccl.NcclCommunicator(2, uid, rank)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    send = cupy.asarray(np.full(100, rank + 1, np.uint8))
-    recv = cupy.zeros(100, cupy.uint8)
-    stream.wait_event(cupy.cuda.get_current_stream().record())
+ORDER_JOB = SETUP + textwrap.dedent("""
 
     def captured():
         stream.begin_capture()
