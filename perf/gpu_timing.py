@@ -123,8 +123,11 @@ def rel_error(result: np.ndarray, exact: np.ndarray, chunk: int = 1 << 24) -> fl
     return float(np.sqrt(err / norm)) if norm else float(np.sqrt(err))
 
 
-def size_rows(ctx: Any, size_mib: float, args: argparse.Namespace, start: float) -> list[dict]:
-    """The rows of one size: copy, NCCL fp32, then each codec (``skipped`` past the budget)."""
+def size_rows(
+    ctx: Any, size_mib: float, args: argparse.Namespace, start: float
+) -> tuple[list[dict], tuple[Any, Any]]:
+    """The rows of one size: copy, NCCL fp32, then each codec (``skipped`` past the
+    budget); and the size's device input and output arrays."""
     import geocomm
 
     cp, nccl = ctx.cp, ctx.nccl()
@@ -161,25 +164,28 @@ def size_rows(ctx: Any, size_mib: float, args: argparse.Namespace, start: float)
         if "device_s" in row:
             row["vs_copy"] = copy / row["device_s"] if copy else None
             row["vs_nccl"] = plain / row["device_s"] if plain else None
-    return rows
+    return rows, (x, y)
 
 
-def first_call_rows(ctx: Any, size_mib: float, args: argparse.Namespace) -> list[dict]:
+def first_call_rows(
+    ctx: Any, x: Any, y: Any, size_mib: float, args: argparse.Namespace
+) -> list[dict]:
     """The host time of a signature's first call (it plans: tables, buffers, the check's
     first exchange) and of its second (fp8 and NVFP4: captured into a CUDA graph, with
     the ranks' exchange of whether their captures succeeded; GeoFP8's key may still run
     eagerly), with the device idle and the ranks together before each first call: each
     of :data:`FIRST_CALL_TRIALS` trials takes a new signature (one row fewer, and for
     GeoFP8 a new key), and the row gives their medians against
-    :data:`FIRST_CALL_TARGET_S`. (At the twin's 1 MiB GeoFP8's rows are too few to map:
-    it quantizes plainly there.)"""
+    :data:`FIRST_CALL_TARGET_S`. The calls take leading rows of ``x`` (the size's input
+    matrix, rows x COLUMNS) into ``y``; none where it has too few rows. (At the twin's
+    1 MiB GeoFP8's rows are too few to map: it quantizes plainly there.)"""
     import geocomm
 
     cp, nccl = ctx.cp, ctx.nccl()
-    rows_n = max(FIRST_CALL_TRIALS + 1, int(size_mib * (1 << 20)) // 4 // COLUMNS)
-    x = cp.asarray(gradient(np.random.default_rng([args.seed, ctx.rank, 1]), (rows_n, COLUMNS)))
-    y = cp.empty_like(x)
-    rows = []
+    rows_n = x.shape[0]
+    rows: list[dict] = []
+    if rows_n <= FIRST_CALL_TRIALS:
+        return rows
     for codec in (c for c in FIRST_CALL_CODECS if c in args.codecs):
         first, second = [], []
         for trial in range(FIRST_CALL_TRIALS):
@@ -202,8 +208,13 @@ def first_call_rows(ctx: Any, size_mib: float, args: argparse.Namespace) -> list
 
 def run(ctx: Any, args: argparse.Namespace) -> dict[str, Any]:
     start = time.monotonic()
-    rows = [row for size in args.sizes_mib for row in size_rows(ctx, size, args, start)]
     largest = max(args.sizes_mib)
+    rows: list[dict] = []
+    for size in args.sizes_mib:
+        size_result, arrays = size_rows(ctx, size, args, start)
+        rows += size_result
+        if size == largest:
+            largest_arrays = arrays  # the first calls' input too: drawn once
     copy = next(r for r in rows if r["op"] == "device copy" and r["size_MiB"] == largest)
     plain = next(r for r in rows if r["op"].startswith("NCCL") and r["size_MiB"] == largest)
     traffic_Bps = 2 * copy["device_GBps"] * 1e9 if "device_s" in copy else None
@@ -212,7 +223,7 @@ def run(ctx: Any, args: argparse.Namespace) -> dict[str, Any]:
         kernels = ctx.on_root(lambda: time_kernels(ctx.cp, largest, args.calls, traffic_Bps)) or []
     first_calls: list[dict] = []
     if not ctx.decide(time.monotonic() - start > args.budget_s):
-        first_calls = first_call_rows(ctx, largest, args)
+        first_calls = first_call_rows(ctx, *largest_arrays, largest, args)
     return {
         "rows": rows,
         "kernels": kernels,
